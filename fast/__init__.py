@@ -1,0 +1,1 @@
+"""kvcert.fast: batched PyTorch backend (CPU/GPU). See DESIGN.md section 3."""

@@ -1,0 +1,1 @@
+"""kvcert.kernels: Triton kernels. See DESIGN.md section 3."""

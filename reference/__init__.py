@@ -1,0 +1,48 @@
+"""kvcert.reference: the exact float64 NumPy/SciPy oracle.
+
+One query head, one KV head, no batching, no tricks: every estimator of
+DESIGN.md section 2 written to be read beside the paper (arXiv 2607.21475).
+Shapes: q (d,), keys (n, d), values (n, dv), pi (n,).
+"""
+
+from .adversary import AdversarialCache, adversarial_cache
+from .baselines import (
+    SCORERS,
+    deterministic_keep,
+    h2o_scores,
+    knorm_scores,
+    random_scores,
+    snapkv_scores,
+    streaming_llm_scores,
+    tova_scores,
+)
+from .certificates import KINDS, Certificate, certificate, covers, radius_from_moments
+from .design import (
+    budget_from_fraction,
+    certainty_mask,
+    design_generator,
+    design_uniforms,
+    edge_mask,
+    inclusion_probabilities,
+    poisson_sample,
+)
+from .estimators import (
+    Estimate,
+    attention,
+    hajek_attention,
+    horvitz_thompson_totals,
+    linearized_variance,
+    linearized_variance_ht,
+    scores,
+)
+
+__all__ = [
+    "AdversarialCache", "adversarial_cache",
+    "SCORERS", "deterministic_keep", "h2o_scores", "knorm_scores", "random_scores",
+    "snapkv_scores", "streaming_llm_scores", "tova_scores",
+    "KINDS", "Certificate", "certificate", "covers", "radius_from_moments",
+    "budget_from_fraction", "certainty_mask", "design_generator", "design_uniforms",
+    "edge_mask", "inclusion_probabilities", "poisson_sample",
+    "Estimate", "attention", "hajek_attention", "horvitz_thompson_totals",
+    "linearized_variance", "linearized_variance_ht", "scores",
+]

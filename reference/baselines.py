@@ -1,0 +1,159 @@
+"""Deterministic eviction baselines (pi in {0, 1}) and their scorers.
+
+Every scorer returns an importance (n,) for one KV head; higher means keep.
+:func:`deterministic_keep` turns any importance into a kept set of a fixed
+size, always keeping the sinks and the recent window, as the kvpress presses do.
+All scorers here depend on queries and keys only, never on values: the
+adversary (:mod:`kvcert.reference.adversary`) relies on that.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.special import softmax
+
+from .design import edge_mask
+
+__all__ = [
+    "SCORERS",
+    "streaming_llm_scores",
+    "h2o_scores",
+    "snapkv_scores",
+    "tova_scores",
+    "knorm_scores",
+    "random_scores",
+    "deterministic_keep",
+]
+
+
+def _keys(keys) -> np.ndarray:
+    k = np.asarray(keys, dtype=np.float64)
+    if k.ndim != 2 or k.shape[0] == 0:
+        raise ValueError(f"keys must have shape (n, d) with n >= 1, got shape {k.shape}")
+    return k
+
+
+def _queries(queries, d: int) -> np.ndarray:
+    """(w, d) or (g, w, d) (g query heads of one KV group) -> (g, w, d)."""
+    qs = np.asarray(queries, dtype=np.float64)
+    if qs.ndim == 1:
+        qs = qs[None, None, :]
+    elif qs.ndim == 2:
+        qs = qs[None]
+    if qs.ndim != 3 or qs.shape[-1] != d or qs.shape[1] == 0:
+        raise ValueError(f"queries must have shape (w, d) or (g, w, d) with d = {d}, got {np.shape(queries)}")
+    return qs
+
+
+def _scale(d: int, scale):
+    return 1.0 / np.sqrt(d) if scale is None else float(scale)
+
+
+def streaming_llm_scores(n: int) -> np.ndarray:
+    """StreamingLLM (Xiao et al. 2024): recency, u_i = i; with the sinks kept
+    by :func:`deterministic_keep` this keeps the sinks and the most recent tokens."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    return np.arange(n, dtype=np.float64)
+
+
+def h2o_scores(queries, keys, *, scale=None) -> np.ndarray:
+    r"""H2O (Zhang et al. 2023): accumulated causal attention.
+
+    ``queries`` (n, d) or (g, n, d) are the queries of the same n positions
+    as the keys; :math:`u_j = \sum_{t \ge j} \operatorname{softmax}_{i\le t}(s_{ti})_j`,
+    averaged over the g query heads.
+    """
+    k = _keys(keys)
+    n, d = k.shape
+    qs = _queries(queries, d)
+    if qs.shape[1] != n:
+        raise ValueError(f"h2o needs one query per key position: queries have {qs.shape[1]}, keys {n}")
+    s = _scale(d, scale) * qs @ k.T
+    s = np.where(np.tril(np.ones((n, n), dtype=bool)), s, -np.inf)
+    return softmax(s, axis=-1).sum(axis=1).mean(axis=0)
+
+
+def snapkv_scores(queries, keys, *, scale=None, kernel_size: int = 7) -> np.ndarray:
+    r"""SnapKV (Li et al. 2024): attention of the last w (observation-window)
+    queries to the keys before the window, summed over the window, averaged
+    over the g query heads of the group, then average-pooled with
+    ``kernel_size`` (odd) to keep neighbourhoods together.
+
+    Keys inside the window get the window's own causal attention; they are in
+    the recent window of every design anyway.
+    """
+    k = _keys(keys)
+    n, d = k.shape
+    qs = _queries(queries, d)
+    w = qs.shape[1]
+    if w > n:
+        raise ValueError(f"the observation window ({w} queries) is longer than the cache ({n} keys)")
+    if kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f"kernel_size must be a positive odd int, got {kernel_size}")
+    s = _scale(d, scale) * qs @ k.T  # (g, w, n): query t sits at position n - w + t
+    pos_q = np.arange(n - w, n)[:, None]
+    s = np.where(np.arange(n)[None, :] <= pos_q, s, -np.inf)
+    u = softmax(s, axis=-1).sum(axis=1).mean(axis=0)
+    if kernel_size > 1:
+        pad = kernel_size // 2
+        padded = np.pad(u, pad, mode="edge")
+        u = np.convolve(padded, np.ones(kernel_size) / kernel_size, mode="valid")
+    return u
+
+
+def tova_scores(query, keys, *, scale=None) -> np.ndarray:
+    """TOVA (Oren et al. 2024): attention of the last query (averaged over
+    the group's query heads)."""
+    k = _keys(keys)
+    qs = _queries(query, k.shape[1])[:, -1:, :]
+    return softmax(_scale(k.shape[1], scale) * qs @ k.T, axis=-1).mean(axis=(0, 1))
+
+
+def knorm_scores(keys) -> np.ndarray:
+    """K-norm (Devoto et al. 2024): keys with a small L2 norm draw more
+    attention, so u_i = -||k_i||."""
+    return -np.linalg.norm(_keys(keys), axis=1)
+
+
+def random_scores(n: int, *, seed: int) -> np.ndarray:
+    """Uniform random eviction without correction (a random kept set of fixed size)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    return np.random.default_rng(seed).random(n)
+
+
+#: name -> scorer, for tables and tests that iterate over every baseline
+SCORERS = {
+    "streaming_llm": streaming_llm_scores,
+    "h2o": h2o_scores,
+    "snapkv": snapkv_scores,
+    "tova": tova_scores,
+    "knorm": knorm_scores,
+    "random": random_scores,
+}
+
+
+def deterministic_keep(importance, budget: int, *, sinks: int = 4, window: int = 32) -> np.ndarray:
+    """Kept set of exactly ``budget`` tokens: sinks, recent window, then the
+    highest importance (ties to the lower index).
+
+    Returns a bool mask (n,). Its Hajek estimate with pi = 1 on the kept set
+    is plain softmax attention over it, with variance 0: a deterministic
+    policy carries no information about what it evicted.
+    """
+    u = np.asarray(importance, dtype=np.float64)
+    if u.ndim != 1 or u.size == 0:
+        raise ValueError(f"importance must have shape (n,) with n >= 1, got shape {u.shape}")
+    if not np.all(np.isfinite(u)):
+        raise ValueError("importance must be finite (found NaN or inf)")
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
+        raise TypeError(f"budget must be an int (a kept count), got {type(budget).__name__}")
+    n = u.size
+    keep = edge_mask(n, sinks=sinks, window=window)
+    if not (int(keep.sum()) <= budget <= n):
+        raise ValueError(f"budget must be in [{int(keep.sum())}, {n}] (sinks + window .. n), got {budget}")
+    free = np.flatnonzero(~keep)
+    order = free[np.argsort(-u[free], kind="stable")]
+    keep[order[: budget - int(keep.sum())]] = True
+    return keep
