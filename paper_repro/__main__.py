@@ -65,7 +65,11 @@ def main(argv=None) -> int:
     results, timings = {}, {}
     for name in wanted:
         t = time.perf_counter()
-        table = TABLES[name](cfg)
+        try:
+            table = TABLES[name](cfg)
+        except ValueError as e:  # a configuration the design cannot serve (e.g. --n too small)
+            print(f"error: {name}: {e}", file=sys.stderr)
+            return 2
         table.write(cfg.out)
         results[name] = table
         timings[name] = round(time.perf_counter() - t, 1)
