@@ -8,16 +8,69 @@ figures, and regenerates ``docs/results.md``.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 
 from . import impossibility, report, synthetic_coverage
 from .common import OUT, Config, write_json
 
+#: tables on synthetic attention (need only the reference)
 TABLES = {
     "T1": impossibility.run,
     "T2a": synthetic_coverage.run,
 }
+#: tables on the real model (need the model and its captured attention)
+MODEL_TABLES = ("T2",)
+ALL_TABLES = tuple(TABLES) + MODEL_TABLES
+
+
+class RealModel:
+    """Loads the model once and captures its attention inputs on demand."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self._captured = None
+
+    def captured(self, future: int):
+        if self._captured is None:
+            import kvcert
+
+            from .realmodel import capture, haystack_ids
+
+            t = time.perf_counter()
+            model, tokenizer = kvcert.load_model(self.cfg.model, device=self.cfg.device)
+            ids = haystack_ids(tokenizer, self.cfg.context + future, seed=self.cfg.seed)
+            self._captured = capture(model, ids.to(model.device))
+            print(f"[model] {self.cfg.model}: loaded and captured {ids.shape[1]} tokens in "
+                  f"{time.perf_counter() - t:.1f} s", file=sys.stderr)
+        return self._captured
+
+
+def _run_model_table(name: str, cfg: Config, real: RealModel, raw: dict) -> dict:
+    """Run one real-model table; returns {key: Table} (a table may come with companions)."""
+    if name == "T2":
+        from . import replay
+
+        setup = replay.setup_for(cfg)
+        t2, t2b, raw["T2"] = replay.run(cfg, real.captured(setup.future))
+        return {"T2": t2, "T2b": t2b}
+    raise ValueError(f"unknown model table {name}")
+
+
+def _figures(results: dict, raw: dict, cfg: Config) -> list:
+    from . import figures
+
+    folder = cfg.out / "figures"
+    folder.mkdir(parents=True, exist_ok=True)
+    made = []
+    if "T2" in raw:
+        made.append(figures.calibration(raw["T2"]["cells"], folder / "calibration.png"))
+    if "T2" in results or "T2a" in results:
+        real = results["T2"].rows if "T2" in results else []
+        synth = results["T2a"].rows if "T2a" in results else None
+        made.append(figures.coverage_vs_budget(real, synth, folder / "coverage_vs_budget.png"))
+    return made
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,14 +80,18 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--quick", action="store_true", default=True,
                       help="small sizes, <= 15 min on 2 cores (default)")
     mode.add_argument("--full", action="store_true", help="the larger sizes (hours on 2 cores)")
-    p.add_argument("--tables", default=",".join(TABLES),
-                   help=f"comma-separated subset of {','.join(TABLES)} (default: all)")
+    p.add_argument("--tables", default=",".join(ALL_TABLES),
+                   help=f"comma-separated subset of {','.join(ALL_TABLES)} (default: all)")
     p.add_argument("--seed", type=int, default=0, help="master seed (default 0)")
     p.add_argument("--out", default=str(OUT), help="output folder (default paper_repro/out)")
     p.add_argument("--budgets", default="0.1,0.25,0.5", help="kept fractions (default 0.1,0.25,0.5)")
     p.add_argument("--cells", type=int, help="synthetic cells per (regime, budget)")
     p.add_argument("--draws", type=int, help="Poisson draws per cell")
     p.add_argument("--n", type=int, help="synthetic cache length (default 1024)")
+    p.add_argument("--model", default="smollm2", help="model for the real-model tables (default: the "
+                   "embedded SmolLM2-135M-Instruct; any local HF causal LM path works)")
+    p.add_argument("--context", type=int, help="prefix length of the real-model tables (default 1792, full 4096)")
+    p.add_argument("--device", default="cpu", help="torch device for the model (default cpu)")
     p.add_argument("--no-docs", action="store_true", help="do not rewrite docs/results.md")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
@@ -45,11 +102,11 @@ def main(argv=None) -> int:
     try:
         budgets = tuple(float(b) for b in args.budgets.split(","))
         cfg = Config(quick=not args.full, seed=args.seed, out=args.out, budgets=budgets,
-                     progress=not args.no_progress)
+                     progress=not args.no_progress, model=args.model, device=args.device)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for name in ("cells", "draws", "n"):
+    for name in ("cells", "draws", "n", "context"):
         value = getattr(args, name)
         if value is not None:
             if value < 1:
@@ -57,28 +114,37 @@ def main(argv=None) -> int:
                 return 2
             setattr(cfg, name, value)
     wanted = [t.strip() for t in args.tables.split(",") if t.strip()]
-    unknown = [t for t in wanted if t not in TABLES]
+    unknown = [t for t in wanted if t not in ALL_TABLES]
     if unknown:
-        print(f"error: unknown table(s) {unknown}; choose from {list(TABLES)}", file=sys.stderr)
+        print(f"error: unknown table(s) {unknown}; choose from {list(ALL_TABLES)}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    results, timings = {}, {}
+    results, timings, raw = {}, {}, {}
+    real = RealModel(cfg)
     for name in wanted:
         t = time.perf_counter()
         try:
-            table = TABLES[name](cfg)
+            new = {name: TABLES[name](cfg)} if name in TABLES else _run_model_table(name, cfg, real, raw)
         except ValueError as e:  # a configuration the design cannot serve (e.g. --n too small)
             print(f"error: {name}: {e}", file=sys.stderr)
             return 2
-        table.write(cfg.out)
-        results[name] = table
         timings[name] = round(time.perf_counter() - t, 1)
-        print(f"[{name}] {table.title}: {len(table.rows)} rows in {timings[name]} s -> "
-              f"{cfg.out / (table.key + '.md')}", file=sys.stderr)
-    summary = report.summary(results, cfg)
+        for key, table in new.items():
+            table.write(cfg.out)
+            print(f"[{key}] {table.title}: {len(table.rows)} rows -> {cfg.out / (table.key + '.md')}",
+                  file=sys.stderr)
+        print(f"[{name}] done in {timings[name]} s", file=sys.stderr)
+        results.update(new)
+    figures = _figures(results, raw, cfg)
+    summary = report.summary(results, cfg, raw)
+    summary["figures"] = [str(f) for f in figures]
     summary["seconds"] = dict(timings, total=round(time.perf_counter() - t0, 1))
     write_json(cfg.out / "summary.json", summary)
     if not args.no_docs:
+        docs_figs = report.DOCS / "figures"
+        docs_figs.mkdir(parents=True, exist_ok=True)
+        for f in figures:
+            shutil.copyfile(f, docs_figs / f.name)
         report.write_results_md(results, summary, cfg)
     print(report.console_summary(summary))
     return 0

@@ -26,6 +26,11 @@ class Config:
     deltas: tuple = (0.1, 0.05)
     progress: bool = True
 
+    # the real model (T2 and later)
+    model: str = "smollm2"
+    context: int = 1792
+    device: str = "cpu"
+
     # synthetic attention (T1, T2a)
     n: int = 1024
     d: int = 64
@@ -36,6 +41,7 @@ class Config:
     def __post_init__(self):
         if not self.quick:
             self.cells, self.draws = 200, 500
+            self.context = 4096
         self.out = Path(self.out)
         for b in self.budgets:
             if not 0 < b <= 1:

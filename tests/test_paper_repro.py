@@ -8,7 +8,7 @@ from paper_repro.__main__ import main
 
 
 def test_runner_tiny(tmp_path, capsys):
-    rc = main(["--quick", "--cells", "2", "--draws", "5", "--n", "512", "--out", str(tmp_path),
+    rc = main(["--quick", "--tables", "T1,T2a", "--cells", "2", "--draws", "5", "--n", "512", "--out", str(tmp_path),
                "--no-docs", "--no-progress"])
     assert rc == 0
     summary = json.loads((tmp_path / "summary.json").read_text())

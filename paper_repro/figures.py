@@ -1,0 +1,79 @@
+"""Figures (PNG, matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from kvcert import reference as R
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def calibration(raw_cells: dict, path: Path, *, kind: str = "chebyshev", delta: float = 0.05) -> Path:
+    """Median certificate radius vs realized RMS error, one point per replay cell, per budget."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.2, 4.6), dpi=110)
+    lo, hi = np.inf, 0.0
+    for (budget, design), cells in sorted(raw_cells.items()):
+        rms = np.array([np.sqrt(np.mean(c[0] ** 2)) for c in cells])
+        med = np.array([np.median(c[1][kind, delta]) for c in cells])
+        ok = (rms > 0) & (med > 0)
+        ax.scatter(rms[ok], med[ok], s=4, alpha=0.35, label=f"budget {budget:g} ({design})")
+        if ok.any():
+            lo, hi = min(lo, rms[ok].min(), med[ok].min()), max(hi, rms[ok].max(), med[ok].max())
+    if np.isfinite(lo):
+        grid = np.array([lo, hi])
+        ax.plot(grid, grid, "k-", lw=0.8, label="radius = RMS error")
+        ax.plot(grid, grid * np.sqrt(1 / delta), "k--", lw=0.8, label=r"radius = RMS / $\sqrt{\delta}$")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("realized RMS error per cell")
+    ax.set_ylabel(f"median {kind} radius (delta = {delta:g})")
+    ax.set_title("Calibration on the real model")
+    ax.legend(fontsize=7, markerscale=3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def coverage_vs_budget(rows_real: list, rows_synth: list | None, path: Path, *, delta: float = 0.05) -> Path:
+    """Pooled coverage vs budget per certificate kind (real model solid, synthetic dashed)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.6, 4.2), dpi=110)
+    for i, kind in enumerate(R.KINDS):
+        color = f"C{i}"
+        real = sorted((r["budget"], r["coverage"], r["worst_decile"]) for r in rows_real
+                      if r["kind"] == kind and r["delta"] == delta and r.get("design", "paper") == "paper")
+        if real:
+            b, c, w = map(np.array, zip(*real))
+            ax.plot(b, c, "o-", color=color, label=f"{kind} (real, pooled)")
+            ax.plot(b, w, "v:", color=color, alpha=0.6, label=f"{kind} (real, worst decile)")
+        if rows_synth:
+            syn = {}
+            for r in rows_synth:
+                if r["kind"] == kind and r["delta"] == delta and r["regime"] != "needle":
+                    syn.setdefault(r["budget"], []).append(r["coverage"])
+            if syn:
+                b = np.array(sorted(syn))
+                ax.plot(b, [np.mean(syn[x]) for x in b], "s--", color=color, alpha=0.5,
+                        label=f"{kind} (synthetic, no needle)")
+    ax.axhline(1 - delta, color="k", lw=0.8)
+    ax.set_xlabel("kept fraction (budget)")
+    ax.set_ylabel("coverage")
+    ax.set_ylim(0.0, 1.02)
+    ax.set_title(f"Coverage vs budget (nominal {1 - delta:.2f})")
+    ax.legend(fontsize=6, ncol=2, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
