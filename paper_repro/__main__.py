@@ -12,13 +12,14 @@ import shutil
 import sys
 import time
 
-from . import impossibility, report, synthetic_coverage
+from . import cost, impossibility, report, synthetic_coverage
 from .common import OUT, Config, write_json
 
 #: tables on synthetic attention (need only the reference)
 TABLES = {
     "T1": impossibility.run,
     "T2a": synthetic_coverage.run,
+    "T5": cost.run,
 }
 #: tables on the real model (need the model and its captured attention)
 MODEL_TABLES = ("T2",)

@@ -126,7 +126,7 @@ def write_results_md(results: dict, s: dict, cfg: Config) -> None:
                   f"state changed by {i['max_retained_change']:.1g} while the true error reached "
                   f"{i['max_policy_error_after']:.3g} with a certificate of 0. Under the same attack the "
                   f"randomized design's coverage stayed >= {i['poisson_coverage_after_min']:.3f}.", ""]
-    for name in ("T1", "T2a", "T2", "T2b"):
+    for name in ("T1", "T2a", "T2", "T2b", "T5"):
         if name in results:
             parts += [results[name].markdown(), ""]
     figs = sorted((DOCS / "figures").glob("*.png")) if (DOCS / "figures").exists() else []
