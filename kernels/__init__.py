@@ -1,1 +1,12 @@
-"""kvcert.kernels: Triton kernels. See DESIGN.md section 3."""
+"""kvcert.kernels: Triton kernels. See DESIGN.md section 3 and docs/gpu.md.
+
+:func:`hajek_attention` is the fused decode kernel: one pass over the
+compressed K/V cache returns the Hajek output, the log-normalizer, the
+per-coordinate survey variance, its trace and the effective sample size.
+Importing this package imports Triton; on a machine without a GPU set
+``TRITON_INTERPRET=1`` before the import to run the kernels on CPU tensors.
+"""
+
+from .hajek import INTERPRETED, SUPPORTED_DTYPES, default_config, default_moments, hajek_attention
+
+__all__ = ["INTERPRETED", "SUPPORTED_DTYPES", "default_config", "default_moments", "hajek_attention"]

@@ -21,6 +21,7 @@ _LAZY = {
     "hajek_attention": "kvcert.dispatch",
     "last_backend": "kvcert.dispatch",
     "select_backend": "kvcert.dispatch",
+    "BackendUnavailableError": "kvcert.dispatch",
     # batched torch building blocks
     "certificate": "kvcert.fast",
     "evict": "kvcert.fast",

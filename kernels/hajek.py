@@ -1,0 +1,584 @@
+"""Fused Hajek decode attention: output, log-normalizer and survey variance in one pass.
+
+Flash-decoding layout: one program per (batch, KV head, block of the query
+heads that share it, split of the sequence). The program streams its K/V
+tiles once, keeps an online softmax (running max ``m``, normalizer ``l``,
+unnormalized output ``acc``) and, for the variance, the weighted mean and
+centred second moment of the values under the weights
+``w_i = (1 - pi_i) e^{2 (l_i - m)}``, merged tile by tile with Chan's pairwise
+formula. Splits of a long sequence are merged by a second kernel with the same
+formulas. See docs/gpu.md for the derivation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcert.fast.types import Estimate
+
+__all__ = ["hajek_attention", "default_config", "default_moments", "SUPPORTED_DTYPES", "INTERPRETED"]
+
+#: input dtypes the kernel accepts (accumulation is always float32)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_ROWS = 16  # query heads per program (tl.dot needs M >= 16; more rows -> more programs)
+_MIN_TILES_PER_SPLIT = 4  # a split streams at least this many tiles, so merging stays cheap
+
+
+@triton.jit
+def _neg_expm1(x):
+    """1 - e^x for x <= 0, accurate to float32 rounding near x = 0 (where 1 - e^x cancels)."""
+    # Taylor series of -(e^x - 1) = -x (1 + x/2 + x^2/6 + ... + x^6/5040) for |x| <= 1/4:
+    # the truncated term x^8/8! is below 4e-10 relative there.
+    p = 1.0 / 5040.0
+    p = p * x + 1.0 / 720.0
+    p = p * x + 1.0 / 120.0
+    p = p * x + 1.0 / 24.0
+    p = p * x + 1.0 / 6.0
+    p = p * x + 0.5
+    p = p * x + 1.0
+    small = -x * p
+    # away from 0, e^x <= 0.78 and 1 - e^x has no cancellation
+    return tl.where(x > -0.25, small, 1.0 - tl.exp(x))
+
+
+@triton.jit
+def _finalize(rows, rmask, offs_v, vmask, m, l, l_o, acc, W, mean, M2, Q2,
+              Out, Lse, Var, Tr, Neff, DV,
+              CERTIFY: tl.constexpr, PER_COORD: tl.constexpr):
+    """o = acc / l_o, lse = m + log l, var = [M2 + W (mean - o)^2] / l^2, n_eff = l^2 / Q2
+    (l_o: the normalizer of the rounded probabilities that formed acc; l_o = l in float32)."""
+    empty = l == 0.0  # every slot padding: o = 0, lse = -inf, variance = +inf, n_eff = 0
+    l_safe = tl.where(empty, 1.0, l)
+    o = acc / tl.where(empty, 1.0, l_o)[:, None]
+    omask = rmask[:, None] & vmask[None, :]
+    tl.store(Out + rows[:, None] * DV + offs_v[None, :], o.to(Out.dtype.element_ty), mask=omask)
+    lse = tl.where(empty, float("-inf"), m + tl.log(l_safe))
+    tl.store(Lse + rows, lse, mask=rmask)
+    if CERTIFY:
+        diff = mean - o
+        var = (M2 + W[:, None] * diff * diff) / (l_safe * l_safe)[:, None]
+        var = tl.where(empty[:, None], float("inf"), var)
+        if PER_COORD:
+            tl.store(Var + rows[:, None] * DV + offs_v[None, :], var, mask=omask)
+        tr = tl.sum(tl.where(vmask[None, :], var, 0.0), axis=1)
+        tl.store(Tr + rows, tr, mask=rmask)
+        q2_safe = tl.where(empty, 1.0, Q2)
+        tl.store(Neff + rows, tl.where(empty, 0.0, l_safe * l_safe / q2_safe), mask=rmask)
+
+
+@triton.jit
+def _hajek_decode_kernel(
+    Q, K, V, P, Out, Lse, Var, Tr, Neff, PartS, PartV,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_pb, stride_ph, stride_pn,
+    H_KV, H_Q, N, CHUNK, BH, scale,
+    D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    G: tl.constexpr, G_BLOCK: tl.constexpr, N_RB: tl.constexpr, R_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, LOG_PI: tl.constexpr, CERTIFY: tl.constexpr, PER_COORD: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_F32: tl.constexpr, ROUND_P: tl.constexpr, EXACT_MOMENTS: tl.constexpr,
+):
+    """One (batch, KV head, query-head block, split): online softmax of s_i - log pi_i and the
+    Chan-merged (1 - pi_i) a_i^2 weighted mean / second moment of v_i."""
+    pid = tl.program_id(0)
+    sid = tl.program_id(1)
+    rb = pid % N_RB
+    bk = pid // N_RB
+    kvh = (bk % H_KV).to(tl.int64)  # int64: b * stride_b exceeds 2^31 for large caches
+    bi = (bk // H_KV).to(tl.int64)
+
+    r = tl.arange(0, R_PAD)
+    g_idx = rb * G_BLOCK + r  # index of the query head inside its GQA group
+    rmask = (r < G_BLOCK) & (g_idx < G)
+    head = kvh * G + g_idx
+    rows = bi * H_Q + head  # flattened (b, h_q) row of the outputs
+    offs_d = tl.arange(0, D_PAD)
+    offs_v = tl.arange(0, DV_PAD)
+    dmask = offs_d < D
+    vmask = offs_v < DV
+
+    q = tl.load(Q + bi * stride_qb + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m = tl.full([R_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([R_PAD], tl.float32)
+    l_o = tl.zeros([R_PAD], tl.float32)
+    acc = tl.zeros([R_PAD, DV_PAD], tl.float32)
+    W = tl.zeros([R_PAD], tl.float32)
+    mean = tl.zeros([R_PAD, DV_PAD], tl.float32)
+    M2 = tl.zeros([R_PAD, DV_PAD], tl.float32)
+    Q2 = tl.zeros([R_PAD], tl.float32)
+
+    k_base = K + bi * stride_kb + kvh * stride_kh
+    v_base = V + bi * stride_vb + kvh * stride_vh
+    p_base = P + bi * stride_pb + kvh * stride_ph
+    start = sid * CHUNK
+    end = tl.minimum(start + CHUNK, N)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=nmask[:, None] & dmask[None, :], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_v[None, :] * stride_vd,
+                    mask=nmask[:, None] & vmask[None, :], other=0.0)
+        if LOG_PI:
+            log_p = tl.load(p_base + offs_n * stride_pn, mask=nmask, other=float("-inf")).to(tl.float32)
+            one_minus = _neg_expm1(log_p)
+        else:
+            pi = tl.load(p_base + offs_n * stride_pn, mask=nmask, other=0.0).to(tl.float32)
+            log_p = tl.where(pi > 0.0, tl.log(tl.where(pi > 0.0, pi, 1.0)), float("-inf"))  # padding
+            one_minus = 1.0 - pi
+        present = log_p > float("-inf")
+        one_minus = tl.where(present, one_minus, 0.0)
+
+        if DOT_F32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        # Hajek logits s_i - log pi_i; padding gets -inf (not -log 0 = +inf)
+        logits = tl.where(present[None, :], s * scale - log_p[None, :], float("-inf"))
+
+        m_new = tl.maximum(m, tl.max(logits, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: avoid -inf - -inf
+        alpha = tl.exp(m - m_use)
+        p = tl.exp(logits - m_use[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        p_lo = p.to(v.dtype)  # the P V product runs at the input precision (tensor cores)
+        if ROUND_P:
+            # normalize acc by the sum of the *rounded* p, so that o_hat stays a weighted mean of v
+            # (unbiased towards 0 by 2^-9 |v|, which would swamp the variance under a value offset)
+            l_o = l_o * alpha + tl.sum(p_lo.to(tl.float32), axis=1)
+        if DOT_F32:
+            pv = tl.dot(p_lo.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p_lo, v)
+        acc = acc * alpha[:, None] + pv
+
+        if CERTIFY:
+            a2 = alpha * alpha  # weights e^{2(l_i - m)} rescale by e^{2 dm}
+            pp = p * p
+            Q2 = Q2 * a2 + tl.sum(pp, axis=1)
+            w = one_minus[None, :] * pp
+            vf = v.to(tl.float32)
+            t_W = tl.sum(w, axis=1)
+            if EXACT_MOMENTS:
+                # exact two-pass moments of the tile, one query head at a time (V stays in registers)
+                t_mean = tl.zeros([R_PAD, DV_PAD], tl.float32)
+                t_M2 = tl.zeros([R_PAD, DV_PAD], tl.float32)
+                for j in tl.static_range(G_BLOCK):
+                    sel = r == j
+                    wj = tl.sum(tl.where(sel[:, None], w, 0.0), axis=0)
+                    Wj = tl.sum(wj, axis=0)
+                    mj = tl.sum(wj[:, None] * vf, axis=0) / tl.where(Wj > 0.0, Wj, 1.0)
+                    cj = vf - mj[None, :]
+                    M2j = tl.sum(wj[:, None] * cj * cj, axis=0)
+                    t_mean = tl.where(sel[:, None], mj[None, :], t_mean)
+                    t_M2 = tl.where(sel[:, None], M2j[None, :], t_M2)
+            else:
+                # shifted sums on the tensor cores: mu = the tile's mean kept value (shared by the
+                # query heads), S1 = sum w (v - mu), S2 = sum w (v - mu)^2, M2 = S2 - S1^2 / W
+                n_kept = tl.sum(present.to(tl.float32), axis=0)
+                vp = tl.where(present[:, None], vf, 0.0)
+                mu = tl.sum(vp, axis=0) / tl.maximum(n_kept, 1.0)
+                vc = tl.where(present[:, None], vf - mu[None, :], 0.0)
+                if DOT_F32:
+                    S1 = tl.dot(w, vc, input_precision="ieee")
+                    S2 = tl.dot(w, vc * vc, input_precision="ieee")
+                else:
+                    S1 = tl.dot(w, vc, input_precision="tf32x3")
+                    S2 = tl.dot(w, vc * vc, input_precision="tf32x3")
+                d1 = S1 / tl.where(t_W > 0.0, t_W, 1.0)[:, None]
+                t_mean = mu[None, :] + d1
+                t_M2 = tl.maximum(S2 - S1 * d1, 0.0)
+            # Chan's pairwise merge of (W, mean, M2) with the tile's moments
+            W_a = W * a2
+            W_n = W_a + t_W
+            ratio = t_W / tl.where(W_n > 0.0, W_n, 1.0)
+            delta = t_mean - mean
+            mean = mean + delta * ratio[:, None]
+            M2 = M2 * a2[:, None] + t_M2 + delta * delta * (W_a * ratio)[:, None]
+            W = W_n
+        m = m_new
+
+    if SPLIT:
+        smask = rmask
+        base = sid * BH + rows
+        tl.store(PartS + base * 5 + 0, m, mask=smask)
+        tl.store(PartS + base * 5 + 1, l, mask=smask)
+        tl.store(PartS + base * 5 + 2, W, mask=smask)
+        tl.store(PartS + base * 5 + 3, Q2, mask=smask)
+        if ROUND_P:
+            tl.store(PartS + base * 5 + 4, l_o, mask=smask)
+        vptr = PartV + (base * 3)[:, None] * DV_PAD + offs_v[None, :]
+        pmask = smask[:, None]
+        tl.store(vptr, acc, mask=pmask)
+        if CERTIFY:
+            tl.store(vptr + DV_PAD, mean, mask=pmask)
+            tl.store(vptr + 2 * DV_PAD, M2, mask=pmask)
+    else:
+        if not ROUND_P:
+            l_o = l
+        _finalize(rows, rmask, offs_v, vmask, m, l, l_o, acc, W, mean, M2, Q2,
+                  Out, Lse, Var, Tr, Neff, DV, CERTIFY, PER_COORD)
+
+
+@triton.jit
+def _hajek_merge_kernel(
+    PartS, PartV, Out, Lse, Var, Tr, Neff, BH, S,
+    DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+    CERTIFY: tl.constexpr, PER_COORD: tl.constexpr, ROUND_P: tl.constexpr,
+):
+    """Merge S split states per row: rescale by e^{m_s - m} (weights by e^{2(m_s - m)}), Chan for
+    (W, mean, M2), then finalize."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < BH
+    offs_v = tl.arange(0, DV_PAD)
+    vmask = offs_v < DV
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_R], tl.float32)
+    l_o = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, DV_PAD], tl.float32)
+    W = tl.zeros([BLOCK_R], tl.float32)
+    mean = tl.zeros([BLOCK_R, DV_PAD], tl.float32)
+    M2 = tl.zeros([BLOCK_R, DV_PAD], tl.float32)
+    Q2 = tl.zeros([BLOCK_R], tl.float32)
+    for s in range(S):
+        base = s * BH + rows
+        m_s = tl.load(PartS + base * 5 + 0, mask=rmask, other=float("-inf"))
+        l_s = tl.load(PartS + base * 5 + 1, mask=rmask, other=0.0)
+        vptr = PartV + (base * 3)[:, None] * DV_PAD + offs_v[None, :]
+        acc_s = tl.load(vptr, mask=rmask[:, None], other=0.0)
+        m_new = tl.maximum(m, m_s)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_use)
+        beta = tl.exp(m_s - m_use)
+        l = l * alpha + l_s * beta
+        if ROUND_P:
+            l_o = l_o * alpha + tl.load(PartS + base * 5 + 4, mask=rmask, other=0.0) * beta
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        if CERTIFY:
+            W_s = tl.load(PartS + base * 5 + 2, mask=rmask, other=0.0)
+            Q2_s = tl.load(PartS + base * 5 + 3, mask=rmask, other=0.0)
+            mean_s = tl.load(vptr + DV_PAD, mask=rmask[:, None], other=0.0)
+            M2_s = tl.load(vptr + 2 * DV_PAD, mask=rmask[:, None], other=0.0)
+            a2 = alpha * alpha
+            b2 = beta * beta
+            W_a = W * a2
+            W_b = W_s * b2
+            W_n = W_a + W_b
+            ratio = W_b / tl.where(W_n > 0.0, W_n, 1.0)
+            delta = mean_s - mean
+            mean = mean + delta * ratio[:, None]
+            M2 = M2 * a2[:, None] + M2_s * b2[:, None] + delta * delta * (W_a * ratio)[:, None]
+            W = W_n
+            Q2 = Q2 * a2 + Q2_s * b2
+        m = m_new
+    if not ROUND_P:
+        l_o = l
+    _finalize(rows, rmask, offs_v, vmask, m, l, l_o, acc, W, mean, M2, Q2,
+              Out, Lse, Var, Tr, Neff, DV, CERTIFY, PER_COORD)
+
+
+#: True when the kernels were built by Triton's interpreter (TRITON_INTERPRET=1 at import):
+#: they then run on CPU tensors, and not on CUDA ones at full speed
+INTERPRETED = type(_hajek_decode_kernel).__name__ == "InterpretedFunction"
+
+
+def _interpreting() -> bool:
+    return INTERPRETED
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def default_moments(dtype: torch.dtype) -> str:
+    """Tile-moment mode of ``moments="auto"``: "exact" for every input dtype.
+
+    "exact" computes each tile's weighted mean and centred second moment per query head in
+    registers (two passes over the tile held in registers, no cancellation). "shifted" gets them
+    from two tensor-core products (tf32x3) against v - mu, mu the tile's mean kept value:
+    M2 = S2 - S1^2 / W, whose cancellation leaves an absolute floor of about
+    10 eps32 sum_i c_i range(v)^2 on the variance (visible only when the variance is far below
+    the spread of the values). Compiled for sm_90 (ptxas, d = 128, g = 4, bf16) "exact" needs
+    fewer registers (247, no spill at block 64 / 8 warps) than "shifted" (255 and spills), so it
+    is the default until GPU timings say otherwise (benchmarks/gpu_decode.py sweeps both).
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
+    return "exact"
+
+
+def default_config(n: int, d: int, programs: int, device: torch.device, block_n: int | None = None,
+                   dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Block size, warps, stages and split count the wrapper uses when none are given.
+
+    ``block_n`` = 64 tokens per tile for float16/bfloat16 with head dimension <= 128, 32 for
+    float32 inputs or larger heads; 8 warps. These are the largest tiles that compiled for sm_90
+    without register spills (ptxas, d = 128, g = 4); GPU timings may move them.
+    ``num_splits`` makes ``programs * num_splits`` cover about two waves of the GPU's
+    streaming multiprocessors, with at least ``_MIN_TILES_PER_SPLIT`` tiles per split (1 on the
+    CPU interpreter). ``programs`` is the number of (batch, KV head, query block) programs.
+    """
+    if block_n is None:
+        block_n = 64 if (d <= 128 and dtype != torch.float32) else 32
+    n_tiles = max(1, math.ceil(n / block_n))
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        want = max(1, math.ceil(2 * sms / max(programs, 1)))
+        num_splits = max(1, min(want, n_tiles // _MIN_TILES_PER_SPLIT))
+    else:
+        num_splits = 1
+    return {"block_n": block_n, "num_splits": num_splits, "num_warps": 8, "num_stages": 2}
+
+
+def _check_inputs(q, keys, values, pi, log_pi, scale, validate):
+    for name, x in (("q", q), ("keys", keys), ("values", values)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if (pi is None) == (log_pi is None):
+        raise TypeError("give exactly one of pi and log_pi, each of shape (b, h_kv, n)")
+    p = pi if pi is not None else log_pi
+    pname = "pi" if pi is not None else "log_pi"
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{pname} must be a torch.Tensor, got {type(p).__name__}")
+    if q.dim() == 4:
+        if q.shape[2] != 1:
+            raise ValueError(f"the Triton kernel is a decode kernel: q must have shape (b, h_q, d) or "
+                             f"(b, h_q, 1, d), got shape {tuple(q.shape)} (use kvcert.fast for t > 1)")
+    elif q.dim() != 3:
+        raise ValueError(f"q must have shape (b, h_q, d), got shape {tuple(q.shape)}")
+    b, h_q, d = q.shape[0], q.shape[1], q.shape[-1]
+    if keys.dim() != 4 or keys.shape[0] != b or keys.shape[3] != d:
+        raise ValueError(f"keys must have shape (b, h_kv, n, d) = ({b}, h_kv, n, {d}), "
+                         f"got shape {tuple(keys.shape)}")
+    _, h_kv, n, _ = keys.shape
+    if values.dim() != 4 or tuple(values.shape[:3]) != (b, h_kv, n):
+        raise ValueError(f"values must have shape (b, h_kv, n, dv) = ({b}, {h_kv}, {n}, dv), "
+                         f"got shape {tuple(values.shape)}")
+    if tuple(p.shape) != (b, h_kv, n):
+        raise ValueError(f"{pname} must have shape (b, h_kv, n) = ({b}, {h_kv}, {n}), "
+                         f"got shape {tuple(p.shape)}")
+    if h_kv == 0 or h_q % h_kv:
+        raise ValueError(f"the number of query heads h_q = {h_q} must be a multiple of h_kv = {h_kv}")
+    if d == 0 or values.shape[3] == 0:
+        raise ValueError(f"head dimensions must be positive, got d = {d}, dv = {values.shape[3]}")
+    for name, x in (("q", q), ("keys", keys), ("values", values)):
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must have dtype float16, bfloat16 or float32, got {x.dtype}")
+    if not (q.dtype == keys.dtype == values.dtype):
+        raise TypeError(f"q, keys and values must share one dtype, got {q.dtype}, {keys.dtype}, {values.dtype}")
+    if not p.is_floating_point():
+        raise TypeError(f"{pname} must be a floating-point tensor, got {p.dtype}")
+    devs = {x.device for x in (q, keys, values, p)}
+    if len(devs) != 1:
+        raise ValueError(f"q, keys, values and {pname} must be on one device, got {sorted(map(str, devs))}")
+    if scale is not None:
+        scale = float(scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale}")
+    if validate:
+        if pi is not None:
+            bad = bool(((p < 0) | (p > 1) | torch.isnan(p)).any())
+            if bad:
+                raise ValueError("pi must lie in [0, 1] (found a value outside, or NaN)")
+        else:
+            bad = bool(((p > 0) | torch.isnan(p)).any())
+            if bad:
+                raise ValueError("log_pi must lie in [-inf, 0] (found a value above 0, or NaN)")
+        if not bool(torch.isfinite(q).all()):
+            raise ValueError("q must be finite (found NaN or inf)")
+    return scale
+
+
+def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_coordinate=True,
+                    block_n=None, num_splits=None, num_warps=None, num_stages=None,
+                    certify=True, validate=True, moments="auto") -> Estimate:
+    r"""Fused Triton decode kernel for the Hajek estimate and its variance (one pass over K/V).
+
+    .. math::
+
+        \ell_i = \tau\, q\cdot k_i - \log\pi_i, \qquad
+        a_i = e^{\ell_i - m} / l, \quad l = \sum_{i\in S} e^{\ell_i - m}, \qquad
+        \hat o = \sum_{i\in S} a_i v_i, \qquad \log\hat Z = m + \log l,
+
+        \hat\sigma^2_j = \sum_{i\in S} (1-\pi_i) a_i^2 (v_{ij} - \hat o_j)^2
+                       = \frac{M_{2,j} + W (\bar v_j - \hat o_j)^2}{l^2},
+
+    with :math:`w_i = (1-\pi_i) e^{2(\ell_i - m)}`, :math:`W = \sum w_i`,
+    :math:`\bar v = \sum w_i v_i / W` and :math:`M_2 = \sum w_i (v_i - \bar v)^2`
+    accumulated in one pass (per tile exactly, across tiles and splits by
+    Chan's pairwise update
+    :math:`M_2 = M_{2,a} + M_{2,b} + \delta^2 W_a W_b / (W_a + W_b)`,
+    :math:`\delta = \bar v_b - \bar v_a`, after rescaling each side's ``W`` and
+    ``M2`` by :math:`e^{2(m_{side} - m)}`). Also
+    :math:`n_\mathrm{eff} = 1/\sum a_i^2 = l^2 / \sum e^{2(\ell_i - m)}`.
+
+    Parameters
+    ----------
+    q : torch.Tensor, (b, h_q, d) or (b, h_q, 1, d)
+        float16, bfloat16 or float32; the dtype of ``keys`` and ``values``.
+    keys : torch.Tensor, (b, h_kv, n, d)
+    values : torch.Tensor, (b, h_kv, n, dv)
+        The compressed cache, padded with pi = 0 slots; h_q = g * h_kv (GQA:
+        query head h reads KV head h // g). Any strides.
+    pi : torch.Tensor, (b, h_kv, n), optional
+        Inclusion probabilities in [0, 1], 0 on padding.
+    log_pi : torch.Tensor, (b, h_kv, n), optional
+        log pi instead (-inf on padding); 1 - pi is then computed as
+        -expm1(log pi). Give exactly one of ``pi`` and ``log_pi``.
+    scale : float, default 1/sqrt(d)
+    per_coordinate : bool, default True
+        Return the (b, h_q, dv) variance; if False only ``trace`` (the same
+        pass computes both, only the store is skipped).
+    block_n : int, optional
+        Tokens per tile (power of two >= 16); default from :func:`default_config`.
+    num_splits : int, optional
+        Split-K: the sequence is cut into this many chunks streamed by
+        separate programs and merged by a second kernel. Default from
+        :func:`default_config` (about two waves of the GPU; 1 on CPU).
+    num_warps, num_stages : int, optional
+        Triton launch parameters (ignored by the interpreter).
+    certify : bool, default True
+        False skips the variance state (a benchmarking baseline): the
+        Estimate then has ``variance``, ``trace`` and ``n_eff`` None.
+    moments : {"auto", "exact", "shifted"}, default "auto"
+        How each tile's weighted mean and second moment are formed (see
+        :func:`default_moments`; "auto" = "exact"). Both merge across tiles
+        and splits by Chan's update.
+    validate : bool, default True
+        Check that pi lies in [0, 1] (log_pi in [-inf, 0]) and q is finite.
+        These checks synchronise with the device; pass False in timed or
+        graph-captured loops. K and V are never scanned (a NaN there shows
+        up as NaN in the output).
+
+    Returns
+    -------
+    kvcert.fast.types.Estimate
+        ``output`` (b, h_q, dv) in the input dtype; ``lse``, ``trace``,
+        ``n_eff`` (b, h_q) float32; ``variance`` (b, h_q, dv) float32 or None;
+        ``weights`` None (never materialized) and ``max_term`` None: it needs
+        o_hat before the pass, so the ``bernstein`` certificate recomputes it
+        with kvcert.fast on demand. With a 4-D q of t = 1 the leading
+        dimensions are (b, h_q, 1).
+
+    Notes
+    -----
+    - Padding (pi = 0, log pi = -inf) gets logit -inf, never -log 0 = +inf.
+    - pi = 1 tokens contribute to the output but not to the variance.
+    - Empty heads (all padding, or n = 0): output 0, lse -inf, variance and
+      trace +inf, n_eff 0; never NaN.
+    - float32 accumulation throughout; for float16/bfloat16 the probabilities
+      are rounded to the input dtype before the P V product (as in flash
+      attention) and the output is normalized by the sum of the rounded
+      probabilities (so it stays a weighted mean of the values, with no
+      2^-9 |v| shrinkage that a large value offset would turn into variance
+      error); lse, n_eff and the variance moments use the float32 weights.
+    - Weights below about 1e-19 of the largest square to 0 in float32; their
+      variance contribution is below float32 resolution of the total unless
+      every tail token is that small, in which case the variance is ~0 too.
+
+    References
+    ----------
+    Chan, Golub & LeVeque (1979), "Updating formulae and a pairwise algorithm
+    for computing sample variances"; Dao et al. (2023), flash-decoding;
+    Sarndal, Swensson & Wretman (1992), sec. 5.6-5.7; arXiv 2607.21475.
+    """
+    scale = _check_inputs(q, keys, values, pi, log_pi, scale, validate)
+    if moments == "auto":
+        moments = default_moments(values.dtype)
+    if moments not in ("exact", "shifted"):
+        raise ValueError(f"moments must be 'auto', 'exact' or 'shifted', got {moments!r}")
+    if not INTERPRETED and not q.is_cuda:
+        raise ValueError(f"q, keys, values are on {q.device}: the Triton kernel needs CUDA tensors, or "
+                         "TRITON_INTERPRET=1 set before kvcert.kernels is imported (CPU interpreter)")
+    squeeze_t = q.dim() == 4
+    if squeeze_t:
+        q = q[:, :, 0]
+    b, h_q, d = q.shape
+    _, h_kv, n, _ = keys.shape
+    dv = values.shape[3]
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    use_log = log_pi is not None
+    p = log_pi if use_log else pi
+    if p.dtype == torch.float64:
+        # float64 probabilities below float32's range would round to 0 (padding): pass log pi
+        p = (p if use_log else torch.log(p)).to(torch.float32)
+        use_log = True
+    g = h_q // h_kv
+    g_block = min(g, _MAX_ROWS)
+    n_rb = math.ceil(g / g_block)
+    r_pad = max(16, _pow2(g_block))
+    programs = b * h_kv * n_rb
+    if block_n is not None and (not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1)):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n!r}")
+    cfg = default_config(n, d, programs, q.device, block_n, values.dtype)
+    if num_splits is not None:
+        if not isinstance(num_splits, int) or num_splits < 1:
+            raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+        cfg["num_splits"] = num_splits
+    if num_warps is not None:
+        cfg["num_warps"] = int(num_warps)
+    if num_stages is not None:
+        cfg["num_stages"] = int(num_stages)
+    bn = cfg["block_n"]
+    # chunk = whole tiles; recompute the split count so that no split is empty
+    chunk = max(bn, math.ceil(math.ceil(max(n, 1) / cfg["num_splits"]) / bn) * bn)
+    splits = max(1, math.ceil(n / chunk))
+
+    dev = q.device
+    out = torch.empty((b, h_q, dv), device=dev, dtype=values.dtype)
+    lse = torch.empty((b, h_q), device=dev, dtype=torch.float32)
+    var = torch.empty((b, h_q, dv), device=dev, dtype=torch.float32) if certify and per_coordinate else None
+    trace = torch.empty((b, h_q), device=dev, dtype=torch.float32) if certify else None
+    neff = torch.empty((b, h_q), device=dev, dtype=torch.float32) if certify else None
+    dummy = lse  # placeholder pointer for outputs a constexpr branch never touches
+    dv_pad = max(16, _pow2(dv))
+    d_pad = max(16, _pow2(d))
+    bh = b * h_q
+    split = splits > 1
+    if split:
+        part_s = torch.empty((splits, bh, 5), device=dev, dtype=torch.float32)
+        part_v = torch.empty((splits, bh, 3, dv_pad), device=dev, dtype=torch.float32)
+    else:
+        part_s = part_v = dummy
+    dot_f32 = values.dtype == torch.float32 or _interpreting()
+    round_p = values.dtype != torch.float32
+    launch = {} if _interpreting() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    if programs > 0:
+        _hajek_decode_kernel[(programs, splits)](
+            q, keys, values, p, out, lse,
+            var if var is not None else dummy, trace if trace is not None else dummy,
+            neff if neff is not None else dummy, part_s, part_v,
+            q.stride(0), q.stride(1), q.stride(2),
+            keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3),
+            values.stride(0), values.stride(1), values.stride(2), values.stride(3),
+            p.stride(0), p.stride(1), p.stride(2),
+            h_kv, h_q, n, chunk, bh, scale,
+            D=d, DV=dv, D_PAD=d_pad, DV_PAD=dv_pad,
+            G=g, G_BLOCK=g_block, N_RB=n_rb, R_PAD=r_pad,
+            BLOCK_N=bn, LOG_PI=use_log, CERTIFY=bool(certify), PER_COORD=var is not None,
+            SPLIT=split, DOT_F32=dot_f32, ROUND_P=round_p, EXACT_MOMENTS=moments == "exact", **launch,
+        )
+        if split:
+            block_r = 16
+            _hajek_merge_kernel[(math.ceil(bh / block_r),)](
+                part_s, part_v, out, lse,
+                var if var is not None else dummy, trace if trace is not None else dummy,
+                neff if neff is not None else dummy, bh, splits,
+                DV=dv, DV_PAD=dv_pad, BLOCK_R=block_r, CERTIFY=bool(certify), PER_COORD=var is not None,
+                ROUND_P=round_p,
+                **({} if _interpreting() else {"num_warps": 4}),
+            )
+    est = Estimate(output=out, weights=None, variance=var, trace=trace, lse=lse, n_eff=neff, max_term=None)
+    if squeeze_t:
+        est = Estimate(**{f: (x.unsqueeze(2) if x is not None else None) for f, x in vars(est).items()})
+    return est

@@ -1,0 +1,358 @@
+"""Backend dispatch for the Hajek attention estimator.
+
+``kvcert.hajek_attention`` runs one of three backends with one signature:
+
+- ``"triton"``: :func:`kvcert.kernels.hajek_attention`, the fused decode
+  kernel (output, log-normalizer and variance in one pass over K/V). Chosen
+  automatically for CUDA tensors of dtype float16 / bfloat16 / float32 when
+  Triton is importable.
+- ``"fast"``: :func:`kvcert.fast.hajek_attention`, batched PyTorch (CPU or
+  GPU). Chosen automatically otherwise.
+- ``"reference"``: loops over the (batch, query head[, query]) slices calling
+  the float64 NumPy oracle :func:`kvcert.reference.hajek_attention` and packs
+  a torch :class:`~kvcert.fast.types.Estimate`. Slow; for debugging.
+
+The environment variable ``KVCERT_BACKEND`` (``reference``, ``fast`` or
+``triton``; empty or ``auto`` for automatic) or the ``backend=`` argument
+forces one. :func:`last_backend` tells which backend ran last and
+:func:`select_backend` which one would run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+
+import torch
+
+from kvcert.fast.types import Estimate
+
+__all__ = [
+    "BACKENDS",
+    "ENV_VAR",
+    "BackendUnavailableError",
+    "hajek_attention",
+    "last_backend",
+    "select_backend",
+    "triton_available",
+]
+
+#: the backends :func:`hajek_attention` can run
+BACKENDS = ("reference", "fast", "triton")
+#: environment variable that forces a backend
+ENV_VAR = "KVCERT_BACKEND"
+#: keyword arguments that only tune the Triton kernel (dropped for the other backends)
+_TRITON_ONLY = frozenset({"block_n", "num_splits", "num_warps", "num_stages", "validate", "certify", "moments"})
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: kvcert.fast options the kernel does not implement: when one is set (not None / False), the
+#: automatic choice is "fast" (this is how ``return_max_term=True`` for the bernstein certificate
+#: falls back to kvcert.fast on CUDA), and forcing "triton" raises a TypeError
+_FAST_ONLY = ("bias", "positions", "query_positions", "offset", "return_weights", "return_max_term",
+              "return_covariance", "value_center", "value_sqdist")
+
+_last: str | None = None
+
+
+class BackendUnavailableError(RuntimeError):
+    """A forced backend cannot run on these tensors in this environment."""
+
+
+def last_backend() -> str | None:
+    """Name of the backend that ran the last :func:`hajek_attention` call (None before any)."""
+    return _last
+
+
+def triton_available() -> bool:
+    """Whether Triton is installed (``kvcert.kernels`` is importable in principle)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _forced(backend: str | None) -> str | None:
+    if backend is None:
+        backend = os.environ.get(ENV_VAR, "")
+        source = f"environment variable {ENV_VAR}"
+    else:
+        source = "backend"
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str or None, got {type(backend).__name__}")
+    name = backend.strip().lower()
+    if name in ("", "auto"):
+        return None
+    if name not in BACKENDS:
+        raise ValueError(f"{source} must be one of {BACKENDS} (or 'auto'/empty), got {backend!r}")
+    return name
+
+
+def _fast_only(kw: dict) -> list[str]:
+    return [k for k in _FAST_ONLY if kw.get(k) is not None and kw.get(k) is not False]
+
+
+def _kernel_fits(q: torch.Tensor) -> bool:
+    return q.dim() == 3 or (q.dim() == 4 and q.shape[2] == 1)
+
+
+def select_backend(q: torch.Tensor | None = None, *, backend: str | None = None, **kw) -> str:
+    """Name of the backend :func:`hajek_attention` would run for query ``q``.
+
+    Parameters
+    ----------
+    q : torch.Tensor, optional
+        The query; its device, dtype and shape decide the automatic choice.
+        Without it the automatic choice is ``"fast"``.
+    backend : {"reference", "fast", "triton"}, optional
+        Force a backend (overrides ``KVCERT_BACKEND``).
+    **kw
+        The other keyword arguments of the call, if any: a kvcert.fast-only
+        option (``bias``, ``positions``, ``query_positions``, ``offset``,
+        ``return_weights``, ``return_max_term``, ``return_covariance``,
+        ``value_center``, ``value_sqdist``) makes the automatic choice "fast".
+
+    Returns
+    -------
+    str
+        ``backend`` if given, else ``KVCERT_BACKEND`` if set, else
+        ``"triton"`` for a decode query (b, h_q, d) or (b, h_q, 1, d) on CUDA
+        of dtype float16/bfloat16/float32 when Triton is installed and no
+        fast-only option is set, else ``"fast"``.
+    """
+    forced = _forced(backend)
+    if forced is not None:
+        return forced
+    if (isinstance(q, torch.Tensor) and q.is_cuda and q.dtype in _TRITON_DTYPES and _kernel_fits(q)
+            and not _fast_only(kw) and triton_available()):
+        return "triton"
+    return "fast"
+
+
+def _check_triton_runnable(q: torch.Tensor) -> None:
+    if not triton_available():
+        raise BackendUnavailableError("backend 'triton' was forced but triton is not installed "
+                                      "(pip install triton, or use backend='fast')")
+    from kvcert import kernels
+
+    if not q.is_cuda and not kernels.INTERPRETED:
+        raise BackendUnavailableError(
+            f"backend 'triton' was forced for tensors on {q.device}: Triton kernels need CUDA tensors, "
+            "or TRITON_INTERPRET=1 set before kvcert.kernels is imported to run them on the CPU interpreter")
+
+
+def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_coordinate=True,
+                    backend=None, **kw) -> Estimate:
+    r"""Hajek-corrected attention over a compressed cache, on the selected backend.
+
+    .. math::
+
+        \hat o = \sum_{i\in S} a_i v_i, \qquad a_i = \operatorname{softmax}_S(s_i - \log\pi_i),
+        \qquad s_i = \tau\, q\cdot k_i,
+
+        \hat\sigma^2_j = \sum_{i\in S} (1-\pi_i)\, a_i^2\, (v_{ij} - \hat o_j)^2, \qquad
+        \mathrm{trace} = \sum_j \hat\sigma^2_j, \qquad
+        \log\hat Z = \log\sum_{i\in S} e^{s_i}/\pi_i .
+
+    Parameters
+    ----------
+    q : torch.Tensor, (b, h_q, d) or (b, h_q, t, d)
+    keys : torch.Tensor, (b, h_kv, n, d)
+    values : torch.Tensor, (b, h_kv, n, dv)
+        The kept tokens, padded with pi = 0 slots; h_q = g * h_kv (GQA).
+    pi : torch.Tensor, (b, h_kv, n), optional
+        Inclusion probabilities in [0, 1]; 0 marks padding (bias -inf).
+    log_pi : torch.Tensor, (b, h_kv, n), optional
+        log pi instead of pi (-inf on padding). Give exactly one of the two.
+    scale : float, default 1/sqrt(d)
+    per_coordinate : bool
+        If False the fast and Triton backends may return ``variance=None``
+        and compute only ``trace``.
+    backend : {"reference", "fast", "triton"}, optional
+        Force a backend; default ``KVCERT_BACKEND`` or the automatic choice
+        of :func:`select_backend`.
+    **kw
+        Passed to the backend. The Triton tuning arguments (``block_n``,
+        ``num_splits``, ``num_warps``, ``num_stages``, ``validate``,
+        ``certify``, ``moments``) are dropped when another backend runs. The kvcert.fast
+        options the kernel lacks (``return_max_term``, ``bias``,
+        ``positions``, ...; see :func:`select_backend`) route an automatic
+        call to "fast": e.g. ``return_max_term=True`` for the ``bernstein``
+        certificate, whose max_term the one-pass kernel cannot compute.
+
+    Returns
+    -------
+    kvcert.fast.types.Estimate
+        Leading dimensions (b, h_q) or (b, h_q, t). See the backends for
+        which optional fields they fill (the Triton kernel leaves
+        ``weights`` and ``max_term`` as None).
+
+    Raises
+    ------
+    BackendUnavailableError
+        A forced backend cannot run here (e.g. ``triton`` on CPU tensors
+        without ``TRITON_INTERPRET=1``).
+
+    Notes
+    -----
+    Empty heads (every slot padding): output 0, ``lse`` -inf, ``variance``
+    and ``trace`` +inf, on every backend (the reference's convention).
+
+    References
+    ----------
+    Hajek (1971); Sarndal, Swensson & Wretman (1992), sec. 5.6-5.7; arXiv 2607.21475.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kvcert.dispatch import hajek_attention, last_backend
+    >>> q, k, v = torch.randn(1, 2, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8)
+    >>> est = hajek_attention(q, k, v, torch.ones(1, 1, 5), backend="reference")
+    >>> last_backend(), float(est.trace.abs().max())
+    ('reference', 0.0)
+    """
+    global _last
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    name = select_backend(q, backend=backend, **kw)
+    if name == "triton":
+        _check_triton_runnable(q)
+        unsupported = _fast_only(kw)
+        if unsupported:
+            raise TypeError(f"backend 'triton' does not support {', '.join(unsupported)} "
+                            "(use backend='fast', or leave the backend automatic)")
+        from kvcert import kernels
+
+        out = kernels.hajek_attention(q, keys, values, pi, log_pi=log_pi, scale=scale,
+                                      per_coordinate=per_coordinate, **kw)
+    else:
+        kw = {k: v for k, v in kw.items() if k not in _TRITON_ONLY}
+        if name == "fast":
+            fast = importlib.import_module("kvcert.fast")
+            fn = getattr(fast, "hajek_attention", None)
+            if fn is None:
+                raise BackendUnavailableError("kvcert.fast.hajek_attention is not available yet "
+                                              "(use backend='reference')")
+            out = fn(q, keys, values, pi, log_pi=log_pi, scale=scale, per_coordinate=per_coordinate, **kw)
+        else:
+            out = _reference(q, keys, values, pi, log_pi=log_pi, scale=scale,
+                             per_coordinate=per_coordinate, **kw)
+    _last = name
+    return out
+
+
+_REFERENCE_KW = frozenset(_FAST_ONLY)
+
+
+def _reference(q, keys, values, pi=None, *, log_pi=None, scale=None, per_coordinate=True, bias=None,
+               positions=None, query_positions=None, offset=None, return_covariance=False,
+               **ignored) -> Estimate:
+    """Loop the float64 oracle over (b, h_q[, t]) and pack a torch Estimate.
+
+    Fills every field (weights, n_eff, max_term always; covariance on
+    ``return_covariance``). ``bias`` (broadcastable to (b, h_q, [t,] n)) and
+    the causal mask of ``positions`` / ``query_positions`` / ``offset`` follow
+    kvcert.fast; ``return_weights``, ``return_max_term``, ``value_center``
+    and ``value_sqdist`` are accepted and have no effect (the oracle computes
+    everything exactly).
+    """
+    import numpy as np
+
+    from kvcert import reference as R
+
+    unknown = sorted(set(ignored) - _REFERENCE_KW)
+    if unknown:
+        raise TypeError(f"backend 'reference' got unexpected keyword arguments {unknown}")
+    for name, x in (("keys", keys), ("values", values)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if (pi is None) == (log_pi is None):
+        raise TypeError("give exactly one of pi and log_pi, each of shape (b, h_kv, n)")
+    decode = q.dim() == 3
+    if q.dim() not in (3, 4):
+        raise ValueError(f"q must have shape (b, h_q, d) or (b, h_q, t, d), got shape {tuple(q.shape)}")
+    if keys.dim() != 4:
+        raise ValueError(f"keys must have shape (b, h_kv, n, d), got shape {tuple(keys.shape)}")
+    b, h_q, d = q.shape[0], q.shape[1], q.shape[-1]
+    _, h_kv, n, dk = keys.shape
+    if keys.shape[0] != b or dk != d:
+        raise ValueError(f"keys must have shape (b, h_kv, n, d) = ({b}, h_kv, n, {d}), "
+                         f"got shape {tuple(keys.shape)}")
+    if values.dim() != 4 or tuple(values.shape[:3]) != (b, h_kv, n):
+        raise ValueError(f"values must have shape (b, h_kv, n, dv) = ({b}, {h_kv}, {n}, dv), "
+                         f"got shape {tuple(values.shape)}")
+    if h_kv == 0 or h_q % h_kv:
+        raise ValueError(f"the number of query heads h_q = {h_q} must be a multiple of h_kv = {h_kv}")
+    p = pi if pi is not None else log_pi
+    pname = "pi" if pi is not None else "log_pi"
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{pname} must be a torch.Tensor, got {type(p).__name__}")
+    if tuple(p.shape) != (b, h_kv, n):
+        raise ValueError(f"{pname} must have shape (b, h_kv, n) = ({b}, {h_kv}, {n}), got shape {tuple(p.shape)}")
+    p64 = p.detach().to("cpu", torch.float64).numpy()
+    if log_pi is not None:
+        if np.any(np.isnan(p64)) or np.any(p64 > 0):
+            raise ValueError("log_pi must lie in [-inf, 0] (found a value above 0, or NaN)")
+        p64 = np.exp(p64)
+    g = h_q // h_kv
+    dv = values.shape[-1]
+    qq = q.detach().to("cpu", torch.float64).numpy()
+    if decode:
+        qq = qq[:, :, None, :]
+    t = qq.shape[2]
+    full = (b, h_q, t, n)
+    bb = np.zeros(full)
+    if bias is not None:
+        bt = torch.as_tensor(bias).detach().to("cpu", torch.float64)
+        if decode and bt.dim() == 3:
+            bt = bt.unsqueeze(2)
+        try:
+            bb = bb + bt.numpy()
+        except ValueError:
+            raise ValueError(f"bias must broadcast to (b, h_q, [t,] n) = {full if not decode else (b, h_q, n)}, "
+                             f"got shape {tuple(bt.shape)}") from None
+    if offset is not None and query_positions is None:
+        query_positions = int(offset) + torch.arange(t)
+    if query_positions is not None:
+        qp = torch.as_tensor(query_positions).detach().to("cpu", torch.int64)
+        qp = qp.reshape(1, t) if qp.dim() == 1 else qp
+        if tuple(qp.shape) not in ((1, t), (b, t)):
+            raise ValueError(f"query_positions must have shape (t,) or (b, t) = ({b}, {t}), got {tuple(qp.shape)}")
+        if positions is None:
+            pos = torch.arange(n).expand(b, h_kv, n)
+        else:
+            pos = torch.as_tensor(positions).detach().to("cpu", torch.int64)
+            if tuple(pos.shape) != (b, h_kv, n):
+                raise ValueError(f"positions must have shape (b, h_kv, n) = ({b}, {h_kv}, {n}), "
+                                 f"got {tuple(pos.shape)}")
+        pos_q = pos.repeat_interleave(g, dim=1)  # (b, h_q, n)
+        visible = pos_q[:, :, None, :] <= qp.expand(b, t)[:, None, :, None]  # (b, h_q, t, n)
+        bb = np.where(visible.numpy(), bb, -np.inf)
+    kk = keys.detach().to("cpu", torch.float64).numpy()
+    vv = values.detach().to("cpu", torch.float64).numpy()
+    out = np.zeros((b, h_q, t, dv))
+    var = np.zeros((b, h_q, t, dv))
+    cov = np.zeros((b, h_q, t, dv, dv))
+    wts = np.zeros((b, h_q, t, n))
+    trace, lse, neff, mterm = (np.zeros((b, h_q, t)) for _ in range(4))
+    for bi in range(b):
+        for h in range(h_q):
+            kv = h // g
+            for j in range(t):
+                e = R.hajek_attention(qq[bi, h, j], kk[bi, kv], vv[bi, kv], p64[bi, kv], scale=scale,
+                                      bias=bb[bi, h, j])
+                out[bi, h, j], var[bi, h, j], wts[bi, h, j] = e.output, e.variance, e.weights
+                cov[bi, h, j] = e.covariance
+                trace[bi, h, j], lse[bi, h, j] = e.trace, e.lse
+                neff[bi, h, j], mterm[bi, h, j] = e.n_eff, e.max_term
+
+    def pack(x, dtype=torch.float32):
+        x = torch.from_numpy(x[:, :, 0] if decode else x)
+        return x.to(device=q.device, dtype=dtype)
+
+    return Estimate(
+        output=pack(out, values.dtype),
+        weights=pack(wts),
+        variance=pack(var) if per_coordinate else None,
+        trace=pack(trace),
+        lse=pack(lse),
+        n_eff=pack(neff),
+        max_term=pack(mterm),
+        covariance=pack(cov) if return_covariance else None,
+    )

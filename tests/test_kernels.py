@@ -1,0 +1,516 @@
+"""The fused Triton decode kernel (kvcert.kernels) against the float64 oracle and kvcert.fast.
+
+Without a GPU these run on Triton's CPU interpreter (TRITON_INTERPRET=1, set by
+``make test`` before anything imports Triton). Tolerances follow STYLE.md: the
+kernel's error against the float64 reference must stay within twice the error
+of the reference's own formulas evaluated at the input dtype (a naive torch
+mirror, flash-attention's criterion) plus one unit of rounding of the field,
+measured per query head relative to that head's scale (heads differ by orders
+of magnitude in variance).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if not (_INTERPRET or torch.cuda.is_available()):
+    pytest.skip("the Triton kernels need a CUDA device or TRITON_INTERPRET=1 (set before triton is imported)",
+                allow_module_level=True)
+
+from kvcert import kernels as KN  # noqa: E402
+from kvcert import reference as R  # noqa: E402
+
+DEVICE = "cpu" if KN.INTERPRETED else "cuda"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FIELDS = ("output", "lse", "variance", "trace", "n_eff")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _oracle(q, k, v, pi, scale=None):
+    """float64 reference per (b, h_q) slice: dict of numpy arrays."""
+    q64, k64, v64 = (x.detach().cpu().double().numpy() for x in (q, k, v))
+    p64 = pi.detach().cpu().double().numpy()
+    b, h_q, _ = q64.shape
+    g = h_q // k64.shape[1]
+    res = {f: [] for f in FIELDS + ("c_dev", "a_dev", "vmax", "c_sum", "range")}
+    for bi in range(b):
+        for h in range(h_q):
+            kv = h // g
+            e = R.hajek_attention(q64[bi, h], k64[bi, kv], v64[bi, kv], p64[bi, kv], scale=scale)
+            for f in FIELDS:
+                res[f].append(getattr(e, f))
+            dev = np.abs(v64[bi, kv] - e.output)  # |v_ij - o_j|
+            c = (1.0 - p64[bi, kv]) * e.weights ** 2
+            live = p64[bi, kv] > 0
+            res["c_dev"].append((c[:, None] * dev).sum(0))  # sum_i c_i |v_ij - o_j|
+            res["c_sum"].append(c.sum())
+            res["a_dev"].append((e.weights[:, None] * dev).sum(0))  # sum_i a_i |v_ij - o_j|
+            res["vmax"].append(np.abs(v64[bi, kv][live]).max() if live.any() else 0.0)
+            vl = v64[bi, kv][live]
+            res["range"].append(vl.max(0) - vl.min(0) if live.any() else np.zeros(v64.shape[-1]))
+    out = {f: np.asarray(x, dtype=np.float64).reshape((b, h_q) + np.shape(x[0])) for f, x in res.items()}
+    return out
+
+
+def _variance_rounding(ref, dtype, moments="exact", block_n=64):
+    """Rounding allowance of the variance, from a first-order error analysis of the one-pass form.
+
+    o_hat and the weighted mean of v are each off by at most eps32 max|v| (float32 rounding)
+    plus, for half inputs, eps_dtype sum_i a_i |v_i - o| (the probabilities are rounded to the
+    input dtype before P V): a shift delta of o moves sum_i c_i (v_i - o)^2 by at most
+    2 |delta| sum_i c_i |v_i - o| + delta^2 sum_i c_i, with |delta| <= 2 shift (o and the
+    mean). The second-order term is the absolute floor (eps32 |v|)^2 sum c of the one-pass form
+    when one tail token dominates.
+
+    ``moments="shifted"`` forms each tile's M2 as S2 - S1^2 / W from products against v - mu
+    (mu a mean of kept values, so |v - mu| <= range(v)); each product carries
+    gamma = (4 + log2 BLOCK_N + 2) eps32 (tf32x3 splitting, accumulation), so
+    |dM2| <= 4 gamma W range^2 per tile, i.e. 4 gamma sum_i c_i range^2 after normalization,
+    and the mean moves by gamma range.
+    """
+    eps32 = torch.finfo(torch.float32).eps
+    eps_w = torch.finfo(dtype).eps if dtype != torch.float32 else 0.0
+    shift = eps32 * ref["vmax"][..., None] + eps_w * ref["a_dev"]
+    floor = 0.0
+    if moments == "shifted":
+        gamma = (6 + math.log2(block_n)) * eps32
+        shift = shift + gamma * ref["range"]
+        floor = 4.0 * gamma * ref["c_sum"][..., None] * ref["range"] ** 2
+    delta = 2.0 * shift
+    return 2.0 * delta * ref["c_dev"] + delta * delta * ref["c_sum"][..., None] + floor
+
+
+def _lowp(q, k, v, pi, dtype, scale=None):
+    """The reference's formulas evaluated naively in ``dtype`` arithmetic (torch, CPU).
+
+    The inputs are first rounded to the kernel's input dtype (``q.dtype``); ``dtype`` is the
+    arithmetic: the input dtype for ``output``, float32 for the float32 fields (the precision
+    the kernel computes them at)."""
+    q, k, v, p = (x.detach().cpu().to(dtype) for x in (q, k, v, pi))
+    g = q.shape[1] // k.shape[1]
+    k, v, p = (x.repeat_interleave(g, dim=1) for x in (k, v, p))
+    tau = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (k @ q.unsqueeze(-1)).squeeze(-1) * tau
+    ninf = torch.tensor(float("-inf"), dtype=dtype)
+    logits = torch.where(p > 0, s - torch.log(torch.where(p > 0, p, torch.ones_like(p))), ninf)
+    m = logits.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    e = torch.exp(logits - m)
+    lsum = e.sum(-1, keepdim=True)
+    a = e / lsum
+    o = (a.unsqueeze(-2) @ v).squeeze(-2)
+    c = (1 - p) * a * a
+    var = (c.unsqueeze(-1) * (v - o.unsqueeze(-2)) ** 2).sum(-2)
+    out = {"output": o, "lse": (m + torch.log(lsum)).squeeze(-1), "variance": var,
+           "trace": var.sum(-1), "n_eff": 1.0 / (a * a).sum(-1)}
+    return {f: x.double().numpy() for f, x in out.items()}
+
+
+def _field_eps(field, dtype):
+    return torch.finfo(dtype if field == "output" else torch.float32).eps
+
+
+def _scale(ref):
+    ref = np.asarray(ref, np.float64)
+    s = np.abs(ref).max(-1) if ref.ndim == 3 else np.abs(ref)
+    return np.where(np.isfinite(s) & (s > 0), s, 1.0)
+
+
+def _row_errors(x, ref, live):
+    """Per query head: max |x - ref| / scale, scale = max |ref| of the head (1 if that is 0)."""
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    if x.ndim == 2:
+        x, ref = x[..., None], ref[..., None]
+    with np.errstate(invalid="ignore"):
+        err = np.abs(x - ref).max(-1)
+    return np.where(live, err / _scale(ref[..., 0] if ref.shape[-1] == 1 else ref), 0.0)
+
+
+def _accumulation_eps(n, block_n):
+    """Higham's first-order bound for float32 accumulation in the kernel, relative to the sum of
+    |terms|: log2(BLOCK_N) for the in-tile (pairwise) reductions, one rounding per tile merge, three
+    for the finalization (division, log / square)."""
+    n_tiles = max(1, math.ceil(n / block_n))
+    return torch.finfo(torch.float32).eps * (math.log2(block_n) + n_tiles + 3)
+
+
+def assert_matches_oracle(est, q, k, v, pi, dtype, *, scale=None, fields=FIELDS, other=None, block_n=64,
+                          moments="auto"):
+    """|kernel - ref64| <= 2 |lowp - ref64| + rounding (per head, relative); empty heads exact.
+
+    ``other``: a second estimate (kvcert.fast) whose own error is added to the budget when
+    comparing the kernel with it instead of with the oracle.
+    """
+    ref = _oracle(q, k, v, pi, scale)
+    low = _lowp(q, k, v, pi, torch.float32, scale)
+    low["output"] = _lowp(q, k, v, pi, dtype, scale)["output"]
+    live = np.isfinite(ref["lse"])  # heads with a non-empty sample
+    for f in fields:
+        x = getattr(est, f)
+        assert x is not None, f"{f} is None"
+        x = x.detach().cpu().double().numpy()
+        assert not np.isnan(x).any(), f"{f} has NaN"
+        dead = ~live
+        if dead.any():
+            expect = {"output": 0.0, "lse": -np.inf, "variance": np.inf, "trace": np.inf, "n_eff": 0.0}[f]
+            assert np.all(x[dead] == expect), f"{f} of an empty head must be {expect}, got {x[dead]}"
+        if not live.any():
+            continue
+        assert np.all(np.isfinite(x[live])), f"{f} not finite on a non-empty head"
+        e_k = _row_errors(x, ref[f], live)
+        e_l = _row_errors(low[f], ref[f], live)
+        tol = (2.0 * np.nan_to_num(e_l, nan=np.inf, posinf=np.inf).max() + _field_eps(f, dtype)
+               + _accumulation_eps(k.shape[2], block_n))
+        if f in ("variance", "trace"):  # + the propagated rounding of o_hat (per head, relative)
+            mode = KN.default_moments(dtype) if moments == "auto" else moments
+            sens = _variance_rounding(ref, dtype, mode, block_n)
+            sens = sens.max(-1) if f == "variance" else sens.sum(-1)
+            tol = tol + np.where(live, sens, 0.0) / _scale(ref[f])
+        if other is not None:
+            y = getattr(other, f).detach().cpu().double().numpy()
+            e_o = _row_errors(y, ref[f], live)
+            tol = tol + e_o.max()
+            e_k = _row_errors(x, y, live)
+        tol = np.broadcast_to(tol, e_k.shape)
+        worst = np.unravel_index(np.argmax(e_k - tol), e_k.shape)
+        assert np.all(e_k <= tol), (
+            f"{f}: rel err {e_k[worst]:.3e} > tol {tol[worst]:.3e} (mean err {e_k[live].mean():.3e}) at head {worst}: "
+            f"kernel {x[worst]} vs ref {ref[f][worst]}")
+
+
+def _make_case(seed, b, h_kv, g, n, d, dv, dtype, regime="typical", pad="none", pi_kind="mixed"):
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(b, h_kv * g, d))
+    k = rng.normal(size=(b, h_kv, n, d))
+    v = rng.normal(size=(b, h_kv, n, dv))
+    if regime == "dominant" and n > 0:
+        for bi in range(b):
+            for h in range(h_kv):
+                k[bi, h, rng.integers(n)] = q[bi, h * g] * rng.uniform(2.0, 8.0)
+    if regime == "offset":
+        v = v + (1e4 if dtype == torch.float32 else 1e2)
+    if pi_kind in ("mixed", "interior"):
+        # interior values and exact 1.0 (20 %), with tiny 1e-6 (10 %) for "mixed": the tiny ones
+        # carry a +13.8 logit bias and dominate, so "interior" keeps the other pi visible
+        pi = rng.uniform(0.05, 1.0, size=(b, h_kv, n))
+        u = rng.random(size=pi.shape)
+        pi[u < 0.2] = 1.0
+        if pi_kind == "mixed":
+            pi[(u >= 0.2) & (u < 0.3)] = 1e-6
+    elif pi_kind == "ones":
+        pi = np.ones((b, h_kv, n))
+    else:
+        pi = np.full((b, h_kv, n), float(pi_kind))
+    if pad in ("ragged", "empty_head") and n > 0:
+        kept = rng.integers(0, n + 1, size=(b, h_kv))
+        slot = np.arange(n)
+        padm = slot[None, None, :] >= kept[..., None]
+        pi[padm] = 0.0
+        k[padm] = 40.0 * rng.normal(size=k[padm].shape)  # loud garbage: leaks would show
+        v[padm] = 40.0 * rng.normal(size=v[padm].shape)
+        if pad == "empty_head":
+            pi[0, -1] = 0.0
+    t = lambda x: torch.from_numpy(x).to(dtype).to(DEVICE)  # noqa: E731
+    return t(q), t(k), t(v), torch.from_numpy(pi).float().to(DEVICE)
+
+
+@st.composite
+def decode_case(draw, dtypes=DTYPES):
+    block_n = draw(st.sampled_from([16, 32, 64]))
+    n = draw(st.one_of(st.sampled_from([1, 3, 113, block_n - 1, block_n, block_n + 1]), st.integers(1, 300)))
+    d = draw(st.sampled_from([16, 64]))
+    dv = draw(st.sampled_from([d, 16, 24]))
+    case = dict(
+        seed=draw(st.integers(0, 2**32 - 1)),
+        b=draw(st.sampled_from([1, 2])),
+        h_kv=draw(st.sampled_from([1, 2])),
+        g=draw(st.sampled_from([1, 2, 4, 5])),
+        n=n, d=d, dv=dv,
+        dtype=draw(st.sampled_from(dtypes)),
+        regime=draw(st.sampled_from(["typical"] * 3 + ["dominant", "offset"])),  # 60/20/20
+        pad=draw(st.sampled_from(["none", "ragged", "ragged", "empty_head"])),
+        pi_kind=draw(st.sampled_from(["mixed", "mixed", "interior", "interior", "0.3", "ones"])),
+    )
+    kw = dict(block_n=block_n, num_splits=draw(st.sampled_from([1, 2, 3, 7])),
+              use_log=draw(st.booleans()), moments=draw(st.sampled_from(["auto", "exact", "shifted"])))
+    return case, kw
+
+
+def _run(q, k, v, pi, *, use_log=False, **kw):
+    if use_log:
+        return KN.hajek_attention(q, k, v, log_pi=torch.log(pi), **kw)
+    return KN.hajek_attention(q, k, v, pi, **kw)
+
+
+# ----------------------------------------------------------------------------- properties
+
+@settings(max_examples=40, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(decode_case())
+def test_matches_reference(c):
+    case, kw = c
+    q, k, v, pi = _make_case(**case)
+    est = _run(q, k, v, pi, **kw)
+    assert est.output.dtype == case["dtype"] and est.output.shape == (case["b"], q.shape[1], case["dv"])
+    for f in ("lse", "variance", "trace", "n_eff"):
+        assert getattr(est, f).dtype == torch.float32
+    assert est.weights is None and est.max_term is None
+    assert_matches_oracle(est, q, k, v, pi, case["dtype"], block_n=kw["block_n"], moments=kw["moments"])
+
+
+@settings(max_examples=15, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(decode_case())
+def test_matches_fast(c):
+    """|kernel - fast| within the kernel's budget plus fast's own error against the oracle."""
+    fast = pytest.importorskip("kvcert.fast")
+    case, kw = c
+    q, k, v, pi = _make_case(**case)
+    est = _run(q, k, v, pi, **kw)
+    other = fast.hajek_attention(q, k, v, pi)
+    assert_matches_oracle(est, q, k, v, pi, case["dtype"], block_n=kw["block_n"], other=other,
+                          moments=kw["moments"])
+
+
+# ----------------------------------------------------------------------------- tiling and splits
+
+BLOCK = 32
+
+
+@pytest.mark.parametrize("dtype, moments", [(torch.float32, "exact"), (torch.bfloat16, "shifted"),
+                                            (torch.float32, "shifted"), (torch.bfloat16, "exact")])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("n", [1, 3, 113, BLOCK - 1, BLOCK, BLOCK + 1])
+def test_tile_breaking_lengths(n, num_splits, dtype, moments):
+    q, k, v, pi = _make_case(n, 1, 2, 4, n, 64, 64, dtype, pad="ragged", pi_kind="interior")
+    est = KN.hajek_attention(q, k, v, pi, block_n=BLOCK, num_splits=num_splits, moments=moments)
+    assert_matches_oracle(est, q, k, v, pi, dtype, block_n=BLOCK, moments=moments)
+
+
+@pytest.mark.parametrize("d, dv, g, h_kv", [(128, 128, 4, 2), (40, 24, 3, 1), (16, 16, 20, 1)])
+def test_head_dims_and_groups(d, dv, g, h_kv):
+    """d = 128 (the realistic case), non-power-of-two dims, and g = 20 > 16 query heads per KV head
+    (two row blocks per KV head)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v, pi = _make_case(d + g, 1, h_kv, g, 70, d, dv, dtype, pad="ragged")
+        est = KN.hajek_attention(q, k, v, pi, block_n=32, num_splits=2)
+        assert_matches_oracle(est, q, k, v, pi, dtype, block_n=32)
+
+
+# ----------------------------------------------------------------------------- edge cases
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_empty_heads_follow_the_reference_convention(num_splits):
+    """All-padding heads: output 0, lse -inf, variance/trace +inf, n_eff 0, no NaN anywhere."""
+    q, k, v, pi = _make_case(7, 2, 2, 2, 100, 16, 16, torch.float32, pad="ragged")
+    pi[0, 1] = 0.0
+    pi[1, 0] = 0.0
+    for use_log in (False, True):
+        est = _run(q, k, v, pi, use_log=use_log, block_n=16, num_splits=num_splits)
+        assert_matches_oracle(est, q, k, v, pi, torch.float32, block_n=16)
+        assert torch.equal(est.output[0, 2:], torch.zeros_like(est.output[0, 2:]))
+        assert torch.isneginf(est.lse[0, 2:]).all() and torch.isposinf(est.trace[1, :2]).all()
+
+
+def test_zero_length_cache():
+    q = torch.randn(1, 2, 16, device=DEVICE)
+    k = torch.randn(1, 1, 0, 16, device=DEVICE)
+    v = torch.randn(1, 1, 0, 8, device=DEVICE)
+    est = KN.hajek_attention(q, k, v, torch.ones(1, 1, 0, device=DEVICE))
+    assert torch.equal(est.output, torch.zeros(1, 2, 8, device=DEVICE))
+    assert torch.isneginf(est.lse).all() and torch.isposinf(est.variance).all() and torch.isposinf(est.trace).all()
+    assert torch.equal(est.n_eff, torch.zeros(1, 2, device=DEVICE))
+
+
+@pytest.mark.parametrize("use_log", [False, True])
+def test_certain_tokens_give_exact_attention_and_zero_variance(use_log):
+    """All pi = 1: the Hajek estimate is plain attention and every variance is exactly 0
+    (1 - pi = 0 zeroes each weight, with log pi = 0 as well)."""
+    q, k, v, pi = _make_case(3, 2, 2, 2, 90, 16, 24, torch.float32, pi_kind="ones")
+    est = _run(q, k, v, pi, use_log=use_log, block_n=16, num_splits=2)
+    assert torch.equal(est.variance, torch.zeros_like(est.variance))
+    assert torch.equal(est.trace, torch.zeros_like(est.trace))
+    assert_matches_oracle(est, q, k, v, pi, torch.float32, block_n=16, fields=("output", "lse", "n_eff"))
+    g = 2
+    for bi in range(2):
+        for h in range(4):
+            o = R.attention(q[bi, h].double().cpu().numpy(), k[bi, h // g].double().cpu().numpy(),
+                            v[bi, h // g].double().cpu().numpy())
+            assert np.allclose(est.output[bi, h].cpu().numpy(), o, rtol=0,
+                               atol=_accumulation_eps(90, 16) * np.abs(v.cpu().numpy()).max())
+
+
+def test_log_pi_path_matches_pi_path():
+    """pi near 1 is where 1 - pi = -expm1(log pi) cancels: the two paths must agree to a few ulps.
+
+    1 - pi is exact from pi (Sterbenz); from log pi it carries the rounding of log (eps/2,
+    relative, propagated as eps/2) and of the series (7 fused steps): <= 8 eps relative on each
+    positive weight c_i, so on the variance, plus the accumulation bound of the two runs."""
+    rng = np.random.default_rng(11)
+    q, k, v, _ = _make_case(11, 1, 2, 2, 150, 16, 16, torch.float32)
+    pi = torch.from_numpy(rng.uniform(0.75, 1.0, size=(1, 2, 150))).float()
+    pi[..., ::7] = 1.0
+    pi = pi.to(DEVICE)
+    a = KN.hajek_attention(q, k, v, pi, block_n=32)
+    b = KN.hajek_attention(q, k, v, log_pi=torch.log(pi), block_n=32)
+    eps = torch.finfo(torch.float32).eps
+    tol = 8 * eps + 2 * _accumulation_eps(150, 32)
+    for f in ("variance", "trace", "output", "lse", "n_eff"):
+        x, y = getattr(a, f).double(), getattr(b, f).double()
+        rel = ((x - y).abs() / y.abs().clamp_min(1e-30)).max().item()
+        assert rel <= tol, f"{f}: log_pi and pi paths differ by {rel:.2e} (tol {tol:.2e})"
+
+
+def test_float64_probabilities_below_float32_range():
+    """float64 pi of 1e-50 would round to 0 (= padding) in float32; the kernel keeps the token
+    (its logit bias is +115, so it carries almost all the weight)."""
+    q, k, v, pi = _make_case(5, 1, 1, 2, 40, 16, 16, torch.float32, pi_kind="interior")
+    pi = pi.double()
+    pi[0, 0, 3] = 1e-50
+    est = KN.hajek_attention(q, k, v, pi, block_n=16)
+    ref = _oracle(q, k, v, pi)
+    eps = torch.finfo(torch.float32).eps
+    assert np.allclose(est.lse.double().cpu().numpy(), ref["lse"], rtol=4 * eps, atol=0)
+    vmax = np.abs(v.cpu().numpy()).max()
+    assert np.allclose(est.output.double().cpu().numpy(), ref["output"], rtol=0,
+                       atol=_accumulation_eps(40, 16) * vmax)
+
+
+def test_per_coordinate_false_and_certify_false():
+    q, k, v, pi = _make_case(2, 1, 2, 2, 77, 16, 16, torch.bfloat16, pad="ragged")
+    full = KN.hajek_attention(q, k, v, pi, block_n=16, num_splits=2)
+    tr = KN.hajek_attention(q, k, v, pi, block_n=16, num_splits=2, per_coordinate=False)
+    plain = KN.hajek_attention(q, k, v, pi, block_n=16, num_splits=2, certify=False)
+    assert tr.variance is None and plain.variance is None and plain.trace is None and plain.n_eff is None
+    same = torch.equal if KN.INTERPRETED else (
+        lambda x, y: torch.allclose(x.float(), y.float(), rtol=4 * torch.finfo(torch.float32).eps, atol=0))
+    assert same(tr.trace, full.trace) and same(tr.output, full.output)
+    assert same(plain.output, full.output) and same(plain.lse, full.lse)
+
+
+def test_strided_inputs_and_4d_query():
+    """Any strides (a (b, n, h, d) cache viewed as (b, h, n, d)) and q of shape (b, h_q, 1, d)."""
+    q, k, v, pi = _make_case(4, 2, 2, 2, 50, 16, 16, torch.float32, pad="ragged")
+    ks, vs = k.transpose(1, 2).contiguous().transpose(1, 2), v.transpose(1, 2).contiguous().transpose(1, 2)
+    ps = pi.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not ks.is_contiguous()
+    base = KN.hajek_attention(q, k, v, pi, block_n=16)
+    est = KN.hajek_attention(q.unsqueeze(2), ks, vs, ps, block_n=16)
+    assert est.output.shape == (2, 4, 1, 16) and est.trace.shape == (2, 4, 1)
+    for f in FIELDS:
+        assert torch.equal(getattr(est, f).squeeze(2), getattr(base, f)), f
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def _good():
+    return (torch.randn(1, 4, 16, device=DEVICE), torch.randn(1, 2, 5, 16, device=DEVICE),
+            torch.randn(1, 2, 5, 8, device=DEVICE), torch.rand(1, 2, 5, device=DEVICE))
+
+
+@pytest.mark.parametrize("mutate, exc, match", [
+    (lambda a: dict(a, q=a["q"][0]), ValueError, "q must have shape"),
+    (lambda a: dict(a, q=a["q"].unsqueeze(2).expand(1, 4, 2, 16)), ValueError, "decode kernel"),
+    (lambda a: dict(a, keys=a["keys"][..., :8]), ValueError, "keys must have shape"),
+    (lambda a: dict(a, values=a["values"][:, :, :4]), ValueError, "values must have shape"),
+    (lambda a: dict(a, pi=a["pi"][..., :4]), ValueError, "pi must have shape"),
+    (lambda a: dict(a, q=a["q"][:, :3]), ValueError, "multiple of h_kv"),
+    (lambda a: dict(a, q=a["q"].double(), keys=a["keys"].double(), values=a["values"].double()),
+     TypeError, "dtype float16, bfloat16 or float32"),
+    (lambda a: dict(a, q=a["q"].half()), TypeError, "share one dtype"),
+    (lambda a: dict(a, pi=None), TypeError, "exactly one of pi and log_pi"),
+    (lambda a: dict(a, log_pi=torch.log(a["pi"])), TypeError, "exactly one of pi and log_pi"),
+    (lambda a: dict(a, pi=a["pi"] + 1.5), ValueError, r"pi must lie in \[0, 1\]"),
+    (lambda a: dict(a, pi=a["pi"].masked_fill(a["pi"] > 0.5, float("nan"))), ValueError, "pi must lie"),
+    (lambda a: dict(a, pi=None, log_pi=torch.ones(1, 2, 5)), ValueError, r"log_pi must lie in \[-inf, 0\]"),
+    (lambda a: dict(a, pi=(a["pi"] > 2).long()), TypeError, "floating-point"),
+    (lambda a: dict(a, q=a["q"].masked_fill(a["q"] > 1, float("inf"))), ValueError, "q must be finite"),
+    (lambda a: dict(a, block_n=24), ValueError, "block_n must be a power of two"),
+    (lambda a: dict(a, num_splits=0), ValueError, "num_splits must be a positive int"),
+    (lambda a: dict(a, scale=float("nan")), ValueError, "scale must be finite"),
+    (lambda a: dict(a, moments="fast"), ValueError, "moments must be"),
+    (lambda a: dict(a, keys=a["keys"].numpy() if a["keys"].device.type == "cpu" else None),
+     TypeError, "keys must be a torch.Tensor"),
+])
+def test_bad_input_raises(mutate, exc, match):
+    q, k, v, pi = _good()
+    args = mutate(dict(q=q, keys=k, values=v, pi=pi))
+    if "log_pi" in args and args["log_pi"] is not None:
+        args["log_pi"] = args["log_pi"].to(DEVICE)
+    with pytest.raises(exc, match=match):
+        KN.hajek_attention(**args)
+
+
+# ----------------------------------------------------------------------------- real GPU
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available() or KN.INTERPRETED,
+                         reason="needs a CUDA device and the compiled (not interpreted) kernel")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_realistic_decode(dtype):
+    """b=2, h_q=32, h_kv=8, d=128, n=5000 ragged, default block and split choice, against the
+    oracle and kvcert.fast."""
+    fast = pytest.importorskip("kvcert.fast")
+    q, k, v, pi = _make_case(0, 2, 8, 4, 5000, 128, 128, dtype, pad="ragged")
+    est = KN.hajek_attention(q, k, v, pi)
+    assert_matches_oracle(est, q, k, v, pi, dtype)
+    assert_matches_oracle(est, q, k, v, pi, dtype, other=fast.hajek_attention(q, k, v, pi))
+    est_log = KN.hajek_attention(q, k, v, log_pi=torch.log(pi), num_splits=7, block_n=32)
+    assert_matches_oracle(est_log, q, k, v, pi, dtype, block_n=32)
+
+
+# ----------------------------------------------------------------------------- benchmark script
+
+def test_gpu_benchmark_dry_run(tmp_path):
+    """benchmarks/gpu_decode.py runs every code path at tiny sizes and writes its JSON."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_decode.py"
+    spec = importlib.util.spec_from_file_location("gpu_decode", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "dry.json"
+    mod.main(["--dry-run", "--device", DEVICE, "--batch", "1", "--kept", "40", "--out", str(out)])
+    rep = json.loads(out.read_text())
+    assert rep["dry_run"] and rep["summary"]["correctness_ok"] is True
+    assert rep["summary"]["correctness_cases"] == 12 and len(rep["timings"]) == 1 and rep["tuning"]
+    res = rep["timings"][0]["results"]
+    for name in ("hajek", "hajek_nocert", "sdpa_mask[auto]", "sdpa_nomask[auto]"):
+        assert res[name]["median_ms"] > 0 and res[name]["q20_ms"] <= res[name]["q80_ms"], name
+    t = rep["targets"][0]
+    assert t["fastest_sdpa"].startswith("sdpa") and t["throughput_vs_fastest_sdpa"] > 0
+    assert rep["measured_on_gpu"] == (DEVICE == "cuda")
+
+
+@pytest.mark.slow
+def test_compiles_for_sm90_without_a_gpu():
+    """The compiled (non-interpreted) kernels lower to sm_90 cubins: the interpreter cannot catch
+    type or layout errors of the compiled path. Runs in a subprocess without TRITON_INTERPRET."""
+    import json
+    import subprocess
+    import sys
+
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this triton wheel ships no ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "kvcert.kernels.aot", "--dtype", "bf16"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)["kernels"]
+    assert len(rows) == 4 and all(r["ok"] for r in rows), rows
