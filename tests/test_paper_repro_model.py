@@ -1,0 +1,53 @@
+"""The real-model parts of paper_repro: capture of q/k/v and the T2 replay (small sizes)."""
+
+import numpy as np
+import pytest
+import torch
+from model_fixtures import smollm2  # noqa: F401
+
+from paper_repro import replay
+from paper_repro.common import Config
+from paper_repro.realmodel import Captured, capture, haystack_ids
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def captured(smollm2):  # noqa: F811
+    model, tokenizer = smollm2
+    ids = haystack_ids(tokenizer, 256 + 32, seed=0)
+    with torch.no_grad():
+        plain = model(input_ids=ids, use_cache=False).logits
+    cap = capture(model, ids)
+    with torch.no_grad():
+        after = model(input_ids=ids, use_cache=False).logits
+    return model, ids, cap, plain, after
+
+
+def test_capture_leaves_the_model_unchanged(captured):
+    model, ids, cap, plain, after = captured
+    assert model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(after, plain, rtol=0, atol=0)
+    cfg = model.config
+    assert cap.layers == cfg.num_hidden_layers
+    assert cap.queries[0].shape == (cfg.num_attention_heads, ids.shape[1], cfg.head_dim)
+    assert cap.keys[0].shape == (cfg.num_key_value_heads, ids.shape[1], cfg.head_dim)
+    assert cap.scaling == pytest.approx(cfg.head_dim ** -0.5)
+
+
+def test_replay_tiny(captured):
+    _, _, full, _, _ = captured
+    cap = Captured(full.queries[:3], full.keys[:3], full.values[:3], full.scaling)  # 3 layers: quick
+    cfg = Config(quick=True, context=256, budgets=(0.5,), progress=False)
+    t2, t2b, raw = replay.run(cfg, cap)
+    cells = raw["cells"][0.5, "paper"]
+    # layers x 9 query heads x 4 future query positions
+    assert len(cells) == 3 * cap.queries[0].shape[0] * 4
+    for row in t2.rows:
+        assert 0.0 <= row["worst_decile"] <= row["coverage"] <= 1.0
+    methods = {r["method"] for r in t2b.rows}
+    assert {"poisson_paper", "snapkv", "h2o", "tova", "knorm", "streaming_llm", "random"} <= methods
+    # Hajek with every token certain would be exact: the realized errors here are positive but
+    # finite, and the radius is 0 only where the error is 0 (certain cells)
+    err, radius, _ = cells[0]
+    assert np.all(np.isfinite(err)) and np.all(np.isfinite(radius["chebyshev", 0.05]))
