@@ -37,6 +37,8 @@ _LAZY = {
     "KNormPress": "kvcert.presses",
     "RandomPress": "kvcert.presses",
     "PRESSES": "kvcert.presses",
+    "Certificates": "kvcert.attention",
+    "KVCertCache": "kvcert.cache",
     "generate": "kvcert.generation",
     "GenerationResult": "kvcert.generation",
 }

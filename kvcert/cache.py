@@ -1,0 +1,321 @@
+"""A transformers cache layer that keeps log pi beside keys and values.
+
+:class:`KVCertLayer` is a ``DynamicLayer`` (transformers 5.x ``cache_utils``)
+with three extra per-slot tensors, modelled on ``DynamicIndexedLayer``:
+
+- ``log_weights`` (b, h_kv, m) float32 (float64 for a float64 model): log pi_i, the log of the probability
+  that slot i survived every eviction event so far (0 for tokens never
+  sampled, -inf for padding slots: left padding of a batch, or the slots that
+  pad heads with fewer kept tokens to a common length m);
+- ``positions`` (b, h_kv, m) int64: the token's position in its own sequence
+  (the RoPE position: left padding is not counted), -1 on padding;
+- ``next_position`` (b,): the position the next token of each row takes.
+
+After an eviction the cache is shorter than the sequence. The layer then
+reports two lengths, as the transformers mask code expects:
+:meth:`get_seq_length` is the *logical* length (tokens seen, the columns of
+the 2-D attention mask, what ``generate`` and the default position ids
+count), :meth:`get_mask_sizes` the *physical* one (slots held, what a mask
+over the keys must cover). Layers may hold different physical lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+__all__ = ["KVCertLayer", "KVCertCache", "as_kvcert_cache"]
+
+
+class KVCertLayer(DynamicLayer):
+    """One layer of a compressible KV cache with inclusion probabilities.
+
+    New tokens enter with pi = 1 (``log_weights`` 0). A compression replaces
+    the slots with :meth:`replace`, whose ``log_weights`` compose over
+    repeated events: a token kept with probability pi_1 at the first event and
+    pi_2 at the second carries log pi_1 + log pi_2.
+    """
+
+    is_croppable = True
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.log_weights: torch.Tensor | None = None
+        self.stat_dtype = torch.float32
+        self.positions: torch.Tensor | None = None
+        self.next_position: torch.Tensor | None = None
+        self.cumulative_length = 0
+        #: physical length before the last :meth:`update` (0 means that update was a prefill)
+        self.length_before_update = 0
+        #: eviction events so far (part of the seed of each event's design)
+        self.events = 0
+        #: decoded tokens since the last eviction event (decode-time compression)
+        self.tokens_since_event = 0
+        #: recent queries (b, h_q, w, d) for scorers at decode-time events, or None
+        self.queries: torch.Tensor | None = None
+        #: (b,) float64 budget of each row's prefill event (NaN: none), the target of later events
+        self.budgets: torch.Tensor | None = None
+
+    # -- transformers interface ---------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        b, h = key_states.shape[0], key_states.shape[1]
+        # log pi in float32 (float64 for a float64 model, so a float64 run stays an oracle)
+        self.stat_dtype = torch.float64 if key_states.dtype == torch.float64 else torch.float32
+        self.log_weights = torch.zeros(b, h, 0, dtype=self.stat_dtype, device=self.device)
+        self.positions = torch.zeros(b, h, 0, dtype=torch.int64, device=self.device)
+        self.next_position = torch.zeros(b, dtype=torch.int64, device=self.device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append new tokens (pi = 1) and return all keys and values held."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, h, q = key_states.shape[0], key_states.shape[1], key_states.shape[-2]
+        self.length_before_update = self.physical_length
+        if self.keys.numel() == 0:
+            self.keys, self.values = key_states, value_states
+        else:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+        new_pos = self.next_position[:, None, None] + torch.arange(q, device=self.device)
+        self.positions = torch.cat([self.positions, new_pos.expand(b, h, q)], dim=-1)
+        self.log_weights = torch.cat(
+            [self.log_weights, torch.zeros(b, h, q, dtype=self.stat_dtype, device=self.device)], dim=-1
+        )
+        self.next_position = self.next_position + q
+        self.cumulative_length += q
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        """Logical length: the number of tokens (padding included) the layer has seen."""
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        """Physical (kv_length, kv_offset) of a mask over the held slots plus the new tokens."""
+        if isinstance(query_length, torch.Tensor):  # transformers < 5.3 passes cache_position
+            query_length = query_length.shape[-1]
+        return self.physical_length + int(query_length), 0
+
+    def reset(self) -> None:
+        # dropped, not zeroed (update grows by concatenation); not delegated, as transformers
+        # versions differ in what DynamicLayer.reset keeps
+        self.keys = self.values = None
+        self.is_initialized = False
+        self.log_weights = self.positions = self.next_position = self.queries = self.budgets = None
+        self.cumulative_length = self.length_before_update = self.events = self.tokens_since_event = 0
+
+    def offload(self):
+        super().offload()
+        if self.is_initialized:
+            self.log_weights = self.log_weights.to("cpu", non_blocking=True)
+            self.positions = self.positions.to("cpu", non_blocking=True)
+
+    def prefetch(self):
+        super().prefetch()
+        if self.is_initialized and self.log_weights.device != self.device:
+            self.log_weights = self.log_weights.to(self.device, non_blocking=True)
+            self.positions = self.positions.to(self.device, non_blocking=True)
+
+    def _map_batch(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        self.keys, self.values = fn(self.keys), fn(self.values)
+        self.log_weights, self.positions = fn(self.log_weights), fn(self.positions)
+        self.next_position = fn(self.next_position)
+        if self.queries is not None:
+            self.queries = fn(self.queries)
+        if self.budgets is not None:
+            self.budgets = fn(self.budgets)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda x: x[indices, ...])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens of every row (as ``DynamicLayer.crop``)."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"tokens_to_remove must be <= 0 (the number of tokens to drop, negated), got {tokens_to_remove}"
+            )
+        k = -int(tokens_to_remove)
+        if k == 0 or not self.is_initialized:
+            return
+        if k > self.cumulative_length:
+            raise ValueError(f"cannot crop {k} tokens from a layer that has seen {self.cumulative_length}")
+        self.next_position = (self.next_position - k).clamp_min(0)
+        drop = self.positions >= self.next_position[:, None, None]
+        self.log_weights = self.log_weights.masked_fill(drop, float("-inf"))
+        self.positions = self.positions.masked_fill(drop, -1)
+        self.cumulative_length -= k
+        self._trim()
+
+    # -- kvcert interface ---------------------------------------------------------------
+    @property
+    def physical_length(self) -> int:
+        """Number of slots held (padding slots included)."""
+        if not self.is_initialized or self.keys.numel() == 0:
+            return 0
+        return self.keys.shape[-2]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """(b, h_kv, m) bool: slots that hold a token (log pi > -inf)."""
+        return self.log_weights > float("-inf")
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """(b, h_kv) int64: tokens held per KV head."""
+        return self.valid.sum(-1)
+
+    @property
+    def pi(self) -> torch.Tensor:
+        """(b, h_kv, m) inclusion probabilities, 0 on padding."""
+        return self.log_weights.exp()
+
+    def mark_padding(self, real: torch.Tensor) -> None:
+        """Mark which of the tokens of the last :meth:`update` are real.
+
+        ``real`` (b, q) bool (True = a token, False = padding, as in the
+        2-D attention mask). Padding gets log pi = -inf and position -1;
+        the real tokens are renumbered so that positions count real tokens
+        only (the RoPE positions ``generate`` uses with left padding).
+        """
+        q = self.physical_length - self.length_before_update
+        if real.dim() != 2 or real.shape[0] != self.keys.shape[0] or real.shape[1] != q:
+            raise ValueError(
+                f"real must have shape (b, q) = ({self.keys.shape[0]}, {q}), got {tuple(real.shape)}"
+            )
+        real = real.to(device=self.device, dtype=torch.bool)
+        if bool(real.all()):
+            return
+        start = self.next_position - q  # positions of the new tokens began here
+        new_pos = start[:, None] + real.long().cumsum(-1) - 1
+        new_pos = new_pos.masked_fill(~real, -1)
+        pad = torch.zeros(real.shape[0], self.physical_length, dtype=torch.bool, device=self.device)
+        pad[:, -q:] = ~real
+        positions = self.positions.clone()
+        positions[..., -q:] = new_pos[:, None, :]
+        self.positions = positions
+        self.log_weights = self.log_weights.masked_fill(pad[:, None, :], float("-inf"))
+        # padding K/V are never read (log pi = -inf); zero them so they stay finite whatever the model put there
+        self.keys = self.keys.masked_fill(pad[:, None, :, None], 0.0)
+        self.values = self.values.masked_fill(pad[:, None, :, None], 0.0)
+        self.next_position = start + real.sum(-1)
+
+    def replace(self, keys: torch.Tensor, values: torch.Tensor, log_weights: torch.Tensor,
+                positions: torch.Tensor) -> None:
+        """Install a compressed state (every tensor padded to a common length m)."""
+        b, h, m = log_weights.shape
+        if keys.shape[:3] != (b, h, m) or values.shape[:3] != (b, h, m) or positions.shape != (b, h, m):
+            raise ValueError(
+                f"keys, values, positions must share the leading shape (b, h_kv, m) = {(b, h, m)} of log_weights; "
+                f"got {tuple(keys.shape)}, {tuple(values.shape)}, {tuple(positions.shape)}"
+            )
+        self.keys, self.values = keys, values
+        self.log_weights = log_weights.to(self.stat_dtype)
+        self.positions = positions.to(torch.int64)
+        self._trim()
+
+    def remember_queries(self, queries: torch.Tensor, window: int) -> None:
+        """Keep the last ``window`` queries (b, h_q, t, d) for decode-time scorers."""
+        q = queries.detach()
+        if self.queries is not None and self.queries.shape[:2] == q.shape[:2]:
+            q = torch.cat([self.queries, q], dim=2)
+        self.queries = q[:, :, -window:]
+
+    def _trim(self) -> None:
+        """Drop trailing slots that are padding in every row and head."""
+        if self.physical_length == 0:
+            return
+        any_valid = self.valid.flatten(0, 1).any(0)
+        idx = torch.nonzero(any_valid)
+        m = int(idx[-1]) + 1 if idx.numel() else 0
+        if m < self.physical_length:
+            self.keys, self.values = self.keys[..., :m, :], self.values[..., :m, :]
+            self.log_weights, self.positions = self.log_weights[..., :m], self.positions[..., :m]
+
+
+class KVCertCache(DynamicCache):
+    """A ``DynamicCache`` whose layers are :class:`KVCertLayer`.
+
+    Pass it as ``cache=`` (``past_key_values=``) to a model or to ``generate``;
+    the presses also convert a fresh ``DynamicCache`` in place
+    (:func:`as_kvcert_cache`), so passing nothing works too.
+
+    Parameters
+    ----------
+    config : transformers.PretrainedConfig, optional
+        If given, one layer per decoder layer is created up front (and
+        sliding-window or linear-attention configs are refused); otherwise
+        layers are added lazily.
+    """
+
+    def __init__(self, config=None):
+        if config is None:
+            Cache.__init__(self, layer_class_to_replicate=KVCertLayer)
+            return
+        _check_full_attention(config)
+        n = config.get_text_config(decoder=True).num_hidden_layers
+        Cache.__init__(self, layers=[KVCertLayer() for _ in range(n)])
+
+
+def _check_full_attention(config) -> None:
+    text = config.get_text_config(decoder=True)
+    types = getattr(text, "layer_types", None)
+    if types:
+        other = sorted({t for t in types if t != "full_attention"})
+    else:
+        sliding = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
+        other = ["sliding_attention"] if sliding else []
+    if other:
+        raise ValueError(
+            f"kvcert compresses full-attention layers only; this model has layer types {other} "
+            "(sliding-window, chunked or linear attention layers are not supported)"
+        )
+
+
+def as_kvcert_cache(cache: Cache) -> Cache:
+    """Make every layer of ``cache`` a :class:`KVCertLayer`, in place.
+
+    Fresh ``DynamicLayer`` layers are replaced; layers that already hold
+    tokens are converted with pi = 1 for every token (no padding known).
+    The same object is returned, so a caller that holds it (``generate``)
+    keeps a valid reference.
+
+    Raises
+    ------
+    TypeError
+        ``cache`` is not a ``transformers.Cache``.
+    ValueError
+        A layer is not a plain dynamic full-attention layer (static,
+        sliding-window, quantized, offloaded, linear attention).
+    """
+    if not isinstance(cache, Cache):
+        raise TypeError(f"cache must be a transformers Cache, got {type(cache).__name__}")
+    if getattr(cache, "offloading", False):
+        raise ValueError("cache: offloaded caches are not supported by kvcert (use offloading=False)")
+    if cache.layer_class_to_replicate is not None and cache.layer_class_to_replicate is not KVCertLayer:
+        if cache.layer_class_to_replicate is not DynamicLayer:
+            raise ValueError(
+                f"cache: layers of type {cache.layer_class_to_replicate.__name__} cannot carry inclusion "
+                "probabilities; use a DynamicCache or kvcert.cache.KVCertCache"
+            )
+        cache.layer_class_to_replicate = KVCertLayer
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, KVCertLayer):
+            continue
+        if type(layer) is not DynamicLayer:
+            raise ValueError(
+                f"cache: layer {i} is a {type(layer).__name__}; kvcert supports dynamic full-attention layers "
+                "only (DynamicCache or kvcert.cache.KVCertCache)"
+            )
+        new = KVCertLayer()
+        if layer.get_seq_length() > 0:
+            new.update(layer.keys, layer.values)
+        cache.layers[i] = new
+    return cache

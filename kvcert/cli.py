@@ -1,0 +1,196 @@
+"""The ``kvcert`` command line.
+
+::
+
+    kvcert generate --prompt "..." --press poisson --compression-ratio 0.5 --max-new-tokens 32
+    kvcert generate --prompt-file long.txt --json
+    kvcert repro --quick             # forwards to python -m paper_repro
+
+``generate`` loads the model (default: SmolLM2-135M-Instruct, offline),
+generates under the chosen press and prints the answer with a certificate
+summary: per layer, the min / median / max relative radius over the decoding
+steps and query heads, and the mean number of kept tokens. ``--json`` prints
+one JSON object instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+
+__all__ = ["main", "build_parser"]
+
+_PRESS_NAMES = ("poisson", "snapkv", "h2o", "streaming_llm", "tova", "knorm", "random")
+_KINDS = ("chebyshev", "wald", "chi2", "bernstein")
+_SCORERS = ("snapkv", "h2o", "tova", "knorm", "streaming_llm", "random")
+
+#: options that set a press field of the same name
+_PRESS_OPTIONS = ("compression_ratio", "target_size", "compression_interval", "sinks", "window", "top_fraction",
+                  "floor", "scorer", "seed", "delta", "kind", "observation_window")
+
+
+class UsageError(Exception):
+    """A bad command-line argument (printed as one line, exit status 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of usage + message
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="kvcert",
+        description="Randomized KV-cache eviction with error certificates (Poisson sampling + Hajek attention).",
+        epilog="Run 'kvcert generate --help' or 'kvcert repro --help' for the options of each command.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="{generate,repro}", parser_class=_Parser)
+    g = sub.add_parser(
+        "generate",
+        help="generate text under a press and print its certificates",
+        description=(
+            "Generate a continuation under a KV-cache press and print the answer with a certificate "
+            "summary (per layer: min / median / max relative radius of the attention outputs over the "
+            "decoding steps and query heads, and the kept tokens). The prefill is exact attention; each "
+            "layer is compressed right after it; decoding uses the Hajek-corrected attention."
+        ),
+    )
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a file ('-' for stdin)")
+    g.add_argument("--model", default="smollm2",
+                   help="'smollm2' (default: built in, offline), a .gguf file, a local HF folder or a hub name")
+    g.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"),
+                   help="exact attention used for the prefill (default sdpa)")
+    g.add_argument("--press", default="poisson", choices=_PRESS_NAMES, help="compression policy (default poisson)")
+    g.add_argument("--compression-ratio", type=float, default=None,
+                   help="fraction of the prompt's tokens removed (default 0.5 when no --target-size)")
+    g.add_argument("--target-size", type=int, default=None, help="keep this many tokens per head instead")
+    g.add_argument("--compression-interval", type=int, default=None,
+                   help="also compress every N decoded tokens back to the target size")
+    g.add_argument("--sinks", type=int, default=None, help="first tokens always kept (press default 4)")
+    g.add_argument("--window", type=int, default=None, help="recent tokens always kept (press default 32)")
+    g.add_argument("--top-fraction", type=float, default=None,
+                   help="poisson: share of the free budget kept by importance (default 0.5)")
+    g.add_argument("--floor", type=float, default=None, help="poisson: defensive mixture weight (default 0.1)")
+    g.add_argument("--scorer", default=None, choices=_SCORERS, help="poisson: importance scorer (default snapkv)")
+    g.add_argument("--observation-window", type=int, default=None,
+                   help="queries the snapkv/tova/h2o scorers look at (default 32)")
+    g.add_argument("--seed", type=int, default=None, help="poisson/random: seed of the sampling design (default 0)")
+    g.add_argument("--delta", type=float, default=None, help="certificate miscoverage (default 0.05)")
+    g.add_argument("--kind", default=None, choices=_KINDS, help="certificate kind (default chebyshev)")
+    g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --sample; default 1.0; the sampling seed is --seed)")
+    g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as is (no chat template)")
+    g.add_argument("--system", default=None, help="system message for the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, certificates)")
+    g.add_argument("--full", action="store_true",
+                   help="with --json: include every per-step, per-layer, per-head value")
+    g.add_argument("--progress", dest="progress", action="store_true", default=None,
+                   help="progress bars for prefill and decoding (default: when stderr is a terminal)")
+    g.add_argument("--no-progress", dest="progress", action="store_false")
+    sub.add_parser("repro", help="regenerate the paper's tables (forwards to python -m paper_repro)",
+                   add_help=False)
+    return p
+
+
+def _read_prompt(args) -> str:
+    if args.prompt is not None:
+        text = args.prompt
+    elif args.prompt_file == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise UsageError(f"--prompt-file: cannot read {args.prompt_file!r}: {e.strerror}") from None
+    if not text.strip():
+        raise UsageError("the prompt is empty")
+    return text
+
+
+def make_press(args):
+    """The press the options describe (UsageError for options that do not apply)."""
+    from .presses import PRESSES
+
+    cls = PRESSES[args.press]
+    names = {f.name for f in fields(cls)}
+    kwargs = {}
+    for name in _PRESS_OPTIONS:
+        value = getattr(args, name)
+        if value is None:
+            continue
+        if name not in names:
+            raise UsageError(f"--{name.replace('_', '-')} does not apply to --press {args.press}")
+        kwargs[name] = value
+    if "compression_ratio" not in kwargs and "target_size" not in kwargs:
+        kwargs["compression_ratio"] = 0.5
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
+
+
+def _generate(args) -> int:
+    press = make_press(args)
+    prompt = _read_prompt(args)
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.full and not args.json:
+        raise UsageError("--full needs --json")
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+
+    from . import generation, models
+    from ._cli_render import render_json, render_text
+
+    try:
+        model, tokenizer = models.load_model(args.model, attn_implementation=args.attn)
+    except (ImportError, ValueError, OSError) as e:
+        print(f"kvcert: error: {' '.join(str(e).split())}", file=sys.stderr)  # one line
+        return 1
+    result = generation.generate(
+        model, tokenizer, prompt, press=press, max_new_tokens=args.max_new_tokens,
+        do_sample=args.sample, temperature=args.temperature, sample_seed=0 if args.seed is None else args.seed,
+        chat_template=False if args.no_chat_template else None, system_prompt=args.system,
+        progress=progress,
+    )
+    if args.json:
+        print(json.dumps(render_json(result, full=args.full)))
+    else:
+        render_text(result)
+    return 0
+
+
+def _repro(argv: list[str]) -> int:
+    try:
+        from paper_repro.__main__ import main as repro_main
+    except ImportError as e:
+        print(f"kvcert: error: the paper reproduction is not available ({e}); run it from a source checkout",
+              file=sys.stderr)
+        return 1
+    return int(repro_main(argv) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``kvcert`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "repro":
+        return _repro(argv[1:])
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        return _generate(args)
+    except UsageError as e:
+        print(f"kvcert: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

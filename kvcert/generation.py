@@ -1,0 +1,330 @@
+"""``kvcert.generate``: text generation under a press, with per-step certificates.
+
+One prefill over the whole prompt (exact attention; the press compresses each
+layer right after it), then one forward per generated token over the
+compressed cache with the Hajek-corrected attention. Every forward records a
+certificate per layer and query head (:class:`kvcert.attention.Certificates`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention import Certificates
+
+__all__ = ["GenerationResult", "generate", "encode_prompts"]
+
+
+@dataclass
+class GenerationResult:
+    """Output of :func:`generate`.
+
+    For a single prompt (a ``str``) every field is for that prompt; for a
+    list of prompts every field is a list with one entry per prompt.
+
+    Attributes
+    ----------
+    text : str or list[str]
+        The generated continuation (special tokens removed).
+    token_ids : list[int] or list[list[int]]
+        Generated token ids (the EOS token included when it ended the text).
+    logprobs : tensor (steps,) or list of tensors
+        log p(token) of each generated token under the model run with the press.
+    certificates : Certificates or list[Certificates] or None
+        Per step x layer x query head: ``radius``, ``relative_radius``,
+        ``trace``, ``kept`` (tensors (steps, layers, heads)). Step s is the
+        forward that produced token s (step 0: the exact prefill).
+        ``certificates.per_step()`` is the documented aggregate, the mean
+        relative radius over layers and heads. None without a press.
+    prompt_tokens : int or list[int]
+        Prompt length in tokens (chat template included, padding excluded).
+    timings : dict
+        ``prefill_s``, ``decode_s`` (wall seconds), ``decode_tokens_per_s``.
+    press : str
+        ``repr`` of the press (or "none").
+    """
+
+    text: str | list[str]
+    token_ids: list
+    logprobs: torch.Tensor | list
+    certificates: Certificates | list | None
+    prompt_tokens: int | list[int]
+    timings: dict = field(default_factory=dict)
+    press: str = "none"
+
+    def summary(self) -> dict:
+        """Compact JSON-ready summary (one prompt): tokens, timings, and the
+        certificate aggregates (mean / median / max relative radius over the
+        decoding steps, layers and heads; mean kept tokens)."""
+        if isinstance(self.text, list):
+            raise TypeError("summary() is per prompt; for a batch call it on each of result.rows()")
+        out = {
+            "press": self.press,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": len(self.token_ids),
+            "timings": dict(self.timings),
+        }
+        c = self.certificates
+        if c is not None:
+            rel = c.relative_radius[1:] if c.relative_radius.shape[0] > 1 else c.relative_radius
+            rel = rel.to(torch.float64)
+            out["certificate"] = {
+                "kind": c.kind,
+                "delta": c.delta,
+                "decode_steps": int(rel.shape[0]) if c.relative_radius.shape[0] > 1 else 0,
+                "mean_relative_radius": float(rel.mean()),
+                "median_relative_radius": float(rel.median()),
+                "max_relative_radius": float(rel.max()),
+                "mean_kept": float(c.kept[-1].to(torch.float64).mean()),
+            }
+        return out
+
+    def rows(self) -> list["GenerationResult"]:
+        """One single-prompt result per prompt (a single result gives [self])."""
+        if not isinstance(self.text, list):
+            return [self]
+        n = len(self.text)
+        return [
+            GenerationResult(self.text[i], self.token_ids[i], self.logprobs[i],
+                             None if self.certificates is None else self.certificates[i],
+                             self.prompt_tokens[i], dict(self.timings), self.press)
+            for i in range(n)
+        ]
+
+
+def encode_prompts(tokenizer, prompts: list[str], *, chat_template: bool | None = None,
+                   system_prompt: str | None = None):
+    """Tokenize prompts, left-padded, through the chat template when there is one.
+
+    Returns ``(input_ids, attention_mask)`` tensors of shape (b, n).
+    """
+    use_chat = getattr(tokenizer, "chat_template", None) is not None if chat_template is None else chat_template
+    if use_chat and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("chat_template=True but the tokenizer has no chat template")
+    if use_chat:
+        texts = []
+        for p in prompts:
+            messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+                {"role": "user", "content": p}
+            ]
+            texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        add_special = False
+    else:
+        texts, add_special = list(prompts), True
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
+                    add_special_tokens=add_special)
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(e, int):
+            ids.add(e)
+        elif isinstance(e, (list, tuple)):
+            ids.update(int(x) for x in e)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+class _LayerProgress:
+    """A tqdm bar advanced by each decoder layer of one forward (prefill progress)."""
+
+    def __init__(self, model, desc: str):
+        from tqdm.auto import tqdm
+
+        self.layers = [m for m in model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
+        self.bar = tqdm(total=len(self.layers), desc=desc, unit="layer", leave=False)
+        self.handles = [m.register_forward_hook(self._tick) for m in self.layers]
+
+    def _tick(self, *args) -> None:  # must return None: a forward hook's return value replaces the output
+        self.bar.update(1)
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+        self.bar.close()
+
+
+def generate(
+    model,
+    tokenizer,
+    prompt: str | list[str],
+    press=None,
+    max_new_tokens: int = 32,
+    *,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    sample_seed: int = 0,
+    chat_template: bool | None = None,
+    system_prompt: str | None = None,
+    stop_at_eos: bool = True,
+    progress: bool | None = False,
+) -> GenerationResult:
+    r"""Generate text with a press, recording per-step certificates.
+
+    Greedy decoding by default. Under ``press`` the prefill is exact
+    attention over the whole prompt, each layer is compressed right after it,
+    and every later token attends over the kept tokens with the Hajek
+    estimate
+
+    .. math:: \hat o = \sum_{i\in S} a_i v_i, \qquad
+              a_i = \operatorname{softmax}_S(\tau\, q\cdot k_i - \log\pi_i),
+
+    whose certificate (radius on :math:`\lVert \hat o - o \rVert_2` at level
+    1 - delta, per layer and query head) is recorded at every step.
+
+    Parameters
+    ----------
+    model : transformers causal LM (Llama/Qwen/Mistral-style attention)
+    tokenizer : its tokenizer
+    prompt : str or list[str]
+        One prompt, or a batch (left-padded; padded slots never enter the
+        cache as tokens).
+    press : kvcert press, optional
+        E.g. ``kvcert.PoissonPress(compression_ratio=0.5, seed=0)``. None runs
+        the plain model (no compression, no certificates).
+    max_new_tokens : int >= 1
+    do_sample : bool
+        Sample with ``temperature`` from a generator seeded by
+        ``sample_seed`` instead of greedy argmax.
+    chat_template : bool, optional
+        Wrap each prompt as a user message in the tokenizer's chat template
+        (default: when the tokenizer has one).
+    system_prompt : str, optional
+        A system message for the chat template.
+    stop_at_eos : bool
+        Stop a sequence at its first EOS token.
+    progress : bool
+        Progress bars for the prefill (per layer) and the decoding steps.
+
+    Returns
+    -------
+    GenerationResult
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad prompt, press or sampling arguments.
+
+    Examples
+    --------
+    >>> import kvcert                                                   # doctest: +SKIP
+    >>> model, tok = kvcert.load_model()                                # doctest: +SKIP
+    >>> press = kvcert.PoissonPress(compression_ratio=0.5, seed=0)      # doctest: +SKIP
+    >>> r = kvcert.generate(model, tok, "What is 2 + 2?", press=press)  # doctest: +SKIP
+    >>> r.certificates.per_step()   # mean relative radius per step     # doctest: +SKIP
+    """
+    from .presses import BasePress
+
+    single = isinstance(prompt, str)
+    prompts = [prompt] if single else prompt
+    if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise TypeError("prompt must be a str or a non-empty list of str")
+    if any(not p for p in prompts):
+        raise ValueError("prompt: empty prompts cannot be generated from")
+    if press is not None and not isinstance(press, BasePress):
+        raise TypeError(f"press must be a kvcert press (e.g. kvcert.PoissonPress), got {type(press).__name__}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if do_sample and not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"temperature must be a float > 0 when sampling, got {temperature!r}")
+
+    device = next(model.parameters()).device
+    input_ids, attention_mask = encode_prompts(tokenizer, list(prompts), chat_template=chat_template,
+                                               system_prompt=system_prompt)
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    b = input_ids.shape[0]
+    prompt_tokens = attention_mask.sum(-1).tolist()
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    eos = _eos_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
+    gen = torch.Generator(device="cpu").manual_seed(int(sample_seed)) if do_sample else None
+    params = inspect.signature(model.forward).parameters
+    fwd_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def pick(logits):
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        if do_sample:
+            probs = torch.softmax(logits.float() / temperature, dim=-1).cpu()
+            tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1).to(device)
+        else:
+            tok = logp.argmax(-1)
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+    context = press(model) if press is not None else contextlib.nullcontext()
+    tokens, logps = [], []
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    lengths = [0] * b
+    timings = {}
+    with torch.no_grad(), context:
+        t0 = time.perf_counter()
+        bar = _LayerProgress(model, "prefill") if progress else None
+        try:
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        use_cache=True, **fwd_kwargs)
+        finally:
+            if bar is not None:
+                bar.close()
+        cache = getattr(out, cache_kw, None)
+        timings["prefill_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        steps = range(max_new_tokens)
+        if progress:
+            from tqdm.auto import tqdm
+
+            steps = tqdm(steps, desc="decode", unit="tok", leave=False)
+        next_pos = position_ids[:, -1]
+        for step in steps:
+            tok, lp = pick(out.logits[:, -1])
+            tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+            tokens.append(tok)
+            logps.append(lp)
+            for i in range(b):
+                if not bool(done[i]):
+                    lengths[i] += 1
+            if stop_at_eos and eos:
+                done = done | torch.isin(tok, torch.tensor(sorted(eos), device=device))
+            if bool(done.all()) or step == max_new_tokens - 1:
+                break
+            next_pos = next_pos + 1
+            attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=-1)
+            out = model(input_ids=tok[:, None], attention_mask=attention_mask, position_ids=next_pos[:, None],
+                        use_cache=True, **{cache_kw: cache}, **fwd_kwargs)
+            cache = getattr(out, cache_kw, None)
+        if progress:
+            steps.close()
+        timings["decode_s"] = time.perf_counter() - t1
+    n_dec = max(len(tokens) - 1, 0)
+    timings["decode_tokens_per_s"] = n_dec / timings["decode_s"] if timings["decode_s"] > 0 and n_dec else 0.0
+
+    ids = torch.stack(tokens, dim=1).cpu()  # (b, steps)
+    lps = torch.stack(logps, dim=1).cpu()
+    certs = press.certificates if press is not None else None
+    texts, id_lists, lp_list, cert_list = [], [], [], []
+    for i in range(b):
+        row = ids[i, : lengths[i]].tolist()
+        id_lists.append(row)
+        lp_list.append(lps[i, : lengths[i]])
+        texts.append(tokenizer.decode(row, skip_special_tokens=True))
+        if certs is not None:
+            ci = certs[i]
+            cert_list.append(Certificates(ci.kind, ci.delta, ci.radius[: lengths[i]],
+                                          ci.relative_radius[: lengths[i]], ci.trace[: lengths[i]],
+                                          ci.kept[: lengths[i]]))
+    if single:
+        return GenerationResult(texts[0], id_lists[0], lp_list[0], cert_list[0] if certs is not None else None,
+                                int(prompt_tokens[0]), timings, repr(press) if press is not None else "none")
+    return GenerationResult(texts, id_lists, lp_list, cert_list if certs is not None else None,
+                            [int(x) for x in prompt_tokens], timings,
+                            repr(press) if press is not None else "none")

