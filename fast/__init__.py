@@ -1,1 +1,42 @@
-"""kvcert.fast: batched PyTorch backend (CPU/GPU). See DESIGN.md section 3."""
+"""kvcert.fast: batched PyTorch backend (CPU/GPU). See DESIGN.md section 3.
+
+Same contract names as ``kvcert.reference`` for batched tensors: q (b, h_q, d)
+or (b, h_q, t, d), keys/values (b, h_kv, n, d), pi (b, h_kv, n) with 0 on
+padding, GQA by h_q = g * h_kv. Never imports ``kvcert.reference`` or
+transformers.
+"""
+
+from . import scorers
+from .estimators import attention, clear_workspace, hajek_attention, value_moments
+from .certificates import KINDS, certificate, radius_from_moments
+from .design import (
+    budget_from_fraction,
+    certainty_mask,
+    design_uniforms,
+    edge_mask,
+    inclusion_probabilities,
+    poisson_sample,
+    splitmix64,
+)
+from .eviction import compact, evict, topk_evict
+from .scorers import (
+    SCORERS,
+    h2o_scores,
+    knorm_scores,
+    random_scores,
+    snapkv_scores,
+    streaming_llm_scores,
+    tova_scores,
+)
+from .types import Certificate, CompressedCache, Estimate
+
+__all__ = [
+    "Estimate", "Certificate", "CompressedCache",
+    "attention", "hajek_attention", "value_moments", "clear_workspace",
+    "KINDS", "certificate", "radius_from_moments",
+    "budget_from_fraction", "certainty_mask", "design_uniforms", "edge_mask",
+    "inclusion_probabilities", "poisson_sample", "splitmix64",
+    "compact", "evict", "topk_evict",
+    "scorers", "SCORERS", "h2o_scores", "knorm_scores", "random_scores", "snapkv_scores",
+    "streaming_llm_scores", "tova_scores",
+]

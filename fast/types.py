@@ -27,6 +27,9 @@ class Estimate:
     n_eff    : (...,) float32 Kish effective sample size 1 / sum a_i^2, or None
     max_term : (...,) float32 max over sampled tail tokens of
                max(1 - pi_i, pi_i) a_i ||v_i - o_hat|| (bernstein), or None
+    covariance : (..., dv, dv) float32 Sigma_hat, or None (only on request:
+               ``return_covariance=True`` in kvcert.fast.hajek_attention; the
+               chi2 certificate uses it)
 
     Empty sample (every slot padding): output 0, lse -inf, variance and
     trace +inf (the reference's convention).
@@ -39,6 +42,7 @@ class Estimate:
     lse: torch.Tensor
     n_eff: torch.Tensor | None = None
     max_term: torch.Tensor | None = None
+    covariance: torch.Tensor | None = None
 
 
 @dataclass

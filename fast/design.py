@@ -1,0 +1,514 @@
+"""The sampling design, batched: inclusion probabilities and Poisson sampling.
+
+Torch twin of ``kvcert.reference.design`` for importance tensors of shape
+(b, h_kv, n) (or (h, n), or (n,)): every KV head of every batch row is an
+independent design, solved in one vectorized pass (sort-based exact PPS
+capping, no Python loop over heads). DESIGN.md section 2 has the math.
+
+Random stream (the default of :func:`poisson_sample`)
+-----------------------------------------------------
+A counter-based hash, so draws are replayable, independent per head and
+identical on every device:
+
+- ``mix(x)`` is the SplitMix64 finalizer on 64-bit words (Steele, Lea &
+  Flood 2014): ``x ^= x >> 30; x *= 0xBF58476D1CE4E5B9; x ^= x >> 27;
+  x *= 0x94D049BB133111EB; x ^= x >> 31`` (logical shifts, wrapping products).
+- The stream key of one (seed, layer, batch row, KV head, event) is the chain
+  ``k = mix(seed + G); k = mix(k ^ layer + G); k = mix(k ^ batch + G);
+  k = mix(k ^ kv_head + G); k = mix(k ^ event + G)`` with
+  ``G = 0x9E3779B97F4A7C15`` (the golden-ratio increment), each integer taken
+  modulo 2**64.
+- Token ``i`` (the slot index, or the original position when ``index=`` is
+  given, as :func:`kvcert.fast.evict` does) draws
+  ``U_i = (mix(k + (i + 1) G) >> 11) * 2**-53``, the ``i``-th output of a
+  SplitMix64 generator whose state is the key: a float64 in [0, 1) with 53
+  random bits.
+
+It is a statistical (not cryptographic) generator: SplitMix64 passes BigCrush,
+and distinct tuples give distinct keys with overwhelming probability. The
+NumPy reference uses PCG64 streams instead; to get masks bit-identical to the
+reference pass its uniforms (``uniforms=reference.design_uniforms(...)``).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from ._checks import check_nonneg_int, check_probabilities, check_tensor, stat_dtype
+
+__all__ = [
+    "edge_mask",
+    "certainty_mask",
+    "inclusion_probabilities",
+    "budget_from_fraction",
+    "design_uniforms",
+    "poisson_sample",
+    "splitmix64",
+]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(x: int) -> int:
+    """Python int -> the int64 with the same low 64 bits (two's complement)."""
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN = _i64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio, SplitMix64's increment
+_M1 = _i64(0xBF58476D1CE4E5B9)
+_M2 = _i64(0x94D049BB133111EB)
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 words (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64 finalizer on int64 tensors (bit patterns of uint64 words).
+
+    .. math:: z \\leftarrow (z \\oplus (z \\gg 30))\\,M_1,\\quad
+              z \\leftarrow (z \\oplus (z \\gg 27))\\,M_2,\\quad
+              z \\leftarrow z \\oplus (z \\gg 31) \\pmod{2^{64}}
+    """
+    if x.dtype != torch.int64:
+        raise TypeError(f"x must be an int64 tensor, got dtype {x.dtype}")
+    z = (x ^ _srl(x, 30)) * _M1
+    z = (z ^ _srl(z, 27)) * _M2
+    return z ^ _srl(z, 31)
+
+
+def _leading(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(batch rows, kv heads) of a (..., h, n) / (h, n) / (n,) shape."""
+    if len(shape) == 1:
+        return 1, 1
+    rows = 1
+    for s in shape[:-2]:
+        rows *= s
+    return rows, shape[-2]
+
+
+def _stream_keys(seed: int, layer: int, event: int, rows: int, heads: int, device) -> torch.Tensor:
+    """(rows, heads) int64 stream keys of the chain documented in the module."""
+    base = torch.tensor(_i64(seed + _GOLDEN), dtype=torch.int64, device=device)
+    k = splitmix64(base)
+    k = splitmix64((k ^ _i64(layer)) + _GOLDEN)
+    b = torch.arange(rows, dtype=torch.int64, device=device)[:, None]
+    k = splitmix64((k ^ b) + _GOLDEN)
+    h = torch.arange(heads, dtype=torch.int64, device=device)[None, :]
+    k = splitmix64((k ^ h) + _GOLDEN)
+    return splitmix64((k ^ _i64(event)) + _GOLDEN)
+
+
+def design_uniforms(shape, seed: int, *, layer: int = 0, event: int = 0, index: torch.Tensor | None = None,
+                    device=None) -> torch.Tensor:
+    r"""The uniforms :math:`U_i \in [0, 1)` of the default stream, float64.
+
+    Parameters
+    ----------
+    shape : tuple of int
+        (n,), (h, n) or (..., h, n): the leading dims before the last two are
+        flattened into the batch-row counter, dim -2 is the KV head.
+    seed, layer, event : int >= 0
+    index : int64 tensor of ``shape``, optional
+        Counter of each slot (default: the slot index along the last dim).
+        :func:`kvcert.fast.evict` passes the original token positions, so a
+        token's draw does not depend on where padding sits.
+    device : torch device, optional
+
+    Returns
+    -------
+    U : float64 tensor of ``shape``
+    """
+    shape = tuple(int(s) for s in shape)
+    if len(shape) == 0:
+        raise ValueError("shape must have at least one dim (n,)")
+    seed = check_nonneg_int("seed", seed)
+    layer = check_nonneg_int("layer", layer)
+    event = check_nonneg_int("event", event)
+    rows, heads = _leading(shape)
+    n = shape[-1]
+    if index is not None:
+        index = check_tensor("index", index)
+        if tuple(index.shape) != shape:
+            raise ValueError(f"index must have shape {shape}, got {tuple(index.shape)}")
+        device = index.device
+    keys = _stream_keys(seed, layer, event, rows, heads, device)  # (rows, heads)
+    if index is None:
+        ctr = torch.arange(1, n + 1, dtype=torch.int64, device=device)
+        state = keys[:, :, None] + ctr * _GOLDEN
+    else:
+        ctr = index.reshape(rows, heads, n).to(torch.int64) + 1
+        state = keys[:, :, None] + ctr * _GOLDEN
+    z = splitmix64(state)
+    u = _srl(z, 11).to(torch.float64) * (2.0 ** -53)
+    return u.reshape(shape)
+
+
+def poisson_sample(pi: torch.Tensor, *, seed: int | None = None, generator: torch.Generator | None = None,
+                   uniforms: torch.Tensor | None = None, layer: int = 0, event: int = 0,
+                   index: torch.Tensor | None = None) -> torch.Tensor:
+    r"""Poisson sampling, batched: independent :math:`I_i \sim \mathrm{Bernoulli}(\pi_i)`.
+
+    .. math:: I_i = [U_i < \pi_i], \qquad E|S| = \sum_i \pi_i, \qquad
+              \mathrm{Var}|S| = \sum_i \pi_i (1 - \pi_i),
+
+    so pi = 1 is always kept and pi = 0 (padding) never.
+
+    Parameters
+    ----------
+    pi : tensor (b, h_kv, n), (h, n) or (n,)
+        Inclusion probabilities in [0, 1].
+    seed : int, optional
+        Default stream (module docstring): the uniforms of
+        :func:`design_uniforms` for (seed, layer, batch row, KV head, event).
+    generator : torch.Generator, optional
+        Draw ``torch.rand`` from it instead (not device-agnostic).
+    uniforms : tensor of pi's shape, optional
+        The uniforms themselves, in [0, 1): with
+        ``reference.design_uniforms(n, seed, layer, head, event)`` per slice
+        the mask equals ``reference.poisson_sample`` bit for bit.
+    layer, event : int >= 0
+        Stream coordinates (used with ``seed``).
+    index : int64 tensor of pi's shape, optional
+        Counter of each slot in the default stream (see :func:`design_uniforms`).
+
+    Returns
+    -------
+    keep : bool tensor of pi's shape
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kvcert.fast import poisson_sample
+    >>> keep = poisson_sample(torch.tensor([[1.0, 0.0, 0.5, 0.5]]), seed=0, layer=3)
+    >>> keep.shape, bool(keep[0, 0]), bool(keep[0, 1])
+    (torch.Size([1, 4]), True, False)
+    """
+    pi = check_tensor("pi", pi, floating=True)
+    if pi.ndim == 0:
+        raise ValueError("pi must have shape (n,), (h, n) or (b, h, n), got a scalar")
+    check_probabilities("pi", pi)
+    given = sum(x is not None for x in (seed, generator, uniforms))
+    if given != 1:
+        raise TypeError("pass exactly one of seed=, generator= or uniforms=")
+    if uniforms is not None:
+        u = check_tensor("uniforms", uniforms, floating=True)
+        if u.shape != pi.shape:
+            raise ValueError(f"uniforms must have shape {tuple(pi.shape)}, got {tuple(u.shape)}")
+        if u.numel() and not bool(((u >= 0) & (u < 1)).all()):
+            raise ValueError("uniforms must lie in [0, 1)")
+        u = u.to(pi.device)
+    elif generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        u = torch.rand(pi.shape, generator=generator, dtype=torch.float64, device=generator.device).to(pi.device)
+    else:
+        u = design_uniforms(tuple(pi.shape), seed, layer=layer, event=event, index=index, device=pi.device)
+    # compare in float64 so a float32 pi sees exactly the reference's comparison
+    return u.to(torch.float64) < pi.to(torch.float64)
+
+
+# ---------------------------------------------------------------------------
+# inclusion probabilities
+# ---------------------------------------------------------------------------
+
+
+def _as_rows(name: str, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    if x.ndim == 0:
+        raise ValueError(f"{name} must have shape (n,), (h, n) or (b, h, n), got a scalar")
+    shape = tuple(x.shape)
+    if shape[-1] == 0:
+        raise ValueError(f"{name} is empty (n = 0): there is nothing to evict")
+    return x.reshape(-1, shape[-1]), shape
+
+
+def _valid_rows(valid, shape, device) -> torch.Tensor | None:
+    if valid is None:
+        return None
+    valid = check_tensor("valid", valid)
+    if valid.dtype != torch.bool:
+        raise TypeError(f"valid must be a bool tensor, got dtype {valid.dtype}")
+    if tuple(valid.shape) != shape:
+        raise ValueError(f"valid must have the shape of importance {shape}, got {tuple(valid.shape)}")
+    return valid.reshape(-1, shape[-1]).to(device)
+
+
+def edge_mask(n: int, *, sinks: int = 4, window: int = 32, valid: torch.Tensor | None = None,
+              device=None) -> torch.Tensor:
+    """Bool mask of the first ``sinks`` and the last ``window`` tokens.
+
+    Without ``valid``: shape (n,). With ``valid`` (..., n) bool (padding
+    False): the first/last tokens are counted among the valid slots of each
+    row, in slot order, and padding is never in the mask.
+    """
+    n = check_nonneg_int("n", n)
+    sinks = check_nonneg_int("sinks", sinks)
+    window = check_nonneg_int("window", window)
+    if valid is None:
+        i = torch.arange(n, device=device)
+        return (i < sinks) | (i >= n - window)
+    rank = valid.cumsum(-1) - 1  # rank among the valid slots
+    nv = valid.sum(-1, keepdim=True)
+    return valid & ((rank < sinks) | (rank >= nv - window))
+
+
+def certainty_mask(importance: torch.Tensor, *, sinks: int = 4, window: int = 32, top: int = 0,
+                   valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool mask of the certainty set C, batched over the leading dims.
+
+    C is the first ``sinks`` and last ``window`` (valid) tokens plus the ``top``
+    highest-importance tokens among the others, ties to the lower index (the
+    reference's stable order), so it equals ``reference.certainty_mask`` on
+    every (valid part of a) slice.
+    """
+    importance = check_tensor("importance", importance, floating=True)
+    u, shape = _as_rows("importance", importance)
+    top = check_nonneg_int("top", top)
+    vr = _valid_rows(valid, shape, u.device)
+    return _certainty_rows(u, sinks, window, top, vr).reshape(shape)
+
+
+def _certainty_rows(u: torch.Tensor, sinks: int, window: int, top, vr: torch.Tensor | None) -> torch.Tensor:
+    """(R, n) certainty mask; ``top`` an int or an int64 (R,) tensor of per-row counts."""
+    n = u.shape[-1]
+    certain = edge_mask(n, sinks=sinks, window=window, valid=vr, device=u.device)
+    if vr is None:
+        certain = certain.expand_as(u).clone()
+    if isinstance(top, torch.Tensor) or top:
+        free = ~certain if vr is None else vr & ~certain
+        key = u.masked_fill(~free, float("-inf"))
+        order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+        nfree = free.sum(-1, keepdim=True)
+        cap = torch.minimum(nfree, top.reshape(-1, 1)) if isinstance(top, torch.Tensor) else nfree.clamp(max=top)
+        rank_ok = torch.arange(n, device=u.device) < cap
+        chosen = torch.zeros_like(certain).scatter_(-1, order, rank_ok)
+        certain = certain | chosen
+    return certain
+
+
+def _budget_rows(budget, rows: int, lead: tuple[int, ...], device) -> torch.Tensor:
+    if isinstance(budget, torch.Tensor):
+        if not (budget.is_floating_point() or budget.dtype in (torch.int32, torch.int64)):
+            raise TypeError(f"budget must be a float or a real tensor, got dtype {budget.dtype}")
+        try:
+            b = torch.broadcast_to(budget.to(torch.float64, copy=False), lead)
+        except RuntimeError:
+            raise ValueError(
+                f"budget must be a float or a tensor broadcastable to the leading dims {lead}, "
+                f"got shape {tuple(budget.shape)}") from None
+        return b.reshape(rows).to(device)
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
+        raise TypeError(f"budget must be a float or a tensor, got {type(budget).__name__}")
+    return torch.full((rows,), float(budget), dtype=torch.float64, device=device)
+
+
+def _first_bad(mask: torch.Tensor, lead: tuple[int, ...]) -> str:
+    i = int(torch.nonzero(mask)[0, 0])
+    if not lead:
+        return ""
+    idx = []
+    for s in reversed(lead):
+        idx.append(i % s)
+        i //= s
+    return f" (at leading index {tuple(reversed(idx))})"
+
+
+def inclusion_probabilities(importance: torch.Tensor, budget, *, sinks: int = 4, window: int = 32,
+                            top: int = 0, floor: float = 0.1, valid: torch.Tensor | None = None) -> torch.Tensor:
+    r"""Inclusion probabilities of the Poisson eviction design, batched over heads.
+
+    .. math::
+
+        u'_i = (1-\alpha)\,\frac{u_i}{\sum_{j\in T} u_j} + \frac{\alpha}{|T|},
+        \qquad \pi_i = \min(1, \lambda u'_i)\ (i \in T), \qquad \pi_i = 1\ (i \in C),
+
+    with :math:`\lambda` solved per head so that :math:`\sum_i \pi_i = B`
+    (exact PPS capping: capped tokens join C and :math:`\lambda` is re-solved).
+
+    Parameters
+    ----------
+    importance : tensor (b, h_kv, n), (h, n) or (n,)
+        Non-negative, finite importance (on the valid slots).
+    budget : float or tensor broadcastable to the leading dims
+        Expected kept count per head, ``|C| < budget <= n_valid``
+        (``budget == n_valid`` keeps everything).
+    sinks, window, top : int
+        Certainty set, see :func:`certainty_mask`.
+    floor : float in (0, 1]
+        Defensive mixture weight alpha (every tail token gets pi > 0).
+    valid : bool tensor of importance's shape, optional
+        False marks padding slots (a compressed cache): they are not part of
+        the population and get pi = 0; sinks/window count valid slots only.
+
+    Returns
+    -------
+    pi : tensor of importance's shape, float64 for float64 input, float32
+        otherwise (always computed in float64); 0 exactly on padding.
+
+    Notes
+    -----
+    Vectorized over heads, no Python loop over heads. The top set is exact
+    top-k selection (``torch.topk`` for the threshold, ties to the lower
+    index by a running count). The capping is the fixed point
+    :math:`K \leftarrow K \cup \{i : \lambda_K w_i > 1\}`,
+    :math:`\lambda_K = (m - |K|) / \sum_{T \setminus K} w` from K = {} (a
+    few O(n) rounds for all heads at once; lambda only grows, so it stops at
+    the unique solution); heads still changing after 12 rounds are solved
+    exactly by the sort-based method (sort ascending, prefix sums = the
+    descending suffix sums, smallest k with :math:`\lambda_k w_{(k+1)} \le 1`).
+    Everything runs in float64: float64 input matches
+    ``reference.inclusion_probabilities`` to about 1e-15 relative (summation
+    order differs); float32 input is rounded once at the end. Errors are the
+    reference's (a ValueError naming the first offending head).
+
+    References
+    ----------
+    Sarndal, Swensson & Wretman (1992), Model Assisted Survey Sampling, sec. 3.6;
+    arXiv 2607.21475.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kvcert.fast import inclusion_probabilities
+    >>> pi = inclusion_probabilities(torch.rand(2, 3, 100, dtype=torch.float64), 40.0, sinks=2, window=8)
+    >>> pi.shape, bool(torch.allclose(pi.sum(-1), torch.full((2, 3), 40.0, dtype=torch.float64)))
+    (torch.Size([2, 3, 100]), True)
+    """
+    importance = check_tensor("importance", importance)
+    if not importance.is_floating_point():
+        raise TypeError(f"importance must be a floating-point tensor, got dtype {importance.dtype}")
+    out_dtype = stat_dtype(importance)
+    u, shape = _as_rows("importance", importance)
+    n = shape[-1]
+    lead = shape[:-1]
+    rows = u.shape[0]
+    if n == 0:
+        raise ValueError("importance is empty (n = 0): there is nothing to evict")
+    if isinstance(floor, bool) or not isinstance(floor, numbers.Real):
+        raise TypeError(f"floor must be a float, got {type(floor).__name__}")
+    floor = float(floor)
+    if not (0.0 < floor <= 1.0):
+        raise ValueError(
+            f"floor must be in (0, 1] (a zero floor gives pi = 0 to zero-importance "
+            f"tokens, which breaks unbiasedness), got {floor}")
+    vr = _valid_rows(valid, shape, u.device)
+    top = check_nonneg_int("top", top)
+    uv = u if vr is None else u.masked_fill(~vr, 0.0)
+    if not bool(torch.isfinite(uv).all()):
+        raise ValueError("importance must be finite (found NaN or inf)")
+    if bool((uv < 0).any()):
+        raise ValueError(f"importance must be >= 0, found min {float(uv.min()):.3g}")
+    bud = _budget_rows(budget, rows, lead, u.device)
+    if not bool(torch.isfinite(bud).all()):
+        raise ValueError("budget must be finite")
+    dev = u.device
+    nv = torch.full((rows,), n, dtype=torch.int64, device=dev) if vr is None else vr.sum(-1)
+    edge = edge_mask(n, sinks=sinks, window=window, valid=vr, device=dev)  # (n,) or (R, n)
+    free = ~edge if vr is None else vr & ~edge
+    nfree = free.sum(-1).expand(rows) if vr is None else free.sum(-1)
+    ntop = torch.clamp(nfree, max=top)
+    t = nfree - ntop  # tail size
+    c = nv - t  # certainty set size
+    bad = bud > nv
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(f"budget must be <= n = {int(nv[i])}, got {float(bud[i])}{_first_bad(bad, lead)}")
+    bad = (t == 0) & (bud < nv)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(
+            f"budget = {float(bud[i])} < n = {int(nv[i])}, but every token is in the certainty set "
+            f"(sinks={sinks}, window={window}, top={top}){_first_bad(bad, lead)}")
+    bad = (t > 0) & (bud <= c)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(
+            f"budget must exceed the certainty set size |C| = {int(c[i])} "
+            f"(sinks={sinks}, window={window}, top={top}), got {float(bud[i])}{_first_bad(bad, lead)}")
+
+    # top set: the `top` largest free importances, ties to the lower index (exact, no sort)
+    if top > 0:
+        key = uv.masked_fill(~free, float("-inf"))
+        thr = torch.topk(key, min(top, n), dim=-1, sorted=False).values.amin(-1, keepdim=True)
+        gt = key > thr
+        eq = (key == thr) & free
+        need = ntop[:, None] - gt.sum(-1, keepdim=True)
+        tail = free & ~(gt | (eq & (eq.cumsum(-1) <= need)))
+    else:
+        tail = free.expand(rows, n) if vr is None else free
+    m = (bud - c)[:, None]  # expected kept count of the tail
+    tf = t.to(torch.float64)[:, None].clamp(min=1.0)
+    ut = uv.to(torch.float64).masked_fill(~tail, 0.0)
+    mass = ut.sum(-1, keepdim=True)
+    # w = (1 - alpha) u / mass + alpha / |T| on the tail (uniform share when the tail mass is 0)
+    coef = torch.where(mass > 0, (1.0 - floor) / torch.where(mass > 0, mass, 1.0), 0.0)
+    const = floor / tf + torch.where(mass > 0, 0.0, (1.0 - floor) / tf)
+    w = (ut * coef + const).masked_fill_(~tail, 0.0)
+    pi_tail, done = _capped_pps_iterative(w, tail, m)
+    if not bool(done.all()):  # rare: a long capping cascade; solve those heads by sorting
+        r = torch.nonzero(~done)[:, 0]
+        pi_tail[r] = _capped_pps_sorted(w[r], t[r], m[r])
+    pi = torch.where(tail, pi_tail, 1.0)  # certain (edges, top) -> 1
+    full = ((t == 0) | (m[:, 0] >= t)) if rows else torch.zeros(0, dtype=torch.bool, device=dev)
+    if bool(full.any()):
+        pi = torch.where(full[:, None], 1.0, pi)
+    if vr is not None:
+        pi = pi.masked_fill_(~vr, 0.0)
+    return pi.to(out_dtype).reshape(shape)
+
+
+def _capped_pps_iterative(w: torch.Tensor, tail: torch.Tensor, m: torch.Tensor, max_iter: int = 12):
+    r"""pi = min(1, lam w) with sum pi = m on each row's tail, by the capping fixed point.
+
+    :math:`K_0 = \emptyset`, :math:`\lambda_s = (m - |K_s|) / \sum_{i \in T \setminus K_s} w_i`,
+    :math:`K_{s+1} = K_s \cup \{i : \lambda_s w_i > 1\}`: lambda grows with K, so the sets
+    grow to the smallest consistent capped set, the unique solution the sorted method
+    finds. Stops when no row changes; rows still changing after ``max_iter`` rounds
+    are reported (``done`` False) and solved by :func:`_capped_pps_sorted`.
+    """
+    capped = torch.zeros_like(tail)
+    lam = None
+    done = torch.zeros(w.shape[0], dtype=torch.bool, device=w.device)
+    for _ in range(max_iter):
+        rem = w.masked_fill(capped, 0.0).sum(-1, keepdim=True)
+        lam = (m - capped.sum(-1, keepdim=True)) / torch.where(rem > 0, rem, 1.0)
+        new = capped | (tail & (lam * w > 1.0))
+        done = (new == capped).all(-1)
+        capped = new
+        if bool(done.all()):
+            break
+    return torch.where(capped, 1.0, (lam * w).clamp_(max=1.0)), done
+
+
+def _capped_pps_sorted(w: torch.Tensor, t: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The reference's sorted capping, vectorized over rows (w = 0 off the tail).
+
+    Sort ascending (off-tail zeros first); the prefix sum at position j is the
+    reference's suffix sum at descending index k = n - 1 - j (same
+    smallest-first summation), lam_k = (m - k) / suffix_k, and the solution is
+    the smallest k (largest j) with lam_k w_(k) <= 1.
+    """
+    n = w.shape[-1]
+    wa, order = torch.sort(w, dim=-1)
+    cs = wa.cumsum(-1)
+    j = torch.arange(n, device=w.device)
+    kk = (n - 1 - j).to(torch.float64)
+    lam = (m - kk) / torch.where(cs > 0, cs, 1.0)
+    ok = (lam * wa <= 1.0) & (m - kk > 0) & (j >= n - t[:, None])
+    jstar = torch.where(ok, j, -1).amax(-1, keepdim=True)
+    lam_star = lam.gather(-1, jstar.clamp(min=0))
+    pi_s = torch.where(j > jstar, 1.0, (lam_star * wa).clamp_(max=1.0))
+    return torch.empty_like(pi_s).scatter_(-1, order, pi_s)
+
+
+def budget_from_fraction(n: int, fraction: float) -> float:
+    """Expected kept count ``fraction * n`` (kvpress's compression_ratio is ``1 - fraction``)."""
+    n = check_nonneg_int("n", n)
+    fraction = float(fraction)
+    if not (0.0 < fraction <= 1.0):
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    return fraction * n

@@ -1,0 +1,110 @@
+"""kvcert.fast.certificate vs the reference, and exact design properties by enumeration."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvcert.fast as F
+import kvcert.reference as R
+from test_fast_tolerances import assert_close, pi_vectors
+
+
+@given(n=st.integers(1, 60), dv=st.sampled_from([1, 4, 9]), delta=st.sampled_from([0.01, 0.05, 0.3]),
+       data=st.data())
+def test_every_kind_matches_reference(n, dv, delta, data):
+    rng = np.random.default_rng(data.draw(st.integers(0, 10**6)))
+    b, h_kv, g = 2, 2, 2
+    q = torch.from_numpy(rng.normal(size=(b, g * h_kv, 8)))
+    k = torch.from_numpy(rng.normal(size=(b, h_kv, n, 8)))
+    v = torch.from_numpy(rng.normal(size=(b, h_kv, n, dv)) + 2.0)
+    pi = torch.from_numpy(np.stack([np.stack([data.draw(pi_vectors(n)) for _ in range(h_kv)]) for _ in range(b)]))
+    est = F.hajek_attention(q, k, v, pi, return_max_term=True, return_covariance=True)
+    for kind in F.KINDS:
+        cert = F.certificate(est, delta=delta, kind=kind)
+        assert cert.kind == kind and cert.delta == delta
+        for bi in range(b):
+            for hq in range(g * h_kv):
+                h = hq // g
+                ref_est = R.hajek_attention(q[bi, hq].numpy(), k[bi, h].numpy(), v[bi, h].numpy(), pi[bi, h].numpy())
+                want = R.certificate(ref_est, delta=delta, kind=kind)
+                # float64 end to end; chi2 uses the Frobenius moment instead of eigenvalues (same sums)
+                tol = 1e-9 * (1.0 + np.abs(np.asarray(want.radius)))
+                assert_close(f"{kind} radius", cert.radius[bi, hq].numpy(), want.radius, tol)
+                assert_close(f"{kind} rel", cert.relative_radius[bi, hq].numpy(), want.relative_radius,
+                             1e-9 * (1.0 + abs(want.relative_radius)))
+                assert_close(f"{kind} lower", cert.lower[bi, hq].numpy(), want.lower, tol + 1e-12)
+                assert_close(f"{kind} upper", cert.upper[bi, hq].numpy(), want.upper, tol + 1e-12)
+
+
+def test_radius_shapes_and_zero_variance():
+    q, k, v = torch.randn(2, 4, 8), torch.randn(2, 2, 30, 8), torch.randn(2, 2, 30, 5)
+    est = F.hajek_attention(q, k, v, torch.ones(2, 2, 30), return_max_term=True, return_covariance=True)
+    for kind in F.KINDS:
+        cert = F.certificate(est, kind=kind)
+        want_shape = (2, 4, 5) if kind == "wald" else (2, 4)
+        assert cert.radius.shape == want_shape and cert.relative_radius.shape == (2, 4)
+        assert cert.lower.shape == (2, 4, 5)
+        assert torch.all(cert.radius == 0) and torch.all(cert.relative_radius == 0)
+
+
+def test_relative_radius_conventions():
+    est = F.Estimate(output=torch.zeros(1, 2, 3), weights=None, variance=None, trace=torch.tensor([[1.0, 0.0]]),
+                     lse=torch.zeros(1, 2))
+    cert = F.certificate(est, kind="chebyshev")
+    assert cert.relative_radius[0, 0] == math.inf and cert.relative_radius[0, 1] == 0.0
+
+
+@pytest.mark.parametrize("kind, kw, words", [
+    ("wald", dict(per_coordinate=False), "per_coordinate=True"),
+    ("chi2", dict(), "return_covariance=True"),
+    ("bernstein", dict(), "return_max_term=True"),
+])
+def test_missing_moments_are_named(kind, kw, words):
+    est = F.hajek_attention(torch.randn(1, 1, 4), torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 2),
+                            torch.full((1, 1, 6), 0.5), **kw)
+    with pytest.raises(ValueError) as e:
+        F.certificate(est, kind=kind)
+    assert words in str(e.value)
+
+
+def test_certificate_argument_errors():
+    est = F.hajek_attention(torch.randn(1, 1, 4), torch.randn(1, 1, 6, 4), torch.randn(1, 1, 6, 2),
+                            torch.full((1, 1, 6), 0.5))
+    with pytest.raises(ValueError, match="delta must be in"):
+        F.certificate(est, delta=1.0)
+    with pytest.raises(TypeError, match="delta must be a float"):
+        F.certificate(est, delta="0.1")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        F.certificate(est, kind="hoeffding")
+    with pytest.raises(TypeError, match="kvcert.fast.types.Estimate"):
+        F.certificate(R.hajek_attention(np.ones(2), np.ones((3, 2)), np.ones((3, 1)), np.ones(3)))
+
+
+def test_horvitz_thompson_unbiased_by_enumeration():
+    """E[Z_hat] = Z and E[N_hat] = N exactly over all 2^n Poisson samples (n = 10), batched."""
+    rng = np.random.default_rng(0)
+    n, d, dv = 10, 6, 3
+    q = rng.normal(size=d)
+    k, v = rng.normal(size=(n, d)), rng.normal(size=(n, dv))
+    p = rng.uniform(0.1, 1.0, size=n)
+    p[0] = 1.0
+    masks = np.array(list(itertools.product([0, 1], repeat=n)), dtype=bool)  # (1024, n)
+    prob = np.prod(np.where(masks, p, 1 - p), axis=1)
+    pi_s = torch.from_numpy(np.where(masks, p, 0.0))[:, None, :]  # unsampled -> padding
+    K = torch.from_numpy(k).expand(len(masks), 1, n, d)
+    V = torch.from_numpy(v).expand(len(masks), 1, n, dv)
+    Q = torch.from_numpy(q).expand(len(masks), 1, d)
+    est = F.hajek_attention(Q, K, V, pi_s, per_coordinate=False)
+    z_hat = torch.exp(est.lse[:, 0]).numpy()  # 0 for the empty sample (lse = -inf)
+    n_hat = z_hat[:, None] * est.output[:, 0].numpy()
+    s = k @ q / math.sqrt(d)
+    Z, N = np.exp(s).sum(), np.exp(s) @ v
+    assert abs(prob @ z_hat - Z) <= 1e-12 * Z
+    assert np.allclose(prob @ n_hat, N, rtol=1e-12, atol=1e-12)
