@@ -68,3 +68,19 @@ def model_sdpa(smollm2):
 def smollm2_float64(smollm2):
     """A float64 copy of the default model (eager attention): the oracle for logits."""
     return _load_float64()
+
+
+def spy_hajek(monkeypatch):
+    """Record the inputs of every kvcert.hajek_attention call (the decode steps)."""
+    import kvcert.dispatch
+
+    calls = []
+    original = kvcert.dispatch.hajek_attention
+
+    def spy(q, keys, values, pi=None, **kw):
+        calls.append({"q": q.clone(), "keys": keys.clone(), "values": values.clone(),
+                      "log_pi": kw["log_pi"].clone(), "scale": kw["scale"]})
+        return original(q, keys, values, pi, **kw)
+
+    monkeypatch.setattr(kvcert.dispatch, "hajek_attention", spy)
+    return calls

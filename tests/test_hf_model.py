@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from model_fixtures import SHORT_PROMPT, long_prompt, model_sdpa, smollm2, smollm2_float64  # noqa: F401
+from model_fixtures import SHORT_PROMPT, long_prompt, model_sdpa, smollm2, smollm2_float64, spy_hajek  # noqa: F401
 
 import kvcert
 import kvcert.dispatch
@@ -54,18 +54,6 @@ def forced_logits(model, ids, cont, press=None):
     return torch.stack(logits), cache
 
 
-def spy_hajek(monkeypatch):
-    """Record the inputs of every kvcert.hajek_attention call (the decode steps)."""
-    calls = []
-    original = kvcert.dispatch.hajek_attention
-
-    def spy(q, keys, values, pi=None, **kw):
-        calls.append({"q": q.clone(), "keys": keys.clone(), "values": values.clone(),
-                      "log_pi": kw["log_pi"].clone(), "scale": kw["scale"]})
-        return original(q, keys, values, pi, **kw)
-
-    monkeypatch.setattr(kvcert.dispatch, "hajek_attention", spy)
-    return calls
 
 
 def reference_certificate(call, head: int, *, delta: float, kind: str, row: int = 0):

@@ -19,6 +19,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from model_fixtures import spy_hajek
 from transformers import DynamicCache, StaticCache
 
 import kvcert
@@ -311,15 +312,7 @@ def test_tiny_compressed_batch_certificates_equal_reference(monkeypatch):
     """Batch of two left-padded prompts, GQA 4:2: recorded certificates equal the
     oracle on the captured inputs, padding never enters, rows match single runs."""
     model = tiny_model()
-    calls = []
-    original = kvcert.dispatch.hajek_attention
-
-    def spy(q, keys, values, pi=None, **kw):
-        calls.append({"q": q.clone(), "keys": keys.clone(), "values": values.clone(),
-                      "log_pi": kw["log_pi"].clone(), "scale": kw["scale"]})
-        return original(q, keys, values, pi, **kw)
-
-    monkeypatch.setattr(kvcert.dispatch, "hajek_attention", spy)
+    calls = spy_hajek(monkeypatch)
     g = torch.Generator().manual_seed(2)
     long_ids = torch.randint(1, 96, (1, 60), generator=g)
     short_ids = torch.randint(1, 96, (1, 35), generator=g)
