@@ -84,3 +84,21 @@ def spy_hajek(monkeypatch):
 
     monkeypatch.setattr(kvcert.dispatch, "hajek_attention", spy)
     return calls
+
+
+def reference_certificate(call, head: int, *, delta: float, kind: str, row: int = 0):
+    """float64 oracle for one (batch row, query head) of a captured decode call."""
+    import numpy as np
+
+    from kvcert import reference as R
+
+    g = call["q"].shape[1] // call["keys"].shape[1]
+    kv = head // g
+    lp = call["log_pi"][row, kv].double().numpy()
+    valid = np.isfinite(lp)
+    est = R.hajek_attention(call["q"][row, head].double().numpy(), call["keys"][row, kv].double().numpy()[valid],
+                            call["values"][row, kv].double().numpy()[valid], np.exp(lp[valid]),
+                            scale=call["scale"])
+    cert = R.certificate(est, delta=delta, kind=kind)
+    radius = float(np.linalg.norm(cert.radius)) if np.ndim(cert.radius) else float(cert.radius)
+    return est, radius, float(cert.relative_radius), int(valid.sum())

@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from model_fixtures import SHORT_PROMPT, long_prompt, model_sdpa, smollm2, smollm2_float64, spy_hajek  # noqa: F401
+from model_fixtures import SHORT_PROMPT, long_prompt, model_sdpa, smollm2, smollm2_float64, spy_hajek, reference_certificate  # noqa: F401
 
 import kvcert
 import kvcert.dispatch
@@ -52,22 +52,6 @@ def forced_logits(model, ids, cont, press=None):
             cache = _cache_of(out)
             logits.append(out.logits[0, -1])
     return torch.stack(logits), cache
-
-
-
-
-def reference_certificate(call, head: int, *, delta: float, kind: str, row: int = 0):
-    """float64 oracle for one (batch row, query head) of a captured decode call."""
-    g = call["q"].shape[1] // call["keys"].shape[1]
-    kv = head // g
-    lp = call["log_pi"][row, kv].double().numpy()
-    valid = np.isfinite(lp)
-    est = R.hajek_attention(call["q"][row, head].double().numpy(), call["keys"][row, kv].double().numpy()[valid],
-                            call["values"][row, kv].double().numpy()[valid], np.exp(lp[valid]),
-                            scale=call["scale"])
-    cert = R.certificate(est, delta=delta, kind=kind)
-    radius = float(np.linalg.norm(cert.radius)) if np.ndim(cert.radius) else float(cert.radius)
-    return est, radius, float(cert.relative_radius), int(valid.sum())
 
 
 _REF64 = {}

@@ -19,7 +19,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from model_fixtures import spy_hajek
+from model_fixtures import reference_certificate, spy_hajek
 from transformers import DynamicCache, StaticCache
 
 import kvcert
@@ -296,18 +296,6 @@ def test_tiny_ratio_zero_equals_plain(family, impl):
     assert torch.equal(certs.kept[0, :, 0, 0], 40 + torch.arange(6))
 
 
-def _reference_radius(call, head, *, row, delta, kind):
-    g = call["q"].shape[1] // call["keys"].shape[1]
-    kv = head // g
-    lp = call["log_pi"][row, kv].double().numpy()
-    valid = np.isfinite(lp)
-    est = R.hajek_attention(call["q"][row, head].double().numpy(), call["keys"][row, kv].double().numpy()[valid],
-                            call["values"][row, kv].double().numpy()[valid], np.exp(lp[valid]),
-                            scale=call["scale"])
-    c = R.certificate(est, delta=delta, kind=kind)
-    return float(np.linalg.norm(c.radius)), int(valid.sum())
-
-
 def test_tiny_compressed_batch_certificates_equal_reference(monkeypatch):
     """Batch of two left-padded prompts, GQA 4:2: recorded certificates equal the
     oracle on the captured inputs, padding never enters, rows match single runs."""
@@ -332,7 +320,7 @@ def test_tiny_compressed_batch_certificates_equal_reference(monkeypatch):
             call = calls[(step - 1) * 2 + li]
             for row in (0, 1):
                 for head in range(4):
-                    r, kept = _reference_radius(call, head, row=row, delta=press.delta, kind=press.kind)
+                    _, r, _, kept = reference_certificate(call, head, row=row, delta=press.delta, kind=press.kind)
                     tol = 4 * kept * EPS32
                     assert float(certs.radius[row, step, li, head]) == pytest.approx(r, rel=tol, abs=1e-9)
                     assert int(certs.kept[row, step, li, head]) == kept
