@@ -22,7 +22,7 @@ TABLES = {
     "T5": cost.run,
 }
 #: tables on the real model (need the model and its captured attention)
-MODEL_TABLES = ("T2",)
+MODEL_TABLES = ("T2", "T3")
 ALL_TABLES = tuple(TABLES) + MODEL_TABLES
 
 
@@ -31,20 +31,26 @@ class RealModel:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        self._model = None
         self._captured = None
+
+    def model(self):
+        """(model, tokenizer), loaded once."""
+        if self._model is None:
+            import kvcert
+
+            t = time.perf_counter()
+            self._model = kvcert.load_model(self.cfg.model, device=self.cfg.device)
+            print(f"[model] {self.cfg.model}: loaded in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+        return self._model
 
     def captured(self, future: int):
         if self._captured is None:
-            import kvcert
-
             from .realmodel import capture, haystack_ids
 
-            t = time.perf_counter()
-            model, tokenizer = kvcert.load_model(self.cfg.model, device=self.cfg.device)
+            model, tokenizer = self.model()
             ids = haystack_ids(tokenizer, self.cfg.context + future, seed=self.cfg.seed)
             self._captured = capture(model, ids.to(model.device))
-            print(f"[model] {self.cfg.model}: loaded and captured {ids.shape[1]} tokens in "
-                  f"{time.perf_counter() - t:.1f} s", file=sys.stderr)
         return self._captured
 
 
@@ -56,6 +62,10 @@ def _run_model_table(name: str, cfg: Config, real: RealModel, raw: dict) -> dict
         setup = replay.setup_for(cfg)
         t2, t2b, raw["T2"] = replay.run(cfg, real.captured(setup.future))
         return {"T2": t2, "T2b": t2b}
+    if name == "T3":
+        from . import suites
+
+        return {"T3": suites.run(cfg, *real.model())}
     raise ValueError(f"unknown model table {name}")
 
 
@@ -93,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "embedded SmolLM2-135M-Instruct; any local HF causal LM path works)")
     p.add_argument("--context", type=int, help="prefix length of the real-model tables (default 1792, full 4096)")
     p.add_argument("--device", default="cpu", help="torch device for the model (default cpu)")
+    p.add_argument("--suite-examples", type=int, help="examples per task in T3 (default 8, full 40)")
+    p.add_argument("--suite-context", type=int, help="prompt length in tokens in T3 (default 768, full 2048)")
     p.add_argument("--no-docs", action="store_true", help="do not rewrite docs/results.md")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
@@ -107,7 +119,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for name in ("cells", "draws", "n", "context"):
+    for name in ("cells", "draws", "n", "context", "suite_examples", "suite_context"):
         value = getattr(args, name)
         if value is not None:
             if value < 1:

@@ -31,6 +31,10 @@ class Config:
     context: int = 1792
     device: str = "cpu"
 
+    # synthetic suites on the real model (T3)
+    suite_examples: int = 8
+    suite_context: int = 768
+
     # synthetic attention (T1, T2a)
     n: int = 1024
     d: int = 64
@@ -42,6 +46,7 @@ class Config:
         if not self.quick:
             self.cells, self.draws = 200, 500
             self.context = 4096
+            self.suite_examples, self.suite_context = 40, 2048
         self.out = Path(self.out)
         for b in self.budgets:
             if not 0 < b <= 1:

@@ -54,6 +54,14 @@ def summary(results: dict, cfg: Config, raw: dict | None = None) -> dict:
             "by_regime": {f"{r['regime']}@{r['budget']}": r["coverage"] for r in rows},
             "cells": cfg.cells * len({(r["regime"], r["budget"]) for r in rows}),
         }
+    t3 = results.get("T3")
+    if t3 is not None:
+        aucs = [r["auc_certificate"] for r in t3.rows if np.isfinite(r["auc_certificate"])]
+        conf = [r["auc_confidence"] for r in t3.rows if np.isfinite(r["auc_confidence"])]
+        out["synthetic_failure_auc_mean"] = float(np.mean(aucs)) if aucs else None
+        out["synthetic_failure_auc"] = {"cells_defined": len(aucs), "cells": len(t3.rows),
+                                        "above_half": int(sum(a > 0.5 for a in aucs)),
+                                        "confidence_auc_mean": float(np.mean(conf)) if conf else None}
     t1 = results.get("T1")
     if t1 is not None:
         out["impossibility"] = {
@@ -114,7 +122,14 @@ def write_results_md(results: dict, s: dict, cfg: Config) -> None:
                                    f"({DEFAULT_KIND}, delta 0.05; worst decile {s['coverage_worst_decile']:.3f})")
         ours["spearman_radius_error"] = (f"{s['spearman_radius_error']:.3f} (Spearman across real-model cells "
                                          "of median radius and RMS error)")
-    elif y:
+    if s.get("synthetic_failure_auc_mean") is not None:
+        a = s["synthetic_failure_auc"]
+        ours["synthetic_failure_auc_mean"] = (f"{s['synthetic_failure_auc_mean']:.3f} (AUC > 0.5 in "
+                                              f"{a['above_half']}/{a['cells_defined']} cells with both outcomes, of "
+                                              f"{a['cells']}; output confidence {a['confidence_auc_mean']:.3f})"
+                                              if a["confidence_auc_mean"] is not None else
+                                              f"{s['synthetic_failure_auc_mean']:.3f}")
+    if s.get("coverage_pooled") is None and y:
         ours["coverage_pooled"] = (f"{y['coverage_pooled']:.3f} pooled on synthetic heads "
                                    f"({DEFAULT_KIND}, delta 0.05); real-model T2 not run")
     for key, paper in PAPER.items():
@@ -126,7 +141,7 @@ def write_results_md(results: dict, s: dict, cfg: Config) -> None:
                   f"state changed by {i['max_retained_change']:.1g} while the true error reached "
                   f"{i['max_policy_error_after']:.3g} with a certificate of 0. Under the same attack the "
                   f"randomized design's coverage stayed >= {i['poisson_coverage_after_min']:.3f}.", ""]
-    for name in ("T1", "T2a", "T2", "T2b", "T5"):
+    for name in ("T1", "T2a", "T2", "T2b", "T3", "T5"):
         if name in results:
             parts += [results[name].markdown(), ""]
     figs = sorted((DOCS / "figures").glob("*.png")) if (DOCS / "figures").exists() else []

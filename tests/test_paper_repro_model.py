@@ -51,3 +51,24 @@ def test_replay_tiny(captured):
     # finite, and the radius is 0 only where the error is 0 (certain cells)
     err, radius, _ = cells[0]
     assert np.all(np.isfinite(err)) and np.all(np.isfinite(radius["chebyshev", 0.05]))
+
+
+def test_suites_tiny(smollm2):  # noqa: F811
+    from paper_repro import suites
+
+    model, tokenizer = smollm2
+    cfg = Config(quick=True, budgets=(0.5,), progress=False, suite_examples=1, suite_context=200)
+    t3 = suites.run(cfg, model, tokenizer)
+    assert [r["task"] for r in t3.rows] == list(suites.QUICK_TASKS)
+    for r in t3.rows:
+        assert r["examples"] == 1 and r["failures"] == round((1 - r["acc_poisson"]) * r["examples"])
+        assert all(0.0 <= r[k] <= 1.0 for k in ("acc_full", "acc_poisson", "acc_snapkv"))
+
+
+def test_auc():
+    from paper_repro.suites import auc
+
+    assert auc([3, 2, 1, 0], [True, True, False, False]) == 1.0
+    assert auc([0, 1, 2, 3], [True, True, False, False]) == 0.0
+    assert auc([1, 1], [True, False]) == 0.5
+    assert np.isnan(auc([1, 2], [True, True]))
