@@ -23,6 +23,7 @@ import kvcert.fast as F
 from kvcert import reference as R
 
 from .common import Config, Table, progress
+from .synthetic import paper_design
 from .synthetic_coverage import summarize
 
 WINDOW = 32   # observation window of the scorer = recent window of the design
@@ -47,16 +48,6 @@ def setup_for(cfg: Config) -> ReplaySetup:
                            designs=("paper",))
     return ReplaySetup(prefix=cfg.context, future=64, query_offsets=(0, 7, 15, 31, 47, 63), draws=128,
                        designs=tuple(DESIGNS))
-
-
-def prefix_design(u: np.ndarray, fraction: float, top_share: float):
-    """(budget, kwargs) of a design keeping ``fraction`` of the prefix in expectation."""
-    n = u.size
-    budget = fraction * n
-    free = budget - SINKS - WINDOW
-    if free <= 1:
-        raise ValueError(f"context {n} at budget {fraction} leaves no tail beyond sinks + window")
-    return budget, dict(sinks=SINKS, window=WINDOW, top=int(np.floor(top_share * free)), floor=0.1)
 
 
 def _layer_importance(name, queries, keys, L, scale, seed):
@@ -129,8 +120,8 @@ def run(cfg: Config, captured) -> tuple[Table, Table, dict]:
         u = importance["snapkv"][h]
         for fraction in cfg.budgets:
             for design in setup.designs:
-                budget, kw = prefix_design(u, fraction, DESIGNS[design])
-                pi = torch.from_numpy(R.inclusion_probabilities(u, budget, **kw)).float()
+                kw = paper_design(L, fraction, sinks=SINKS, window=WINDOW, top_share=DESIGNS[design])
+                pi = torch.from_numpy(R.inclusion_probabilities(u, **kw)).float()
                 keep = torch.from_numpy(rng.random((setup.draws, L))) < pi
                 pis = torch.cat([torch.where(keep, pi, 0.0), torch.ones(setup.draws, Fut)], dim=1)
                 est = _estimates(q, k, v, pis, qpos, scale, kinds)
