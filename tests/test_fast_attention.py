@@ -18,12 +18,10 @@ from test_fast_tolerances import (COMPUTE, DTYPES, EPS, TILE_N, assert_close, ex
 FIELDS = ("output", "variance", "trace", "lse", "n_eff", "weights", "max_term")
 
 
-def _ref_rows(q, k, v, pi, bias, positions, qpos):
-    """Reference estimates for every (b, h_q, t) row; inputs float64 numpy, q (b, h_q, t, d)."""
+def _rows(q, k, bias, positions, qpos):
+    """Every (b, h_q, t) row: (key, batch, query head, KV head, row bias with the causal mask)."""
     b, h_q, t, _ = q.shape
-    h_kv = k.shape[1]
-    g = h_q // h_kv
-    out = {}
+    g = h_q // k.shape[1]
     for bi in range(b):
         for hq in range(h_q):
             for j in range(t):
@@ -31,28 +29,25 @@ def _ref_rows(q, k, v, pi, bias, positions, qpos):
                 row_bias = np.zeros(k.shape[2]) if bias is None else bias[bi, hq, j].copy()
                 if qpos is not None:
                     row_bias = np.where(positions[bi, h] <= qpos[j], row_bias, -np.inf)
-                out[bi, hq, j] = R.hajek_attention(q[bi, hq, j], k[bi, h], v[bi, h], pi[bi, h],
-                                                   bias=None if (bias is None and qpos is None) else row_bias)
-    return out
+                yield (bi, hq, j), bi, hq, h, row_bias
+
+
+def _ref_rows(q, k, v, pi, bias, positions, qpos):
+    """Reference estimates for every (b, h_q, t) row; inputs float64 numpy, q (b, h_q, t, d)."""
+    plain = bias is None and qpos is None
+    return {key: R.hajek_attention(q[key], k[bi, h], v[bi, h], pi[bi, h], bias=None if plain else rb)
+            for key, bi, hq, h, rb in _rows(q, k, bias, positions, qpos)}
 
 
 def _naive_rows(q, k, v, pi, bias, positions, qpos, dtype):
     """The textbook torch formulas at the fast path's compute dtype, same rows."""
     ct = COMPUTE[dtype]
-    b, h_q, t, _ = q.shape
-    g = h_q // k.shape[1]
-    out = {}
-    for bi in range(b):
-        for hq in range(h_q):
-            for j in range(t):
-                h = hq // g
-                row_bias = np.zeros(k.shape[2]) if bias is None else bias[bi, hq, j].copy()
-                if qpos is not None:
-                    row_bias = np.where(positions[bi, h] <= qpos[j], row_bias, -np.inf)
-                T = lambda x: torch.as_tensor(np.asarray(x), dtype=ct)  # noqa: E731
-                out[bi, hq, j] = naive_hajek(T(q[bi, hq, j]), T(k[bi, h]), T(v[bi, h]), T(pi[bi, h]),
-                                             bias=T(row_bias))
-    return out
+
+    def T(x):
+        return torch.as_tensor(np.asarray(x), dtype=ct)
+
+    return {key: naive_hajek(T(q[key]), T(k[bi, h]), T(v[bi, h]), T(pi[bi, h]), bias=T(rb))
+            for key, bi, hq, h, rb in _rows(q, k, bias, positions, qpos)}
 
 
 def check_estimate(est, q, k, v, pi, *, dtype, bias=None, positions=None, qpos=None, decode=True):
