@@ -40,6 +40,8 @@ _LAZY = {
     "Certificates": "kvcert.attention",
     "KVCertCache": "kvcert.cache",
     "generate": "kvcert.generation",
+    "prefill": "kvcert.generation",
+    "Prefill": "kvcert.generation",
     "GenerationResult": "kvcert.generation",
 }
 

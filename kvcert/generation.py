@@ -17,7 +17,7 @@ import torch
 
 from .attention import Certificates
 
-__all__ = ["GenerationResult", "generate", "encode_prompts"]
+__all__ = ["GenerationResult", "Prefill", "generate", "prefill", "encode_prompts"]
 
 
 @dataclass
@@ -155,6 +155,129 @@ class _LayerProgress:
         self.bar.close()
 
 
+def _forward_kwargs(model) -> tuple[dict, str]:
+    """(extra forward kwargs, the cache keyword) of a causal LM's forward."""
+    params = inspect.signature(model.forward).parameters
+    fwd_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    return fwd_kwargs, ("cache" if "cache" in params else "past_key_values")
+
+
+def _prefill_forward(model, input_ids, attention_mask, position_ids, fwd_kwargs, progress):
+    bar = _LayerProgress(model, "prefill") if progress else None
+    try:
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                     use_cache=True, **fwd_kwargs)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+@dataclass
+class Prefill:
+    """An exact prefill of some prompts, to share between :func:`generate` calls.
+
+    Made by :func:`prefill`. Holds the uncompressed cache (a
+    :class:`kvcert.KVCertCache`), the last-position logits, and per layer
+    the last ``query_window`` prefill queries (post-RoPE) that the presses'
+    scorers read. Every :func:`generate` call with ``prefilled=`` works on
+    a copy, so the object can be reused for any number of presses.
+
+    Attributes
+    ----------
+    prompts : list[str]
+    input_ids, attention_mask : tensors (b, n), left-padded
+    logits : tensor (b, vocab) of the last prompt position
+    cache : KVCertCache
+    query_window : int or None (None: every prefill query is kept)
+    prefill_s : float, wall seconds of the prefill forward
+    chat_template : bool, system_prompt : str or None
+    """
+
+    prompts: list
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    logits: torch.Tensor
+    cache: object
+    query_window: int | None
+    prefill_s: float
+    chat_template: bool
+    system_prompt: str | None
+    model_id: int = 0
+
+    def _compressed_copy(self, press):
+        """A copy of the cache, compressed by ``press`` as its prefill event would."""
+        import copy
+
+        cache = copy.deepcopy(self.cache)
+        if press is not None:
+            press._compress_prefilled(cache, query_window=self.query_window)
+        else:
+            for layer in cache.layers:
+                layer.queries = None
+        return cache
+
+
+def prefill(
+    model,
+    tokenizer,
+    prompt: str | list[str],
+    *,
+    query_window: int | None = 64,
+    chat_template: bool | None = None,
+    system_prompt: str | None = None,
+    progress: bool | None = False,
+) -> Prefill:
+    """Run the exact prefill of ``prompt`` once, for several presses.
+
+    Under every press the prefill is exact attention (the press compresses
+    each layer after it), so one prefill serves them all:
+
+    >>> state = kvcert.prefill(model, tok, prompt)                      # doctest: +SKIP
+    >>> for press in (kvcert.PoissonPress(compression_ratio=0.5), kvcert.SnapKVPress(compression_ratio=0.5)):
+    ...     r = kvcert.generate(model, tok, prompt, press=press, prefilled=state)  # doctest: +SKIP
+
+    Parameters
+    ----------
+    model, tokenizer, prompt, chat_template, system_prompt, progress
+        As in :func:`generate`.
+    query_window : int >= 1 or None
+        Prefill queries kept per layer for the scorers (default 64, enough
+        for the default observation window of 32). ``None`` keeps all of
+        them, which ``H2OPress`` needs (it sums the attention of every
+        prefill query).
+
+    Returns
+    -------
+    Prefill
+    """
+    from .presses import _QueryRecorder
+
+    single = isinstance(prompt, str)
+    prompts = [prompt] if single else prompt
+    if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise TypeError("prompt must be a str or a non-empty list of str")
+    if any(not p for p in prompts):
+        raise ValueError("prompt: empty prompts cannot be prefilled")
+    if query_window is not None and (isinstance(query_window, bool) or not isinstance(query_window, int)
+                                     or query_window < 1):
+        raise ValueError(f"query_window must be an int >= 1 or None, got {query_window!r}")
+    device = next(model.parameters()).device
+    use_chat = getattr(tokenizer, "chat_template", None) is not None if chat_template is None else chat_template
+    input_ids, attention_mask = encode_prompts(tokenizer, list(prompts), chat_template=chat_template,
+                                               system_prompt=system_prompt)
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    fwd_kwargs, cache_kw = _forward_kwargs(model)
+    recorder = _QueryRecorder(query_window=query_window)
+    with torch.no_grad(), recorder(model):
+        t0 = time.perf_counter()
+        out = _prefill_forward(model, input_ids, attention_mask, position_ids, fwd_kwargs, progress)
+        elapsed = time.perf_counter() - t0
+    cache = getattr(out, cache_kw, None)
+    return Prefill(list(prompts), input_ids, attention_mask, out.logits[:, -1].detach(), cache, query_window,
+                   elapsed, bool(use_chat), system_prompt, id(model))
+
+
 def generate(
     model,
     tokenizer,
@@ -169,6 +292,7 @@ def generate(
     system_prompt: str | None = None,
     stop_at_eos: bool = True,
     progress: bool | None = False,
+    prefilled: "Prefill | None" = None,
 ) -> GenerationResult:
     r"""Generate text with a press, recording per-step certificates.
 
@@ -206,6 +330,13 @@ def generate(
         Stop a sequence at its first EOS token.
     progress : bool
         Progress bars for the prefill (per layer) and the decoding steps.
+    prefilled : Prefill, optional
+        An exact prefill of the same prompt(s) from :func:`prefill`, shared
+        between calls: the press compresses a copy of its cache (with the
+        prefill queries it recorded) and decoding starts from its logits, so
+        the result equals a call without ``prefilled`` (the prefill is exact
+        attention under every press) while the prefill runs once.
+        ``timings["prefill_s"]`` is then the shared prefill's time.
 
     Returns
     -------
@@ -239,19 +370,32 @@ def generate(
     if do_sample and not (isinstance(temperature, (int, float)) and temperature > 0):
         raise ValueError(f"temperature must be a float > 0 when sampling, got {temperature!r}")
 
+    if prefilled is not None:
+        if not isinstance(prefilled, Prefill):
+            raise TypeError(f"prefilled must be a kvcert.Prefill (from kvcert.prefill), got {type(prefilled).__name__}")
+        if list(prefilled.prompts) != list(prompts):
+            raise ValueError("prefilled was computed for other prompts than prompt; pass the same prompt(s)")
+        if prefilled.model_id != id(model):
+            raise ValueError("prefilled was computed with another model")
+        if chat_template is not None and chat_template != prefilled.chat_template:
+            raise ValueError(f"chat_template={chat_template} differs from the prefill's ({prefilled.chat_template})")
+        if system_prompt is not None and system_prompt != prefilled.system_prompt:
+            raise ValueError("system_prompt differs from the one the prefill used")
+
     device = next(model.parameters()).device
-    input_ids, attention_mask = encode_prompts(tokenizer, list(prompts), chat_template=chat_template,
-                                               system_prompt=system_prompt)
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    if prefilled is None:
+        input_ids, attention_mask = encode_prompts(tokenizer, list(prompts), chat_template=chat_template,
+                                                   system_prompt=system_prompt)
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    else:
+        input_ids, attention_mask = prefilled.input_ids, prefilled.attention_mask
     b = input_ids.shape[0]
     prompt_tokens = attention_mask.sum(-1).tolist()
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     eos = _eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
     gen = torch.Generator(device="cpu").manual_seed(int(sample_seed)) if do_sample else None
-    params = inspect.signature(model.forward).parameters
-    fwd_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-    cache_kw = "cache" if "cache" in params else "past_key_values"
+    fwd_kwargs, cache_kw = _forward_kwargs(model)
 
     def pick(logits):
         logp = torch.log_softmax(logits.float(), dim=-1)
@@ -268,16 +412,18 @@ def generate(
     lengths = [0] * b
     timings = {}
     with torch.no_grad(), context:
-        t0 = time.perf_counter()
-        bar = _LayerProgress(model, "prefill") if progress else None
-        try:
-            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        use_cache=True, **fwd_kwargs)
-        finally:
-            if bar is not None:
-                bar.close()
-        cache = getattr(out, cache_kw, None)
-        timings["prefill_s"] = time.perf_counter() - t0
+        if prefilled is None:
+            t0 = time.perf_counter()
+            out = _prefill_forward(model, input_ids, attention_mask, position_ids, fwd_kwargs, progress)
+            cache = getattr(out, cache_kw, None)
+            logits = out.logits[:, -1]
+            timings["prefill_s"] = time.perf_counter() - t0
+        else:
+            t0 = time.perf_counter()
+            cache = prefilled._compressed_copy(press)
+            logits = prefilled.logits
+            timings["prefill_s"] = prefilled.prefill_s  # the shared exact prefill (not repeated)
+            timings["compress_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         steps = range(max_new_tokens)
         if progress:
@@ -286,7 +432,7 @@ def generate(
             steps = tqdm(steps, desc="decode", unit="tok", leave=False)
         next_pos = position_ids[:, -1]
         for step in steps:
-            tok, lp = pick(out.logits[:, -1])
+            tok, lp = pick(logits)
             tok = torch.where(done, torch.full_like(tok, pad_id), tok)
             tokens.append(tok)
             logps.append(lp)
@@ -302,6 +448,7 @@ def generate(
             out = model(input_ids=tok[:, None], attention_mask=attention_mask, position_ids=next_pos[:, None],
                         use_cache=True, **{cache_kw: cache}, **fwd_kwargs)
             cache = getattr(out, cache_kw, None)
+            logits = out.logits[:, -1]
         if progress:
             steps.close()
         timings["decode_s"] = time.perf_counter() - t1

@@ -266,6 +266,42 @@ class BasePress:
             layer.remember_queries(query, self._observation_window())
         self._compress(layer, layer_idx, query, scale, prefill=True)
 
+    def _queries_needed(self, n: int) -> int:
+        """Prefill queries the scorer reads at the prefill event of n tokens."""
+        name = self._scorer_name
+        if name == "h2o":
+            return n
+        if name in ("snapkv", "tova"):
+            return min(self._observation_window(), n)
+        return 0
+
+    def _compress_prefilled(self, cache, *, query_window) -> None:
+        """The prefill event on a cache filled under :class:`_QueryRecorder` (``kvcert.prefill``).
+
+        Records the step-0 (exact prefill) certificate row as the attention
+        function does, then compresses each layer with the recorded queries.
+        """
+        from .attention import _per_query_head
+
+        rt = self._runtime
+        for idx, layer in enumerate(cache.layers):
+            queries, scale = layer.queries, getattr(layer, "query_scale", None)
+            layer.queries = None
+            if queries is None or scale is None:
+                raise ValueError("prefilled: the cache holds no recorded queries (make it with kvcert.prefill)")
+            n = layer.physical_length
+            need = self._queries_needed(n)
+            if need > queries.shape[2]:
+                raise ValueError(
+                    f"prefilled: {type(self).__name__} (scorer {self._scorer_name!r}) reads {need} prefill queries "
+                    f"but kvcert.prefill kept {queries.shape[2]} (query_window={query_window}); call "
+                    "kvcert.prefill(..., query_window=None) to keep all of them"
+                )
+            if rt is not None and rt.recorder is not None:
+                zeros = torch.zeros(queries.shape[0], queries.shape[1], device=queries.device)
+                rt.recorder.add(idx, zeros, zeros, zeros, _per_query_head(layer.kept, queries.shape[1]))
+            self._on_prefill(layer, idx, queries, scale)
+
     def _on_decode(self, layer, layer_idx: int, query: torch.Tensor, scale: float) -> None:
         if self.compression_interval is None:
             return
@@ -383,7 +419,9 @@ class BasePress:
                 if not bool(valid.all()):
                     idx = valid[0, 0].nonzero().squeeze(-1)
                     k, v, lw, pos, valid = k[:, :, idx], v[:, :, idx], lw[:, :, idx], pos[:, :, idx], valid[:, :, idx]
-                    q_r = queries[sl][:, :, idx]
+                    # the queries may be the last few of the prefill only (a shared kvcert.prefill)
+                    offset = valid_all.shape[-1] - queries.shape[2]
+                    q_r = queries[sl][:, :, idx[idx >= offset] - offset]
                 else:
                     q_r = queries[sl]
                 n = k.shape[2]
@@ -410,6 +448,23 @@ class BasePress:
             changed = True
         if changed:
             layer.replace(*_pad_rows(rows))
+
+
+@dataclass
+class _QueryRecorder(BasePress):
+    """Keeps everything and records each layer's last ``query_window`` prefill
+    queries and scale in the cache (``layer.queries``, ``layer.query_scale``)
+    for :func:`kvcert.prefill`. Counts no eviction event."""
+
+    query_window: int | None = 64
+
+    def _on_prefill(self, layer, layer_idx: int, query: torch.Tensor, scale: float) -> None:
+        q = query.detach()
+        layer.queries = q if self.query_window is None else q[:, :, -self.query_window:]
+        layer.query_scale = scale
+
+    def _on_decode(self, layer, layer_idx: int, query: torch.Tensor, scale: float) -> None:
+        raise RuntimeError("kvcert.prefill records a prefill only")
 
 
 def _pad_rows(rows):
