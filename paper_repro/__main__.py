@@ -22,7 +22,7 @@ TABLES = {
     "T5": cost.run,
 }
 #: tables on the real model (need the model and its captured attention)
-MODEL_TABLES = ("T2", "T3")
+MODEL_TABLES = ("T2", "T3", "T4")
 ALL_TABLES = tuple(TABLES) + MODEL_TABLES
 
 
@@ -62,10 +62,15 @@ def _run_model_table(name: str, cfg: Config, real: RealModel, raw: dict) -> dict
         setup = replay.setup_for(cfg)
         t2, t2b, raw["T2"] = replay.run(cfg, real.captured(setup.future))
         return {"T2": t2, "T2b": t2b}
-    if name == "T3":
-        from . import suites
+    if name in ("T3", "T4"):  # both from the same runs of the suites, collected once
+        from . import claims, suites
 
-        return {"T3": suites.run(cfg, *real.model())}
+        if "suites" not in raw:
+            raw["suites"] = suites.collect(cfg, *real.model())
+        if name == "T3":
+            return {"T3": suites.table(raw["suites"], cfg)}
+        t4, raw["T4"] = claims.run(raw["suites"], cfg)
+        return {"T4": t4}
     raise ValueError(f"unknown model table {name}")
 
 
@@ -81,6 +86,8 @@ def _figures(results: dict, raw: dict, cfg: Config) -> list:
         real = results["T2"].rows if "T2" in results else []
         synth = results["T2a"].rows if "T2a" in results else None
         made.append(figures.coverage_vs_budget(real, synth, folder / "coverage_vs_budget.png"))
+    if "suites" in raw:
+        made.append(figures.roc(raw["suites"], folder / "roc.png"))
     return made
 
 
@@ -103,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "embedded SmolLM2-135M-Instruct; any local HF causal LM path works)")
     p.add_argument("--context", type=int, help="prefix length of the real-model tables (default 1792, full 4096)")
     p.add_argument("--device", default="cpu", help="torch device for the model (default cpu)")
-    p.add_argument("--suite-examples", type=int, help="examples per task in T3 (default 8, full 40)")
+    p.add_argument("--suite-examples", type=int, help="examples per task in T3/T4 (default 16, full 40)")
     p.add_argument("--suite-context", type=int, help="prompt length in tokens in T3 (default 768, full 2048)")
     p.add_argument("--no-docs", action="store_true", help="do not rewrite docs/results.md")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -32,7 +32,7 @@ class Config:
     device: str = "cpu"
 
     # synthetic suites on the real model (T3)
-    suite_examples: int = 8
+    suite_examples: int = 16
     suite_context: int = 768
 
     # synthetic attention (T1, T2a)

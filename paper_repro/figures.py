@@ -83,3 +83,58 @@ def coverage_vs_budget(rows_real: list, rows_synth: list | None, path: Path, *, 
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def roc_points(scores, positive):
+    """ROC curve (false positive rate, true positive rate) of ranking by ``scores``.
+
+    Thresholds at every distinct score, highest first; ties move both rates
+    together (the diagonal segment), so the area under the returned curve
+    equals :func:`paper_repro.suites.auc`.
+    """
+    s = np.asarray(scores, dtype=float)
+    y = np.asarray(positive, dtype=bool)
+    p, n = int(y.sum()), int((~y).sum())
+    if p == 0 or n == 0:
+        return np.array([0.0, 1.0]), np.array([0.0, 1.0])
+    fpr, tpr = [0.0], [0.0]
+    for t in np.unique(s)[::-1]:
+        at = s >= t
+        fpr.append(float((at & ~y).sum() / n))
+        tpr.append(float((at & y).sum() / p))
+    fpr.append(1.0)
+    tpr.append(1.0)
+    return np.array(fpr), np.array(tpr)
+
+
+def roc(records: list, path: Path) -> Path:
+    """ROC curves of the certificate and of output confidence: failure prediction
+    (left, every PoissonPress run) and attribution (right, failed runs:
+    cache-induced vs inherent)."""
+    from .claims import attribution_scores
+    from .suites import auc
+
+    plt = _plt()
+    runs = [r for r in records if r["method"] == "poisson"]
+    failed = np.array([not r["correct"] for r in runs])
+    cert = np.array([r["cert"] for r in runs], dtype=float)
+    panels = [("failure prediction", np.where(np.isnan(cert), -np.inf, cert),
+               np.array([r["conf"] for r in runs], dtype=float), failed, "failed", "correct")]
+    a_cert, a_conf, induced = attribution_scores(records)
+    panels.append(("attribution of failures", a_cert, a_conf, induced, "cache-induced", "inherent"))
+    fig, axes = plt.subplots(1, 2, figsize=(9.0, 4.2), dpi=110)
+    for ax, (title, s_cert, s_conf, y, pos, neg) in zip(axes, panels):
+        for scores, label, color in ((s_cert, "certificate (mean relative radius)", "C0"),
+                                     (s_conf, "output confidence (-mean log p)", "C1")):
+            x, t = roc_points(scores, y)
+            a = auc(scores, y)
+            ax.plot(x, t, "-", color=color, label=f"{label}: AUC {a:.2f}" if np.isfinite(a) else label)
+        ax.plot([0, 1], [0, 1], "k:", lw=0.8)
+        ax.set_xlabel(f"false positive rate ({neg} runs flagged)")
+        ax.set_ylabel(f"true positive rate ({pos} runs flagged)")
+        ax.set_title(f"{title} ({int(y.sum())} {pos} / {int((~y).sum())} {neg})", fontsize=10)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -40,57 +40,87 @@ def auc(scores, failed) -> float:
     return float((greater + 0.5 * ties) / (pos.size * neg.size))
 
 
-def _run(model, tokenizer, example, press):
+def _run(model, tokenizer, example, press, state):
     import kvcert
 
     r = kvcert.generate(model, tokenizer, example.prompt, press=press, max_new_tokens=MAX_NEW_TOKENS,
-                        chat_template=False)
+                        chat_template=False, prefilled=state)
     lp = np.asarray(r.logprobs, dtype=float).ravel()
     cert = float("nan")
     if r.certificates is not None and press is not None and r.certificates.relative_radius.shape[-3] > 1:
         rel = r.certificates.relative_radius
         cert = float(rel[..., 1:, :, :].float().mean())  # step 0 is the exact prefill
-    return example.score(r.text), cert, float(-lp.mean()) if lp.size else float("nan")
+    return bool(example.score(r.text)), cert, float(-lp.mean()) if lp.size else float("nan")
 
 
-def run(cfg: Config, model, tokenizer) -> Table:
+def collect(cfg: Config, model, tokenizer) -> list[dict]:
+    """Every run of the suites: one record per (task, example, method, budget).
+
+    Each example is prefilled once (``kvcert.prefill``; exact under every
+    press) and decoded with the full cache, then with PoissonPress and
+    SnapKVPress at every budget from copies of that prefill.
+    Record: ``task, example, method`` ("full", "poisson", "snapkv"),
+    ``budget`` (1.0 for full), ``correct``, ``cert`` (mean relative radius,
+    NaN without certificates), ``conf`` (minus the mean log-probability).
+    """
     import kvcert
 
     tasks = QUICK_TASKS if cfg.quick else NEEDLE_SUITE + RULER_SUITE
-    count = cfg.suite_examples
-    ctx = cfg.suite_context
-    rows = []
-    jobs = [(t, e) for t in tasks for e in make_examples(t, count, context_tokens=ctx, seed=cfg.seed,
-                                                          tokenizer=tokenizer)]
-    results = {}  # (task, method, budget) -> list of (correct, cert, confidence)
-    for task, ex in progress(jobs, desc="T3 synthetic suites", enabled=cfg.progress):
-        results.setdefault((task, "full", 1.0), []).append(_run(model, tokenizer, ex, None))
+    jobs = [(t, i, e) for t in tasks
+            for i, e in enumerate(make_examples(t, cfg.suite_examples, context_tokens=cfg.suite_context,
+                                                seed=cfg.seed, tokenizer=tokenizer))]
+    records = []
+
+    def add(task, i, method, budget, out):
+        records.append(dict(task=task, example=i, method=method, budget=budget, correct=out[0], cert=out[1],
+                            conf=out[2]))
+
+    for task, i, ex in progress(jobs, desc="T3/T4 synthetic suites", enabled=cfg.progress):
+        state = kvcert.prefill(model, tokenizer, ex.prompt, chat_template=False)
+        add(task, i, "full", 1.0, _run(model, tokenizer, ex, None, state))
         for b in cfg.budgets:
             ratio = 1.0 - b
-            poisson = kvcert.PoissonPress(compression_ratio=ratio, seed=cfg.seed)
-            snap = kvcert.SnapKVPress(compression_ratio=ratio)
-            results.setdefault((task, "poisson", b), []).append(_run(model, tokenizer, ex, poisson))
-            results.setdefault((task, "snapkv", b), []).append(_run(model, tokenizer, ex, snap))
+            add(task, i, "poisson", b, _run(model, tokenizer, ex, kvcert.PoissonPress(compression_ratio=ratio,
+                                                                                     seed=cfg.seed), state))
+            add(task, i, "snapkv", b, _run(model, tokenizer, ex, kvcert.SnapKVPress(compression_ratio=ratio),
+                                           state))
+    return records
+
+
+def select(records, **match) -> list[dict]:
+    """The records whose fields equal ``match``, sorted by (task, example)."""
+    out = [r for r in records if all(r[k] == v for k, v in match.items())]
+    return sorted(out, key=lambda r: (r["task"], r["example"]))
+
+
+def table(records: list[dict], cfg: Config) -> Table:
+    """Table 3 from the records of :func:`collect`."""
+    tasks = list(dict.fromkeys(r["task"] for r in records))
+    budgets = sorted({r["budget"] for r in records if r["method"] != "full"})
+    rows = []
     for task in tasks:
-        full = results[task, "full", 1.0]
-        for b in cfg.budgets:
-            po = results[task, "poisson", b]
-            sn = results[task, "snapkv", b]
-            failed = [not c for c, _, _ in po]
+        full = select(records, task=task, method="full")
+        for b in budgets:
+            po = select(records, task=task, method="poisson", budget=b)
+            sn = select(records, task=task, method="snapkv", budget=b)
+            failed = [not r["correct"] for r in po]
             rows.append(dict(
                 task=task, budget=b, examples=len(po),
-                acc_full=float(np.mean([c for c, _, _ in full])),
-                acc_poisson=float(np.mean([c for c, _, _ in po])),
-                acc_snapkv=float(np.mean([c for c, _, _ in sn])),
+                acc_full=float(np.mean([r["correct"] for r in full])),
+                acc_poisson=float(np.mean([r["correct"] for r in po])),
+                acc_snapkv=float(np.mean([r["correct"] for r in sn])),
                 failures=int(sum(failed)),
-                auc_certificate=auc([x for _, x, _ in po], failed),
-                auc_confidence=auc([x for _, _, x in po], failed),
+                auc_certificate=auc([r["cert"] for r in po], failed),
+                auc_confidence=auc([r["conf"] for r in po], failed),
             ))
+    count, ctx = cfg.suite_examples, cfg.suite_context
     notes = [
         f"{count} seeded examples per task at about {ctx} tokens of pydoc text, greedy decoding of "
         f"{MAX_NEW_TOKENS} tokens, exact match (every expected answer in the output). PoissonPress: the "
         "paper's design (sinks 4, window 32, top half of the free budget, SnapKV importance, floor 0.1), "
-        "seed as configured; SnapKVPress keeps the same expected number of tokens.",
+        "seed as configured; SnapKVPress keeps the same expected number of tokens. One exact prefill per "
+        "example is shared by all its runs (`kvcert.prefill`; the prefill is exact under every press, so "
+        "this changes no result).",
         "auc_certificate: AUC of the run's mean relative certificate radius for predicting a wrong Poisson "
         "answer; auc_confidence: the same for minus the mean output log-probability. nan where a cell "
         "has no failure or no success.",
@@ -100,3 +130,8 @@ def run(cfg: Config, model, tokenizer) -> Table:
     ]
     return Table("table3_synthetic_suites", "Table 3: synthetic suites on the real model, failure prediction",
                  rows, notes)
+
+
+def run(cfg: Config, model, tokenizer) -> Table:
+    """Table 3 alone (:func:`collect` then :func:`table`)."""
+    return table(collect(cfg, model, tokenizer), cfg)

@@ -54,15 +54,25 @@ def test_replay_tiny(captured):
 
 
 def test_suites_tiny(smollm2):  # noqa: F811
-    from paper_repro import suites
+    from paper_repro import claims, suites
 
     model, tokenizer = smollm2
-    cfg = Config(quick=True, budgets=(0.5,), progress=False, suite_examples=1, suite_context=200)
-    t3 = suites.run(cfg, model, tokenizer)
-    assert [r["task"] for r in t3.rows] == list(suites.QUICK_TASKS)
+    cfg = Config(quick=True, budgets=(0.25, 0.5), progress=False, suite_examples=1, suite_context=200)
+    records = suites.collect(cfg, model, tokenizer)
+    # one full run per example, one Poisson and one SnapKV run per budget
+    assert len(records) == len(suites.QUICK_TASKS) * (1 + 2 * len(cfg.budgets))
+    t3 = suites.table(records, cfg)
+    assert [r["task"] for r in t3.rows] == [t for t in suites.QUICK_TASKS for _ in cfg.budgets]
     for r in t3.rows:
         assert r["examples"] == 1 and r["failures"] == round((1 - r["acc_poisson"]) * r["examples"])
         assert all(0.0 <= r[k] <= 1.0 for k in ("acc_full", "acc_poisson", "acc_snapkv"))
+    for r in records:
+        assert np.isfinite(r["conf"])
+        assert np.isnan(r["cert"]) == (r["method"] != "poisson")  # only Poisson runs carry certificates
+    t4, headline = claims.run(records, cfg)
+    assert [r["claim"] for r in t4.rows] == [c.key for c in claims.CLAIMS]
+    assert {r["holds_here"] for r in t4.rows} <= {"yes", "no", "not testable"}
+    assert "recompute_gain_points" in headline
 
 
 def test_auc():
