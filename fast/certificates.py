@@ -17,10 +17,14 @@ from scipy import special
 
 from .types import Certificate, Estimate
 
-__all__ = ["KINDS", "certificate", "radius_from_moments"]
+__all__ = ["KINDS", "NU_MIN", "certificate", "radius_from_moments"]
 
 #: certificate kinds; the norm kinds bound ||o_hat - o||_2, ``wald`` bounds each coordinate
-KINDS = ("wald", "chebyshev", "chi2", "bernstein")
+#: (the order of ``kvcert.reference.KINDS``); the strict opt-in ``chebyshev_ucb`` needs
+#: ``hajek_attention(..., return_tail_moment=True)``
+KINDS = ("wald", "chebyshev", "chi2", "bernstein", "chebyshev_ucb")
+#: lower clip of the Satterthwaite degrees of freedom of ``chebyshev_ucb`` (nu >= 2 holds exactly)
+NU_MIN = 2.0
 
 
 def _check_delta(delta) -> float:
@@ -39,9 +43,32 @@ def _chi2_ppf(p: float, dof: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.asarray(q, dtype=np.float64)).to(dof.device)
 
 
+def _ucb_radius(delta: float, trace: torch.Tensor, tail_moment: torch.Tensor) -> torch.Tensor:
+    """sqrt(2 tr nu / (delta chi2_{nu; delta/2})), nu = max(2 tr^2 / s2, NU_MIN); batched, never NaN.
+
+    Computed in float64 (tr^2 overflows float32 beyond 1.8e19); tr = 0 -> 0, tr or s2 = +inf -> +inf,
+    s2 = 0 < tr -> nu = inf, i.e. sqrt(2 tr / delta).
+    """
+    tr = trace.detach().to(torch.float64)
+    s2 = tail_moment.detach().to(device=tr.device, dtype=torch.float64)
+    if bool((torch.isnan(tr) | torch.isnan(s2) | (s2 < 0)).any()):
+        raise ValueError("trace must not be NaN and tail_moment must be >= 0 (found NaN or a negative value)")
+    finite = torch.isfinite(tr) & torch.isfinite(s2)
+    pos = finite & (tr > 0)
+    tr_s = torch.where(pos, tr, 1.0)
+    has_s2 = pos & (s2 > 0)
+    nu = torch.where(has_s2, 2.0 * tr_s * tr_s / torch.where(has_s2, s2, 1.0), math.inf).clamp(min=NU_MIN)
+    nu_f = torch.where(torch.isfinite(nu), nu, 1.0)  # nu = inf: the limit ratio 1, set below
+    ratio = torch.where(torch.isfinite(nu), nu_f / _chi2_ppf(delta / 2.0, nu_f), 1.0)
+    r = torch.sqrt(2.0 * tr_s * ratio / delta)
+    r = torch.where(pos, r, torch.zeros_like(r))
+    return torch.where(finite, r, torch.full_like(r, math.inf)).to(trace.dtype)
+
+
 def radius_from_moments(kind: str, delta: float, *, trace: torch.Tensor, variance: torch.Tensor | None = None,
                         sum_sq_eigenvalues: torch.Tensor | None = None,
-                        max_term: torch.Tensor | None = None) -> torch.Tensor:
+                        max_term: torch.Tensor | None = None,
+                        tail_moment: torch.Tensor | None = None) -> torch.Tensor:
     r"""Certificate radius from the variance summaries, batched.
 
     - ``wald``: :math:`z_{1-\delta/2}\sqrt{\hat\sigma^2_d}` per coordinate.
@@ -54,15 +81,28 @@ def radius_from_moments(kind: str, delta: float, *, trace: torch.Tensor, varianc
     - ``bernstein``: :math:`r = \tfrac{BL}{3} + \sqrt{(\tfrac{BL}{3})^2 + 2VL}`,
       :math:`L = \log(2/\delta)`, :math:`V = \mathrm{tr}\hat\Sigma`,
       :math:`B` = ``max_term`` (Pinelis 1994 with plug-ins; empirical Bernstein).
+    - ``chebyshev_ucb`` (strict, opt-in): :math:`r^2 = 2\,\mathrm{tr}\,\nu /
+      (\delta\,\chi^2_{\nu;\delta/2})` with Satterthwaite's
+      :math:`\nu = 2\,\mathrm{tr}^2/s_2`,
+      :math:`s_2 = \sum_S (1-\pi_i) x_i^2` (``tail_moment``),
+      :math:`x_i = (1-\pi_i) a_i^2 \lVert v_i - \hat o\rVert^2`: a chi-square
+      upper confidence bound on the design variance at :math:`\delta/2`,
+      then Markov at :math:`\delta/2`. Approximate (the chi-square model of
+      the trace), not a finite-sample guarantee. :math:`\nu \ge 2` exactly
+      (clipped at ``NU_MIN`` against rounding); :math:`s_2 = 0 <
+      \mathrm{tr}` gives the limit :math:`\sqrt{2\,\mathrm{tr}/\delta}`.
+      The quantile :math:`\chi^2_{\nu;p} = 2\,\mathrm{gammaincinv}(\nu/2, p)`
+      runs in SciPy on the CPU (one host transfer per call), in float64.
 
     Parameters
     ----------
-    kind : {"wald", "chebyshev", "chi2", "bernstein"}
+    kind : {"wald", "chebyshev", "chi2", "bernstein", "chebyshev_ucb"}
     delta : float in (0, 1)
     trace : (...,) tensor
     variance : (..., dv) tensor, for ``wald``
     sum_sq_eigenvalues : (...,) tensor, for ``chi2``
     max_term : (...,) tensor, for ``bernstein``
+    tail_moment : (...,) tensor, for ``chebyshev_ucb``
 
     Returns
     -------
@@ -99,6 +139,16 @@ def radius_from_moments(kind: str, delta: float, *, trace: torch.Tensor, varianc
         b = max_term.to(trace.dtype) * (L / 3.0)
         r = b + torch.sqrt(b * b + 2.0 * trace.clamp(min=0.0) * L)
         return torch.where(torch.isfinite(trace), r, torch.full_like(r, math.inf))
+    if kind == "chebyshev_ucb":
+        if tail_moment is None:
+            raise ValueError("the chebyshev_ucb certificate needs tail_moment: compute the estimate with "
+                             "hajek_attention(..., return_tail_moment=True)")
+        if not isinstance(tail_moment, torch.Tensor):
+            raise TypeError(f"tail_moment must be a torch.Tensor, got {type(tail_moment).__name__}")
+        if tail_moment.shape != trace.shape:
+            raise ValueError(f"tail_moment must have the shape of trace {tuple(trace.shape)}, "
+                             f"got {tuple(tail_moment.shape)}")
+        return _ucb_radius(delta, trace, tail_moment)
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
@@ -116,10 +166,11 @@ def certificate(estimate: Estimate, *, delta: float = 0.05, kind: str = "chebysh
         From ``kvcert.fast.hajek_attention`` (or ``kvcert.kernels``).
         ``wald`` needs ``variance`` (per_coordinate=True), ``chi2`` needs
         ``covariance`` (return_covariance=True), ``bernstein`` needs
-        ``max_term`` (return_max_term=True).
+        ``max_term`` (return_max_term=True), ``chebyshev_ucb`` needs
+        ``tail_moment`` (return_tail_moment=True).
     delta : float in (0, 1)
         Nominal miscoverage.
-    kind : {"wald", "chebyshev", "chi2", "bernstein"}
+    kind : {"wald", "chebyshev", "chi2", "bernstein", "chebyshev_ucb"}
 
     Returns
     -------
@@ -142,6 +193,11 @@ def certificate(estimate: Estimate, *, delta: float = 0.05, kind: str = "chebysh
     >>> cert = certificate(est, delta=0.05, kind="chebyshev")
     >>> bool(torch.allclose(cert.radius, (est.trace / 0.05).sqrt()))
     True
+    >>> est = hajek_attention(q, k, v, torch.full((1, 1, 30), 0.5), per_coordinate=False,
+    ...                       return_tail_moment=True)
+    >>> strict = certificate(est, delta=0.05, kind="chebyshev_ucb")  # > sqrt(2) x chebyshev
+    >>> bool((strict.radius > 2 ** 0.5 * certificate(est, delta=0.05).radius).all())
+    True
     """
     if not isinstance(estimate, Estimate):
         raise TypeError(f"estimate must be a kvcert.fast.types.Estimate, got {type(estimate).__name__}")
@@ -158,7 +214,8 @@ def certificate(estimate: Estimate, *, delta: float = 0.05, kind: str = "chebysh
         s2 = torch.where(torch.isfinite(cov).all(-1).all(-1), s2, torch.full_like(s2, math.inf))
     radius = radius_from_moments(kind, delta, trace=trace,
                                  variance=None if estimate.variance is None else estimate.variance.to(dt),
-                                 sum_sq_eigenvalues=s2, max_term=estimate.max_term)
+                                 sum_sq_eigenvalues=s2, max_term=estimate.max_term,
+                                 tail_moment=estimate.tail_moment)
     o = estimate.output.to(dt)
     norm_r = torch.linalg.vector_norm(radius, dim=-1) if kind == "wald" else radius
     norm_o = torch.linalg.vector_norm(o, dim=-1)

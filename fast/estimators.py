@@ -177,7 +177,8 @@ def _cat_estimates(parts: list) -> Estimate:
         xs = [getattr(p, name) for p in parts]
         return None if xs[0] is None else torch.cat(xs, dim=2)
     return Estimate(output=cat("output"), weights=cat("weights"), variance=cat("variance"), trace=cat("trace"),
-                    lse=cat("lse"), n_eff=cat("n_eff"), max_term=cat("max_term"), covariance=cat("covariance"))
+                    lse=cat("lse"), n_eff=cat("n_eff"), max_term=cat("max_term"), covariance=cat("covariance"),
+                    tail_moment=cat("tail_moment"))
 
 
 def _softmax(s: torch.Tensor):
@@ -277,14 +278,18 @@ def value_moments(values: torch.Tensor, pi: torch.Tensor | None = None, *, log_p
 
 
 def _tiled_moments(L: _Layout, ac, sc, v, lp, omp, empty, mu_all, r2_all, per_coordinate: bool,
-                   want_max: bool, want_cov: bool, chunk_bytes):
+                   want_max: bool, want_cov: bool, chunk_bytes, want_tail: bool = False):
     """Output and centred moments, one cache-resident chunk of V at a time.
 
     Per chunk of KV heads: [o; sum c v] = [a; c] @ V in one matmul (V read
     from memory once), the centre mu, then the centred tile V - mu (written
     into one reused buffer, still in cache) gives ||v_i - mu||^2 (a row norm)
-    or, per coordinate, c @ (V - mu)^2; on request the covariance and
-    max_term pieces. The epilogue combining the moments runs once, batched.
+    or, per coordinate, c @ (V - mu)^2; on request the covariance, max_term
+    and tail_moment pieces. max_term and tail_moment need the per-token
+    distances ||v_i - o_hat||^2 = ||v_i - mu||^2 - 2 (v_i - mu).(o_hat - mu)
+    + ||o_hat - mu||^2, available once the chunk's o_hat is known: one more
+    small matmul per tile (the second reduction over S; the weights are the
+    chunk's own). The epilogue combining the moments runs once, batched.
     """
     dt, G, dev, dv = L.dtype, L.G, v.device, L.dv
     a, c = ac[:, :G], ac[:, G:]  # (B, 2G, n): rows [a; c]
@@ -293,6 +298,8 @@ def _tiled_moments(L: _Layout, ac, sc, v, lp, omp, empty, mu_all, r2_all, per_co
     acc = torch.zeros(L.B, G, dv, dtype=dt, device=dev) if per_coordinate else None
     r2 = torch.empty(L.B, L.n, dtype=dt, device=dev) if (r2_all is None and not per_coordinate) else r2_all
     max_term = torch.zeros(L.B, G, dtype=dt, device=dev) if want_max else None
+    tail = torch.zeros(L.B, G, dtype=dt, device=dev) if want_tail else None
+    want_dist = want_max or want_tail
     cov = torch.zeros(L.B, G, dv, dv, dtype=dt, device=dev) if want_cov else None
     pf = torch.exp(lp) if want_max else None
     any_empty = bool(empty.any()) and mu_all is None
@@ -311,10 +318,10 @@ def _tiled_moments(L: _Layout, ac, sc, v, lp, omp, empty, mu_all, r2_all, per_co
             else:
                 torch.mean(oh, dim=1, keepdim=True, out=mu[h0:h1])
         muh = mu[h0:h1]
-        need_tile = per_coordinate or want_max or want_cov or r2_all is None
+        need_tile = per_coordinate or want_dist or want_cov or r2_all is None
         if not need_tile:
             continue
-        if want_max:
+        if want_dist:
             dm = oh - muh
             dm2 = (dm * dm).sum(-1, keepdim=True)
         for n0 in range(0, L.n, nc):
@@ -324,7 +331,7 @@ def _tiled_moments(L: _Layout, ac, sc, v, lp, omp, empty, mu_all, r2_all, per_co
             if want_cov:
                 for j in range(G):
                     cov[h0:h1, j].baddbmm_(vt.transpose(1, 2), vt * ct[:, j, :, None])
-            if want_max:
+            if want_dist:
                 cross = torch.bmm(dm, vt.transpose(1, 2))  # (v_i - mu).(o - mu), (hc, G, nc)
             if r2_all is None and not per_coordinate:
                 torch.linalg.vector_norm(vt, dim=-1, out=r2[h0:h1, n0:n1])
@@ -336,12 +343,20 @@ def _tiled_moments(L: _Layout, ac, sc, v, lp, omp, empty, mu_all, r2_all, per_co
             if per_coordinate:
                 wt = vt.square_()
                 acc[h0:h1].baddbmm_(ct, wt)  # sum_S c_i (v_i - mu)^2 per coordinate
-                if want_max and r2t is None:
+                if want_dist and r2t is None:
                     r2t = wt.sum(-1)
-            if want_max:
+            if want_dist:
                 # ||v_i - o||^2 = ||v_i - mu||^2 - 2 (v_i - mu).(o - mu) + ||o - mu||^2
-                dist = (r2t[:, None, :] - 2.0 * cross + dm2).clamp_(min=0.0).sqrt_()
-                at, ot = a[h0:h1, :, n0:n1], omp[h0:h1, None, n0:n1]
+                dist2 = (r2t[:, None, :] - 2.0 * cross + dm2).clamp_(min=0.0)
+                ot = omp[h0:h1, None, n0:n1]
+            if want_tail:
+                # x_i = c_i ||v_i - o||^2, the trace's terms; s2 += sum_i (1 - pi_i) x_i^2
+                # (0 on pi = 1, on padding and on masked tokens, where c_i = 0)
+                x = ct * dist2
+                tail[h0:h1] += (x * x).mul_(ot).sum(-1)
+            if want_max:
+                dist = dist2.sqrt_()  # (tail_moment, if asked, has used dist2 already)
+                at = a[h0:h1, :, n0:n1]
                 terms = torch.maximum(ot, pf[h0:h1, None, n0:n1]) * at * dist
                 terms = torch.where((ot > 0) & (at > 0), terms, torch.zeros_like(terms))
                 torch.maximum(max_term[h0:h1], terms.amax(-1), out=max_term[h0:h1])
@@ -361,10 +376,11 @@ def _tiled_moments(L: _Layout, ac, sc, v, lp, omp, empty, mu_all, r2_all, per_co
         cov -= dm[..., :, None] * s1[..., None, :] + s1[..., :, None] * dm[..., None, :]
         cov += sc[..., None] * dm[..., :, None] * dm[..., None, :]
         covariance = 0.5 * (cov + cov.transpose(-1, -2))
-    return o.contiguous(), variance, trace, max_term, covariance
+    return o.contiguous(), variance, trace, max_term, covariance, tail
 
 
-def _empty_estimate(L: _Layout, weights: bool, max_term: bool, covariance: bool, per_coordinate: bool) -> Estimate:
+def _empty_estimate(L: _Layout, weights: bool, max_term: bool, covariance: bool, per_coordinate: bool,
+                    tail_moment: bool = False) -> Estimate:
     """The reference's convention for an empty sample, for every query row (n = 0)."""
     dt, dev = L.dtype, L.q.device
     inf = float("inf")
@@ -379,6 +395,7 @@ def _empty_estimate(L: _Layout, weights: bool, max_term: bool, covariance: bool,
         n_eff=scalar(0.0),
         max_term=scalar(inf) if max_term else None,
         covariance=L.unrows(torch.full((L.B, L.G, L.dv, L.dv), inf, dtype=dt, device=dev)) if covariance else None,
+        tail_moment=scalar(inf) if tail_moment else None,
     )
 
 
@@ -389,7 +406,7 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
                     return_weights: bool = False, return_max_term: bool = False,
                     return_covariance: bool = False, value_center: torch.Tensor | None = None,
                     value_sqdist: torch.Tensor | None = None, chunk_bytes: int | None = None,
-                    query_chunk_bytes: int = 256 << 20) -> Estimate:
+                    query_chunk_bytes: int = 256 << 20, return_tail_moment: bool = False) -> Estimate:
     r"""Hajek-corrected attention over a compressed cache and its variance, batched.
 
     .. math::
@@ -399,9 +416,12 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
 
         \mathrm{variance}_d = \sum_{i\in S} c_i (v_{id} - \hat o_d)^2, \qquad
         \mathrm{trace} = \sum_{i\in S} c_i \lVert v_i - \hat o\rVert^2,
-        \qquad c_i = (1-\pi_i)\, a_i^2 .
+        \qquad c_i = (1-\pi_i)\, a_i^2,
 
-    Both are evaluated in the centred moment form around a per-head reference
+        \mathrm{tail\_moment} = \sum_{i\in S} (1-\pi_i)\, x_i^2, \qquad
+        x_i = c_i \lVert v_i - \hat o\rVert^2 \quad\text{(on request)}.
+
+    Both variance and trace are evaluated in the centred moment form around a per-head reference
     :math:`\mu` (no catastrophic cancellation when the values share a large
     offset, and no (v - o)^2 over n x dv per query):
 
@@ -454,6 +474,14 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     return_covariance : bool
         Fill ``Estimate.covariance`` (b, h_q, [t,] dv, dv), the full
         :math:`\hat\Sigma` (O(n dv^2) per query; for ``chi2`` and diagnostics).
+    return_tail_moment : bool
+        Fill ``Estimate.tail_moment`` (b, h_q, [t,] ): the HT estimate
+        :math:`s_2 = \sum_S (1-\pi_i)^3 a_i^4 \lVert v_i - \hat o\rVert^4`
+        of the design variance of the trace itself, for the
+        ``chebyshev_ucb`` certificate. Needs :math:`\hat o` first, so it is a
+        second reduction over S inside each chunk (one more small matmul
+        per V tile, as ``max_term``); no extra memory beyond a (b, h_q)
+        accumulator.
     value_center, value_sqdist : (b, h_kv, dv), (b, h_kv, n), optional
         Precomputed :math:`\mu` and :math:`\lVert v_i - \mu\rVert^2` (see
         :func:`value_moments`): the trace-only path then makes no extra pass
@@ -468,9 +496,9 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     -------
     Estimate
         output in the dtype of ``values``; variance, trace, lse, n_eff,
-        max_term in float32 (float64 when an input is float64). Empty sample
-        (every slot padding or masked for a query): output 0, lse -inf,
-        variance and trace +inf, n_eff 0, max_term +inf.
+        max_term, tail_moment in float32 (float64 when an input is float64).
+        Empty sample (every slot padding or masked for a query): output 0,
+        lse -inf, variance, trace and tail_moment +inf, n_eff 0, max_term +inf.
 
     Notes
     -----
@@ -481,7 +509,11 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     :math:`2|\sum c_i (v_i - \hat o)|` times that error. ``max_term`` uses
     the expansion of :math:`\lVert v_i - \hat o\rVert^2` around mu, so its
     small distances carry an absolute error of about sqrt(eps) times the
-    spread of the values (the max is dominated by the large ones).
+    spread of the values (the max is dominated by the large ones);
+    ``tail_moment`` uses the same squared distances (absolute error about
+    eps (||v_i - o_hat|| + 2 ||o_hat - mu||)^2 each, exact when g * t = 1
+    since mu = o_hat then). In float32 its terms below about 1e-38 flush to 0
+    (a total error below n times that).
     pi = 1 tokens add nothing to the variance; with all pi = 1 the output is
     exact attention and the variance 0. Tiny pi (1e-6) give a large positive
     bias, handled by the max shift. NaN in the inputs raises a ValueError
@@ -507,7 +539,7 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     kw = dict(scale=scale, per_coordinate=per_coordinate, log_pi=log_pi, positions=positions,
               return_weights=return_weights, return_max_term=return_max_term,
               return_covariance=return_covariance, value_center=value_center, value_sqdist=value_sqdist,
-              chunk_bytes=chunk_bytes)
+              chunk_bytes=chunk_bytes, return_tail_moment=return_tail_moment)
     tc = _query_chunk(L, query_chunk_bytes)
     if tc < L.t:  # many queries: bound the (b * h_q * t * n) score memory, query block by query block
         qp = _query_positions(L, query_positions, offset, q.device)
@@ -538,7 +570,8 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
         lp = log_pi.to(dt).reshape(L.B, L.n)
         omp = -torch.expm1(lp)
     if L.n == 0:
-        return _empty_estimate(L, return_weights, return_max_term, return_covariance, per_coordinate)
+        return _empty_estimate(L, return_weights, return_max_term, return_covariance, per_coordinate,
+                               return_tail_moment)
     ws = _WS.get("scores", L.B * L.G * L.n, dt, q.device).view(L.B, L.G, L.n)
     s = _logits(L, scale, log_pi=lp.reshape(L.b, L.h_kv, L.n), bias=bias, positions=positions,
                 query_positions=query_positions, offset=offset, out=ws)
@@ -563,10 +596,9 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
             raise TypeError("value_sqdist= needs the value_center= it was computed with")
         r2_all = _per_kv("value_sqdist", value_sqdist, L).to(dt).reshape(L.B, L.n)
     sc = c.sum(-1, keepdim=True)  # (B, G, 1) sum_S c_i
-    variance = max_term = covariance = None
-    o, variance, trace, max_term, covariance = _tiled_moments(
+    o, variance, trace, max_term, covariance, tail = _tiled_moments(
         L, ac, sc, v, lp, omp, empty, mu_all, r2_all, per_coordinate, return_max_term, return_covariance,
-        chunk_bytes)
+        chunk_bytes, want_tail=bool(return_tail_moment))
     n_eff = torch.linalg.vector_norm(a, dim=-1).square_().reciprocal_()  # 1 / sum a^2
     if bool(empty.any()):
         e = empty
@@ -579,6 +611,8 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
             max_term = max_term.masked_fill(e, float("inf"))
         if covariance is not None:
             covariance = covariance.masked_fill(e[..., None, None], float("inf"))
+        if tail is not None:
+            tail = tail.masked_fill(e, float("inf"))
     # NaN anywhere in q, keys, values or bias reaches o (through the scores or the values)
     if bool(torch.isnan(o).any()):
         raise ValueError("hajek_attention produced NaN: q, keys, values (and bias) must be finite")
@@ -592,4 +626,5 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
         n_eff=L.unrows(n_eff[..., None]).squeeze(-1),
         max_term=None if max_term is None else L.unrows(max_term[..., None]).squeeze(-1),
         covariance=None if covariance is None else L.unrows(covariance),
+        tail_moment=None if tail is None else L.unrows(tail[..., None]).squeeze(-1),
     )

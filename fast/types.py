@@ -30,9 +30,12 @@ class Estimate:
     covariance : (..., dv, dv) float32 Sigma_hat, or None (only on request:
                ``return_covariance=True`` in kvcert.fast.hajek_attention; the
                chi2 certificate uses it)
+    tail_moment : (...,) float32 s2 = sum_i (1 - pi_i)^3 a_i^4 ||v_i - o_hat||^4, the HT
+               estimate of the design variance of the trace itself, or None (only on request:
+               ``return_tail_moment=True``; the chebyshev_ucb certificate uses it)
 
-    Empty sample (every slot padding): output 0, lse -inf, variance and
-    trace +inf (the reference's convention).
+    Empty sample (every slot padding): output 0, lse -inf, variance, trace
+    and tail_moment +inf (the reference's convention).
     """
 
     output: torch.Tensor
@@ -43,6 +46,7 @@ class Estimate:
     n_eff: torch.Tensor | None = None
     max_term: torch.Tensor | None = None
     covariance: torch.Tensor | None = None
+    tail_moment: torch.Tensor | None = None
 
 
 @dataclass

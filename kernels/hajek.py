@@ -8,6 +8,11 @@ centred second moment of the values under the weights
 ``w_i = (1 - pi_i) e^{2 (l_i - m)}``, merged tile by tile with Chan's pairwise
 formula. Splits of a long sequence are merged by a second kernel with the same
 formulas. See docs/gpu.md for the derivation.
+
+On request (``return_tail_moment=True``) an epilogue kernel makes a second pass
+over the kept K/V once o_hat and lse are known, for the ``chebyshev_ucb``
+certificate's s2 = sum_i (1 - pi_i)^3 a_i^4 ||v_i - o_hat||^4 (it needs o_hat
+inside the sum, so it cannot join the first pass without dv^2 accumulators).
 """
 
 from __future__ import annotations
@@ -286,6 +291,91 @@ def _hajek_merge_kernel(
               Out, Lse, Var, Tr, Neff, DV, CERTIFY, PER_COORD)
 
 
+@triton.jit
+def _tail_moment_kernel(
+    Q, K, V, P, O, Lse, Part, OutLow,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_pb, stride_ph, stride_pn,
+    H_KV, H_Q, N, CHUNK, BH, scale,
+    D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    G: tl.constexpr, G_BLOCK: tl.constexpr, N_RB: tl.constexpr, R_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, LOG_PI: tl.constexpr, DOT_F32: tl.constexpr, STORE_LOW: tl.constexpr,
+):
+    """Part[split, row] = sum over the split of (1 - pi_i) x_i^2, x_i = (1 - pi_i) a_i^2 ||v_i - o_hat||^2,
+    a_i = exp(s_i - log pi_i - lse): the first pass's o_hat (float32) and lse, recomputed scores.
+    STORE_LOW: split 0 also writes o_hat cast to OutLow's dtype (the cast the first pass would do)."""
+    pid = tl.program_id(0)
+    sid = tl.program_id(1)
+    rb = pid % N_RB
+    bk = pid // N_RB
+    kvh = (bk % H_KV).to(tl.int64)
+    bi = (bk // H_KV).to(tl.int64)
+
+    r = tl.arange(0, R_PAD)
+    g_idx = rb * G_BLOCK + r
+    rmask = (r < G_BLOCK) & (g_idx < G)
+    head = kvh * G + g_idx
+    rows = bi * H_Q + head
+    offs_d = tl.arange(0, D_PAD)
+    offs_v = tl.arange(0, DV_PAD)
+    dmask = offs_d < D
+    vmask = offs_v < DV
+
+    q = tl.load(Q + bi * stride_qb + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    omask = rmask[:, None] & vmask[None, :]
+    o = tl.load(O + rows[:, None] * DV + offs_v[None, :], mask=omask, other=0.0)
+    if STORE_LOW:
+        if sid == 0:
+            tl.store(OutLow + rows[:, None] * DV + offs_v[None, :], o.to(OutLow.dtype.element_ty), mask=omask)
+    lse = tl.load(Lse + rows, mask=rmask, other=float("-inf"))
+    lse = tl.where(lse == float("-inf"), 0.0, lse)  # empty rows: every a_i is 0 anyway (set to +inf later)
+    s2 = tl.zeros([R_PAD], tl.float32)
+
+    k_base = K + bi * stride_kb + kvh * stride_kh
+    v_base = V + bi * stride_vb + kvh * stride_vh
+    p_base = P + bi * stride_pb + kvh * stride_ph
+    start = sid * CHUNK
+    end = tl.minimum(start + CHUNK, N)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=nmask[:, None] & dmask[None, :], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_v[None, :] * stride_vd,
+                    mask=nmask[:, None] & vmask[None, :], other=0.0)
+        if LOG_PI:
+            log_p = tl.load(p_base + offs_n * stride_pn, mask=nmask, other=float("-inf")).to(tl.float32)
+            one_minus = _neg_expm1(log_p)
+        else:
+            pi = tl.load(p_base + offs_n * stride_pn, mask=nmask, other=0.0).to(tl.float32)
+            log_p = tl.where(pi > 0.0, tl.log(tl.where(pi > 0.0, pi, 1.0)), float("-inf"))  # padding
+            one_minus = 1.0 - pi
+        present = log_p > float("-inf")
+        one_minus = tl.where(present, one_minus, 0.0)
+        if DOT_F32:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        logits = tl.where(present[None, :], s * scale - log_p[None, :], float("-inf"))
+        a = tl.exp(logits - lse[:, None])  # the normalized weights; 0 on padding
+        # ||v_i - o_hat||^2 row by row, from the differences (no ||v||^2 - 2 v.o + ||o||^2 cancellation)
+        vf = v.to(tl.float32)
+        r2 = tl.zeros([R_PAD, BLOCK_N], tl.float32)
+        for j in tl.static_range(G_BLOCK):
+            sel = r == j
+            oj = tl.sum(tl.where(sel[:, None], o, 0.0), axis=0)
+            dj = tl.where(vmask[None, :], vf - oj[None, :], 0.0)
+            r2 = tl.where(sel[:, None], tl.sum(dj * dj, axis=1)[None, :], r2)
+        x = one_minus[None, :] * (a * a) * r2
+        s2 += tl.sum(one_minus[None, :] * (x * x), axis=1)
+    tl.store(Part + sid * BH + rows, s2, mask=rmask)
+
+
 #: True when the kernels were built by Triton's interpreter (TRITON_INTERPRET=1 at import):
 #: they then run on CPU tensors, and not on CUDA ones at full speed
 INTERPRETED = type(_hajek_decode_kernel).__name__ == "InterpretedFunction"
@@ -400,7 +490,7 @@ def _check_inputs(q, keys, values, pi, log_pi, scale, validate):
 
 def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_coordinate=True,
                     block_n=None, num_splits=None, num_warps=None, num_stages=None,
-                    certify=True, validate=True, moments="auto") -> Estimate:
+                    certify=True, validate=True, moments="auto", return_tail_moment=False) -> Estimate:
     r"""Fused Triton decode kernel for the Hajek estimate and its variance (one pass over K/V).
 
     .. math::
@@ -420,6 +510,19 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
     :math:`\delta = \bar v_b - \bar v_a`, after rescaling each side's ``W`` and
     ``M2`` by :math:`e^{2(m_{side} - m)}`). Also
     :math:`n_\mathrm{eff} = 1/\sum a_i^2 = l^2 / \sum e^{2(\ell_i - m)}`.
+
+    With ``return_tail_moment=True`` a second kernel (an epilogue pass over the
+    kept K/V, split like the first) computes
+
+    .. math::
+
+        s_2 = \sum_{i\in S} (1-\pi_i)\, x_i^2, \qquad
+        x_i = (1-\pi_i)\, a_i^2 \lVert v_i - \hat o\rVert^2, \qquad
+        a_i = e^{\ell_i - \log\hat Z},
+
+    from the first pass's float32 :math:`\hat o` and :math:`\log\hat Z`
+    (scores recomputed, distances formed from the differences
+    :math:`v_i - \hat o`, float32 accumulation; splits summed in torch).
 
     Parameters
     ----------
@@ -458,6 +561,10 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
         These checks synchronise with the device; pass False in timed or
         graph-captured loops. K and V are never scanned (a NaN there shows
         up as NaN in the output).
+    return_tail_moment : bool, default False
+        Fill ``Estimate.tail_moment`` (b, h_q) float32 for the
+        ``chebyshev_ucb`` certificate: one more pass over K/V (the
+        epilogue kernel), no extra cache memory; +inf on empty heads.
 
     Returns
     -------
@@ -466,8 +573,8 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
         ``n_eff`` (b, h_q) float32; ``variance`` (b, h_q, dv) float32 or None;
         ``weights`` None (never materialized) and ``max_term`` None: it needs
         o_hat before the pass, so the ``bernstein`` certificate recomputes it
-        with kvcert.fast on demand. With a 4-D q of t = 1 the leading
-        dimensions are (b, h_q, 1).
+        with kvcert.fast on demand. ``tail_moment`` (b, h_q) float32 or None.
+        With a 4-D q of t = 1 the leading dimensions are (b, h_q, 1).
 
     Notes
     -----
@@ -484,6 +591,8 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
     - Weights below about 1e-19 of the largest square to 0 in float32; their
       variance contribution is below float32 resolution of the total unless
       every tail token is that small, in which case the variance is ~0 too.
+      Likewise a term of ``tail_moment`` below float32's smallest normal
+      (1.2e-38) may flush to 0: its absolute error is at most n times that.
 
     References
     ----------
@@ -535,7 +644,9 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
     splits = max(1, math.ceil(n / chunk))
 
     dev = q.device
-    out = torch.empty((b, h_q, dv), device=dev, dtype=values.dtype)
+    # the tail pass needs o_hat unrounded: then the first pass stores it in float32 and the tail
+    # kernel writes the input-dtype output
+    out = torch.empty((b, h_q, dv), device=dev, dtype=torch.float32 if return_tail_moment else values.dtype)
     lse = torch.empty((b, h_q), device=dev, dtype=torch.float32)
     var = torch.empty((b, h_q, dv), device=dev, dtype=torch.float32) if certify and per_coordinate else None
     trace = torch.empty((b, h_q), device=dev, dtype=torch.float32) if certify else None
@@ -578,7 +689,30 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
                 ROUND_P=round_p,
                 **({} if _interpreting() else {"num_warps": 4}),
             )
-    est = Estimate(output=out, weights=None, variance=var, trace=trace, lse=lse, n_eff=neff, max_term=None)
+    tail = None
+    if return_tail_moment:
+        low = values.dtype != torch.float32
+        out_low = torch.empty((b, h_q, dv), device=dev, dtype=values.dtype) if low else out
+        if programs > 0:
+            part = torch.empty((splits, bh), device=dev, dtype=torch.float32)
+            _tail_moment_kernel[(programs, splits)](
+                q, keys, values, p, out, lse, part, out_low,
+                q.stride(0), q.stride(1), q.stride(2),
+                keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3),
+                values.stride(0), values.stride(1), values.stride(2), values.stride(3),
+                p.stride(0), p.stride(1), p.stride(2),
+                h_kv, h_q, n, chunk, bh, scale,
+                D=d, DV=dv, D_PAD=d_pad, DV_PAD=dv_pad,
+                G=g, G_BLOCK=g_block, N_RB=n_rb, R_PAD=r_pad,
+                BLOCK_N=bn, LOG_PI=use_log, DOT_F32=dot_f32, STORE_LOW=low, **launch,
+            )
+            tail = part.sum(0).view(b, h_q) if splits > 1 else part.view(b, h_q)
+            tail = tail.masked_fill(torch.isneginf(lse), float("inf"))  # empty heads: +inf
+        else:
+            tail = torch.full((b, h_q), float("inf"), device=dev, dtype=torch.float32)
+        out = out_low
+    est = Estimate(output=out, weights=None, variance=var, trace=trace, lse=lse, n_eff=neff, max_term=None,
+                   tail_moment=tail)
     if squeeze_t:
         est = Estimate(**{f: (x.unsqueeze(2) if x is not None else None) for f, x in vars(est).items()})
     return est

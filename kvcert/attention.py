@@ -261,6 +261,7 @@ def _estimate_kwargs(kind: str) -> dict:
         "per_coordinate": kind == "wald",
         **({"return_covariance": True} if kind == "chi2" else {}),
         **({"return_max_term": True} if kind == "bernstein" else {}),
+        **({"return_tail_moment": True} if kind == "chebyshev_ucb" else {}),
     }
 
 

@@ -23,7 +23,7 @@ from dataclasses import fields
 __all__ = ["main", "build_parser"]
 
 _PRESS_NAMES = ("poisson", "snapkv", "h2o", "streaming_llm", "tova", "knorm", "random")
-_KINDS = ("chebyshev", "wald", "chi2", "bernstein")
+_KINDS = ("chebyshev", "wald", "chi2", "bernstein", "chebyshev_ucb")
 _SCORERS = ("snapkv", "h2o", "tova", "knorm", "streaming_llm", "random")
 
 #: options that set a press field of the same name

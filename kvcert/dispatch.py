@@ -50,6 +50,8 @@ _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: falls back to kvcert.fast on CUDA), and forcing "triton" raises a TypeError
 _FAST_ONLY = ("bias", "positions", "query_positions", "offset", "return_weights", "return_max_term",
               "return_covariance", "value_center", "value_sqdist")
+# (``return_tail_moment``, for the chebyshev_ucb certificate, is implemented by every backend: it is
+# passed through and does not route the call away from the kernel)
 
 _last: str | None = None
 
@@ -175,13 +177,17 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
         ``positions``, ...; see :func:`select_backend`) route an automatic
         call to "fast": e.g. ``return_max_term=True`` for the ``bernstein``
         certificate, whose max_term the one-pass kernel cannot compute.
+        ``return_tail_moment=True`` (for the ``chebyshev_ucb`` certificate)
+        is implemented by every backend (the kernel runs an epilogue pass)
+        and does not change the choice.
 
     Returns
     -------
     kvcert.fast.types.Estimate
         Leading dimensions (b, h_q) or (b, h_q, t). See the backends for
         which optional fields they fill (the Triton kernel leaves
-        ``weights`` and ``max_term`` as None).
+        ``weights`` and ``max_term`` as None; ``tail_moment`` is filled on
+        ``return_tail_moment=True`` by fast and triton, always by reference).
 
     Raises
     ------
@@ -242,14 +248,16 @@ _REFERENCE_KW = frozenset(_FAST_ONLY)
 
 def _reference(q, keys, values, pi=None, *, log_pi=None, scale=None, per_coordinate=True, bias=None,
                positions=None, query_positions=None, offset=None, return_covariance=False,
-               **ignored) -> Estimate:
+               return_tail_moment=False, **ignored) -> Estimate:
     """Loop the float64 oracle over (b, h_q[, t]) and pack a torch Estimate.
 
-    Fills every field (weights, n_eff, max_term always; covariance on
-    ``return_covariance``). ``bias`` (broadcastable to (b, h_q, [t,] n)) and
-    the causal mask of ``positions`` / ``query_positions`` / ``offset`` follow
-    kvcert.fast; ``return_weights``, ``return_max_term``, ``value_center``
-    and ``value_sqdist`` are accepted and have no effect (the oracle computes
+    Fills every field (weights, n_eff, max_term, tail_moment always;
+    covariance on ``return_covariance``; ``return_tail_moment`` is accepted
+    for parity, the oracle computes tail_moment anyway). ``bias``
+    (broadcastable to (b, h_q, [t,] n)) and the causal mask of
+    ``positions`` / ``query_positions`` / ``offset`` follow kvcert.fast;
+    ``return_weights``, ``return_max_term``, ``value_center`` and
+    ``value_sqdist`` are accepted and have no effect (the oracle computes
     everything exactly).
     """
     import numpy as np
@@ -330,7 +338,7 @@ def _reference(q, keys, values, pi=None, *, log_pi=None, scale=None, per_coordin
     var = np.zeros((b, h_q, t, dv))
     cov = np.zeros((b, h_q, t, dv, dv))
     wts = np.zeros((b, h_q, t, n))
-    trace, lse, neff, mterm = (np.zeros((b, h_q, t)) for _ in range(4))
+    trace, lse, neff, mterm, tail = (np.zeros((b, h_q, t)) for _ in range(5))
     for bi in range(b):
         for h in range(h_q):
             kv = h // g
@@ -341,6 +349,7 @@ def _reference(q, keys, values, pi=None, *, log_pi=None, scale=None, per_coordin
                 cov[bi, h, j] = e.covariance
                 trace[bi, h, j], lse[bi, h, j] = e.trace, e.lse
                 neff[bi, h, j], mterm[bi, h, j] = e.n_eff, e.max_term
+                tail[bi, h, j] = e.tail_moment
 
     def pack(x, dtype=torch.float32):
         x = torch.from_numpy(x[:, :, 0] if decode else x)
@@ -355,4 +364,5 @@ def _reference(q, keys, values, pi=None, *, log_pi=None, scale=None, per_coordin
         n_eff=pack(neff),
         max_term=pack(mterm),
         covariance=pack(cov) if return_covariance else None,
+        tail_moment=pack(tail),
     )

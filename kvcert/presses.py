@@ -56,7 +56,7 @@ __all__ = [
 
 #: scorers a PoissonPress can draw its importance from (kvcert.fast.scorers)
 SCORER_NAMES = ("snapkv", "h2o", "tova", "knorm", "streaming_llm", "random")
-_KINDS = ("wald", "chebyshev", "chi2", "bernstein")
+_KINDS = ("wald", "chebyshev", "chi2", "bernstein", "chebyshev_ucb")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,8 +200,11 @@ class BasePress:
         Most recent tokens always kept.
     delta : float in (0, 1)
         Miscoverage of the recorded certificates.
-    kind : {"chebyshev", "wald", "chi2", "bernstein"}
-        Certificate kind recorded per step, layer and head.
+    kind : {"chebyshev", "wald", "chi2", "bernstein", "chebyshev_ucb"}
+        Certificate kind recorded per step, layer and head (``chebyshev_ucb``:
+        the strict kind, a chi-square upper bound on the variance then
+        Chebyshev, at the cost of a second pass over the kept tokens; see
+        docs/theory.md).
 
     Notes
     -----

@@ -16,10 +16,14 @@ from scipy import stats
 
 from .estimators import Estimate
 
-__all__ = ["Certificate", "KINDS", "certificate", "covers", "radius_from_moments"]
+__all__ = ["Certificate", "KINDS", "NU_MIN", "certificate", "covers", "radius_from_moments"]
 
 #: certificate kinds; the norm kinds bound ||o_hat - o||_2, ``wald`` bounds each coordinate
-KINDS = ("wald", "chebyshev", "chi2", "bernstein")
+KINDS = ("wald", "chebyshev", "chi2", "bernstein", "chebyshev_ucb")
+
+#: lower end of the Satterthwaite degrees of freedom of ``chebyshev_ucb``: nu = 2 tr^2 / s2 >= 2
+#: holds exactly for every estimate (s2 <= tr^2), so the clip only absorbs rounding
+NU_MIN = 2.0
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,15 @@ def _check_delta(delta) -> float:
     return delta
 
 
+def _ucb_ratio(nu: float, delta: float) -> float:
+    """nu / chi2_{nu; delta/2}: the factor by which the chi-square UCB inflates the trace (1 at nu = inf)."""
+    if nu == np.inf:
+        return 1.0
+    return float(nu / stats.chi2.ppf(delta / 2.0, nu))
+
+
 def radius_from_moments(kind: str, delta: float, *, trace: float, variance=None, eigenvalues=None,
-                        max_term: float = 0.0):
+                        max_term: float = 0.0, tail_moment: float | None = None):
     r"""Certificate radius from the variance summaries (shared by all kinds).
 
     - ``wald``: :math:`z_{1-\delta/2}\sqrt{\hat\sigma^2_d}` per coordinate
@@ -77,6 +88,32 @@ def radius_from_moments(kind: str, delta: float, *, trace: float, variance=None,
       with the plug-ins :math:`V = \mathrm{tr}\hat\Sigma` and
       :math:`B =` ``max_term`` (an empirical-Bernstein radius: both are
       estimated from the sample, so it is not a guarantee).
+    - ``chebyshev_ucb`` (strict, opt-in):
+
+      .. math::
+
+          r^2 = \frac{2\,\mathrm{tr}\,\nu}{\delta\,\chi^2_{\nu;\,\delta/2}}, \qquad
+          \nu = \frac{2\,\mathrm{tr}^2}{s_2}, \qquad
+          s_2 = \sum_{i\in S} (1-\pi_i)\, x_i^2, \quad
+          x_i = (1-\pi_i)\, a_i^2 \lVert v_i - \hat o\rVert^2
+
+      (``tail_moment`` = :math:`s_2`, the HT estimate of the design variance
+      of the trace estimator itself). Satterthwaite's approximation
+      :math:`\mathrm{tr} \sim V\chi^2_\nu/\nu` gives the upper confidence
+      bound :math:`V_U = \mathrm{tr}\,\nu/\chi^2_{\nu;\delta/2}` on
+      :math:`V = E\lVert\hat o - o\rVert^2` at level :math:`\delta/2`; Markov
+      at :math:`\delta/2` then gives
+      :math:`P(\lVert\hat o - o\rVert^2 > V_U/(\delta/2)) \le \delta/2 + \delta/2`
+      (union bound). The chi-square model of the trace is an approximation,
+      so this is not a finite-sample guarantee either: its coverage is
+      measured (docs/theory.md, paper_repro). Since :math:`s_2 \le
+      \mathrm{tr}^2`, :math:`\nu \ge 2` (clipped at ``NU_MIN`` = 2 against
+      rounding); the radius decreases in :math:`\nu`, from
+      :math:`\sqrt{4\,\mathrm{tr}/(\delta\chi^2_{2;\delta/2})}` at
+      :math:`\nu = 2` to :math:`\sqrt{2\,\mathrm{tr}/\delta}` as
+      :math:`\nu\to\infty` (used when :math:`s_2 = 0`), so it is always
+      more than :math:`\sqrt 2` times the ``chebyshev`` radius. tr = 0 gives
+      0, tr = +inf (empty sample) or :math:`s_2` = +inf gives +inf.
     """
     delta = _check_delta(delta)
     trace = float(trace)
@@ -104,6 +141,19 @@ def radius_from_moments(kind: str, delta: float, *, trace: float, variance=None,
         L = np.log(2.0 / delta)
         b = float(max_term) * L / 3.0
         return float(b + np.sqrt(b * b + 2.0 * max(trace, 0.0) * L))
+    if kind == "chebyshev_ucb":
+        if tail_moment is None:
+            raise ValueError("the chebyshev_ucb certificate needs tail_moment = sum_S (1 - pi) x_i^2 "
+                             "(an Estimate from kvcert.reference.hajek_attention has it)")
+        s2 = float(tail_moment)
+        if np.isnan(trace) or np.isnan(s2) or s2 < 0.0:
+            raise ValueError(f"trace must not be NaN and tail_moment must be >= 0, got {trace} and {s2}")
+        if trace == np.inf or s2 == np.inf:
+            return np.inf
+        if trace <= 0.0:
+            return 0.0
+        nu = np.inf if s2 <= 0.0 else max(2.0 * trace * trace / s2, NU_MIN)
+        return float(np.sqrt(2.0 * trace * _ucb_ratio(nu, delta) / delta))
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
@@ -116,8 +166,9 @@ def certificate(estimate: Estimate, *, delta: float = 0.05, kind: str = "chebysh
         From :func:`kvcert.reference.hajek_attention`.
     delta : float in (0, 1)
         Nominal miscoverage (level 1 - delta).
-    kind : {"wald", "chebyshev", "chi2", "bernstein"}
-        See :func:`radius_from_moments` for the formula and assumption of each.
+    kind : {"wald", "chebyshev", "chi2", "bernstein", "chebyshev_ucb"}
+        See :func:`radius_from_moments` for the formula and assumption of each
+        (``chebyshev_ucb`` reads ``estimate.tail_moment``).
 
     Returns
     -------
@@ -138,6 +189,9 @@ def certificate(estimate: Estimate, *, delta: float = 0.05, kind: str = "chebysh
     >>> c = certificate(est, delta=0.05, kind="chebyshev")
     >>> bool(np.isclose(c.radius, np.sqrt(est.trace / 0.05)))
     True
+    >>> strict = certificate(est, delta=0.05, kind="chebyshev_ucb")  # > sqrt(2) x chebyshev
+    >>> bool(strict.radius > np.sqrt(2) * c.radius)
+    True
     """
     if not isinstance(estimate, Estimate):
         raise TypeError(f"estimate must be a kvcert.reference.Estimate, got {type(estimate).__name__}")
@@ -148,7 +202,8 @@ def certificate(estimate: Estimate, *, delta: float = 0.05, kind: str = "chebysh
         cov = estimate.covariance
         eig = np.full(1, np.inf) if not np.all(np.isfinite(cov)) else np.linalg.eigvalsh(cov)
     radius = radius_from_moments(kind, delta, trace=estimate.trace, variance=estimate.variance,
-                                 eigenvalues=eig, max_term=estimate.max_term)
+                                 eigenvalues=eig, max_term=estimate.max_term,
+                                 tail_moment=estimate.tail_moment)
     o = estimate.output
     norm_r = float(np.linalg.norm(radius)) if np.ndim(radius) else float(radius)
     norm_o = float(np.linalg.norm(o))

@@ -38,6 +38,11 @@ class Estimate:
     max_term : float, plug-in range of the linearized summands,
         max over sampled tail tokens of max(1 - pi_i, pi_i) a_i ||v_i - o_hat||
         (used by the ``bernstein`` certificate).
+    tail_moment : float or None, the HT estimate of the design variance of the
+        trace itself, sum_S (1 - pi_i) x_i^2 with x_i = (1 - pi_i) a_i^2
+        ||v_i - o_hat||^2 the trace's terms (used by the ``chebyshev_ucb``
+        certificate); +inf for an empty sample. :func:`hajek_attention`
+        always fills it; None only for an Estimate built by hand.
     """
 
     output: np.ndarray
@@ -48,6 +53,7 @@ class Estimate:
     lse: float
     n_eff: float
     max_term: float = 0.0
+    tail_moment: float | None = None
 
 
 def _as_qkv(q, keys, values):
@@ -127,12 +133,23 @@ def hajek_attention(q, keys, values, pi, *, scale: float | None = None, per_coor
         \hat\Sigma = \sum_{i\in S} (1-\pi_i)\, a_i^2\, (v_i - \hat o)(v_i - \hat o)^\top,
         \qquad \mathrm{trace} = \sum_{i\in S} (1-\pi_i)\, a_i^2 \lVert v_i - \hat o\rVert^2,
 
-        \log \hat Z = \log \sum_{i\in S} e^{s_i} / \pi_i .
+        \log \hat Z = \log \sum_{i\in S} e^{s_i} / \pi_i,
+
+        \mathrm{tail\_moment} = \sum_{i\in S} (1-\pi_i)\, x_i^2
+            = \sum_{i\in S} (1-\pi_i)^3 a_i^4 \lVert v_i - \hat o\rVert^4,
+        \qquad x_i = (1-\pi_i)\, a_i^2 \lVert v_i - \hat o\rVert^2 .
 
     :math:`\hat\Sigma` is the Horvitz-Thompson estimate of the design variance
     of the Taylor linearization
     :math:`\hat o - o \approx Z^{-1}\sum_i (I_i/\pi_i - 1) e^{s_i}(v_i - o)`,
-    with Z and o replaced by their estimates.
+    with Z and o replaced by their estimates. The trace is itself an HT sum:
+    :math:`x_i \approx y_i/\pi_i` with
+    :math:`y_i = \tfrac{1-\pi_i}{\pi_i} w_i^2 \lVert v_i - o\rVert^2` the terms
+    of :math:`\mathrm{tr}\,V` (up to the plug-ins o_hat, Z_hat), so under
+    Poisson sampling the HT estimate of its own design variance
+    :math:`\sum_S (1-\pi_i)\, y_i^2/\pi_i^2` is ``tail_moment`` (the
+    ``chebyshev_ucb`` certificate turns it into Satterthwaite's degrees of
+    freedom :math:`\nu = 2\,\mathrm{tr}^2/\mathrm{tail\_moment}`).
 
     Parameters
     ----------
@@ -160,7 +177,8 @@ def hajek_attention(q, keys, values, pi, *, scale: float | None = None, per_coor
       large positive bias, not an overflow (the softmax is max-shifted).
     - Padding (pi = 0) gets bias -inf: computing -log(0) would give +inf.
     - An empty sample (every row padding or masked) has no estimate: the
-      output is 0, ``lse`` is -inf and ``variance``/``trace`` are +inf, so any
+      output is 0, ``lse`` is -inf and ``variance``/``trace``/``tail_moment``
+      are +inf, so any
       certificate built from it has an infinite radius ("uncertifiable").
 
     References
@@ -190,7 +208,8 @@ def hajek_attention(q, keys, values, pi, *, scale: float | None = None, per_coor
     logits[present] = s[present] - np.log(p[present])
     if n == 0 or np.all(logits == -np.inf):
         inf = np.full(dv, np.inf)
-        return Estimate(np.zeros(dv), np.zeros(n), inf, np.full((dv, dv), np.inf), np.inf, -np.inf, 0.0, np.inf)
+        return Estimate(np.zeros(dv), np.zeros(n), inf, np.full((dv, dv), np.inf), np.inf, -np.inf, 0.0, np.inf,
+                        tail_moment=np.inf)
     lse = float(logsumexp(logits))
     a = np.exp(logits - lse)
     out = a @ v
@@ -200,6 +219,8 @@ def hajek_attention(q, keys, values, pi, *, scale: float | None = None, per_coor
     cov = 0.5 * (cov + cov.T)
     var = np.einsum("i,ij,ij->j", c, r, r)
     tail = (p < 1) & (a > 0)
+    r2 = np.einsum("ij,ij->i", r, r)  # ||v_i - o_hat||^2
+    x = c * r2  # the trace's HT terms x_i
     terms = np.maximum(1.0 - p, p) * a * np.linalg.norm(r, axis=1)
     return Estimate(
         output=out,
@@ -210,6 +231,7 @@ def hajek_attention(q, keys, values, pi, *, scale: float | None = None, per_coor
         lse=lse,
         n_eff=float(1.0 / np.sum(a * a)),
         max_term=float(terms[tail].max()) if np.any(tail) else 0.0,
+        tail_moment=float(np.sum((1.0 - p) * x * x)),
     )
 
 

@@ -255,7 +255,8 @@ def test_padding_slots_change_nothing(dtype):
 
 def test_empty_sample_and_fully_masked_rows():
     q, k, v = torch.randn(1, 2, 4), torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 3)
-    est = F.hajek_attention(q, k, v, torch.zeros(1, 1, 5), return_max_term=True, return_covariance=True)
+    est = F.hajek_attention(q, k, v, torch.zeros(1, 1, 5), return_max_term=True, return_covariance=True,
+                             return_tail_moment=True)
     assert torch.all(est.output == 0) and torch.all(est.lse == -math.inf)
     assert torch.all(est.trace == math.inf) and torch.all(est.variance == math.inf)
     assert torch.all(est.n_eff == 0) and torch.all(est.max_term == math.inf)

@@ -25,7 +25,8 @@ def test_every_kind_matches_reference(n, dv, delta, data):
     k = torch.from_numpy(rng.normal(size=(b, h_kv, n, 8)))
     v = torch.from_numpy(rng.normal(size=(b, h_kv, n, dv)) + 2.0)
     pi = torch.from_numpy(np.stack([np.stack([data.draw(pi_vectors(n)) for _ in range(h_kv)]) for _ in range(b)]))
-    est = F.hajek_attention(q, k, v, pi, return_max_term=True, return_covariance=True)
+    est = F.hajek_attention(q, k, v, pi, return_max_term=True, return_covariance=True,
+                             return_tail_moment=True)
     for kind in F.KINDS:
         cert = F.certificate(est, delta=delta, kind=kind)
         assert cert.kind == kind and cert.delta == delta
@@ -45,7 +46,8 @@ def test_every_kind_matches_reference(n, dv, delta, data):
 
 def test_radius_shapes_and_zero_variance():
     q, k, v = torch.randn(2, 4, 8), torch.randn(2, 2, 30, 8), torch.randn(2, 2, 30, 5)
-    est = F.hajek_attention(q, k, v, torch.ones(2, 2, 30), return_max_term=True, return_covariance=True)
+    est = F.hajek_attention(q, k, v, torch.ones(2, 2, 30), return_max_term=True, return_covariance=True,
+                             return_tail_moment=True)
     for kind in F.KINDS:
         cert = F.certificate(est, kind=kind)
         want_shape = (2, 4, 5) if kind == "wald" else (2, 4)

@@ -1,0 +1,190 @@
+"""The Triton epilogue pass ``_tail_moment_kernel`` (``return_tail_moment=True``) against the oracle and
+kvcert.fast. Without a GPU this runs on Triton's CPU interpreter (TRITON_INTERPRET=1).
+
+Tolerance per query head (STYLE.md; the criterion of test_kernels.py): |kernel - ref64| <=
+2 |lowp - ref64| (the textbook formula at float32 on the same rounded inputs) plus the rounding the
+kernel adds on top:
+
+- its o_hat is off by at most delta = 2 (eps32 max|v| + eps_dtype sum_i a_i |v_i - o|) per
+  coordinate (float32 accumulation; half inputs round the probabilities before P V: see
+  ``_variance_rounding`` in test_kernels.py), which moves each ||v_i - o_hat||^4 by at most
+  (r_i + |delta|)^4 - r_i^4 (triangle inequality);
+- a_i = exp(logit_i - lse) takes the error of the first pass's lse and of the recomputed logit,
+  4 x in a_i^4; (1 - pi_i)^3 three roundings (log-pi path: 8 eps each, see test_kernels.py);
+- the float32 sum: the accumulation bound of test_kernels.py; terms below float32's smallest normal
+  may flush to 0 (n * tiny).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from test_kernels import DEVICE, _accumulation_eps, _make_case  # noqa: E402  (skips without CUDA/interpreter)
+
+from kvcert import dispatch as DSP  # noqa: E402
+from kvcert import fast as F  # noqa: E402
+from kvcert import kernels as KN  # noqa: E402
+from kvcert import reference as R  # noqa: E402
+
+EPS32 = float(torch.finfo(torch.float32).eps)
+TINY32 = float(torch.finfo(torch.float32).tiny)
+
+
+def _oracle_tail(q, k, v, pi):
+    """Per (b, h_q): the reference Estimate and the ingredients of the tolerance."""
+    q64, k64, v64, p64 = (x.detach().cpu().double().numpy() for x in (q, k, v, pi))
+    b, h_q, _ = q64.shape
+    g = h_q // k64.shape[1]
+    out = {}
+    for bi in range(b):
+        for h in range(h_q):
+            kv = h // g
+            e = R.hajek_attention(q64[bi, h], k64[bi, kv], v64[bi, kv], p64[bi, kv])
+            out[bi, h] = (e, v64[bi, kv], p64[bi, kv])
+    return out
+
+
+def _lowp_tail(q, k, v, pi):
+    """The reference formulas in plain float32 torch on the (already rounded) inputs: (b, h_q) s2 and lse."""
+    q, k, v, p = (x.detach().cpu().float() for x in (q, k, v, pi))
+    g = q.shape[1] // k.shape[1]
+    k, v, p = (x.repeat_interleave(g, dim=1) for x in (k, v, p))
+    s = (k @ q.unsqueeze(-1)).squeeze(-1) / math.sqrt(q.shape[-1])
+    logits = torch.where(p > 0, s - torch.log(torch.where(p > 0, p, torch.ones_like(p))), -math.inf)
+    lse = torch.logsumexp(logits, -1)
+    a = torch.exp(logits - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    o = (a.unsqueeze(-2) @ v).squeeze(-2)
+    x = (1 - p) * a * a * ((v - o.unsqueeze(-2)) ** 2).sum(-1)
+    return ((1 - p) * x * x).sum(-1).double().numpy(), lse.double().numpy()
+
+
+def tail_tolerance(q, k, v, pi, dtype, block_n):
+    """(reference s2 (b, h_q), allowed |kernel - reference| (b, h_q))."""
+    ref = _oracle_tail(q, k, v, pi)
+    low, low_lse = _lowp_tail(q, k, v, pi)
+    eps_w = float(torch.finfo(dtype).eps) if dtype != torch.float32 else 0.0
+    n = k.shape[2]
+    want = np.zeros(low.shape)
+    tol = np.zeros(low.shape)
+    for (bi, h), (e, vv, p) in ref.items():
+        want[bi, h] = e.tail_moment
+        if not np.isfinite(e.lse):
+            continue
+        a = e.weights
+        live = p > 0
+        res = vv - e.output
+        r = np.linalg.norm(res, axis=1)
+        delta = 2 * (EPS32 * np.abs(vv[live]).max() + eps_w * (a[:, None] * np.abs(res)).sum(0))
+        w = (1 - p) ** 3 * a ** 4
+        logit = np.log(np.where(a > 0, a, 1.0)) + e.lse
+        rel_a = (2 * abs(low_lse[bi, h] - e.lse) + EPS32 * (abs(e.lse) + 1)
+                 + (EPS32 + _accumulation_eps(q.shape[-1], 16)) * (np.abs(logit) + abs(e.lse)))
+        tol[bi, h] = (2 * abs(low[bi, h] - e.tail_moment)
+                      + np.sum(w * ((r + np.linalg.norm(delta)) ** 4 - r ** 4))
+                      + 4 * np.sum(rel_a * w * r ** 4)
+                      + (32 * EPS32 + _accumulation_eps(n, block_n)) * e.tail_moment + n * TINY32)
+    return want, tol
+
+
+def assert_tail_matches(est, q, k, v, pi, dtype, block_n, *, other=None):
+    assert est.tail_moment is not None and est.tail_moment.dtype == torch.float32
+    got = est.tail_moment.detach().cpu().double().numpy()
+    assert not np.isnan(got).any()
+    want, tol = tail_tolerance(q, k, v, pi, dtype, block_n)
+    dead = ~np.isfinite(want)
+    assert np.all(got[dead] == np.inf), got[dead]
+    live = ~dead
+    if other is not None:  # against kvcert.fast: both are off the oracle, by up to their own budgets
+        y = other.tail_moment.detach().cpu().double().numpy()
+        assert np.all(y[dead] == np.inf)
+        tol = tol + np.where(live, np.abs(np.where(live, y, 0.0) - np.where(live, want, 0.0)), 0.0)
+        want = y
+    err = np.where(live, np.abs(np.where(live, got, 0.0) - np.where(live, want, 0.0)), 0.0)
+    worst = np.unravel_index(np.argmax(np.where(live, err - tol, -np.inf)), err.shape)
+    assert np.all(err[live] <= tol[live]), (
+        f"tail_moment: err {err[worst]:.3e} > tol {tol[worst]:.3e} at head {worst}: kernel {got[worst]} "
+        f"vs {want[worst]} (mean rel err {np.mean(err[live] / np.maximum(np.abs(want[live]), 1e-300)):.2e})")
+
+
+CASES = [  # (seed, b, h_kv, g, n, d, dv, dtype, regime, pad, pi_kind), block_n, num_splits, use_log
+    ((1, 1, 2, 4, 113, 16, 16, torch.float32, "typical", "ragged", "mixed"), 32, 3, False),
+    ((2, 2, 1, 5, 33, 16, 24, torch.bfloat16, "typical", "empty_head", "interior"), 32, 1, True),
+    ((3, 1, 2, 2, 1, 16, 16, torch.float16, "typical", "none", "0.3"), 16, 1, False),
+    ((4, 1, 1, 20, 70, 16, 16, torch.float32, "dominant", "ragged", "interior"), 16, 2, True),
+    ((5, 1, 2, 3, 64, 64, 16, torch.float32, "offset", "ragged", "interior"), 64, 2, False),
+    ((6, 1, 1, 4, 65, 16, 16, torch.bfloat16, "offset", "none", "mixed"), 16, 3, False),
+]
+
+
+@pytest.mark.parametrize("case, block_n, num_splits, use_log", CASES,
+                         ids=[f"{c[7]}-n{c[4]}-g{c[3]}-{c[8]}-{c[9]}-s{s}" for c, _, s, _ in CASES])
+def test_matches_reference_and_fast(case, block_n, num_splits, use_log):
+    seed, b, h_kv, g, n, d, dv, dtype, regime, pad, pi_kind = case
+    q, k, v, pi = _make_case(seed, b, h_kv, g, n, d, dv, dtype, regime=regime, pad=pad, pi_kind=pi_kind)
+    kw = dict(block_n=block_n, num_splits=num_splits, return_tail_moment=True)
+    est = (KN.hajek_attention(q, k, v, log_pi=torch.log(pi), **kw) if use_log
+           else KN.hajek_attention(q, k, v, pi, **kw))
+    assert est.tail_moment.shape == (b, h_kv * g)
+    assert_tail_matches(est, q, k, v, pi, dtype, block_n)
+    fast = F.hajek_attention(q, k, v, pi, per_coordinate=False, return_tail_moment=True)
+    assert_tail_matches(est, q, k, v, pi, dtype, block_n, other=fast)
+
+
+def test_other_fields_are_unchanged_and_splits_agree():
+    """The epilogue pass changes nothing else (the output is still cast once, in a kernel), and the
+    split partial sums (summed in torch) agree with one split to the accumulation bound."""
+    q, k, v, pi = _make_case(7, 2, 2, 2, 90, 16, 16, torch.bfloat16, pad="ragged")
+    base = KN.hajek_attention(q, k, v, pi, block_n=16, num_splits=3)
+    est = KN.hajek_attention(q, k, v, pi, block_n=16, num_splits=3, return_tail_moment=True)
+    assert base.tail_moment is None
+    same = torch.equal if KN.INTERPRETED else (
+        lambda x, y: torch.allclose(x.float(), y.float(), rtol=4 * EPS32, atol=0))
+    for f in ("output", "variance", "trace", "lse", "n_eff"):
+        assert same(getattr(base, f), getattr(est, f)), f
+    assert est.output.dtype == torch.bfloat16
+    one = KN.hajek_attention(q, k, v, pi, block_n=16, num_splits=1, return_tail_moment=True)
+    fin = torch.isfinite(one.tail_moment)
+    assert torch.equal(fin, torch.isfinite(est.tail_moment))
+    tol = 4 * _accumulation_eps(90, 16)
+    # o_hat (and so the distances) may differ between split counts by the first pass's rounding too
+    want, budget = tail_tolerance(q, k, v, pi, torch.bfloat16, 16)
+    diff = (one.tail_moment - est.tail_moment).abs().double().cpu().numpy()
+    assert np.all(diff[fin.cpu().numpy()] <= (2 * budget + tol * np.abs(want))[fin.cpu().numpy()])
+
+
+def test_log_pi_path_4d_query_and_zero_length_cache():
+    q, k, v, pi = _make_case(8, 1, 2, 2, 50, 16, 16, torch.float32, pad="ragged", pi_kind="interior")
+    a = KN.hajek_attention(q, k, v, pi, block_n=16, return_tail_moment=True)
+    b = KN.hajek_attention(q.unsqueeze(2), k, v, log_pi=torch.log(pi), block_n=16, return_tail_moment=True)
+    assert b.tail_moment.shape == (1, 4, 1)
+    # 1 - pi from log pi: <= 8 eps relative per factor (test_kernels.py), three factors
+    assert torch.allclose(a.tail_moment, b.tail_moment[..., 0], rtol=24 * EPS32 + 2 * _accumulation_eps(50, 16),
+                          atol=0)
+    z = KN.hajek_attention(torch.randn(1, 2, 16, device=DEVICE), torch.randn(1, 1, 0, 16, device=DEVICE),
+                           torch.randn(1, 1, 0, 8, device=DEVICE), torch.ones(1, 1, 0, device=DEVICE),
+                           return_tail_moment=True)
+    assert torch.all(z.tail_moment == math.inf) and torch.all(z.output == 0)
+    ones = KN.hajek_attention(q, k, v, torch.ones_like(pi), block_n=16, return_tail_moment=True)
+    assert torch.all(ones.tail_moment == 0)
+
+
+def test_certificate_and_dispatch():
+    q, k, v, pi = _make_case(9, 2, 2, 2, 40, 16, 16, torch.float32, pad="empty_head", pi_kind="interior")
+    assert DSP._fast_only({"return_tail_moment": True}) == []  # not a reason to leave the kernel
+    est = DSP.hajek_attention(q, k, v, pi, backend="triton", return_tail_moment=True, block_n=16)
+    assert DSP.last_backend() == "triton" and est.tail_moment is not None
+    cert = F.certificate(est, kind="chebyshev_ucb", delta=0.05)
+    assert not torch.isnan(cert.radius).any() and torch.isposinf(cert.radius[0, 2:]).all()
+    # the batched certificate on the kernel's statistics is the reference formula (float32 rounding)
+    for bi, h in np.ndindex(*est.trace.shape):
+        want = R.radius_from_moments("chebyshev_ucb", 0.05, trace=float(est.trace[bi, h]),
+                                     tail_moment=float(est.tail_moment[bi, h]))
+        got = float(cert.radius[bi, h])
+        assert got == want or abs(got - want) <= 4 * EPS32 * want, (bi, h, got, want)
+    assert_tail_matches(est, q, k, v, pi, torch.float32, 16)
