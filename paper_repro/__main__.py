@@ -60,8 +60,8 @@ def _run_model_table(name: str, cfg: Config, real: RealModel, raw: dict) -> dict
         from . import replay
 
         setup = replay.setup_for(cfg)
-        t2, t2b, raw["T2"] = replay.run(cfg, real.captured(setup.future))
-        return {"T2": t2, "T2b": t2b}
+        t2, t2b, t2c, raw["T2"] = replay.run(cfg, real.captured(setup.future))
+        return {"T2": t2, "T2b": t2b, "T2c": t2c}
     if name in ("T3", "T4"):  # both from the same runs of the suites, collected once
         from . import claims, suites
 
