@@ -47,6 +47,10 @@ class GenerationResult:
         ``prefill_s``, ``decode_s`` (wall seconds), ``decode_tokens_per_s``.
     press : str
         ``repr`` of the press (or "none").
+    prompt_certificates : Certificates or list[Certificates] or None
+        With ``prefill_chunk`` (streaming compression): the certificates of
+        the prompt's queries after the first chunk, one step per prompt
+        position (the first chunk is exact); None otherwise.
     """
 
     text: str | list[str]
@@ -56,6 +60,7 @@ class GenerationResult:
     prompt_tokens: int | list[int]
     timings: dict = field(default_factory=dict)
     press: str = "none"
+    prompt_certificates: Certificates | list | None = None
 
     def summary(self) -> dict:
         """Compact JSON-ready summary (one prompt): tokens, timings, and the
@@ -92,7 +97,8 @@ class GenerationResult:
         return [
             GenerationResult(self.text[i], self.token_ids[i], self.logprobs[i],
                              None if self.certificates is None else self.certificates[i],
-                             self.prompt_tokens[i], dict(self.timings), self.press)
+                             self.prompt_tokens[i], dict(self.timings), self.press,
+                             None if self.prompt_certificates is None else self.prompt_certificates[i])
             for i in range(n)
         ]
 
@@ -293,6 +299,7 @@ def generate(
     stop_at_eos: bool = True,
     progress: bool | None = False,
     prefilled: "Prefill | None" = None,
+    prefill_chunk: int | None = None,
 ) -> GenerationResult:
     r"""Generate text with a press, recording per-step certificates.
 
@@ -337,6 +344,15 @@ def generate(
         the result equals a call without ``prefilled`` (the prefill is exact
         attention under every press) while the prefill runs once.
         ``timings["prefill_s"]`` is then the shared prefill's time.
+    prefill_chunk : int >= 1, optional
+        Streaming: feed the prompt in chunks of this many tokens. The first
+        chunk is an exact prefill (compressed by the press after it); each
+        later chunk attends causally over the compressed cache plus itself
+        with the Hajek estimate, and a press with ``target_size`` and
+        ``compression_interval`` compresses the cache back to its budget as
+        the chunks arrive (streaming compression). The certificates of the
+        prompt's queries are in ``prompt_certificates``; ``certificates``
+        step 0 is then the last prompt query's.
 
     Returns
     -------
@@ -382,6 +398,12 @@ def generate(
         if system_prompt is not None and system_prompt != prefilled.system_prompt:
             raise ValueError("system_prompt differs from the one the prefill used")
 
+    if prefill_chunk is not None:
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
+        if prefilled is not None:
+            raise ValueError("give prefilled or prefill_chunk, not both (a shared prefill is one exact forward)")
+
     device = next(model.parameters()).device
     if prefilled is None:
         input_ids, attention_mask = encode_prompts(tokenizer, list(prompts), chat_template=chat_template,
@@ -414,13 +436,24 @@ def generate(
     with torch.no_grad(), context:
         if prefilled is None:
             t0 = time.perf_counter()
-            out = _prefill_forward(model, input_ids, attention_mask, position_ids, fwd_kwargs, progress)
+            n = input_ids.shape[1]
+            chunk = n if prefill_chunk is None else min(prefill_chunk, n)
+            out = _prefill_forward(model, input_ids[:, :chunk], attention_mask[:, :chunk],
+                                   position_ids[:, :chunk], fwd_kwargs, progress)
             cache = getattr(out, cache_kw, None)
+            for start in range(chunk, n, chunk):  # streaming: later chunks over the compressed cache
+                end = min(start + chunk, n)
+                out = model(input_ids=input_ids[:, start:end], attention_mask=attention_mask[:, :end],
+                            position_ids=position_ids[:, start:end], use_cache=True, **{cache_kw: cache},
+                            **fwd_kwargs)
+                cache = getattr(out, cache_kw, None)
+            prompt_rows = 1 + (n - chunk)  # recorded certificate steps of the prompt
             logits = out.logits[:, -1]
             timings["prefill_s"] = time.perf_counter() - t0
         else:
             t0 = time.perf_counter()
             cache = prefilled._compressed_copy(press)
+            prompt_rows = 1
             logits = prefilled.logits
             timings["prefill_s"] = prefilled.prefill_s  # the shared exact prefill (not repeated)
             timings["compress_s"] = time.perf_counter() - t0
@@ -458,7 +491,8 @@ def generate(
     ids = torch.stack(tokens, dim=1).cpu()  # (b, steps)
     lps = torch.stack(logps, dim=1).cpu()
     certs = press.certificates if press is not None else None
-    texts, id_lists, lp_list, cert_list = [], [], [], []
+    texts, id_lists, lp_list, cert_list, prompt_list = [], [], [], [], []
+    first = prompt_rows - 1  # the recorded step that produced token 0
     for i in range(b):
         row = ids[i, : lengths[i]].tolist()
         id_lists.append(row)
@@ -466,12 +500,18 @@ def generate(
         texts.append(tokenizer.decode(row, skip_special_tokens=True))
         if certs is not None:
             ci = certs[i]
-            cert_list.append(Certificates(ci.kind, ci.delta, ci.radius[: lengths[i]],
-                                          ci.relative_radius[: lengths[i]], ci.trace[: lengths[i]],
-                                          ci.kept[: lengths[i]]))
+            steps = slice(first, first + lengths[i])
+            cert_list.append(Certificates(ci.kind, ci.delta, ci.radius[steps], ci.relative_radius[steps],
+                                          ci.trace[steps], ci.kept[steps]))
+            if prompt_rows > 1:
+                rows = slice(1, prompt_rows)
+                prompt_list.append(Certificates(ci.kind, ci.delta, ci.radius[rows], ci.relative_radius[rows],
+                                                ci.trace[rows], ci.kept[rows]))
+    name = repr(press) if press is not None else "none"
+    prompt_certs = prompt_list if prompt_list else None
     if single:
         return GenerationResult(texts[0], id_lists[0], lp_list[0], cert_list[0] if certs is not None else None,
-                                int(prompt_tokens[0]), timings, repr(press) if press is not None else "none")
+                                int(prompt_tokens[0]), timings, name,
+                                prompt_certs[0] if prompt_certs else None)
     return GenerationResult(texts, id_lists, lp_list, cert_list if certs is not None else None,
-                            [int(x) for x in prompt_tokens], timings,
-                            repr(press) if press is not None else "none")
+                            [int(x) for x in prompt_tokens], timings, name, prompt_certs)

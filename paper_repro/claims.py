@@ -31,6 +31,9 @@ at one budget; full = the same example with the full cache):
   highest score; random escalation is scored by its exact expectation;
 - *recomputation*: re-serve a run with the full cache, for the share
   ``RECOMPUTE_SHARE`` with the highest score; random by its exact expectation.
+  Tested on the streaming runs (``poisson_stream``: the prompt arrives in
+  chunks and the cache is compressed back to budget after each, the paper's
+  setting for this claim), with the prefill-compressed runs reported beside.
 
 Runs without a certificate score (no decoding step after the prefill) rank
 last for the certificate (NaN -> -inf).
@@ -44,7 +47,7 @@ from typing import Callable
 import numpy as np
 
 from .common import Config, Table
-from .suites import auc, select
+from .suites import STREAM_BUDGET, STREAM_CHUNK, auc, select
 
 #: accuracy drop (points) against the full cache below which eviction counts as nearly free
 NEARLY_FREE_POINTS = 5.0
@@ -177,25 +180,39 @@ def attribution(records, cfg):
     return holds, f"{counts}; AUC certificate {a_cert:.3f}, output confidence {a_conf:.3f}", headline
 
 
+def _recompute_one(records, method, b):
+    """(gain over the better of random and confidence, text) of one (method, budget)."""
+    runs, full = _paired(records, method, b)
+    c = np.array([r["correct"] for r in runs], dtype=float)
+    f = np.array([x["correct"] for x in full], dtype=float)
+    acc = {}
+    for name in ("cert", "conf"):
+        mask, k = _top(_score(runs, name), RECOMPUTE_SHARE)
+        acc[name] = 100 * np.mean(np.where(mask, f, c))
+    acc["random"] = 100 * (c.mean() + k / len(c) * (f.mean() - c.mean()))
+    gain = acc["cert"] - max(acc["random"], acc["conf"])
+    return gain, (f"{method} @ {b:g}: certificate {acc['cert']:.1f}, confidence {acc['conf']:.1f}, random "
+                  f"{acc['random']:.1f} (none {100 * c.mean():.1f}, all {100 * f.mean():.1f}): {gain:+.1f}")
+
+
 def recompute(records, cfg):
+    """Streaming runs when there are any (the paper's setting), else the prefill-compressed ones;
+    the other setting is reported beside it."""
+    stream = sorted({r["budget"] for r in records if r["method"] == "poisson_stream"})
+    once = [b for b in cfg.budgets if any(r["method"] == "poisson" and r["budget"] == b for r in records)]
+    tested = [("poisson_stream", b) for b in stream] or [("poisson", b) for b in once]
+    other = [("poisson", b) for b in once] if stream else []
     gains, parts = [], []
-    for b in cfg.budgets:
-        runs, full = _paired(records, "poisson", b)
-        c = np.array([r["correct"] for r in runs], dtype=float)
-        f = np.array([x["correct"] for x in full], dtype=float)
-        acc = {}
-        for name in ("cert", "conf"):
-            mask, k = _top(_score(runs, name), RECOMPUTE_SHARE)
-            acc[name] = 100 * np.mean(np.where(mask, f, c))
-        acc["random"] = 100 * (c.mean() + k / len(c) * (f.mean() - c.mean()))
-        gain = acc["cert"] - max(acc["random"], acc["conf"])
+    for method, b in tested:
+        gain, text = _recompute_one(records, method, b)
         gains.append(gain)
-        parts.append(f"budget {b:g}: certificate {acc['cert']:.1f}, confidence {acc['conf']:.1f}, random "
-                     f"{acc['random']:.1f} (none {100 * c.mean():.1f}, all {100 * f.mean():.1f}): {gain:+.1f}")
+        parts.append(text)
+    extra = [_recompute_one(records, m, b)[1] for m, b in other]
     mean_gain = float(np.mean(gains))
     return bool(mean_gain >= RECOMPUTE_POINTS), (
-        f"accuracy with {RECOMPUTE_SHARE:.0%} of runs recomputed with the full cache; "
-        + "; ".join(parts) + f". Mean gain over the better of random and confidence: {mean_gain:+.1f} points"
+        f"accuracy with {RECOMPUTE_SHARE:.0%} of runs recomputed with the full cache; " + "; ".join(parts)
+        + f". Gain over the better of random and confidence: {mean_gain:+.1f} points"
+        + (f" (compressed once after the prefill instead: {'; '.join(extra)})" if extra else "")
     ), {"recompute_gain_points": mean_gain}
 
 
@@ -216,8 +233,9 @@ CLAIMS = (
           "> AUC of output confidence", attribution),
     Claim("recompute", "certificate-scheduled recomputation gains +1.9 to +3.7 points over random or "
           "confidence gating at a 25% recompute budget",
-          f"recomputing the {RECOMPUTE_SHARE:.0%} of runs with the largest certificate with the full cache "
-          f"beats both random and confidence scheduling by >= {RECOMPUTE_POINTS:g} point (mean over budgets)",
+          f"under streaming compression, recomputing the {RECOMPUTE_SHARE:.0%} of runs with the largest "
+          f"certificate with the full cache beats both random and confidence scheduling by >= "
+          f"{RECOMPUTE_POINTS:g} point",
           recompute),
 )
 
@@ -235,9 +253,11 @@ def run(records: list[dict], cfg: Config) -> tuple[Table, dict]:
     notes = [
         f"From the runs of Table 3 ({n_runs} PoissonPress runs; SnapKVPress and full-cache runs of the same "
         "examples). The thresholds are constants of paper_repro/claims.py, fixed before the run.",
-        "The paper ran 7B-class models on LongBench; here SmolLM2-135M on the synthetic suites. Its "
-        "recomputation claim is about streaming compression; here a request is compressed once after its "
-        "prefill and recomputation re-serves whole requests with the full cache.",
+        "The paper ran 7B-class models on LongBench; here SmolLM2-135M on the synthetic suites. The "
+        "recomputation claim uses streaming runs (the prompt in chunks of "
+        f"{STREAM_CHUNK} tokens, PoissonPress compressing the cache back to {STREAM_BUDGET:g} x the prompt "
+        "length after each chunk; certificate score: the mean relative radius over every certified query, "
+        "prompt and answer); recomputation re-serves a whole request with the full cache.",
         "The paper's summary states the three failed claims as findings (e.g. 'eviction is nearly free'); "
         "each row tests the finding as stated, so 'yes' means the paper's finding is reproduced here.",
     ]

@@ -90,3 +90,54 @@ def test_prefilled_argument_errors(smollm2):  # noqa: F811
     small = kvcert.prefill(model, tok, PROMPT, query_window=8)
     with pytest.raises(ValueError, match="reads 32 prefill queries"):
         kvcert.generate(model, tok, PROMPT, press=kvcert.SnapKVPress(compression_ratio=0.5), prefilled=small)
+
+
+# ---------------------------------------------------------------------------------------------
+# streaming: the prompt fed in chunks (prefill_chunk), compressed as it arrives
+# ---------------------------------------------------------------------------------------------
+def test_prefill_chunk_longer_than_the_prompt_changes_nothing(smollm2):  # noqa: F811
+    model, tok = smollm2
+    make = PRESSES[0]
+    plain = kvcert.generate(model, tok, PROMPT, press=make(), max_new_tokens=NEW)
+    chunked = kvcert.generate(model, tok, PROMPT, press=make(), max_new_tokens=NEW, prefill_chunk=10_000)
+    _same(plain, chunked)
+    assert chunked.prompt_certificates is None
+
+
+def test_streaming_compression_keeps_the_budget(smollm2):  # noqa: F811
+    model, tok = smollm2
+    C, T = 32, 48
+    press = kvcert.SnapKVPress(target_size=T, compression_interval=C, window=8)
+    r = kvcert.generate(model, tok, PROMPT, press=press, max_new_tokens=NEW, prefill_chunk=C)
+    n = r.prompt_tokens
+    pc = r.prompt_certificates
+    assert pc.radius.shape == (n - C, 30, 9)  # one step per prompt query after the first chunk
+    # query j (position C + j) attends over at most T kept tokens plus the chunk so far, never more
+    # than the tokens it has seen; a deterministic press certifies nothing (radius 0)
+    pos = C + torch.arange(n - C)
+    chunk_start = (pos // C) * C
+    bound = torch.minimum(pos + 1, T + (pos - chunk_start) + 1)
+    assert bool((pc.kept <= bound[:, None, None]).all())
+    assert bool((pc.kept[-1] < n).all()) and torch.count_nonzero(pc.radius) == 0
+    assert torch.equal(r.certificates.kept[0], pc.kept[-1])  # step 0 is the last prompt query
+
+
+def test_streaming_poisson_certifies_and_replays(smollm2):  # noqa: F811
+    model, tok = smollm2
+    runs = [kvcert.generate(model, tok, PROMPT, max_new_tokens=NEW, prefill_chunk=32,
+                            press=kvcert.PoissonPress(target_size=48, compression_interval=32, window=8, seed=5))
+            for _ in range(2)]
+    _same(*runs)
+    pc = runs[0].prompt_certificates
+    assert torch.equal(pc.radius, runs[1].prompt_certificates.radius)
+    assert bool((pc.radius[32:] > 0).any()) and bool(torch.isfinite(pc.radius).all())
+    assert torch.equal(runs[0].certificates.radius[0], pc.radius[-1])
+
+
+def test_prefill_chunk_errors(smollm2):  # noqa: F811
+    model, tok = smollm2
+    with pytest.raises(ValueError, match="prefill_chunk must be"):
+        kvcert.generate(model, tok, PROMPT, prefill_chunk=0)
+    state = kvcert.prefill(model, tok, PROMPT)
+    with pytest.raises(ValueError, match="not both"):
+        kvcert.generate(model, tok, PROMPT, prefilled=state, prefill_chunk=16)

@@ -90,3 +90,14 @@ def test_roc_area_equals_auc(pairs):
     a = auc(s, y)
     if np.isfinite(a):
         assert np.trapezoid(t, x) == pytest.approx(a, abs=1e-12)
+
+
+def test_recompute_prefers_the_streaming_runs():
+    # the streaming runs decide the verdict; the prefill-compressed ones are reported beside them
+    once = _records([False, False, True, True], [0.9, 0.8, 0.1, 0.2], [0.1, 0.2, 0.9, 0.8], [True] * 4)
+    stream = [dict(r, method="poisson_stream", cert=-r["cert"]) for r in once if r["method"] == "poisson"]
+    holds, text, head = claims.recompute(once + stream, CFG)
+    # streaming: the certificate now ranks the successes first -> recomputes request 2 (already right):
+    # 50; confidence also picks request 2: 50; random 62.5 -> gain 50 - 62.5 = -12.5
+    assert head["recompute_gain_points"] == pytest.approx(-12.5)
+    assert holds is False and "poisson_stream @ 0.25" in text and "compressed once" in text

@@ -59,13 +59,15 @@ def test_suites_tiny(smollm2):  # noqa: F811
     model, tokenizer = smollm2
     cfg = Config(quick=True, budgets=(0.25, 0.5), progress=False, suite_examples=1, suite_context=200)
     records = suites.collect(cfg, model, tokenizer)
-    # one full run per example, one Poisson and one SnapKV run per budget
-    assert len(records) == len(suites.QUICK_TASKS) * (1 + 2 * len(cfg.budgets))
+    # one full run per example, one Poisson and one SnapKV run per budget, one streaming run
+    assert len(records) == len(suites.QUICK_TASKS) * (1 + 2 * len(cfg.budgets) + 1)
+    assert sum(r["method"] == "poisson_stream" for r in records) == len(suites.QUICK_TASKS)
     t3 = suites.table(records, cfg)
     assert [r["task"] for r in t3.rows] == [t for t in suites.QUICK_TASKS for _ in cfg.budgets]
     for r in t3.rows:
         assert r["examples"] == 1 and r["failures"] == round((1 - r["acc_poisson"]) * r["examples"])
         assert all(0.0 <= r[k] <= 1.0 for k in ("acc_full", "acc_poisson", "acc_snapkv"))
+        assert np.isnan(r["acc_poisson_streaming"]) == (r["budget"] != suites.STREAM_BUDGET)
     for r in records:
         assert np.isfinite(r["conf"])
         # the full cache records no certificate; SnapKV's kept tokens have pi = 1, so its radius is 0
