@@ -21,6 +21,7 @@ from .design import (
 from .eviction import compact, evict, topk_evict
 from .scorers import (
     SCORERS,
+    expected_attention_scores,
     h2o_scores,
     knorm_scores,
     random_scores,
@@ -37,6 +38,6 @@ __all__ = [
     "budget_from_fraction", "certainty_mask", "design_uniforms", "edge_mask",
     "inclusion_probabilities", "poisson_sample", "splitmix64",
     "compact", "evict", "topk_evict",
-    "scorers", "SCORERS", "h2o_scores", "knorm_scores", "random_scores", "snapkv_scores",
+    "scorers", "SCORERS", "expected_attention_scores", "h2o_scores", "knorm_scores", "random_scores", "snapkv_scores",
     "streaming_llm_scores", "tova_scores",
 ]

@@ -10,6 +10,8 @@ float64 inputs); nothing here repeats K for GQA (queries are reshaped to
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,7 @@ __all__ = [
     "streaming_llm_scores",
     "h2o_scores",
     "snapkv_scores",
+    "expected_attention_scores",
     "tova_scores",
     "knorm_scores",
     "random_scores",
@@ -88,25 +91,116 @@ def snapkv_scores(queries: torch.Tensor, keys: torch.Tensor, *, scale: float | N
     -------
     (b, h_kv, n) float32 (float64 for float64 inputs)
     """
+    s, g, w = _window_scores(queries, keys, scale, kernel_size)
+    return _snapkv_from_scores(s, g, w, kernel_size)
+
+
+def _window_scores(queries, keys, scale, kernel_size) -> tuple[torch.Tensor, int, int]:
+    """Checked inputs -> window scores tau q.k (b, h_kv, g*w, n) at the compute dtype, g, w."""
     k = _keys(keys)
     qs, g, w = _group_queries(queries, k)
-    b, h_kv, n, d = k.shape
+    n, d = k.shape[2], k.shape[3]
     if w > n:
         raise ValueError(f"the observation window ({w} queries) is longer than the cache ({n} keys)")
     if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
         raise ValueError(f"kernel_size must be a positive odd int, got {kernel_size}")
     dt = compute_dtype(qs, k)
     tau = check_scale(scale, d)
-    s = torch.matmul(qs.to(dt) * tau, k.to(dt).transpose(-1, -2))  # (b, h_kv, g*w, n)
+    return torch.matmul(qs.to(dt) * tau, k.to(dt).transpose(-1, -2)), g, w
+
+
+def _snapkv_from_scores(s: torch.Tensor, g: int, w: int, kernel_size: int) -> torch.Tensor:
+    """SnapKV from the window scores (b, h_kv, g*w, n); masks ``s`` in place."""
+    b, h_kv, _, n = s.shape
     s = s.view(b, h_kv, g, w, n)
-    pos_q = torch.arange(n - w, n, device=k.device)[:, None]
-    future = torch.arange(n, device=k.device)[None, :] > pos_q  # (w, n)
+    pos_q = torch.arange(n - w, n, device=s.device)[:, None]
+    future = torch.arange(n, device=s.device)[None, :] > pos_q  # (w, n)
     s.masked_fill_(future, float("-inf"))
     u = torch.softmax(s, dim=-1).sum(dim=3).mean(dim=2)  # (b, h_kv, n)
     if kernel_size > 1:
         pad = kernel_size // 2
         up = F.pad(u.reshape(b * h_kv, 1, n), (pad, pad), mode="replicate")
         u = F.avg_pool1d(up, kernel_size, stride=1).reshape(b, h_kv, n)
+    return u
+
+
+def _softmax_limit(logit: torch.Tensor) -> torch.Tensor:
+    """Max-subtracted softmax over the last dim; if the largest logit is
+    infinite (overflow at a huge scale), the limit: equal mass on the logits
+    that reach it."""
+    top = logit.amax(dim=-1, keepdim=True)
+    shifted = torch.where(torch.isfinite(top), logit - top,
+                          torch.where(logit == top, 0.0, float("-inf")).to(logit.dtype))
+    e = shifted.exp()
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+def expected_attention_scores(queries: torch.Tensor, keys: torch.Tensor, *, scale: float | None = None,
+                              kernel_size: int = 7, mix: float = 0.5) -> torch.Tensor:
+    r"""SnapKV importance mixed with an expected-attention importance, GQA-pooled (issue 7).
+
+    Per KV head, the m = g w query vectors :math:`q_j` of the window (the w
+    queries of each of its g query heads) are fitted by a Gaussian
+    :math:`N(\mu, C)` (mean, and covariance with divisor m - 1; C = 0 if
+    m = 1), and each key is scored by the log-moment-generating function of
+    its score under the fit:
+
+    .. math::
+
+        \ell_i = \log \mathbb{E}_{q \sim N(\mu, C)}\, e^{\tau q\cdot k_i}
+               = \tau\, \mu\cdot k_i + \frac{\tau^2}{2}\, k_i^\top C\, k_i
+               = \bar s_i + \tfrac12 \hat\sigma_i^2,
+        \qquad e_i = \operatorname{softmax}_{i=1..n}(\ell_i),
+
+        u_i = (1 - \beta)\, \frac{\mathrm{snapkv}_i}{\sum_{j=1}^{n} \mathrm{snapkv}_j}
+              + \beta\, e_i, \quad \beta = \texttt{mix},
+
+    where :math:`\bar s_i` and :math:`\hat\sigma_i^2` are the mean and the
+    sample variance (divisor m - 1) of the window's scores
+    :math:`s_{ji} = \tau\, q_j\cdot k_i` on key i: the same identity, computed
+    from the score matrix that :func:`snapkv_scores` needs anyway (one matmul
+    for both parts). :math:`e` is over all n keys, not causal-masked;
+    :math:`\sum_i u_i = 1` per KV head. The reference twin is
+    ``kvcert.reference.expected_attention_scores`` (literal mu and C).
+
+    Parameters
+    ----------
+    queries : (b, h_q, w, d)
+        The observation window (positions n - w .. n - 1), h_q = g * h_kv.
+    keys : (b, h_kv, n, d)
+        w <= n.
+    scale : float, default 1/sqrt(d)
+    kernel_size : positive odd int, default 7
+        SnapKV's average pool (the e part is not pooled).
+    mix : float in [0, 1], default 0.5
+        :math:`\beta`: 0 gives normalized SnapKV exactly, 1 the expected attention alone.
+
+    Returns
+    -------
+    (b, h_kv, n) float32 (float64 for float64 inputs), >= 0, summing to 1 over n
+
+    Notes
+    -----
+    Computed at the dtype of :func:`snapkv_scores` (float32 for float32, bf16
+    and fp16 inputs) with a max-subtracted softmax. The score variance is a
+    sum of squares (>= 0), so at a huge scale the logit can only overflow to
+    +inf, never to NaN; then :math:`e` is the limit, equal mass on the keys
+    whose logit is +inf. Raises ``ValueError`` if the result is not finite
+    (non-finite inputs, or scores that overflow the dtype).
+    """
+    if isinstance(mix, bool) or not isinstance(mix, numbers.Real):
+        raise TypeError(f"mix must be a float in [0, 1], got {type(mix).__name__}")
+    beta = float(mix)
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"mix must be a float in [0, 1], got {beta}")
+    s, g, w = _window_scores(queries, keys, scale, kernel_size)  # (b, h_kv, m, n)
+    m = g * w
+    var, mean = torch.var_mean(s, dim=2, correction=1 if m > 1 else 0)  # over the m window queries
+    e = _softmax_limit(mean + 0.5 * var)
+    snap = _snapkv_from_scores(s, g, w, kernel_size)  # masks s in place: after the statistics
+    u = (1.0 - beta) * (snap / snap.sum(dim=-1, keepdim=True)) + beta * e
+    if not bool(torch.isfinite(u).all()):
+        raise ValueError("queries and keys must be finite (the scores are NaN or overflow at this scale)")
     return u
 
 

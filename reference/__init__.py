@@ -9,6 +9,7 @@ from .adversary import AdversarialCache, adversarial_cache
 from .baselines import (
     SCORERS,
     deterministic_keep,
+    expected_attention_scores,
     h2o_scores,
     knorm_scores,
     random_scores,
@@ -38,7 +39,7 @@ from .estimators import (
 
 __all__ = [
     "AdversarialCache", "adversarial_cache",
-    "SCORERS", "deterministic_keep", "h2o_scores", "knorm_scores", "random_scores",
+    "SCORERS", "deterministic_keep", "expected_attention_scores", "h2o_scores", "knorm_scores", "random_scores",
     "snapkv_scores", "streaming_llm_scores", "tova_scores",
     "KINDS", "Certificate", "certificate", "covers", "radius_from_moments",
     "budget_from_fraction", "certainty_mask", "design_generator", "design_uniforms",

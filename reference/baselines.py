@@ -19,6 +19,7 @@ __all__ = [
     "streaming_llm_scores",
     "h2o_scores",
     "snapkv_scores",
+    "expected_attention_scores",
     "tova_scores",
     "knorm_scores",
     "random_scores",
@@ -99,6 +100,128 @@ def snapkv_scores(queries, keys, *, scale=None, kernel_size: int = 7) -> np.ndar
         pad = kernel_size // 2
         padded = np.pad(u, pad, mode="edge")
         u = np.convolve(padded, np.ones(kernel_size) / kernel_size, mode="valid")
+    return u
+
+
+def _softmax_limit(logit: np.ndarray) -> np.ndarray:
+    """Max-subtracted softmax over the last axis; if the largest logit is
+    infinite (overflow at a huge scale), the limit: equal mass on the logits
+    that reach it."""
+    top = np.max(logit, axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore"):  # inf - inf in the branch np.where discards
+        shifted = np.where(np.isfinite(top), logit - top, np.where(logit == top, 0.0, -np.inf))
+    e = np.exp(shifted)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _mix(mix) -> float:
+    if isinstance(mix, bool) or not isinstance(mix, (int, float, np.integer, np.floating)):
+        raise TypeError(f"mix must be a float in [0, 1], got {type(mix).__name__}")
+    mix = float(mix)
+    if not 0.0 <= mix <= 1.0:
+        raise ValueError(f"mix must be a float in [0, 1], got {mix}")
+    return mix
+
+
+def expected_attention_scores(queries, keys, *, scale=None, kernel_size: int = 7, mix: float = 0.5) -> np.ndarray:
+    r"""SnapKV importance mixed with an expected-attention importance (issue 7).
+
+    The m = g w query vectors of the observation window (the last w queries
+    of the g query heads of the KV group) are summarized by a Gaussian fit,
+    and each key is scored by the softmax of its log-moment-generating
+    function under that fit, i.e. by the attention a query drawn from the fit
+    pays it in expectation (before normalization):
+
+    .. math::
+
+        \mu = rac{1}{m}\sum_{j=1}^{m} q_j, \qquad
+        C = rac{1}{m-1}\sum_{j=1}^{m} (q_j - \mu)(q_j - \mu)^	op
+        \quad (C = 0 	ext{ if } m = 1),
+
+        \ell_i = \log \mathbb{E}_{q \sim N(\mu, C)}\, e^{	au q\cdot k_i}
+               = 	au\, \mu\cdot k_i + rac{	au^2}{2}\, k_i^	op C\, k_i,
+        \qquad e_i = \operatorname{softmax}_{i=1..n}(\ell_i),
+
+        s_i = rac{\mathrm{snapkv}_i}{\sum_{j=1}^{n} \mathrm{snapkv}_j}, \qquad
+        u_i = (1 - eta)\, s_i + eta\, e_i, \quad eta = 	exttt{mix},
+
+    with :math:`\mathrm{snapkv}` = :func:`snapkv_scores` on the same window and
+    ``kernel_size``. :math:`e` is over all n keys, without a causal mask (a
+    future query sees every cached key); :math:`\sum_i u_i = 1`.
+
+    Parameters
+    ----------
+    queries : array_like, (w, d) or (g, w, d)
+        The observation window (the last w queries, at positions n - w .. n - 1)
+        of the g query heads of one KV head.
+    keys : array_like, (n, d)
+        The keys of that KV head, w <= n.
+    scale : float, optional
+        Softmax scale :math:`	au`, default :math:`1/\sqrt{d}`.
+    kernel_size : int, default 7
+        Positive odd width of SnapKV's average pool (the e part is not pooled).
+    mix : float in [0, 1], default 0.5
+        :math:`eta`: 0 gives normalized SnapKV, 1 the expected attention alone.
+
+    Returns
+    -------
+    ndarray, (n,) float64
+        Importance :math:`u \ge 0` summing to 1.
+
+    Notes
+    -----
+    The logit is computed in float64 as
+    :math:`	au\,(\mu\cdot k_i + 	frac{	au}{2} k_i^	op C k_i)` (no
+    :math:`0 \cdot \infty` when :math:`C = 0` at a huge scale), with the
+    quadratic form clipped at 0 (C is positive semi-definite; rounding may
+    leave it at -1e-17), and a max-subtracted softmax. If a logit overflows to
+    +inf, :math:`e` is the limit: equal mass on the keys whose logit is +inf.
+    Identical keys give :math:`e_i = 1/n`; n = 1 gives u = [1]. Non-finite
+    queries or keys raise ``ValueError``.
+
+    This is the simplest form of the expected-attention idea (kvpress's
+    ``ExpectedAttentionPress``, Devoto et al. 2025): no RoPE extrapolation of
+    future positions and no value norms.
+
+    References
+    ----------
+    Li et al. (2024), SnapKV: LLM knows what you are looking for before generation.
+    Devoto, Jeblick and Jegou (2025), Expected attention: KV cache compression
+    by estimating attention from future queries distribution.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from kvcert.reference import expected_attention_scores
+    >>> keys = np.array([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])
+    >>> window = np.array([[1.0, 1.0], [1.0, -1.0]])  # mu = (1, 0), C = diag(0, 2)
+    >>> u = expected_attention_scores(window, keys, scale=1.0, kernel_size=1, mix=1.0)
+    >>> np.round(np.log(u / u[2]), 12)  # logits tau mu.k + tau^2 k'Ck / 2 against k = 0
+    array([1., 1., 0.])
+    >>> float(expected_attention_scores(window, keys).sum())
+    1.0
+    """
+    beta = _mix(mix)
+    k = _keys(keys)
+    n, d = k.shape
+    qs = _queries(queries, d)
+    for name, x in (("queries", qs), ("keys", k)):
+        if not np.all(np.isfinite(x)):
+            raise ValueError(f"{name} must be finite (found NaN or inf)")
+    snap = snapkv_scores(qs, k, scale=scale, kernel_size=kernel_size)  # checks w <= n, kernel_size
+    tau = _scale(d, scale)
+    qw = qs.reshape(-1, d)  # the m = g * w window queries
+    m = qw.shape[0]
+    mu = qw.mean(axis=0)
+    centered = qw - mu
+    cov = centered.T @ centered / (m - 1) if m > 1 else np.zeros((d, d))
+    quad = np.maximum(np.einsum("id,de,ie->i", k, cov, k), 0.0)  # k_i' C k_i
+    with np.errstate(over="ignore"):
+        logit = tau * (k @ mu + (tau / 2.0) * quad)
+    e = _softmax_limit(logit)
+    u = (1.0 - beta) * snap / snap.sum() + beta * e
+    if not np.all(np.isfinite(u)):
+        raise ValueError("the scores overflow at this scale: scale * q.k must be finite in float64")
     return u
 
 
