@@ -24,7 +24,7 @@ __all__ = ["main", "build_parser"]
 
 _PRESS_NAMES = ("poisson", "snapkv", "h2o", "streaming_llm", "tova", "knorm", "random")
 _KINDS = ("chebyshev", "wald", "chi2", "bernstein", "chebyshev_ucb")
-_SCORERS = ("snapkv", "h2o", "tova", "knorm", "streaming_llm", "random")
+_SCORERS = ("snapkv", "h2o", "tova", "knorm", "streaming_llm", "random", "expected")
 
 #: options that set a press field of the same name
 _PRESS_OPTIONS = ("compression_ratio", "target_size", "compression_interval", "sinks", "window", "top_fraction",

@@ -65,19 +65,8 @@ def _design_importance(kind, queries, keys, L, scale):
             u = F.snapkv_scores(qs[:, :, end - WINDOW:end], k[:, :, :end], scale=scale)[0].double()
             parts.append(torch.nn.functional.pad(_normalized(u), (0, L - end)))
         return torch.stack(parts).mean(0).numpy()
-    if kind == "expected":
-        snap = _normalized(F.snapkv_scores(qs[:, :, L - WINDOW:], k, scale=scale)[0].double())
-        h_kv, g = k.shape[1], qs.shape[1] // k.shape[1]
-        out = []
-        for h in range(h_kv):
-            qw = qs[0, h * g:(h + 1) * g, L - WINDOW:].reshape(-1, qs.shape[-1]).double()  # (g*w, d)
-            mu, qc = qw.mean(0), qw - qw.mean(0)
-            cov = qc.T @ qc / max(qw.shape[0] - 1, 1)
-            kh = k[0, h].double()
-            # log E[exp(tau q.k)] for q ~ N(mu, cov): tau mu.k + tau^2 k'cov k / 2
-            logit = scale * kh @ mu + 0.5 * scale ** 2 * ((kh @ cov) * kh).sum(-1)
-            out.append(torch.softmax(logit, -1))
-        return (0.5 * snap + 0.5 * torch.stack(out)).numpy()
+    if kind == "expected":  # = PoissonPress(scorer="expected")
+        return F.expected_attention_scores(qs[:, :, L - WINDOW:], k, scale=scale)[0].double().numpy()
     raise ValueError(f"unknown importance rule {kind!r}")
 
 

@@ -36,6 +36,7 @@ def _same(a, b):
 PRESSES = [
     lambda: kvcert.PoissonPress(compression_ratio=0.5, seed=3),
     lambda: kvcert.PoissonPress(compression_ratio=0.7, seed=1, scorer="tova", kind="wald"),
+    lambda: kvcert.PoissonPress(compression_ratio=0.6, seed=4, scorer="expected", kind="chebyshev_ucb"),
     lambda: kvcert.PoissonPress(target_size=60, compression_interval=2, seed=2),
     lambda: kvcert.SnapKVPress(compression_ratio=0.5),
     lambda: kvcert.StreamingLLMPress(compression_ratio=0.6),
@@ -43,8 +44,8 @@ PRESSES = [
 ]
 
 
-@pytest.mark.parametrize("make", PRESSES, ids=["poisson", "poisson-tova-wald", "poisson-interval", "snapkv",
-                                              "streaming", "knorm"])
+@pytest.mark.parametrize("make", PRESSES, ids=["poisson", "poisson-tova-wald", "poisson-expected-ucb",
+                                              "poisson-interval", "snapkv", "streaming", "knorm"])
 def test_shared_prefill_equals_fresh_generation(smollm2, make):  # noqa: F811
     model, tok = smollm2
     state = kvcert.prefill(model, tok, PROMPT)
