@@ -82,7 +82,7 @@ class ReplaySetup:
 def setup_for(cfg: Config) -> ReplaySetup:
     if cfg.quick:
         return ReplaySetup(prefix=cfg.context, future=32, query_offsets=(0, 10, 20, 31), draws=128,
-                           designs=("paper", "multiwindow", "expected"))
+                           designs=("paper", "expected"))
     return ReplaySetup(prefix=cfg.context, future=64, query_offsets=(0, 7, 15, 31, 47, 63), draws=256,
                        designs=tuple(DESIGNS))
 
