@@ -14,7 +14,9 @@ Setups (DESIGN.md section 6, issue 3):
   Ours: certified attention = hajek_attention + certificate, (a) with the
   per-coordinate variance (wald), (b) trace only (per_coordinate=False,
   chebyshev), (c) trace only with the value moments kept in the cache
-  (value_center/value_sqdist, computed once outside the timing).
+  (value_center/value_sqdist, computed once outside the timing), (d) the
+  strict kind chebyshev_ucb (trace plus the tail moment,
+  return_tail_moment=True: one more reduction after o_hat).
 - eviction: the same heads with a full cache of n tokens evicted to budget
   n/2: ours = inclusion_probabilities + poisson_sample + compaction
   (kvcert.fast.evict); baseline = torch.topk on the importance + sort of the
@@ -76,6 +78,8 @@ def _decode_variants(n: int):
         "certified_trace": lambda: F.certificate(F.hajek_attention(q, k, v, pi, per_coordinate=False)),
         "certified_trace_cached": lambda: F.certificate(
             F.hajek_attention(q, k, v, pi, per_coordinate=False, value_center=mu, value_sqdist=r2)),
+        "certified_ucb": lambda: F.certificate(
+            F.hajek_attention(q, k, v, pi, per_coordinate=False, return_tail_moment=True), kind="chebyshev_ucb"),
     }
 
 
