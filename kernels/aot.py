@@ -129,8 +129,40 @@ def compile_merge(*, arch: int = 90, dtype: str = "bf16", dv: int = 128, certify
                           target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
 
 
+def compile_tail_moment(*, arch: int = 90, dtype: str = "bf16", d: int = 128, dv: int | None = None, g: int = 4,
+                        block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2,
+                        log_pi: bool = True):
+    """Compile the epilogue kernel of ``chebyshev_ucb`` (``return_tail_moment=True``) for ``sm_<arch>``."""
+    _check_compiled()
+    dt = _DT[dtype]
+    dv = d if dv is None else dv
+    import torch
+
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
+    cfg = H.default_config(1, d, 1, torch.device("cpu"), block_n, tdt)
+    g_block = min(g, H._MAX_ROWS)
+    const = dict(D=d, DV=dv, D_PAD=_pow2(d), DV_PAD=_pow2(dv), G=g, G_BLOCK=g_block, N_RB=-(-g // g_block),
+                 R_PAD=_pow2(g_block), BLOCK_N=cfg["block_n"], LOG_PI=log_pi, DOT_F32=dt == "fp32",
+                 STORE_LOW=dt != "fp32")
+    ptr = {"Q": dt, "K": dt, "V": dt, "OutLow": dt, "P": "fp32", "O": "fp32", "Lse": "fp32", "Part": "fp32"}
+    sig = {}
+    for name in H._tail_moment_kernel.arg_names:
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in ptr:
+            sig[name] = "*" + ptr[name]
+        elif name == "scale":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return triton.compile(ASTSource(H._tail_moment_kernel, sig, constexprs=const),
+                          target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages})
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="compile the kvcert decode kernels for a CUDA target")
+    p = argparse.ArgumentParser(description="compile the kvcert decode kernels (decode, merge, the "
+                                "chebyshev_ucb epilogue) for a CUDA target")
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--dtype", nargs="+", default=["bf16", "fp16", "fp32"])
     p.add_argument("--head-dim", type=int, default=128)
@@ -159,6 +191,15 @@ def main(argv=None) -> int:
                                                                                  dv=args.head_dim)), ok=True)
         except Exception as e:
             row = dict(kernel="merge", dtype=dt, ok=False, error=f"{type(e).__name__}: {e}"[:2000])
+            ok = False
+        rows.append(row)
+        try:
+            row = dict(kernel="tail_moment", dtype=dt, d=args.head_dim, g=args.group,
+                       **resource_usage(compile_tail_moment(arch=args.arch, dtype=dt, d=args.head_dim,
+                                                            g=args.group, block_n=args.block_n,
+                                                            num_warps=args.num_warps)), ok=True)
+        except Exception as e:
+            row = dict(kernel="tail_moment", dtype=dt, ok=False, error=f"{type(e).__name__}: {e}"[:2000])
             ok = False
         rows.append(row)
     json.dump({"arch": f"sm_{args.arch}", "triton": triton.__version__, "kernels": rows}, sys.stdout, indent=1)

@@ -513,4 +513,5 @@ def test_compiles_for_sm90_without_a_gpu():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(proc.stdout)["kernels"]
-    assert len(rows) == 4 and all(r["ok"] for r in rows), rows
+    assert len(rows) == 5 and all(r["ok"] for r in rows), rows
+    assert [r["kernel"] for r in rows] == ["decode"] * 3 + ["merge", "tail_moment"]
