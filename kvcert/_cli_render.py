@@ -40,8 +40,9 @@ def render_json(result, *, full: bool = False) -> dict:
         "logprobs": [float(x) for x in result.logprobs],
         **result.summary(),
     }
-    if "certificate" in out:
-        out["certificate"] = {k: _finite(v) if isinstance(v, float) else v for k, v in out["certificate"].items()}
+    for key in ("certificate", "prompt_certificate"):
+        if key in out:
+            out[key] = {k: _finite(v) if isinstance(v, float) else v for k, v in out[key].items()}
     c = result.certificates
     if c is not None:
         out["per_step_mean_relative_radius"] = [_finite(float(x)) for x in c.per_step()]
@@ -89,6 +90,14 @@ def render_text(result, console=None) -> None:
         table.add_row(str(row["layer"]), _num(row["min"]), _num(row["median"]), _num(row["max"]),
                       f"{row['kept']:.1f}")
     console.print(table)
+    if "prompt_certificate" in s:
+        pc = s["prompt_certificate"]
+        console.print(
+            f"streaming prompt: {pc['prompt_steps']} certified prompt queries after the first chunk, mean "
+            f"relative radius {_num(pc['mean_relative_radius'])}, max {_num(pc['max_relative_radius'])}, "
+            f"at most {pc['max_kept']} tokens held per head",
+            highlight=False,
+        )
     console.print(
         f"all layers and heads: median relative radius {_num(cert['median_relative_radius'])}, "
         f"mean {_num(cert['mean_relative_radius'])}, max {_num(cert['max_relative_radius'])}; "

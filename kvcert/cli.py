@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--delta", type=float, default=None, help="certificate miscoverage (default 0.05)")
     g.add_argument("--kind", default=None, choices=_KINDS, help="certificate kind (default chebyshev)")
     g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="streaming: feed the prompt in chunks of N tokens (with --target-size and "
+                        "--compression-interval the cache is compressed as the chunks arrive)")
     g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --sample; default 1.0; the sampling seed is --seed)")
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as is (no chat template)")
@@ -140,6 +143,8 @@ def _generate(args) -> int:
     prompt = _read_prompt(args)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise UsageError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
     if args.full and not args.json:
         raise UsageError("--full needs --json")
     progress = sys.stderr.isatty() if args.progress is None else args.progress
@@ -156,7 +161,7 @@ def _generate(args) -> int:
         model, tokenizer, prompt, press=press, max_new_tokens=args.max_new_tokens,
         do_sample=args.sample, temperature=args.temperature, sample_seed=0 if args.seed is None else args.seed,
         chat_template=False if args.no_chat_template else None, system_prompt=args.system,
-        progress=progress,
+        progress=progress, prefill_chunk=args.prefill_chunk,
     )
     if args.json:
         print(json.dumps(render_json(result, full=args.full)))

