@@ -22,7 +22,7 @@ TABLES = {
     "T5": cost.run,
 }
 #: tables on the real model (need the model and its captured attention)
-MODEL_TABLES = ("T2", "T3", "T4")
+MODEL_TABLES = ("T1b", "T2", "T3", "T4")
 ALL_TABLES = tuple(TABLES) + MODEL_TABLES
 
 
@@ -56,6 +56,10 @@ class RealModel:
 
 def _run_model_table(name: str, cfg: Config, real: RealModel, raw: dict) -> dict:
     """Run one real-model table; returns {key: Table} (a table may come with companions)."""
+    if name == "T1b":
+        from . import replay
+
+        return {"T1b": impossibility.run_real(cfg, real.captured(replay.setup_for(cfg).future))}
     if name == "T2":
         from . import replay
 

@@ -53,6 +53,22 @@ def test_replay_tiny(captured):
     assert np.all(np.isfinite(err)) and np.all(np.isfinite(radius["chebyshev", 0.05]))
 
 
+def test_impossibility_on_real_caches(captured):
+    from paper_repro import impossibility
+
+    _, _, cap, _, _ = captured
+    cfg = Config(quick=True, context=256, draws=20, progress=False)
+    t1b = impossibility.run_real(cfg, cap)
+    assert len(t1b.rows) == len(impossibility.REAL_CACHES) * len(impossibility.TARGETS) * 6
+    for r in t1b.rows:
+        assert r["retained_change"] == 0.0 and r["policy_radius"] == 0.0  # bit-identical retained state
+        assert r["policy_error_after"] == pytest.approx(r["target_error"], rel=1e-9)
+        assert 0.0 <= r["poisson_coverage_after"] <= 1.0
+        # the randomized certificate sees the attack: its radius grows with the target
+    big = [r for r in t1b.rows if r["target_error"] == max(impossibility.TARGETS)]
+    assert all(r["poisson_radius_after"] > r["poisson_radius_before"] for r in big)
+
+
 def test_suites_tiny(smollm2):  # noqa: F811
     from paper_repro import claims, suites
 
