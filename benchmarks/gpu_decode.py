@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FIELDS = ("output", "lse", "variance", "trace", "n_eff")
+FIELDS = ("output", "lse", "variance", "trace", "n_eff", "tail_moment")
 
 
 def parse_args(argv=None):
@@ -207,8 +207,11 @@ def oracle64(torch, q, k, v, pi):
     a = torch.nan_to_num(a, nan=0.0)
     o = (a.unsqueeze(-2) @ v).squeeze(-2)
     c = (1 - p) * a * a
-    var = (c.unsqueeze(-1) * (v - o.unsqueeze(-2)) ** 2).sum(-2)
-    return {"output": o, "lse": lse, "variance": var, "trace": var.sum(-1), "n_eff": 1.0 / (a * a).sum(-1)}
+    sq = (v - o.unsqueeze(-2)) ** 2
+    var = (c.unsqueeze(-1) * sq).sum(-2)
+    x = c * sq.sum(-1)  # the HT terms of the trace; tail moment = sum (1 - pi) x^2 (chebyshev_ucb)
+    return {"output": o, "lse": lse, "variance": var, "trace": var.sum(-1), "n_eff": 1.0 / (a * a).sum(-1),
+            "tail_moment": ((1 - p) * x * x).sum(-1)}
 
 
 def rel_err(torch, x, ref):
@@ -241,8 +244,8 @@ def run_correctness(report, torch, KN, device, dry, clock):
                 q, k, v, pi = make_cache(torch, b, h_kv, g, n, d, dtype, device, seed=n + b)
                 ref = oracle64(torch, q, k, v, pi)
                 kw = dict(log_pi=torch.log(pi)) if use_log else dict(pi=pi)
-                est = KN.hajek_attention(q, k, v, num_splits=splits, **kw)
-                fe = fast.hajek_attention(q, k, v, pi)
+                est = KN.hajek_attention(q, k, v, num_splits=splits, return_tail_moment=True, **kw)
+                fe = fast.hajek_attention(q, k, v, pi, return_tail_moment=True)
                 row = {"b": b, "h_kv": h_kv, "g": g, "n": n, "d": d, "dtype": str(dtype).replace("torch.", ""),
                        "input": "log_pi" if use_log else "pi", "num_splits": splits or "default", "fields": {}}
                 ok_all = True
@@ -253,7 +256,7 @@ def run_correctness(report, torch, KN, device, dry, clock):
                     ek, ef = rel_err(torch, x, ref[f]), rel_err(torch, y, ref[f])
                     eps_f = torch.finfo(dtype if f == "output" else torch.float32).eps
                     tol = 2 * ef + 4 * eps_f
-                    if f in ("variance", "trace") and dtype != torch.float32:
+                    if f in ("variance", "trace", "tail_moment") and dtype != torch.float32:
                         tol += torch.finfo(dtype).eps
                     ok = (not nan) and same_inf and ek <= tol
                     ok_all &= ok
@@ -334,7 +337,8 @@ def run_timings(report, torch, triton, KN, device, cfg, clock, *, tune, dry, cud
                 return lambda: KN.hajek_attention(q, k, v, log_pi=log_pi, certify=certify, validate=False,
                                                   **{**split_kw, **kw})
 
-            variants = {"hajek": hajek(True), "hajek_nocert": hajek(False)}
+            variants = {"hajek": hajek(True), "hajek_nocert": hajek(False),
+                        "hajek_ucb": hajek(True, per_coordinate=False, return_tail_moment=True)}
             for name, fn in variants.items():
                 row["results"][name] = _guarded(lambda fn=fn: _record(bench, fn, nbytes, peak))
             for mname, m in (("sdpa_mask", mask), ("sdpa_nomask", None)):
@@ -451,6 +455,8 @@ def _targets(row):
             t["sdpa_target_met"] = t["throughput_vs_fastest_sdpa"] >= 0.9
         if "median_ms" in r.get("hajek_nocert", {}):
             t["certificate_overhead"] = r["hajek"]["median_ms"] / r["hajek_nocert"]["median_ms"] - 1.0
+            if "median_ms" in r.get("hajek_ucb", {}):  # the strict kind: trace + the epilogue pass
+                t["ucb_overhead"] = r["hajek_ucb"]["median_ms"] / r["hajek_nocert"]["median_ms"] - 1.0
     return t
 
 
