@@ -51,6 +51,33 @@ def _neg_expm1(x):
 
 
 @triton.jit
+def _tile(q, k_base, v_base, p_base, offs_n, nmask, offs_d, dmask, offs_v, vmask,
+          stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, scale,
+          LOG_PI: tl.constexpr, DOT_F32: tl.constexpr):
+    """One tile of kept tokens, shared by both passes: V, the Hajek logits tau q.k_i - log pi_i
+    (padding gets -inf, not -log 0 = +inf), 1 - pi_i (0 on padding) and the present mask."""
+    k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=nmask[:, None] & dmask[None, :], other=0.0)
+    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_v[None, :] * stride_vd,
+                mask=nmask[:, None] & vmask[None, :], other=0.0)
+    if LOG_PI:
+        log_p = tl.load(p_base + offs_n * stride_pn, mask=nmask, other=float("-inf")).to(tl.float32)
+        one_minus = _neg_expm1(log_p)
+    else:
+        pi = tl.load(p_base + offs_n * stride_pn, mask=nmask, other=0.0).to(tl.float32)
+        log_p = tl.where(pi > 0.0, tl.log(tl.where(pi > 0.0, pi, 1.0)), float("-inf"))  # padding
+        one_minus = 1.0 - pi
+    present = log_p > float("-inf")
+    one_minus = tl.where(present, one_minus, 0.0)
+    if DOT_F32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    logits = tl.where(present[None, :], s * scale - log_p[None, :], float("-inf"))
+    return v, logits, one_minus, present
+
+
+@triton.jit
 def _finalize(rows, rmask, offs_v, vmask, m, l, l_o, acc, W, mean, M2, Q2,
               Out, Lse, Var, Tr, Neff, DV,
               CERTIFY: tl.constexpr, PER_COORD: tl.constexpr):
@@ -129,26 +156,9 @@ def _hajek_decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=nmask[:, None] & dmask[None, :], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_v[None, :] * stride_vd,
-                    mask=nmask[:, None] & vmask[None, :], other=0.0)
-        if LOG_PI:
-            log_p = tl.load(p_base + offs_n * stride_pn, mask=nmask, other=float("-inf")).to(tl.float32)
-            one_minus = _neg_expm1(log_p)
-        else:
-            pi = tl.load(p_base + offs_n * stride_pn, mask=nmask, other=0.0).to(tl.float32)
-            log_p = tl.where(pi > 0.0, tl.log(tl.where(pi > 0.0, pi, 1.0)), float("-inf"))  # padding
-            one_minus = 1.0 - pi
-        present = log_p > float("-inf")
-        one_minus = tl.where(present, one_minus, 0.0)
-
-        if DOT_F32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        # Hajek logits s_i - log pi_i; padding gets -inf (not -log 0 = +inf)
-        logits = tl.where(present[None, :], s * scale - log_p[None, :], float("-inf"))
+        v, logits, one_minus, present = _tile(q, k_base, v_base, p_base, offs_n, nmask, offs_d, dmask, offs_v,
+                                              vmask, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn,
+                                              scale, LOG_PI, DOT_F32)
 
         m_new = tl.maximum(m, tl.max(logits, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: avoid -inf - -inf
@@ -344,24 +354,9 @@ def _tail_moment_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=nmask[:, None] & dmask[None, :], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_v[None, :] * stride_vd,
-                    mask=nmask[:, None] & vmask[None, :], other=0.0)
-        if LOG_PI:
-            log_p = tl.load(p_base + offs_n * stride_pn, mask=nmask, other=float("-inf")).to(tl.float32)
-            one_minus = _neg_expm1(log_p)
-        else:
-            pi = tl.load(p_base + offs_n * stride_pn, mask=nmask, other=0.0).to(tl.float32)
-            log_p = tl.where(pi > 0.0, tl.log(tl.where(pi > 0.0, pi, 1.0)), float("-inf"))  # padding
-            one_minus = 1.0 - pi
-        present = log_p > float("-inf")
-        one_minus = tl.where(present, one_minus, 0.0)
-        if DOT_F32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        logits = tl.where(present[None, :], s * scale - log_p[None, :], float("-inf"))
+        v, logits, one_minus, _ = _tile(q, k_base, v_base, p_base, offs_n, nmask, offs_d, dmask, offs_v,
+                                        vmask, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn,
+                                        scale, LOG_PI, DOT_F32)
         a = tl.exp(logits - lse[:, None])  # the normalized weights; 0 on padding
         # ||v_i - o_hat||^2 row by row, from the differences (no ||v||^2 - 2 v.o + ||o||^2 cancellation)
         vf = v.to(tl.float32)
