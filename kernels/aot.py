@@ -78,61 +78,18 @@ def compile_decode(*, arch: int = 90, dtype: str = "bf16", d: int = 128, dv: int
 
     Defaults for ``block_n`` and ``num_warps`` are those of :func:`kvcert.kernels.default_config`.
     """
-    _check_compiled()
-    dt = _DT[dtype]
-    dv = d if dv is None else dv
-    import torch
-
-    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
-    cfg = H.default_config(1, d, 1, torch.device("cpu"), block_n, tdt)
-    g_block = min(g, H._MAX_ROWS)
-    const = dict(D=d, DV=dv, D_PAD=_pow2(d), DV_PAD=_pow2(dv), G=g, G_BLOCK=g_block,
-                 N_RB=-(-g // g_block), R_PAD=_pow2(g_block), BLOCK_N=cfg["block_n"], LOG_PI=log_pi,
-                 CERTIFY=certify, PER_COORD=per_coordinate, SPLIT=split, DOT_F32=dt == "fp32",
-                 ROUND_P=dt != "fp32", EXACT_MOMENTS=moments == "exact")
-    ptr = {"Q": dt, "K": dt, "V": dt, "Out": dt, "P": "fp32"}
-    sig = {}
-    for name in H._hajek_decode_kernel.arg_names:
-        if name in const:
-            sig[name] = "constexpr"
-        elif name in ptr:
-            sig[name] = "*" + ptr[name]
-        elif name in ("Lse", "Var", "Tr", "Neff", "PartS", "PartV"):
-            sig[name] = "*fp32"
-        elif name == "scale":
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-    src = ASTSource(H._hajek_decode_kernel, sig, constexprs=const)
+    dt, cfg, const = _tile_constants(dtype, d, dv, g, block_n, log_pi)
+    const.update(CERTIFY=certify, PER_COORD=per_coordinate, SPLIT=split, ROUND_P=dt != "fp32",
+                 EXACT_MOMENTS=moments == "exact")
+    ptr = {"Q": dt, "K": dt, "V": dt, "Out": dt, "P": "fp32",
+           **{name: "fp32" for name in ("Lse", "Var", "Tr", "Neff", "PartS", "PartV")}}
+    src = ASTSource(H._hajek_decode_kernel, _signature(H._hajek_decode_kernel, const, ptr), constexprs=const)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages})
 
 
-def compile_merge(*, arch: int = 90, dtype: str = "bf16", dv: int = 128, certify: bool = True,
-                  per_coordinate: bool = True):
-    """Compile the split-merge kernel for ``sm_<arch>``; returns the compiled kernel."""
-    _check_compiled()
-    dt = _DT[dtype]
-    const = dict(DV=dv, DV_PAD=_pow2(dv), BLOCK_R=16, CERTIFY=certify, PER_COORD=per_coordinate,
-                 ROUND_P=dt != "fp32")
-    sig = {}
-    for name in H._hajek_merge_kernel.arg_names:
-        if name in const:
-            sig[name] = "constexpr"
-        elif name == "Out":
-            sig[name] = "*" + dt
-        elif name in ("PartS", "PartV", "Lse", "Var", "Tr", "Neff"):
-            sig[name] = "*fp32"
-        else:
-            sig[name] = "i32"
-    return triton.compile(ASTSource(H._hajek_merge_kernel, sig, constexprs=const),
-                          target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
-
-
-def compile_tail_moment(*, arch: int = 90, dtype: str = "bf16", d: int = 128, dv: int | None = None, g: int = 4,
-                        block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2,
-                        log_pi: bool = True):
-    """Compile the epilogue kernel of ``chebyshev_ucb`` (``return_tail_moment=True``) for ``sm_<arch>``."""
+def _tile_constants(dtype: str, d: int, dv: int | None, g: int, block_n: int | None, log_pi: bool):
+    """(dtype name, default config, constexprs) shared by the decode and tail-moment kernels."""
     _check_compiled()
     dt = _DT[dtype]
     dv = d if dv is None else dv
@@ -142,19 +99,37 @@ def compile_tail_moment(*, arch: int = 90, dtype: str = "bf16", d: int = 128, dv
     cfg = H.default_config(1, d, 1, torch.device("cpu"), block_n, tdt)
     g_block = min(g, H._MAX_ROWS)
     const = dict(D=d, DV=dv, D_PAD=_pow2(d), DV_PAD=_pow2(dv), G=g, G_BLOCK=g_block, N_RB=-(-g // g_block),
-                 R_PAD=_pow2(g_block), BLOCK_N=cfg["block_n"], LOG_PI=log_pi, DOT_F32=dt == "fp32",
-                 STORE_LOW=dt != "fp32")
+                 R_PAD=_pow2(g_block), BLOCK_N=cfg["block_n"], LOG_PI=log_pi, DOT_F32=dt == "fp32")
+    return dt, cfg, const
+
+
+def _signature(kernel, const: dict, ptr: dict) -> dict:
+    """Triton signature: constexprs, typed pointers (``ptr``: name -> element type), fp32 scale, i32 rest."""
+    return {name: "constexpr" if name in const else "*" + ptr[name] if name in ptr else
+            "fp32" if name == "scale" else "i32" for name in kernel.arg_names}
+
+
+def compile_merge(*, arch: int = 90, dtype: str = "bf16", dv: int = 128, certify: bool = True,
+                  per_coordinate: bool = True):
+    """Compile the split-merge kernel for ``sm_<arch>``; returns the compiled kernel."""
+    _check_compiled()
+    dt = _DT[dtype]
+    const = dict(DV=dv, DV_PAD=_pow2(dv), BLOCK_R=16, CERTIFY=certify, PER_COORD=per_coordinate,
+                 ROUND_P=dt != "fp32")
+    ptr = {"Out": dt, **{name: "fp32" for name in ("PartS", "PartV", "Lse", "Var", "Tr", "Neff")}}
+    sig = _signature(H._hajek_merge_kernel, const, ptr)
+    return triton.compile(ASTSource(H._hajek_merge_kernel, sig, constexprs=const),
+                          target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+
+
+def compile_tail_moment(*, arch: int = 90, dtype: str = "bf16", d: int = 128, dv: int | None = None, g: int = 4,
+                        block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2,
+                        log_pi: bool = True):
+    """Compile the epilogue kernel of ``chebyshev_ucb`` (``return_tail_moment=True``) for ``sm_<arch>``."""
+    dt, cfg, const = _tile_constants(dtype, d, dv, g, block_n, log_pi)
+    const.update(STORE_LOW=dt != "fp32")
     ptr = {"Q": dt, "K": dt, "V": dt, "OutLow": dt, "P": "fp32", "O": "fp32", "Lse": "fp32", "Part": "fp32"}
-    sig = {}
-    for name in H._tail_moment_kernel.arg_names:
-        if name in const:
-            sig[name] = "constexpr"
-        elif name in ptr:
-            sig[name] = "*" + ptr[name]
-        elif name == "scale":
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
+    sig = _signature(H._tail_moment_kernel, const, ptr)
     return triton.compile(ASTSource(H._tail_moment_kernel, sig, constexprs=const),
                           target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": num_warps or cfg["num_warps"], "num_stages": num_stages})
