@@ -170,6 +170,17 @@ class _LayerProgress:
         self.bar.close()
 
 
+def _prompt_list(prompt, action: str) -> tuple[bool, list]:
+    """(single, prompts) of a ``prompt`` argument: a str or a non-empty list of non-empty str."""
+    single = isinstance(prompt, str)
+    prompts = [prompt] if single else prompt
+    if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise TypeError("prompt must be a str or a non-empty list of str")
+    if any(not p for p in prompts):
+        raise ValueError(f"prompt: empty prompts cannot be {action}")
+    return single, prompts
+
+
 def _forward_kwargs(model) -> tuple[dict, str]:
     """(extra forward kwargs, the cache keyword) of a causal LM's forward."""
     params = inspect.signature(model.forward).parameters
@@ -267,12 +278,7 @@ def prefill(
     """
     from .presses import _QueryRecorder
 
-    single = isinstance(prompt, str)
-    prompts = [prompt] if single else prompt
-    if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise TypeError("prompt must be a str or a non-empty list of str")
-    if any(not p for p in prompts):
-        raise ValueError("prompt: empty prompts cannot be prefilled")
+    _, prompts = _prompt_list(prompt, "prefilled")
     if query_window is not None and (isinstance(query_window, bool) or not isinstance(query_window, int)
                                      or query_window < 1):
         raise ValueError(f"query_window must be an int >= 1 or None, got {query_window!r}")
@@ -382,12 +388,7 @@ def generate(
     """
     from .presses import BasePress
 
-    single = isinstance(prompt, str)
-    prompts = [prompt] if single else prompt
-    if not isinstance(prompts, (list, tuple)) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise TypeError("prompt must be a str or a non-empty list of str")
-    if any(not p for p in prompts):
-        raise ValueError("prompt: empty prompts cannot be generated from")
+    single, prompts = _prompt_list(prompt, "generated from")
     if press is not None and not isinstance(press, BasePress):
         raise TypeError(f"press must be a kvcert press (e.g. kvcert.PoissonPress), got {type(press).__name__}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
