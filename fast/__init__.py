@@ -8,7 +8,14 @@ transformers.
 
 from . import scorers
 from .estimators import attention, clear_workspace, hajek_attention, value_moments
-from .certificates import KINDS, certificate, radius_from_moments
+from .certificates import (
+    CERTIFICATE_KINDS,
+    KINDS,
+    CertificateKind,
+    certificate,
+    estimate_options,
+    radius_from_moments,
+)
 from .design import (
     budget_from_fraction,
     certainty_mask,
@@ -34,7 +41,7 @@ from .types import Certificate, CompressedCache, Estimate
 __all__ = [
     "Estimate", "Certificate", "CompressedCache",
     "attention", "hajek_attention", "value_moments", "clear_workspace",
-    "KINDS", "certificate", "radius_from_moments",
+    "CERTIFICATE_KINDS", "CertificateKind", "KINDS", "certificate", "estimate_options", "radius_from_moments",
     "budget_from_fraction", "certainty_mask", "design_uniforms", "edge_mask",
     "inclusion_probabilities", "poisson_sample", "splitmix64",
     "compact", "evict", "topk_evict",

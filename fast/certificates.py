@@ -2,14 +2,26 @@
 
 Same kinds and formulas as ``kvcert.reference.radius_from_moments``, applied
 to every query head (and query) of a batch at once. Works on the estimates of
-``kvcert.fast`` and ``kvcert.kernels`` alike.
+``kvcert.fast`` and ``kvcert.kernels`` alike: the kernels backend produces a
+:class:`~kvcert.fast.types.Estimate` that :func:`certificate` consumes, so it
+has no registry of its own.
+
+Every kind is one entry of :data:`CERTIFICATE_KINDS` (a
+:class:`CertificateKind`: the statistics it needs, its radius function, a
+one-line formula); :func:`radius_from_moments`, :func:`certificate` and
+:func:`estimate_options` dispatch through it, and :data:`KINDS` is its key
+order. Adding a kind = one entry here, one in ``kvcert.reference``, and its
+test (tests/test_certificate_registry.py iterates both registries).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from statistics import NormalDist
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -17,14 +29,20 @@ from scipy import special
 
 from .types import Certificate, Estimate
 
-__all__ = ["KINDS", "NU_MIN", "certificate", "radius_from_moments"]
+__all__ = ["CERTIFICATE_KINDS", "CertificateKind", "KINDS", "NU_MIN", "certificate", "estimate_options",
+           "radius_from_moments"]
 
-#: certificate kinds; the norm kinds bound ||o_hat - o||_2, ``wald`` bounds each coordinate
-#: (the order of ``kvcert.reference.KINDS``); the strict opt-in ``chebyshev_ucb`` needs
-#: ``hajek_attention(..., return_tail_moment=True)``
-KINDS = ("wald", "chebyshev", "chi2", "bernstein", "chebyshev_ucb")
 #: lower clip of the Satterthwaite degrees of freedom of ``chebyshev_ucb`` (nu >= 2 holds exactly)
 NU_MIN = 2.0
+
+#: the statistics a kind may need (fields of Estimate) -> the ``kvcert.fast.hajek_attention``
+#: option that fills each one (all default off but ``per_coordinate``, which estimate_options sets)
+_OPTIONS = {
+    "variance": "per_coordinate",
+    "covariance": "return_covariance",
+    "max_term": "return_max_term",
+    "tail_moment": "return_tail_moment",
+}
 
 
 def _check_delta(delta) -> float:
@@ -65,6 +83,208 @@ def _ucb_radius(delta: float, trace: torch.Tensor, tail_moment: torch.Tensor) ->
     return torch.where(finite, r, torch.full_like(r, math.inf)).to(trace.dtype)
 
 
+def _wald_radius(delta: float, trace: torch.Tensor, *, variance=None, **_) -> torch.Tensor:
+    r""":math:`z_{1-\delta/2}\sqrt{\hat\sigma^2_d}` per coordinate, (..., dv)."""
+    if variance is None:
+        raise ValueError("the wald certificate needs the per-coordinate variance "
+                         "(compute the estimate with per_coordinate=True)")
+    z = NormalDist().inv_cdf(1.0 - delta / 2.0)
+    return z * torch.sqrt(variance.clamp(min=0.0))
+
+
+def _chebyshev_radius(delta: float, trace: torch.Tensor, **_) -> torch.Tensor:
+    r""":math:`\sqrt{\mathrm{tr}\hat\Sigma/\delta}`."""
+    return torch.sqrt(trace.clamp(min=0.0) / delta)
+
+
+def _chi2_radius(delta: float, trace: torch.Tensor, *, sum_sq_eigenvalues=None, **_) -> torch.Tensor:
+    r""":math:`\sqrt{g\,\chi^2_{h,1-\delta}}`, :math:`g = \sum\ell^2/\sum\ell`, :math:`h = (\sum\ell)^2/\sum\ell^2`.
+
+    :math:`\sum\ell` = ``trace``, :math:`\sum\ell^2` = ``sum_sq_eigenvalues``; radius 0 where either
+    is 0, +inf where either is not finite.
+    """
+    if sum_sq_eigenvalues is None:
+        raise ValueError("the chi2 certificate needs sum l^2 = ||Sigma_hat||_F^2: compute the estimate "
+                         "with hajek_attention(..., return_covariance=True)")
+    s1 = trace.clamp(min=0.0)
+    s2 = sum_sq_eigenvalues.clamp(min=0.0)
+    pos = torch.isfinite(s1) & torch.isfinite(s2) & (s2 > 0) & (s1 > 0)
+    g = torch.where(pos, s2 / torch.where(pos, s1, 1.0), 0.0)
+    h = torch.where(pos, s1 * s1 / torch.where(pos, s2, 1.0), 1.0)
+    q = _chi2_ppf(1.0 - delta, h).to(trace.dtype)
+    r = torch.sqrt(g * q)
+    return torch.where(torch.isfinite(s1) & torch.isfinite(s2), r, torch.full_like(r, math.inf))
+
+
+def _bernstein_radius(delta: float, trace: torch.Tensor, *, max_term=None, **_) -> torch.Tensor:
+    r""":math:`r = \tfrac{BL}{3} + \sqrt{(\tfrac{BL}{3})^2 + 2VL}`, :math:`L = \log(2/\delta)`.
+
+    :math:`V = \mathrm{tr}\hat\Sigma` (``trace``), :math:`B` = ``max_term``; +inf where the trace is +inf.
+    """
+    if max_term is None:
+        raise ValueError("the bernstein certificate needs max_term: compute the estimate with "
+                         "kvcert.fast.hajek_attention(..., return_max_term=True)")
+    L = math.log(2.0 / delta)
+    b = max_term.to(trace.dtype) * (L / 3.0)
+    r = b + torch.sqrt(b * b + 2.0 * trace.clamp(min=0.0) * L)
+    return torch.where(torch.isfinite(trace), r, torch.full_like(r, math.inf))
+
+
+def _chebyshev_ucb_radius(delta: float, trace: torch.Tensor, *, tail_moment=None, **_) -> torch.Tensor:
+    r""":math:`r^2 = 2\,\mathrm{tr}\,\nu/(\delta\,\chi^2_{\nu;\delta/2})`, :math:`\nu = 2\,\mathrm{tr}^2/s_2`.
+
+    :math:`s_2` = ``tail_moment`` (same shape as ``trace``); :math:`\nu` clipped at ``NU_MIN``;
+    see :func:`_ucb_radius` for the edge cases.
+    """
+    if tail_moment is None:
+        raise ValueError("the chebyshev_ucb certificate needs tail_moment: compute the estimate with "
+                         "hajek_attention(..., return_tail_moment=True)")
+    if not isinstance(tail_moment, torch.Tensor):
+        raise TypeError(f"tail_moment must be a torch.Tensor, got {type(tail_moment).__name__}")
+    if tail_moment.shape != trace.shape:
+        raise ValueError(f"tail_moment must have the shape of trace {tuple(trace.shape)}, "
+                         f"got {tuple(tail_moment.shape)}")
+    return _ucb_radius(delta, trace, tail_moment)
+
+
+def _sum_sq_eigenvalues(estimate: Estimate, dt: torch.dtype) -> dict:
+    """sum l^2 = ||Sigma_hat||_F^2 from the covariance (+inf where it is not finite; None without it)."""
+    if estimate.covariance is None:
+        return {"sum_sq_eigenvalues": None}
+    cov = estimate.covariance.to(dt)
+    s2 = cov.square().sum((-1, -2))
+    s2 = torch.where(torch.isfinite(cov).all(-1).all(-1), s2, torch.full_like(s2, math.inf))
+    return {"sum_sq_eigenvalues": s2}
+
+
+#: statistic (a field of Estimate) -> the keywords of :func:`radius_from_moments` computed from it,
+#: in the dtype ``dt`` of the trace; the same keys as ``_OPTIONS``
+_MOMENTS = {
+    "variance": lambda est, dt: {"variance": None if est.variance is None else est.variance.to(dt)},
+    "covariance": _sum_sq_eigenvalues,
+    "max_term": lambda est, dt: {"max_term": est.max_term},
+    "tail_moment": lambda est, dt: {"tail_moment": est.tail_moment},
+}
+
+
+@dataclass(frozen=True)
+class CertificateKind:
+    r"""One certificate kind of the batched backend: what it needs and how it turns it into a radius.
+
+    Attributes
+    ----------
+    name : str
+        The ``kind`` argument of :func:`certificate` and :func:`radius_from_moments`.
+    needs : tuple of str
+        The :class:`~kvcert.fast.types.Estimate` fields the certificate reads
+        besides ``output`` and ``trace`` (``"variance"``, ``"covariance"``,
+        ``"max_term"``, ``"tail_moment"``); :func:`estimate_options` turns them
+        into the ``kvcert.fast.hajek_attention`` options that fill them.
+    radius : callable
+        ``radius(delta, trace, **moments) -> tensor`` with ``moments`` the
+        keywords of :func:`radius_from_moments` (each function reads the ones
+        it needs and raises ``ValueError`` naming the missing option when one
+        is None). ``delta`` must already be checked to lie in (0, 1): call it
+        through :func:`radius_from_moments`.
+    per_coordinate : bool
+        True when the radius is per output coordinate, shape (..., dv)
+        (``wald``); otherwise it bounds :math:`\lVert\hat o - o\rVert_2`,
+        shape (...,).
+    summary : str
+        The formula in one line, for CLI help and docs.
+    """
+
+    name: str
+    needs: tuple[str, ...]
+    radius: Callable[..., torch.Tensor]
+    per_coordinate: bool
+    summary: str
+
+    def __post_init__(self):
+        unknown = [s for s in self.needs if s not in _OPTIONS or s not in _MOMENTS]
+        if unknown:
+            raise ValueError(f"CertificateKind {self.name!r}: unknown statistics {unknown}; "
+                             f"known: {tuple(_OPTIONS)}")
+
+
+def _registry(*kinds: CertificateKind) -> MappingProxyType:
+    return MappingProxyType({k.name: k for k in kinds})
+
+
+#: name -> :class:`CertificateKind`, read-only; the norm kinds bound ||o_hat - o||_2, ``wald`` bounds
+#: each coordinate; same names, order, needs and summaries as ``kvcert.reference.CERTIFICATE_KINDS``
+CERTIFICATE_KINDS = _registry(
+    CertificateKind(
+        name="wald", needs=("variance",), radius=_wald_radius, per_coordinate=True,
+        summary="per coordinate |o_hat_d - o_d| <= z_{1-delta/2} sqrt(variance_d)"),
+    CertificateKind(
+        name="chebyshev", needs=(), radius=_chebyshev_radius, per_coordinate=False,
+        summary="||o_hat - o||_2 <= sqrt(trace / delta)"),
+    CertificateKind(
+        name="chi2", needs=("covariance",), radius=_chi2_radius, per_coordinate=False,
+        summary="||o_hat - o||_2^2 <= g chi2_{h, 1-delta}, g = sum l^2 / sum l, h = (sum l)^2 / sum l^2 "
+                "over the eigenvalues l of Sigma_hat"),
+    CertificateKind(
+        name="bernstein", needs=("max_term",), radius=_bernstein_radius, per_coordinate=False,
+        summary="||o_hat - o||_2 <= B L / 3 + sqrt((B L / 3)^2 + 2 trace L), L = log(2 / delta), B = max_term"),
+    CertificateKind(
+        name="chebyshev_ucb", needs=("tail_moment",), radius=_chebyshev_ucb_radius, per_coordinate=False,
+        summary="||o_hat - o||_2^2 <= 2 trace nu / (delta chi2_{nu; delta/2}), "
+                "nu = max(2 trace^2 / tail_moment, 2)"),
+)
+
+#: certificate kinds, in registry order (that of ``kvcert.reference.KINDS``); the strict opt-in
+#: ``chebyshev_ucb`` needs ``hajek_attention(..., return_tail_moment=True)``
+KINDS = tuple(CERTIFICATE_KINDS)
+
+
+def _kind(kind) -> CertificateKind:
+    """The registry entry of ``kind``; ValueError listing KINDS if there is none."""
+    if not isinstance(kind, str) or kind not in CERTIFICATE_KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    return CERTIFICATE_KINDS[kind]
+
+
+def estimate_options(kinds: str | Iterable[str]) -> dict:
+    r"""The ``kvcert.fast.hajek_attention`` options that make an estimate carry what ``kinds`` need.
+
+    Parameters
+    ----------
+    kinds : str or iterable of str
+        One kind, or several (the union of their needs: one estimate serves
+        every certificate of the list).
+
+    Returns
+    -------
+    dict
+        ``{"per_coordinate": bool, **{option: True}}``: ``per_coordinate`` is
+        True only when a kind needs the per-coordinate ``variance`` (``wald``);
+        each other needed statistic adds its ``return_*`` option
+        (``chi2`` -> ``return_covariance``, ``bernstein`` -> ``return_max_term``,
+        ``chebyshev_ucb`` -> ``return_tail_moment``).
+
+    Raises
+    ------
+    ValueError
+        An unknown kind (the message lists :data:`KINDS`).
+
+    Examples
+    --------
+    >>> from kvcert.fast import estimate_options
+    >>> estimate_options("chi2")
+    {'per_coordinate': False, 'return_covariance': True}
+    >>> estimate_options(["wald", "chebyshev_ucb"])
+    {'per_coordinate': True, 'return_tail_moment': True}
+    """
+    names = (kinds,) if isinstance(kinds, str) else tuple(kinds)
+    needs = [s for name in names for s in _kind(name).needs]
+    options = {"per_coordinate": False}
+    for stat, option in _OPTIONS.items():  # in _OPTIONS order, whatever the order of kinds
+        if stat in needs:
+            options[option] = True
+    return options
+
+
 def radius_from_moments(kind: str, delta: float, *, trace: torch.Tensor, variance: torch.Tensor | None = None,
                         sum_sq_eigenvalues: torch.Tensor | None = None,
                         max_term: torch.Tensor | None = None,
@@ -96,7 +316,8 @@ def radius_from_moments(kind: str, delta: float, *, trace: torch.Tensor, varianc
 
     Parameters
     ----------
-    kind : {"wald", "chebyshev", "chi2", "bernstein", "chebyshev_ucb"}
+    kind : str
+        A key of :data:`CERTIFICATE_KINDS` (one of :data:`KINDS`).
     delta : float in (0, 1)
     trace : (...,) tensor
     variance : (..., dv) tensor, for ``wald``
@@ -111,45 +332,8 @@ def radius_from_moments(kind: str, delta: float, *, trace: torch.Tensor, varianc
     delta = _check_delta(delta)
     if not isinstance(trace, torch.Tensor):
         raise TypeError(f"trace must be a torch.Tensor, got {type(trace).__name__}")
-    if kind == "wald":
-        if variance is None:
-            raise ValueError("the wald certificate needs the per-coordinate variance "
-                             "(compute the estimate with per_coordinate=True)")
-        z = NormalDist().inv_cdf(1.0 - delta / 2.0)
-        return z * torch.sqrt(variance.clamp(min=0.0))
-    if kind == "chebyshev":
-        return torch.sqrt(trace.clamp(min=0.0) / delta)
-    if kind == "chi2":
-        if sum_sq_eigenvalues is None:
-            raise ValueError("the chi2 certificate needs sum l^2 = ||Sigma_hat||_F^2: compute the estimate "
-                             "with hajek_attention(..., return_covariance=True)")
-        s1 = trace.clamp(min=0.0)
-        s2 = sum_sq_eigenvalues.clamp(min=0.0)
-        pos = torch.isfinite(s1) & torch.isfinite(s2) & (s2 > 0) & (s1 > 0)
-        g = torch.where(pos, s2 / torch.where(pos, s1, 1.0), 0.0)
-        h = torch.where(pos, s1 * s1 / torch.where(pos, s2, 1.0), 1.0)
-        q = _chi2_ppf(1.0 - delta, h).to(trace.dtype)
-        r = torch.sqrt(g * q)
-        return torch.where(torch.isfinite(s1) & torch.isfinite(s2), r, torch.full_like(r, math.inf))
-    if kind == "bernstein":
-        if max_term is None:
-            raise ValueError("the bernstein certificate needs max_term: compute the estimate with "
-                             "kvcert.fast.hajek_attention(..., return_max_term=True)")
-        L = math.log(2.0 / delta)
-        b = max_term.to(trace.dtype) * (L / 3.0)
-        r = b + torch.sqrt(b * b + 2.0 * trace.clamp(min=0.0) * L)
-        return torch.where(torch.isfinite(trace), r, torch.full_like(r, math.inf))
-    if kind == "chebyshev_ucb":
-        if tail_moment is None:
-            raise ValueError("the chebyshev_ucb certificate needs tail_moment: compute the estimate with "
-                             "hajek_attention(..., return_tail_moment=True)")
-        if not isinstance(tail_moment, torch.Tensor):
-            raise TypeError(f"tail_moment must be a torch.Tensor, got {type(tail_moment).__name__}")
-        if tail_moment.shape != trace.shape:
-            raise ValueError(f"tail_moment must have the shape of trace {tuple(trace.shape)}, "
-                             f"got {tuple(tail_moment.shape)}")
-        return _ucb_radius(delta, trace, tail_moment)
-    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    return _kind(kind).radius(delta, trace, variance=variance, sum_sq_eigenvalues=sum_sq_eigenvalues,
+                              max_term=max_term, tail_moment=tail_moment)
 
 
 def certificate(estimate: Estimate, *, delta: float = 0.05, kind: str = "chebyshev") -> Certificate:
@@ -167,10 +351,13 @@ def certificate(estimate: Estimate, *, delta: float = 0.05, kind: str = "chebysh
         ``wald`` needs ``variance`` (per_coordinate=True), ``chi2`` needs
         ``covariance`` (return_covariance=True), ``bernstein`` needs
         ``max_term`` (return_max_term=True), ``chebyshev_ucb`` needs
-        ``tail_moment`` (return_tail_moment=True).
+        ``tail_moment`` (return_tail_moment=True):
+        ``hajek_attention(..., **estimate_options(kind))`` fills what
+        ``CERTIFICATE_KINDS[kind].needs``.
     delta : float in (0, 1)
         Nominal miscoverage.
-    kind : {"wald", "chebyshev", "chi2", "bernstein", "chebyshev_ucb"}
+    kind : str
+        A key of :data:`CERTIFICATE_KINDS` (one of :data:`KINDS`).
 
     Returns
     -------
@@ -201,25 +388,19 @@ def certificate(estimate: Estimate, *, delta: float = 0.05, kind: str = "chebysh
     """
     if not isinstance(estimate, Estimate):
         raise TypeError(f"estimate must be a kvcert.fast.types.Estimate, got {type(estimate).__name__}")
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    spec = _kind(kind)
     delta = _check_delta(delta)
     trace = estimate.trace
     dt = trace.dtype if trace.is_floating_point() else torch.float32
     trace = trace.to(dt)
-    s2 = None
-    if kind == "chi2" and estimate.covariance is not None:
-        cov = estimate.covariance.to(dt)
-        s2 = cov.square().sum((-1, -2))
-        s2 = torch.where(torch.isfinite(cov).all(-1).all(-1), s2, torch.full_like(s2, math.inf))
-    radius = radius_from_moments(kind, delta, trace=trace,
-                                 variance=None if estimate.variance is None else estimate.variance.to(dt),
-                                 sum_sq_eigenvalues=s2, max_term=estimate.max_term,
-                                 tail_moment=estimate.tail_moment)
+    moments = {}
+    for stat in spec.needs:
+        moments.update(_MOMENTS[stat](estimate, dt))
+    radius = spec.radius(delta, trace, **moments)
     o = estimate.output.to(dt)
-    norm_r = torch.linalg.vector_norm(radius, dim=-1) if kind == "wald" else radius
+    norm_r = torch.linalg.vector_norm(radius, dim=-1) if spec.per_coordinate else radius
     norm_o = torch.linalg.vector_norm(o, dim=-1)
     rel = torch.where(norm_r == 0, torch.zeros_like(norm_r),
                       torch.where(norm_o == 0, torch.full_like(norm_r, math.inf), norm_r / norm_o))
-    half = radius if kind == "wald" else radius.unsqueeze(-1)
+    half = radius if spec.per_coordinate else radius.unsqueeze(-1)
     return Certificate(kind=kind, delta=delta, radius=radius, relative_radius=rel, lower=o - half, upper=o + half)
