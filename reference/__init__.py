@@ -17,7 +17,15 @@ from .baselines import (
     streaming_llm_scores,
     tova_scores,
 )
-from .certificates import KINDS, Certificate, certificate, covers, radius_from_moments
+from .certificates import (
+    CERTIFICATE_KINDS,
+    KINDS,
+    Certificate,
+    CertificateKind,
+    certificate,
+    covers,
+    radius_from_moments,
+)
 from .design import (
     budget_from_fraction,
     certainty_mask,
@@ -41,7 +49,7 @@ __all__ = [
     "AdversarialCache", "adversarial_cache",
     "SCORERS", "deterministic_keep", "expected_attention_scores", "h2o_scores", "knorm_scores", "random_scores",
     "snapkv_scores", "streaming_llm_scores", "tova_scores",
-    "KINDS", "Certificate", "certificate", "covers", "radius_from_moments",
+    "CERTIFICATE_KINDS", "CertificateKind", "KINDS", "Certificate", "certificate", "covers", "radius_from_moments",
     "budget_from_fraction", "certainty_mask", "design_generator", "design_uniforms",
     "edge_mask", "inclusion_probabilities", "poisson_sample",
     "Estimate", "attention", "hajek_attention", "horvitz_thompson_totals",

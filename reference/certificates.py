@@ -5,21 +5,28 @@ radius at level 1 - delta. What each assumes is stated in its docstring and in
 docs/theory.md; none is a finite-sample guarantee for every population, since
 all of them plug in a variance estimated from the sample (see the unseen-mass
 discussion in docs/theory.md).
+
+Every kind is one entry of :data:`CERTIFICATE_KINDS` (a
+:class:`CertificateKind`: the estimate's statistics it needs, its radius
+function, a one-line formula); :func:`radius_from_moments` and
+:func:`certificate` dispatch through it, and :data:`KINDS` is its key order.
+Adding a kind = one entry here, one in ``kvcert.fast``, and its test
+(tests/test_certificate_registry.py iterates both registries).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 from scipy import stats
 
 from .estimators import Estimate
 
-__all__ = ["Certificate", "KINDS", "NU_MIN", "certificate", "covers", "radius_from_moments"]
-
-#: certificate kinds; the norm kinds bound ||o_hat - o||_2, ``wald`` bounds each coordinate
-KINDS = ("wald", "chebyshev", "chi2", "bernstein", "chebyshev_ucb")
+__all__ = ["CERTIFICATE_KINDS", "Certificate", "CertificateKind", "KINDS", "NU_MIN", "certificate", "covers",
+           "radius_from_moments"]
 
 #: lower end of the Satterthwaite degrees of freedom of ``chebyshev_ucb``: nu = 2 tr^2 / s2 >= 2
 #: holds exactly for every estimate (s2 <= tr^2), so the clip only absorbs rounding
@@ -64,6 +71,160 @@ def _ucb_ratio(nu: float, delta: float) -> float:
     if nu == np.inf:
         return 1.0
     return float(nu / stats.chi2.ppf(delta / 2.0, nu))
+
+
+def _wald_radius(delta: float, trace: float, *, variance=None, **_) -> np.ndarray:
+    r""":math:`z_{1-\delta/2}\sqrt{\hat\sigma^2_d}` per coordinate, shape (dv,)."""
+    if variance is None:
+        raise ValueError("the wald certificate needs the per-coordinate variance "
+                         "(compute the estimate with per_coordinate=True)")
+    return stats.norm.ppf(1.0 - delta / 2.0) * np.sqrt(np.maximum(np.asarray(variance, float), 0.0))
+
+
+def _chebyshev_radius(delta: float, trace: float, **_) -> float:
+    r""":math:`\sqrt{\mathrm{tr}\hat\Sigma/\delta}` (Markov on :math:`\lVert\hat o - o\rVert^2`)."""
+    return float(np.sqrt(max(trace, 0.0) / delta))
+
+
+def _chi2_radius(delta: float, trace: float, *, eigenvalues=None, **_) -> float:
+    r""":math:`\sqrt{g\,\chi^2_{h,1-\delta}}`, :math:`g = \sum\ell^2/\sum\ell`, :math:`h = (\sum\ell)^2/\sum\ell^2`.
+
+    :math:`\ell` = ``eigenvalues`` of :math:`\hat\Sigma` (negatives clipped to 0); +inf if
+    :math:`\sum\ell` is not finite, 0 if :math:`\sum\ell^2 = 0`.
+    """
+    if eigenvalues is None:
+        raise ValueError("the chi2 certificate needs the eigenvalues of the covariance")
+    lam = np.clip(np.asarray(eigenvalues, float), 0.0, None)
+    s1, s2 = lam.sum(), (lam * lam).sum()
+    if not np.isfinite(s1):
+        return np.inf
+    if s2 <= 0:
+        return 0.0
+    g, h = s2 / s1, s1 * s1 / s2
+    return float(np.sqrt(g * stats.chi2.ppf(1.0 - delta, h)))
+
+
+def _bernstein_radius(delta: float, trace: float, *, max_term: float = 0.0, **_) -> float:
+    r""":math:`r = \tfrac{BL}{3} + \sqrt{(\tfrac{BL}{3})^2 + 2VL}`, :math:`L = \log(2/\delta)`.
+
+    :math:`V = \mathrm{tr}\hat\Sigma` (``trace``), :math:`B` = ``max_term``; +inf if the trace is not finite.
+    """
+    if not np.isfinite(trace):
+        return np.inf
+    L = np.log(2.0 / delta)
+    b = float(max_term) * L / 3.0
+    return float(b + np.sqrt(b * b + 2.0 * max(trace, 0.0) * L))
+
+
+def _chebyshev_ucb_radius(delta: float, trace: float, *, tail_moment: float | None = None, **_) -> float:
+    r""":math:`r^2 = 2\,\mathrm{tr}\,\nu/(\delta\,\chi^2_{\nu;\delta/2})`, :math:`\nu = \max(2\,\mathrm{tr}^2/s_2, 2)`.
+
+    :math:`s_2` = ``tail_moment``; :math:`s_2 = 0 < \mathrm{tr}` gives :math:`\nu = \infty`, i.e.
+    :math:`\sqrt{2\,\mathrm{tr}/\delta}`; tr = 0 gives 0; tr or :math:`s_2` = +inf gives +inf.
+    """
+    if tail_moment is None:
+        raise ValueError("the chebyshev_ucb certificate needs tail_moment = sum_S (1 - pi) x_i^2 "
+                         "(an Estimate from kvcert.reference.hajek_attention has it)")
+    s2 = float(tail_moment)
+    if np.isnan(trace) or np.isnan(s2) or s2 < 0.0:
+        raise ValueError(f"trace must not be NaN and tail_moment must be >= 0, got {trace} and {s2}")
+    if trace == np.inf or s2 == np.inf:
+        return np.inf
+    if trace <= 0.0:
+        return 0.0
+    nu = np.inf if s2 <= 0.0 else max(2.0 * trace * trace / s2, NU_MIN)
+    return float(np.sqrt(2.0 * trace * _ucb_ratio(nu, delta) / delta))
+
+
+def _eigenvalues(estimate: Estimate) -> dict:
+    """The eigenvalues of Sigma_hat (one +inf when it is not finite)."""
+    cov = estimate.covariance
+    return {"eigenvalues": np.full(1, np.inf) if not np.all(np.isfinite(cov)) else np.linalg.eigvalsh(cov)}
+
+
+#: statistic (a field of Estimate) -> the keywords of :func:`radius_from_moments` computed from it
+_MOMENTS = {
+    "variance": lambda est: {"variance": est.variance},
+    "covariance": _eigenvalues,
+    "max_term": lambda est: {"max_term": est.max_term},
+    "tail_moment": lambda est: {"tail_moment": est.tail_moment},
+}
+
+
+@dataclass(frozen=True)
+class CertificateKind:
+    r"""One certificate kind: what it needs from an :class:`Estimate` and how it makes a radius.
+
+    Attributes
+    ----------
+    name : str
+        The ``kind`` argument of :func:`certificate` and :func:`radius_from_moments`.
+    needs : tuple of str
+        The :class:`Estimate` fields the certificate reads besides ``output``
+        and ``trace`` (``"variance"``, ``"covariance"``, ``"max_term"``,
+        ``"tail_moment"``). :func:`kvcert.reference.hajek_attention` always
+        fills all of them; ``kvcert.fast.estimate_options`` says how to ask
+        the batched backend for them.
+    radius : callable
+        ``radius(delta, trace, **moments)`` with ``trace`` a float and
+        ``moments`` the keywords of :func:`radius_from_moments` (each function
+        reads the ones it needs). ``delta`` must already be checked to lie in
+        (0, 1): call it through :func:`radius_from_moments`.
+    per_coordinate : bool
+        True when the radius is a (dv,) array of per-coordinate half-widths
+        (``wald``); otherwise a float bound on :math:`\lVert\hat o - o\rVert_2`.
+    summary : str
+        The formula in one line, for CLI help and docs.
+    """
+
+    name: str
+    needs: tuple[str, ...]
+    radius: Callable[..., float | np.ndarray]
+    per_coordinate: bool
+    summary: str
+
+    def __post_init__(self):
+        unknown = [s for s in self.needs if s not in _MOMENTS]
+        if unknown:
+            raise ValueError(f"CertificateKind {self.name!r}: unknown statistics {unknown}; "
+                             f"known: {tuple(_MOMENTS)}")
+
+
+def _registry(*kinds: CertificateKind) -> MappingProxyType:
+    return MappingProxyType({k.name: k for k in kinds})
+
+
+#: name -> :class:`CertificateKind`, read-only; the norm kinds bound ||o_hat - o||_2, ``wald`` bounds
+#: each coordinate
+CERTIFICATE_KINDS = _registry(
+    CertificateKind(
+        name="wald", needs=("variance",), radius=_wald_radius, per_coordinate=True,
+        summary="per coordinate |o_hat_d - o_d| <= z_{1-delta/2} sqrt(variance_d)"),
+    CertificateKind(
+        name="chebyshev", needs=(), radius=_chebyshev_radius, per_coordinate=False,
+        summary="||o_hat - o||_2 <= sqrt(trace / delta)"),
+    CertificateKind(
+        name="chi2", needs=("covariance",), radius=_chi2_radius, per_coordinate=False,
+        summary="||o_hat - o||_2^2 <= g chi2_{h, 1-delta}, g = sum l^2 / sum l, h = (sum l)^2 / sum l^2 "
+                "over the eigenvalues l of Sigma_hat"),
+    CertificateKind(
+        name="bernstein", needs=("max_term",), radius=_bernstein_radius, per_coordinate=False,
+        summary="||o_hat - o||_2 <= B L / 3 + sqrt((B L / 3)^2 + 2 trace L), L = log(2 / delta), B = max_term"),
+    CertificateKind(
+        name="chebyshev_ucb", needs=("tail_moment",), radius=_chebyshev_ucb_radius, per_coordinate=False,
+        summary="||o_hat - o||_2^2 <= 2 trace nu / (delta chi2_{nu; delta/2}), "
+                "nu = max(2 trace^2 / tail_moment, 2)"),
+)
+
+#: certificate kinds, in registry order; the norm kinds bound ||o_hat - o||_2, ``wald`` bounds each coordinate
+KINDS = tuple(CERTIFICATE_KINDS)
+
+
+def _kind(kind) -> CertificateKind:
+    """The registry entry of ``kind``; ValueError listing KINDS if there is none."""
+    if not isinstance(kind, str) or kind not in CERTIFICATE_KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    return CERTIFICATE_KINDS[kind]
 
 
 def radius_from_moments(kind: str, delta: float, *, trace: float, variance=None, eigenvalues=None,
@@ -114,47 +275,33 @@ def radius_from_moments(kind: str, delta: float, *, trace: float, variance=None,
       :math:`\nu\to\infty` (used when :math:`s_2 = 0`), so it is always
       more than :math:`\sqrt 2` times the ``chebyshev`` radius. tr = 0 gives
       0, tr = +inf (empty sample) or :math:`s_2` = +inf gives +inf.
+
+    Parameters
+    ----------
+    kind : str
+        A key of :data:`CERTIFICATE_KINDS` (one of :data:`KINDS`).
+    delta : float in (0, 1)
+    trace : float
+        :math:`\mathrm{tr}\hat\Sigma` (+inf for an empty sample).
+    variance : (dv,) array, for ``wald``
+    eigenvalues : array of the eigenvalues of :math:`\hat\Sigma`, for ``chi2``
+    max_term : float, default 0, for ``bernstein``
+    tail_moment : float, for ``chebyshev_ucb``
+
+    Returns
+    -------
+    radius : (dv,) ndarray for the per-coordinate kind (``wald``), float otherwise.
+
+    Raises
+    ------
+    ValueError
+        ``delta`` outside (0, 1); an unknown kind (the message lists
+        :data:`KINDS`); a statistic the kind needs is None.
     """
     delta = _check_delta(delta)
     trace = float(trace)
-    if kind == "wald":
-        if variance is None:
-            raise ValueError("the wald certificate needs the per-coordinate variance "
-                             "(compute the estimate with per_coordinate=True)")
-        return stats.norm.ppf(1.0 - delta / 2.0) * np.sqrt(np.maximum(np.asarray(variance, float), 0.0))
-    if kind == "chebyshev":
-        return float(np.sqrt(max(trace, 0.0) / delta))
-    if kind == "chi2":
-        if eigenvalues is None:
-            raise ValueError("the chi2 certificate needs the eigenvalues of the covariance")
-        lam = np.clip(np.asarray(eigenvalues, float), 0.0, None)
-        s1, s2 = lam.sum(), (lam * lam).sum()
-        if not np.isfinite(s1):
-            return np.inf
-        if s2 <= 0:
-            return 0.0
-        g, h = s2 / s1, s1 * s1 / s2
-        return float(np.sqrt(g * stats.chi2.ppf(1.0 - delta, h)))
-    if kind == "bernstein":
-        if not np.isfinite(trace):
-            return np.inf
-        L = np.log(2.0 / delta)
-        b = float(max_term) * L / 3.0
-        return float(b + np.sqrt(b * b + 2.0 * max(trace, 0.0) * L))
-    if kind == "chebyshev_ucb":
-        if tail_moment is None:
-            raise ValueError("the chebyshev_ucb certificate needs tail_moment = sum_S (1 - pi) x_i^2 "
-                             "(an Estimate from kvcert.reference.hajek_attention has it)")
-        s2 = float(tail_moment)
-        if np.isnan(trace) or np.isnan(s2) or s2 < 0.0:
-            raise ValueError(f"trace must not be NaN and tail_moment must be >= 0, got {trace} and {s2}")
-        if trace == np.inf or s2 == np.inf:
-            return np.inf
-        if trace <= 0.0:
-            return 0.0
-        nu = np.inf if s2 <= 0.0 else max(2.0 * trace * trace / s2, NU_MIN)
-        return float(np.sqrt(2.0 * trace * _ucb_ratio(nu, delta) / delta))
-    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    return _kind(kind).radius(delta, trace, variance=variance, eigenvalues=eigenvalues, max_term=max_term,
+                              tail_moment=tail_moment)
 
 
 def certificate(estimate: Estimate, *, delta: float = 0.05, kind: str = "chebyshev") -> Certificate:
@@ -166,9 +313,11 @@ def certificate(estimate: Estimate, *, delta: float = 0.05, kind: str = "chebysh
         From :func:`kvcert.reference.hajek_attention`.
     delta : float in (0, 1)
         Nominal miscoverage (level 1 - delta).
-    kind : {"wald", "chebyshev", "chi2", "bernstein", "chebyshev_ucb"}
-        See :func:`radius_from_moments` for the formula and assumption of each
-        (``chebyshev_ucb`` reads ``estimate.tail_moment``).
+    kind : str
+        A key of :data:`CERTIFICATE_KINDS` (one of :data:`KINDS`). See
+        :func:`radius_from_moments` for the formula and assumption of each
+        (``chebyshev_ucb`` reads ``estimate.tail_moment``; each kind reads the
+        fields in ``CERTIFICATE_KINDS[kind].needs``).
 
     Returns
     -------
@@ -195,15 +344,11 @@ def certificate(estimate: Estimate, *, delta: float = 0.05, kind: str = "chebysh
     """
     if not isinstance(estimate, Estimate):
         raise TypeError(f"estimate must be a kvcert.reference.Estimate, got {type(estimate).__name__}")
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    eig = None
-    if kind == "chi2":
-        cov = estimate.covariance
-        eig = np.full(1, np.inf) if not np.all(np.isfinite(cov)) else np.linalg.eigvalsh(cov)
-    radius = radius_from_moments(kind, delta, trace=estimate.trace, variance=estimate.variance,
-                                 eigenvalues=eig, max_term=estimate.max_term,
-                                 tail_moment=estimate.tail_moment)
+    spec = _kind(kind)
+    moments = {}
+    for stat in spec.needs:
+        moments.update(_MOMENTS[stat](estimate))
+    radius = radius_from_moments(kind, delta, trace=estimate.trace, **moments)
     o = estimate.output
     norm_r = float(np.linalg.norm(radius)) if np.ndim(radius) else float(radius)
     norm_o = float(np.linalg.norm(o))
@@ -215,11 +360,12 @@ def certificate(estimate: Estimate, *, delta: float = 0.05, kind: str = "chebysh
 def covers(cert: Certificate, estimate: Estimate, truth) -> bool | np.ndarray:
     """Does the certificate hold the true output?
 
-    Norm kinds: ``||o_hat - o||_2 <= radius`` (a bool). ``wald``: per-coordinate
-    ``lower <= o <= upper`` (a (dv,) bool array; its mean is the coordinate
-    coverage).
+    Norm kinds: ``||o_hat - o||_2 <= radius`` (a bool). Per-coordinate kinds
+    (``wald``): ``lower <= o <= upper`` (a (dv,) bool array; its mean is the
+    coordinate coverage).
     """
     o = np.asarray(truth, dtype=np.float64)
-    if cert.kind == "wald":
+    spec = CERTIFICATE_KINDS.get(cert.kind)
+    if spec is not None and spec.per_coordinate:
         return (cert.lower <= o) & (o <= cert.upper)
     return bool(np.linalg.norm(estimate.output - o) <= cert.radius)
