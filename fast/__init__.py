@@ -17,8 +17,10 @@ from .certificates import (
     radius_from_moments,
 )
 from .design import (
+    DesignSizes,
     budget_from_fraction,
     certainty_mask,
+    design_sizes,
     design_uniforms,
     edge_mask,
     inclusion_probabilities,
@@ -28,6 +30,8 @@ from .design import (
 from .eviction import compact, evict, topk_evict
 from .scorers import (
     SCORERS,
+    Scorer,
+    register_scorer,
     expected_attention_scores,
     h2o_scores,
     knorm_scores,
@@ -42,9 +46,9 @@ __all__ = [
     "Estimate", "Certificate", "CompressedCache",
     "attention", "hajek_attention", "value_moments", "clear_workspace",
     "CERTIFICATE_KINDS", "CertificateKind", "KINDS", "certificate", "estimate_options", "radius_from_moments",
-    "budget_from_fraction", "certainty_mask", "design_uniforms", "edge_mask",
+    "budget_from_fraction", "certainty_mask", "DesignSizes", "design_sizes", "design_uniforms", "edge_mask",
     "inclusion_probabilities", "poisson_sample", "splitmix64",
     "compact", "evict", "topk_evict",
-    "scorers", "SCORERS", "expected_attention_scores", "h2o_scores", "knorm_scores", "random_scores", "snapkv_scores",
+    "scorers", "SCORERS", "Scorer", "register_scorer", "expected_attention_scores", "h2o_scores", "knorm_scores", "random_scores", "snapkv_scores",
     "streaming_llm_scores", "tova_scores",
 ]

@@ -32,7 +32,9 @@ reference pass its uniforms (``uniforms=reference.design_uniforms(...)``).
 
 from __future__ import annotations
 
+import math
 import numbers
+from typing import NamedTuple
 
 import torch
 
@@ -43,6 +45,8 @@ __all__ = [
     "certainty_mask",
     "inclusion_probabilities",
     "budget_from_fraction",
+    "DesignSizes",
+    "design_sizes",
     "design_uniforms",
     "poisson_sample",
     "splitmix64",
@@ -512,3 +516,75 @@ def budget_from_fraction(n: int, fraction: float) -> float:
     if not (0.0 < fraction <= 1.0):
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     return fraction * n
+
+
+class DesignSizes(NamedTuple):
+    """Sizes of the certainty set of one eviction event (see :func:`design_sizes`)."""
+
+    budget: float
+    sinks: int
+    window: int
+    top: int
+
+
+def design_sizes(budget: float, *, sinks: int = 4, window: int = 32, top_fraction: float = 0.0,
+                 randomized: bool = True) -> DesignSizes:
+    r"""The certainty set that fits under a budget: sinks, recent window, top slice.
+
+    The one sizing rule of every kvcert design (``PoissonPress``, the
+    deterministic presses and paper_repro's replay all call it). With the
+    largest certainty set the budget admits,
+
+    .. math:: c = \lceil B \rceil - 1 \ \text{(randomized)}, \qquad c = \lfloor B \rfloor
+              \ \text{(deterministic)},
+
+    the recent window shrinks first, then the sinks, until
+    :math:`\text{sinks} + \text{window} \le c`; a randomized design then
+    takes :math:`\text{top} = \min(\lfloor \text{top\_fraction}\,(B - \text{sinks}
+    - \text{window}) \rfloor,\ c - \text{sinks} - \text{window})` of the most
+    important tokens with certainty and samples the rest of the budget
+    (at least a fraction of one token's worth is always left to sampling,
+    so every tail token has pi > 0). A deterministic design has no top
+    slice (it keeps the top of the importance anyway).
+
+    Parameters
+    ----------
+    budget : float >= 0
+        Expected kept count B of the event (an exact count for a deterministic design).
+    sinks, window : int >= 0
+        Requested certainty edges: the first ``sinks`` and last ``window`` tokens.
+    top_fraction : float in [0, 1)
+        Share of the free budget :math:`B - \text{sinks} - \text{window}` kept
+        with certainty by importance (randomized designs only).
+    randomized : bool
+        Poisson design (True) or deterministic top-k (False).
+
+    Returns
+    -------
+    DesignSizes
+        ``(budget, sinks, window, top)`` with the shrunken edges.
+
+    Examples
+    --------
+    >>> from kvcert.fast import design_sizes
+    >>> design_sizes(100.0, sinks=4, window=32, top_fraction=0.5)
+    DesignSizes(budget=100.0, sinks=4, window=32, top=32)
+    >>> design_sizes(20.0, sinks=4, window=32, top_fraction=0.5)  # the window shrinks first
+    DesignSizes(budget=20.0, sinks=4, window=15, top=0)
+    """
+    budget = float(budget)
+    if not (budget >= 0.0 and math.isfinite(budget)):
+        raise ValueError(f"budget must be a finite float >= 0, got {budget}")
+    sinks = check_nonneg_int("sinks", sinks)
+    window = check_nonneg_int("window", window)
+    top_fraction = float(top_fraction)
+    if not 0.0 <= top_fraction < 1.0:
+        raise ValueError(f"top_fraction must be in [0, 1), got {top_fraction}")
+    cap = max(math.ceil(budget) - 1, 0) if randomized else int(budget)
+    if sinks + window > cap:
+        window = max(0, cap - sinks)
+        sinks = min(sinks, cap)
+    top = 0
+    if randomized:
+        top = max(min(int(math.floor(top_fraction * (budget - sinks - window))), cap - sinks - window), 0)
+    return DesignSizes(budget, sinks, window, top)

@@ -11,6 +11,8 @@ float64 inputs); nothing here repeats K for GQA (queries are reshaped to
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,8 @@ from .design import design_uniforms
 
 __all__ = [
     "SCORERS",
+    "Scorer",
+    "register_scorer",
     "streaming_llm_scores",
     "h2o_scores",
     "snapkv_scores",
@@ -284,12 +288,118 @@ def random_scores(n_or_keys, *, seed: int, layer: int = 0, event: int = 0, devic
     return design_uniforms((n,), seed, layer=layer, event=event + (1 << 32), device=device)
 
 
-#: name -> scorer, for tables and tests that iterate over every baseline
-SCORERS = {
-    "streaming_llm": streaming_llm_scores,
-    "h2o": h2o_scores,
-    "snapkv": snapkv_scores,
-    "tova": tova_scores,
-    "knorm": knorm_scores,
-    "random": random_scores,
-}
+# ---------------------------------------------------------------------------------------------
+# the registry: one signature for every scorer
+# ---------------------------------------------------------------------------------------------
+#: what a scorer reads of the prefill queries: the last ``observation_window`` of them, every one
+#: (one per key position), or none (key/value-only and position-only scorers)
+QUERY_NEEDS = ("window", "all", "none")
+
+
+@dataclass(frozen=True)
+class Scorer:
+    r"""A registered importance scorer: one name, one signature, one deterministic press.
+
+    Every registered scorer is called the same way,
+
+    ``scorer(queries, keys, values, *, scale=None, kernel_size=7, seed=0, layer=0, event=0)``
+    -> (b, h_kv, n) importance (higher = keep),
+
+    with ``queries`` (b, h_q, w, d) the observation window (the last w
+    queries before the event, w <= n; for ``queries="all"`` scorers at a
+    prefill event, one query per key position), ``keys``/``values``
+    (b, h_kv, n, d). Keywords a scorer does not use are ignored. The float64
+    twin of the same name is ``kvcert.reference.SCORERS[name]`` (one KV head).
+
+    Attributes
+    ----------
+    name : str
+        Registry key (``PoissonPress(scorer=name)``, the CLI's ``--scorer``).
+    fn : callable
+        The implementation, with the signature above.
+    queries : {"window", "all", "none"}
+        Which prefill queries it reads (so a shared prefill knows what to keep).
+    press : str
+        Class name of its deterministic press in :mod:`kvcert.presses`
+        (top-k by this score), e.g. ``"SnapKVPress"``.
+    params : tuple of str
+        Press hyperparameters it reads, among ``observation_window``,
+        ``kernel_size`` and ``seed`` (fields of the generated press).
+    summary : str
+        One line: the method and its rule (docstring of the press).
+    random : bool
+        The score is a random draw: its reference twin agrees in
+        distribution, not value by value.
+    """
+
+    name: str
+    fn: Callable
+    queries: str
+    press: str
+    params: tuple = ()
+    summary: str = ""
+    random: bool = False
+
+    def __post_init__(self):
+        if self.queries not in QUERY_NEEDS:
+            raise ValueError(f"queries must be one of {QUERY_NEEDS}, got {self.queries!r}")
+
+    def __call__(self, queries, keys, values=None, *, scale=None, kernel_size: int = 7, seed: int = 0,
+                 layer: int = 0, event: int = 0) -> torch.Tensor:
+        return self.fn(queries, keys, values, scale=scale, kernel_size=kernel_size, seed=seed, layer=layer,
+                       event=event)
+
+    def queries_needed(self, n: int, observation_window: int) -> int:
+        """Prefill queries this scorer reads at an event over n tokens."""
+        return {"window": min(observation_window, n), "all": n, "none": 0}[self.queries]
+
+
+#: name -> :class:`Scorer`; the presses, the CLI, paper_repro and the tests all read this
+SCORERS: dict[str, Scorer] = {}
+
+
+def register_scorer(scorer: Scorer) -> Scorer:
+    """Add a :class:`Scorer` to :data:`SCORERS` (a name is registered once)."""
+    if not isinstance(scorer, Scorer):
+        raise TypeError(f"scorer must be a kvcert.fast.scorers.Scorer, got {type(scorer).__name__}")
+    if scorer.name in SCORERS:
+        raise ValueError(f"a scorer named {scorer.name!r} is already registered")
+    SCORERS[scorer.name] = scorer
+    return scorer
+
+
+def _h2o(queries, keys, values, *, scale, **_):
+    # a prefill event sees one query per key: accumulated causal attention; a decode-time event
+    # sees only the recent window (the attention of evicted steps is gone): its accumulated
+    # attention, i.e. SnapKV without pooling
+    if queries.shape[2] == keys.shape[2]:
+        return h2o_scores(queries, keys, scale=scale)
+    return snapkv_scores(queries, keys, scale=scale, kernel_size=1)
+
+
+for _scorer in (
+    Scorer("snapkv", lambda q, k, v, *, scale, kernel_size, **_: snapkv_scores(q, k, scale=scale,
+                                                                                 kernel_size=kernel_size),
+           "window", "SnapKVPress", ("observation_window", "kernel_size"),
+           "SnapKV (Li et al. 2024): attention of the last observation_window queries, GQA-pooled, "
+           "smoothed with kernel_size."),
+    Scorer("h2o", _h2o, "all", "H2OPress", (),
+           "H2O (Zhang et al. 2023): heavy hitters of the accumulated causal attention of every prefill "
+           "query (decode-time events accumulate over the recent queries only)."),
+    Scorer("tova", lambda q, k, v, *, scale, **_: tova_scores(q[:, :, -1], k, scale=scale),
+           "window", "TOVAPress", ("observation_window",),
+           "TOVA (Oren et al. 2024): attention of the last query, GQA-averaged."),
+    Scorer("knorm", lambda q, k, v, **_: knorm_scores(k), "none", "KNormPress", (),
+           "K-norm (Devoto et al. 2024): keys of small L2 norm (score -||k||)."),
+    Scorer("streaming_llm", lambda q, k, v, **_: streaming_llm_scores(k), "none", "StreamingLLMPress", (),
+           "StreamingLLM (Xiao et al. 2024): recency (with the sinks and the window, the most recent tokens)."),
+    Scorer("random", lambda q, k, v, *, seed, layer, event, **_: random_scores(k, seed=seed, layer=layer,
+                                                                              event=event),
+           "none", "RandomPress", ("seed",),
+           "Uniform random importance without correction (the contrast to PoissonPress).", random=True),
+    Scorer("expected", lambda q, k, v, *, scale, kernel_size, **_: expected_attention_scores(
+               q, k, scale=scale, kernel_size=kernel_size),
+           "window", "ExpectedAttentionPress", ("observation_window", "kernel_size"),
+           "SnapKV mixed with expected attention under a Gaussian fit of the window's queries."),
+):
+    register_scorer(_scorer)

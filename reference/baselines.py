@@ -246,14 +246,29 @@ def random_scores(n: int, *, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).random(n)
 
 
-#: name -> scorer, for tables and tests that iterate over every baseline
+def _h2o(queries, keys, values, *, scale=None, **_):
+    # one query per key (a prefill event): accumulated causal attention; fewer (a decode-time
+    # event's recent window): their accumulated attention, SnapKV without pooling
+    qs = _queries(queries, _keys(keys).shape[1])
+    if qs.shape[1] == _keys(keys).shape[0]:
+        return h2o_scores(queries, keys, scale=scale)
+    return snapkv_scores(queries, keys, scale=scale, kernel_size=1)
+
+
+#: name -> float64 twin of ``kvcert.fast.SCORERS[name]`` for one KV head, all with one signature:
+#: ``scorer(queries (g, w, d) or (w, d), keys (n, d), values (n, dv), *, scale=None, kernel_size=7,
+#: seed=0, layer=0, event=0) -> (n,)``; keywords a scorer does not use are ignored. The method's
+#: metadata (which queries it reads, its press) lives in the fast registry.
 SCORERS = {
-    "streaming_llm": streaming_llm_scores,
-    "h2o": h2o_scores,
-    "snapkv": snapkv_scores,
-    "tova": tova_scores,
-    "knorm": knorm_scores,
-    "random": random_scores,
+    "snapkv": lambda q, k, v, *, scale=None, kernel_size=7, **_: snapkv_scores(q, k, scale=scale,
+                                                                              kernel_size=kernel_size),
+    "h2o": _h2o,
+    "tova": lambda q, k, v, *, scale=None, **_: tova_scores(q, k, scale=scale),
+    "knorm": lambda q, k, v, **_: knorm_scores(k),
+    "streaming_llm": lambda q, k, v, **_: streaming_llm_scores(_keys(k).shape[0]),
+    "random": lambda q, k, v, *, seed=0, **_: random_scores(_keys(k).shape[0], seed=seed),
+    "expected": lambda q, k, v, *, scale=None, kernel_size=7, **_: expected_attention_scores(
+        q, k, scale=scale, kernel_size=kernel_size),
 }
 
 
