@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 
 import kvcert.fast as F
 import kvcert.reference as R
-from test_fast_tolerances import (COMPUTE, DTYPES, EPS, TILE_N, assert_close, expand_kv, naive_hajek, output_cast,
-                                  pi_vectors, rounding)
+from support import COMPUTE, EPS, assert_close, expand_kv, naive_hajek, output_cast, problems, rounding
 
 FIELDS = ("output", "variance", "trace", "lse", "n_eff", "weights", "max_term")
 
@@ -115,34 +114,6 @@ def check_estimate(est, q, k, v, pi, *, dtype, bias=None, positions=None, qpos=N
             if naive is not None and naive[key] is not None and f in naive[key]:
                 tol = tol + 2.0 * np.abs(naive[key][f].double().numpy() - want[f])
             assert_close(f"{f}[{key}] {dtype}", got, want[f], tol)
-
-
-@st.composite
-def problems(draw, *, multi: bool = False):
-    dtype = draw(st.sampled_from(DTYPES))
-    b, h_kv, g = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 3]))
-    n = draw(st.one_of(st.sampled_from(TILE_N), st.integers(1, 160)))
-    d = draw(st.sampled_from([4, 16, 64]))
-    dv = draw(st.sampled_from([1, 3, 16]))
-    t = draw(st.integers(1, 3)) if multi else 1
-    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
-    offset = draw(st.sampled_from([0.0, 0.0, 3.0, -50.0]))
-    q = rng.normal(size=(b, g * h_kv, t, d))
-    k = rng.normal(size=(b, h_kv, n, d))
-    v = rng.normal(size=(b, h_kv, n, dv)) + offset
-    regime = draw(st.sampled_from(["typical"] * 7 + ["dominant"] * 2 + ["masked"]))
-    bias = None
-    if regime == "dominant":
-        j = int(rng.integers(0, n))
-        k[:, :, j] = 3.0 * math.sqrt(d) * q[:, ::g, 0] / np.linalg.norm(q[:, ::g, 0], axis=-1, keepdims=True)
-    elif regime == "masked":
-        bias = np.where(rng.random((b, g * h_kv, t, n)) < 0.3, -np.inf, 0.0)
-    pi = np.stack([np.stack([draw(pi_vectors(n)) for _ in range(h_kv)]) for _ in range(b)])
-    cast = lambda x: torch.from_numpy(x).to(dtype)  # noqa: E731
-    qq = cast(q) if multi else cast(q[:, :, 0])
-    bb = None if bias is None else (torch.from_numpy(bias) if multi else torch.from_numpy(bias[:, :, 0]))
-    pdt = torch.float64 if dtype == torch.float64 else torch.float32
-    return dtype, qq, cast(k), cast(v), torch.from_numpy(pi).to(pdt), bb
 
 
 @given(problems())

@@ -13,18 +13,14 @@ from hypothesis import strategies as st
 
 import kvcert.fast as F
 import kvcert.reference as R
-from test_fast_tolerances import assert_close, pi_vectors
+from support import assert_close, float64_batches
 
 
 @given(n=st.integers(1, 60), dv=st.sampled_from([1, 4, 9]), delta=st.sampled_from([0.01, 0.05, 0.3]),
        data=st.data())
 def test_every_kind_matches_reference(n, dv, delta, data):
-    rng = np.random.default_rng(data.draw(st.integers(0, 10**6)))
     b, h_kv, g = 2, 2, 2
-    q = torch.from_numpy(rng.normal(size=(b, g * h_kv, 8)))
-    k = torch.from_numpy(rng.normal(size=(b, h_kv, n, 8)))
-    v = torch.from_numpy(rng.normal(size=(b, h_kv, n, dv)) + 2.0)
-    pi = torch.from_numpy(np.stack([np.stack([data.draw(pi_vectors(n)) for _ in range(h_kv)]) for _ in range(b)]))
+    q, k, v, pi = data.draw(float64_batches(n, dv, b=b, h_kv=h_kv, g=g))
     est = F.hajek_attention(q, k, v, pi, return_max_term=True, return_covariance=True,
                              return_tail_moment=True)
     for kind in F.KINDS:

@@ -1,26 +1,15 @@
-"""Shared support for the kvcert.fast tests: dtype tolerance table, a naive torch
-oracle at the input dtype, Hypothesis strategies, slice helpers.
+"""The shared tolerance table and naive oracle of tests/support.py, checked themselves.
 
-Tolerances (STYLE.md, flash-attention style): a fast result at dtype D is
-compared with the float64 reference on the *same* (D-rounded) inputs and must
-satisfy
+The tolerance rule (STYLE.md, flash-attention style; see tests/support.py): a result at dtype D is
+compared with the float64 reference on the *same* (D-rounded) inputs and must satisfy
 
-    |fast - ref64| <= 2 * |naive_D - ref64| + ROUNDING[D] * scale
+    |result - ref64| <= 2 * |naive_D - ref64| + rounding(D, n) * scale
 
-where ``naive_D`` is the textbook formula evaluated by plain torch at the
-compute dtype of the fast path (fp32 for fp32/bf16/fp16 inputs: the fast
-path accumulates in fp32), and ``scale`` is the magnitude the formula
-cancels (derived per quantity in :func:`scales`). ``ROUNDING`` is a few units
-of the dtype's epsilon times a sqrt(n)-style accumulation factor, plus the
-final cast of the output to the input dtype.
-
-The tests in this module check the oracle itself: the naive torch formulas at
-float64 agree with the NumPy reference.
+These tests check the oracle itself (the naive torch formulas at float64 agree with the NumPy
+reference) and guard edits of the table.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pytest
@@ -29,110 +18,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvcert.reference as R
-
-EPS = {
-    torch.float64: float(torch.finfo(torch.float64).eps),
-    torch.float32: float(torch.finfo(torch.float32).eps),
-    torch.bfloat16: float(torch.finfo(torch.bfloat16).eps),
-    torch.float16: float(torch.finfo(torch.float16).eps),
-}
-#: dtype the fast path computes in for each input dtype
-COMPUTE = {torch.float64: torch.float64, torch.float32: torch.float32,
-           torch.bfloat16: torch.float32, torch.float16: torch.float32}
-DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
-
-#: tile-breaking sizes (flash-attention's list, trimmed for 2 CPU cores) and small ones
-TILE_N = [1, 2, 3, 7, 16, 17, 63, 64, 65, 113, 127, 128, 129, 239]
-
-
-def rounding(dtype: torch.dtype, n: int) -> float:
-    """Rounding allowance of a length-n reduction at the compute dtype: 8 eps sqrt(n + 1)."""
-    return 8.0 * EPS[COMPUTE[dtype]] * math.sqrt(n + 1.0)
-
-
-def output_cast(dtype: torch.dtype) -> float:
-    """Relative error of casting the fp32 result to the input dtype (half an ulp, twice)."""
-    return EPS[dtype] if dtype in (torch.bfloat16, torch.float16) else 0.0
-
-
-def naive_hajek(q, k, v, pi, *, scale=None, bias=None):
-    """Textbook Hajek estimate for one query head in plain torch at q's dtype.
-
-    q (d,), k (n, d), v (n, dv), pi (n,), bias (n,) or None. Direct formulas:
-    (v - o)^2 per coordinate, no moment tricks.
-    """
-    d = q.shape[-1]
-    tau = 1.0 / math.sqrt(d) if scale is None else scale
-    s = tau * (k @ q)
-    if bias is not None:
-        s = s + bias
-    present = pi > 0
-    logits = torch.where(present, s - torch.log(torch.where(present, pi, torch.ones_like(pi))),
-                         torch.full_like(s, -math.inf))
-    if logits.numel() == 0 or bool((logits == -math.inf).all()):
-        return None
-    lse = torch.logsumexp(logits, 0)
-    a = torch.exp(logits - lse)
-    o = a @ v
-    c = (1 - pi) * a * a
-    r = v - o
-    var = (c[:, None] * r * r).sum(0)
-    return {"output": o, "variance": var, "trace": var.sum(), "lse": lse, "n_eff": 1.0 / (a * a).sum(),
-            "weights": a}
-
-
-def expand_kv(x: torch.Tensor, g: int) -> torch.Tensor:
-    """(b, h_kv, ...) -> (b, h_q, ...) by repeating each KV head g times (test-only)."""
-    return x.repeat_interleave(g, dim=1)
-
-
-def report(name: str, got: np.ndarray, want: np.ndarray, tol: np.ndarray) -> str:
-    """Failure message: max/mean diff and the worst coordinate."""
-    diff = np.abs(got - want)
-    excess = np.where(np.isfinite(diff), diff - tol, np.inf)
-    i = np.unravel_index(int(np.argmax(excess)), diff.shape) if diff.ndim else ()
-    return (f"{name}: max diff {np.nanmax(diff):.3g}, mean diff {np.nanmean(diff):.3g}, worst at {i}: "
-            f"got {got[i]!r} want {want[i]!r} tol {np.broadcast_to(tol, diff.shape)[i]:.3g}")
-
-
-def assert_close(name: str, got, want, tol) -> None:
-    got = np.asarray(got, dtype=np.float64)
-    want = np.asarray(want, dtype=np.float64)
-    tol = np.broadcast_to(np.asarray(tol, dtype=np.float64), want.shape)
-    same_inf = (got == want) & ~np.isfinite(want)
-    with np.errstate(invalid="ignore"):  # inf - inf where both are inf: handled by same_inf
-        ok = same_inf | (np.abs(got - want) <= tol)
-    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-    assert bool(ok.all()), report(name, got, want, tol)
-
-
-# ---------------------------------------------------------------------------
-# Hypothesis strategies (STYLE.md rule 4)
-# ---------------------------------------------------------------------------
-
-sizes_n = st.one_of(st.sampled_from(TILE_N), st.integers(1, 200))
-
-
-@st.composite
-def pi_vectors(draw, n: int, *, padding: bool = True):
-    """Inclusion probabilities: interior values, exact 1.0, tiny 1e-6 and (optionally) padding 0."""
-    kinds = draw(st.lists(st.sampled_from(["interior", "one", "tiny", "pad"] if padding
-                                          else ["interior", "one", "tiny"]), min_size=n, max_size=n))
-    seed = draw(st.integers(0, 2**31 - 1))
-    rng = np.random.default_rng(seed)
-    p = rng.uniform(0.02, 0.98, size=n)
-    p = np.where(np.array(kinds) == "one", 1.0, p)
-    p = np.where(np.array(kinds) == "tiny", 1e-6, p)
-    p = np.where(np.array(kinds) == "pad", 0.0, p)
-    return p
-
+from support import (COMPUTE, EPS, KERNEL_DTYPES, TILE_N, assert_close, lengths, make_case, naive_hajek,
+                     naive_hajek_heads, naive_tail, output_cast, pi_vectors, reference_heads, rounding, store_eps)
 
 # ---------------------------------------------------------------------------
 # tests of the oracle itself
 # ---------------------------------------------------------------------------
 
 
-@given(n=sizes_n, d=st.sampled_from([4, 16]), data=st.data())
+@given(n=lengths(200, tile_max=TILE_N[-1]), d=st.sampled_from([4, 16]), data=st.data())
 def test_naive_oracle_matches_reference_in_float64(n, d, data):
     rng = np.random.default_rng(data.draw(st.integers(0, 10**6)))
     q, k, v = rng.normal(size=d), rng.normal(size=(n, d)), rng.normal(size=(n, 3)) + 5.0
@@ -147,10 +41,42 @@ def test_naive_oracle_matches_reference_in_float64(n, d, data):
         assert_close(f, got[f].numpy(), want, 1e-9 * (1.0 + np.abs(want)))
 
 
+@pytest.mark.parametrize("pad, pi_kind", [("none", "mixed"), ("ragged", "interior"), ("empty_head", "ones")])
+@pytest.mark.parametrize("n", [1, 17, 113])
+def test_batched_oracles_match_reference_in_float64(n, pad, pi_kind):
+    """The kernels' batched naive mirror (GQA, max-shift-and-divide) and the naive s2 agree with the
+    NumPy reference at float64, head by head."""
+    q, k, v, pi = make_case(n, 2, 2, 3, n, 16, 5, torch.float64, regime="dominant", pad=pad, pi_kind=pi_kind)
+    low = naive_hajek_heads(q, k, v, pi, torch.float64)
+    for (bi, h), (e, vv, p) in reference_heads(q, k, v, pi).items():
+        if e.lse == -np.inf:
+            assert low["lse"][bi, h] == -np.inf
+            continue
+        for f in ("output", "variance", "trace", "lse", "n_eff"):
+            want = np.asarray(getattr(e, f))
+            assert_close(f"{f}[{bi}, {h}]", low[f][bi, h], want, 1e-9 * (1.0 + np.abs(want)))
+        kv = h // 3
+        s2 = naive_tail(q[bi, h].numpy(), k[bi, kv].numpy(), vv, p, None, torch.float64)
+        assert_close(f"tail_moment[{bi}, {h}]", s2, e.tail_moment, 1e-9 * (1.0 + e.tail_moment))
+
+
 def test_rounding_table_is_ordered():
     # a coarser dtype never gets a tighter allowance (guards edits of the table)
     assert rounding(torch.float64, 100) < rounding(torch.float32, 100) == rounding(torch.bfloat16, 100)
     assert output_cast(torch.float32) == 0.0 < output_cast(torch.float16) < output_cast(torch.bfloat16)
+    for dtype in KERNEL_DTYPES:  # kernels store the statistics at the compute dtype, the output at the input's
+        assert store_eps("lse", dtype) == EPS[COMPUTE[dtype]] == EPS[torch.float32]
+        assert store_eps("output", dtype) == max(output_cast(dtype), EPS[torch.float32])
+
+
+def test_tiled_rounding_is_the_tighter_bound_at_the_kernel_test_sizes():
+    """One table, two reductions: the kernels' deterministic tiled bound never exceeds the torch
+    path's sqrt(n) allowance at the sizes the kernel tests use (n <= 5000, block_n 16 to 128), so
+    the kernel tests keep the tighter one rather than the shared sqrt(n) form."""
+    for dtype in KERNEL_DTYPES:
+        for block_n in (16, 32, 64, 128):
+            for n in [*range(1, 301), 1000, 5000]:
+                assert rounding(dtype, n, block_n) <= rounding(dtype, n), (dtype, block_n, n)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -24,20 +24,7 @@ import kvcert.fast as F
 import kvcert.reference as R
 from kvcert import dispatch as DSP
 from kvcert.fast import certificates as FC
-from test_fast_attention import problems
-from test_fast_tolerances import COMPUTE, EPS, assert_close, naive_hajek, rounding
-
-
-def _naive_tail(q, k, v, pi, bias, dtype):
-    """The textbook s2 in plain torch at the fast path's compute dtype (None for an empty row)."""
-    ct = COMPUTE[dtype]
-    T = lambda x: torch.as_tensor(np.asarray(x), dtype=ct)  # noqa: E731
-    nv = naive_hajek(T(q), T(k), T(v), T(pi), bias=None if bias is None else T(bias))
-    if nv is None:
-        return None
-    p = T(pi)
-    x = (1 - p) * nv["weights"] ** 2 * ((T(v) - nv["output"]) ** 2).sum(-1)
-    return float(((1 - p) * x * x).sum())
+from support import COMPUTE, EPS, assert_close, float64_batches, make_case, naive_tail, problems, rounding
 
 
 def _rows(est, q, k, v, pi, bias=None, positions=None, qpos=None, centre=None):
@@ -92,7 +79,7 @@ def _rows(est, q, k, v, pi, bias=None, positions=None, qpos=None, centre=None):
         tol = (np.sum(w * ((r2 + dr2) ** 2 - r2 ** 2)) + 4 * rnd * np.sum(Lw * w * r2 * r2)
                + rnd * r.tail_moment + n * tiny)
         if dtype != torch.float64:
-            naive = _naive_tail(qn[bi, hq, j], kn[bi, h], vn[bi, h], pn[bi, h], bias_rows[bi, hq, j], dtype)
+            naive = naive_tail(qn[bi, hq, j], kn[bi, h], vn[bi, h], pn[bi, h], bias_rows[bi, hq, j], dtype)
             tol += 2 * abs(naive - r.tail_moment)
         yield idx, got, r, tol
 
@@ -195,14 +182,8 @@ def test_gqa_padding_empty_and_certain_rows():
 @given(n=st.integers(1, 60), dv=st.sampled_from([1, 4]), delta=st.sampled_from([0.01, 0.05, 0.3]),
        data=st.data())
 def test_certificate_matches_reference(n, dv, delta, data):
-    from test_fast_tolerances import pi_vectors
-
-    rng = np.random.default_rng(data.draw(st.integers(0, 10**6)))
     b, h_kv, g = 2, 2, 2
-    q = torch.from_numpy(rng.normal(size=(b, g * h_kv, 8)))
-    k = torch.from_numpy(rng.normal(size=(b, h_kv, n, 8)))
-    v = torch.from_numpy(rng.normal(size=(b, h_kv, n, dv)) + 2.0)
-    pi = torch.from_numpy(np.stack([np.stack([data.draw(pi_vectors(n)) for _ in range(h_kv)]) for _ in range(b)]))
+    q, k, v, pi = data.draw(float64_batches(n, dv, b=b, h_kv=h_kv, g=g))
     est = F.hajek_attention(q, k, v, pi, per_coordinate=False, return_tail_moment=True)
     cert = F.certificate(est, delta=delta, kind="chebyshev_ucb")
     assert cert.kind == "chebyshev_ucb" and not torch.isnan(cert.radius).any()
@@ -274,11 +255,7 @@ def test_empty_and_certain_estimates():
 @pytest.mark.parametrize("t", [None, 2])
 def test_dispatch_passes_return_tail_moment(monkeypatch, t):
     monkeypatch.delenv(DSP.ENV_VAR, raising=False)
-    gen = torch.Generator().manual_seed(1)
-    q = torch.randn((2, 4, 8) if t is None else (2, 4, t, 8), generator=gen)
-    k, v = torch.randn(2, 2, 9, 8, generator=gen), torch.randn(2, 2, 9, 5, generator=gen)
-    pi = torch.rand(2, 2, 9, generator=gen) * 0.9 + 0.05
-    pi[0, 1, 5:] = 0.0
+    q, k, v, pi = make_case(1, 2, 2, 2, 9, 8, 5, torch.float32, pad="ragged", pi_kind="interior", t=t)
     assert DSP.select_backend(q, return_tail_moment=True) == "fast"
     fast = DSP.hajek_attention(q, k, v, pi, return_tail_moment=True)
     assert DSP.last_backend() == "fast"

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from kvcert import reference as R
-from strategies import attention_case, probabilities
+from support import attention_case, probabilities
 
 
 def _estimate(seed=0, n=40, dv=3):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from scipy.special import logsumexp
 
 from kvcert import reference as R
-from strategies import attention_case, probabilities
+from support import attention_case, probabilities
 
 
 def _population(n, d=6, dv=3, seed=0, spread=1.0):

@@ -17,7 +17,7 @@ from scipy import stats
 from scipy.special import logsumexp, softmax
 
 from kvcert import reference as R
-from strategies import attention_case, probabilities
+from support import attention_case, probabilities
 
 EPS64 = float(np.finfo(np.float64).eps)
 
