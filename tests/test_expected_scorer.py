@@ -3,7 +3,7 @@
 kvcert.fast vs the float64 reference slice by slice (GQA groups); the Gaussian
 log-MGF formula itself against Monte Carlo; the mix endpoints; edge cases and
 bad input. Tolerances: the fast result at dtype D must satisfy
-|fast - ref64| <= 2 |naive_D - ref64| + rounding (test_fast_tolerances.py),
+|fast - ref64| <= 2 |naive_D - ref64| + rounding (tests/support.py),
 with naive_D the docstring's literal mu/C formula evaluated by plain torch at
 the compute dtype; Monte Carlo checks allow 4 standard errors.
 """
@@ -23,15 +23,7 @@ from scipy.special import softmax
 import kvcert.fast as F
 import kvcert.reference as R
 from kvcert.reference import baselines as RB
-from test_fast_tolerances import COMPUTE, EPS, assert_close, rounding
-
-
-def _case(b, h_kv, g, w, n, d, seed, dtype, spread=1.0):
-    """Queries (b, g*h_kv, w, d), keys (b, h_kv, n, d); ``spread`` scales the queries (peaked scores)."""
-    rng = np.random.default_rng(seed)
-    q = torch.from_numpy(spread * rng.normal(size=(b, g * h_kv, w, d))).to(dtype)
-    k = torch.from_numpy(rng.normal(size=(b, h_kv, n, d))).to(dtype)
-    return q, k
+from support import COMPUTE, EPS, assert_close, lengths, qk_windows, rounding
 
 
 def _naive_expected(qw: torch.Tensor, k: torch.Tensor, tau: float, dt: torch.dtype) -> torch.Tensor:
@@ -60,14 +52,14 @@ def _snap_rel_tol(dtype, n, w):
 mixes = st.one_of(st.sampled_from([0.0, 0.5, 1.0]), st.floats(0.0, 1.0))
 
 
-@given(n=st.one_of(st.sampled_from([1, 2, 3, 7, 16, 17, 33, 64, 65, 113]), st.integers(1, 130)),
+@given(n=lengths(130),
        w=st.integers(1, 12), kernel=st.sampled_from([1, 3, 7]), mix=mixes,
        b=st.integers(1, 2), h_kv=st.integers(1, 2), g=st.sampled_from([1, 3]), d=st.sampled_from([4, 16]),
        seed=st.integers(0, 10**6), dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
        spread=st.sampled_from([1.0, 1.0, 3.0]), scale=st.sampled_from([None, None, 0.7]))
 def test_fast_matches_reference(n, w, kernel, mix, b, h_kv, g, d, seed, dtype, spread, scale):
     w = min(w, n)
-    q, k = _case(b, h_kv, g, w, n, d, seed, dtype, spread)
+    q, k = qk_windows(b, h_kv, g, w, n, d, seed, dtype, spread)
     got = F.expected_attention_scores(q, k, scale=scale, kernel_size=kernel, mix=mix)
     dt = COMPUTE[dtype]
     assert got.shape == (b, h_kv, n) and got.dtype == dt
@@ -93,7 +85,7 @@ def test_fast_matches_reference(n, w, kernel, mix, b, h_kv, g, d, seed, dtype, s
        seed=st.integers(0, 10**6), dtype=st.sampled_from([torch.float64, torch.float32]))
 def test_mix_endpoints(n, w, g, kernel, seed, dtype):
     w = min(w, n)
-    q, k = _case(1, 2, g, w, n, 8, seed, dtype)
+    q, k = qk_windows(1, 2, g, w, n, 8, seed, dtype)
     # mix = 0: normalized SnapKV, bit for bit (same scores, same softmax, same pool)
     snap = F.snapkv_scores(q, k, kernel_size=kernel)
     assert torch.equal(F.expected_attention_scores(q, k, kernel_size=kernel, mix=0.0),
@@ -204,7 +196,7 @@ def test_edge_cases_give_no_nan(dtype):
 
 @pytest.mark.parametrize("scale", [1e3, 1e10, 1e18, 1e30])
 def test_huge_scales_give_a_distribution(scale):
-    q, k = _case(1, 2, 3, 4, 20, 8, 3, torch.float32)
+    q, k = qk_windows(1, 2, 3, 4, 20, 8, 3, torch.float32)
     for mix in (0.0, 0.5, 1.0):
         u = F.expected_attention_scores(q, k, scale=scale, mix=mix)
         assert bool(torch.isfinite(u).all()) and bool((u >= 0).all())
@@ -223,7 +215,7 @@ def test_huge_scales_give_a_distribution(scale):
 
 
 def test_overflowing_scores_raise_instead_of_nan():
-    q, k = _case(1, 1, 1, 2, 5, 4, 0, torch.float32)
+    q, k = qk_windows(1, 1, 1, 2, 5, 4, 0, torch.float32)
     with pytest.raises(ValueError, match="must be finite"):
         F.expected_attention_scores(q, k * 1e20, scale=1e20)  # tau q.k ~ 1e40 overflows float32
     with pytest.raises(ValueError, match="must be finite"):

@@ -11,14 +11,7 @@ from scipy import stats
 
 import kvcert.fast as F
 import kvcert.reference as R
-from test_fast_tolerances import assert_close, rounding
-
-
-def _qk(b, h_kv, g, w, n, d, seed, dtype=torch.float64):
-    rng = np.random.default_rng(seed)
-    q = torch.from_numpy(rng.normal(size=(b, g * h_kv, w, d))).to(dtype)
-    k = torch.from_numpy(rng.normal(size=(b, h_kv, n, d))).to(dtype)
-    return q, k
+from support import assert_close, qk_windows, rounding
 
 
 def _tol(dtype, n, want):
@@ -33,7 +26,7 @@ shapes = dict(b=st.integers(1, 2), h_kv=st.integers(1, 2), g=st.sampled_from([1,
 @given(n=st.integers(1, 130), w=st.integers(1, 12), kernel=st.sampled_from([1, 3, 7]), **shapes)
 def test_snapkv_matches_reference(n, w, kernel, b, h_kv, g, d, seed, dtype):
     w = min(w, n)
-    q, k = _qk(b, h_kv, g, w, n, d, seed, dtype)
+    q, k = qk_windows(b, h_kv, g, w, n, d, seed, dtype)
     got = F.snapkv_scores(q, k, kernel_size=kernel)
     assert got.shape == (b, h_kv, n)
     for bi in range(b):
@@ -45,7 +38,7 @@ def test_snapkv_matches_reference(n, w, kernel, b, h_kv, g, d, seed, dtype):
 
 @given(n=st.integers(1, 90), chunk=st.sampled_from([1, 7, 512]), **shapes)
 def test_h2o_matches_reference(n, chunk, b, h_kv, g, d, seed, dtype):
-    q, k = _qk(b, h_kv, g, n, n, d, seed, dtype)
+    q, k = qk_windows(b, h_kv, g, n, n, d, seed, dtype)
     got = F.h2o_scores(q, k, chunk=chunk)
     for bi in range(b):
         for h in range(h_kv):
@@ -55,7 +48,7 @@ def test_h2o_matches_reference(n, chunk, b, h_kv, g, d, seed, dtype):
 
 @given(n=st.integers(1, 130), w=st.integers(1, 4), decode=st.booleans(), **shapes)
 def test_tova_matches_reference(n, w, decode, b, h_kv, g, d, seed, dtype):
-    q, k = _qk(b, h_kv, g, w, n, d, seed, dtype)
+    q, k = qk_windows(b, h_kv, g, w, n, d, seed, dtype)
     got = F.tova_scores(q[:, :, -1] if decode else q, k)
     for bi in range(b):
         for h in range(h_kv):
@@ -65,7 +58,7 @@ def test_tova_matches_reference(n, w, decode, b, h_kv, g, d, seed, dtype):
 
 @given(n=st.integers(1, 50), **shapes)
 def test_knorm_and_streaming_match_reference(n, b, h_kv, g, d, seed, dtype):
-    _, k = _qk(b, h_kv, g, 1, n, d, seed, dtype)
+    _, k = qk_windows(b, h_kv, g, 1, n, d, seed, dtype)
     kn = F.knorm_scores(k)
     st_ = F.streaming_llm_scores(k)
     assert torch.equal(F.streaming_llm_scores(n), torch.arange(n, dtype=torch.float32))
