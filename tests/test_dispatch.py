@@ -8,6 +8,7 @@ import torch
 
 from kvcert import dispatch as D
 from kvcert import reference as R
+from support import make_case
 
 
 @pytest.fixture(autouse=True)
@@ -16,15 +17,8 @@ def _no_forced_backend(monkeypatch):
 
 
 def _case(seed=0, b=2, h_kv=2, g=2, n=9, d=8, dv=5, t=None):
-    gen = torch.Generator().manual_seed(seed)
-    shape = (b, h_kv * g, d) if t is None else (b, h_kv * g, t, d)
-    q = torch.randn(shape, generator=gen)
-    k = torch.randn(b, h_kv, n, d, generator=gen)
-    v = torch.randn(b, h_kv, n, dv, generator=gen)
-    pi = torch.rand(b, h_kv, n, generator=gen) * 0.9 + 0.05
-    pi[..., 0] = 1.0
-    pi[0, -1, n // 2:] = 0.0  # ragged padding
-    return q, k, v, pi
+    """float32 (q, k, v, pi) with ragged padding; q (b, h_q, d), or (b, h_q, t, d) with t queries."""
+    return make_case(seed, b, h_kv, g, n, d, dv, torch.float32, pad="ragged", pi_kind="interior", t=t)
 
 
 def test_automatic_choice_on_cpu_is_fast():

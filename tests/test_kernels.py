@@ -11,6 +11,7 @@ of magnitude in variance).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -18,47 +19,36 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-pytest.importorskip("triton", reason="triton is not installed")
+from kvcert import reference as R
+from support import (COMPUTE, EPS, KERNEL_DTYPES, assert_close, decode_case, make_case, naive_hajek_heads,
+                     reference_heads, rounding, store_eps, triton_kernels)
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if not (_INTERPRET or torch.cuda.is_available()):
-    pytest.skip("the Triton kernels need a CUDA device or TRITON_INTERPRET=1 (set before triton is imported)",
-                allow_module_level=True)
-
-from kvcert import kernels as KN  # noqa: E402
-from kvcert import reference as R  # noqa: E402
-
-DEVICE = "cpu" if KN.INTERPRETED else "cuda"
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KN, DEVICE = triton_kernels()  # skips this module without triton, or without CUDA and TRITON_INTERPRET=1
+DTYPES = KERNEL_DTYPES
 FIELDS = ("output", "lse", "variance", "trace", "n_eff")
+_make_case = functools.partial(make_case, device=DEVICE)  # the shared generator, on the kernel's device
 
 
 # ----------------------------------------------------------------------------- helpers
 
 def _oracle(q, k, v, pi, scale=None):
-    """float64 reference per (b, h_q) slice: dict of numpy arrays."""
-    q64, k64, v64 = (x.detach().cpu().double().numpy() for x in (q, k, v))
-    p64 = pi.detach().cpu().double().numpy()
-    b, h_q, _ = q64.shape
-    g = h_q // k64.shape[1]
+    """float64 reference per (b, h_q) slice, and the ingredients of the variance's rounding: dict of
+    numpy arrays."""
     res = {f: [] for f in FIELDS + ("c_dev", "a_dev", "vmax", "c_sum", "range")}
-    for bi in range(b):
-        for h in range(h_q):
-            kv = h // g
-            e = R.hajek_attention(q64[bi, h], k64[bi, kv], v64[bi, kv], p64[bi, kv], scale=scale)
-            for f in FIELDS:
-                res[f].append(getattr(e, f))
-            dev = np.abs(v64[bi, kv] - e.output)  # |v_ij - o_j|
-            c = (1.0 - p64[bi, kv]) * e.weights ** 2
-            live = p64[bi, kv] > 0
-            res["c_dev"].append((c[:, None] * dev).sum(0))  # sum_i c_i |v_ij - o_j|
-            res["c_sum"].append(c.sum())
-            res["a_dev"].append((e.weights[:, None] * dev).sum(0))  # sum_i a_i |v_ij - o_j|
-            res["vmax"].append(np.abs(v64[bi, kv][live]).max() if live.any() else 0.0)
-            vl = v64[bi, kv][live]
-            res["range"].append(vl.max(0) - vl.min(0) if live.any() else np.zeros(v64.shape[-1]))
+    for (bi, h), (e, vv, p) in reference_heads(q, k, v, pi, scale).items():
+        for f in FIELDS:
+            res[f].append(getattr(e, f))
+        dev = np.abs(vv - e.output)  # |v_ij - o_j|
+        c = (1.0 - p) * e.weights ** 2
+        live = p > 0
+        res["c_dev"].append((c[:, None] * dev).sum(0))  # sum_i c_i |v_ij - o_j|
+        res["c_sum"].append(c.sum())
+        res["a_dev"].append((e.weights[:, None] * dev).sum(0))  # sum_i a_i |v_ij - o_j|
+        res["vmax"].append(np.abs(vv[live]).max() if live.any() else 0.0)
+        vl = vv[live]
+        res["range"].append(vl.max(0) - vl.min(0) if live.any() else np.zeros(vv.shape[-1]))
+    b, h_q = q.shape[:2]
     out = {f: np.asarray(x, dtype=np.float64).reshape((b, h_q) + np.shape(x[0])) for f, x in res.items()}
     return out
 
@@ -79,8 +69,8 @@ def _variance_rounding(ref, dtype, moments="exact", block_n=64):
     |dM2| <= 4 gamma W range^2 per tile, i.e. 4 gamma sum_i c_i range^2 after normalization,
     and the mean moves by gamma range.
     """
-    eps32 = torch.finfo(torch.float32).eps
-    eps_w = torch.finfo(dtype).eps if dtype != torch.float32 else 0.0
+    eps32 = EPS[COMPUTE[dtype]]
+    eps_w = EPS[dtype] if dtype != COMPUTE[dtype] else 0.0  # half inputs: P rounded to the input dtype
     shift = eps32 * ref["vmax"][..., None] + eps_w * ref["a_dev"]
     floor = 0.0
     if moments == "shifted":
@@ -89,36 +79,6 @@ def _variance_rounding(ref, dtype, moments="exact", block_n=64):
         floor = 4.0 * gamma * ref["c_sum"][..., None] * ref["range"] ** 2
     delta = 2.0 * shift
     return 2.0 * delta * ref["c_dev"] + delta * delta * ref["c_sum"][..., None] + floor
-
-
-def _lowp(q, k, v, pi, dtype, scale=None):
-    """The reference's formulas evaluated naively in ``dtype`` arithmetic (torch, CPU).
-
-    The inputs are first rounded to the kernel's input dtype (``q.dtype``); ``dtype`` is the
-    arithmetic: the input dtype for ``output``, float32 for the float32 fields (the precision
-    the kernel computes them at)."""
-    q, k, v, p = (x.detach().cpu().to(dtype) for x in (q, k, v, pi))
-    g = q.shape[1] // k.shape[1]
-    k, v, p = (x.repeat_interleave(g, dim=1) for x in (k, v, p))
-    tau = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = (k @ q.unsqueeze(-1)).squeeze(-1) * tau
-    ninf = torch.tensor(float("-inf"), dtype=dtype)
-    logits = torch.where(p > 0, s - torch.log(torch.where(p > 0, p, torch.ones_like(p))), ninf)
-    m = logits.amax(-1, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    e = torch.exp(logits - m)
-    lsum = e.sum(-1, keepdim=True)
-    a = e / lsum
-    o = (a.unsqueeze(-2) @ v).squeeze(-2)
-    c = (1 - p) * a * a
-    var = (c.unsqueeze(-1) * (v - o.unsqueeze(-2)) ** 2).sum(-2)
-    out = {"output": o, "lse": (m + torch.log(lsum)).squeeze(-1), "variance": var,
-           "trace": var.sum(-1), "n_eff": 1.0 / (a * a).sum(-1)}
-    return {f: x.double().numpy() for f, x in out.items()}
-
-
-def _field_eps(field, dtype):
-    return torch.finfo(dtype if field == "output" else torch.float32).eps
 
 
 def _scale(ref):
@@ -137,14 +97,6 @@ def _row_errors(x, ref, live):
     return np.where(live, err / _scale(ref[..., 0] if ref.shape[-1] == 1 else ref), 0.0)
 
 
-def _accumulation_eps(n, block_n):
-    """Higham's first-order bound for float32 accumulation in the kernel, relative to the sum of
-    |terms|: log2(BLOCK_N) for the in-tile (pairwise) reductions, one rounding per tile merge, three
-    for the finalization (division, log / square)."""
-    n_tiles = max(1, math.ceil(n / block_n))
-    return torch.finfo(torch.float32).eps * (math.log2(block_n) + n_tiles + 3)
-
-
 def assert_matches_oracle(est, q, k, v, pi, dtype, *, scale=None, fields=FIELDS, other=None, block_n=64,
                           moments="auto"):
     """|kernel - ref64| <= 2 |lowp - ref64| + rounding (per head, relative); empty heads exact.
@@ -153,8 +105,8 @@ def assert_matches_oracle(est, q, k, v, pi, dtype, *, scale=None, fields=FIELDS,
     comparing the kernel with it instead of with the oracle.
     """
     ref = _oracle(q, k, v, pi, scale)
-    low = _lowp(q, k, v, pi, torch.float32, scale)
-    low["output"] = _lowp(q, k, v, pi, dtype, scale)["output"]
+    low = naive_hajek_heads(q, k, v, pi, torch.float32, scale)
+    low["output"] = naive_hajek_heads(q, k, v, pi, dtype, scale)["output"]
     live = np.isfinite(ref["lse"])  # heads with a non-empty sample
     for f in fields:
         x = getattr(est, f)
@@ -170,8 +122,8 @@ def assert_matches_oracle(est, q, k, v, pi, dtype, *, scale=None, fields=FIELDS,
         assert np.all(np.isfinite(x[live])), f"{f} not finite on a non-empty head"
         e_k = _row_errors(x, ref[f], live)
         e_l = _row_errors(low[f], ref[f], live)
-        tol = (2.0 * np.nan_to_num(e_l, nan=np.inf, posinf=np.inf).max() + _field_eps(f, dtype)
-               + _accumulation_eps(k.shape[2], block_n))
+        tol = (2.0 * np.nan_to_num(e_l, nan=np.inf, posinf=np.inf).max() + store_eps(f, dtype)
+               + rounding(dtype, k.shape[2], block_n))
         if f in ("variance", "trace"):  # + the propagated rounding of o_hat (per head, relative)
             mode = KN.default_moments(dtype) if moments == "auto" else moments
             sens = _variance_rounding(ref, dtype, mode, block_n)
@@ -184,67 +136,8 @@ def assert_matches_oracle(est, q, k, v, pi, dtype, *, scale=None, fields=FIELDS,
             e_k = _row_errors(x, y, live)
         tol = np.broadcast_to(tol, e_k.shape)
         worst = np.unravel_index(np.argmax(e_k - tol), e_k.shape)
-        assert np.all(e_k <= tol), (
-            f"{f}: rel err {e_k[worst]:.3e} > tol {tol[worst]:.3e} (mean err {e_k[live].mean():.3e}) at head {worst}: "
-            f"kernel {x[worst]} vs ref {ref[f][worst]}")
-
-
-def _make_case(seed, b, h_kv, g, n, d, dv, dtype, regime="typical", pad="none", pi_kind="mixed"):
-    rng = np.random.default_rng(seed)
-    q = rng.normal(size=(b, h_kv * g, d))
-    k = rng.normal(size=(b, h_kv, n, d))
-    v = rng.normal(size=(b, h_kv, n, dv))
-    if regime == "dominant" and n > 0:
-        for bi in range(b):
-            for h in range(h_kv):
-                k[bi, h, rng.integers(n)] = q[bi, h * g] * rng.uniform(2.0, 8.0)
-    if regime == "offset":
-        v = v + (1e4 if dtype == torch.float32 else 1e2)
-    if pi_kind in ("mixed", "interior"):
-        # interior values and exact 1.0 (20 %), with tiny 1e-6 (10 %) for "mixed": the tiny ones
-        # carry a +13.8 logit bias and dominate, so "interior" keeps the other pi visible
-        pi = rng.uniform(0.05, 1.0, size=(b, h_kv, n))
-        u = rng.random(size=pi.shape)
-        pi[u < 0.2] = 1.0
-        if pi_kind == "mixed":
-            pi[(u >= 0.2) & (u < 0.3)] = 1e-6
-    elif pi_kind == "ones":
-        pi = np.ones((b, h_kv, n))
-    else:
-        pi = np.full((b, h_kv, n), float(pi_kind))
-    if pad in ("ragged", "empty_head") and n > 0:
-        kept = rng.integers(0, n + 1, size=(b, h_kv))
-        slot = np.arange(n)
-        padm = slot[None, None, :] >= kept[..., None]
-        pi[padm] = 0.0
-        k[padm] = 40.0 * rng.normal(size=k[padm].shape)  # loud garbage: leaks would show
-        v[padm] = 40.0 * rng.normal(size=v[padm].shape)
-        if pad == "empty_head":
-            pi[0, -1] = 0.0
-    t = lambda x: torch.from_numpy(x).to(dtype).to(DEVICE)  # noqa: E731
-    return t(q), t(k), t(v), torch.from_numpy(pi).float().to(DEVICE)
-
-
-@st.composite
-def decode_case(draw, dtypes=DTYPES):
-    block_n = draw(st.sampled_from([16, 32, 64]))
-    n = draw(st.one_of(st.sampled_from([1, 3, 113, block_n - 1, block_n, block_n + 1]), st.integers(1, 300)))
-    d = draw(st.sampled_from([16, 64]))
-    dv = draw(st.sampled_from([d, 16, 24]))
-    case = dict(
-        seed=draw(st.integers(0, 2**32 - 1)),
-        b=draw(st.sampled_from([1, 2])),
-        h_kv=draw(st.sampled_from([1, 2])),
-        g=draw(st.sampled_from([1, 2, 4, 5])),
-        n=n, d=d, dv=dv,
-        dtype=draw(st.sampled_from(dtypes)),
-        regime=draw(st.sampled_from(["typical"] * 3 + ["dominant", "offset"])),  # 60/20/20
-        pad=draw(st.sampled_from(["none", "ragged", "ragged", "empty_head"])),
-        pi_kind=draw(st.sampled_from(["mixed", "mixed", "interior", "interior", "0.3", "ones"])),
-    )
-    kw = dict(block_n=block_n, num_splits=draw(st.sampled_from([1, 2, 3, 7])),
-              use_log=draw(st.booleans()), moments=draw(st.sampled_from(["auto", "exact", "shifted"])))
-    return case, kw
+        assert_close(f"{f} error relative to the head's scale (worst head: kernel {x[worst]} vs ref {ref[f][worst]})",
+                     e_k, np.zeros_like(e_k), tol)
 
 
 def _run(q, k, v, pi, *, use_log=False, **kw):
@@ -346,7 +239,7 @@ def test_certain_tokens_give_exact_attention_and_zero_variance(use_log):
             o = R.attention(q[bi, h].double().cpu().numpy(), k[bi, h // g].double().cpu().numpy(),
                             v[bi, h // g].double().cpu().numpy())
             assert np.allclose(est.output[bi, h].cpu().numpy(), o, rtol=0,
-                               atol=_accumulation_eps(90, 16) * np.abs(v.cpu().numpy()).max())
+                               atol=rounding(torch.float32, 90, 16) * np.abs(v.cpu().numpy()).max())
 
 
 def test_log_pi_path_matches_pi_path():
@@ -363,7 +256,7 @@ def test_log_pi_path_matches_pi_path():
     a = KN.hajek_attention(q, k, v, pi, block_n=32)
     b = KN.hajek_attention(q, k, v, log_pi=torch.log(pi), block_n=32)
     eps = torch.finfo(torch.float32).eps
-    tol = 8 * eps + 2 * _accumulation_eps(150, 32)
+    tol = 8 * eps + 2 * rounding(torch.float32, 150, 32)
     for f in ("variance", "trace", "output", "lse", "n_eff"):
         x, y = getattr(a, f).double(), getattr(b, f).double()
         rel = ((x - y).abs() / y.abs().clamp_min(1e-30)).max().item()
@@ -382,7 +275,7 @@ def test_float64_probabilities_below_float32_range():
     assert np.allclose(est.lse.double().cpu().numpy(), ref["lse"], rtol=4 * eps, atol=0)
     vmax = np.abs(v.cpu().numpy()).max()
     assert np.allclose(est.output.double().cpu().numpy(), ref["output"], rtol=0,
-                       atol=_accumulation_eps(40, 16) * vmax)
+                       atol=rounding(torch.float32, 40, 16) * vmax)
 
 
 def test_per_coordinate_false_and_certify_false():
