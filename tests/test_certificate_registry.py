@@ -17,7 +17,7 @@ import kvcert.fast as F
 import kvcert.fast.certificates as FC
 import kvcert.reference as R
 import kvcert.reference.certificates as RC
-from test_fast_tolerances import assert_close, pi_vectors
+from support import assert_close, pi_vectors
 
 KIND_NAMES = list(F.CERTIFICATE_KINDS)
 
