@@ -79,6 +79,21 @@ def test_tiled_rounding_is_the_tighter_bound_at_the_kernel_test_sizes():
                 assert rounding(dtype, n, block_n) <= rounding(dtype, n), (dtype, block_n, n)
 
 
+def test_no_test_module_imports_another():
+    """Shared helpers live in tests/support.py: a test module imported by another would run its tests'
+    module-level code (and skips) inside the importer, and hide what the importer depends on."""
+    import ast
+    from pathlib import Path
+
+    offenders = []
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert not offenders, offenders
+
+
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__])
 
