@@ -36,8 +36,13 @@ _LAZY = {
     "TOVAPress": "kvcert.presses",
     "KNormPress": "kvcert.presses",
     "RandomPress": "kvcert.presses",
+    "ExpectedAttentionPress": "kvcert.presses",
+    "ScorerPress": "kvcert.presses",
+    "Press": "kvcert.presses",
+    "DecodingPress": "kvcert.presses",
     "PRESSES": "kvcert.presses",
-    "Certificates": "kvcert.attention",
+    "PRESS_CASES": "kvcert.presses",
+    "Certificates": "kvcert.records",
     "KVCertCache": "kvcert.cache",
     "generate": "kvcert.generation",
     "prefill": "kvcert.generation",
@@ -50,6 +55,8 @@ __all__ = sorted(_LAZY) + ["__version__"]
 
 def __getattr__(name: str):
     module = _LAZY.get(name)
+    if module is None and name.endswith("Press"):  # the press of a scorer registered later
+        module = "kvcert.presses"
     if module is None:
         raise AttributeError(f"module 'kvcert' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)

@@ -1,10 +1,21 @@
-"""The ``kvcert`` attention function for transformers, and certificate recording.
+"""The ``kvcert`` attention function for transformers, and the session it calls.
 
 Importing this module registers ``"kvcert"`` with transformers'
 ``AttentionInterface`` (the attention function) and
-``AttentionMaskInterface`` (its mask function). A press (:mod:`kvcert.presses`)
-switches a model to it for the duration of ``with press(model):``; outside a
-press the function is exactly the model's own attention (``sdpa`` by default).
+``AttentionMaskInterface`` (its mask function). A press switches a model to
+it for the duration of ``with press(model):``; outside a press the function
+is exactly the model's own attention (``sdpa`` by default).
+
+The protocol between the press context and the attention function is one
+object, the :class:`Session`: the context (:mod:`kvcert.presses`) makes it
+and :func:`activate`\\ s it for the model's config; the attention and mask
+functions find it with :func:`active_session` (one way, keyed by the config
+both receive) and call it. The session owns the cache handle, the padding
+mask of the current forward and the certificate :class:`Recorder`; it calls
+the press at two events only: ``press.prefill_event(layer, layer_idx,
+queries, scale)`` after a layer's exact prefill, and
+``press.decode_event(layer, layer_idx, queries, scale)`` after each
+decoding forward of a layer.
 
 Inside a press, per layer and per forward call:
 
@@ -28,9 +39,7 @@ among cached tokens (padding is carried by the -inf bias).
 
 from __future__ import annotations
 
-import math
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
@@ -38,12 +47,17 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from .cache import KVCertLayer
+from .cache import KVCertCache, KVCertLayer, as_kvcert_cache
+from .records import Certificates, Recorder
 
 __all__ = [
     "ATTENTION_NAME",
     "BASE_ATTENTION",
     "Certificates",
+    "Session",
+    "activate",
+    "active_session",
+    "deactivate",
     "kvcert_attention_forward",
     "kvcert_mask",
 ]
@@ -53,9 +67,6 @@ ATTENTION_NAME = "kvcert"
 #: exact attention functions a press runs the prefill with
 BASE_ATTENTION = {"sdpa": sdpa_attention_forward, "eager": eager_attention_forward}
 _DEFAULT_BASE = "sdpa"
-
-# id(config) -> runtime of the press active on that model (see kvcert.presses)
-_RUNTIMES: dict[int, "Runtime"] = {}
 
 
 def resolve_base(implementation: str | None) -> str:
@@ -81,168 +92,186 @@ def resolve_base(implementation: str | None) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# certificates
+# the session: what a press context owns and the attention function calls
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class Certificates:
-    """Per-step, per-layer, per-query-head certificates of one generation.
+class Session:
+    """One active press on one model.
 
-    Tensors of shape (steps, layers, heads) for one sequence, or
-    (batch, steps, layers, heads) for a batch (index it to get one sequence).
-    Step s is the forward pass that produced generated token s: step 0 is the
-    prefill, whose attention is exact (radius and trace 0, ``kept`` the
-    prompt length); steps >= 1 are decoding steps over the compressed cache.
-
-    Attributes
+    Parameters
     ----------
-    kind : str
-        Certificate kind (``chebyshev``, ``wald``, ``chi2``, ``bernstein``).
-    delta : float
-        Nominal miscoverage of each certificate (level 1 - delta).
-    radius : tensor
-        Bound on ||o_hat - o||_2 of the head's attention output (for
-        ``wald``: the Euclidean norm of the per-coordinate half-widths).
-    relative_radius : tensor
-        radius / ||o_hat||_2.
-    trace : tensor
-        tr(Sigma_hat), the estimated design variance of the output.
-    kept : tensor (int64)
-        Tokens the head attended over (its KV head's kept count).
+    press : object
+        Anything with ``kind`` and ``delta`` (the recorded certificate; ``kind``
+        None records nothing), ``prefill_event(layer, layer_idx, queries, scale)``
+        and ``decode_event(layer, layer_idx, queries, scale)``.
+    base : str
+        The exact attention of prefills (``"sdpa"`` or ``"eager"``).
+    config : the model's config (the key :func:`active_session` finds it by)
+    cache_keyword : str
+        The model forward's cache argument (``past_key_values`` or ``cache``).
     """
 
-    kind: str
-    delta: float
-    radius: torch.Tensor
-    relative_radius: torch.Tensor
-    trace: torch.Tensor
-    kept: torch.Tensor
+    def __init__(self, press, base: str, config, cache_keyword: str = "past_key_values"):
+        from .fast import estimate_options
+
+        self.press, self.base, self.config, self.cache_keyword = press, base, config, cache_keyword
+        self.kind, self.delta = press.kind, press.delta
+        self.options = estimate_options(self.kind) if self.kind is not None else {}
+        self.cache = None
+        self.mask2d: torch.Tensor | None = None
+        self.recorder: Recorder | None = self._new_recorder()
+
+    def _new_recorder(self) -> Recorder | None:
+        return Recorder(self.kind, self.delta) if self.kind is not None else None
 
     @property
-    def batched(self) -> bool:
-        return self.radius.dim() == 4
+    def certificates(self) -> Certificates | None:
+        """The record of the current (or last) sequence, or None."""
+        return None if self.recorder is None else self.recorder.result()
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.radius.shape)
+    # -- per forward --------------------------------------------------------------------------
+    def begin_forward(self, args: tuple, kwargs: dict) -> None:
+        """Before each model forward (the context's pre-hook): give the model a kvcert cache,
+        note the 2-D padding mask, and start a new record when a new sequence begins."""
+        cache = None
+        for name in ("cache", "past_key_values"):
+            if kwargs.get(name) is not None:
+                cache = kwargs[name]
+        use_cache = kwargs.get("use_cache")
+        use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
+        if cache is None and use_cache:
+            cache = KVCertCache(self.config)
+            kwargs[self.cache_keyword] = cache
+        elif cache is not None:
+            as_kvcert_cache(cache)
+        if cache is not None and cache.get_seq_length() == 0:
+            self.recorder = self._new_recorder()  # a new sequence
+        self.cache = cache
+        mask = kwargs.get("attention_mask")
+        if mask is None and len(args) > 1 and isinstance(args[1], torch.Tensor):
+            mask = args[1]
+        self.mask2d = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
-    def __getitem__(self, i) -> "Certificates":
-        """Select one sequence (int) or a sub-batch of a batched record."""
-        if not self.batched:
-            raise TypeError("this record holds a single sequence; index its tensors directly")
-        pick = lambda x: x[i]  # noqa: E731
-        return Certificates(self.kind, self.delta, pick(self.radius), pick(self.relative_radius),
-                            pick(self.trace), pick(self.kept))
+    def end(self) -> None:
+        self.cache, self.mask2d = None, None
 
-    def per_step(self) -> torch.Tensor:
-        r"""Mean relative radius over layers and heads, per step.
-
-        .. math:: \bar r_s = \frac{1}{L H} \sum_{l=1}^{L} \sum_{h=1}^{H}
-                  \frac{\mathrm{radius}_{s,l,h}}{\lVert \hat o_{s,l,h} \rVert_2}
-
-        Returns shape (steps,) (or (batch, steps)). It is a summary, not a
-        certificate of the logits: each term certifies one head's attention
-        output at level 1 - delta.
-        """
-        return self.relative_radius.mean(dim=(-1, -2))
-
-    def per_layer(self) -> dict[str, torch.Tensor]:
-        """Per layer, over decoding steps (step >= 1) and heads: min / median / max
-        relative radius and mean kept count (one sequence only)."""
-        if self.batched:
-            raise TypeError("per_layer() summarizes one sequence: index the batch first (certs[i])")
-        rel = self.relative_radius[1:] if self.radius.shape[0] > 1 else self.relative_radius
-        kept = self.kept[1:] if self.kept.shape[0] > 1 else self.kept
-        flat = rel.transpose(0, 1).reshape(rel.shape[1], -1).to(torch.float64)  # (layers, steps * heads)
-        return {
-            "min": flat.min(-1).values,
-            "median": flat.median(-1).values,
-            "max": flat.max(-1).values,
-            "kept": kept.to(torch.float64).mean(dim=(0, 2)),
-        }
-
-    def to_dict(self) -> dict:
-        """JSON-ready nested lists (inf becomes the string "inf")."""
-        def clean(x: torch.Tensor):
-            data = x.tolist()
-            return _finite_json(data)
-        return {
-            "kind": self.kind,
-            "delta": self.delta,
-            "shape": ["batch", "step", "layer", "head"] if self.batched else ["step", "layer", "head"],
-            "radius": clean(self.radius),
-            "relative_radius": clean(self.relative_radius),
-            "trace": clean(self.trace),
-            "kept": self.kept.tolist(),
-            "per_step_mean_relative_radius": clean(self.per_step()),
-        }
-
-
-def _finite_json(data):
-    if isinstance(data, list):
-        return [_finite_json(x) for x in data]
-    if isinstance(data, float) and not math.isfinite(data):
-        return "nan" if math.isnan(data) else ("inf" if data > 0 else "-inf")
-    return data
-
-
-class Recorder:
-    """Collects (b, h_q) certificate tensors per layer and step; stacked once at the end."""
-
-    def __init__(self, kind: str, delta: float):
-        self.kind, self.delta = kind, delta
-        self.rows: dict[int, list[tuple[torch.Tensor, ...]]] = {}
-
-    def add(self, layer: int, radius, relative_radius, trace, kept) -> None:
-        self.rows.setdefault(layer, []).append(
-            tuple(x.detach() for x in (radius, relative_radius, trace, kept))
-        )
-
-    @property
-    def steps(self) -> int:
-        return min((len(v) for v in self.rows.values()), default=0)
-
-    def result(self) -> Certificates | None:
-        """(batch, steps, layers, heads) record, or None if nothing was recorded."""
-        if not self.rows:
-            return None
-        layers = sorted(self.rows)
-        steps = self.steps
-        if any(len(self.rows[l]) != steps for l in layers):
-            raise RuntimeError(
-                f"kvcert: layers recorded different numbers of steps {[len(self.rows[l]) for l in layers]}"
-            )
-        fields = []
-        for j in range(4):
-            per_layer = [torch.stack([row[j] for row in self.rows[l]]) for l in layers]  # (steps, b, h)
-            fields.append(torch.stack(per_layer, dim=1).permute(2, 0, 1, 3).cpu())  # (b, steps, layers, h)
-        radius, rel, trace, kept = fields
-        return Certificates(self.kind, self.delta, radius.float(), rel.float(), trace.float(), kept.long())
-
-
-# ---------------------------------------------------------------------------------------------
-# runtime state of an active press
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class Runtime:
-    """What the attention and mask functions need while a press is active on a model."""
-
-    press: object
-    base: str
-    cache: object = None
-    mask2d: torch.Tensor | None = None
-    recorder: Recorder | None = None
-    estimate_kwargs: dict = field(default_factory=dict)
-
-    def real_new(self, q_len: int) -> torch.Tensor | None:
+    def _real_new(self, q_len: int) -> torch.Tensor | None:
         """(b, q_len) bool: which of the new tokens are real (from the 2-D attention mask)."""
         m = self.mask2d
-        if m is None or m.dim() != 2 or m.shape[1] < q_len:
+        if m is None or m.shape[1] < q_len:
             return None
         return m[:, -q_len:].bool()
 
+    def _record(self, layer_idx: int, radius, relative_radius, trace, kept, h_q: int) -> None:
+        if self.recorder is not None:
+            self.recorder.add(layer_idx, radius, relative_radius, trace, _per_query_head(kept, h_q))
 
-def runtime_of(config) -> Runtime | None:
-    return _RUNTIMES.get(id(config))
+    # -- per layer ----------------------------------------------------------------------------
+    def layer(self, layer_idx: int) -> KVCertLayer:
+        layer = self.cache.layers[layer_idx]
+        if not isinstance(layer, KVCertLayer):
+            raise RuntimeError(f"kvcert: cache layer {layer_idx} is a {type(layer).__name__}, not a KVCertLayer")
+        return layer
+
+    def prefill(self, layer: KVCertLayer, layer_idx: int, queries: torch.Tensor, scale: float) -> None:
+        """The prefill event of one layer: record the exact step-0 row (radius 0), then let the press compress."""
+        b, h_q = queries.shape[0], queries.shape[1]
+        zeros = torch.zeros(b, h_q, device=queries.device)
+        self._record(layer_idx, zeros, zeros, zeros, layer.kept, h_q)
+        self.press.prefill_event(layer, layer_idx, queries, scale)
+
+    def prefill_recorded(self, cache, query_window) -> None:
+        """The prefill event on a cache filled by ``kvcert.prefill`` (queries recorded in its layers)."""
+        for idx, layer in enumerate(cache.layers):
+            queries, scale = layer.queries, getattr(layer, "query_scale", None)
+            layer.queries = None
+            if queries is None or scale is None:
+                raise ValueError("prefilled: the cache holds no recorded queries (make it with kvcert.prefill)")
+            need = self.press.queries_needed(layer.physical_length)
+            if need > queries.shape[2]:
+                raise ValueError(
+                    f"prefilled: {self.press!r} reads {need} prefill queries but kvcert.prefill kept "
+                    f"{queries.shape[2]} (query_window={query_window}); call "
+                    "kvcert.prefill(..., query_window=None) to keep all of them"
+                )
+            self.prefill(layer, idx, queries, scale)
+
+    def attend(self, module, query, key, value, attention_mask, scaling, dropout, **kwargs):
+        """The attention of one layer under the press: exact prefill, or the Hajek decode."""
+        if kwargs.get("sliding_window") is not None:
+            raise ValueError("kvcert: sliding-window attention layers are not supported")
+        layer_idx = module.layer_idx
+        layer = self.layer(layer_idx)
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5
+        q_len = query.shape[2]
+        real = self._real_new(q_len)
+        if layer.length_before_update == 0:  # prefill: exact attention, then compress
+            if real is None:
+                real = _real_from_4d(attention_mask, key.shape[-2])
+            if real is not None:
+                layer.mark_padding(real)
+            out, weights = BASE_ATTENTION[self.base](module, query, key, value, attention_mask, scaling=scaling,
+                                                     dropout=dropout, **kwargs)
+            self.prefill(layer, layer_idx, query, scaling)
+            return out, weights
+        if real is not None:
+            layer.mark_padding(real)
+        out = self._decode(layer, layer_idx, query, scaling)
+        self.press.decode_event(layer, layer_idx, query, scaling)
+        return out.to(query.dtype).contiguous(), None
+
+    def _decode(self, layer: KVCertLayer, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """Hajek attention over the held slots and its certificate; returns (b, q, h_q, dv)."""
+        from .dispatch import hajek_attention
+        from .fast import certificate
+
+        q_len, h_q = query.shape[2], query.shape[1]
+        if q_len == 1:
+            est = hajek_attention(query[:, :, 0], layer.keys, layer.values, log_pi=layer.log_weights,
+                                  scale=scale, **self.options)
+            out = est.output[:, None]  # (b, 1, h_q, dv)
+        else:  # a chunk: causal by the stored positions
+            qpos = layer.positions[:, 0, -q_len:]
+            est = hajek_attention(query, layer.keys, layer.values, log_pi=layer.log_weights, scale=scale,
+                                  positions=layer.positions, query_positions=qpos, **self.options)
+            out = est.output.transpose(1, 2)  # (b, q, h_q, dv)
+        if self.recorder is None:
+            return out
+        cert = certificate(est, delta=self.delta, kind=self.kind)
+        radius = cert.radius
+        if radius.dim() == est.output.dim():  # per-coordinate half-widths (wald): their norm
+            radius = torch.linalg.vector_norm(radius, dim=-1)
+        if q_len == 1:
+            self._record(layer_idx, radius, cert.relative_radius, est.trace, layer.kept, h_q)
+        else:
+            valid = layer.valid
+            for j in range(q_len):  # query j sees the kept tokens up to its own position
+                seen = (valid & (layer.positions <= qpos[:, None, j:j + 1])).sum(-1)
+                self._record(layer_idx, radius[:, :, j], cert.relative_radius[:, :, j], est.trace[:, :, j],
+                             seen, h_q)
+        return out
+
+
+_SESSIONS: dict[int, Session] = {}
+
+
+def activate(session: Session) -> None:
+    """Make ``session`` the one the attention function finds for its model (presses do not nest)."""
+    if id(session.config) in _SESSIONS:
+        raise RuntimeError("a kvcert press is already active on this model (presses do not nest)")
+    _SESSIONS[id(session.config)] = session
+
+
+def deactivate(session: Session) -> None:
+    """Undo :func:`activate`."""
+    if _SESSIONS.get(id(session.config)) is session:
+        del _SESSIONS[id(session.config)]
+    session.end()
+
+
+def active_session(config) -> Session | None:
+    """The session of the press active on the model with this config, or None."""
+    return _SESSIONS.get(id(config))
 
 
 def _real_from_4d(attention_mask, n: int) -> torch.Tensor | None:
@@ -255,14 +284,9 @@ def _real_from_4d(attention_mask, n: int) -> torch.Tensor | None:
     return row > torch.finfo(row.dtype).min / 2
 
 
-def _estimate_kwargs(kind: str) -> dict:
-    """hajek_attention options a certificate kind needs (per-coordinate variance only for wald)."""
-    return {
-        "per_coordinate": kind == "wald",
-        **({"return_covariance": True} if kind == "chi2" else {}),
-        **({"return_max_term": True} if kind == "bernstein" else {}),
-        **({"return_tail_moment": True} if kind == "chebyshev_ucb" else {}),
-    }
+def _per_query_head(kept: torch.Tensor, h_q: int) -> torch.Tensor:
+    """(b, h_kv) -> (b, h_q): query head j reads KV head j // g."""
+    return kept.repeat_interleave(h_q // kept.shape[1], dim=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,10 +294,10 @@ def _estimate_kwargs(kind: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 def kvcert_mask(*args, **kwargs):
     """Mask function registered as ``"kvcert"``: the base mask for a prefill, else None."""
-    rt = runtime_of(kwargs.get("config"))
-    if rt is not None and rt.cache is not None and rt.cache.get_seq_length() > 0:
+    session = active_session(kwargs.get("config"))
+    if session is not None and session.cache is not None and session.cache.get_seq_length() > 0:
         return None
-    base = rt.base if rt is not None else _DEFAULT_BASE
+    base = session.base if session is not None else _DEFAULT_BASE
     return ALL_MASK_ATTENTION_FUNCTIONS[base](*args, **kwargs)
 
 
@@ -286,7 +310,9 @@ def kvcert_attention_forward(module, query, key, value, attention_mask, scaling=
               a_i = \operatorname{softmax}_S(\tau\, q \cdot k_i - \log \pi_i),
 
     with :math:`\log\pi_i` from the cache layer (-inf on padding), and records
-    its certificate; the prefill is exact attention followed by compression.
+    its certificate; the prefill is exact attention followed by compression
+    (:meth:`Session.attend`). Without an active press (or without a cache)
+    it is the model's base attention.
 
     Parameters
     ----------
@@ -300,71 +326,11 @@ def kvcert_attention_forward(module, query, key, value, attention_mask, scaling=
     -------
     (attn_output (b, q, h_q, d), attn_weights or None)
     """
-    rt = getattr(module, "_kvcert_runtime", None)
-    if rt is None:
-        rt = runtime_of(getattr(module, "config", None))
-    base = BASE_ATTENTION[rt.base if rt is not None else _DEFAULT_BASE]
-    if rt is None or rt.cache is None:
+    session = active_session(getattr(module, "config", None))
+    if session is None or session.cache is None:
+        base = BASE_ATTENTION[session.base if session is not None else _DEFAULT_BASE]
         return base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError("kvcert: sliding-window attention layers are not supported")
-    layer_idx = module.layer_idx
-    layer = rt.cache.layers[layer_idx]
-    if not isinstance(layer, KVCertLayer):
-        raise RuntimeError(f"kvcert: cache layer {layer_idx} is a {type(layer).__name__}, not a KVCertLayer")
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    press = rt.press
-    q_len = query.shape[2]
-    b, h_q = query.shape[0], query.shape[1]
-
-    if layer.length_before_update == 0:  # prefill: exact attention, then compress
-        real = rt.real_new(q_len)
-        if real is None:
-            real = _real_from_4d(attention_mask, key.shape[-2])
-        if real is not None:
-            layer.mark_padding(real)
-        out, weights = base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        zeros = torch.zeros(b, h_q, device=query.device)
-        rt.recorder.add(layer_idx, zeros, zeros, zeros, _per_query_head(layer.kept, h_q))
-        press._on_prefill(layer, layer_idx, query, scaling)
-        return out, weights
-
-    real = rt.real_new(q_len)
-    if real is not None:
-        layer.mark_padding(real)
-    from kvcert.dispatch import hajek_attention
-    from kvcert.fast import certificate
-
-    opts = rt.estimate_kwargs
-    if q_len == 1:
-        est = hajek_attention(query[:, :, 0], layer.keys, layer.values, log_pi=layer.log_weights,
-                              scale=scaling, **opts)
-        out = est.output[:, None]  # (b, 1, h_q, dv)
-    else:  # a chunk: causal by the stored positions
-        qpos = layer.positions[:, 0, -q_len:]
-        est = hajek_attention(query, layer.keys, layer.values, log_pi=layer.log_weights, scale=scaling,
-                              positions=layer.positions, query_positions=qpos, **opts)
-        out = est.output.transpose(1, 2)  # (b, q, h_q, dv)
-    cert = certificate(est, delta=press.delta, kind=press.kind)
-    radius = cert.radius
-    if press.kind == "wald":
-        radius = torch.linalg.vector_norm(radius, dim=-1)
-    if q_len == 1:
-        rt.recorder.add(layer_idx, radius, cert.relative_radius, est.trace, _per_query_head(layer.kept, h_q))
-    else:
-        valid = layer.valid
-        for j in range(q_len):  # query j sees the kept tokens up to its own position
-            seen = (valid & (layer.positions <= qpos[:, None, j:j + 1])).sum(-1)
-            rt.recorder.add(layer_idx, radius[:, :, j], cert.relative_radius[:, :, j], est.trace[:, :, j],
-                            _per_query_head(seen, h_q))
-    press._on_decode(layer, layer_idx, query, scaling)
-    return out.to(query.dtype).contiguous(), None
-
-
-def _per_query_head(kept: torch.Tensor, h_q: int) -> torch.Tensor:
-    """(b, h_kv) -> (b, h_q): query head j reads KV head j // g."""
-    return kept.repeat_interleave(h_q // kept.shape[1], dim=1)
+    return session.attend(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
 
 AttentionInterface.register(ATTENTION_NAME, kvcert_attention_forward)

@@ -6,34 +6,47 @@ used as a context manager around a model::
     press = kvcert.PoissonPress(compression_ratio=0.5, seed=0)
     with press(model):
         out = model.generate(**inputs, max_new_tokens=16)
-    press.certificates          # per step x layer x query head (kvcert.attention.Certificates)
+    press.certificates          # per step x layer x query head (kvcert.records.Certificates)
 
-Inside the context the model runs the ``"kvcert"`` attention function
-(:mod:`kvcert.attention`) and a :class:`~kvcert.cache.KVCertLayer` cache; each
-layer is compressed right after its prefill (the prefill itself is exact
-attention over the full prompt) and, with ``compression_interval``, every
-``compression_interval`` decoded tokens back to the target size. Decoding
-attends over the kept tokens with the Hajek correction -log pi and records
-a certificate per step, layer and query head.
+Inside the context the model runs the ``"kvcert"`` attention function and a
+:class:`~kvcert.cache.KVCertLayer` cache (:mod:`kvcert.attention`: the
+context owns a :class:`~kvcert.attention.Session` that the attention function
+calls); each layer is compressed right after its prefill (the prefill itself
+is exact attention over the full prompt). Decoding attends over the kept
+tokens with the Hajek correction -log pi and records a certificate per step,
+layer and query head.
 
-:class:`PoissonPress` is the randomized design of the paper (every token has a
-known inclusion probability pi > 0, so the certificates are informative).
-The deterministic baselines (:class:`SnapKVPress`, :class:`H2OPress`,
-:class:`StreamingLLMPress`, :class:`TOVAPress`, :class:`KNormPress`,
-:class:`RandomPress`) run on the same machinery with pi = 1 on the kept tokens
-and pi = 0 on the evicted ones: their recorded certificates are identically
-0, which is exactly the impossibility the paper proves (a deterministic
-policy observes nothing of what it evicted), not a statement of zero error.
+The family, as kvpress users know it:
+
+- :class:`ScorerPress`: deterministic top-k eviction by a score. A new method
+  writes only ``score(queries, keys, values, *, scale, layer, event)``. One
+  press per registered scorer (``kvcert.fast.SCORERS``) is made here:
+  :class:`SnapKVPress`, :class:`H2OPress`, :class:`TOVAPress`,
+  :class:`KNormPress`, :class:`StreamingLLMPress`, :class:`RandomPress`,
+  :class:`ExpectedAttentionPress`, ... pi = 1 on the kept tokens and 0 on the
+  evicted ones: their recorded certificates are identically 0, which is
+  exactly the impossibility the paper proves (a deterministic policy observes
+  nothing of what it evicted), not a statement of zero error.
+- :class:`PoissonPress`: the randomized design of the paper (every token has
+  a known inclusion probability pi > 0, so the certificates are informative),
+  with its importance from ``scorer=``: a registry name, a
+  :class:`ScorerPress` instance or a callable.
+- :class:`DecodingPress`: decode-time compression around any press
+  (kvpress's ``DecodingPress(base_press, compression_interval, target_size)``).
 
 The budget at an event with n tokens held (per batch row, padding excluded):
 ``target_size`` if given (capped at n), else ``n * (1 - compression_ratio)``
 (kvpress's convention: the ratio is the fraction removed). PoissonPress keeps
 that many tokens *in expectation*; the deterministic presses keep
-``int(n * (1 - compression_ratio))`` exactly.
+``int(n * (1 - compression_ratio))`` exactly. The certainty set that fits
+under the budget is :func:`kvcert.fast.design_sizes` (the one sizing rule,
+also used by paper_repro).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import inspect
 import math
 import numbers
@@ -41,22 +54,26 @@ from dataclasses import dataclass
 
 import torch
 
+from .fast import SCORERS, design_sizes
+
 __all__ = [
+    "Press",
     "BasePress",
+    "ScorerPress",
     "PoissonPress",
+    "DecodingPress",
     "SnapKVPress",
     "H2OPress",
     "StreamingLLMPress",
     "TOVAPress",
     "KNormPress",
     "RandomPress",
+    "ExpectedAttentionPress",
     "PRESSES",
+    "PRESS_CASES",
     "SCORER_NAMES",
+    "make_scorer_press",
 ]
-
-#: scorers a PoissonPress can draw its importance from (kvcert.fast.scorers)
-SCORER_NAMES = ("snapkv", "h2o", "tova", "knorm", "streaming_llm", "random", "expected")
-_KINDS = ("wald", "chebyshev", "chi2", "bernstein", "chebyshev_ucb")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,64 +101,69 @@ def _real(name: str, value, lo: float, hi: float, *, lo_open=False, hi_open=Fals
     return value
 
 
+def _kernel_size(value) -> int:
+    value = _int("kernel_size", value, low=1)
+    if value % 2 == 0:
+        raise ValueError(f"kernel_size must be odd, got {value}")
+    return value
+
+
+#: scorer hyperparameters with a rule of their own: name -> (default, validator); any other
+#: registered hyperparameter is an int >= 1
+SCORER_PARAMS = {
+    "observation_window": (32, lambda v: _int("observation_window", v, low=1)),
+    "kernel_size": (7, _kernel_size),
+    "seed": (0, lambda v: _int("seed", v)),
+}
+
+
+def _validate_params(press) -> None:
+    names = set(SCORER_PARAMS).union(*(s.params for s in SCORERS.values()))
+    for name in sorted(names):
+        if hasattr(press, name):
+            check = SCORER_PARAMS.get(name, (None, lambda v, n=name: _int(n, v, low=1)))[1]
+            setattr(press, name, check(getattr(press, name)))
+
+
+def _kinds() -> tuple:
+    from .fast import KINDS
+
+    return KINDS
+
+
 # ---------------------------------------------------------------------------------------------
-# the context manager
+# the context manager and the result every press shares
 # ---------------------------------------------------------------------------------------------
 class _PressContext:
     """``with press(model):`` -- switch the model to kvcert attention and a compressible cache."""
 
-    def __init__(self, press: "BasePress", model):
+    def __init__(self, press, model):
         if not hasattr(model, "config") or not hasattr(model, "set_attn_implementation"):
             raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
         self.press, self.model = press, model
         self._hook = None
         self._previous = None
-        self._runtime = None
+        self._session = None
 
     def __enter__(self):
         from . import attention as A
-        from .cache import KVCertCache, _check_full_attention, as_kvcert_cache
+        from .cache import _check_full_attention
 
-        model, press = self.model, self.press
-        config = model.config
-        if A.runtime_of(config) is not None:
+        model, config = self.model, self.model.config
+        if A.active_session(config) is not None:
             raise RuntimeError("a kvcert press is already active on this model (presses do not nest)")
         _check_full_attention(config)
         self._previous = config._attn_implementation
-        rt = A.Runtime(press=press, base=A.resolve_base(self._previous),
-                       recorder=A.Recorder(press.kind, press.delta),
-                       estimate_kwargs=A._estimate_kwargs(press.kind))
-        self._runtime = rt
-        press._runtime = rt
         params = inspect.signature(model.forward).parameters
-        cache_kw = "cache" if "cache" in params else "past_key_values"
-        default_use_cache = getattr(config, "use_cache", True)
+        session = A.Session(self.press, A.resolve_base(self._previous), config,
+                            "cache" if "cache" in params else "past_key_values")
+        A.activate(session)
+        self._session = self.press._session = session
 
         def pre_hook(module, args, kwargs):
-            cache = None
-            for name in ("cache", "past_key_values"):
-                if kwargs.get(name) is not None:
-                    cache = kwargs[name]
-            use_cache = kwargs.get("use_cache")
-            use_cache = default_use_cache if use_cache is None else use_cache
-            if cache is None and use_cache:
-                cache = KVCertCache(config)
-                kwargs[cache_kw] = cache
-            elif cache is not None:
-                as_kvcert_cache(cache)
-            if cache is not None and cache.get_seq_length() == 0:
-                rt.recorder = A.Recorder(press.kind, press.delta)  # a new sequence
-            rt.cache = cache
-            mask = kwargs.get("attention_mask")
-            if mask is None and len(args) > 1 and isinstance(args[1], torch.Tensor):
-                mask = args[1]
-            rt.mask2d = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+            session.begin_forward(args, kwargs)
             return args, kwargs
 
-        A._RUNTIMES[id(config)] = rt
-        for module in model.modules():
-            if hasattr(module, "layer_idx") and hasattr(module, "num_key_value_groups"):
-                module._kvcert_runtime = rt
         self._hook = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
         try:
             model.set_attn_implementation(A.ATTENTION_NAME)
@@ -163,22 +185,48 @@ class _PressContext:
                 model.set_attn_implementation(self._previous)
             except Exception:  # e.g. a FlashAttention model on a machine without it
                 config._attn_implementation_internal = self._previous
-        for module in model.modules():
-            if getattr(module, "_kvcert_runtime", None) is self._runtime:
-                del module._kvcert_runtime
-        A._RUNTIMES.pop(id(config), None)
-        if self._runtime is not None:
-            self._runtime.cache = None
-            self._runtime.mask2d = None
+        if self._session is not None:
+            A.deactivate(self._session)
         return False
 
 
+class Press:
+    """What every press shares: ``with press(model):`` and the certificates of the last run.
+
+    The base of every kvcert press (:class:`BasePress`, :class:`DecodingPress`); the
+    session (:class:`kvcert.attention.Session`) calls a press at its events through
+    ``prefill_event``, ``decode_event``, ``queries_needed``, ``kind`` and ``delta``."""
+
+    _session = None
+
+    def __call__(self, model):
+        """Context manager: ``with press(model): model.generate(...)``."""
+        return _PressContext(self, model)
+
+    @property
+    def certificates(self):
+        """Certificates recorded by the last sequence run under this press
+        (:class:`kvcert.records.Certificates`, batched: (b, steps, layers, heads)),
+        or None before any run."""
+        return None if self._session is None else self._session.certificates
+
+    def _compress_prefilled(self, cache, *, query_window) -> None:
+        """The prefill event on a cache filled by :func:`kvcert.prefill` (inside this press's context)."""
+        if self._session is None:
+            raise RuntimeError("_compress_prefilled runs inside the press's context (with press(model))")
+        self._session.prefill_recorded(cache, query_window)
+
+
 # ---------------------------------------------------------------------------------------------
-# presses
+# the compression engine
 # ---------------------------------------------------------------------------------------------
 @dataclass
-class BasePress:
-    r"""Common fields and the compression machinery of every press.
+class BasePress(Press):
+    r"""Common fields and the compression engine of every press that evicts.
+
+    A subclass says how it scores (:meth:`_score`, :meth:`queries_needed`)
+    and how it evicts one row (:meth:`_evict`); the engine handles the
+    batch rows, padding, budgets and the cache.
 
     Parameters
     ----------
@@ -190,41 +238,35 @@ class BasePress:
     target_size : int >= 1, optional
         A fixed budget instead of the ratio: the number of tokens per head
         kept after an event (``min(target_size, n)``). Give one of the two.
-    compression_interval : int >= 1, optional
-        Decode-time compression: every ``compression_interval`` decoded tokens,
-        compress each layer back to ``target_size`` (or to the budget of the
-        prefill event). Default: compress after the prefill only.
     sinks : int >= 0
         First tokens always kept (attention sinks).
     window : int >= 0
-        Most recent tokens always kept.
+        Most recent tokens always kept (kvpress's SnapKV ``window_size`` is
+        the *observation* window, ``observation_window`` here).
     delta : float in (0, 1)
         Miscoverage of the recorded certificates.
-    kind : {"chebyshev", "wald", "chi2", "bernstein", "chebyshev_ucb"}
-        Certificate kind recorded per step, layer and head (``chebyshev_ucb``:
-        the strict kind, a chi-square upper bound on the variance then
+    kind : str
+        Certificate kind recorded per step, layer and head, one of
+        ``kvcert.fast.KINDS`` (default ``chebyshev``; ``chebyshev_ucb`` is the
+        strict kind, a chi-square upper bound on the variance then
         Chebyshev, at the cost of a second pass over the kept tokens; see
         docs/theory.md).
 
     Notes
     -----
     When the budget is too small for the certainty set, the recent window
-    shrinks first, then the sinks, so that the budget is met and (for the
-    Poisson design) at least part of it is left to sampling.
+    shrinks first, then the sinks (:func:`kvcert.fast.design_sizes`).
     """
 
     compression_ratio: float = 0.0
     target_size: int | None = None
-    compression_interval: int | None = None
     sinks: int = 4
     window: int = 32
     delta: float = 0.05
     kind: str = "chebyshev"
 
-    #: the importance scorer (fixed per class for the deterministic presses)
-    _scorer_name = "snapkv"
-    #: randomized (Poisson) or deterministic (top-k) eviction
-    randomized = False
+    #: Poisson design (expected budget, top slice) or deterministic top-k (exact budget)
+    _randomized = False
 
     def __post_init__(self):
         self.compression_ratio = _real("compression_ratio", self.compression_ratio, 0.0, 1.0, hi_open=True)
@@ -234,140 +276,67 @@ class BasePress:
                 f"give compression_ratio or target_size, not both (got compression_ratio="
                 f"{self.compression_ratio}, target_size={self.target_size})"
             )
-        self.compression_interval = _int("compression_interval", self.compression_interval, low=1, optional=True)
         self.sinks = _int("sinks", self.sinks)
         self.window = _int("window", self.window)
         self.delta = _real("delta", self.delta, 0.0, 1.0, lo_open=True, hi_open=True)
-        if not isinstance(self.kind, str) or self.kind not in _KINDS:
-            raise ValueError(f"kind must be one of {_KINDS}, got {self.kind!r}")
-        self._runtime = None
-
-    # -- public ---------------------------------------------------------------------------------
-    def __call__(self, model):
-        """Context manager: ``with press(model): model.generate(...)``."""
-        return _PressContext(self, model)
-
-    @property
-    def certificates(self):
-        """Certificates recorded by the last sequence run under this press
-        (:class:`kvcert.attention.Certificates`, batched: (b, steps, layers, heads)),
-        or None before any run."""
-        rt = self._runtime
-        return None if rt is None or rt.recorder is None else rt.recorder.result()
+        if not isinstance(self.kind, str) or self.kind not in _kinds():
+            raise ValueError(f"kind must be one of {_kinds()}, got {self.kind!r}")
+        _validate_params(self)
 
     @property
     def compresses(self) -> bool:
         """Whether this press removes anything at the prefill event."""
         return self.compression_ratio > 0 or self.target_size is not None
 
-    # -- hooks called by the attention function ---------------------------------------------------
+    # -- what a subclass provides ----------------------------------------------------------------
+    def _score(self, queries, keys, values, *, scale: float, layer: int, event: int) -> torch.Tensor:
+        """(1, h_kv, n) importance of one row's tokens (all valid)."""
+        raise NotImplementedError
+
+    def queries_needed(self, n: int) -> int:
+        """Prefill queries the scorer reads at the prefill event of n tokens."""
+        return 0
+
     def _observation_window(self) -> int:
         return getattr(self, "observation_window", self.window) or 1
 
-    def _on_prefill(self, layer, layer_idx: int, query: torch.Tensor, scale: float) -> None:
-        if self.compression_interval is not None:
-            layer.remember_queries(query, self._observation_window())
-        self._compress(layer, layer_idx, query, scale, prefill=True)
+    def _evict(self, keys, values, importance, budget, sizes, *, valid, log_weights, positions, layer_idx,
+               event):
+        """One row's eviction -> a ``kvcert.fast.CompressedCache``."""
+        raise NotImplementedError
 
-    def _queries_needed(self, n: int) -> int:
-        """Prefill queries the scorer reads at the prefill event of n tokens."""
-        name = self._scorer_name
-        if name == "h2o":
-            return n
-        if name in ("snapkv", "tova", "expected"):
-            return min(self._observation_window(), n)
-        return 0
+    # -- the events (called by the session) ------------------------------------------------------
+    def prefill_event(self, layer, layer_idx: int, queries: torch.Tensor, scale: float) -> None:
+        self._compress(layer, layer_idx, queries, scale, prefill=True)
 
-    def _compress_prefilled(self, cache, *, query_window) -> None:
-        """The prefill event on a cache filled under :class:`_QueryRecorder` (``kvcert.prefill``).
+    def decode_event(self, layer, layer_idx: int, queries: torch.Tensor, scale: float) -> None:
+        """Nothing: decode-time compression is :class:`DecodingPress`'s."""
 
-        Records the step-0 (exact prefill) certificate row as the attention
-        function does, then compresses each layer with the recorded queries.
-        """
-        from .attention import _per_query_head
-
-        rt = self._runtime
-        for idx, layer in enumerate(cache.layers):
-            queries, scale = layer.queries, getattr(layer, "query_scale", None)
-            layer.queries = None
-            if queries is None or scale is None:
-                raise ValueError("prefilled: the cache holds no recorded queries (make it with kvcert.prefill)")
-            n = layer.physical_length
-            need = self._queries_needed(n)
-            if need > queries.shape[2]:
-                raise ValueError(
-                    f"prefilled: {type(self).__name__} (scorer {self._scorer_name!r}) reads {need} prefill queries "
-                    f"but kvcert.prefill kept {queries.shape[2]} (query_window={query_window}); call "
-                    "kvcert.prefill(..., query_window=None) to keep all of them"
-                )
-            if rt is not None and rt.recorder is not None:
-                zeros = torch.zeros(queries.shape[0], queries.shape[1], device=queries.device)
-                rt.recorder.add(idx, zeros, zeros, zeros, _per_query_head(layer.kept, queries.shape[1]))
-            self._on_prefill(layer, idx, queries, scale)
-
-    def _on_decode(self, layer, layer_idx: int, query: torch.Tensor, scale: float) -> None:
-        if self.compression_interval is None:
-            return
-        layer.remember_queries(query, self._observation_window())
-        layer.tokens_since_event += query.shape[2]
-        if layer.tokens_since_event >= self.compression_interval:
-            self._compress(layer, layer_idx, layer.queries, scale, prefill=False)
-
-    # -- budget and design sizes ----------------------------------------------------------------
+    # -- budgets --------------------------------------------------------------------------------
     def _budget(self, n: int) -> float:
         """Budget for n tokens: target_size (capped at n) or n (1 - ratio)."""
         if self.target_size is not None:
             return float(min(self.target_size, n))
         b = n * (1.0 - self.compression_ratio)
-        return float(max(int(b), 1)) if not self.randomized else b
+        return b if self._randomized else float(max(int(b), 1))
 
-    def _sizes(self, budget: float) -> tuple[int, int, int]:
-        """(sinks, window, top) fitting under the budget (see the class Notes)."""
-        sinks, window = self.sinks, self.window
-        if self.randomized:
-            cap = max(math.ceil(budget) - 1, 0)  # the largest certainty set strictly below the budget
-        else:
-            cap = int(budget)
-        if sinks + window > cap:
-            window = max(0, cap - sinks)
-            sinks = min(sinks, cap)
-        top = 0
-        if self.randomized:
-            top = min(int(math.floor(self.top_fraction * (budget - sinks - window))), cap - sinks - window)
-            top = max(top, 0)
-        return sinks, window, top
+    def design_sizes(self, n: int):
+        """The budget and certainty set of this press's prefill event over n tokens
+        (:func:`kvcert.fast.design_sizes`)."""
+        return self._sizes(self._budget(n))
 
-    # -- importance ----------------------------------------------------------------------------
-    def _importance(self, queries, keys, scale, *, layer_idx: int, event: int, prefill: bool) -> torch.Tensor:
-        """(1, h_kv, n) importance of one row's tokens (all valid)."""
-        from .fast import scorers as S
+    def _sizes(self, budget: float):
+        return design_sizes(budget, sinks=self.sinks, window=self.window,
+                            top_fraction=getattr(self, "top_fraction", 0.0), randomized=self._randomized)
 
-        name = self._scorer_name
-        n = keys.shape[2]
-        w = min(self._observation_window(), queries.shape[2], n)
-        if name == "snapkv":
-            return S.snapkv_scores(queries[:, :, -w:], keys, scale=scale,
-                                   kernel_size=getattr(self, "kernel_size", 7))
-        if name == "h2o":
-            if prefill and queries.shape[2] == n:
-                return S.h2o_scores(queries, keys, scale=scale)
-            # decode-time event: the attention of the evicted steps is not kept, so H2O
-            # accumulates over the observation window only (SnapKV without pooling)
-            return S.snapkv_scores(queries[:, :, -w:], keys, scale=scale, kernel_size=1)
-        if name == "expected":
-            return S.expected_attention_scores(queries[:, :, -w:], keys, scale=scale,
-                                               kernel_size=getattr(self, "kernel_size", 7))
-        if name == "tova":
-            return S.tova_scores(queries[:, :, -1], keys, scale=scale)
-        if name == "knorm":
-            return S.knorm_scores(keys)
-        if name == "streaming_llm":
-            return S.streaming_llm_scores(keys)
-        if name == "random":
-            return S.random_scores(keys, seed=self.seed, layer=layer_idx, event=event)
-        raise ValueError(f"unknown scorer {name!r}; expected one of {SCORER_NAMES}")
+    def _window_queries(self, queries: torch.Tensor, n: int) -> torch.Tensor:
+        """The queries the scorer reads, of those given (every one for an all-query scorer
+        at a prefill event, else the last ``observation_window``)."""
+        need = self.queries_needed(n)
+        w = need if need == n == queries.shape[2] else min(self._observation_window(), queries.shape[2], n)
+        return queries[:, :, -max(w, 1):]
 
-    def _row_importance(self, queries, keys, valid, scale, *, layer_idx, event, prefill) -> torch.Tensor:
+    def _row_importance(self, queries, keys, values, valid, scale, *, layer_idx, event) -> torch.Tensor:
         """Importance (1, h_kv, m) of one row of a cache with per-head padding (0 on padding)."""
         h_kv = keys.shape[1]
         g = queries.shape[1] // h_kv
@@ -377,35 +346,20 @@ class BasePress:
             idx = valid[0, h].nonzero().squeeze(-1)
             if idx.numel() == 0:
                 continue
-            uh = self._importance(queries[:, h * g:(h + 1) * g], keys[:, h:h + 1, idx], scale,
-                                  layer_idx=layer_idx, event=event, prefill=prefill)
+            qh = self._window_queries(queries[:, h * g:(h + 1) * g], idx.numel())
+            uh = self._score(qh, keys[:, h:h + 1, idx], values[:, h:h + 1, idx], scale=scale,
+                             layer=layer_idx, event=event)
             u[0, h, idx] = uh[0, 0].to(dtype)
         return u
 
-    # -- eviction ------------------------------------------------------------------------------
-    def _evict(self, keys, values, importance, budget, *, valid, log_weights, positions, layer_idx, event):
-        """One row's eviction; returns (keys, values, log_weights, positions)."""
-        from . import fast
+    def _compress(self, layer, layer_idx: int, queries, scale: float, *, prefill: bool,
+                  target: float | None = None) -> None:
+        """One eviction event on every row of a layer (rows are independent designs).
 
-        n_valid = valid.sum(-1)  # (1, h)
-        sinks, window, top = self._sizes(float(budget) if not torch.is_tensor(budget) else float(budget.max()))
-        pi_prev = log_weights.exp()
-        if self.randomized:
-            u = importance.to(torch.float64).masked_fill(~valid, 0.0)
-            low = u.masked_fill(~valid, math.inf).amin(-1, keepdim=True)
-            if bool((low < 0).any()):  # e.g. knorm's -||k||: shift to >= 0 on the valid slots
-                u = (u - low).masked_fill(~valid, 0.0)
-            cc = fast.evict(keys, values, u, budget, sinks=sinks, window=window, top=top, floor=self.floor,
-                            seed=self.seed, layer=layer_idx, event=event, pi=pi_prev, positions=positions)
-        else:
-            k = int(torch.as_tensor(budget).min()) if torch.is_tensor(budget) else int(budget)
-            k = min(k, int(n_valid.min()))
-            cc = fast.topk_evict(keys, values, importance, k, sinks=sinks, window=window,
-                                 pi=pi_prev, positions=positions)
-        return cc.keys, cc.values, torch.log(cc.pi), cc.positions
-
-    def _compress(self, layer, layer_idx: int, queries, scale: float, *, prefill: bool) -> None:
-        """One eviction event on every row of a layer (rows are independent designs)."""
+        A prefill event compresses to this press's budget; a decode-time event
+        (``prefill=False``) compresses back to ``target``, or to the row's
+        prefill budget when ``target`` is None.
+        """
         event = layer.events
         layer.events += 1
         layer.tokens_since_event = 0
@@ -436,41 +390,26 @@ class BasePress:
                 if n == 0 or budget >= n:
                     rows.append((k, v, lw, pos))
                     continue
-                u = self._importance(q_r, k, scale, layer_idx=layer_idx, event=event, prefill=True)
+                u = self._score(self._window_queries(q_r, n), k, v, scale=scale, layer=layer_idx, event=event)
             else:
-                target = self.target_size
-                if target is None and layer.budgets is not None and not math.isnan(float(layer.budgets[r])):
-                    target = float(layer.budgets[r])
+                row_target = target
+                if row_target is None and layer.budgets is not None and not math.isnan(float(layer.budgets[r])):
+                    row_target = float(layer.budgets[r])
                 n_h = valid.sum(-1)  # (1, h)
-                if target is None or int(n_h.max()) <= target:
+                if row_target is None or int(n_h.max()) <= row_target:
                     rows.append((k, v, lw, pos))
                     continue
-                budget = torch.clamp(n_h.to(torch.float64), max=float(target))
+                budget = torch.clamp(n_h.to(torch.float64), max=float(row_target))
                 seen = min(queries.shape[2], int(layer.next_position[r]))  # no left-padding queries
-                u = self._row_importance(queries[sl][:, :, -seen:], k, valid, scale, layer_idx=layer_idx,
-                                         event=event, prefill=False)
-            rows.append(self._evict(k, v, u, budget, valid=valid, log_weights=lw, positions=pos,
-                                    layer_idx=layer_idx, event=event))
+                u = self._row_importance(queries[sl][:, :, -seen:], k, v, valid, scale, layer_idx=layer_idx,
+                                         event=event)
+            top = float(budget) if not torch.is_tensor(budget) else float(budget.max())
+            cc = self._evict(k, v, u, budget, self._sizes(top), valid=valid, log_weights=lw, positions=pos,
+                             layer_idx=layer_idx, event=event)
+            rows.append((cc.keys, cc.values, torch.log(cc.pi), cc.positions))
             changed = True
         if changed:
             layer.replace(*_pad_rows(rows))
-
-
-@dataclass
-class _QueryRecorder(BasePress):
-    """Keeps everything and records each layer's last ``query_window`` prefill
-    queries and scale in the cache (``layer.queries``, ``layer.query_scale``)
-    for :func:`kvcert.prefill`. Counts no eviction event."""
-
-    query_window: int | None = 64
-
-    def _on_prefill(self, layer, layer_idx: int, query: torch.Tensor, scale: float) -> None:
-        q = query.detach()
-        layer.queries = q if self.query_window is None else q[:, :, -self.query_window:]
-        layer.query_scale = scale
-
-    def _on_decode(self, layer, layer_idx: int, query: torch.Tensor, scale: float) -> None:
-        raise RuntimeError("kvcert.prefill records a prefill only")
 
 
 def _pad_rows(rows):
@@ -489,6 +428,84 @@ def _pad_rows(rows):
     return tuple(torch.cat(x, dim=0) for x in out)
 
 
+# ---------------------------------------------------------------------------------------------
+# deterministic presses: top-k by a score
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class ScorerPress(BasePress):
+    """Deterministic eviction by a score: keep the sinks, the window and the
+    highest-scoring tokens, exactly the budget. pi = 1 on kept tokens, so the
+    certificates are 0 (uninformative; the paper's impossibility).
+
+    A new method subclasses it and writes only :meth:`score` (and, if it
+    reads prefill queries, sets ``query_need`` to ``"window"`` or ``"all"``);
+    an instance can also serve as ``PoissonPress(scorer=...)``.
+    """
+
+    #: which prefill queries :meth:`score` reads: "window" (the last observation_window), "all", "none"
+    query_need = "window"
+
+    def score(self, queries, keys, values, *, scale: float, layer: int = 0, event: int = 0) -> torch.Tensor:
+        """Importance (b, h_kv, n) of the tokens (higher = keep); queries (b, h_q, w, d)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement score(queries, keys, values, *, scale, "
+                                  "layer, event)")
+
+    def queries_needed(self, n: int) -> int:
+        return {"window": min(self._observation_window(), n), "all": n, "none": 0}[self.query_need]
+
+    def _score(self, queries, keys, values, *, scale, layer, event):
+        return self.score(queries, keys, values, scale=scale, layer=layer, event=event)
+
+    def _evict(self, keys, values, importance, budget, sizes, *, valid, log_weights, positions, layer_idx,
+               event):
+        from . import fast
+
+        k = int(torch.as_tensor(budget).min()) if torch.is_tensor(budget) else int(budget)
+        k = min(k, int(valid.sum(-1).min()))
+        return fast.topk_evict(keys, values, importance, k, sinks=sizes.sinks, window=sizes.window,
+                               pi=log_weights.exp(), positions=positions)
+
+
+def _scorer_params(press, scorer) -> dict:
+    """The registered scorer's hyperparameters that ``press`` sets (fields of the same name)."""
+    return {p: getattr(press, p) for p in scorer.params if hasattr(press, p)}
+
+
+class _RegistryScorer:
+    """``score`` of a press made from a ``kvcert.fast.SCORERS`` entry (see :func:`make_scorer_press`)."""
+
+    scorer_name = ""
+
+    @property
+    def query_need(self):
+        return SCORERS[self.scorer_name].queries
+
+    def score(self, queries, keys, values, *, scale, layer=0, event=0):
+        scorer = SCORERS[self.scorer_name]
+        return scorer(queries, keys, values, scale=scale, layer=layer, event=event,
+                      **_scorer_params(self, scorer))
+
+
+def make_scorer_press(name: str) -> type:
+    """The deterministic press class of the registered scorer ``name``: a :class:`ScorerPress`
+    whose fields are :class:`BasePress`'s, ``observation_window`` if the scorer reads a query
+    window, and the scorer's ``params`` (with their registry defaults)."""
+    scorer = SCORERS[name]
+    names = (["observation_window"] if scorer.queries == "window" else []) + list(scorer.params)
+    defaults = {"observation_window": SCORER_PARAMS["observation_window"][0], **scorer.params}
+    fields = [(p, int, dataclasses.field(default=defaults[p])) for p in names]
+    doc = (f"Deterministic {scorer.summary} Keeps the sinks, the window and the top of the score "
+           f"(scorer ``{name}``, :data:`kvcert.fast.SCORERS`); pi = 1 on kept tokens: certificates "
+           "are 0 (uninformative).")
+    cls = dataclasses.make_dataclass(scorer.press, fields, bases=(_RegistryScorer, ScorerPress),
+                                     namespace={"scorer_name": name, "__doc__": doc})
+    cls.__module__ = __name__
+    return cls
+
+
+# ---------------------------------------------------------------------------------------------
+# the randomized design
+# ---------------------------------------------------------------------------------------------
 @dataclass
 class PoissonPress(BasePress):
     r"""Randomized eviction with known inclusion probabilities (the paper's design).
@@ -496,8 +513,9 @@ class PoissonPress(BasePress):
     At each event, per layer, batch row and KV head: the first ``sinks``
     tokens, the last ``window`` tokens and the ``top`` most important others
     are kept with certainty (pi = 1), where
-    :math:`\text{top} = \lfloor \text{top\_fraction}\,(B - \text{sinks} - \text{window})\rfloor`;
-    every other token is kept independently with
+    :math:`\text{top} = \lfloor \text{top\_fraction}\,(B - \text{sinks} - \text{window})\rfloor`
+    (:func:`kvcert.fast.design_sizes`); every other token is kept
+    independently with
 
     .. math:: \pi_i = \min(1, \lambda u'_i), \qquad
               u'_i = (1-\alpha)\frac{u_i}{\sum_{T} u_j} + \frac{\alpha}{|T|},
@@ -510,7 +528,7 @@ class PoissonPress(BasePress):
 
     Parameters
     ----------
-    compression_ratio, target_size, compression_interval, sinks, window, delta, kind
+    compression_ratio, target_size, sinks, window, delta, kind
         See :class:`BasePress`. Defaults: sinks 4, window 32 (the last 32
         tokens), delta 0.05, kind ``chebyshev``.
     top_fraction : float in [0, 1)
@@ -519,23 +537,22 @@ class PoissonPress(BasePress):
     floor : float in (0, 1]
         Defensive mixture weight alpha (default 0.1): every tail token has
         pi >= alpha B_tail / |T| > 0.
-    scorer : {"snapkv", "h2o", "tova", "knorm", "streaming_llm", "random", "expected"}
-        Importance u (default ``snapkv``: attention of the last
+    scorer : str, ScorerPress or callable
+        Importance u (default ``"snapkv"``: attention of the last
         ``observation_window`` prefill queries, GQA-pooled, smoothed with
-        ``kernel_size``). Negative scores (``knorm``) are shifted to >= 0.
-        ``expected``: the mean of SnapKV's normalized importance and an
-        expected-attention one (keys scored under a Gaussian fit of the
-        window's queries, :func:`kvcert.fast.expected_attention_scores`);
-        it lowered the attention error by 9-13% at equal budget on the
-        real-model replay cells (docs/results.md, Table 2b, design
-        ``expected``), at unchanged coverage.
+        ``kernel_size``). A name of ``kvcert.fast.SCORERS``; or a
+        :class:`ScorerPress` instance (its ``score`` and its own
+        hyperparameters); or a callable
+        ``fn(queries, keys, values, *, scale, layer, event) -> (b, h_kv, n)``
+        reading the last ``observation_window`` queries. Negative scores
+        (``knorm``) are shifted to >= 0 per head.
     seed : int >= 0
         Seed of the sampling streams, one per (layer, batch row, KV head,
         event) and indexed by token position (:mod:`kvcert.fast.design`):
         the same seed replays the same draws, and a sequence draws the same
         sample alone or in a batch.
     observation_window : int >= 1
-        Queries the ``snapkv``/``tova``/``h2o`` scorers look at (default 32).
+        Queries the query-based scorers look at (default 32).
     kernel_size : odd int >= 1
         SnapKV pooling width (default 7).
 
@@ -549,99 +566,190 @@ class PoissonPress(BasePress):
 
     top_fraction: float = 0.5
     floor: float = 0.1
-    scorer: str = "snapkv"
+    scorer: object = "snapkv"
     seed: int = 0
     observation_window: int = 32
     kernel_size: int = 7
 
-    randomized = True
+    _randomized = True
 
     def __post_init__(self):
         super().__post_init__()
         self.top_fraction = _real("top_fraction", self.top_fraction, 0.0, 1.0, hi_open=True)
         self.floor = _real("floor", self.floor, 0.0, 1.0, lo_open=True)
-        if not isinstance(self.scorer, str) or self.scorer not in SCORER_NAMES:
-            raise ValueError(f"scorer must be one of {SCORER_NAMES}, got {self.scorer!r}")
-        self.seed = _int("seed", self.seed)
-        self.observation_window = _int("observation_window", self.observation_window, low=1)
-        self.kernel_size = _int("kernel_size", self.kernel_size, low=1)
-        if self.kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be odd, got {self.kernel_size}")
+        s = self.scorer
+        if isinstance(s, str):
+            if s not in SCORERS:
+                raise ValueError(f"scorer must be one of {tuple(SCORERS)}, a ScorerPress or a callable, got {s!r}")
+        elif not (isinstance(s, ScorerPress) or callable(s)):
+            raise TypeError(f"scorer must be a registry name {tuple(SCORERS)}, a ScorerPress instance or a "
+                            f"callable, got {type(s).__name__}")
 
-    @property
-    def _scorer_name(self):  # the field chooses the scorer
-        return self.scorer
+    def queries_needed(self, n: int) -> int:
+        s = self.scorer
+        if isinstance(s, str):
+            return SCORERS[s].queries_needed(n, self.observation_window)
+        if isinstance(s, ScorerPress):
+            return s.queries_needed(n)
+        return min(self.observation_window, n)
+
+    def _observation_window(self) -> int:
+        s = self.scorer
+        return s._observation_window() if isinstance(s, ScorerPress) else self.observation_window
+
+    def _score(self, queries, keys, values, *, scale, layer, event):
+        s = self.scorer
+        if isinstance(s, str):
+            return SCORERS[s](queries, keys, values, scale=scale, layer=layer, event=event,
+                              **_scorer_params(self, SCORERS[s]))
+        if isinstance(s, ScorerPress):
+            return s.score(queries, keys, values, scale=scale, layer=layer, event=event)
+        u = s(queries, keys, values, scale=scale, layer=layer, event=event)
+        if not isinstance(u, torch.Tensor) or u.shape != keys.shape[:3]:
+            raise ValueError(f"scorer must return a tensor of shape (b, h_kv, n) = {tuple(keys.shape[:3])}, "
+                             f"got {getattr(u, 'shape', type(u).__name__)}")
+        return u
+
+    def inclusion_probabilities(self, importance: torch.Tensor, n: int | None = None) -> torch.Tensor:
+        """pi (..., n) this press's prefill event gives to tokens of this importance
+        (every slot valid): :func:`kvcert.fast.inclusion_probabilities` with the
+        press's budget and :func:`kvcert.fast.design_sizes`."""
+        from . import fast
+
+        sizes = self.design_sizes(importance.shape[-1] if n is None else n)
+        return fast.inclusion_probabilities(_shifted(importance.to(torch.float64)), sizes.budget,
+                                            sinks=sizes.sinks, window=sizes.window, top=sizes.top,
+                                            floor=self.floor)
+
+    def _evict(self, keys, values, importance, budget, sizes, *, valid, log_weights, positions, layer_idx,
+               event):
+        from . import fast
+
+        u = _shifted(importance.to(torch.float64), valid)
+        return fast.evict(keys, values, u, budget, sinks=sizes.sinks, window=sizes.window, top=sizes.top,
+                          floor=self.floor, seed=self.seed, layer=layer_idx, event=event,
+                          pi=log_weights.exp(), positions=positions)
 
 
+def _shifted(u: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Importance >= 0 on the valid slots (0 on the others): a negative score
+    (e.g. knorm's -||k||) is shifted by its per-head minimum."""
+    if valid is None:
+        valid = torch.ones_like(u, dtype=torch.bool)
+    u = u.masked_fill(~valid, 0.0)
+    low = u.masked_fill(~valid, math.inf).amin(-1, keepdim=True)
+    if bool((low < 0).any()):
+        u = (u - low).masked_fill(~valid, 0.0)
+    return u
+
+
+# ---------------------------------------------------------------------------------------------
+# decode-time compression, as a wrapper
+# ---------------------------------------------------------------------------------------------
 @dataclass
-class SnapKVPress(BasePress):
-    """Deterministic SnapKV (Li et al. 2024): keep the sinks, the window and the
-    tokens the last ``observation_window`` queries attend to most (pooled with
-    ``kernel_size``). pi = 1 on kept tokens: certificates are 0 (uninformative)."""
+class DecodingPress(Press):
+    """Decode-time compression around any press (kvpress's ``DecodingPress`` shape).
 
-    observation_window: int = 32
-    kernel_size: int = 7
-    _scorer_name = "snapkv"
+    The prefill event is the base press's own (it compresses if its
+    ``compression_ratio``/``target_size`` say so); then every
+    ``compression_interval`` new tokens each layer is compressed back to
+    ``target_size`` by the base press's scorer and design, reading the last
+    ``observation_window`` queries. Certificates are the base press's kind.
+
+    Parameters
+    ----------
+    base_press : BasePress
+        E.g. ``PoissonPress(seed=0)`` or ``SnapKVPress()``.
+    compression_interval : int >= 1
+        New tokens (decoded, or prompt tokens of a streaming prefill) between events.
+    target_size : int >= 1, optional
+        Tokens per head kept after each event. Default: the base press's
+        ``target_size``, else the budget of each row's prefill event.
+    """
+
+    base_press: BasePress = None
+    compression_interval: int = 512
+    target_size: int | None = None
 
     def __post_init__(self):
-        super().__post_init__()
-        self.observation_window = _int("observation_window", self.observation_window, low=1)
-        self.kernel_size = _int("kernel_size", self.kernel_size, low=1)
-        if self.kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be odd, got {self.kernel_size}")
+        if not isinstance(self.base_press, BasePress):
+            raise TypeError(f"base_press must be a kvcert press (e.g. kvcert.PoissonPress()), got "
+                            f"{type(self.base_press).__name__}")
+        self.compression_interval = _int("compression_interval", self.compression_interval, low=1)
+        self.target_size = _int("target_size", self.target_size, low=1, optional=True)
+        if self.target_size is None:
+            self.target_size = self.base_press.target_size
+        if self.target_size is None and not self.base_press.compresses:
+            raise ValueError("target_size: give DecodingPress a target_size (or a base press that compresses "
+                             "at the prefill, whose budget is then the target)")
+
+    kind = property(lambda self: self.base_press.kind)
+    delta = property(lambda self: self.base_press.delta)
+
+    def queries_needed(self, n: int) -> int:
+        return self.base_press.queries_needed(n)
+
+    def prefill_event(self, layer, layer_idx: int, queries: torch.Tensor, scale: float) -> None:
+        layer.remember_queries(queries, self.base_press._observation_window())
+        self.base_press.prefill_event(layer, layer_idx, queries, scale)
+
+    def decode_event(self, layer, layer_idx: int, queries: torch.Tensor, scale: float) -> None:
+        layer.remember_queries(queries, self.base_press._observation_window())
+        layer.tokens_since_event += queries.shape[2]
+        if layer.tokens_since_event >= self.compression_interval:
+            self.base_press._compress(layer, layer_idx, layer.queries, scale, prefill=False,
+                                      target=self.target_size)
 
 
-@dataclass
-class H2OPress(BasePress):
-    """Deterministic H2O (Zhang et al. 2023): keep the heavy hitters of the
-    accumulated causal attention of all prefill queries (decode-time events
-    accumulate over the recent queries only)."""
+# ---------------------------------------------------------------------------------------------
+# the query recorder of kvcert.prefill
+# ---------------------------------------------------------------------------------------------
+class _QueryRecorder(Press):
+    """Keeps everything and records each layer's last ``query_window`` prefill
+    queries and scale in the cache (``layer.queries``, ``layer.query_scale``)
+    for :func:`kvcert.prefill`. Records no certificate, counts no event."""
 
-    _scorer_name = "h2o"
+    kind = delta = None
 
+    def __init__(self, query_window: int | None = 64):
+        self.query_window = query_window
 
-@dataclass
-class StreamingLLMPress(BasePress):
-    """Deterministic StreamingLLM (Xiao et al. 2024): keep the sinks and the most recent tokens."""
+    def prefill_event(self, layer, layer_idx: int, queries: torch.Tensor, scale: float) -> None:
+        q = queries.detach()
+        layer.queries = q if self.query_window is None else q[:, :, -self.query_window:]
+        layer.query_scale = scale
 
-    _scorer_name = "streaming_llm"
-
-
-@dataclass
-class TOVAPress(BasePress):
-    """Deterministic TOVA (Oren et al. 2024): keep the tokens the last query attends to most."""
-
-    _scorer_name = "tova"
-
-
-@dataclass
-class KNormPress(BasePress):
-    """Deterministic K-norm (Devoto et al. 2024): keep the keys of smallest L2 norm."""
-
-    _scorer_name = "knorm"
+    def decode_event(self, layer, layer_idx: int, queries: torch.Tensor, scale: float) -> None:
+        raise RuntimeError("kvcert.prefill records a prefill only")
 
 
-@dataclass
-class RandomPress(BasePress):
-    """Uniform random eviction *without* correction: a random kept set of the
-    budget's size with pi treated as 1 (so its certificates are 0 and its
-    estimate biased); the contrast to :class:`PoissonPress`."""
+# ---------------------------------------------------------------------------------------------
+# registries
+# ---------------------------------------------------------------------------------------------
+for _name in SCORERS:
+    globals()[SCORERS[_name].press] = make_scorer_press(_name)
 
-    seed: int = 0
-    _scorer_name = "random"
+#: scorers a PoissonPress can draw its importance from (kvcert.fast.SCORERS)
+SCORER_NAMES = tuple(SCORERS)
 
-    def __post_init__(self):
-        super().__post_init__()
-        self.seed = _int("seed", self.seed)
+#: name -> press class (the CLI's --press choices): PoissonPress, and one deterministic
+#: press per registered scorer
+PRESSES = {"poisson": PoissonPress, **{name: globals()[s.press] for name, s in SCORERS.items()}}
 
 
-#: name -> press class (the CLI's --press choices)
-PRESSES = {
-    "poisson": PoissonPress,
-    "snapkv": SnapKVPress,
-    "h2o": H2OPress,
-    "streaming_llm": StreamingLLMPress,
-    "tova": TOVAPress,
-    "knorm": KNormPress,
-    "random": RandomPress,
-}
+def _cases(name: str, cls) -> tuple[dict, dict]:
+    """(easy, hard) keyword sets of a press: a typical setting, and an edge one (a budget below
+    sinks + window, the non-default hyperparameters)."""
+    easy = {"compression_ratio": 0.5}
+    hard = {"target_size": 5, "sinks": 2, "window": 6, "delta": 0.2}
+    if cls is PoissonPress:
+        return ({**easy, "seed": 1},
+                {**hard, "top_fraction": 0.9, "floor": 1.0, "scorer": "tova", "kind": "wald", "seed": 3})
+    extra = {"observation_window": 3, "kernel_size": 3, "seed": 4}
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return easy, {**hard, **{p: extra.get(p, 2) for p in fields if p in extra or p in SCORERS[name].params}}
+
+
+#: name -> (easy, hard) keyword sets that the shared press tests iterate: a new press is
+#: covered without editing a test; DecodingPress wraps each (``decoding`` cases)
+PRESS_CASES = {name: _cases(name, cls) for name, cls in PRESSES.items()}

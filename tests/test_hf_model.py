@@ -229,7 +229,7 @@ def test_decode_time_compression(model_sdpa, monkeypatch):
     cont = tok(" The assert statement checks that a condition is true", add_special_tokens=False,
                return_tensors="pt").input_ids[0][:9]
     calls = spy_hajek(monkeypatch)
-    press = kvcert.PoissonPress(target_size=48, compression_interval=4, sinks=2, window=8, seed=2)
+    press = kvcert.DecodingPress(kvcert.PoissonPress(target_size=48, sinks=2, window=8, seed=2), compression_interval=4)
     _, cache = forced_logits(model, ids, cont, press)
     certs = press.certificates[0]
     for layer in cache.layers:
@@ -262,7 +262,7 @@ def test_every_press_on_the_model(model_sdpa, name):
     _, cache = forced_logits(model, ids, cont, press)
     certs = press.certificates[0]
     assert certs.shape == (2, N_LAYERS, H_Q)
-    if press.randomized:
+    if isinstance(press, kvcert.PoissonPress):
         # E|S| = B per head; Var|S| = sum pi (1 - pi), estimated without bias by sum_S (1 - pi)
         budget = n * 0.5
         total = sum(int(layer.kept.sum()) - H_KV for layer in cache.layers)  # minus the token fed after

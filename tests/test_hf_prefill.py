@@ -37,7 +37,7 @@ PRESSES = [
     lambda: kvcert.PoissonPress(compression_ratio=0.5, seed=3),
     lambda: kvcert.PoissonPress(compression_ratio=0.7, seed=1, scorer="tova", kind="wald"),
     lambda: kvcert.PoissonPress(compression_ratio=0.6, seed=4, scorer="expected", kind="chebyshev_ucb"),
-    lambda: kvcert.PoissonPress(target_size=60, compression_interval=2, seed=2),
+    lambda: kvcert.DecodingPress(kvcert.PoissonPress(target_size=60, seed=2), compression_interval=2),
     lambda: kvcert.SnapKVPress(compression_ratio=0.5),
     lambda: kvcert.StreamingLLMPress(compression_ratio=0.6),
     lambda: kvcert.KNormPress(compression_ratio=0.5),
@@ -108,7 +108,7 @@ def test_prefill_chunk_longer_than_the_prompt_changes_nothing(smollm2):  # noqa:
 def test_streaming_compression_keeps_the_budget(smollm2):  # noqa: F811
     model, tok = smollm2
     C, T = 32, 48
-    press = kvcert.SnapKVPress(target_size=T, compression_interval=C, window=8)
+    press = kvcert.DecodingPress(kvcert.SnapKVPress(target_size=T, window=8), compression_interval=C)
     r = kvcert.generate(model, tok, PROMPT, press=press, max_new_tokens=NEW, prefill_chunk=C)
     n = r.prompt_tokens
     pc = r.prompt_certificates
@@ -126,7 +126,8 @@ def test_streaming_compression_keeps_the_budget(smollm2):  # noqa: F811
 def test_streaming_poisson_certifies_and_replays(smollm2):  # noqa: F811
     model, tok = smollm2
     runs = [kvcert.generate(model, tok, PROMPT, max_new_tokens=NEW, prefill_chunk=32,
-                            press=kvcert.PoissonPress(target_size=48, compression_interval=32, window=8, seed=5))
+                            press=kvcert.DecodingPress(kvcert.PoissonPress(target_size=48, window=8, seed=5),
+                                                       compression_interval=32))
             for _ in range(2)]
     _same(*runs)
     pc = runs[0].prompt_certificates

@@ -25,7 +25,7 @@ from transformers import DynamicCache, StaticCache
 import kvcert
 import kvcert.dispatch
 from kvcert import reference as R
-from kvcert.attention import Certificates, Recorder
+from kvcert.records import Certificates, Recorder
 from kvcert.cache import KVCertCache, KVCertLayer, as_kvcert_cache
 
 EPS32 = float(torch.finfo(torch.float32).eps)
@@ -176,7 +176,6 @@ BAD_KWARGS = [
     ({"target_size": 0}, ValueError, "target_size"),
     ({"target_size": 2.5}, TypeError, "target_size"),
     ({"target_size": 8, "compression_ratio": 0.5}, ValueError, "not both"),
-    ({"compression_interval": 0}, ValueError, "compression_interval"),
     ({"sinks": -1}, ValueError, "sinks"),
     ({"window": True}, TypeError, "window"),
     ({"delta": 0.0}, ValueError, "delta"),
@@ -192,10 +191,40 @@ def test_every_press_validates_common_fields(name, kwargs, exc, match):
         kvcert.PRESSES[name](**kwargs)
 
 
+@pytest.mark.parametrize("name", sorted(kvcert.PRESSES))
+@pytest.mark.parametrize("which", ["easy", "hard"])
+def test_every_press_builds_from_its_registry_cases(name, which):
+    """PRESS_CASES holds an easy and a hard keyword set for every press; both validate and round-trip."""
+    easy, hard = kvcert.PRESS_CASES[name]
+    kwargs = easy if which == "easy" else hard
+    p = kvcert.PRESSES[name](**kwargs)
+    for k, v in kwargs.items():
+        assert getattr(p, k) == v, k
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    ({"compression_interval": 0}, ValueError, "compression_interval"),
+    ({"compression_interval": 4}, ValueError, "target_size"),
+    ({"base_press": "snapkv"}, TypeError, "base_press"),
+])
+def test_decoding_press_validates_its_fields(kwargs, exc, match):
+    kwargs = {"base_press": kvcert.SnapKVPress(), **kwargs}
+    with pytest.raises(exc, match=match):
+        kvcert.DecodingPress(**kwargs)
+
+
+def test_decoding_press_defaults_to_the_base_target():
+    base = kvcert.PoissonPress(target_size=64, seed=1)
+    p = kvcert.DecodingPress(base, compression_interval=8)
+    assert p.target_size == 64 and p.kind == base.kind and p.delta == base.delta
+    assert kvcert.DecodingPress(kvcert.SnapKVPress(compression_ratio=0.5), compression_interval=8).target_size is None
+
+
 @pytest.mark.parametrize("kwargs,exc,match", [
     ({"top_fraction": 1.0}, ValueError, "top_fraction"),
     ({"floor": 0.0}, ValueError, "floor"),
     ({"scorer": "magic"}, ValueError, "scorer"),
+    ({"scorer": 3}, TypeError, "scorer"),
     ({"seed": -1}, ValueError, "seed"),
     ({"observation_window": 0}, ValueError, "observation_window"),
     ({"kernel_size": 4}, ValueError, "kernel_size"),
@@ -209,8 +238,11 @@ def test_press_defaults_are_the_documented_design():
     p = kvcert.PoissonPress(compression_ratio=0.5, seed=0)
     assert (p.sinks, p.window, p.top_fraction, p.floor, p.scorer, p.delta, p.kind) == (
         4, 32, 0.5, 0.1, "snapkv", 0.05, "chebyshev")
-    assert p.randomized and not kvcert.SnapKVPress().randomized
-    assert set(kvcert.PRESSES) == {"poisson", "snapkv", "h2o", "streaming_llm", "tova", "knorm", "random"}
+    assert set(kvcert.PRESSES) == {"poisson", *kvcert.fast.SCORERS}
+    for name, scorer in kvcert.fast.SCORERS.items():  # one deterministic press per registered scorer
+        cls = kvcert.PRESSES[name]
+        assert issubclass(cls, kvcert.ScorerPress) and cls.__name__ == scorer.press
+        assert getattr(kvcert, scorer.press) is cls
     assert p._budget(1000) == 500.0 and kvcert.SnapKVPress(compression_ratio=0.5)._budget(1001) == 500.0
     assert kvcert.PoissonPress(target_size=64)._budget(1000) == 64.0
     assert kvcert.PoissonPress(target_size=64)._budget(10) == 10.0
@@ -221,7 +253,7 @@ def test_press_defaults_are_the_documented_design():
 def test_design_sizes_fit_under_the_budget(n, ratio, sinks, window, top_fraction):
     p = kvcert.PoissonPress(compression_ratio=ratio, sinks=sinks, window=window, top_fraction=top_fraction)
     budget = p._budget(n)
-    s, w, top = p._sizes(budget)
+    s, w, top = p._sizes(budget)[1:]
     assert 0 <= s <= sinks and 0 <= w <= window and top >= 0
     assert s + w + top < budget  # something is left to sampling: every token keeps pi > 0
     if budget > sinks + window + 1:
@@ -229,7 +261,7 @@ def test_design_sizes_fit_under_the_budget(n, ratio, sinks, window, top_fraction
                                                        math.ceil(budget) - 1 - s - w)
     d = kvcert.SnapKVPress(compression_ratio=ratio, sinks=sinks, window=window)
     kb = d._budget(n)
-    ds, dw, dtop = d._sizes(kb)
+    ds, dw, dtop = d._sizes(kb)[1:]
     assert ds + dw <= kb and dtop == 0 and kb == max(int(n * (1 - ratio)), 1)
 
 
