@@ -11,7 +11,7 @@ float64 inputs); nothing here repeats K for GQA (queries are reshaped to
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -302,52 +302,63 @@ class Scorer:
 
     Every registered scorer is called the same way,
 
-    ``scorer(queries, keys, values, *, scale=None, kernel_size=7, seed=0, layer=0, event=0)``
+    ``scorer(queries, keys, values, *, scale=None, layer=0, event=0, **params)``
     -> (b, h_kv, n) importance (higher = keep),
 
     with ``queries`` (b, h_q, w, d) the observation window (the last w
     queries before the event, w <= n; for ``queries="all"`` scorers at a
     prefill event, one query per key position), ``keys``/``values``
-    (b, h_kv, n, d). Keywords a scorer does not use are ignored. The float64
-    twin of the same name is ``kvcert.reference.SCORERS[name]`` (one KV head).
+    (b, h_kv, n, d), ``layer``/``event`` the eviction event (random
+    scorers seed their streams with them) and ``params`` the scorer's own
+    hyperparameters (defaults in :attr:`params`). The float64 twin of the
+    same name is ``kvcert.reference.SCORERS[name]`` (one KV head, same
+    keywords).
 
     Attributes
     ----------
     name : str
         Registry key (``PoissonPress(scorer=name)``, the CLI's ``--scorer``).
     fn : callable
-        The implementation, with the signature above.
+        ``fn(queries, keys, values, *, scale, layer, event, **params)``.
     queries : {"window", "all", "none"}
         Which prefill queries it reads (so a shared prefill knows what to keep).
     press : str
         Class name of its deterministic press in :mod:`kvcert.presses`
-        (top-k by this score), e.g. ``"SnapKVPress"``.
-    params : tuple of str
-        Press hyperparameters it reads, among ``observation_window``,
-        ``kernel_size`` and ``seed`` (fields of the generated press).
+        (top-k by this score), e.g. ``"SnapKVPress"``; its fields are the
+        common press fields, ``observation_window`` if it reads a window,
+        and :attr:`params`.
+    params : dict
+        Hyperparameter name -> default (ints), e.g. ``{"kernel_size": 7}``.
     summary : str
         One line: the method and its rule (docstring of the press).
     random : bool
         The score is a random draw: its reference twin agrees in
         distribution, not value by value.
+    reads_values : bool
+        The score depends on the values (not only on queries and keys):
+        the value-shifting adversary of the impossibility result
+        (``kvcert.reference.adversarial_cache``) does not apply to it.
     """
 
     name: str
     fn: Callable
     queries: str
     press: str
-    params: tuple = ()
+    params: dict = field(default_factory=dict)
     summary: str = ""
     random: bool = False
+    reads_values: bool = False
 
     def __post_init__(self):
         if self.queries not in QUERY_NEEDS:
             raise ValueError(f"queries must be one of {QUERY_NEEDS}, got {self.queries!r}")
 
-    def __call__(self, queries, keys, values=None, *, scale=None, kernel_size: int = 7, seed: int = 0,
-                 layer: int = 0, event: int = 0) -> torch.Tensor:
-        return self.fn(queries, keys, values, scale=scale, kernel_size=kernel_size, seed=seed, layer=layer,
-                       event=event)
+    def __call__(self, queries, keys, values=None, *, scale=None, layer: int = 0, event: int = 0,
+                 **params) -> torch.Tensor:
+        unknown = sorted(set(params) - set(self.params))
+        if unknown:
+            raise TypeError(f"scorer {self.name!r} takes the hyperparameters {sorted(self.params)}, got {unknown}")
+        return self.fn(queries, keys, values, scale=scale, layer=layer, event=event, **{**self.params, **params})
 
     def queries_needed(self, n: int, observation_window: int) -> int:
         """Prefill queries this scorer reads at an event over n tokens."""
@@ -380,26 +391,26 @@ def _h2o(queries, keys, values, *, scale, **_):
 for _scorer in (
     Scorer("snapkv", lambda q, k, v, *, scale, kernel_size, **_: snapkv_scores(q, k, scale=scale,
                                                                                  kernel_size=kernel_size),
-           "window", "SnapKVPress", ("observation_window", "kernel_size"),
+           "window", "SnapKVPress", {"kernel_size": 7},
            "SnapKV (Li et al. 2024): attention of the last observation_window queries, GQA-pooled, "
            "smoothed with kernel_size."),
-    Scorer("h2o", _h2o, "all", "H2OPress", (),
+    Scorer("h2o", _h2o, "all", "H2OPress", {},
            "H2O (Zhang et al. 2023): heavy hitters of the accumulated causal attention of every prefill "
            "query (decode-time events accumulate over the recent queries only)."),
     Scorer("tova", lambda q, k, v, *, scale, **_: tova_scores(q[:, :, -1], k, scale=scale),
-           "window", "TOVAPress", ("observation_window",),
+           "window", "TOVAPress", {},
            "TOVA (Oren et al. 2024): attention of the last query, GQA-averaged."),
-    Scorer("knorm", lambda q, k, v, **_: knorm_scores(k), "none", "KNormPress", (),
+    Scorer("knorm", lambda q, k, v, **_: knorm_scores(k), "none", "KNormPress", {},
            "K-norm (Devoto et al. 2024): keys of small L2 norm (score -||k||)."),
-    Scorer("streaming_llm", lambda q, k, v, **_: streaming_llm_scores(k), "none", "StreamingLLMPress", (),
+    Scorer("streaming_llm", lambda q, k, v, **_: streaming_llm_scores(k), "none", "StreamingLLMPress", {},
            "StreamingLLM (Xiao et al. 2024): recency (with the sinks and the window, the most recent tokens)."),
     Scorer("random", lambda q, k, v, *, seed, layer, event, **_: random_scores(k, seed=seed, layer=layer,
                                                                               event=event),
-           "none", "RandomPress", ("seed",),
+           "none", "RandomPress", {"seed": 0},
            "Uniform random importance without correction (the contrast to PoissonPress).", random=True),
     Scorer("expected", lambda q, k, v, *, scale, kernel_size, **_: expected_attention_scores(
                q, k, scale=scale, kernel_size=kernel_size),
-           "window", "ExpectedAttentionPress", ("observation_window", "kernel_size"),
+           "window", "ExpectedAttentionPress", {"kernel_size": 7},
            "SnapKV mixed with expected attention under a Gaussian fit of the window's queries."),
 ):
     register_scorer(_scorer)

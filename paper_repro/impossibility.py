@@ -23,16 +23,28 @@ KIND = "chebyshev"
 DELTA = 0.05
 
 
+def _policies() -> list[str]:
+    """The registered scorers the value-shifting adversary applies to: those that read queries and
+    keys only (a value-reading policy, ``reads_values``, could change its kept set under the attack)."""
+    from kvcert.fast import SCORERS
+
+    return [name for name, s in SCORERS.items() if not s.reads_values]
+
+
+def _policy_note() -> str:
+    from kvcert.fast import SCORERS
+
+    left = [name for name, s in SCORERS.items() if s.reads_values]
+    return (f"Policies: the registered scorers that read queries and keys only ({', '.join(_policies())})"
+            + (f"; left out, as they read values the attack shifts: {', '.join(left)}." if left else "."))
+
+
 def _policy_keep(name: str, head, budget: int) -> np.ndarray:
-    n = head.keys.shape[0]
-    u = {
-        "streaming_llm": lambda: R.streaming_llm_scores(n),
-        "h2o": lambda: R.h2o_scores(head.queries, head.keys),
-        "snapkv": lambda: R.snapkv_scores(head.window, head.keys),
-        "tova": lambda: R.tova_scores(head.queries[-1], head.keys),
-        "knorm": lambda: R.knorm_scores(head.keys),
-        "random": lambda: R.random_scores(n, seed=0),
-    }[name]()
+    """The kept set of the registered scorer ``name`` (reference twin), fed the queries it reads."""
+    from kvcert.fast import SCORERS
+
+    need = max(SCORERS[name].queries_needed(head.keys.shape[0], head.window.shape[0]), 1)
+    u = R.SCORERS[name](head.queries[-need:], head.keys, head.values, seed=0)
     return R.deterministic_keep(u, budget, sinks=4, window=32)
 
 
@@ -59,7 +71,7 @@ def run(cfg: Config) -> Table:
     draws = cfg.draws * 2
     base_cov, base_rad, base_rms = _randomized(head, head.keys, head.values, pi, draws, rng)
     rows = []
-    jobs = [(p, t) for p in R.SCORERS for t in TARGETS]
+    jobs = [(p, t) for p in _policies() for t in TARGETS]
     for policy, target in progress(jobs, desc="T1 impossibility", enabled=cfg.progress):
         keep = _policy_keep(policy, head, budget)
         orig_error = np.linalg.norm(R.attention(head.q, head.keys[keep], head.values[keep])
@@ -84,6 +96,7 @@ def run(cfg: Config) -> Table:
         f"One synthetic 'peaked' head, n = {n}, d = dv = {cfg.d}; kept {budget} tokens "
         f"({FRACTION:.0%}): sinks 4 + window 32 + policy's choice. The adversary shifts only the "
         "values of the evicted tokens; keys are unchanged, so every key-based policy keeps the same set.",
+        _policy_note(),
         "retained_change: max |difference| of the kept keys and values (exactly 0 means bit-identical). "
         "policy_radius: the certificate a deterministic policy can give (pi = 1 on its kept set: 0).",
         f"Poisson design at the same expected budget (SnapKV importance, top slice half the free budget, "
@@ -120,23 +133,24 @@ def run_real(cfg: Config, captured) -> Table:
     queries) at the same budget.
     """
     from .replay import _layer_importance
-    from .synthetic import paper_design
+    from .synthetic import paper_press, press_pi
 
     rng = np.random.default_rng([cfg.seed, 4])
     L, scale, g = cfg.context, captured.scaling, captured.group
     draws = cfg.draws
     budget = int(round(FRACTION * L))
     rows = []
-    jobs = [(c, p, t) for c in REAL_CACHES if c[0] < captured.layers for p in R.SCORERS for t in TARGETS]
+    jobs = [(c, p, t) for c in REAL_CACHES if c[0] < captured.layers for p in _policies() for t in TARGETS]
     cache = {}
     for (layer, h), policy, target in progress(jobs, desc="T1b impossibility, real caches", enabled=cfg.progress):
         if (layer, h) not in cache:
-            imp = {name: _layer_importance(name, captured.queries[layer], captured.keys[layer], L, scale,
-                                           seed=cfg.seed + layer)[h] for name in R.SCORERS}
+            imp = {name: _layer_importance(name, captured.queries[layer], captured.keys[layer],
+                                           captured.values[layer], L, scale, seed=cfg.seed + layer)[h]
+                   for name in _policies()}
             k = captured.keys[layer][h, :L].double().numpy()
             v = captured.values[layer][h, :L].double().numpy()
             q = captured.queries[layer][h * g, L].double().numpy()
-            pi = R.inclusion_probabilities(imp["snapkv"], **paper_design(L, FRACTION))
+            pi = press_pi(paper_press(FRACTION), imp["snapkv"])
             cache[layer, h] = (imp, k, v, q, pi, _randomized_on(q, k, v, pi, draws, rng, scale))
         imp, k, v, q, pi, (base_cov, base_rad) = cache[layer, h]
         keep = R.deterministic_keep(imp[policy], budget, sinks=4, window=32)
@@ -154,6 +168,7 @@ def run_real(cfg: Config, captured) -> Table:
         f"({FRACTION:.0%}): sinks 4 + window 32 + the policy's top scores. The adversary shifts only the "
         "values of the evicted tokens, so the retained state is bit-identical (retained_change 0) and the "
         "deterministic certificate stays 0 while the true error reaches the target.",
+        _policy_note(),
         f"Poisson design: the paper's (SnapKV importance, top slice half the free budget, floor 0.1) at the "
         f"same expected budget, {draws} draws, {KIND} at delta = {DELTA}, before and after the attack.",
     ]

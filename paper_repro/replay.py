@@ -23,11 +23,9 @@ import kvcert.fast as F
 from kvcert import reference as R
 
 from .common import Config, Table, progress
-from .synthetic import paper_design
+from .synthetic import SINKS, WINDOW, paper_press, press_pi
 from .synthetic_coverage import summarize
 
-WINDOW = 32   # observation window of the scorer = recent window of the design
-SINKS = 4
 
 #: designs compared: name -> (top slice share of the free budget, importance).
 #: "paper": the paper's design (SnapKV importance from the last 32 prefix queries);
@@ -53,21 +51,18 @@ def _normalized(u):
     return u / u.sum(-1, keepdim=True).clamp_min(torch.finfo(u.dtype).tiny)
 
 
-def _design_importance(kind, queries, keys, L, scale):
-    """(h_kv, L) float64 importance over the prefix for a design's importance rule."""
-    qs, k = queries[None, :, :L], keys[None, :, :L]
-    if kind == "snapkv":
-        return F.snapkv_scores(qs[:, :, L - WINDOW:], k, scale=scale)[0].double().numpy()
-    if kind == "multiwindow":
+def _design_importance(rule, queries, keys, values, L, scale):
+    """(h_kv, L) float64 importance over the prefix for a design's importance rule: a registered
+    scorer (as ``PoissonPress(scorer=rule)`` computes it), or the research rule ``multiwindow``."""
+    if rule == "multiwindow":
+        qs, k = queries[None, :, :L], keys[None, :, :L]
         parts = []
         for j in (1, 2, 3, 4):
             end = max(WINDOW, (L * j) // 4)
             u = F.snapkv_scores(qs[:, :, end - WINDOW:end], k[:, :, :end], scale=scale)[0].double()
             parts.append(torch.nn.functional.pad(_normalized(u), (0, L - end)))
         return torch.stack(parts).mean(0).numpy()
-    if kind == "expected":  # = PoissonPress(scorer="expected")
-        return F.expected_attention_scores(qs[:, :, L - WINDOW:], k, scale=scale)[0].double().numpy()
-    raise ValueError(f"unknown importance rule {kind!r}")
+    return _layer_importance(rule, queries, keys, values, L, scale, seed=0)
 
 
 @dataclass
@@ -87,25 +82,17 @@ def setup_for(cfg: Config) -> ReplaySetup:
                        designs=tuple(DESIGNS))
 
 
-def _layer_importance(name, queries, keys, L, scale, seed):
-    """Importance (h_kv, L) over the prefix of one layer for a scorer (``kvcert.fast``, float32).
+def _layer_importance(name, queries, keys, values, L, scale, seed):
+    """Importance (h_kv, L) over the prefix of one layer for a registered scorer (``kvcert.fast.SCORERS``,
+    float32), reading the prefix queries the scorer needs (the last ``WINDOW``, or all of them).
 
-    queries (h_q, T, d), keys (h_kv, T, d); the scorers see only the prefix.
+    queries (h_q, T, d), keys/values (h_kv, T, d); the scorers see only the prefix.
     """
-    qs, k = queries[None, :, :L], keys[None, :, :L]
-    if name == "streaming_llm":
-        u = F.streaming_llm_scores(L).expand(keys.shape[0], L)
-    elif name == "h2o":
-        u = F.h2o_scores(qs, k, scale=scale)[0]
-    elif name == "snapkv":
-        u = F.snapkv_scores(qs[:, :, L - WINDOW:], k, scale=scale)[0]
-    elif name == "tova":
-        u = F.tova_scores(qs[:, :, L - 1], k, scale=scale)[0]
-    elif name == "knorm":
-        u = F.knorm_scores(k)[0]
-    else:
-        u = F.random_scores(k, seed=seed)[0]
-    return u.double().numpy()
+    scorer = F.SCORERS[name]
+    need = max(scorer.queries_needed(L, WINDOW), 1)
+    params = {"seed": seed} if "seed" in scorer.params else {}  # the other hyperparameters: registry defaults
+    u = scorer(queries[None, :, L - need:L], keys[None, :, :L], values[None, :, :L], scale=scale, **params)
+    return u[0].double().numpy()
 
 
 def _estimates(q, k, v, pi, qpos, scale, kinds_need):
@@ -120,9 +107,7 @@ def _estimates(q, k, v, pi, qpos, scale, kinds_need):
                    pi[:, None, :], positions)
     return F.hajek_attention(
         q.expand(M, *q.shape), cc.keys, cc.values, cc.pi, positions=cc.positions,
-        scale=scale, query_positions=qpos, per_coordinate="wald" in kinds_need,
-        return_covariance="chi2" in kinds_need, return_max_term="bernstein" in kinds_need,
-        **({"return_tail_moment": True} if "chebyshev_ucb" in kinds_need else {}))
+        scale=scale, query_positions=qpos, **F.estimate_options(kinds_need))
 
 
 def run(cfg: Config, captured) -> tuple[Table, Table, dict]:
@@ -145,9 +130,10 @@ def run(cfg: Config, captured) -> tuple[Table, Table, dict]:
     importance = {}
     for layer, h in progress(jobs, desc="T2 replay cells", enabled=cfg.progress):
         if h == 0:  # scorers once per layer, batched over its KV heads
-            importance = {name: _layer_importance(name, captured.queries[layer], captured.keys[layer], L,
-                                                  scale, seed=cfg.seed + layer) for name in R.SCORERS}
-            design_u = {rule: _design_importance(rule, captured.queries[layer], captured.keys[layer], L, scale)
+            layer_qkv = captured.queries[layer], captured.keys[layer], captured.values[layer]
+            importance = {name: _layer_importance(name, *layer_qkv, L, scale, seed=cfg.seed + layer)
+                          for name in R.SCORERS}
+            design_u = {rule: _design_importance(rule, *layer_qkv, L, scale)
                         for rule in {DESIGNS[d][1] for d in setup.designs}}
         k = captured.keys[layer][h, :T]
         v = captured.values[layer][h, :T]
@@ -161,8 +147,7 @@ def run(cfg: Config, captured) -> tuple[Table, Table, dict]:
             for design in setup.designs:
                 top_share, rule = DESIGNS[design]
                 u = design_u[rule][h]
-                kw = paper_design(L, fraction, sinks=SINKS, window=WINDOW, top_share=top_share)
-                pi = torch.from_numpy(R.inclusion_probabilities(u, **kw)).float()
+                pi = torch.from_numpy(press_pi(paper_press(fraction, top_fraction=top_share), u)).float()
                 keep = torch.from_numpy(rng.random((setup.draws, L))) < pi
                 pis = torch.cat([torch.where(keep, pi, 0.0), torch.ones(setup.draws, Fut)], dim=1)
                 est = _estimates(q, k, v, pis, qpos, scale, kinds)

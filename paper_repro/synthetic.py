@@ -21,6 +21,9 @@ import numpy as np
 from kvcert import reference as R
 
 REGIMES = ("flat", "peaked", "heavy", "needle")
+#: the design's certain edges (PoissonPress's defaults): attention sinks and the recent window, which is
+#: also the scorers' observation window
+SINKS, WINDOW = 4, 32
 
 
 @dataclass
@@ -55,19 +58,28 @@ def make_head(rng: np.random.Generator, regime: str, *, n: int, d: int, dv: int,
     return Head(queries=queries, window=queries[-w:], q=q, keys=keys, values=values)
 
 
-def paper_design(n: int, fraction: float, *, sinks: int = 4, window: int = 32, top_share: float = 0.5):
-    """Budget and certainty sizes of the paper's design at a kept fraction:
-    sinks and the recent window certain, ``top_share`` of the free budget as a
-    certain top slice, the rest a Poisson tail."""
-    budget = R.budget_from_fraction(n, fraction)
-    free = budget - sinks - window
-    if free <= 1:
-        raise ValueError(f"budget {budget:.0f} leaves no tail beyond sinks + window = {sinks + window}")
-    top = int(np.floor(top_share * free))
-    return dict(budget=budget, sinks=sinks, window=window, top=top, floor=0.1)
+def paper_press(fraction: float, *, top_fraction: float = 0.5, sinks: int = SINKS, window: int = WINDOW,
+                floor: float = 0.1):
+    """The paper's design at a kept fraction, as the library ships it: a ``PoissonPress`` with
+    compression_ratio 1 - fraction (sinks and the recent window certain, ``top_fraction`` of the
+    free budget as a certain top slice, the rest a Poisson tail with the defensive floor)."""
+    import kvcert
+
+    return kvcert.PoissonPress(compression_ratio=1.0 - fraction, sinks=sinks, window=window,
+                               top_fraction=top_fraction, floor=floor)
+
+
+def press_pi(press, importance: np.ndarray) -> np.ndarray:
+    """pi (n,) that ``press`` gives at its prefill event to tokens of this importance, computed by
+    the float64 reference with the press's own sizing (``press.design_sizes``, which is
+    :func:`kvcert.fast.design_sizes`): the replay and the library build the same design."""
+    sizes = press.design_sizes(importance.shape[-1])
+    if importance.min() < 0:  # as the press does for a negative score (knorm's -||k||)
+        importance = importance - importance.min()
+    return R.inclusion_probabilities(importance, sizes.budget, sinks=sizes.sinks, window=sizes.window,
+                                     top=sizes.top, floor=press.floor)
 
 
 def design_pi(head: Head, fraction: float) -> np.ndarray:
     """pi of the paper's design with SnapKV importance from the observation window."""
-    u = R.snapkv_scores(head.window, head.keys)
-    return R.inclusion_probabilities(u, **paper_design(head.keys.shape[0], fraction))
+    return press_pi(paper_press(fraction), R.snapkv_scores(head.window, head.keys))

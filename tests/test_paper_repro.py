@@ -25,7 +25,7 @@ def test_runner_tiny(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv", [["--tables", "T9"], ["--budgets", "0,0.5"], ["--cells", "0"],
-                                  ["--n", "64", "--tables", "T2a"]])
+                                  ["--draws", "0", "--tables", "T2a"]])
 def test_runner_bad_arguments(argv, tmp_path, capsys):
     assert main(argv + ["--out", str(tmp_path), "--no-docs"]) == 2
     assert "error:" in capsys.readouterr().err
