@@ -256,9 +256,10 @@ def _h2o(queries, keys, values, *, scale=None, **_):
 
 
 #: name -> float64 twin of ``kvcert.fast.SCORERS[name]`` for one KV head, all with one signature:
-#: ``scorer(queries (g, w, d) or (w, d), keys (n, d), values (n, dv), *, scale=None, kernel_size=7,
-#: seed=0, layer=0, event=0) -> (n,)``; keywords a scorer does not use are ignored. The method's
-#: metadata (which queries it reads, its press) lives in the fast registry.
+#: ``scorer(queries (g, w, d) or (w, d), keys (n, d), values (n, dv), *, scale=None, layer=0, event=0,
+#: **params) -> (n,)`` with the fast entry's hyperparameters ``params`` (same names and defaults);
+#: keywords a scorer does not use are ignored. The method's metadata (which queries it reads, its
+#: press, its defaults) lives in the fast registry.
 SCORERS = {
     "snapkv": lambda q, k, v, *, scale=None, kernel_size=7, **_: snapkv_scores(q, k, scale=scale,
                                                                               kernel_size=kernel_size),
