@@ -31,6 +31,7 @@ __all__ = [
     "tova_scores",
     "knorm_scores",
     "random_scores",
+    "keydiff_scores",
 ]
 
 
@@ -288,6 +289,59 @@ def random_scores(n_or_keys, *, seed: int, layer: int = 0, event: int = 0, devic
     return design_uniforms((n,), seed, layer=layer, event=event + (1 << 32), device=device)
 
 
+_NORMALIZE_EPS = 1e-12  # torch.nn.functional.normalize's default eps (kvpress builds the anchor with it)
+_COSINE_EPS = 1e-8  # torch.nn.functional.cosine_similarity's default eps (norms clamped from below)
+
+
+def keydiff_scores(keys: torch.Tensor) -> torch.Tensor:
+    r"""KeyDiff (Park et al. 2025): minus the cosine of each key with the mean key direction.
+
+    .. math::
+
+        a = \frac{1}{n} \sum_{j=1}^{n} \frac{k_j}{\max(\lVert k_j \rVert, 10^{-12})}, \qquad
+        u_i = -\,\frac{k_i}{\max(\lVert k_i \rVert, 10^{-8})} \cdot
+              \frac{a}{\max(\lVert a \rVert, 10^{-8})},
+
+    per (batch row, KV head). Keys pointing away from the average direction
+    are distinctive and kept; keys aligned with it are evicted first. This is
+    kvpress's ``KeyDiffPress.score`` (``-cosine_similarity(keys, anchor)``
+    with ``anchor = normalize(keys).mean(dim=2)``), the eps included.
+
+    Parameters
+    ----------
+    keys : (b, h_kv, n, d), n >= 1
+
+    Returns
+    -------
+    (b, h_kv, n) float32 (float64 for float64 inputs), in [-1, 1]
+
+    Notes
+    -----
+    Mostly negative (keys of a head share a direction): shift it (e.g.
+    ``u - u.amin(-1, keepdim=True)``) before using it as a design importance,
+    which must be >= 0. n = 1 gives u = [-1] up to rounding (a key is aligned with itself).
+    A zero key scores 0 and adds nothing to the anchor; keys that cancel
+    (anchor below 1e-8) score :math:`-\hat k_i \cdot a / 10^{-8}`, as in
+    kvpress. kvpress computes in the cache dtype (bf16 in practice), this
+    port in float32 (float64 for float64 inputs). Raises ``ValueError`` for
+    non-finite keys (the anchor, hence every score, would be NaN).
+
+    References
+    ----------
+    Park et al. (2025), KeyDiff: Key similarity-based KV cache eviction for
+    long-context LLM inference in resource-constrained environments, arXiv 2504.15364.
+    """
+    k = _keys(keys)
+    kk = k.to(compute_dtype(k))
+    norm = torch.linalg.vector_norm(kk, dim=-1, keepdim=True)  # (b, h_kv, n, 1)
+    anchor = (kk / norm.clamp_min(_NORMALIZE_EPS)).mean(dim=2, keepdim=True)  # (b, h_kv, 1, d)
+    a_hat = anchor / torch.linalg.vector_norm(anchor, dim=-1, keepdim=True).clamp_min(_COSINE_EPS)
+    u = -((kk / norm.clamp_min(_COSINE_EPS)) * a_hat).sum(dim=-1)
+    if not bool(torch.isfinite(u).all()):
+        raise ValueError("keys must be finite (found NaN or inf: the KeyDiff anchor is NaN)")
+    return u
+
+
 # ---------------------------------------------------------------------------------------------
 # the registry: one signature for every scorer
 # ---------------------------------------------------------------------------------------------
@@ -414,3 +468,6 @@ for _scorer in (
            "SnapKV mixed with expected attention under a Gaussian fit of the window's queries."),
 ):
     register_scorer(_scorer)
+register_scorer(Scorer("keydiff", lambda q, k, v, **_: keydiff_scores(k), "none", "KeyDiffPress", {},
+                       "KeyDiff (Park et al. 2025): keys far from the mean key direction (minus the cosine "
+                       "with it)."))

@@ -23,6 +23,7 @@ __all__ = [
     "tova_scores",
     "knorm_scores",
     "random_scores",
+    "keydiff_scores",
     "deterministic_keep",
 ]
 
@@ -246,6 +247,50 @@ def random_scores(n: int, *, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).random(n)
 
 
+def keydiff_scores(keys) -> np.ndarray:
+    r"""KeyDiff (Park et al. 2025): minus the cosine of each key with the mean key direction.
+
+    .. math::
+
+        a = \frac{1}{n} \sum_{j=1}^{n} \frac{k_j}{\max(\lVert k_j \rVert, 10^{-12})}, \qquad
+        u_i = -\,\frac{k_i}{\max(\lVert k_i \rVert, 10^{-8})} \cdot
+              \frac{a}{\max(\lVert a \rVert, 10^{-8})}.
+
+    The two eps are those of ``torch.nn.functional.normalize`` (anchor) and
+    ``cosine_similarity`` (score) that kvpress calls.
+
+    Parameters
+    ----------
+    keys : array_like, (n, d), n >= 1
+
+    Returns
+    -------
+    ndarray, (n,) float64, in [-1, 1]
+        Mostly negative: shift by the minimum before using it as a design
+        importance. n = 1 gives [-1] up to rounding; a zero key scores 0.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> keys = np.array([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])  # anchor (2/3, 1/3)
+    >>> np.round(keydiff_scores(keys), 6)  # the odd key out scores highest
+    array([-0.894427, -0.894427, -0.447214])
+    """
+    k = _keys(keys)
+    if not np.all(np.isfinite(k)):
+        raise ValueError("keys must be finite (found NaN or inf)")
+    n, d = k.shape
+    anchor = np.zeros(d)
+    for j in range(n):
+        anchor += k[j] / max(np.linalg.norm(k[j]), 1e-12)
+    anchor /= n
+    a_hat = anchor / max(np.linalg.norm(anchor), 1e-8)
+    u = np.empty(n)
+    for i in range(n):
+        u[i] = -(k[i] / max(np.linalg.norm(k[i]), 1e-8)) @ a_hat
+    return u
+
+
 def _h2o(queries, keys, values, *, scale=None, **_):
     # one query per key (a prefill event): accumulated causal attention; fewer (a decode-time
     # event's recent window): their accumulated attention, SnapKV without pooling
@@ -270,6 +315,7 @@ SCORERS = {
     "random": lambda q, k, v, *, seed=0, **_: random_scores(_keys(k).shape[0], seed=seed),
     "expected": lambda q, k, v, *, scale=None, kernel_size=7, **_: expected_attention_scores(
         q, k, scale=scale, kernel_size=kernel_size),
+    "keydiff": lambda q, k, v, **_: keydiff_scores(k),
 }
 
 
