@@ -14,7 +14,8 @@ import threading
 
 import torch
 
-from ._checks import check_probabilities, check_scale, check_tensor, compute_dtype
+from ._checks import check_tensor, compute_dtype
+from .contract import AttentionLayout, check_attention_inputs, check_attention_values
 from .types import Estimate
 
 __all__ = ["attention", "hajek_attention", "value_moments", "clear_workspace"]
@@ -56,29 +57,15 @@ def clear_workspace() -> None:
 
 
 class _Layout:
-    """Checked shapes of one call and the (b*h_kv, g*t, .) views."""
+    """The checked sizes of one call (a contract.AttentionLayout) and the (b*h_kv, g*t, .) views."""
 
-    def __init__(self, q, keys, values):
-        q = check_tensor("q", q, ndim=(3, 4), floating=True)
-        keys = check_tensor("keys", keys, ndim=(4,), floating=True)
-        values = check_tensor("values", values, ndim=(4,), floating=True)
-        self.decode = q.ndim == 3
-        b, h_q, d = q.shape[0], q.shape[1], q.shape[-1]
-        t = 1 if self.decode else q.shape[2]
-        if keys.shape[0] != b or keys.shape[-1] != d:
-            raise ValueError(f"keys must have shape (b, h_kv, n, d) = ({b}, h_kv, n, {d}), got {tuple(keys.shape)}")
-        h_kv, n = keys.shape[1], keys.shape[2]
-        if h_kv == 0 or h_q % h_kv:
-            raise ValueError(f"the number of query heads h_q = {h_q} must be a multiple of h_kv = {h_kv} (GQA)")
-        if values.shape[:3] != keys.shape[:3]:
-            raise ValueError(f"values must have shape (b, h_kv, n, dv) = ({b}, {h_kv}, {n}, dv), "
-                             f"got {tuple(values.shape)}")
-        if keys.device != q.device or values.device != q.device:
-            raise ValueError(f"q, keys and values must be on one device, "
-                             f"got {q.device}, {keys.device}, {values.device}")
-        self.b, self.h_q, self.h_kv, self.g, self.t, self.n, self.d = b, h_q, h_kv, h_q // h_kv, t, n, d
-        self.dv = values.shape[-1]
-        self.B, self.G = b * h_kv, (h_q // h_kv) * t
+    def __init__(self, C: AttentionLayout, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        self.decode = C.decode
+        self.b, self.h_q, self.h_kv, self.g, self.n, self.d, self.dv = C.b, C.h_q, C.h_kv, C.g, C.n, C.d, C.dv
+        self.t = 1 if C.decode else C.t
+        self.B, self.G = C.b * C.h_kv, C.g * self.t
+        self.scale = C.scale
+        self.bias_shape = C.bias_shape
         self.q, self.keys, self.values = q, keys, values
         self.dtype = compute_dtype(q, keys, values)
 
@@ -101,12 +88,14 @@ def _per_kv(name: str, x: torch.Tensor, L: _Layout) -> torch.Tensor:
     return x
 
 
-def _logits(L: _Layout, scale, *, log_pi: torch.Tensor | None, bias, positions, query_positions,
-            offset, out: torch.Tensor | None = None) -> torch.Tensor:
-    """s_i - log pi_i (+ bias, causal mask) as (B, G, n) in the compute dtype (into ``out``)."""
+def _logits(L: _Layout, *, log_pi: torch.Tensor | None, bias, positions, query_positions, offset,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """s_i - log pi_i (+ bias, causal mask) as (B, G, n) in the compute dtype (into ``out``).
+
+    The arguments have passed :func:`check_attention_inputs` (shapes, and bias values).
+    """
     dt = L.dtype
-    tau = check_scale(scale, L.d)
-    qf = L.q.to(dt).reshape(L.B, L.G, L.d) * tau
+    qf = L.q.to(dt).reshape(L.B, L.G, L.d) * L.scale
     kf = L.keys.to(dt).reshape(L.B, L.n, L.d)
     s = torch.bmm(qf, kf.transpose(1, 2), out=out)
     if log_pi is not None:
@@ -114,52 +103,32 @@ def _logits(L: _Layout, scale, *, log_pi: torch.Tensor | None, bias, positions, 
         # bias -log pi, and -inf (not +inf = -log 0) on padding slots
         s.add_(torch.where(lp > float("-inf"), -lp, float("-inf")))
     if bias is not None:
-        bb = _broadcast_bias(bias, L)
-        if bool(torch.isnan(bb).any()) or bool((bb == float("inf")).any()):
-            raise ValueError("bias must not contain NaN or +inf (use -inf to mask a token)")
-        s.add_(bb.to(dt).reshape(L.B, L.G, L.n))
+        s.add_(_broadcast_bias(bias, L).to(dt).reshape(L.B, L.G, L.n))
     qp = _query_positions(L, query_positions, offset, s.device)
     if qp is not None:
         if positions is None:
             pos = torch.arange(L.n, device=s.device).expand(L.B, L.n)
         else:
-            pos = _per_kv("positions", positions, L).reshape(L.B, L.n)
+            pos = positions.reshape(L.B, L.n)
         qpB = qp.repeat_interleave(L.h_kv, dim=0)  # (B, t), row b*h_kv + h
         future = pos[:, None, None, :] > qpB[:, None, :, None]  # (B, 1, t, n)
         s.view(L.B, L.g, L.t, L.n).masked_fill_(future, float("-inf"))
-    elif positions is not None:
-        raise TypeError("positions= needs query_positions= (or offset=) for the causal mask")
     return s
 
 
-def _broadcast_bias(bias, L: "_Layout") -> torch.Tensor:
-    bias = check_tensor("bias", bias)
-    full = (L.b, L.h_q, L.n) if L.decode else (L.b, L.h_q, L.t, L.n)
-    try:
-        return torch.broadcast_to(bias, full)
-    except RuntimeError:
-        raise ValueError(f"bias must broadcast to {full} (per query head), got {tuple(bias.shape)}") from None
+def _broadcast_bias(bias: torch.Tensor, L: _Layout) -> torch.Tensor:
+    """The (checked) bias as a (b, h_q, [t,] n) view."""
+    return torch.broadcast_to(bias, L.bias_shape)
 
 
-def _query_positions(L: "_Layout", query_positions, offset, device) -> torch.Tensor | None:
-    """(b, t) int64 positions of the queries, or None without a causal mask."""
+def _query_positions(L: _Layout, query_positions, offset, device) -> torch.Tensor | None:
+    """(b, t) int64 positions of the queries (checked arguments), or None without a causal mask."""
     if query_positions is None and offset is None:
         return None
-    if query_positions is not None and offset is not None:
-        raise TypeError("pass at most one of query_positions= and offset=")
     if offset is not None:
-        if isinstance(offset, bool) or not isinstance(offset, int):
-            raise TypeError(f"offset must be an int, got {type(offset).__name__}")
-        qp = torch.arange(L.t, device=device) + offset
+        qp = torch.arange(L.t, device=device) + int(offset)
     else:
-        qp = check_tensor("query_positions", query_positions)
-        if qp.ndim == 1:
-            if qp.shape[0] != L.t:
-                raise ValueError(f"query_positions must have shape (t,) or (b, t) with t = {L.t}, "
-                                 f"got {tuple(qp.shape)}")
-        elif tuple(qp.shape) != (L.b, L.t):
-            raise ValueError(f"query_positions must have shape (t,) or (b, t) = ({L.b}, {L.t}), "
-                             f"got {tuple(qp.shape)}")
+        qp = query_positions
     return torch.broadcast_to(qp.to(device), (L.b, L.t))
 
 
@@ -222,6 +191,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scal
     q : (b, h_q, d) or (b, h_q, t, d)
     keys, values : (b, h_kv, n, d), (b, h_kv, n, dv), h_q = g * h_kv
     scale : float, default 1/sqrt(d)
+        Finite and positive (every backend refuses a negative scale).
     bias : tensor broadcastable to (b, h_q, [t,] n), optional additive mask
     positions, query_positions, offset
         Causal mask as in :func:`hajek_attention`.
@@ -234,11 +204,12 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scal
     ------
     ValueError if a query sees no token (empty or fully masked cache), as the reference.
     """
-    L = _Layout(q, keys, values)
+    C = check_attention_inputs(q, keys, values, scale=scale, bias=bias, positions=positions,
+                               query_positions=query_positions, offset=offset, probabilities=False, validate=True)
+    L = _Layout(C, q, keys, values)
     if L.n == 0:
         raise ValueError("attention over an empty (or fully masked) cache is undefined")
-    s = _logits(L, scale, log_pi=None, bias=bias, positions=positions, query_positions=query_positions,
-                offset=offset)
+    s = _logits(L, log_pi=None, bias=bias, positions=positions, query_positions=query_positions, offset=offset)
     a, _, empty = _softmax(s)
     if bool(empty.any()):
         raise ValueError("attention over an empty (or fully masked) cache is undefined")
@@ -453,6 +424,7 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
         log pi instead of pi (-inf = padding), as the HF cache stores it;
         1 - pi is then computed as ``-expm1(log_pi)``. Pass exactly one.
     scale : float, default 1/sqrt(d)
+        Finite and positive (every backend refuses a negative scale).
     per_coordinate : bool
         Compute ``variance`` (b, h_q, [t,] dv). False computes only ``trace``
         (all the norm certificates need) and leaves ``variance`` None.
@@ -535,7 +507,9 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     >>> bool(torch.allclose(est.output, attention(q, k, v), atol=1e-6)), float(est.trace.max())
     (True, 0.0)
     """
-    L = _Layout(q, keys, values)
+    C = check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale, bias=bias, positions=positions,
+                               query_positions=query_positions, offset=offset)
+    L = _Layout(C, q, keys, values)
     kw = dict(scale=scale, per_coordinate=per_coordinate, log_pi=log_pi, positions=positions,
               return_weights=return_weights, return_max_term=return_max_term,
               return_covariance=return_covariance, value_center=value_center, value_sqdist=value_sqdist,
@@ -550,30 +524,20 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
                                  query_chunk_bytes=1 << 62, **kw)
                  for t0 in range(0, L.t, tc)]
         return _cat_estimates(parts)
-    if (pi is None) == (log_pi is None):
-        raise TypeError("pass exactly one of pi= and log_pi=")
+    check_attention_values(C, bias)  # pi / log_pi and bias values; a call split above checks them per block
     dt = L.dtype
-    if pi is not None:
-        pi = _per_kv("pi", pi, L)
-        if not pi.is_floating_point():
-            raise TypeError(f"pi must be a floating-point tensor, got dtype {pi.dtype}")
-        check_probabilities("pi", pi)
-        pf = pi.to(dt).reshape(L.B, L.n)
+    if C.p_name == "pi":
+        pf = C.p.to(dt).reshape(L.B, L.n)
         lp = torch.log(pf)  # -inf on padding: the logit becomes -inf, never +inf
         omp = 1.0 - pf
     else:
-        log_pi = _per_kv("log_pi", log_pi, L)
-        if not log_pi.is_floating_point():
-            raise TypeError(f"log_pi must be a floating-point tensor, got dtype {log_pi.dtype}")
-        if log_pi.numel() and not bool((log_pi <= 0).all()):
-            raise ValueError("log_pi must lie in [-inf, 0] (found a positive value, or NaN)")
-        lp = log_pi.to(dt).reshape(L.B, L.n)
+        lp = C.p.to(dt).reshape(L.B, L.n)
         omp = -torch.expm1(lp)
     if L.n == 0:
         return _empty_estimate(L, return_weights, return_max_term, return_covariance, per_coordinate,
                                return_tail_moment)
     ws = _WS.get("scores", L.B * L.G * L.n, dt, q.device).view(L.B, L.G, L.n)
-    s = _logits(L, scale, log_pi=lp.reshape(L.b, L.h_kv, L.n), bias=bias, positions=positions,
+    s = _logits(L, log_pi=lp.reshape(L.b, L.h_kv, L.n), bias=bias, positions=positions,
                 query_positions=query_positions, offset=offset, out=ws)
     a, lse, empty = _softmax(s)  # (B, G, n), (B, G), (B, G)
     G = L.G

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcert.fast.contract import AttentionLayout, check_attention_inputs
 from kvcert.fast.types import Estimate
 
 __all__ = ["hajek_attention", "default_config", "default_moments", "SUPPORTED_DTYPES", "INTERPRETED"]
@@ -424,63 +425,21 @@ def default_config(n: int, d: int, programs: int, device: torch.device, block_n:
     return {"block_n": block_n, "num_splits": num_splits, "num_warps": 8, "num_stages": 2}
 
 
-def _check_inputs(q, keys, values, pi, log_pi, scale, validate):
-    for name, x in (("q", q), ("keys", keys), ("values", values)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if (pi is None) == (log_pi is None):
-        raise TypeError("give exactly one of pi and log_pi, each of shape (b, h_kv, n)")
-    p = pi if pi is not None else log_pi
-    pname = "pi" if pi is not None else "log_pi"
-    if not isinstance(p, torch.Tensor):
-        raise TypeError(f"{pname} must be a torch.Tensor, got {type(p).__name__}")
-    if q.dim() == 4:
-        if q.shape[2] != 1:
-            raise ValueError(f"the Triton kernel is a decode kernel: q must have shape (b, h_q, d) or "
-                             f"(b, h_q, 1, d), got shape {tuple(q.shape)} (use kvcert.fast for t > 1)")
-    elif q.dim() != 3:
-        raise ValueError(f"q must have shape (b, h_q, d), got shape {tuple(q.shape)}")
-    b, h_q, d = q.shape[0], q.shape[1], q.shape[-1]
-    if keys.dim() != 4 or keys.shape[0] != b or keys.shape[3] != d:
-        raise ValueError(f"keys must have shape (b, h_kv, n, d) = ({b}, h_kv, n, {d}), "
-                         f"got shape {tuple(keys.shape)}")
-    _, h_kv, n, _ = keys.shape
-    if values.dim() != 4 or tuple(values.shape[:3]) != (b, h_kv, n):
-        raise ValueError(f"values must have shape (b, h_kv, n, dv) = ({b}, {h_kv}, {n}, dv), "
-                         f"got shape {tuple(values.shape)}")
-    if tuple(p.shape) != (b, h_kv, n):
-        raise ValueError(f"{pname} must have shape (b, h_kv, n) = ({b}, {h_kv}, {n}), "
-                         f"got shape {tuple(p.shape)}")
-    if h_kv == 0 or h_q % h_kv:
-        raise ValueError(f"the number of query heads h_q = {h_q} must be a multiple of h_kv = {h_kv}")
-    if d == 0 or values.shape[3] == 0:
-        raise ValueError(f"head dimensions must be positive, got d = {d}, dv = {values.shape[3]}")
+def _check_inputs(q, keys, values, pi, log_pi, scale, validate) -> AttentionLayout:
+    """The shared contract (kvcert.fast.contract) and what only this kernel adds: a decode q,
+    one input dtype among SUPPORTED_DTYPES, and (``validate``) a finite q."""
+    if isinstance(q, torch.Tensor) and not (q.dim() == 3 or (q.dim() == 4 and q.shape[2] == 1)):
+        raise ValueError(f"the Triton kernel is a decode kernel: q must have shape (b, h_q, d) or "
+                         f"(b, h_q, 1, d), got shape {tuple(q.shape)} (use kvcert.fast for t > 1)")
+    layout = check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale, validate=validate)
     for name, x in (("q", q), ("keys", keys), ("values", values)):
         if x.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} must have dtype float16, bfloat16 or float32, got {x.dtype}")
     if not (q.dtype == keys.dtype == values.dtype):
         raise TypeError(f"q, keys and values must share one dtype, got {q.dtype}, {keys.dtype}, {values.dtype}")
-    if not p.is_floating_point():
-        raise TypeError(f"{pname} must be a floating-point tensor, got {p.dtype}")
-    devs = {x.device for x in (q, keys, values, p)}
-    if len(devs) != 1:
-        raise ValueError(f"q, keys, values and {pname} must be on one device, got {sorted(map(str, devs))}")
-    if scale is not None:
-        scale = float(scale)
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale}")
-    if validate:
-        if pi is not None:
-            bad = bool(((p < 0) | (p > 1) | torch.isnan(p)).any())
-            if bad:
-                raise ValueError("pi must lie in [0, 1] (found a value outside, or NaN)")
-        else:
-            bad = bool(((p > 0) | torch.isnan(p)).any())
-            if bad:
-                raise ValueError("log_pi must lie in [-inf, 0] (found a value above 0, or NaN)")
-        if not bool(torch.isfinite(q).all()):
-            raise ValueError("q must be finite (found NaN or inf)")
-    return scale
+    if validate and not bool(torch.isfinite(q).all()):
+        raise ValueError("q must be finite (found NaN or inf)")
+    return layout
 
 
 def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_coordinate=True,
@@ -533,6 +492,7 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
         log pi instead (-inf on padding); 1 - pi is then computed as
         -expm1(log pi). Give exactly one of ``pi`` and ``log_pi``.
     scale : float, default 1/sqrt(d)
+        Finite and positive (every backend refuses a negative scale).
     per_coordinate : bool, default True
         Return the (b, h_q, dv) variance; if False only ``trace`` (the same
         pass computes both, only the store is skipped).
@@ -595,7 +555,7 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
     for computing sample variances"; Dao et al. (2023), flash-decoding;
     Sarndal, Swensson & Wretman (1992), sec. 5.6-5.7; arXiv 2607.21475.
     """
-    scale = _check_inputs(q, keys, values, pi, log_pi, scale, validate)
+    layout = _check_inputs(q, keys, values, pi, log_pi, scale, validate)
     if moments == "auto":
         moments = default_moments(values.dtype)
     if moments not in ("exact", "shifted"):
@@ -606,18 +566,14 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
     squeeze_t = q.dim() == 4
     if squeeze_t:
         q = q[:, :, 0]
-    b, h_q, d = q.shape
-    _, h_kv, n, _ = keys.shape
-    dv = values.shape[3]
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    use_log = log_pi is not None
-    p = log_pi if use_log else pi
+    b, h_q, h_kv, g, n, d, dv = layout.b, layout.h_q, layout.h_kv, layout.g, layout.n, layout.d, layout.dv
+    scale = layout.scale
+    use_log = layout.p_name == "log_pi"
+    p = layout.p
     if p.dtype == torch.float64:
         # float64 probabilities below float32's range would round to 0 (padding): pass log pi
         p = (p if use_log else torch.log(p)).to(torch.float32)
         use_log = True
-    g = h_q // h_kv
     g_block = min(g, _MAX_ROWS)
     n_rb = math.ceil(g / g_block)
     r_pad = max(16, _pow2(g_block))

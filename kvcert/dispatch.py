@@ -26,6 +26,7 @@ import os
 
 import torch
 
+from kvcert.fast.contract import check_attention_inputs
 from kvcert.fast.types import Estimate
 
 __all__ = [
@@ -163,6 +164,7 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
     log_pi : torch.Tensor, (b, h_kv, n), optional
         log pi instead of pi (-inf on padding). Give exactly one of the two.
     scale : float, default 1/sqrt(d)
+        Finite and positive (every backend refuses a negative scale).
     per_coordinate : bool
         If False the fast and Triton backends may return ``variance=None``
         and compute only ``trace``.
@@ -258,7 +260,8 @@ def _reference(q, keys, values, pi=None, *, log_pi=None, scale=None, per_coordin
     ``positions`` / ``query_positions`` / ``offset`` follow kvcert.fast;
     ``return_weights``, ``return_max_term``, ``value_center`` and
     ``value_sqdist`` are accepted and have no effect (the oracle computes
-    everything exactly).
+    everything exactly). The arguments pass the same checker as the other
+    backends (:func:`kvcert.fast.contract.check_attention_inputs`, values included).
     """
     import numpy as np
 
@@ -267,70 +270,27 @@ def _reference(q, keys, values, pi=None, *, log_pi=None, scale=None, per_coordin
     unknown = sorted(set(ignored) - _REFERENCE_KW)
     if unknown:
         raise TypeError(f"backend 'reference' got unexpected keyword arguments {unknown}")
-    for name, x in (("keys", keys), ("values", values)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if (pi is None) == (log_pi is None):
-        raise TypeError("give exactly one of pi and log_pi, each of shape (b, h_kv, n)")
-    decode = q.dim() == 3
-    if q.dim() not in (3, 4):
-        raise ValueError(f"q must have shape (b, h_q, d) or (b, h_q, t, d), got shape {tuple(q.shape)}")
-    if keys.dim() != 4:
-        raise ValueError(f"keys must have shape (b, h_kv, n, d), got shape {tuple(keys.shape)}")
-    b, h_q, d = q.shape[0], q.shape[1], q.shape[-1]
-    _, h_kv, n, dk = keys.shape
-    if keys.shape[0] != b or dk != d:
-        raise ValueError(f"keys must have shape (b, h_kv, n, d) = ({b}, h_kv, n, {d}), "
-                         f"got shape {tuple(keys.shape)}")
-    if values.dim() != 4 or tuple(values.shape[:3]) != (b, h_kv, n):
-        raise ValueError(f"values must have shape (b, h_kv, n, dv) = ({b}, {h_kv}, {n}, dv), "
-                         f"got shape {tuple(values.shape)}")
-    if h_kv == 0 or h_q % h_kv:
-        raise ValueError(f"the number of query heads h_q = {h_q} must be a multiple of h_kv = {h_kv}")
-    p = pi if pi is not None else log_pi
-    pname = "pi" if pi is not None else "log_pi"
-    if not isinstance(p, torch.Tensor):
-        raise TypeError(f"{pname} must be a torch.Tensor, got {type(p).__name__}")
-    if tuple(p.shape) != (b, h_kv, n):
-        raise ValueError(f"{pname} must have shape (b, h_kv, n) = ({b}, {h_kv}, {n}), got shape {tuple(p.shape)}")
-    p64 = p.detach().to("cpu", torch.float64).numpy()
-    if log_pi is not None:
-        if np.any(np.isnan(p64)) or np.any(p64 > 0):
-            raise ValueError("log_pi must lie in [-inf, 0] (found a value above 0, or NaN)")
+    L = check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale, bias=bias, positions=positions,
+                               query_positions=query_positions, offset=offset, validate=True)
+    decode, b, h_q, h_kv, g, n, dv = L.decode, L.b, L.h_q, L.h_kv, L.g, L.n, L.dv
+    t = 1 if decode else L.t
+    p64 = L.p.detach().to("cpu", torch.float64).numpy()
+    if L.p_name == "log_pi":
         p64 = np.exp(p64)
-    g = h_q // h_kv
-    dv = values.shape[-1]
     qq = q.detach().to("cpu", torch.float64).numpy()
     if decode:
         qq = qq[:, :, None, :]
-    t = qq.shape[2]
-    full = (b, h_q, t, n)
-    bb = np.zeros(full)
+    bb = np.zeros((b, h_q, t, n))
     if bias is not None:
-        bt = torch.as_tensor(bias).detach().to("cpu", torch.float64)
-        if decode and bt.dim() == 3:
-            bt = bt.unsqueeze(2)
-        try:
-            bb = bb + bt.numpy()
-        except ValueError:
-            raise ValueError(f"bias must broadcast to (b, h_q, [t,] n) = {full if not decode else (b, h_q, n)}, "
-                             f"got shape {tuple(bt.shape)}") from None
-    if offset is not None and query_positions is None:
+        bt = torch.broadcast_to(bias, L.bias_shape).detach().to("cpu", torch.float64)
+        bb = bb + (bt.unsqueeze(2) if decode else bt).numpy()
+    if offset is not None:
         query_positions = int(offset) + torch.arange(t)
     if query_positions is not None:
-        qp = torch.as_tensor(query_positions).detach().to("cpu", torch.int64)
-        qp = qp.reshape(1, t) if qp.dim() == 1 else qp
-        if tuple(qp.shape) not in ((1, t), (b, t)):
-            raise ValueError(f"query_positions must have shape (t,) or (b, t) = ({b}, {t}), got {tuple(qp.shape)}")
-        if positions is None:
-            pos = torch.arange(n).expand(b, h_kv, n)
-        else:
-            pos = torch.as_tensor(positions).detach().to("cpu", torch.int64)
-            if tuple(pos.shape) != (b, h_kv, n):
-                raise ValueError(f"positions must have shape (b, h_kv, n) = ({b}, {h_kv}, {n}), "
-                                 f"got {tuple(pos.shape)}")
+        qp = query_positions.detach().to("cpu", torch.int64).expand(b, t)
+        pos = torch.arange(n).expand(b, h_kv, n) if positions is None else positions.detach().to("cpu", torch.int64)
         pos_q = pos.repeat_interleave(g, dim=1)  # (b, h_q, n)
-        visible = pos_q[:, :, None, :] <= qp.expand(b, t)[:, None, :, None]  # (b, h_q, t, n)
+        visible = pos_q[:, :, None, :] <= qp[:, None, :, None]  # (b, h_q, t, n)
         bb = np.where(visible.numpy(), bb, -np.inf)
     kk = keys.detach().to("cpu", torch.float64).numpy()
     vv = values.detach().to("cpu", torch.float64).numpy()

@@ -359,7 +359,7 @@ def test_hajek_attention_errors(change, exc, words):
 
 def test_hajek_attention_keyword_errors():
     q, k, v, p = _inputs()
-    with pytest.raises(TypeError, match="exactly one of pi= and log_pi="):
+    with pytest.raises(TypeError, match="exactly one of pi and log_pi"):
         F.hajek_attention(q, k, v, p, log_pi=torch.log(p))
     with pytest.raises(ValueError, match="log_pi must lie in"):
         F.hajek_attention(q, k, v, log_pi=torch.ones_like(p))

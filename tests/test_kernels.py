@@ -329,7 +329,7 @@ def _good():
     (lambda a: dict(a, q=a["q"].masked_fill(a["q"] > 1, float("inf"))), ValueError, "q must be finite"),
     (lambda a: dict(a, block_n=24), ValueError, "block_n must be a power of two"),
     (lambda a: dict(a, num_splits=0), ValueError, "num_splits must be a positive int"),
-    (lambda a: dict(a, scale=float("nan")), ValueError, "scale must be finite"),
+    (lambda a: dict(a, scale=float("nan")), ValueError, "scale must be a finite positive"),
     (lambda a: dict(a, moments="fast"), ValueError, "moments must be"),
     (lambda a: dict(a, keys=a["keys"].numpy() if a["keys"].device.type == "cpu" else None),
      TypeError, "keys must be a torch.Tensor"),
