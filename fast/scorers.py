@@ -32,6 +32,7 @@ __all__ = [
     "knorm_scores",
     "random_scores",
     "keydiff_scores",
+    "lagkv_scores",
 ]
 
 
@@ -342,6 +343,123 @@ def keydiff_scores(keys: torch.Tensor) -> torch.Tensor:
     return u
 
 
+def lagkv_scores(keys: torch.Tensor, values: torch.Tensor, *, lag_size: int = 128, sinks: int = 4,
+                 cross_scoring: bool = False) -> torch.Tensor:
+    r"""LagKV (Liang et al. 2025): spread of each token, min-max scaled by the next chunk.
+
+    After the ``sinks`` first tokens the cache is cut into C = (n - s) // L
+    whole chunks :math:`P_c = \{s + cL, \dots, s + (c+1)L - 1\}` (s = sinks,
+    L = lag_size). Chunk :math:`P_c` (c <= C - 2) is scored against the next
+    one, its lag reference :math:`P_{c+1}`: for X = K and X = V, with
+    :math:`m_e, M_e` the min and max of channel e over :math:`P_{c+1}`,
+
+    .. math::
+
+        z^X_{ie} = \frac{x_{ie} - m_e}{M_e - m_e}, \qquad
+        \sigma^X_i = \operatorname{std}_e\bigl(z^X_{i\cdot}\bigr), \qquad
+        p^X_i = \operatorname{softmax}_{j \in P_c}\bigl(\sigma^X_j\bigr)_i, \qquad
+        a_i = \tfrac12\bigl(p^K_i + p^V_i\bigr),
+
+        u_i = \frac{\operatorname{rank}_{j \in P_c}(a_j)_i}{L} \in \{0, \tfrac1L, \dots, \tfrac{L-1}{L}\}
+        \quad (u_i = a_i \text{ if } \texttt{cross\_scoring}),
+
+    with std over the channels (divisor e - 1) and rank 0 for the lowest
+    :math:`a` of the chunk. The sinks and the tail, i.e. the last whole chunk
+    (no reference after it) and the r = (n - s) mod L tokens after it, get
+    :math:`u_i = 1`, above every scored token. A cache shorter than s + 2L
+    has no scored chunk: :math:`u_i = 1` for i < s and
+    :math:`u_i = (i - s) / (n - s)` for i >= s (recency, as kvpress).
+
+    Parameters
+    ----------
+    keys : (b, h_kv, n, d), n >= 1
+    values : (b, h_kv, n, dv), same b, h_kv, n
+    lag_size : int >= 1, default 128
+        L, kvpress's ``lag_size``: the chunk length.
+    sinks : int >= 0, default 4
+        s, kvpress's ``n_sink``: the first tokens, always scored 1.
+    cross_scoring : bool, default False
+        kvpress's ``cross_scoring``: keep :math:`a_i` itself (comparable across
+        chunks, in (0, 1)) instead of its within-chunk rank.
+
+    Returns
+    -------
+    (b, h_kv, n) float32 (float64 for float64 inputs), in [0, 1]
+
+    Notes
+    -----
+    Already >= 0 (no shift needed for a design importance); the lowest token
+    of each chunk scores 0, which kvcert's defensive floor keeps at pi > 0.
+    Ranks make every chunk contribute the same share to a global top-k, as
+    the paper's per-chunk selection does; exact ties break to the lower
+    index (kvpress's unstable argsort leaves them unspecified), and scores
+    equal up to rounding (discrete inputs) may rank either way, here as in
+    kvpress.
+
+    Edge cases, defined here where kvpress gives NaN or inf: a channel that
+    is constant over the reference chunk (:math:`M_e = m_e`: lag_size = 1,
+    repeated tokens) has :math:`z_{ie} = 0`; a single channel (d = 1 or
+    dv = 1) has std 0 (divisor 1, not 0). ``values`` may have dv != d
+    (kvpress views them with the key dim, so it needs dv = d). Only tokens
+    s .. s + CL - 1 are read; NaN or inf there raises ``ValueError``, as
+    does a scaled value that overflows (a reference range near the dtype's
+    smallest normal).
+
+    kvpress computes in the cache dtype (bf16 in practice) and rounds the
+    ramp and the ranks to float32; this port computes in float32 (float64
+    for float64 inputs). kvpress's ``compression_ratio`` belongs to the
+    press, not to the score.
+
+    References
+    ----------
+    Liang et al. (2025), LagKV: Lag-relative information of the KV cache tells
+    which tokens are important, arXiv 2504.04704.
+    """
+    k = _keys(keys)
+    v = check_tensor("values", values, ndim=(4,), floating=True)
+    b, h_kv, n, _ = k.shape
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"values must have shape (b, h_kv, n, dv) = ({b}, {h_kv}, {n}, dv), got {tuple(v.shape)}")
+    lag = check_nonneg_int("lag_size", lag_size)
+    if lag < 1:
+        raise ValueError(f"lag_size must be >= 1, got {lag}")
+    s = check_nonneg_int("sinks", sinks)
+    if not isinstance(cross_scoring, bool):
+        raise TypeError(f"cross_scoring must be a bool, got {type(cross_scoring).__name__}")
+    dt = compute_dtype(k, v)
+    u = torch.ones(b, h_kv, n, dtype=dt, device=k.device)
+    if n < s + 2 * lag:  # no scored chunk: sinks, then a recency ramp in [0, 1)
+        if n > s:
+            u[:, :, s:] = torch.arange(n - s, dtype=dt, device=k.device) / (n - s)
+        return u
+    c = (n - s) // lag  # whole chunks, >= 2
+    end = s + c * lag
+    a = 0.5 * (_lag_softmax("keys", k[:, :, s:end], c, lag, dt) + _lag_softmax("values", v[:, :, s:end], c, lag, dt))
+    if not cross_scoring:  # within-chunk rank / L; stable sort: ties to the lower index
+        rank = torch.argsort(torch.argsort(a, dim=-1, stable=True), dim=-1)
+        a = rank.to(dt) / lag
+    u[:, :, s:end - lag] = a.reshape(b, h_kv, (c - 1) * lag)
+    return u
+
+
+def _lag_softmax(name: str, x: torch.Tensor, c: int, lag: int, dt: torch.dtype) -> torch.Tensor:
+    """x (b, h_kv, c*L, e) -> p (b, h_kv, c-1, L): softmax over each chunk of the
+    channel std of the chunk min-max scaled by the next chunk's range."""
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} must be finite in the scored chunks (found NaN or inf)")
+    b, h_kv, _, e = x.shape
+    x = x.to(dt).reshape(b, h_kv, c, lag, e)
+    cur, ref = x[:, :, :-1], x[:, :, 1:]
+    lo = ref.amin(dim=3, keepdim=True)
+    span = ref.amax(dim=3, keepdim=True) - lo  # (b, h_kv, c-1, 1, e)
+    spread = span > 0
+    z = torch.where(spread, (cur - lo) / torch.where(spread, span, torch.ones_like(span)), torch.zeros_like(cur))
+    sd = torch.std(z, dim=-1, correction=1 if e > 1 else 0)  # (b, h_kv, c-1, L)
+    if not bool(torch.isfinite(sd).all()):
+        raise ValueError(f"the LagKV scaling of {name} overflows (a reference range is too small for the dtype)")
+    return torch.softmax(sd, dim=-1)
+
+
 # ---------------------------------------------------------------------------------------------
 # the registry: one signature for every scorer
 # ---------------------------------------------------------------------------------------------
@@ -471,3 +589,8 @@ for _scorer in (
 register_scorer(Scorer("keydiff", lambda q, k, v, **_: keydiff_scores(k), "none", "KeyDiffPress", {},
                        "KeyDiff (Park et al. 2025): keys far from the mean key direction (minus the cosine "
                        "with it)."))
+register_scorer(Scorer("lagkv", lambda q, k, v, *, lag_size, n_sink, **_: lagkv_scores(k, v, lag_size=lag_size,
+                                                                                       sinks=n_sink),
+                       "none", "LagKVPress", {"lag_size": 128, "n_sink": 4},
+                       "LagKV (Liang et al. 2025): per chunk of lag_size tokens, the spread of keys and values "
+                       "min-max scaled by the next chunk (ranked within the chunk).", reads_values=True))

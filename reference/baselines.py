@@ -3,8 +3,9 @@
 Every scorer returns an importance (n,) for one KV head; higher means keep.
 :func:`deterministic_keep` turns any importance into a kept set of a fixed
 size, always keeping the sinks and the recent window, as the kvpress presses do.
-All scorers here depend on queries and keys only, never on values: the
-adversary (:mod:`kvcert.reference.adversary`) relies on that.
+All scorers here but LagKV depend on queries and keys only, never on
+values: the adversary (:mod:`kvcert.reference.adversary`) relies on that
+(the fast registry marks LagKV ``reads_values``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ __all__ = [
     "knorm_scores",
     "random_scores",
     "keydiff_scores",
+    "lagkv_scores",
     "deterministic_keep",
 ]
 
@@ -291,6 +293,107 @@ def keydiff_scores(keys) -> np.ndarray:
     return u
 
 
+def _lag_relative(cur: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """Softmax over the L tokens of ``cur`` (L, e) of the channel std of
+    ``cur`` min-max scaled by the per-channel range of the next chunk ``ref``."""
+    lag, e = cur.shape
+    lo, hi = ref.min(axis=0), ref.max(axis=0)
+    sd = np.empty(lag)
+    for t in range(lag):
+        z = np.zeros(e)
+        for c in range(e):
+            if hi[c] > lo[c]:  # a constant reference channel carries no information: z = 0
+                z[c] = (cur[t, c] - lo[c]) / (hi[c] - lo[c])
+        sd[t] = np.std(z, ddof=1 if e > 1 else 0)
+    if not np.all(np.isfinite(sd)):
+        raise ValueError("the LagKV scaling overflows (a reference range is too small)")
+    return softmax(sd)
+
+
+def _rank(a: np.ndarray) -> np.ndarray:
+    """0 for the lowest entry; ties go to the lower index."""
+    r = np.empty(a.size)
+    for t in range(a.size):
+        r[t] = np.sum(a < a[t]) + np.sum(a[:t] == a[t])
+    return r
+
+
+def lagkv_scores(keys, values, *, lag_size: int = 128, sinks: int = 4, cross_scoring: bool = False) -> np.ndarray:
+    r"""LagKV (Liang et al. 2025): spread of each token, min-max scaled by the next chunk.
+
+    With s = ``sinks`` (kvpress ``n_sink``) and L = ``lag_size``, the tokens
+    after the sinks form C = (n - s) // L whole chunks
+    :math:`P_c = \{s + cL, \dots, s + (c+1)L - 1\}`. Each chunk but the last
+    is scored against the next one: for X in (keys, values), with
+    :math:`m_e, M_e` the min and max of channel e over :math:`P_{c+1}`,
+
+    .. math::
+
+        z^X_{ie} = \frac{x_{ie} - m_e}{M_e - m_e}\ (0 \text{ if } M_e = m_e), \qquad
+        p^X_i = \operatorname{softmax}_{j \in P_c}\bigl(\operatorname{std}_e z^X_{j\cdot}\bigr)_i, \qquad
+        a_i = \tfrac12 (p^K_i + p^V_i),
+
+        u_i = \operatorname{rank}_{j \in P_c}(a_j)_i \,/\, L \quad (a_i \text{ itself if } \texttt{cross\_scoring}),
+
+    std with divisor e - 1 (1 if e = 1), rank 0 for the lowest, ties to the
+    lower index. The sinks, the last whole chunk and the (n - s) mod L tokens
+    after it score 1. If n < s + 2L nothing is scored: 1 on the sinks and
+    (i - s) / (n - s) after them.
+
+    Parameters
+    ----------
+    keys : array_like, (n, d), n >= 1
+    values : array_like, (n, dv)
+    lag_size : int >= 1, default 128
+    sinks : int >= 0, default 4
+    cross_scoring : bool, default False
+
+    Returns
+    -------
+    ndarray, (n,) float64, in [0, 1]
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> u = lagkv_scores(np.ones((10, 2)), np.ones((10, 2)), lag_size=4, sinks=2)
+    >>> u  # 10 < 2 + 2 * 4 is false: chunk 2..5 scored (all tied), 6..9 the tail
+    array([1.  , 1.  , 0.  , 0.25, 0.5 , 0.75, 1.  , 1.  , 1.  , 1.  ])
+    >>> lagkv_scores(np.ones((6, 2)), np.ones((6, 2)), lag_size=4, sinks=2)  # too short: recency
+    array([1.  , 1.  , 0.  , 0.25, 0.5 , 0.75])
+    """
+    k = _keys(keys)
+    v = np.asarray(values, dtype=np.float64)
+    n = k.shape[0]
+    if v.ndim != 2 or v.shape[0] != n:
+        raise ValueError(f"values must have shape (n, dv) with n = {n}, got shape {v.shape}")
+    for name, x in (("lag_size", lag_size), ("sinks", sinks)):
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if lag_size < 1:
+        raise ValueError(f"lag_size must be >= 1, got {lag_size}")
+    if sinks < 0:
+        raise ValueError(f"sinks must be >= 0, got {sinks}")
+    if not isinstance(cross_scoring, (bool, np.bool_)):
+        raise TypeError(f"cross_scoring must be a bool, got {type(cross_scoring).__name__}")
+    lag, s = int(lag_size), int(sinks)
+    u = np.ones(n)
+    if n < s + 2 * lag:
+        for i in range(s, n):
+            u[i] = (i - s) / (n - s)
+        return u
+    n_chunks = (n - s) // lag
+    end = s + n_chunks * lag
+    for name, x in (("keys", k), ("values", v)):
+        if not np.all(np.isfinite(x[s:end])):
+            raise ValueError(f"{name} must be finite in the scored chunks (found NaN or inf)")
+    for c in range(n_chunks - 1):
+        cur = slice(s + c * lag, s + (c + 1) * lag)
+        ref = slice(s + (c + 1) * lag, s + (c + 2) * lag)
+        a = 0.5 * (_lag_relative(k[cur], k[ref]) + _lag_relative(v[cur], v[ref]))
+        u[cur] = a if cross_scoring else _rank(a) / lag
+    return u
+
+
 def _h2o(queries, keys, values, *, scale=None, **_):
     # one query per key (a prefill event): accumulated causal attention; fewer (a decode-time
     # event's recent window): their accumulated attention, SnapKV without pooling
@@ -316,6 +419,7 @@ SCORERS = {
     "expected": lambda q, k, v, *, scale=None, kernel_size=7, **_: expected_attention_scores(
         q, k, scale=scale, kernel_size=kernel_size),
     "keydiff": lambda q, k, v, **_: keydiff_scores(k),
+    "lagkv": lambda q, k, v, *, lag_size=128, n_sink=4, **_: lagkv_scores(k, v, lag_size=lag_size, sinks=n_sink),
 }
 
 
