@@ -339,3 +339,46 @@ def test_sampling_is_seeded_and_progress_bars_run(model_sdpa, capsys):
     assert runs[0].token_ids == runs[1].token_ids and runs[0].certificates is None
     err = capsys.readouterr().err
     assert "prefill" in err and "decode" in err
+
+
+def _case_presses():
+    """Every registered press with its easy and hard keyword sets, and the easy one wrapped in a DecodingPress."""
+    import copy
+
+    out = []
+    for name in sorted(kvcert.PRESS_CASES):
+        for which, kwargs in zip(("easy", "hard"), kvcert.PRESS_CASES[name]):
+            for decoding in (False, True) if which == "easy" else (False,):
+                out.append(pytest.param(name, copy.deepcopy(kwargs), decoding,
+                                        id=f"{name}-{which}{'-decoding' if decoding else ''}"))
+    return out
+
+
+@pytest.mark.parametrize("name, kwargs, decoding", _case_presses())
+def test_press_cases_on_the_model(model_sdpa, name, kwargs, decoding):
+    """The shared press test: every press of the registry, with its easy and hard settings, generates
+    on the real model with finite certificates of the right shape; a deterministic press certifies 0,
+    PoissonPress certifies > 0 once it has evicted; a DecodingPress keeps the cache at its target."""
+    model, tok = model_sdpa
+    press = kvcert.PRESSES[name](**kwargs)
+    base = press
+    if decoding:
+        press = kvcert.DecodingPress(base, compression_interval=2, target_size=24)
+    new = 5
+    r = kvcert.generate(model, tok, long_prompt(120), press=press, max_new_tokens=new)
+    c = r.certificates
+    assert c.shape == (len(r.token_ids), N_LAYERS, H_Q)
+    assert bool(torch.isfinite(c.radius).all()) and bool((c.radius >= 0).all())
+    assert bool((c.kept <= r.prompt_tokens + new).all())
+    assert torch.count_nonzero(c.radius[0]) == 0  # step 0 is the exact prefill
+    if isinstance(base, kvcert.PoissonPress):
+        assert bool((c.radius[1:] > 0).any())
+    else:
+        assert torch.count_nonzero(c.radius) == 0
+    if decoding:  # events every 2 tokens bring each head back to 24 kept (+ at most 2 tokens since)
+        if isinstance(base, kvcert.PoissonPress):  # 24 in expectation: Var|S| <= 24 per KV head
+            assert float(c.kept[-1].double().mean()) <= 24 + 2 + 4 * math.sqrt(24 / (N_LAYERS * H_KV))
+        else:
+            assert int(c.kept[-1].max()) <= 24 + 2
+    elif base.compresses:
+        assert int(c.kept[1].max()) < r.prompt_tokens + 1
