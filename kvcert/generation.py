@@ -4,6 +4,10 @@ One prefill over the whole prompt (exact attention; the press compresses each
 layer right after it), then one forward per generated token over the
 compressed cache with the Hajek-corrected attention. Every forward records a
 certificate per layer and query head (:class:`kvcert.attention.Certificates`).
+
+:func:`generate` runs four phases, each a function below it: the argument
+checks, the prefill (exact, streamed in chunks, or from a shared
+:class:`Prefill`), the decode loop, and the assembly of the result.
 """
 
 from __future__ import annotations
@@ -188,6 +192,21 @@ def _forward_kwargs(model) -> tuple[dict, str]:
     return fwd_kwargs, ("cache" if "cache" in params else "past_key_values")
 
 
+def _position_ids(attention_mask):
+    """RoPE positions of left-padded rows (b, n): 0 at each row's first real token (padding at 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def _prompt_ids(model, tokenizer, prompts, chat_template, system_prompt, prefilled=None):
+    """``(input_ids, attention_mask)`` (b, n) on the model's device: encoded, or the shared prefill's."""
+    if prefilled is not None:
+        return prefilled.input_ids, prefilled.attention_mask
+    device = next(model.parameters()).device
+    input_ids, attention_mask = encode_prompts(tokenizer, list(prompts), chat_template=chat_template,
+                                               system_prompt=system_prompt)
+    return input_ids.to(device), attention_mask.to(device)
+
+
 def _prefill_forward(model, input_ids, attention_mask, position_ids, fwd_kwargs, progress):
     bar = _LayerProgress(model, "prefill") if progress else None
     try:
@@ -282,12 +301,9 @@ def prefill(
     if query_window is not None and (isinstance(query_window, bool) or not isinstance(query_window, int)
                                      or query_window < 1):
         raise ValueError(f"query_window must be an int >= 1 or None, got {query_window!r}")
-    device = next(model.parameters()).device
     use_chat = getattr(tokenizer, "chat_template", None) is not None if chat_template is None else chat_template
-    input_ids, attention_mask = encode_prompts(tokenizer, list(prompts), chat_template=chat_template,
-                                               system_prompt=system_prompt)
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    input_ids, attention_mask = _prompt_ids(model, tokenizer, prompts, chat_template, system_prompt)
+    position_ids = _position_ids(attention_mask)
     fwd_kwargs, cache_kw = _forward_kwargs(model)
     recorder = _QueryRecorder(query_window=query_window)
     with torch.no_grad(), recorder(model):
@@ -386,6 +402,26 @@ def generate(
     >>> r = kvcert.generate(model, tok, "What is 2 + 2?", press=press)  # doctest: +SKIP
     >>> r.certificates.per_step()   # mean relative radius per step     # doctest: +SKIP
     """
+    single, prompts = _check_generate_args(model, prompt, press, max_new_tokens, do_sample, temperature,
+                                           chat_template, system_prompt, prefilled, prefill_chunk)
+    input_ids, attention_mask = _prompt_ids(model, tokenizer, prompts, chat_template, system_prompt, prefilled)
+    context = press(model) if press is not None else contextlib.nullcontext()
+    with torch.no_grad(), context:
+        cache, logits, prompt_rows, timings = _prefill_phase(model, input_ids, attention_mask, press, prefilled,
+                                                             prefill_chunk, progress)
+        decoded = _decode_loop(model, tokenizer, cache, logits, attention_mask, max_new_tokens, do_sample=do_sample,
+                               temperature=temperature, sample_seed=sample_seed, stop_at_eos=stop_at_eos,
+                               progress=progress)
+    certs = press.certificates if press is not None else None
+    return _assemble_result(tokenizer, single, attention_mask, decoded, certs, prompt_rows, timings, press)
+
+
+# --- the phases of generate: checks, prefill, decode loop, result assembly ---
+
+
+def _check_generate_args(model, prompt, press, max_new_tokens, do_sample, temperature, chat_template,
+                         system_prompt, prefilled, prefill_chunk) -> tuple[bool, list]:
+    """Validate :func:`generate`'s arguments; returns ``(single, prompts)`` as :func:`_prompt_list`."""
     from .presses import BasePress
 
     single, prompts = _prompt_list(prompt, "generated from")
@@ -413,115 +449,150 @@ def generate(
             raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
         if prefilled is not None:
             raise ValueError("give prefilled or prefill_chunk, not both (a shared prefill is one exact forward)")
+    return single, prompts
 
-    device = next(model.parameters()).device
-    if prefilled is None:
-        input_ids, attention_mask = encode_prompts(tokenizer, list(prompts), chat_template=chat_template,
-                                                   system_prompt=system_prompt)
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+
+def _prefill_phase(model, input_ids, attention_mask, press, prefilled, prefill_chunk, progress):
+    """Fill the cache with the prompt; returns ``(cache, logits, prompt_rows, timings)``.
+
+    Either one exact forward over the prompt, or (``prefill_chunk``) an exact
+    first chunk followed by the later chunks over the compressed cache, or
+    (``prefilled``) a copy of a shared prefill's cache compressed by ``press``.
+    ``logits`` (b, vocab) are the last prompt position's; ``prompt_rows`` is
+    the number of certificate steps the prompt recorded (1 + the prompt
+    queries after the first chunk); ``timings`` holds ``prefill_s`` (and
+    ``compress_s`` for a shared prefill).
+    """
+    if prefilled is not None:
+        t0 = time.perf_counter()
+        cache = prefilled._compressed_copy(press)
+        timings = {"prefill_s": prefilled.prefill_s,  # the shared exact prefill (not repeated)
+                   "compress_s": time.perf_counter() - t0}
+        return cache, prefilled.logits, 1, timings
+    fwd_kwargs, cache_kw = _forward_kwargs(model)
+    position_ids = _position_ids(attention_mask)
+    t0 = time.perf_counter()
+    n = input_ids.shape[1]
+    chunk = n if prefill_chunk is None else min(prefill_chunk, n)
+    out = _prefill_forward(model, input_ids[:, :chunk], attention_mask[:, :chunk],
+                           position_ids[:, :chunk], fwd_kwargs, progress)
+    cache = getattr(out, cache_kw, None)
+    for start in range(chunk, n, chunk):  # streaming: later chunks over the compressed cache
+        end = min(start + chunk, n)
+        out = model(input_ids=input_ids[:, start:end], attention_mask=attention_mask[:, :end],
+                    position_ids=position_ids[:, start:end], use_cache=True, **{cache_kw: cache},
+                    **fwd_kwargs)
+        cache = getattr(out, cache_kw, None)
+    logits = out.logits[:, -1]
+    return cache, logits, 1 + (n - chunk), {"prefill_s": time.perf_counter() - t0}
+
+
+@dataclass
+class _Decoded:
+    """What the decode loop produced: ``ids`` and ``logprobs`` (b, steps) on the CPU (padded with the pad
+    id after a row's EOS), ``lengths`` (the tokens of each row, its EOS included), wall ``seconds``."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    lengths: list[int]
+    seconds: float
+
+
+def _choose_token(logits, generator, temperature, device):
+    """(token, log p(token)) per row: the argmax, or (``generator`` given) a draw at ``temperature``."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    if generator is not None:
+        probs = torch.softmax(logits.float() / temperature, dim=-1).cpu()
+        tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(device)
     else:
-        input_ids, attention_mask = prefilled.input_ids, prefilled.attention_mask
-    b = input_ids.shape[0]
-    prompt_tokens = attention_mask.sum(-1).tolist()
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        tok = logp.argmax(-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def _decode_loop(model, tokenizer, cache, logits, attention_mask, max_new_tokens, *, do_sample, temperature,
+                 sample_seed, stop_at_eos, progress) -> _Decoded:
+    """Choose up to ``max_new_tokens`` tokens per row, one forward over ``cache`` per token after the first.
+
+    ``logits`` are the last prompt position's and ``attention_mask`` the
+    prompt's (b, n). A row that has emitted an EOS (with ``stop_at_eos``)
+    gets the pad id from then on and stops counting; the loop ends when
+    every row has or after ``max_new_tokens`` tokens.
+    """
+    device = next(model.parameters()).device
+    fwd_kwargs, cache_kw = _forward_kwargs(model)
     eos = _eos_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
-    gen = torch.Generator(device="cpu").manual_seed(int(sample_seed)) if do_sample else None
-    fwd_kwargs, cache_kw = _forward_kwargs(model)
-
-    def pick(logits):
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        if do_sample:
-            probs = torch.softmax(logits.float() / temperature, dim=-1).cpu()
-            tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1).to(device)
-        else:
-            tok = logp.argmax(-1)
-        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
-
-    context = press(model) if press is not None else contextlib.nullcontext()
-    tokens, logps = [], []
+    eos_ids = torch.tensor(sorted(eos), device=device) if stop_at_eos and eos else None
+    generator = torch.Generator(device="cpu").manual_seed(int(sample_seed)) if do_sample else None
+    b = attention_mask.shape[0]
     done = torch.zeros(b, dtype=torch.bool, device=device)
-    lengths = [0] * b
-    timings = {}
-    with torch.no_grad(), context:
-        if prefilled is None:
-            t0 = time.perf_counter()
-            n = input_ids.shape[1]
-            chunk = n if prefill_chunk is None else min(prefill_chunk, n)
-            out = _prefill_forward(model, input_ids[:, :chunk], attention_mask[:, :chunk],
-                                   position_ids[:, :chunk], fwd_kwargs, progress)
-            cache = getattr(out, cache_kw, None)
-            for start in range(chunk, n, chunk):  # streaming: later chunks over the compressed cache
-                end = min(start + chunk, n)
-                out = model(input_ids=input_ids[:, start:end], attention_mask=attention_mask[:, :end],
-                            position_ids=position_ids[:, start:end], use_cache=True, **{cache_kw: cache},
-                            **fwd_kwargs)
-                cache = getattr(out, cache_kw, None)
-            prompt_rows = 1 + (n - chunk)  # recorded certificate steps of the prompt
-            logits = out.logits[:, -1]
-            timings["prefill_s"] = time.perf_counter() - t0
-        else:
-            t0 = time.perf_counter()
-            cache = prefilled._compressed_copy(press)
-            prompt_rows = 1
-            logits = prefilled.logits
-            timings["prefill_s"] = prefilled.prefill_s  # the shared exact prefill (not repeated)
-            timings["compress_s"] = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        steps = range(max_new_tokens)
-        if progress:
-            from tqdm.auto import tqdm
+    lengths = torch.zeros(b, dtype=torch.long, device=device)
+    next_pos = _position_ids(attention_mask)[:, -1]
+    tokens, logps = [], []
+    t0 = time.perf_counter()
+    steps = range(max_new_tokens)
+    if progress:
+        from tqdm.auto import tqdm
 
-            steps = tqdm(steps, desc="decode", unit="tok", leave=False)
-        next_pos = position_ids[:, -1]
-        for step in steps:
-            tok, lp = pick(logits)
-            tok = torch.where(done, torch.full_like(tok, pad_id), tok)
-            tokens.append(tok)
-            logps.append(lp)
-            for i in range(b):
-                if not bool(done[i]):
-                    lengths[i] += 1
-            if stop_at_eos and eos:
-                done = done | torch.isin(tok, torch.tensor(sorted(eos), device=device))
-            if bool(done.all()) or step == max_new_tokens - 1:
+        steps = tqdm(steps, desc="decode", unit="tok", leave=False)
+    for step in steps:
+        tok, lp = _choose_token(logits, generator, temperature, device)
+        tok = tok.masked_fill(done, pad_id)
+        tokens.append(tok)
+        logps.append(lp)
+        lengths += ~done
+        if eos_ids is not None:
+            done = done | torch.isin(tok, eos_ids)
+            if bool(done.all()):  # the one host sync per step
                 break
-            next_pos = next_pos + 1
-            attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=-1)
-            out = model(input_ids=tok[:, None], attention_mask=attention_mask, position_ids=next_pos[:, None],
-                        use_cache=True, **{cache_kw: cache}, **fwd_kwargs)
-            cache = getattr(out, cache_kw, None)
-            logits = out.logits[:, -1]
-        if progress:
-            steps.close()
-        timings["decode_s"] = time.perf_counter() - t1
-    n_dec = max(len(tokens) - 1, 0)
-    timings["decode_tokens_per_s"] = n_dec / timings["decode_s"] if timings["decode_s"] > 0 and n_dec else 0.0
+        if step == max_new_tokens - 1:
+            break
+        next_pos = next_pos + 1
+        attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=-1)
+        out = model(input_ids=tok[:, None], attention_mask=attention_mask, position_ids=next_pos[:, None],
+                    use_cache=True, **{cache_kw: cache}, **fwd_kwargs)
+        cache = getattr(out, cache_kw, None)
+        logits = out.logits[:, -1]
+    if progress:
+        steps.close()
+    seconds = time.perf_counter() - t0
+    return _Decoded(torch.stack(tokens, dim=1).cpu(), torch.stack(logps, dim=1).cpu(), lengths.tolist(), seconds)
 
-    ids = torch.stack(tokens, dim=1).cpu()  # (b, steps)
-    lps = torch.stack(logps, dim=1).cpu()
-    certs = press.certificates if press is not None else None
+
+def _step_slice(c: Certificates, steps: slice) -> Certificates:
+    """The certificates of one sequence restricted to the recorded ``steps``."""
+    return Certificates(c.kind, c.delta, c.radius[steps], c.relative_radius[steps], c.trace[steps], c.kept[steps])
+
+
+def _assemble_result(tokenizer, single, attention_mask, decoded, certs, prompt_rows, timings,
+                     press) -> GenerationResult:
+    """Per-row text, tokens, log-probabilities and certificate steps, as one :class:`GenerationResult`.
+
+    ``certs`` (batched, or None without a press) holds every recorded step:
+    row 0 the first prompt forward, rows 1 .. ``prompt_rows`` - 1 the later
+    prompt queries (streaming), then one row per decoding forward. Token s
+    was produced by recorded step ``prompt_rows - 1 + s``.
+    """
+    n_dec = max(decoded.ids.shape[1] - 1, 0)
+    timings = {**timings, "decode_s": decoded.seconds,
+               "decode_tokens_per_s": n_dec / decoded.seconds if decoded.seconds > 0 and n_dec else 0.0}
+    prompt_tokens = [int(x) for x in attention_mask.sum(-1).tolist()]
     texts, id_lists, lp_list, cert_list, prompt_list = [], [], [], [], []
     first = prompt_rows - 1  # the recorded step that produced token 0
-    for i in range(b):
-        row = ids[i, : lengths[i]].tolist()
+    for i, length in enumerate(decoded.lengths):
+        row = decoded.ids[i, :length].tolist()
         id_lists.append(row)
-        lp_list.append(lps[i, : lengths[i]])
+        lp_list.append(decoded.logprobs[i, :length])
         texts.append(tokenizer.decode(row, skip_special_tokens=True))
         if certs is not None:
             ci = certs[i]
-            steps = slice(first, first + lengths[i])
-            cert_list.append(Certificates(ci.kind, ci.delta, ci.radius[steps], ci.relative_radius[steps],
-                                          ci.trace[steps], ci.kept[steps]))
+            cert_list.append(_step_slice(ci, slice(first, first + length)))
             if prompt_rows > 1:
-                rows = slice(1, prompt_rows)
-                prompt_list.append(Certificates(ci.kind, ci.delta, ci.radius[rows], ci.relative_radius[rows],
-                                                ci.trace[rows], ci.kept[rows]))
+                prompt_list.append(_step_slice(ci, slice(1, prompt_rows)))
     name = repr(press) if press is not None else "none"
+    cert_rows = cert_list if certs is not None else None
     prompt_certs = prompt_list if prompt_list else None
     if single:
-        return GenerationResult(texts[0], id_lists[0], lp_list[0], cert_list[0] if certs is not None else None,
-                                int(prompt_tokens[0]), timings, name,
-                                prompt_certs[0] if prompt_certs else None)
-    return GenerationResult(texts, id_lists, lp_list, cert_list if certs is not None else None,
-                            [int(x) for x in prompt_tokens], timings, name, prompt_certs)
+        return GenerationResult(texts[0], id_lists[0], lp_list[0], cert_rows[0] if cert_rows is not None else None,
+                                prompt_tokens[0], timings, name, prompt_certs[0] if prompt_certs else None)
+    return GenerationResult(texts, id_lists, lp_list, cert_rows, prompt_tokens, timings, name, prompt_certs)
