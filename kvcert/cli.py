@@ -4,13 +4,16 @@
 
     kvcert generate --prompt "..." --press poisson --compression-ratio 0.5 --max-new-tokens 32
     kvcert generate --prompt-file long.txt --json
-    kvcert repro --quick             # forwards to python -m paper_repro
 
 ``generate`` loads the model (default: SmolLM2-135M-Instruct, offline),
 generates under the chosen press and prints the answer with a certificate
 summary: per layer, the min / median / max relative radius over the decoding
 steps and query heads, and the mean number of kept tokens. ``--json`` prints
 one JSON object instead.
+
+The paper reproduction is a command of its own, ``kvcert-repro`` (the same as
+``python -m paper_repro``): the library never imports the reproduction, so
+``kvcert repro`` only prints that hint.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ _PRESS_OPTIONS = ("compression_ratio", "target_size", "compression_interval", "s
                   "floor", "scorer", "seed", "delta", "kind", "observation_window")
 
 
+#: where the paper reproduction lives (paper_repro/, never imported by the library)
+_REPRO_HINT = "run 'kvcert-repro ...' (or 'python -m paper_repro ...' from a source checkout)"
+
+
 class UsageError(Exception):
     """A bad command-line argument (printed as one line, exit status 2)."""
 
@@ -44,9 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="kvcert",
         description="Randomized KV-cache eviction with error certificates (Poisson sampling + Hajek attention).",
-        epilog="Run 'kvcert generate --help' or 'kvcert repro --help' for the options of each command.",
+        epilog=f"Run 'kvcert generate --help' for its options. For the paper reproduction, {_REPRO_HINT}.",
     )
-    sub = p.add_subparsers(dest="command", metavar="{generate,repro}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{generate}", parser_class=_Parser)
     g = sub.add_parser(
         "generate",
         help="generate text under a press and print its certificates",
@@ -95,8 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="progress bars for prefill and decoding (default: when stderr is a terminal)")
     g.add_argument("--no-progress", dest="progress", action="store_false")
-    sub.add_parser("repro", help="regenerate the paper's tables (forwards to python -m paper_repro)",
-                   add_help=False)
     return p
 
 
@@ -170,21 +175,17 @@ def _generate(args) -> int:
     return 0
 
 
-def _repro(argv: list[str]) -> int:
-    try:
-        from paper_repro.__main__ import main as repro_main
-    except ImportError as e:
-        print(f"kvcert: error: the paper reproduction is not available ({e}); run it from a source checkout",
-              file=sys.stderr)
-        return 1
-    return int(repro_main(argv) or 0)
+def _repro_moved() -> int:
+    """``kvcert repro``: the reproduction has its own command (nothing is imported here)."""
+    print(f"kvcert: error: the paper reproduction is not a kvcert command; {_REPRO_HINT}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvcert`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "repro":
-        return _repro(argv[1:])
+        return _repro_moved()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""The ``kvcert`` command line: help, one-line errors, press options, repro forwarding, a real run."""
+"""The ``kvcert`` command line: help, one-line errors, press options, the repro hint, a real run."""
 
 from __future__ import annotations
 
@@ -84,15 +84,43 @@ def test_make_press_maps_options():
     assert (p.scorer, p.seed, p.top_fraction, p.floor, p.delta) == ("knorm", 3, 0.25, 0.2, 0.1)
 
 
-def test_repro_forwards_to_paper_repro(monkeypatch, capsys):
-    import paper_repro.__main__ as repro
+@pytest.mark.parametrize("argv", [["repro"], ["repro", "--quick", "--tables", "T1"], ["repro", "--help"]])
+def test_repro_points_to_its_own_command(argv, monkeypatch, capsys):
+    # the library never imports the reproduction: make any attempt fail loudly
+    for name in ("paper_repro", "paper_repro.__main__"):
+        monkeypatch.setitem(sys.modules, name, None)
+    rc, out, err = run(argv, capsys)
+    assert rc == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvcert: error: ")
+    assert "kvcert-repro" in lines[0] and "python -m paper_repro" in lines[0]
 
-    seen = []
-    monkeypatch.setattr(repro, "main", lambda argv=None: seen.append(argv) or 7)
-    rc, _, _ = run(["repro", "--quick", "--tables", "T1"], capsys)
-    assert rc == 7 and seen == [["--quick", "--tables", "T1"]]
-    rc, _, _ = run(["repro", "--help"], capsys)  # its own help, not kvcert's
-    assert seen[-1] == ["--help"]
+
+def test_library_never_imports_the_reproduction():
+    import ast
+
+    offenders = []
+    for folder in ("kvcert", "reference", "fast", "kernels"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                offenders += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names
+                              if n.split(".")[0] == "paper_repro"]
+    assert not offenders, offenders
+
+
+def test_repro_console_script(capsys):
+    text = (ROOT / "pyproject.toml").read_text()
+    scripts = text.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
+    assert 'kvcert-repro = "paper_repro.__main__:main"' in scripts
+    from paper_repro.__main__ import main as repro_main
+
+    with pytest.raises(SystemExit) as e:
+        repro_main(["--help"])
+    assert e.value.code == 0 and "--quick" in capsys.readouterr().out
+    assert repro_main(["--tables", "NOPE"]) == 2  # an int exit status, before any table runs
+    assert "unknown table" in capsys.readouterr().err
 
 
 def test_prompt_file_and_stdin(tmp_path, monkeypatch):
