@@ -25,12 +25,8 @@ from dataclasses import fields
 
 __all__ = ["main", "build_parser"]
 
-_PRESS_NAMES = ("poisson", "snapkv", "h2o", "streaming_llm", "tova", "knorm", "random")
-_KINDS = ("chebyshev", "wald", "chi2", "bernstein", "chebyshev_ucb")
-_SCORERS = ("snapkv", "h2o", "tova", "knorm", "streaming_llm", "random", "expected")
-
-#: options that set a press field of the same name
-_PRESS_OPTIONS = ("compression_ratio", "target_size", "compression_interval", "sinks", "window", "top_fraction",
+#: options that set a press field of the same name (--compression-interval wraps the press in a DecodingPress)
+_PRESS_OPTIONS = ("compression_ratio", "target_size", "sinks", "window", "top_fraction",
                   "floor", "scorer", "seed", "delta", "kind", "observation_window")
 
 
@@ -48,6 +44,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .fast import KINDS, SCORERS
+    from .presses import PRESSES
+
     p = _Parser(
         prog="kvcert",
         description="Randomized KV-cache eviction with error certificates (Poisson sampling + Hajek attention).",
@@ -71,23 +70,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'smollm2' (default: built in, offline), a .gguf file, a local HF folder or a hub name")
     g.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"),
                    help="exact attention used for the prefill (default sdpa)")
-    g.add_argument("--press", default="poisson", choices=_PRESS_NAMES, help="compression policy (default poisson)")
+    g.add_argument("--press", default="poisson", choices=tuple(PRESSES), help="compression policy (default poisson)")
     g.add_argument("--compression-ratio", type=float, default=None,
                    help="fraction of the prompt's tokens removed (default 0.5 when no --target-size)")
     g.add_argument("--target-size", type=int, default=None, help="keep this many tokens per head instead")
     g.add_argument("--compression-interval", type=int, default=None,
-                   help="also compress every N decoded tokens back to the target size")
+                   help="also compress every N decoded tokens back to the target size (a DecodingPress)")
     g.add_argument("--sinks", type=int, default=None, help="first tokens always kept (press default 4)")
     g.add_argument("--window", type=int, default=None, help="recent tokens always kept (press default 32)")
     g.add_argument("--top-fraction", type=float, default=None,
                    help="poisson: share of the free budget kept by importance (default 0.5)")
     g.add_argument("--floor", type=float, default=None, help="poisson: defensive mixture weight (default 0.1)")
-    g.add_argument("--scorer", default=None, choices=_SCORERS, help="poisson: importance scorer (default snapkv)")
+    g.add_argument("--scorer", default=None, choices=tuple(SCORERS), help="poisson: importance scorer (default snapkv)")
     g.add_argument("--observation-window", type=int, default=None,
                    help="queries the snapkv/tova/h2o scorers look at (default 32)")
     g.add_argument("--seed", type=int, default=None, help="poisson/random: seed of the sampling design (default 0)")
     g.add_argument("--delta", type=float, default=None, help="certificate miscoverage (default 0.05)")
-    g.add_argument("--kind", default=None, choices=_KINDS, help="certificate kind (default chebyshev)")
+    g.add_argument("--kind", default=None, choices=KINDS, help="certificate kind (default chebyshev)")
     g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="streaming: feed the prompt in chunks of N tokens (with --target-size and "
@@ -123,7 +122,7 @@ def _read_prompt(args) -> str:
 
 def make_press(args):
     """The press the options describe (UsageError for options that do not apply)."""
-    from .presses import PRESSES
+    from .presses import PRESSES, DecodingPress
 
     cls = PRESSES[args.press]
     names = {f.name for f in fields(cls)}
@@ -138,7 +137,10 @@ def make_press(args):
     if "compression_ratio" not in kwargs and "target_size" not in kwargs:
         kwargs["compression_ratio"] = 0.5
     try:
-        return cls(**kwargs)
+        press = cls(**kwargs)
+        if args.compression_interval is not None:
+            press = DecodingPress(press, compression_interval=args.compression_interval)
+        return press
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
 

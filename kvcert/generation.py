@@ -422,10 +422,10 @@ def generate(
 def _check_generate_args(model, prompt, press, max_new_tokens, do_sample, temperature, chat_template,
                          system_prompt, prefilled, prefill_chunk) -> tuple[bool, list]:
     """Validate :func:`generate`'s arguments; returns ``(single, prompts)`` as :func:`_prompt_list`."""
-    from .presses import BasePress
+    from .presses import Press
 
     single, prompts = _prompt_list(prompt, "generated from")
-    if press is not None and not isinstance(press, BasePress):
+    if press is not None and not isinstance(press, Press):
         raise TypeError(f"press must be a kvcert press (e.g. kvcert.PoissonPress), got {type(press).__name__}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")

@@ -76,8 +76,10 @@ def test_make_press_maps_options():
     args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--press", "tova", "--target-size", "64",
                                           "--compression-interval", "16", "--window", "8", "--kind", "wald"])
     p = cli.make_press(args)
-    assert isinstance(p, kvcert.TOVAPress)
-    assert (p.target_size, p.compression_interval, p.window, p.kind, p.compression_ratio) == (64, 16, 8, "wald", 0.0)
+    assert isinstance(p, kvcert.DecodingPress) and isinstance(p.base_press, kvcert.TOVAPress)
+    assert (p.target_size, p.compression_interval) == (64, 16)
+    b = p.base_press
+    assert (b.target_size, b.window, b.kind, b.compression_ratio) == (64, 8, "wald", 0.0)
     args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--scorer", "knorm", "--seed", "3",
                                           "--top-fraction", "0.25", "--floor", "0.2", "--delta", "0.1"])
     p = cli.make_press(args)
@@ -186,7 +188,8 @@ def test_generate_streaming_json(model_sdpa, monkeypatch, capsys):
     assert rc == 0
     data = json.loads(out)
     direct = kvcert.generate(model, tok, long_prompt(400), max_new_tokens=2, prefill_chunk=32,
-                             press=kvcert.PoissonPress(target_size=40, compression_interval=32, window=8))
+                             press=kvcert.DecodingPress(kvcert.PoissonPress(target_size=40, window=8),
+                                                         compression_interval=32))
     assert data["token_ids"] == direct.token_ids
     pc = data["prompt_certificate"]
     assert pc["prompt_steps"] == direct.prompt_tokens - 32
