@@ -100,8 +100,8 @@ def collect(cfg: Config, model, tokenizer) -> list[dict]:
                                            state))
         if STREAM_BUDGET in cfg.budgets:
             n = int(state.attention_mask.sum())
-            press = kvcert.PoissonPress(target_size=max(1, round(STREAM_BUDGET * n)),
-                                        compression_interval=STREAM_CHUNK, seed=cfg.seed)
+            press = kvcert.DecodingPress(kvcert.PoissonPress(target_size=max(1, round(STREAM_BUDGET * n)),
+                                                             seed=cfg.seed), compression_interval=STREAM_CHUNK)
             add(task, i, "poisson_stream", STREAM_BUDGET, _run(model, tokenizer, ex, press, None,
                                                                chunk=STREAM_CHUNK))
     return records
