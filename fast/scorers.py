@@ -560,22 +560,22 @@ def _h2o(queries, keys, values, *, scale, **_):
     return snapkv_scores(queries, keys, scale=scale, kernel_size=1)
 
 
-for _scorer in (
+for _scorer in (  # the order of the tables' rows (paper_repro T1, T2b)
+    Scorer("streaming_llm", lambda q, k, v, **_: streaming_llm_scores(k), "none", "StreamingLLMPress", {},
+           "StreamingLLM (Xiao et al. 2024): recency (with the sinks and the window, the most recent tokens)."),
+    Scorer("h2o", _h2o, "all", "H2OPress", {},
+           "H2O (Zhang et al. 2023): heavy hitters of the accumulated causal attention of every prefill "
+           "query (decode-time events accumulate over the recent queries only)."),
     Scorer("snapkv", lambda q, k, v, *, scale, kernel_size, **_: snapkv_scores(q, k, scale=scale,
                                                                                  kernel_size=kernel_size),
            "window", "SnapKVPress", {"kernel_size": 7},
            "SnapKV (Li et al. 2024): attention of the last observation_window queries, GQA-pooled, "
            "smoothed with kernel_size."),
-    Scorer("h2o", _h2o, "all", "H2OPress", {},
-           "H2O (Zhang et al. 2023): heavy hitters of the accumulated causal attention of every prefill "
-           "query (decode-time events accumulate over the recent queries only)."),
     Scorer("tova", lambda q, k, v, *, scale, **_: tova_scores(q[:, :, -1], k, scale=scale),
            "window", "TOVAPress", {},
            "TOVA (Oren et al. 2024): attention of the last query, GQA-averaged."),
     Scorer("knorm", lambda q, k, v, **_: knorm_scores(k), "none", "KNormPress", {},
            "K-norm (Devoto et al. 2024): keys of small L2 norm (score -||k||)."),
-    Scorer("streaming_llm", lambda q, k, v, **_: streaming_llm_scores(k), "none", "StreamingLLMPress", {},
-           "StreamingLLM (Xiao et al. 2024): recency (with the sinks and the window, the most recent tokens)."),
     Scorer("random", lambda q, k, v, *, seed, layer, event, **_: random_scores(k, seed=seed, layer=layer,
                                                                               event=event),
            "none", "RandomPress", {"seed": 0},

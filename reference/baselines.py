@@ -409,12 +409,12 @@ def _h2o(queries, keys, values, *, scale=None, **_):
 #: keywords a scorer does not use are ignored. The method's metadata (which queries it reads, its
 #: press, its defaults) lives in the fast registry.
 SCORERS = {
+    "streaming_llm": lambda q, k, v, **_: streaming_llm_scores(_keys(k).shape[0]),
+    "h2o": _h2o,
     "snapkv": lambda q, k, v, *, scale=None, kernel_size=7, **_: snapkv_scores(q, k, scale=scale,
                                                                               kernel_size=kernel_size),
-    "h2o": _h2o,
     "tova": lambda q, k, v, *, scale=None, **_: tova_scores(q, k, scale=scale),
     "knorm": lambda q, k, v, **_: knorm_scores(k),
-    "streaming_llm": lambda q, k, v, **_: streaming_llm_scores(_keys(k).shape[0]),
     "random": lambda q, k, v, *, seed=0, **_: random_scores(_keys(k).shape[0], seed=seed),
     "expected": lambda q, k, v, *, scale=None, kernel_size=7, **_: expected_attention_scores(
         q, k, scale=scale, kernel_size=kernel_size),
