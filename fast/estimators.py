@@ -540,7 +540,6 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     s = _logits(L, log_pi=lp.reshape(L.b, L.h_kv, L.n), bias=bias, positions=positions,
                 query_positions=query_positions, offset=offset, out=ws)
     a, lse, empty = _softmax(s)  # (B, G, n), (B, G), (B, G)
-    G = L.G
     ac = _WS.get("rows", L.B * 2 * L.G * L.n, dt, q.device).view(L.B, 2 * L.G, L.n)  # rows [a; c]
     ac[:, : L.G] = a
     a = ac[:, : L.G]

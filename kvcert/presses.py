@@ -45,7 +45,6 @@ also used by paper_repro).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import inspect
 import math
@@ -62,13 +61,6 @@ __all__ = [
     "ScorerPress",
     "PoissonPress",
     "DecodingPress",
-    "SnapKVPress",
-    "H2OPress",
-    "StreamingLLMPress",
-    "TOVAPress",
-    "KNormPress",
-    "RandomPress",
-    "ExpectedAttentionPress",
     "PRESSES",
     "PRESS_CASES",
     "SCORER_NAMES",
@@ -726,8 +718,9 @@ class _QueryRecorder(Press):
 # ---------------------------------------------------------------------------------------------
 # registries
 # ---------------------------------------------------------------------------------------------
-for _name in SCORERS:
+for _name in SCORERS:  # SnapKVPress, H2OPress, ..., KeyDiffPress, LagKVPress
     globals()[SCORERS[_name].press] = make_scorer_press(_name)
+    __all__.append(SCORERS[_name].press)
 
 #: scorers a PoissonPress can draw its importance from (kvcert.fast.SCORERS)
 SCORER_NAMES = tuple(SCORERS)
