@@ -10,6 +10,7 @@ estimator for certificates (float32 summation bound 4 n eps32).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import copy
 import importlib.util
 import math
@@ -453,3 +454,69 @@ def test_transformers_version_range_is_pinned_and_checked():
     text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     hf_extra = text.split("\nhf = [", 1)[1].split("]", 1)[0]
     assert f'"transformers>={low},<{high}"' in hf_extra
+
+
+# ---------------------------------------------------------------------------------------------
+# scorer presses: a registry name, a ScorerPress instance or a callable
+# ---------------------------------------------------------------------------------------------
+class _LastKeyPress(kvcert.ScorerPress):
+    """A user's scorer press: writes only score (keys most similar to the last key)."""
+
+    query_need = "none"
+
+    def score(self, queries, keys, values, *, scale, layer=0, event=0):
+        return (keys * keys[:, :, -1:]).sum(-1)
+
+
+def _qkv(n=40, b=1, h_kv=2, g=2, d=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, h_kv * g, 6, d, generator=gen), torch.randn(b, h_kv, n, d, generator=gen),
+            torch.randn(b, h_kv, n, d, generator=gen))
+
+
+@pytest.mark.parametrize("name", sorted(kvcert.fast.SCORERS))
+def test_poisson_scorer_by_name_or_instance_is_the_same_importance(name):
+    q, k, v = _qkv()
+    params = {p: 3 if p == "kernel_size" else d for p, d in kvcert.fast.SCORERS[name].params.items()}
+    cls = kvcert.PRESSES[name]
+    window = {"observation_window": 4} if "observation_window" in {f.name for f in dataclasses.fields(cls)} else {}
+    instance = cls(**window, **params)
+    by_name = kvcert.PoissonPress(compression_ratio=0.5, scorer=name, observation_window=instance._observation_window(),
+                                  **{p: x for p, x in params.items() if p in ("kernel_size", "seed")})
+    by_instance = kvcert.PoissonPress(compression_ratio=0.5, scorer=instance)
+    for p in (by_name, by_instance):
+        assert p.queries_needed(40) == instance.queries_needed(40)
+    qw = by_name._window_queries(q, 40)
+    u1 = by_name._score(qw, k, v, scale=0.3, layer=1, event=2)
+    u2 = by_instance._score(by_instance._window_queries(q, 40), k, v, scale=0.3, layer=1, event=2)
+    assert u1.shape == (1, 2, 40) and torch.equal(u1, u2)
+
+
+def test_a_scorer_press_that_writes_only_score():
+    q, k, v = _qkv()
+    press = _LastKeyPress(compression_ratio=0.5, sinks=2, window=4)
+    assert press.queries_needed(40) == 0
+    u = press._score(q, k, v, scale=0.3, layer=0, event=0)
+    assert torch.equal(u, (k * k[:, :, -1:]).sum(-1))
+    poisson = kvcert.PoissonPress(compression_ratio=0.5, scorer=press, sinks=2, window=4)
+    pi = poisson.inclusion_probabilities(u)
+    assert pi.shape == (1, 2, 40) and bool((pi > 0).all())
+    assert float(pi.sum(-1).max()) == pytest.approx(20.0, rel=1e-6)
+
+
+def test_poisson_scorer_callable_and_its_errors():
+    q, k, v = _qkv()
+    calls = []
+
+    def fn(queries, keys, values, *, scale, layer, event):
+        calls.append((queries.shape, scale, layer, event))
+        return keys.norm(dim=-1)
+
+    p = kvcert.PoissonPress(compression_ratio=0.5, scorer=fn, observation_window=3)
+    u = p._score(p._window_queries(q, 40), k, v, scale=0.5, layer=2, event=1)
+    assert torch.equal(u, k.norm(dim=-1)) and calls == [((1, 4, 3, 8), 0.5, 2, 1)]
+    bad = kvcert.PoissonPress(compression_ratio=0.5, scorer=lambda queries, keys, values, **kw: keys[..., 0, 0])
+    with pytest.raises(ValueError, match=r"scorer must return a tensor of shape \(b, h_kv, n\)"):
+        bad._score(q, k, v, scale=0.5, layer=0, event=0)
+    with pytest.raises(TypeError, match="hyperparameters"):
+        kvcert.fast.SCORERS["snapkv"](q, k, v, kernal_size=3)
