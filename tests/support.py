@@ -424,3 +424,26 @@ def triton_kernels():
     from kvcert import kernels
 
     return kernels, ("cpu" if kernels.INTERPRETED else "cuda")
+
+
+def assert_certificate_matches_reference(cert, q, k, v, pi, *, delta, kind):
+    """Every (batch row, query head) of a batched fast certificate equals the float64 reference's
+    certificate of the same head (float64 end to end: a rounding tolerance of 1e-9 relative; chi2
+    uses the Frobenius moment instead of eigenvalues, the same sums)."""
+    from kvcert import reference as R
+
+    b, h_q = q.shape[0], q.shape[1]
+    g = h_q // k.shape[1]
+    for bi in range(b):
+        for hq in range(h_q):
+            h = hq // g
+            ref = R.hajek_attention(q[bi, hq].numpy(), k[bi, h].numpy(), v[bi, h].numpy(), pi[bi, h].numpy())
+            want = R.certificate(ref, delta=delta, kind=kind)
+            assert np.ndim(want.radius) == (1 if R.CERTIFICATE_KINDS[kind].per_coordinate else 0)
+            tol = 1e-9 * (1.0 + np.abs(np.asarray(want.radius)))
+            assert_close(f"{kind} radius", cert.radius[bi, hq].numpy(), want.radius, tol)
+            assert_close(f"{kind} rel", cert.relative_radius[bi, hq].numpy(), want.relative_radius,
+                         1e-9 * (1.0 + abs(want.relative_radius)))
+            assert_close(f"{kind} lower", cert.lower[bi, hq].numpy(), want.lower, tol + 1e-12)
+            assert_close(f"{kind} upper", cert.upper[bi, hq].numpy(), want.upper, tol + 1e-12)
+

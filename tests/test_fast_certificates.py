@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import kvcert.fast as F
 import kvcert.reference as R
-from support import assert_close, float64_batches
+from support import assert_certificate_matches_reference, float64_batches
 
 
 @given(n=st.integers(1, 60), dv=st.sampled_from([1, 4, 9]), delta=st.sampled_from([0.01, 0.05, 0.3]),
@@ -26,18 +26,7 @@ def test_every_kind_matches_reference(n, dv, delta, data):
     for kind in F.KINDS:
         cert = F.certificate(est, delta=delta, kind=kind)
         assert cert.kind == kind and cert.delta == delta
-        for bi in range(b):
-            for hq in range(g * h_kv):
-                h = hq // g
-                ref_est = R.hajek_attention(q[bi, hq].numpy(), k[bi, h].numpy(), v[bi, h].numpy(), pi[bi, h].numpy())
-                want = R.certificate(ref_est, delta=delta, kind=kind)
-                # float64 end to end; chi2 uses the Frobenius moment instead of eigenvalues (same sums)
-                tol = 1e-9 * (1.0 + np.abs(np.asarray(want.radius)))
-                assert_close(f"{kind} radius", cert.radius[bi, hq].numpy(), want.radius, tol)
-                assert_close(f"{kind} rel", cert.relative_radius[bi, hq].numpy(), want.relative_radius,
-                             1e-9 * (1.0 + abs(want.relative_radius)))
-                assert_close(f"{kind} lower", cert.lower[bi, hq].numpy(), want.lower, tol + 1e-12)
-                assert_close(f"{kind} upper", cert.upper[bi, hq].numpy(), want.upper, tol + 1e-12)
+        assert_certificate_matches_reference(cert, q, k, v, pi, delta=delta, kind=kind)
 
 
 def test_radius_shapes_and_zero_variance():
