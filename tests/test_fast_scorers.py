@@ -113,6 +113,10 @@ def test_every_registered_scorer_matches_its_reference_twin(name, n):
                 assert (0 <= ref).all() and (ref < 1).all() and bool(((0 <= u) & (u < 1)).all())
             else:  # float64 on both sides: rounding of sums over at most n * w terms
                 np.testing.assert_allclose(u[r, h].numpy(), ref, rtol=1e-9, atol=1e-12)
+    if not scorer.random:  # the twin's defaults are the registry's: called with none, they agree too
+        u0 = scorer(q, k, v, scale=scale)
+        ref0 = R.SCORERS[name](q[0, :g].numpy(), k[0, 0].numpy(), v[0, 0].numpy(), scale=scale)
+        np.testing.assert_allclose(u0[0, 0].numpy(), ref0, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("call, exc, words", [
