@@ -28,7 +28,7 @@ repro: $(STAMP)
 	$(PY) -m paper_repro --quick
 
 bench: $(STAMP)
-	$(PY) -m pytest benchmarks -p no:randomly --benchmark-only --benchmark-json=benchmarks/cpu.json
+	$(PY) -m pytest benchmarks/bench_cpu.py -p no:randomly --benchmark-only --benchmark-json=benchmarks/cpu.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
