@@ -24,6 +24,8 @@ __all__ = [
     "SCORERS",
     "Scorer",
     "register_scorer",
+    "queries_needed",
+    "queries_read",
     "streaming_llm_scores",
     "h2o_scores",
     "snapkv_scores",
@@ -533,8 +535,27 @@ class Scorer:
         return self.fn(queries, keys, values, scale=scale, layer=layer, event=event, **{**self.params, **params})
 
     def queries_needed(self, n: int, observation_window: int) -> int:
-        """Prefill queries this scorer reads at an event over n tokens."""
-        return {"window": min(observation_window, n), "all": n, "none": 0}[self.queries]
+        """Prefill queries this scorer reads at an event over n tokens (:func:`queries_needed`)."""
+        return queries_needed(self.queries, n, observation_window)
+
+    def queries_read(self, available: int, n: int, observation_window: int) -> int:
+        """How many of the last ``available`` queries to pass it (:func:`queries_read`)."""
+        return queries_read(self.queries, available, n, observation_window)
+
+
+def queries_needed(need: str, n: int, observation_window: int) -> int:
+    """Prefill queries a scorer that reads ``need`` (one of :data:`QUERY_NEEDS`) reads at an event
+    over n tokens: the observation window, one per token, or none."""
+    return {"window": min(observation_window, n), "all": n, "none": 0}[need]
+
+
+def queries_read(need: str, available: int, n: int, observation_window: int) -> int:
+    """How many of the last ``available`` queries a scorer is given at an event over n tokens (>= 1):
+    all n for an all-query scorer given one query per token (a prefill event), otherwise the last
+    ``observation_window`` (a decode-time event keeps only a recent window of queries)."""
+    if need == "all" and available == n:
+        return n
+    return max(min(observation_window, available, n), 1)
 
 
 #: name -> :class:`Scorer`; the presses, the CLI, paper_repro and the tests all read this

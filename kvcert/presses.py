@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 
 from .fast import SCORERS, design_sizes
+from .fast.scorers import queries_needed, queries_read
 
 __all__ = [
     "Press",
@@ -285,9 +286,13 @@ class BasePress(Press):
         """(1, h_kv, n) importance of one row's tokens (all valid)."""
         raise NotImplementedError
 
+    def _query_need(self) -> str:
+        """Which prefill queries the scorer reads (``kvcert.fast.scorers.QUERY_NEEDS``)."""
+        return "none"
+
     def queries_needed(self, n: int) -> int:
         """Prefill queries the scorer reads at the prefill event of n tokens."""
-        return 0
+        return queries_needed(self._query_need(), n, self._observation_window())
 
     def _observation_window(self) -> int:
         return getattr(self, "observation_window", self.window) or 1
@@ -324,9 +329,7 @@ class BasePress(Press):
     def _window_queries(self, queries: torch.Tensor, n: int) -> torch.Tensor:
         """The queries the scorer reads, of those given (every one for an all-query scorer
         at a prefill event, else the last ``observation_window``)."""
-        need = self.queries_needed(n)
-        w = need if need == n == queries.shape[2] else min(self._observation_window(), queries.shape[2], n)
-        return queries[:, :, -max(w, 1):]
+        return queries[:, :, -queries_read(self._query_need(), queries.shape[2], n, self._observation_window()):]
 
     def _row_importance(self, queries, keys, values, valid, scale, *, layer_idx, event) -> torch.Tensor:
         """Importance (1, h_kv, m) of one row of a cache with per-head padding (0 on padding)."""
@@ -442,8 +445,8 @@ class ScorerPress(BasePress):
         raise NotImplementedError(f"{type(self).__name__} must implement score(queries, keys, values, *, scale, "
                                   "layer, event)")
 
-    def queries_needed(self, n: int) -> int:
-        return {"window": min(self._observation_window(), n), "all": n, "none": 0}[self.query_need]
+    def _query_need(self) -> str:
+        return self.query_need
 
     def _score(self, queries, keys, values, *, scale, layer, event):
         return self.score(queries, keys, values, scale=scale, layer=layer, event=event)
@@ -577,13 +580,11 @@ class PoissonPress(BasePress):
             raise TypeError(f"scorer must be a registry name {tuple(SCORERS)}, a ScorerPress instance or a "
                             f"callable, got {type(s).__name__}")
 
-    def queries_needed(self, n: int) -> int:
+    def _query_need(self) -> str:
         s = self.scorer
         if isinstance(s, str):
-            return SCORERS[s].queries_needed(n, self.observation_window)
-        if isinstance(s, ScorerPress):
-            return s.queries_needed(n)
-        return min(self.observation_window, n)
+            return SCORERS[s].queries
+        return s.query_need if isinstance(s, ScorerPress) else "window"
 
     def _observation_window(self) -> int:
         s = self.scorer

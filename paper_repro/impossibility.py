@@ -43,7 +43,7 @@ def _policy_keep(name: str, head, budget: int) -> np.ndarray:
     """The kept set of the registered scorer ``name`` (reference twin), fed the queries it reads."""
     from kvcert.fast import SCORERS
 
-    need = max(SCORERS[name].queries_needed(head.keys.shape[0], head.window.shape[0]), 1)
+    need = SCORERS[name].queries_read(head.queries.shape[0], head.keys.shape[0], head.window.shape[0])
     u = R.SCORERS[name](head.queries[-need:], head.keys, head.values, seed=0)
     return R.deterministic_keep(u, budget, sinks=4, window=32)
 

@@ -89,7 +89,7 @@ def _layer_importance(name, queries, keys, values, L, scale, seed):
     queries (h_q, T, d), keys/values (h_kv, T, d); the scorers see only the prefix.
     """
     scorer = F.SCORERS[name]
-    need = max(scorer.queries_needed(L, WINDOW), 1)
+    need = scorer.queries_read(L, L, WINDOW)
     params = {"seed": seed} if "seed" in scorer.params else {}  # the other hyperparameters: registry defaults
     u = scorer(queries[None, :, L - need:L], keys[None, :, :L], values[None, :, :L], scale=scale, **params)
     return u[0].double().numpy()

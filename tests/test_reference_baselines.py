@@ -21,7 +21,7 @@ def _importance(name, queries, keys, values):
     all of them for H2O, the observation window for SnapKV and TOVA, none for K-norm)."""
     from kvcert.fast import SCORERS
 
-    need = max(SCORERS[name].queries_needed(keys.shape[0], W), 1)
+    need = SCORERS[name].queries_read(queries.shape[0], keys.shape[0], W)
     return R.SCORERS[name](queries[-need:], keys, values, seed=0)
 
 
