@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fast import SCORERS, design_sizes
+from .fast import KINDS, SCORERS, design_sizes
 from .fast.scorers import queries_needed, queries_read
 
 __all__ = [
@@ -118,12 +118,6 @@ def _validate_params(press) -> None:
             setattr(press, name, check(getattr(press, name)))
 
 
-def _kinds() -> tuple:
-    from .fast import KINDS
-
-    return KINDS
-
-
 # ---------------------------------------------------------------------------------------------
 # the context manager and the result every press shares
 # ---------------------------------------------------------------------------------------------
@@ -143,8 +137,6 @@ class _PressContext:
         from .cache import _check_full_attention
 
         model, config = self.model, self.model.config
-        if A.active_session(config) is not None:
-            raise RuntimeError("a kvcert press is already active on this model (presses do not nest)")
         _check_full_attention(config)
         self._previous = config._attn_implementation
         params = inspect.signature(model.forward).parameters
@@ -272,8 +264,8 @@ class BasePress(Press):
         self.sinks = _int("sinks", self.sinks)
         self.window = _int("window", self.window)
         self.delta = _real("delta", self.delta, 0.0, 1.0, lo_open=True, hi_open=True)
-        if not isinstance(self.kind, str) or self.kind not in _kinds():
-            raise ValueError(f"kind must be one of {_kinds()}, got {self.kind!r}")
+        if not isinstance(self.kind, str) or self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         _validate_params(self)
 
     @property
