@@ -35,6 +35,17 @@ from .design import (
     inclusion_probabilities,
     poisson_sample,
 )
+from .sketch import (
+    EvictionResult,
+    PageSketch,
+    SketchDesign,
+    evict_and_certify,
+    memory_fraction,
+    page_score_bounds,
+    page_sketch,
+    sketch_budget,
+    variance_bound,
+)
 from .estimators import (
     Estimate,
     attention,
@@ -54,4 +65,6 @@ __all__ = [
     "edge_mask", "inclusion_probabilities", "poisson_sample",
     "Estimate", "attention", "hajek_attention", "horvitz_thompson_totals",
     "linearized_variance", "linearized_variance_ht", "scores",
+    "EvictionResult", "PageSketch", "SketchDesign", "evict_and_certify", "memory_fraction", "page_score_bounds",
+    "page_sketch", "sketch_budget", "variance_bound",
 ]
