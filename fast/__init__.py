@@ -8,6 +8,19 @@ transformers.
 
 from . import scorers
 from .estimators import attention, clear_workspace, hajek_attention, value_moments
+from .blocks import (
+    BLOCK_REDUCTIONS,
+    block_compact,
+    block_count,
+    block_evict,
+    block_hajek_attention,
+    block_importance,
+    block_inclusion_probabilities,
+    block_keep,
+    block_sample,
+    block_uniforms,
+    expand_blocks,
+)
 from .certificates import (
     CERTIFICATE_KINDS,
     KINDS,
@@ -45,6 +58,8 @@ from .types import Certificate, CompressedCache, Estimate
 __all__ = [
     "Estimate", "Certificate", "CompressedCache",
     "attention", "hajek_attention", "value_moments", "clear_workspace",
+    "BLOCK_REDUCTIONS", "block_compact", "block_count", "block_evict", "block_hajek_attention", "block_importance",
+    "block_inclusion_probabilities", "block_keep", "block_sample", "block_uniforms", "expand_blocks",
     "CERTIFICATE_KINDS", "CertificateKind", "KINDS", "certificate", "estimate_options", "radius_from_moments",
     "budget_from_fraction", "certainty_mask", "DesignSizes", "design_sizes", "design_uniforms", "edge_mask",
     "inclusion_probabilities", "poisson_sample", "splitmix64",

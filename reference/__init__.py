@@ -17,6 +17,21 @@ from .baselines import (
     streaming_llm_scores,
     tova_scores,
 )
+from .blocks import (
+    BLOCK_REDUCTIONS,
+    block_count,
+    block_hajek_attention,
+    block_importance,
+    block_inclusion_probabilities,
+    block_keep,
+    block_labels,
+    block_linearized_variance,
+    block_linearized_variance_ht,
+    block_sample,
+    block_stream_key,
+    block_uniforms,
+    expand_blocks,
+)
 from .certificates import (
     CERTIFICATE_KINDS,
     KINDS,
@@ -58,6 +73,9 @@ from .estimators import (
 
 __all__ = [
     "AdversarialCache", "adversarial_cache",
+    "BLOCK_REDUCTIONS", "block_count", "block_hajek_attention", "block_importance", "block_inclusion_probabilities",
+    "block_keep", "block_labels", "block_linearized_variance", "block_linearized_variance_ht", "block_sample",
+    "block_stream_key", "block_uniforms", "expand_blocks",
     "SCORERS", "deterministic_keep", "expected_attention_scores", "h2o_scores", "knorm_scores", "random_scores",
     "snapkv_scores", "streaming_llm_scores", "tova_scores",
     "CERTIFICATE_KINDS", "CertificateKind", "KINDS", "Certificate", "certificate", "covers", "radius_from_moments",

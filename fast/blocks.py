@@ -1,0 +1,565 @@
+"""The block-level (cluster) design, batched (torch): whole blocks of ``block_size`` tokens are sampled.
+
+Torch twin of ``kvcert.reference.blocks`` (DESIGN.md section 7, derivation in
+docs/theory_blocks.md). A paged engine stores K/V in blocks that hold every
+head of a layer, and one block table serves all layers, so the block choice
+is one per *sequence*: shapes are (b, n_blocks) for the design, and the same
+kept blocks are applied to every layer and KV head of a batch row.
+
+- :func:`block_importance`: token importance (b, ..., n) -> block importance
+  (b, n_blocks), summed over the tokens of a block, each head normalized to
+  shares, then the mean (or max) over the heads and layers in the middle dims.
+- :func:`block_inclusion_probabilities`: the token design's capped-PPS solver
+  (:func:`kvcert.fast.inclusion_probabilities`) run on blocks, with
+  ``lengths`` for right-padded batches (padding blocks get pi = 0).
+- :func:`block_uniforms` / :func:`block_sample`: a counter-based SplitMix64
+  stream keyed by (seed, event) and indexed by the block index, so a
+  sequence keeps the same blocks whatever the batch it is in and whatever the
+  call order; bit-identical to ``kvcert.reference.block_uniforms``. ``seed``
+  may be a (b,) tensor (one seed per request).
+- :func:`block_compact` / :func:`block_evict`: the kept blocks packed into a
+  padded :class:`~kvcert.fast.types.CompressedCache` (same kept tokens on every
+  KV head; the token pi is pi_b).
+- :func:`block_hajek_attention`: the Hajek estimate (offset -log pi_b on every
+  token of a kept block, computed by :func:`kvcert.fast.hajek_attention`) with
+  the cluster-sampling variance
+  :math:`\\hat\\Sigma = \\sum_{b\\in S} (1-\\pi_b) z_b z_b^\\top`,
+  :math:`z_b = \\sum_{i\\in b} a_i (v_i - \\hat o)`.
+
+Stream: with ``mix`` the SplitMix64 finalizer, ``G = 0x9E3779B97F4A7C15`` and
+``TAG = 0x6B76626C6F636B73`` ("kvblocks"), the key is
+``k = mix(seed + G); k = mix((k ^ TAG) + G); k = mix((k ^ event) + G)`` and
+block ``j`` draws ``U_j = (mix(k + (j + 1) G) >> 11) * 2**-53`` (all modulo 2**64).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from ._checks import check_nonneg_int, check_probabilities, check_tensor, stat_dtype
+from .design import inclusion_probabilities, splitmix64
+from .estimators import hajek_attention
+from .eviction import compact
+from .types import CompressedCache, Estimate
+
+__all__ = [
+    "BLOCK_REDUCTIONS",
+    "block_count",
+    "block_uniforms",
+    "block_importance",
+    "block_inclusion_probabilities",
+    "block_sample",
+    "expand_blocks",
+    "block_keep",
+    "block_compact",
+    "block_evict",
+    "block_hajek_attention",
+]
+
+#: how :func:`block_importance` combines the per-head block totals (see its docstring)
+BLOCK_REDUCTIONS = ("mean", "max")
+
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(x: int) -> int:
+    """Python int -> the int64 with the same low 64 bits (two's complement)."""
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN = _i64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio, SplitMix64's increment
+_TAG = _i64(0x6B76626C6F636B73)  # "kvblocks": domain tag of the block stream
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 words (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _check_block_size(block_size) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
+        raise TypeError(f"block_size must be an int >= 1, got {type(block_size).__name__}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size}")
+    return int(block_size)
+
+
+def block_count(n: int, block_size: int) -> int:
+    """Number of blocks ``ceil(n / block_size)`` covering n tokens (the last one may be partial)."""
+    n = check_nonneg_int("n", n)
+    return -(-n // _check_block_size(block_size))
+
+
+# ----------------------------------------------------------------------------- the stream
+
+
+def _seed_keys(seed, lead: tuple[int, ...], event: int, device) -> torch.Tensor:
+    """int64 keys of shape ``lead`` (one per row) from an int seed or a tensor of seeds."""
+    if isinstance(seed, torch.Tensor):
+        if seed.dtype not in (torch.int64, torch.int32) or (seed.numel() and bool((seed < 0).any())):
+            raise ValueError(f"seed must be an int >= 0 or an int64 tensor of seeds >= 0, got dtype {seed.dtype}")
+        try:
+            s = torch.broadcast_to(seed.to(device=device, dtype=torch.int64), lead)
+        except RuntimeError:
+            raise ValueError(f"seed must be an int or a tensor broadcastable to the leading dims {lead}, "
+                             f"got shape {tuple(seed.shape)}") from None
+        k = splitmix64(s + _GOLDEN)
+    else:
+        s = check_nonneg_int("seed", seed)
+        k = splitmix64(torch.full(lead, _i64(s + (_GOLDEN & _MASK64)), dtype=torch.int64, device=device))
+    k = splitmix64((k ^ _TAG) + _GOLDEN)
+    return splitmix64((k ^ _i64(event)) + _GOLDEN)
+
+
+def block_uniforms(shape, seed, *, event: int = 0, index: torch.Tensor | None = None, device=None) -> torch.Tensor:
+    r"""The uniforms :math:`U_j \in [0, 1)` of the block stream, float64 (module docstring).
+
+    Parameters
+    ----------
+    shape : tuple of int
+        (n_blocks,) or (..., n_blocks); the last dim is the block index.
+    seed : int >= 0, or int64 tensor broadcastable to ``shape[:-1]``
+        One seed for all rows (every row draws the same stream), or one per
+        row (e.g. per request). No row index enters the key, so a sequence's
+        draws do not depend on the batch it is in.
+    event : int >= 0
+    index : int64 tensor of ``shape``, optional
+        Block index of each slot (default: the slot index along the last dim).
+    device : torch device, optional
+
+    Returns
+    -------
+    U : float64 tensor of ``shape``, bit-identical to
+        ``kvcert.reference.block_uniforms(n_blocks, seed, event=event)`` on every row.
+    """
+    shape = tuple(int(s) for s in shape)
+    if len(shape) == 0:
+        raise ValueError("shape must have at least one dim (n_blocks,)")
+    event = check_nonneg_int("event", event)
+    if index is not None:
+        index = check_tensor("index", index)
+        if tuple(index.shape) != shape or index.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"index must be an int64 tensor of shape {shape}, got {index.dtype} "
+                             f"of shape {tuple(index.shape)}")
+        device = index.device
+    if device is None and isinstance(seed, torch.Tensor):
+        device = seed.device
+    keys = _seed_keys(seed, shape[:-1], event, device)
+    if index is None:
+        ctr = torch.arange(1, shape[-1] + 1, dtype=torch.int64, device=device)
+    else:
+        ctr = index.to(torch.int64) + 1
+    z = splitmix64(keys[..., None] + ctr * _GOLDEN)
+    return _srl(z, 11).to(torch.float64) * (2.0 ** -53)
+
+
+# ----------------------------------------------------------------------------- the design
+
+
+def _lengths(lengths, b: int, n: int, device) -> torch.Tensor | None:
+    if lengths is None:
+        return None
+    lengths = check_tensor("lengths", lengths)
+    if lengths.dtype not in (torch.int64, torch.int32) or tuple(lengths.shape) != (b,):
+        raise ValueError(f"lengths must be an int64 tensor of shape (b,) = ({b},), got {lengths.dtype} "
+                         f"of shape {tuple(lengths.shape)}")
+    if lengths.numel() and not bool(((lengths >= 1) & (lengths <= n)).all()):
+        raise ValueError(f"lengths must lie in [1, n] = [1, {n}], got {lengths.tolist()}")
+    return lengths.to(device=device, dtype=torch.int64)
+
+
+def block_importance(importance: torch.Tensor, block_size: int, *, reduce: str = "mean", normalize: bool = True,
+                     lengths: torch.Tensor | None = None) -> torch.Tensor:
+    r"""Block importance (b, n_blocks) from token importance (b, ..., n), shared across heads.
+
+    .. math::
+
+        U_{hb} = \sum_{i\in b} u_{hi}, \qquad
+        \tilde U_{hb} = U_{hb} / \textstyle\sum_{b'} U_{hb'} \ (\text{normalize}), \qquad
+        u_b = \operatorname{mean}_h \tilde U_{hb} \ \ \text{or} \ \ \max_h \tilde U_{hb},
+
+    with h running over every middle index (layers, KV heads) of ``importance``:
+    stack the scorers' (b, h_kv, n) outputs of the layers sharing a block
+    table as (b, layers, h_kv, n). Same formula as
+    ``kvcert.reference.block_importance`` on each batch row; the reasons for
+    the sum, the normalization and the two reductions are given there.
+
+    Parameters
+    ----------
+    importance : floating tensor (b, n) or (b, ..., n), >= 0 and finite on the valid tokens
+    block_size : int >= 1
+    reduce : {"mean", "max"}
+    normalize : bool
+    lengths : int64 (b,), optional
+        Valid tokens per row (right padding); tokens at ``>= lengths`` are ignored.
+
+    Returns
+    -------
+    tensor (b, n_blocks), float64 for float64 input, float32 otherwise (computed in float64);
+        0 on blocks past a row's length.
+    """
+    importance = check_tensor("importance", importance, floating=True)
+    if importance.ndim < 2 or importance.shape[-1] == 0:
+        raise ValueError(f"importance must have shape (b, n) or (b, ..., n) with n >= 1, "
+                         f"got shape {tuple(importance.shape)}")
+    if reduce not in BLOCK_REDUCTIONS:
+        raise ValueError(f"reduce must be one of {BLOCK_REDUCTIONS}, got {reduce!r}")
+    bs = _check_block_size(block_size)
+    b, n = importance.shape[0], importance.shape[-1]
+    u = importance.reshape(b, -1, n).to(torch.float64)
+    lens = _lengths(lengths, b, n, u.device)
+    if lens is not None:
+        u = u.masked_fill(~(torch.arange(n, device=u.device) < lens[:, None])[:, None, :], 0.0)
+    if not bool(torch.isfinite(u).all()):
+        raise ValueError("importance must be finite (found NaN or inf)")
+    if u.numel() and bool((u < 0).any()):
+        raise ValueError(f"importance must be >= 0, found min {float(u.min()):.3g}")
+    nb = block_count(n, bs)
+    u = torch.nn.functional.pad(u, (0, nb * bs - n))
+    tot = u.reshape(b, u.shape[1], nb, bs).sum(-1)  # U_hb
+    if normalize:
+        mass = tot.sum(-1, keepdim=True)
+        tot = torch.where(mass > 0, tot / torch.where(mass > 0, mass, 1.0), 0.0)
+    out = tot.mean(1) if reduce == "mean" else tot.amax(1)
+    return out.to(stat_dtype(importance))
+
+
+#: the token solver's words -> the block design's (its error messages, reworded)
+_BLOCK_WORDS = (("sinks=", "sink_blocks="), ("window=", "recent_blocks="), ("top=", "top_blocks="),
+                ("<= n =", "<= n_blocks ="), ("< n =", "< n_blocks ="))
+
+
+def block_inclusion_probabilities(importance: torch.Tensor, budget, *, block_size: int, sink_blocks: int = 1,
+                                  recent_blocks: int = 2, top_blocks: int = 0, floor: float = 0.1,
+                                  reduce: str = "mean", normalize: bool = True,
+                                  lengths: torch.Tensor | None = None) -> torch.Tensor:
+    r"""Inclusion probabilities pi_b (b, n_blocks) of the block design, one design per batch row.
+
+    :func:`block_importance`, then the token design's capped PPS
+    (:func:`kvcert.fast.inclusion_probabilities`) on the blocks: certainty set
+    = the first ``sink_blocks``, the last ``recent_blocks`` (counted among a
+    row's valid blocks) and the ``top_blocks`` most important others;
+    :math:`\sum_b \pi_b` = ``budget`` (expected kept *blocks*).
+
+    Parameters
+    ----------
+    importance : (b, n) or (b, ..., n)
+    budget : float or tensor broadcastable to (b,)
+        Expected kept blocks per row, ``|C| < budget <= n_blocks`` (of the row).
+    block_size, sink_blocks, recent_blocks, top_blocks, floor, reduce, normalize
+        As in ``kvcert.reference.block_inclusion_probabilities``.
+    lengths : int64 (b,), optional
+        Valid tokens per row; blocks past ``ceil(lengths / block_size)`` get pi = 0.
+
+    Returns
+    -------
+    pi_blocks : (b, n_blocks), float64 for float64 input, float32 otherwise
+        (computed in float64); equal to the reference on each row up to the
+        summation order of the block totals (about 1e-15 relative).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kvcert.fast import block_inclusion_probabilities
+    >>> pi = block_inclusion_probabilities(torch.rand(2, 3, 100, dtype=torch.float64), 4.0, block_size=16)
+    >>> pi.shape, [round(float(s), 12) for s in pi.sum(-1)]
+    (torch.Size([2, 7]), [4.0, 4.0])
+    """
+    for name, value in (("sink_blocks", sink_blocks), ("recent_blocks", recent_blocks), ("top_blocks", top_blocks)):
+        check_nonneg_int(name, value)
+    ub = block_importance(importance, block_size, reduce=reduce, normalize=normalize, lengths=lengths)
+    valid = None
+    if lengths is not None:
+        nbv = -(-lengths.to(ub.device, torch.int64) // block_size)
+        valid = torch.arange(ub.shape[-1], device=ub.device) < nbv[:, None]
+    try:
+        return inclusion_probabilities(ub if ub.dtype == torch.float64 else ub.double(), budget, sinks=sink_blocks,
+                                       window=recent_blocks, top=top_blocks, floor=floor,
+                                       valid=valid).to(ub.dtype)
+    except (TypeError, ValueError) as err:  # the token solver's message, in block units
+        msg = str(err)
+        for token, block in _BLOCK_WORDS:
+            msg = msg.replace(token, block)
+        raise type(err)(f"{msg} (block design: budget and the certainty set count blocks of "
+                        f"{block_size} tokens; leading index = batch row)") from None
+
+
+def block_sample(pi_blocks: torch.Tensor, *, seed=None, event: int = 0, uniforms: torch.Tensor | None = None,
+                 index: torch.Tensor | None = None) -> torch.Tensor:
+    r"""Poisson sampling of blocks, batched: :math:`I_{rj} = [U_{rj} < \pi_{rj}]`.
+
+    Parameters
+    ----------
+    pi_blocks : (n_blocks,) or (b, n_blocks), in [0, 1] (0 = padding block, never kept)
+    seed : int or int64 tensor broadcastable to (b,)
+        The stream of :func:`block_uniforms`.
+    event : int >= 0
+    uniforms : tensor of pi_blocks' shape, optional
+        The uniforms themselves, in [0, 1) (instead of ``seed``).
+    index : int64 tensor of pi_blocks' shape, optional
+        Block index of each slot for the stream.
+
+    Returns
+    -------
+    keep_blocks : bool tensor of pi_blocks' shape
+    """
+    pi = check_tensor("pi_blocks", pi_blocks, floating=True)
+    if pi.ndim == 0:
+        raise ValueError("pi_blocks must have shape (n_blocks,) or (b, n_blocks), got a scalar")
+    check_probabilities("pi_blocks", pi)
+    if (seed is None) == (uniforms is None):
+        raise TypeError("pass exactly one of seed= or uniforms=")
+    if uniforms is not None:
+        u = check_tensor("uniforms", uniforms, floating=True)
+        if u.shape != pi.shape:
+            raise ValueError(f"uniforms must have shape {tuple(pi.shape)}, got {tuple(u.shape)}")
+        if u.numel() and not bool(((u >= 0) & (u < 1)).all()):
+            raise ValueError("uniforms must lie in [0, 1)")
+        u = u.to(pi.device)
+    else:
+        u = block_uniforms(tuple(pi.shape), seed, event=event, index=index, device=pi.device)
+    return u.to(torch.float64) < pi.to(torch.float64)
+
+
+def expand_blocks(x: torch.Tensor, block_size: int, n: int) -> torch.Tensor:
+    """(..., n_blocks) per-block values -> (..., n) per-token values: token i gets ``x[..., i // block_size]``."""
+    x = check_tensor("x", x)
+    bs = _check_block_size(block_size)
+    nb = block_count(n, bs)
+    if x.ndim == 0 or x.shape[-1] != nb:
+        raise ValueError(f"x must have shape (..., n_blocks) = (..., {nb}) for n = {n}, block_size = {bs}, "
+                         f"got shape {tuple(x.shape)}")
+    return x[..., torch.arange(n, device=x.device) // bs]
+
+
+def block_keep(keep_blocks: torch.Tensor, block_size: int, n: int) -> torch.Tensor:
+    """Token mask (..., n) of a block sample: token i is kept iff block ``i // block_size`` is."""
+    keep_blocks = check_tensor("keep_blocks", keep_blocks)
+    if keep_blocks.dtype != torch.bool:
+        raise TypeError(f"keep_blocks must be a bool tensor, got dtype {keep_blocks.dtype}")
+    return expand_blocks(keep_blocks, block_size, n)
+
+
+def block_compact(keep_blocks: torch.Tensor, pi_blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
+                  block_size: int, lengths: torch.Tensor | None = None) -> CompressedCache:
+    """Pack the kept blocks of every batch row (the same on every KV head) into a padded cache.
+
+    One layer's keys/values (b, h_kv, n, d/dv); call it once per layer with the
+    ``keep_blocks``/``pi_blocks`` (b, n_blocks) of the sequence. Every kept
+    token gets pi = pi_b of its block; positions are the original token
+    positions (block = position // block_size); tokens past ``lengths`` are
+    never kept. See :func:`kvcert.fast.compact` for the layout.
+    """
+    keys = check_tensor("keys", keys, ndim=(4,), floating=True)
+    values = check_tensor("values", values, ndim=(4,), floating=True)
+    b, h, n, _ = keys.shape
+    if values.shape[:3] != keys.shape[:3]:
+        raise ValueError(f"values must have shape (b, h_kv, n, dv) = ({b}, {h}, {n}, dv), got {tuple(values.shape)}")
+    bs = _check_block_size(block_size)
+    nb = block_count(n, bs)
+    for name, x in (("keep_blocks", keep_blocks), ("pi_blocks", pi_blocks)):
+        check_tensor(name, x)
+        if tuple(x.shape) != (b, nb):
+            raise ValueError(f"{name} must have shape (b, n_blocks) = ({b}, {nb}), got {tuple(x.shape)}")
+    keep = block_keep(keep_blocks.to(keys.device), bs, n)
+    pi_tok = expand_blocks(pi_blocks.to(keys.device), bs, n).to(stat_dtype(pi_blocks))
+    lens = _lengths(lengths, b, n, keys.device)
+    if lens is not None:
+        inside = torch.arange(n, device=keys.device) < lens[:, None]
+        keep = keep & inside
+        pi_tok = pi_tok.masked_fill(~inside, 0.0)
+    pos = torch.arange(n, device=keys.device).expand(b, h, n)
+    return compact(keep[:, None, :].expand(b, h, n), keys, values, pi_tok[:, None, :].expand(b, h, n), pos)
+
+
+def block_evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tensor, budget, *, block_size: int,
+                sink_blocks: int = 1, recent_blocks: int = 2, top_blocks: int = 0, floor: float = 0.1,
+                reduce: str = "mean", normalize: bool = True, seed=0, event: int = 0,
+                lengths: torch.Tensor | None = None, uniforms: torch.Tensor | None = None) -> CompressedCache:
+    r"""One block eviction event: :func:`block_inclusion_probabilities`, :func:`block_sample`, :func:`block_compact`.
+
+    ``importance`` (b, ..., n) may hold several layers' scores (their blocks
+    are shared); ``keys``/``values`` are the layer to compact. For several
+    layers, compute ``pi_blocks`` and ``keep_blocks`` once and call
+    :func:`block_compact` per layer. ``uniforms`` (b, n_blocks) replaces the
+    seeded stream.
+    """
+    pi_b = block_inclusion_probabilities(importance, budget, block_size=block_size, sink_blocks=sink_blocks,
+                                         recent_blocks=recent_blocks, top_blocks=top_blocks, floor=floor,
+                                         reduce=reduce, normalize=normalize, lengths=lengths)
+    keep_b = block_sample(pi_b, seed=None if uniforms is not None else seed, event=event, uniforms=uniforms)
+    return block_compact(keep_b, pi_b, keys, values, block_size=block_size, lengths=lengths)
+
+
+# ----------------------------------------------------------------------------- the estimator
+
+
+def _clusters(p: torch.Tensor, omp: torch.Tensor, present: torch.Tensor, labels: torch.Tensor, name: str):
+    """Dense cluster ids (R, n) in [0, n) (n = padding), and (1 - pi_b), pi_b (log pi_b) per cluster (R, n).
+
+    Sort the labels of each row (padding last), number the runs, scatter back: no loop over rows.
+    """
+    R, n = labels.shape
+    big = torch.iinfo(torch.int64).max
+    key = torch.where(present, labels, big)
+    sl, order = torch.sort(key, dim=-1, stable=True)
+    new = torch.ones_like(sl, dtype=torch.bool)
+    new[:, 1:] = sl[:, 1:] != sl[:, :-1]
+    seg = torch.empty_like(order).scatter_(-1, order, new.cumsum(-1) - 1)
+    seg = torch.where(present, seg, n)  # padding -> dump cluster n
+    hi = torch.full((R, n + 1), float("-inf"), dtype=p.dtype, device=p.device)
+    lo = torch.full((R, n + 1), float("inf"), dtype=p.dtype, device=p.device)
+    hi.scatter_reduce_(-1, seg, p, "amax")
+    lo.scatter_reduce_(-1, seg, p, "amin")
+    used = hi[:, :n] > float("-inf")
+    if bool((used & (hi[:, :n] != lo[:, :n])).any()):
+        raise ValueError(f"{name} must be equal on all tokens of a block (positions // block_size)")
+    pib = torch.where(used, hi[:, :n], 0.0 if name == "log_pi" else 1.0)  # unused clusters: pi 1
+    ompb = torch.zeros(R, n + 1, dtype=omp.dtype, device=omp.device).scatter_(-1, seg, omp)[:, :n]
+    return seg, ompb.masked_fill(~used, 0.0), pib
+
+
+def block_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor | None = None,
+                          *, block_size: int, positions: torch.Tensor | None = None,
+                          log_pi: torch.Tensor | None = None, scale: float | None = None,
+                          per_coordinate: bool = True, bias: torch.Tensor | None = None,
+                          query_positions: torch.Tensor | None = None, offset: int | None = None,
+                          return_weights: bool = False, return_max_term: bool = False,
+                          return_covariance: bool = False, return_tail_moment: bool = False,
+                          chunk_bytes: int = 64 << 20) -> Estimate:
+    r"""Hajek attention over a block sample and its cluster-sampling variance, batched, GQA.
+
+    .. math::
+
+        \hat o = \sum_{i\in S} a_i v_i, \qquad a_i = \operatorname{softmax}_S(s_i - \log\pi_{b(i)}),
+        \qquad \hat\Sigma = \sum_{b\in S} (1-\pi_b)\, z_b z_b^\top, \qquad
+        z_b = \sum_{i\in b} a_i (v_i - \hat o),
+
+        \mathrm{trace} = \sum_{b\in S} (1-\pi_b)\lVert z_b\rVert^2, \qquad
+        \mathrm{tail\_moment} = \sum_{b\in S} (1-\pi_b)\, x_b^2,\ x_b = (1-\pi_b)\lVert z_b\rVert^2,
+
+    ``n_eff`` = 1 / sum_b A_b^2 (A_b = sum_{i in b} a_i, the effective number
+    of blocks), ``max_term`` = max over sampled tail blocks of
+    max(1 - pi_b, pi_b) ||z_b||: the reference's ``block_hajek_attention`` on
+    every (batch row, query head[, query]). Output, weights and lse are those
+    of :func:`kvcert.fast.hajek_attention` (the token estimator with pi_b on
+    every token of block b), which this function calls.
+
+    Parameters
+    ----------
+    q, keys, values, pi, log_pi, scale, bias, query_positions, offset
+        As in :func:`kvcert.fast.hajek_attention` (pi per token: pi_b of the
+        token's block, equal on all its tokens (checked); 0 on padding).
+    block_size : int >= 1
+    positions : int64 (b, h_kv, n), optional
+        Original token positions (-1 on padding), e.g. ``CompressedCache.positions``;
+        a slot's block is ``positions // block_size``. Default: the slot index.
+        Also the causal mask's key positions when ``query_positions``/``offset`` is given.
+    per_coordinate, return_weights, return_max_term, return_covariance, return_tail_moment
+        Which optional fields to fill (as in :func:`kvcert.fast.hajek_attention`).
+    chunk_bytes : int
+        Memory bound of the per-chunk (rows, g t, n, dv) temporaries of the block sums.
+
+    Returns
+    -------
+    Estimate
+        Statistics in float32 (float64 when an input is float64). Empty
+        sample: output 0, lse -inf, variance/trace/tail_moment/max_term +inf,
+        n_eff 0 (the token design's convention).
+
+    Notes
+    -----
+    The block sums z_b are formed directly from :math:`v_i - \hat o` (no
+    moment expansion, so no cancellation on offset values), one chunk of KV
+    heads at a time: O(g t n dv) temporaries per KV head, bounded by
+    ``chunk_bytes``. This is the oracle-matching torch path; a fused kernel
+    would accumulate z_b per block tile in the same pass as the output.
+    """
+    bs = _check_block_size(block_size)
+    causal = query_positions is not None or offset is not None
+    est = hajek_attention(q, keys, values, pi, log_pi=log_pi, scale=scale, per_coordinate=False, bias=bias,
+                          positions=positions if causal else None, query_positions=query_positions, offset=offset,
+                          return_weights=True)
+    b, h_kv, n, dv = values.shape
+    h_q = q.shape[1]
+    g = h_q // h_kv
+    t = 1 if q.ndim == 3 else q.shape[2]
+    B, G = b * h_kv, g * t
+    lead = tuple(est.lse.shape)  # (b, h_q[, t])
+    a = est.weights.reshape(B, G, n)
+    dt = a.dtype
+    v = values.to(dt).reshape(B, n, dv)
+    if positions is not None:
+        positions = check_tensor("positions", positions)
+        if positions.dtype not in (torch.int64, torch.int32) or tuple(positions.shape) != (b, h_kv, n):
+            raise ValueError(f"positions must be an int64 tensor of shape (b, h_kv, n) = ({b}, {h_kv}, {n}), "
+                             f"got {positions.dtype} of shape {tuple(positions.shape)}")
+        pos = positions.to(torch.int64).reshape(B, n)
+    else:
+        pos = torch.arange(n, device=v.device).expand(B, n)
+    if pi is not None:
+        p = pi.to(dt).reshape(B, n)
+        present, omp, name = p > 0, 1.0 - p, "pi"
+    else:
+        p = log_pi.to(dt).reshape(B, n)
+        present, omp, name = p > float("-inf"), -torch.expm1(p), "log_pi"
+    if bool((present & (pos < 0)).any()):
+        raise ValueError(f"{name} must be 0 (log_pi -inf) on padding slots (positions == -1)")
+    seg, ompb, pib = _clusters(p, omp, present, torch.div(pos, bs, rounding_mode="floor"), name)
+    if pi is None:
+        pib = torch.exp(pib)
+    o = torch.bmm(a, v)  # o_hat in the compute dtype (est.output is in the dtype of values)
+    trace = torch.empty(B, G, dtype=dt, device=v.device)
+    n_eff = torch.empty(B, G, dtype=dt, device=v.device)
+    variance = torch.empty(B, G, dv, dtype=dt, device=v.device) if per_coordinate else None
+    covariance = torch.empty(B, G, dv, dv, dtype=dt, device=v.device) if return_covariance else None
+    max_term = torch.empty(B, G, dtype=dt, device=v.device) if return_max_term else None
+    tail = torch.empty(B, G, dtype=dt, device=v.device) if return_tail_moment else None
+    per_row = max(1, G * max(n, 1) * dv * torch.empty((), dtype=dt).element_size() * 3)
+    hc = max(1, int(chunk_bytes) // per_row)
+    for r0 in range(0, B, hc):
+        r1 = min(B, r0 + hc)
+        m = r1 - r0
+        ar = a[r0:r1, :, :, None] * (v[r0:r1, None] - o[r0:r1, :, None])  # a_i (v_i - o_hat)
+        idx = seg[r0:r1, None, :].expand(m, G, n)
+        z = torch.zeros(m, G, n + 1, dv, dtype=dt, device=v.device)
+        z.scatter_add_(2, idx[..., None].expand(m, G, n, dv), ar)
+        z = z[:, :, :n]  # z_b per cluster
+        A = torch.zeros(m, G, n + 1, dtype=dt, device=v.device).scatter_add_(2, idx, a[r0:r1])[:, :, :n]
+        c = ompb[r0:r1, None, :]  # (m, 1, n): 1 - pi_b (0 on unused clusters)
+        z2 = (z * z).sum(-1)
+        trace[r0:r1] = (c * z2).sum(-1)
+        n_eff[r0:r1] = (A * A).sum(-1).reciprocal()
+        if variance is not None:
+            variance[r0:r1] = (c[..., None] * z * z).sum(-2)
+        if covariance is not None:
+            cz = z * c[..., None]
+            cov = torch.einsum("mgkd,mgke->mgde", cz, z)
+            covariance[r0:r1] = 0.5 * (cov + cov.transpose(-1, -2))
+        if tail is not None:
+            x = c * z2
+            tail[r0:r1] = (c * x * x).sum(-1)
+        if max_term is not None:
+            pb = pib[r0:r1, None, :]
+            terms = torch.maximum(1.0 - pb, pb) * z2.sqrt()
+            live = (c > 0) & (A > 0)
+            max_term[r0:r1] = torch.where(live, terms, 0.0).amax(-1) if n else 0.0
+    empty = (est.lse == float("-inf")).reshape(B, G)
+    inf = float("inf")
+    trace = trace.masked_fill(empty, inf)
+    n_eff = n_eff.masked_fill(empty, 0.0)
+    if variance is not None:
+        variance = variance.masked_fill(empty[..., None], inf)
+    if covariance is not None:
+        covariance = covariance.masked_fill(empty[..., None, None], inf)
+    if max_term is not None:
+        max_term = max_term.masked_fill(empty, inf)
+    if tail is not None:
+        tail = tail.masked_fill(empty, inf)
+    shape = lambda x: None if x is None else x.reshape(*lead, *x.shape[2:])  # noqa: E731
+    return Estimate(output=est.output, weights=est.weights if return_weights else None, variance=shape(variance),
+                    trace=shape(trace), lse=est.lse, n_eff=shape(n_eff), max_term=shape(max_term),
+                    covariance=shape(covariance), tail_moment=shape(tail))
