@@ -404,7 +404,10 @@ def _clusters(p: torch.Tensor, omp: torch.Tensor, present: torch.Tensor, labels:
     """
     R, n = labels.shape
     big = torch.iinfo(torch.int64).max
-    key = torch.where(present, labels, big)
+    # sampling units: tokens with pi < 1 by block label; a token with pi = 1 on its own (never pooled
+    # into a sampled block, e.g. a decode token appended after the eviction)
+    own = labels.amax() + 1 + torch.arange(n, device=labels.device) if n else labels
+    key = torch.where(present, torch.where(omp > 0, labels, own), big)
     sl, order = torch.sort(key, dim=-1, stable=True)
     new = torch.ones_like(sl, dtype=torch.bool)
     new[:, 1:] = sl[:, 1:] != sl[:, :-1]
@@ -416,7 +419,7 @@ def _clusters(p: torch.Tensor, omp: torch.Tensor, present: torch.Tensor, labels:
     lo.scatter_reduce_(-1, seg, p, "amin")
     used = hi[:, :n] > float("-inf")
     if bool((used & (hi[:, :n] != lo[:, :n])).any()):
-        raise ValueError(f"{name} must be equal on all tokens of a block (positions // block_size)")
+        raise ValueError(f"{name} must be equal on all sampled tokens (pi < 1) of a block (positions // block_size)")
     pib = torch.where(used, hi[:, :n], 0.0 if name == "log_pi" else 1.0)  # unused clusters: pi 1
     ompb = torch.zeros(R, n + 1, dtype=omp.dtype, device=omp.device).scatter_(-1, seg, omp)[:, :n]
     return seg, ompb.masked_fill(~used, 0.0), pib
@@ -442,7 +445,7 @@ def block_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
         \mathrm{tail\_moment} = \sum_{b\in S} (1-\pi_b)\, x_b^2,\ x_b = (1-\pi_b)\lVert z_b\rVert^2,
 
     ``n_eff`` = 1 / sum_b A_b^2 (A_b = sum_{i in b} a_i, the effective number
-    of blocks), ``max_term`` = max over sampled tail blocks of
+    of blocks; certain tokens count one by one), ``max_term`` = max over sampled tail blocks of
     max(1 - pi_b, pi_b) ||z_b||: the reference's ``block_hajek_attention`` on
     every (batch row, query head[, query]). Output, weights and lse are those
     of :func:`kvcert.fast.hajek_attention` (the token estimator with pi_b on
@@ -452,7 +455,9 @@ def block_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     ----------
     q, keys, values, pi, log_pi, scale, bias, query_positions, offset
         As in :func:`kvcert.fast.hajek_attention` (pi per token: pi_b of the
-        token's block, equal on all its tokens (checked); 0 on padding).
+        token's block, equal on all its tokens with pi < 1 (checked); 0 on
+        padding). A token with pi = 1 is a sampling unit of its own (a decode
+        token appended to a sampled block stays certain).
     block_size : int >= 1
     positions : int64 (b, h_kv, n), optional
         Original token positions (-1 on padding), e.g. ``CompressedCache.positions``;

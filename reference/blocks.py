@@ -360,19 +360,26 @@ def block_labels(n: int, block_size: int, positions=None) -> np.ndarray:
 
 
 def _clusters(p: np.ndarray, labels: np.ndarray, name: str = "pi"):
-    """(distinct block labels among present slots, slot -> cluster index or -1, pi per cluster)."""
-    present = (p > 0) & (labels >= 0)
-    if np.any((p > 0) & (labels < 0)):
+    """(cluster keys, slot -> cluster index or -1 (padding), pi per cluster).
+
+    The sampling units: the tokens with 0 < pi < 1 grouped by block label, and every token with
+    pi = 1 on its own (a certain token is never pooled into a sampled block, e.g. a decode token
+    appended to the last block after an eviction; it contributes nothing to the variance either way).
+    """
+    present = p > 0
+    if np.any(present & (labels < 0)):
         raise ValueError(f"{name} must be 0 on padding slots (positions == -1)")
-    ids, inv = np.unique(labels[present], return_inverse=True)
+    key = np.where(p < 1, labels, labels.max(initial=0) + 1 + np.arange(p.size))
+    ids, inv = np.unique(key[present], return_inverse=True)
     member = np.full(p.size, -1)
     member[present] = inv
     pib = np.ones(ids.size)
     for c in range(ids.size):
         vals = p[member == c]
         if np.any(vals != vals[0]):
-            raise ValueError(f"{name} must be equal on all tokens of a block (positions // block_size); "
-                             f"block {ids[c]} has {name} in [{vals.min():.17g}, {vals.max():.17g}]")
+            raise ValueError(f"{name} must be equal on all sampled tokens (pi < 1) of a block "
+                             f"(positions // block_size); block {ids[c]} has {name} in "
+                             f"[{vals.min():.17g}, {vals.max():.17g}]")
         pib[c] = vals[0]
     return ids, member, pib
 
@@ -397,7 +404,8 @@ def block_hajek_attention(q, keys, values, pi, *, block_size: int, positions=Non
     cross-products of the tokens of a block (docs/theory_blocks.md).
 
     The other fields follow the same cluster form:
-    ``n_eff`` = 1 / sum_b A_b^2 (effective number of *blocks*, A_b = sum_{i in b} a_i);
+    ``n_eff`` = 1 / sum_b A_b^2 (effective number of *blocks*, A_b = sum_{i in b} a_i; certain tokens count
+    one by one);
     ``max_term`` = max over sampled tail blocks of max(1 - pi_b, pi_b) ||z_b||;
     ``tail_moment`` = sum_b (1 - pi_b) x_b^2 with x_b = (1 - pi_b) ||z_b||^2.
     With one token per block they are the token design's (:func:`hajek_attention`).
@@ -426,7 +434,10 @@ def block_hajek_attention(q, keys, values, pi, *, block_size: int, positions=Non
     Notes
     -----
     Blocks with pi_b = 1 contribute 0; with all pi = 1 the estimate is exact
-    attention and the variance is 0. Masked tokens (bias -inf) have a_i = 0
+    attention and the variance is 0. Tokens with pi = 1 are sampling units of
+    their own, never pooled into a sampled block (a decode token appended to
+    a block after the eviction is certain even if the block was sampled); in
+    ``n_eff`` they count one by one. Masked tokens (bias -inf) have a_i = 0
     and drop out of z_b. An empty sample gives the token design's
     convention (output 0, lse -inf, variance/trace/tail_moment +inf).
 

@@ -535,17 +535,17 @@ def _q():
     (lambda: F.block_uniforms((2, 3), torch.tensor([1, 2, 3])), ValueError, r"seed must be an int or a tensor "
      r"broadcastable to the leading dims \(2,\)"),
     (lambda: R.block_hajek_attention(*_q(), np.array([0.5, 0.5, 0.4, 0.4, 1, 1]), block_size=3), ValueError,
-     r"pi must be equal on all tokens of a block"),
+     r"pi must be equal on all sampled tokens \(pi < 1\) of a block"),
     (lambda: R.block_hajek_attention(*_q(), np.full(6, 0.5), block_size=2, positions=np.array([0, 1, 2, 3, 4, -1])),
      ValueError, r"pi must be 0 on padding slots"),
     (lambda: R.block_hajek_attention(*_q(), np.full(6, 0.5), block_size=2, positions=np.arange(5)), ValueError,
      r"positions must be an int array of shape \(n,\) = \(6,\)"),
     (lambda: F.block_hajek_attention(torch.zeros(1, 1, 4), torch.zeros(1, 1, 6, 4), torch.zeros(1, 1, 6, 2),
                                      torch.tensor([[[0.5, 0.5, 0.4, 0.4, 1, 1]]]), block_size=3), ValueError,
-     r"pi must be equal on all tokens of a block"),
+     r"pi must be equal on all sampled tokens \(pi < 1\) of a block"),
     (lambda: F.block_hajek_attention(torch.zeros(1, 1, 4), torch.zeros(1, 1, 6, 4), torch.zeros(1, 1, 6, 2),
-                                     torch.full((1, 1, 6), 0.5), block_size=3, positions=torch.zeros(1, 1, 5,
-                                                                                                      dtype=torch.long)),
+                                     torch.full((1, 1, 6), 0.5), block_size=3,
+                                     positions=torch.zeros(1, 1, 5, dtype=torch.long)),
      ValueError, r"positions must be an int64 tensor of shape \(b, h_kv, n\) = \(1, 1, 6\)"),
     (lambda: F.block_compact(torch.ones(1, 2, dtype=torch.bool), torch.ones(1, 2), torch.zeros(1, 1, 9, 4),
                              torch.zeros(1, 1, 9, 4), block_size=4), ValueError,
@@ -554,3 +554,36 @@ def _q():
 def test_errors_name_the_argument(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+def test_certain_tokens_appended_to_a_sampled_block_are_units_of_their_own():
+    """Decode tokens (pi = 1) written into the last, sampled block after the eviction are certain: the
+    estimate is the one with those tokens in a block of their own, in both backends."""
+    rng = np.random.default_rng(6)
+    n, bs = 12, 4
+    q, k, v = rng.normal(size=8), rng.normal(size=(n, 8)), rng.normal(size=(n, 3))
+    pi = np.array([1.0] * 4 + [0.4] * 4 + [0.7] * 2 + [1.0] * 2)  # slots 10, 11: appended into block 2
+    pos = np.arange(n)
+    shared = R.block_hajek_attention(q, k, v, pi, block_size=bs, positions=pos)
+    apart = R.block_hajek_attention(q, k, v, pi, block_size=bs, positions=np.r_[pos[:10], 40, 41])
+    assert shared.trace > 0
+    assert_close("trace", shared.trace, apart.trace, 4 * rounding(torch.float64, n) * shared.trace)
+    assert_close("covariance", shared.covariance, apart.covariance,
+                 4 * rounding(torch.float64, n) * np.abs(shared.covariance).max())
+    T = lambda x: torch.from_numpy(np.asarray(x))[None, None]  # noqa: E731
+    fast = F.block_hajek_attention(T(q), T(k), T(v), T(pi), block_size=bs, positions=T(pos),
+                                   return_covariance=True, return_max_term=True, return_tail_moment=True)
+    for f in ("trace", "max_term", "tail_moment", "n_eff"):
+        want = getattr(shared, f)
+        assert_close(f, getattr(fast, f)[0, 0].numpy(), want, 4 * rounding(torch.float64, n) * abs(want))
+
+
+def test_block_docstring_examples():
+    import doctest
+
+    from kvcert.fast import blocks as fast_blocks
+    from kvcert.reference import blocks as ref_blocks
+
+    for module in (ref_blocks, fast_blocks):
+        result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
