@@ -26,8 +26,10 @@ from .certificates import (
     KINDS,
     CertificateKind,
     certificate,
+    certificate_moments,
     estimate_options,
     radius_from_moments,
+    radius_from_statistics,
 )
 from .design import (
     DesignSizes,
@@ -60,7 +62,8 @@ __all__ = [
     "attention", "hajek_attention", "value_moments", "clear_workspace",
     "BLOCK_REDUCTIONS", "block_compact", "block_count", "block_evict", "block_hajek_attention", "block_importance",
     "block_inclusion_probabilities", "block_keep", "block_sample", "block_uniforms", "expand_blocks",
-    "CERTIFICATE_KINDS", "CertificateKind", "KINDS", "certificate", "estimate_options", "radius_from_moments",
+    "CERTIFICATE_KINDS", "CertificateKind", "KINDS", "certificate", "certificate_moments", "estimate_options",
+    "radius_from_moments", "radius_from_statistics",
     "budget_from_fraction", "certainty_mask", "DesignSizes", "design_sizes", "design_uniforms", "edge_mask",
     "inclusion_probabilities", "poisson_sample", "splitmix64",
     "compact", "evict", "topk_evict",

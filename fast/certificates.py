@@ -29,8 +29,8 @@ from scipy import special
 
 from .types import Certificate, Estimate
 
-__all__ = ["CERTIFICATE_KINDS", "CertificateKind", "KINDS", "NU_MIN", "certificate", "estimate_options",
-           "radius_from_moments"]
+__all__ = ["CERTIFICATE_KINDS", "CertificateKind", "KINDS", "NU_MIN", "certificate", "certificate_moments",
+           "estimate_options", "radius_from_moments", "radius_from_statistics"]
 
 #: lower clip of the Satterthwaite degrees of freedom of ``chebyshev_ucb`` (nu >= 2 holds exactly)
 NU_MIN = 2.0
@@ -392,15 +392,52 @@ def certificate(estimate: Estimate, *, delta: float = 0.05, kind: str = "chebysh
     delta = _check_delta(delta)
     trace = estimate.trace
     dt = trace.dtype if trace.is_floating_point() else torch.float32
-    trace = trace.to(dt)
-    moments = {}
-    for stat in spec.needs:
-        moments.update(_MOMENTS[stat](estimate, dt))
-    radius = spec.radius(delta, trace, **moments)
     o = estimate.output.to(dt)
-    norm_r = torch.linalg.vector_norm(radius, dim=-1) if spec.per_coordinate else radius
-    norm_o = torch.linalg.vector_norm(o, dim=-1)
-    rel = torch.where(norm_r == 0, torch.zeros_like(norm_r),
-                      torch.where(norm_o == 0, torch.full_like(norm_r, math.inf), norm_r / norm_o))
+    stats = certificate_moments(estimate, kind)
+    radius, _, rel = radius_from_statistics(kind, delta, **stats)
     half = radius if spec.per_coordinate else radius.unsqueeze(-1)
     return Certificate(kind=kind, delta=delta, radius=radius, relative_radius=rel, lower=o - half, upper=o + half)
+
+
+def certificate_moments(estimate: Estimate, kind: str = "chebyshev") -> dict:
+    r"""The per-head statistics a certificate of ``kind`` is computed from, taken off an estimate.
+
+    ``{"trace": tr, "output_norm": ||o_hat||_2, **moments}``, with ``moments``
+    the keywords of :func:`radius_from_moments` that ``kind`` reads
+    (``sum_sq_eigenvalues`` for chi2 is reduced from the covariance here), all
+    in the trace's dtype and of the estimate's leading shape ((..., dv) for
+    wald's ``variance``). Small enough to keep per decoding step and layer
+    (the Hugging Face recorder does) and turn into radii later, in one batch,
+    with :func:`radius_from_statistics`: the certificate is the same either way.
+    """
+    spec = _kind(kind)
+    trace = estimate.trace
+    dt = trace.dtype if trace.is_floating_point() else torch.float32
+    stats = {"trace": trace.to(dt), "output_norm": torch.linalg.vector_norm(estimate.output.to(dt), dim=-1)}
+    for stat in spec.needs:
+        stats.update(_MOMENTS[stat](estimate, dt))
+    return stats
+
+
+def radius_from_statistics(kind: str, delta: float, *, trace: torch.Tensor, output_norm: torch.Tensor,
+                           **moments) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""Radius, its norm and the relative radius from :func:`certificate_moments`' statistics, batched.
+
+    .. math:: r_{\mathrm{rel}} = \lVert r\rVert_2 / \lVert\hat o\rVert_2
+              \quad (0 \text{ if } r = 0, \ +\infty \text{ if } \hat o = 0 < r),
+
+    with :math:`r` from :func:`radius_from_moments` (per coordinate for wald,
+    whose norm is taken; the norm kinds' radius is its own norm).
+
+    Returns
+    -------
+    (radius, norm_radius, relative_radius)
+    """
+    delta = _check_delta(delta)
+    spec = _kind(kind)
+    radius = spec.radius(delta, trace, **moments)
+    norm_r = torch.linalg.vector_norm(radius, dim=-1) if spec.per_coordinate else radius
+    norm_o = output_norm.to(norm_r.dtype)
+    rel = torch.where(norm_r == 0, torch.zeros_like(norm_r),
+                      torch.where(norm_o == 0, torch.full_like(norm_r, math.inf), norm_r / norm_o))
+    return radius, norm_r, rel

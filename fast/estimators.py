@@ -248,6 +248,27 @@ def value_moments(values: torch.Tensor, pi: torch.Tensor | None = None, *, log_p
     return mu, r
 
 
+def _cast(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """``x.to(dt)``, without a dispatcher call when it is a no-op (the per-step path makes many)."""
+    return x if x.dtype == dt else x.to(dt)
+
+
+def _cached_moments(L: _Layout, value_center, value_sqdist):
+    """The checked ``value_center`` (B, 1, dv) and ``value_sqdist`` (B, n) in the compute dtype, or None."""
+    mu_all = r2_all = None
+    if value_center is not None:
+        mu_all = check_tensor("value_center", value_center)
+        if tuple(mu_all.shape) != (L.b, L.h_kv, L.dv):
+            raise ValueError(f"value_center must have shape (b, h_kv, dv) = ({L.b}, {L.h_kv}, {L.dv}), "
+                             f"got {tuple(mu_all.shape)}")
+        mu_all = _cast(mu_all, L.dtype).reshape(L.B, 1, L.dv)
+    if value_sqdist is not None:
+        if value_center is None:
+            raise TypeError("value_sqdist= needs the value_center= it was computed with")
+        r2_all = _cast(_per_kv("value_sqdist", value_sqdist, L), L.dtype).reshape(L.B, L.n)
+    return mu_all, r2_all
+
+
 def _tiled_moments(L: _Layout, ac, sc, v, lp, omp, empty, mu_all, r2_all, per_coordinate: bool,
                    want_max: bool, want_cov: bool, chunk_bytes, want_tail: bool = False):
     """Output and centred moments, one cache-resident chunk of V at a time.
@@ -350,6 +371,53 @@ def _tiled_moments(L: _Layout, ac, sc, v, lp, omp, empty, mu_all, r2_all, per_co
     return o.contiguous(), variance, trace, max_term, covariance, tail
 
 
+def _one_pass(L: _Layout, lp: torch.Tensor, omp: torch.Tensor, bias, mu: torch.Tensor, r2: torch.Tensor):
+    r"""Output, log-normalizer and trace with the cached centre: one matmul over V, no tiles.
+
+    The trace-only path with ``value_center`` / ``value_sqdist`` (DESIGN.md
+    section 3, "the cheap certificate"), in about fifteen batched ops:
+
+    .. math::
+
+        s = \tau\, q K^\top - \log\pi \ (+\,\mathrm{bias}), \quad a = \operatorname{softmax}(s),
+        \quad c = (1-\pi)\, a^2, \quad [\hat o;\ \textstyle\sum_S c_i v_i] = [a; c]\, V,
+
+        \mathrm{trace} = \textstyle\sum_S c_i r_i - 2 (\hat o-\mu)\cdot(\sum_S c_i v_i - \mu \sum_S c_i)
+                        + \lVert \hat o - \mu\rVert^2 \sum_S c_i, \qquad r_i = \lVert v_i-\mu\rVert^2 .
+
+    The scores go straight into a reused buffer (``baddbmm`` with the bias
+    -log pi as its input), the softmax writes the rows a into the [a; c]
+    buffer, and the epilogue is a handful of (B, G)-sized ops. Returns
+    (o (B, G, dv), trace (B, G), lse (B, G)); empty rows (every slot padding
+    or masked: lse -inf) come back NaN and are fixed by the caller.
+    """
+    dt, B, G, n, dev = L.dtype, L.B, L.G, L.n, L.q.device
+    qf = _cast(L.q, dt).reshape(B, G, L.d)
+    kf = _cast(L.keys, dt).reshape(B, n, L.d)
+    v = _cast(L.values, dt).reshape(B, n, L.dv)
+    # bias -log pi, and -inf (not +inf = -log 0) on padding slots (NaN stays NaN)
+    off = lp.neg().nan_to_num_(nan=float("nan"), posinf=float("-inf")).view(B, 1, n)
+    if bias is not None:
+        off = off + _broadcast_bias(bias, L).to(dt).reshape(B, G, n)
+    s = _WS.get("scores", B * G * n, dt, dev).view(B, G, n)
+    torch.baddbmm(off, qf, kf.transpose(1, 2), alpha=L.scale, out=s)
+    m = s.amax(-1, keepdim=True)  # -inf on empty rows
+    ac = _WS.get("rows", B * 2 * G * n, dt, dev).view(B, 2 * G, n)  # rows [a; c]
+    a = torch.sub(s, m, out=ac[:, :G]).exp_()  # the softmax, written into the [a; c] rows
+    l = a.sum(-1, keepdim=True)
+    a.div_(l)
+    lse = l.log_().add_(m).squeeze(-1)
+    c = torch.mul(a, a, out=ac[:, G:]).mul_(omp.view(B, 1, n))  # (1 - pi) a^2: 0 on pi = 1 and on padding
+    oc = torch.bmm(ac, v)  # (B, 2G, dv): [o; sum c v]
+    o, cv = oc[:, :G], oc[:, G:]
+    sc = c.sum(-1, keepdim=True)  # (B, G, 1)
+    t1 = torch.linalg.vecdot(c, r2.view(B, 1, n))  # sum c_i ||v_i - mu||^2
+    dm = o - mu
+    half = torch.addcmul(cv, mu, sc, value=-1.0).addcmul_(dm, sc, value=-0.5)  # s1 - (o - mu) sum c / 2
+    trace = torch.add(t1, torch.linalg.vecdot(dm, half), alpha=-2.0).clamp_(min=0.0)
+    return o, trace, lse
+
+
 def _empty_estimate(L: _Layout, weights: bool, max_term: bool, covariance: bool, per_coordinate: bool,
                     tail_moment: bool = False) -> Estimate:
     """The reference's convention for an empty sample, for every query row (n = 0)."""
@@ -377,7 +445,8 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
                     return_weights: bool = False, return_max_term: bool = False,
                     return_covariance: bool = False, value_center: torch.Tensor | None = None,
                     value_sqdist: torch.Tensor | None = None, chunk_bytes: int | None = None,
-                    query_chunk_bytes: int = 256 << 20, return_tail_moment: bool = False) -> Estimate:
+                    query_chunk_bytes: int = 256 << 20, return_tail_moment: bool = False,
+                    validate: bool = True) -> Estimate:
     r"""Hajek-corrected attention over a compressed cache and its variance, batched.
 
     .. math::
@@ -411,7 +480,10 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     certificate" of DESIGN.md section 3: :math:`\mu` and
     :math:`\lVert v_i-\mu\rVert^2` kept beside log pi) and
     ``per_coordinate=False``, the rows [a; c] are stacked against V in a
-    single matmul and nothing else touches V.
+    single matmul and nothing else touches V: this **one-pass path** (no
+    tiles, no causal mask, none of ``return_weights`` / ``return_max_term``
+    / ``return_covariance`` / ``return_tail_moment``) leaves ``n_eff``
+    None; it is the decode path of the Hugging Face integration.
 
     Parameters
     ----------
@@ -463,6 +535,15 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     query_chunk_bytes : int
         With several queries, process query blocks whose scores take at most
         this many bytes (default 256 MiB), so memory stays bounded for long t.
+    validate : bool, default True
+        Check the values (pi in [0, 1] / log_pi <= 0, bias without NaN or
+        +inf), fix up empty rows, and refuse a NaN output: the only reads
+        of tensor values, hence the only host synchronisations of a call.
+        ``False`` is for a caller that has checked its inputs once (the
+        Hugging Face session checks log pi at each eviction event and the
+        outputs once per forward): shapes are still checked, values are
+        not, and a query row that sees no token gives NaN instead of the
+        empty-sample convention.
 
     Returns
     -------
@@ -513,7 +594,7 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     kw = dict(scale=scale, per_coordinate=per_coordinate, log_pi=log_pi, positions=positions,
               return_weights=return_weights, return_max_term=return_max_term,
               return_covariance=return_covariance, value_center=value_center, value_sqdist=value_sqdist,
-              chunk_bytes=chunk_bytes, return_tail_moment=return_tail_moment)
+              chunk_bytes=chunk_bytes, return_tail_moment=return_tail_moment, validate=validate)
     tc = _query_chunk(L, query_chunk_bytes)
     if tc < L.t:  # many queries: bound the (b * h_q * t * n) score memory, query block by query block
         qp = _query_positions(L, query_positions, offset, q.device)
@@ -524,18 +605,33 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
                                  query_chunk_bytes=1 << 62, **kw)
                  for t0 in range(0, L.t, tc)]
         return _cat_estimates(parts)
-    check_attention_values(C, bias)  # pi / log_pi and bias values; a call split above checks them per block
+    if validate:  # pi / log_pi and bias values; a call split above checks them per block
+        check_attention_values(C, bias)
     dt = L.dtype
     if C.p_name == "pi":
-        pf = C.p.to(dt).reshape(L.B, L.n)
+        pf = _cast(C.p, dt).reshape(L.B, L.n)
         lp = torch.log(pf)  # -inf on padding: the logit becomes -inf, never +inf
         omp = 1.0 - pf
     else:
-        lp = C.p.to(dt).reshape(L.B, L.n)
+        lp = _cast(C.p, dt).reshape(L.B, L.n)
         omp = -torch.expm1(lp)
     if L.n == 0:
         return _empty_estimate(L, return_weights, return_max_term, return_covariance, per_coordinate,
                                return_tail_moment)
+    one_pass = (value_sqdist is not None and not per_coordinate and not return_weights and not return_max_term
+                and not return_covariance and not return_tail_moment and positions is None
+                and query_positions is None and offset is None)
+    mu_all, r2_all = _cached_moments(L, value_center, value_sqdist)
+    if one_pass:
+        o, trace, lse = _one_pass(L, lp, omp, bias, mu_all, r2_all)
+        empty = lse == float("-inf") if validate else None
+        if validate and bool(empty.any()):
+            o = o.masked_fill(empty[..., None], 0.0)
+            trace = trace.masked_fill(empty, float("inf"))
+        if validate and bool(torch.isnan(o).any()):
+            raise ValueError("hajek_attention produced NaN: q, keys, values (and bias) must be finite")
+        return Estimate(output=_cast(L.unrows(o), values.dtype), weights=None, variance=None,
+                        trace=L.unrows(trace[..., None]).squeeze(-1), lse=L.unrows(lse[..., None]).squeeze(-1))
     ws = _WS.get("scores", L.B * L.G * L.n, dt, q.device).view(L.B, L.G, L.n)
     s = _logits(L, log_pi=lp.reshape(L.b, L.h_kv, L.n), bias=bias, positions=positions,
                 query_positions=query_positions, offset=offset, out=ws)
@@ -545,19 +641,6 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     a = ac[:, : L.G]
     c = torch.mul(a, a, out=ac[:, L.G:]).mul_(omp[:, None, :])  # (1 - pi) a^2: 0 on pi = 1 and on padding
     v = L.values.to(dt).reshape(L.B, L.n, L.dv)
-    if value_center is not None:
-        mu_all = check_tensor("value_center", value_center)
-        if tuple(mu_all.shape) != (L.b, L.h_kv, L.dv):
-            raise ValueError(f"value_center must have shape (b, h_kv, dv) = ({L.b}, {L.h_kv}, {L.dv}), "
-                             f"got {tuple(mu_all.shape)}")
-        mu_all = mu_all.to(dt).reshape(L.B, 1, L.dv)
-    else:
-        mu_all = None
-    r2_all = None
-    if value_sqdist is not None:
-        if value_center is None:
-            raise TypeError("value_sqdist= needs the value_center= it was computed with")
-        r2_all = _per_kv("value_sqdist", value_sqdist, L).to(dt).reshape(L.B, L.n)
     sc = c.sum(-1, keepdim=True)  # (B, G, 1) sum_S c_i
     o, variance, trace, max_term, covariance, tail = _tiled_moments(
         L, ac, sc, v, lp, omp, empty, mu_all, r2_all, per_coordinate, return_max_term, return_covariance,
@@ -577,7 +660,7 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
         if tail is not None:
             tail = tail.masked_fill(e, float("inf"))
     # NaN anywhere in q, keys, values or bias reaches o (through the scores or the values)
-    if bool(torch.isnan(o).any()):
+    if validate and bool(torch.isnan(o).any()):
         raise ValueError("hajek_attention produced NaN: q, keys, values (and bias) must be finite")
     weights = L.unrows(a.clone()) if return_weights else None  # never hand out the workspace
     return Estimate(
