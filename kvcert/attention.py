@@ -47,7 +47,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from . import dispatch
 from .cache import KVCertCache, KVCertLayer, as_kvcert_cache
+from .fast import certificate_moments
 from .records import Certificates, Recorder
 
 __all__ = [
@@ -115,10 +117,14 @@ class Session:
 
         self.press, self.base, self.config, self.cache_keyword = press, base, config, cache_keyword
         self.kind, self.delta = press.kind, press.delta
-        self.options = estimate_options(self.kind) if self.kind is not None else {}
+        self.options = estimate_options(self.kind) if self.kind is not None else {"per_coordinate": False}
+        self.n_layers = config.get_text_config(decoder=True).num_hidden_layers
         self.cache = None
         self.mask2d: torch.Tensor | None = None
         self.recorder: Recorder | None = self._new_recorder()
+        self._real: dict[int, torch.Tensor | None] = {}  # q_len -> the new tokens' real mask of this forward
+        self._norms: list[torch.Tensor] = []  # this forward's decode output norms (the NaN check)
+        self._backend: str | None = None
 
     def _new_recorder(self) -> Recorder | None:
         return Recorder(self.kind, self.delta) if self.kind is not None else None
@@ -150,20 +156,31 @@ class Session:
         if mask is None and len(args) > 1 and isinstance(args[1], torch.Tensor):
             mask = args[1]
         self.mask2d = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        self._real, self._norms, self._backend = {}, [], None
 
     def end(self) -> None:
         self.cache, self.mask2d = None, None
 
     def _real_new(self, q_len: int) -> torch.Tensor | None:
-        """(b, q_len) bool: which of the new tokens are real (from the 2-D attention mask)."""
-        m = self.mask2d
-        if m is None or m.shape[1] < q_len:
-            return None
-        return m[:, -q_len:].bool()
+        """(b, q_len) bool: which of the new tokens are real (from the 2-D attention mask), or None
+        when all are. Read once per forward (one host synchronisation), not per layer."""
+        if q_len not in self._real:
+            m = self.mask2d
+            real = None
+            if m is not None and m.shape[1] >= q_len:
+                real = m[:, -q_len:].bool()
+                if bool(real.all()):
+                    real = None
+            self._real[q_len] = real
+        return self._real[q_len]
 
-    def _record(self, layer_idx: int, radius, relative_radius, trace, kept, h_q: int) -> None:
-        if self.recorder is not None:
-            self.recorder.add(layer_idx, radius, relative_radius, trace, _per_query_head(kept, h_q))
+    def _record(self, layer_idx: int, estimate, kept) -> torch.Tensor | None:
+        """Keep the certificate statistics of one layer's estimate; returns its output norms."""
+        if self.recorder is None:
+            return None
+        stats = certificate_moments(estimate, self.kind)
+        self.recorder.add(layer_idx, stats, kept)
+        return stats["output_norm"]
 
     # -- per layer ----------------------------------------------------------------------------
     def layer(self, layer_idx: int) -> KVCertLayer:
@@ -174,9 +191,9 @@ class Session:
 
     def prefill(self, layer: KVCertLayer, layer_idx: int, queries: torch.Tensor, scale: float) -> None:
         """The prefill event of one layer: record the exact step-0 row (radius 0), then let the press compress."""
-        b, h_q = queries.shape[0], queries.shape[1]
-        zeros = torch.zeros(b, h_q, device=queries.device)
-        self._record(layer_idx, zeros, zeros, zeros, layer.kept, h_q)
+        if self.recorder is not None:
+            self._record(layer_idx, _exact_estimate(queries.shape[0], queries.shape[1], layer.values.shape[-1],
+                                                    queries.device), layer.kept)
         self.press.prefill_event(layer, layer_idx, queries, scale)
 
     def prefill_recorded(self, cache, query_window) -> None:
@@ -221,35 +238,51 @@ class Session:
         return out.to(query.dtype).contiguous(), None
 
     def _decode(self, layer: KVCertLayer, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:
-        """Hajek attention over the held slots and its certificate; returns (b, q, h_q, dv)."""
-        from .dispatch import hajek_attention
-        from .fast import certificate
+        """Hajek attention over the held slots and its certificate statistics; returns (b, q, h_q, dv).
 
-        q_len, h_q = query.shape[2], query.shape[1]
+        The per-step path has no host synchronisation: the estimate runs
+        with ``validate=False`` (log pi was checked when the eviction event
+        installed it, :meth:`KVCertLayer.replace`), the certificate's radii
+        are computed when the record is read (:class:`Recorder`), and the
+        outputs of all layers are checked for NaN once, at the last layer.
+        On the ``fast`` backend a one-token decode reads the layer's cached
+        value moments (:meth:`KVCertLayer.value_moments`), so the trace
+        takes no pass over V of its own.
+        """
+        q_len = query.shape[2]
+        if self._backend is None:
+            self._backend = dispatch.select_backend(query[:, :, 0], **self.options)
+        kw = dict(self.options, log_pi=layer.log_weights, scale=scale, validate=False, backend=self._backend)
         if q_len == 1:
-            est = hajek_attention(query[:, :, 0], layer.keys, layer.values, log_pi=layer.log_weights,
-                                  scale=scale, **self.options)
+            if self._backend == "fast" and not self.options.get("per_coordinate"):
+                kw["value_center"], kw["value_sqdist"] = layer.value_moments()
+            est = dispatch.hajek_attention(query[:, :, 0], layer.keys, layer.values, **kw)
             out = est.output[:, None]  # (b, 1, h_q, dv)
         else:  # a chunk: causal by the stored positions
             qpos = layer.positions[:, 0, -q_len:]
-            est = hajek_attention(query, layer.keys, layer.values, log_pi=layer.log_weights, scale=scale,
-                                  positions=layer.positions, query_positions=qpos, **self.options)
+            est = dispatch.hajek_attention(query, layer.keys, layer.values, positions=layer.positions,
+                                           query_positions=qpos, **kw)
             out = est.output.transpose(1, 2)  # (b, q, h_q, dv)
-        if self.recorder is None:
-            return out
-        cert = certificate(est, delta=self.delta, kind=self.kind)
-        radius = cert.radius
-        if radius.dim() == est.output.dim():  # per-coordinate half-widths (wald): their norm
-            radius = torch.linalg.vector_norm(radius, dim=-1)
-        if q_len == 1:
-            self._record(layer_idx, radius, cert.relative_radius, est.trace, layer.kept, h_q)
-        else:
-            valid = layer.valid
-            for j in range(q_len):  # query j sees the kept tokens up to its own position
-                seen = (valid & (layer.positions <= qpos[:, None, j:j + 1])).sum(-1)
-                self._record(layer_idx, radius[:, :, j], cert.relative_radius[:, :, j], est.trace[:, :, j],
-                             seen, h_q)
+        norms = None
+        if self.recorder is not None:
+            if q_len == 1:
+                norms = self._record(layer_idx, est, layer.kept)
+            else:
+                valid = layer.valid
+                for j in range(q_len):  # query j sees the kept tokens up to its own position
+                    seen = (valid & (layer.positions <= qpos[:, None, j:j + 1])).sum(-1)
+                    self._record(layer_idx, _query_slice(est, j), seen)
+        self._check_finite(layer_idx, est.output, norms)
         return out
+
+    def _check_finite(self, layer_idx: int, output: torch.Tensor, norms: torch.Tensor | None = None) -> None:
+        """Collect each layer's output norms; at the last layer, one check for NaN over all of them."""
+        self._norms.append(torch.linalg.vector_norm(output.detach(), dim=-1) if norms is None else norms)
+        if layer_idx == self.n_layers - 1 or layer_idx + 1 >= len(self.cache.layers):
+            norms, self._norms = torch.cat([x.flatten() for x in self._norms]), []
+            if bool(torch.isnan(norms).any()):
+                raise ValueError("kvcert: the Hajek attention output is NaN at this decoding step: the model's "
+                                 "queries, keys and values (and the log inclusion probabilities) must be finite")
 
 
 _SESSIONS: dict[int, Session] = {}
@@ -284,9 +317,22 @@ def _real_from_4d(attention_mask, n: int) -> torch.Tensor | None:
     return row > torch.finfo(row.dtype).min / 2
 
 
-def _per_query_head(kept: torch.Tensor, h_q: int) -> torch.Tensor:
-    """(b, h_kv) -> (b, h_q): query head j reads KV head j // g."""
-    return kept.repeat_interleave(h_q // kept.shape[1], dim=1)
+def _exact_estimate(b: int, h_q: int, dv: int, device):
+    """An estimate with every variance statistic 0 (the exact prefill step: radius 0 for every kind)."""
+    from .fast import Estimate
+
+    zeros = torch.zeros(b, h_q, device=device)
+    return Estimate(output=torch.zeros(b, h_q, dv, device=device), weights=None,
+                    variance=torch.zeros(b, h_q, dv, device=device), trace=zeros, lse=zeros, n_eff=None,
+                    max_term=zeros, covariance=torch.zeros(b, h_q, dv, dv, device=device), tail_moment=zeros)
+
+
+def _query_slice(est, j: int):
+    """Query j of a several-query estimate (fields (b, h_q, t, ...) -> (b, h_q, ...))."""
+    from dataclasses import fields, replace
+
+    return replace(est, **{f.name: getattr(est, f.name)[:, :, j] for f in fields(est)
+                           if getattr(est, f.name) is not None})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -55,6 +55,13 @@ class KVCertLayer(DynamicLayer):
         self.queries: torch.Tensor | None = None
         #: (b,) float64 budget of each row's prefill event (NaN: none), the target of later events
         self.budgets: torch.Tensor | None = None
+        #: (b, h_kv, dv) centre mu of the cached trace (the mean kept value at the last eviction event)
+        #: and (b, h_kv, m) ||v_i - mu||^2 per slot (``hajek_attention``'s ``value_center`` /
+        #: ``value_sqdist``), or None before the first decode step of a layer
+        self.value_center: torch.Tensor | None = None
+        self.value_sqdist: torch.Tensor | None = None
+        self._kept: torch.Tensor | None = None
+        self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- transformers interface ---------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -67,24 +74,77 @@ class KVCertLayer(DynamicLayer):
         self.next_position = torch.zeros(b, dtype=torch.int64, device=self.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append new tokens (pi = 1) and return all keys and values held."""
+        """Append new tokens (pi = 1) and return all keys and values held.
+
+        The first update (the prefill) keeps the given tensors. Later ones
+        write into slots reserved past the held length (:meth:`_append`), so
+        a decode step copies its own token, not the whole cache as
+        ``torch.cat`` would.
+        """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, h, q = key_states.shape[0], key_states.shape[1], key_states.shape[-2]
         self.length_before_update = self.physical_length
         if self.keys.numel() == 0:
             self.keys, self.values = key_states, value_states
+            self.positions = (self.next_position[:, None, None] + torch.arange(q, device=self.device)).expand(b, h, q).contiguous()
+            self.log_weights = torch.zeros(b, h, q, dtype=self.stat_dtype, device=self.device)
+            self._kept = None
         else:
-            self.keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = torch.cat([self.values, value_states], dim=-2)
-        new_pos = self.next_position[:, None, None] + torch.arange(q, device=self.device)
-        self.positions = torch.cat([self.positions, new_pos.expand(b, h, q)], dim=-1)
-        self.log_weights = torch.cat(
-            [self.log_weights, torch.zeros(b, h, q, dtype=self.stat_dtype, device=self.device)], dim=-1
-        )
+            self.keys, dst = self._append("keys", q)
+            dst.copy_(key_states)
+            self.values, dst = self._append("values", q)
+            dst.copy_(value_states)
+            self.positions, dst = self._append("positions", q)
+            torch.add(self.next_position[:, None, None].expand(b, h, 1), torch.arange(q, device=self.device), out=dst)
+            self.log_weights, dst = self._append("log_weights", q)
+            dst.zero_()
+            if self.value_center is not None:
+                self.value_sqdist, dst = self._append("value_sqdist", q)
+                d = value_states.to(self.stat_dtype) - self.value_center[:, :, None]
+                torch.sum(d.square_(), -1, out=dst)
+            if self._kept is not None:
+                self._kept = self._kept + q
         self.next_position = self.next_position + q
         self.cumulative_length += q
         return self.keys, self.values
+
+    def _append(self, name: str, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for ``q`` more tokens after ``self.<name>``: (the grown view, its new slots to fill).
+
+        What ``torch.cat([self.<name>, new], dim=2)`` would give, without
+        copying the held tokens: the tensor lives in a reserved buffer, reused
+        while ``self.<name>`` is exactly the view this method returned last
+        (any other assignment, by :meth:`replace`, :meth:`mark_padding`, a
+        batch operation, makes a new one). The buffer grows by 1/16 of the
+        length (at least 64 slots), so a decode step copies only its own
+        token and the cache holds at most about 6 % spare slots.
+        """
+        cur = getattr(self, name)
+        m = cur.shape[2]  # (b, h, m, d) and (b, h, m)
+        buf, view = self._buffers.get(name, (None, None))
+        if view is not cur or buf.shape[2] < m + q:
+            shape = list(cur.shape)
+            shape[2] = m + q + max(64, (m + q) // 16)
+            buf = cur.new_empty(shape)
+            buf[:, :, :m] = cur
+        view = buf[:, :, :m + q]
+        self._buffers[name] = (buf, view)
+        return view, buf[:, :, m:m + q]
+
+    def reserved_bytes(self) -> int:
+        """Bytes held by this layer's tensors, spare reserved slots included."""
+        seen, total = set(), 0
+        for name in ("keys", "values", "log_weights", "positions", "value_sqdist", "value_center"):
+            x = getattr(self, name, None)
+            if x is None:
+                continue
+            base = self._buffers.get(name, (None, None))
+            t = base[0] if base[1] is x else x
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
 
     def get_seq_length(self) -> int:
         """Logical length: the number of tokens (padding included) the layer has seen."""
@@ -102,6 +162,8 @@ class KVCertLayer(DynamicLayer):
         self.keys = self.values = None
         self.is_initialized = False
         self.log_weights = self.positions = self.next_position = self.queries = self.budgets = None
+        self.value_center = self.value_sqdist = self._kept = None
+        self._buffers = {}
         self.cumulative_length = self.length_before_update = self.events = self.tokens_since_event = 0
 
     def offload(self):
@@ -109,6 +171,7 @@ class KVCertLayer(DynamicLayer):
         if self.is_initialized:
             self.log_weights = self.log_weights.to("cpu", non_blocking=True)
             self.positions = self.positions.to("cpu", non_blocking=True)
+            self._invalidate()
 
     def prefetch(self):
         super().prefetch()
@@ -122,6 +185,9 @@ class KVCertLayer(DynamicLayer):
         self.keys, self.values = fn(self.keys), fn(self.values)
         self.log_weights, self.positions = fn(self.log_weights), fn(self.positions)
         self.next_position = fn(self.next_position)
+        if self.value_center is not None:
+            self.value_center, self.value_sqdist = fn(self.value_center), fn(self.value_sqdist)
+        self._kept, self._buffers = None, {}
         if self.queries is not None:
             self.queries = fn(self.queries)
         if self.budgets is not None:
@@ -152,6 +218,7 @@ class KVCertLayer(DynamicLayer):
         self.log_weights = self.log_weights.masked_fill(drop, float("-inf"))
         self.positions = self.positions.masked_fill(drop, -1)
         self.cumulative_length -= k
+        self._invalidate()
         self._trim()
 
     # -- kvcert interface ---------------------------------------------------------------
@@ -169,8 +236,37 @@ class KVCertLayer(DynamicLayer):
 
     @property
     def kept(self) -> torch.Tensor:
-        """(b, h_kv) int64: tokens held per KV head."""
-        return self.valid.sum(-1)
+        """(b, h_kv) int64: tokens held per KV head (counted after each change, then kept up to date
+        by :meth:`update`)."""
+        if self._kept is None:
+            self._kept = self.valid.sum(-1)
+        return self._kept
+
+    def value_moments(self) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""The centre and squared distances of the cached trace, ``(value_center, value_sqdist)``.
+
+        .. math:: \mu = \frac{1}{|S|}\sum_{i \in S} v_i, \qquad r_i = \lVert v_i - \mu \rVert^2,
+
+        over the held tokens S of each KV head (:func:`kvcert.fast.value_moments`),
+        computed from the cache on first use after an eviction event, then
+        extended by :meth:`update` for each new token (mu stays that of the
+        event). Any centre gives the same trace in exact arithmetic; the mean
+        kept value keeps the fp32 expansion of
+        :func:`kvcert.fast.hajek_attention` well conditioned.
+        """
+        if self.value_center is None or self.value_sqdist.shape[-1] != self.physical_length:
+            from .fast import value_moments
+
+            self.value_center, self.value_sqdist = value_moments(self.values, log_pi=self.log_weights)
+            self.value_center = self.value_center.to(self.stat_dtype)
+            self.value_sqdist = self.value_sqdist.to(self.stat_dtype)
+        return self.value_center, self.value_sqdist
+
+    def _invalidate(self) -> None:
+        """After a change other than an append: moments and counts are recomputed on use, and the
+        reserved buffers are released (the next append makes a new one)."""
+        self.value_center = self.value_sqdist = self._kept = None
+        self._buffers = {}
 
     @property
     def pi(self) -> torch.Tensor:
@@ -206,6 +302,7 @@ class KVCertLayer(DynamicLayer):
         self.keys = self.keys.masked_fill(pad[:, None, :, None], 0.0)
         self.values = self.values.masked_fill(pad[:, None, :, None], 0.0)
         self.next_position = start + real.sum(-1)
+        self._invalidate()
 
     def replace(self, keys: torch.Tensor, values: torch.Tensor, log_weights: torch.Tensor,
                 positions: torch.Tensor) -> None:
@@ -216,9 +313,13 @@ class KVCertLayer(DynamicLayer):
                 f"keys, values, positions must share the leading shape (b, h_kv, m) = {(b, h, m)} of log_weights; "
                 f"got {tuple(keys.shape)}, {tuple(values.shape)}, {tuple(positions.shape)}"
             )
+        log_weights = log_weights.to(self.stat_dtype)
+        if bool((torch.isnan(log_weights) | (log_weights > 0)).any()):  # once per event, not per step
+            raise ValueError("log_weights must be log inclusion probabilities, <= 0 (-inf on padding), without NaN")
         self.keys, self.values = keys, values
-        self.log_weights = log_weights.to(self.stat_dtype)
+        self.log_weights = log_weights
         self.positions = positions.to(torch.int64)
+        self._invalidate()
         self._trim()
 
     def remember_queries(self, queries: torch.Tensor, window: int) -> None:
@@ -238,6 +339,8 @@ class KVCertLayer(DynamicLayer):
         if m < self.physical_length:
             self.keys, self.values = self.keys[..., :m, :], self.values[..., :m, :]
             self.log_weights, self.positions = self.log_weights[..., :m], self.positions[..., :m]
+            if self.value_sqdist is not None:
+                self.value_sqdist = self.value_sqdist[..., :m]
 
 
 class KVCertCache(DynamicCache):

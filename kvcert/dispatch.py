@@ -44,7 +44,7 @@ BACKENDS = ("reference", "fast", "triton")
 #: environment variable that forces a backend
 ENV_VAR = "KVCERT_BACKEND"
 #: keyword arguments that only tune the Triton kernel (dropped for the other backends)
-_TRITON_ONLY = frozenset({"block_n", "num_splits", "num_warps", "num_stages", "validate", "certify", "moments"})
+_TRITON_ONLY = frozenset({"block_n", "num_splits", "num_warps", "num_stages", "certify", "moments"})
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: kvcert.fast options the kernel does not implement: when one is set (not None / False), the
 #: automatic choice is "fast" (this is how ``return_max_term=True`` for the bernstein certificate
@@ -173,8 +173,10 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
         of :func:`select_backend`.
     **kw
         Passed to the backend. The Triton tuning arguments (``block_n``,
-        ``num_splits``, ``num_warps``, ``num_stages``, ``validate``,
-        ``certify``, ``moments``) are dropped when another backend runs. The kvcert.fast
+        ``num_splits``, ``num_warps``, ``num_stages``, ``certify``,
+        ``moments``) are dropped when another backend runs. ``validate=False``
+        (fast and triton) skips the checks that read tensor values, the only
+        host synchronisations of a call; the reference always checks. The kvcert.fast
         options the kernel lacks (``return_max_term``, ``bias``,
         ``positions``, ...; see :func:`select_backend`) route an automatic
         call to "fast": e.g. ``return_max_term=True`` for the ``bernstein``
@@ -245,7 +247,7 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
     return out
 
 
-_REFERENCE_KW = frozenset(_FAST_ONLY)
+_REFERENCE_KW = frozenset(_FAST_ONLY) | {"validate"}
 
 
 def _reference(q, keys, values, pi=None, *, log_pi=None, scale=None, per_coordinate=True, bias=None,

@@ -119,16 +119,27 @@ def _finite_json(data):
 
 
 class Recorder:
-    """Collects (b, h_q) certificate tensors per layer and step; stacked once at the end."""
+    """Collects a generation's certificate statistics per layer and step; radii are computed once,
+    at the end.
+
+    Each :meth:`add` keeps the small per-head tensors a certificate is made
+    from (:func:`kvcert.fast.certificate_moments`: the trace, ||o_hat||, and
+    what the kind reads besides); :meth:`result` stacks them and computes
+    every radius in one batched call of
+    :func:`kvcert.fast.radius_from_statistics`. The certificate is the one
+    :func:`kvcert.fast.certificate` gives for the same estimate; the decode
+    step pays for no certificate arithmetic (nor, for ``chebyshev_ucb``, a
+    host transfer per layer).
+    """
 
     def __init__(self, kind: str, delta: float):
         self.kind, self.delta = kind, delta
-        self.rows: dict[int, list[tuple[torch.Tensor, ...]]] = {}
+        self.rows: dict[int, list[tuple[torch.Tensor, dict]]] = {}
 
-    def add(self, layer: int, radius, relative_radius, trace, kept) -> None:
-        self.rows.setdefault(layer, []).append(
-            tuple(x.detach() for x in (radius, relative_radius, trace, kept))
-        )
+    def add(self, layer: int, stats: dict, kept: torch.Tensor) -> None:
+        """One step of one layer: ``stats`` (b, h_q) tensors from ``certificate_moments``
+        (wald's ``variance`` (b, h_q, dv)), ``kept`` (b, h_kv) or (b, h_q) tokens attended over."""
+        self.rows.setdefault(layer, []).append((kept, stats))
 
     @property
     def steps(self) -> int:
@@ -136,6 +147,8 @@ class Recorder:
 
     def result(self) -> Certificates | None:
         """(batch, steps, layers, heads) record, or None if nothing was recorded."""
+        from .fast import radius_from_statistics
+
         if not self.rows:
             return None
         layers = sorted(self.rows)
@@ -144,9 +157,15 @@ class Recorder:
             raise RuntimeError(
                 f"kvcert: layers recorded different numbers of steps {[len(self.rows[l]) for l in layers]}"
             )
-        fields = []
-        for j in range(4):
-            per_layer = [torch.stack([row[j] for row in self.rows[l]]) for l in layers]  # (steps, b, h)
-            fields.append(torch.stack(per_layer, dim=1).permute(2, 0, 1, 3).cpu())  # (b, steps, layers, h)
-        radius, rel, trace, kept = fields
-        return Certificates(self.kind, self.delta, radius.float(), rel.float(), trace.float(), kept.long())
+
+        def stack(get):  # (steps, b, h, ...) per layer -> (b, steps, layers, h, ...)
+            per_layer = [torch.stack([get(row) for row in self.rows[l]]) for l in layers]
+            x = torch.stack(per_layer, dim=1)
+            return x.permute(2, 0, 1, *range(3, x.dim())).cpu()
+
+        names = list(self.rows[layers[0]][0][1])
+        stats = {k: stack(lambda row, k=k: row[1][k]) for k in names}
+        h_q = stats["trace"].shape[-1]
+        kept = stack(lambda row: row[0].repeat_interleave(h_q // row[0].shape[-1], dim=-1))
+        _, radius, rel = radius_from_statistics(self.kind, self.delta, **stats)
+        return Certificates(self.kind, self.delta, radius.float(), rel.float(), stats["trace"].float(), kept.long())
