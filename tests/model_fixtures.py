@@ -7,12 +7,14 @@ modules import the fixture, and never downloaded: ``HF_HUB_OFFLINE=1``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import importlib.util
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -102,3 +104,50 @@ def reference_certificate(call, head: int, *, delta: float, kind: str, row: int 
     cert = R.certificate(est, delta=delta, kind=kind)
     radius = float(np.linalg.norm(cert.radius)) if np.ndim(cert.radius) else float(cert.radius)
     return est, radius, float(cert.relative_radius), int(valid.sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny random models (no weights to load) and a forced-decoding loop
+# ---------------------------------------------------------------------------------------------
+def tiny_model(family: str = "llama", seed: int = 0):
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+               "mistral": (MistralConfig, MistralForCausalLM)}
+    cfg_cls, model_cls = classes[family]
+    extra = {"sliding_window": None} if family == "mistral" else {}
+    cfg = cfg_cls(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=0, **extra)
+    torch.manual_seed(seed)
+    return model_cls(cfg).eval()
+
+
+def _cache_kw(model) -> str:
+    """The cache keyword of model.forward: ``cache`` (transformers >= 5.23) or ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _cache_of(out):
+    return out.cache if "cache" in out else out.past_key_values
+
+
+def forced_logits(model, ids, cont, press=None, mask=None):
+    ctx = press(model) if press is not None else contextlib.nullcontext()
+    with torch.no_grad(), ctx:
+        kw = {} if mask is None else {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp_min(0)}
+        out = model(input_ids=ids, use_cache=True, **kw)
+        cache, logits = _cache_of(out), [out.logits[:, -1]]
+        pos = None if mask is None else kw["position_ids"][:, -1:]
+        for t in cont:
+            kw = {}
+            if mask is not None:
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+                pos = pos + 1
+                kw = {"attention_mask": mask, "position_ids": pos}
+            out = model(input_ids=t.expand(ids.shape[0], 1), use_cache=True, **kw, **{_cache_kw(model): cache})
+            cache = _cache_of(out)
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits, dim=1), cache

@@ -9,7 +9,6 @@ estimator for certificates (float32 summation bound 4 n eps32).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import copy
 import importlib.util
@@ -20,7 +19,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from model_fixtures import reference_certificate, spy_hajek
+from model_fixtures import _cache_kw, _cache_of, forced_logits, reference_certificate, spy_hajek, tiny_model
 from transformers import DynamicCache, StaticCache
 
 import kvcert
@@ -30,50 +29,6 @@ from kvcert.records import Certificates, Recorder
 from kvcert.cache import KVCertCache, KVCertLayer, as_kvcert_cache
 
 EPS32 = float(torch.finfo(torch.float32).eps)
-
-
-def tiny_model(family: str = "llama", seed: int = 0):
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
-
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-               "mistral": (MistralConfig, MistralForCausalLM)}
-    cfg_cls, model_cls = classes[family]
-    extra = {"sliding_window": None} if family == "mistral" else {}
-    cfg = cfg_cls(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=0, **extra)
-    torch.manual_seed(seed)
-    return model_cls(cfg).eval()
-
-
-def _cache_kw(model) -> str:
-    """The cache keyword of model.forward: ``cache`` (transformers >= 5.23) or ``past_key_values``."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _cache_of(out):
-    return out.cache if "cache" in out else out.past_key_values
-
-
-def forced_logits(model, ids, cont, press=None, mask=None):
-    ctx = press(model) if press is not None else contextlib.nullcontext()
-    with torch.no_grad(), ctx:
-        kw = {} if mask is None else {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp_min(0)}
-        out = model(input_ids=ids, use_cache=True, **kw)
-        cache, logits = _cache_of(out), [out.logits[:, -1]]
-        pos = None if mask is None else kw["position_ids"][:, -1:]
-        for t in cont:
-            kw = {}
-            if mask is not None:
-                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-                pos = pos + 1
-                kw = {"attention_mask": mask, "position_ids": pos}
-            out = model(input_ids=t.expand(ids.shape[0], 1), use_cache=True, **kw, **{_cache_kw(model): cache})
-            cache = _cache_of(out)
-            logits.append(out.logits[:, -1])
-    return torch.stack(logits, dim=1), cache
 
 
 def assert_within_oracle(got, plain, ref, *, slack: float = 8 * EPS32):
@@ -275,12 +230,16 @@ def test_recorder_stacks_and_certificates_aggregate():
     rel = rng.random((3, 2, 2, 4))  # (steps, layers, b, h)
     for s in range(3):
         for layer in (1, 0):  # any call order
-            t = torch.tensor(rel[s, layer], dtype=torch.float32)
-            rec.add(layer, 2 * t, t, t * t, torch.full((2, 4), 10 + s))
+            t = torch.tensor(rel[s, layer], dtype=torch.float64)
+            # chebyshev: radius sqrt(trace / delta) = 2 t, relative radius 2 t / ||o|| = t
+            stats = {"trace": 4 * t * t * 0.05, "output_norm": torch.full((2, 4), 2.0, dtype=torch.float64)}
+            rec.add(layer, stats, torch.full((2, 2), 10 + s))  # kept per KV head (g = 2 query heads each)
     c = rec.result()
     assert c.shape == (2, 3, 2, 4) and c.batched
-    expect = torch.tensor(rel, dtype=torch.float32).permute(2, 0, 1, 3)
-    assert torch.equal(c.relative_radius, expect) and torch.equal(c.radius, 2 * expect)
+    expect = torch.tensor(rel, dtype=torch.float64).permute(2, 0, 1, 3)
+    torch.testing.assert_close(c.relative_radius, expect.float(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(c.radius, 2 * expect.float(), rtol=1e-6, atol=0)
+    assert torch.equal(c.kept[:, 1], torch.full((2, 2, 4), 11))
     one = c[1]
     assert one.shape == (3, 2, 4) and not one.batched
     np.testing.assert_allclose(one.per_step().numpy(), rel[:, :, 1].mean(axis=(1, 2)), rtol=1e-6)
@@ -294,9 +253,10 @@ def test_recorder_stacks_and_certificates_aggregate():
     with pytest.raises(TypeError, match="index"):
         c.per_layer()
     bad = Recorder("chebyshev", 0.05)
-    bad.add(0, *(torch.zeros(1, 1),) * 4)
-    bad.add(1, *(torch.zeros(1, 1),) * 4)
-    bad.add(1, *(torch.zeros(1, 1),) * 4)
+    row = {"trace": torch.zeros(1, 1), "output_norm": torch.zeros(1, 1)}
+    bad.add(0, row, torch.zeros(1, 1))
+    bad.add(1, row, torch.zeros(1, 1))
+    bad.add(1, row, torch.zeros(1, 1))
     with pytest.raises(RuntimeError, match="different numbers of steps"):
         bad.result()
     inf = Certificates("chebyshev", 0.05, torch.full((1, 1, 1), math.inf), torch.full((1, 1, 1), math.inf),

@@ -1,0 +1,193 @@
+"""The per-step decode path (issue 15): reserved-buffer appends, cached value moments, no host
+synchronisation per layer, deferred certificates, and the checks moved to the events.
+
+Every test here compares against an independent computation (a ``torch.cat`` cache, a fresh
+``value_moments``, the validated call, ``kvcert.fast.certificate``) or counts what the path does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from model_fixtures import forced_logits, tiny_model
+
+import kvcert
+from kvcert import fast as F
+from kvcert.cache import KVCertLayer
+
+EPS32 = float(torch.finfo(torch.float32).eps)
+
+
+def _layer(b=2, h=3, n=7, d=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    layer = KVCertLayer()
+    layer.update(torch.randn(b, h, n, d, generator=g), torch.randn(b, h, n, d, generator=g))
+    return layer, g
+
+
+def test_appends_equal_concatenation_across_buffer_growth_and_events():
+    """Tokens appended into the reserved buffer hold what torch.cat would; an event (replace) or a
+    batch operation starts a new buffer without touching the views handed out before."""
+    layer, g = _layer()
+    keys, values = [layer.keys.clone()], [layer.values.clone()]
+    first = None
+    for step in range(150):  # past the first reservation (64 slots): the buffer grows
+        k, v = torch.randn(2, 3, 1, 4, generator=g), torch.randn(2, 3, 1, 4, generator=g)
+        out_k, out_v = layer.update(k, v)
+        keys.append(k)
+        values.append(v)
+        assert out_k is layer.keys and out_v is layer.values
+        if step == 0:
+            first = out_k
+            first_copy = out_k.clone()
+    assert torch.equal(layer.keys, torch.cat(keys, dim=2)) and torch.equal(layer.values, torch.cat(values, dim=2))
+    assert torch.equal(first, first_copy), "a view handed out earlier was overwritten"
+    n = layer.physical_length
+    assert torch.equal(layer.positions, torch.arange(n).expand(2, 3, n))
+    assert torch.equal(layer.log_weights, torch.zeros(2, 3, n))
+    assert torch.equal(layer.kept, torch.full((2, 3), n))
+    # an eviction event: a new state; appends continue from it
+    keep = torch.arange(0, n, 2)
+    lw = torch.log(torch.rand(2, 3, keep.numel(), generator=g).clamp(0.1, 1.0))
+    layer.replace(layer.keys[:, :, keep].clone(), layer.values[:, :, keep].clone(), lw,
+                  layer.positions[:, :, keep].clone())
+    before = layer.keys.clone()
+    k, v = torch.randn(2, 3, 2, 4, generator=g), torch.randn(2, 3, 2, 4, generator=g)
+    layer.update(k, v)
+    assert torch.equal(layer.keys, torch.cat([before, k], dim=2))
+    assert torch.equal(layer.positions[..., -2:], torch.tensor([n, n + 1]).expand(2, 3, 2))
+    assert torch.equal(layer.log_weights[..., :-2], lw) and torch.equal(layer.log_weights[..., -2:], torch.zeros(2, 3, 2))
+    assert torch.equal(layer.kept, torch.full((2, 3), keep.numel() + 2))
+    # the reserve is bounded: at most 1/16 of the length (at least 64 slots) spare
+    held = sum(getattr(layer, x).numel() * 4 for x in ("keys", "values")) + layer.log_weights.numel() * 4 \
+        + layer.positions.numel() * 8
+    assert held <= layer.reserved_bytes() <= held * (1 + (64 + layer.physical_length // 16) / layer.physical_length)
+
+
+def test_cached_value_moments_follow_appends_and_events():
+    layer, g = _layer(n=9)
+    lw = torch.log(torch.rand(2, 3, 9, generator=g).clamp(0.2, 1.0))
+    lw[1, 2, -3:] = float("-inf")  # padding slots of one head
+    layer.replace(layer.keys.clone(), layer.values.clone(), lw, layer.positions.clone())
+    mu, r2 = layer.value_moments()
+    mu_ref, r2_ref = F.value_moments(layer.values, log_pi=layer.log_weights)
+    assert torch.equal(mu, mu_ref) and torch.equal(r2, r2_ref)
+    for _ in range(70):
+        layer.update(torch.randn(2, 3, 1, 4, generator=g), torch.randn(2, 3, 1, 4, generator=g))
+    mu2, r2b = layer.value_moments()
+    assert torch.equal(mu2, mu), "the centre is that of the event"
+    want = (layer.values - mu[:, :, None]).square().sum(-1)
+    torch.testing.assert_close(r2b, want, rtol=4 * EPS32, atol=0)
+    # a new event recomputes them from the held tokens
+    layer.replace(layer.keys[:, :, :5].clone(), layer.values[:, :, :5].clone(), layer.log_weights[..., :5].clone(),
+                  layer.positions[:, :, :5].clone())
+    mu3, _ = layer.value_moments()
+    assert torch.equal(mu3, F.value_moments(layer.values, log_pi=layer.log_weights)[0])
+
+
+@pytest.mark.parametrize("bad", [0.5, float("nan")])
+def test_replace_checks_log_weights_once_per_event(bad):
+    layer, _ = _layer()
+    lw = torch.zeros(2, 3, 7)
+    lw[0, 1, 2] = bad
+    with pytest.raises(ValueError, match="log_weights must be log inclusion probabilities"):
+        layer.replace(layer.keys.clone(), layer.values.clone(), lw, layer.positions.clone())
+
+
+def test_validate_false_is_the_same_estimate_on_valid_input():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(2, 6, 8, generator=g), torch.randn(2, 3, 40, 8, generator=g), torch.randn(2, 3, 40, 5,
+                                                                                                    generator=g)
+    pi = torch.rand(2, 3, 40, generator=g).clamp(0.05, 1.0)
+    pi[..., :4] = 1.0
+    pi[1, 2, -6:] = 0.0
+    mu, r2 = F.value_moments(v, pi)
+    for kw in ({}, {"value_center": mu, "value_sqdist": r2}):
+        a = F.hajek_attention(q, k, v, pi, per_coordinate=False, **kw)
+        b = F.hajek_attention(q, k, v, pi, per_coordinate=False, validate=False, **kw)
+        assert torch.equal(a.output, b.output) and torch.equal(a.trace, b.trace) and torch.equal(a.lse, b.lse)
+    # the one-pass path (cached moments, trace only) leaves n_eff to the full path
+    assert b.n_eff is None and a.variance is None
+    # what validate=True checks, validate=False does not read
+    with pytest.raises(ValueError, match="pi"):
+        F.hajek_attention(q, k, v, pi * 2, per_coordinate=False, value_center=mu, value_sqdist=r2)
+    F.hajek_attention(q, k, v, pi * 2, per_coordinate=False, value_center=mu, value_sqdist=r2, validate=False)
+
+
+def _host_syncs(fn) -> int:
+    """Device-to-host reads (``aten::_local_scalar_dense``: bool(), item(), int() of a tensor) in ``fn``."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense")
+
+
+def test_a_decode_step_reads_the_device_once(monkeypatch):
+    """The per-step path has one host read per forward (the NaN check over all layers), not per layer;
+    the same step through the validated path would read several per layer."""
+    model = tiny_model()
+    n_layers = model.config.num_hidden_layers
+    ids = torch.randint(1, 96, (1, 40), generator=torch.Generator().manual_seed(0))
+    press = kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=0)
+    with torch.no_grad(), press(model):
+        out = model(input_ids=ids, use_cache=True)
+        cache = out.past_key_values if "past_key_values" in out else out.cache
+        kw = "cache" if "cache" in out else "past_key_values"
+        nxt = out.logits[:, -1:].argmax(-1)
+        model(input_ids=nxt, use_cache=True, **{kw: cache})  # first step: buffers and moments
+        syncs = _host_syncs(lambda: model(input_ids=nxt, use_cache=True, **{kw: cache}))
+    assert syncs == 1
+    assert n_layers >= 2
+    # the control: the validated estimate reads the device (value checks, NaN) on every call
+    layer = cache.layers[0]
+    q = torch.randn(1, 4, 16)
+    assert _host_syncs(lambda: F.hajek_attention(q, layer.keys, layer.values, log_pi=layer.log_weights,
+                                                 per_coordinate=False)) >= 2
+
+
+def test_nan_in_the_cache_is_refused_at_the_step():
+    model = tiny_model()
+    ids = torch.randint(1, 96, (1, 30), generator=torch.Generator().manual_seed(1))
+    press = kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=0)
+    with torch.no_grad(), press(model):
+        out = model(input_ids=ids, use_cache=True)
+        cache = out.past_key_values if "past_key_values" in out else out.cache
+        kw = "cache" if "cache" in out else "past_key_values"
+        layer = cache.layers[1]
+        layer.values[0, 0, 3] = float("nan")  # a held slot (the sinks alone hold 2, the budget 15)
+        with pytest.raises(ValueError, match="NaN at this decoding step"):
+            model(input_ids=ids[:, -1:], use_cache=True, **{kw: cache})
+
+
+@pytest.mark.parametrize("kind", list(F.KINDS))
+def test_deferred_certificates_equal_certificate_of_each_step(monkeypatch, kind):
+    """The recorder keeps statistics and computes the radii at the end: the same numbers as
+    kvcert.fast.certificate on each step's estimate."""
+    import kvcert.dispatch
+
+    model = tiny_model(seed=2)
+    seen = []
+    original = kvcert.dispatch.hajek_attention
+
+    def spy(*a, **k):
+        est = original(*a, **k)
+        seen.append(est)
+        return est
+
+    monkeypatch.setattr(kvcert.dispatch, "hajek_attention", spy)
+    ids = torch.randint(1, 96, (2, 48), generator=torch.Generator().manual_seed(4))
+    press = kvcert.PoissonPress(compression_ratio=0.6, sinks=2, window=4, seed=5, kind=kind, delta=0.1)
+    forced_logits(model, ids, torch.tensor([[7], [9], [11]]), press)
+    certs = press.certificates
+    n_layers = model.config.num_hidden_layers
+    assert len(seen) == 3 * n_layers and certs.radius.shape[1] == 4
+    for i, est in enumerate(seen):
+        step, layer = 1 + i // n_layers, i % n_layers
+        cert = F.certificate(est, delta=0.1, kind=kind)
+        radius = cert.radius if cert.radius.dim() == est.trace.dim() else torch.linalg.vector_norm(cert.radius, dim=-1)
+        np.testing.assert_array_equal(certs.radius[:, step, layer].numpy(), radius.float().numpy())
+        np.testing.assert_array_equal(certs.relative_radius[:, step, layer].numpy(),
+                                      cert.relative_radius.float().numpy())
+    assert bool((certs.radius[:, 1:] > 0).any())
