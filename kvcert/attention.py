@@ -347,7 +347,7 @@ def kvcert_mask(*args, **kwargs):
     return ALL_MASK_ATTENTION_FUNCTIONS[base](*args, **kwargs)
 
 
-def kvcert_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def kvcert_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     r"""Attention function registered as ``"kvcert"`` (transformers ``AttentionInterface``).
 
     Decoding computes the Hajek estimate over the compressed cache,
@@ -366,7 +366,12 @@ def kvcert_attention_forward(module, query, key, value, attention_mask, scaling=
     query : (b, h_q, q, d)
     key, value : (b, h_kv, n, d), the layer's cache after the update
     attention_mask : the mask built by :func:`kvcert_mask` (a base mask or None)
+    dropout : float, only 0 is meaningful (inference)
     scaling : float, default 1/sqrt(d)
+
+    The argument order is that of transformers' ``sdpa_attention_forward``
+    (``dropout`` sixth), which wrappers such as kvpress's attention patch
+    pass positionally.
 
     Returns
     -------
