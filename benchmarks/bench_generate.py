@@ -98,6 +98,11 @@ def parse_args(argv=None):
     p.add_argument("--profile-tokens", type=int, default=None,
                    help="prompt length of the profile (default: the first of --tokens)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    p.add_argument("--only-interleaved", action="store_true",
+                   help="skip the sequential runs (with --interleaved)")
+    p.add_argument("--interleaved", type=int, default=0, metavar="ROUNDS",
+                   help="also run the paired decode comparison: every variant prefilled once, then ROUNDS "
+                        "rounds of one decode forward per variant in turn (ratios per round, medians)")
     args = p.parse_args(argv)
     if args.quick:
         args.tokens, args.ratios, args.new_tokens = "1000", "0.5", 8
@@ -364,6 +369,132 @@ def measure(model, name, fn) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# the paired (interleaved) decode comparison
+# ---------------------------------------------------------------------------------------------
+class _Variant:
+    """One decoding state of the paired comparison: a cache, its next token and position, and the
+    press context its decode forwards run in (None: plain model)."""
+
+    def __init__(self, name, ratio, cache, logits, n, context=None):
+        self.name, self.ratio, self.cache, self.context = name, ratio, cache, context
+        self.tok, self.pos, self.ms, self.ids = logits.argmax(-1), n, [], []
+        self.held = cache_bytes(cache)
+
+
+def _prefill_variant(model, ids, name, ratio, press=None, kvpress_press=None, truncate=False):
+    from transformers.cache_utils import DynamicCache
+
+    kw = _cache_keyword(model)
+    n = ids.shape[1]
+    with torch.no_grad():
+        if kvpress_press is not None:  # pragma: no cover - needs kvpress
+            cache = DynamicCache()
+            with kvpress_press(model):
+                out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kw: cache})
+        elif press is not None:
+            with press(model):
+                out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        else:
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kw: DynamicCache()})
+        cache, logits = getattr(out, kw), out.logits[:, -1]
+        del out
+        if truncate:  # kvcert's deterministic kept tokens, into a plain DynamicCache
+            plain = DynamicCache()
+            for i, layer in enumerate(cache.layers):
+                plain.update(layer.keys, layer.values, i)
+            cache, press = plain, None
+    return _Variant(name, ratio, cache, logits, n, context=press if (press is not None and not truncate) else None)
+
+
+def _decode_one(model, v: _Variant) -> None:
+    import contextlib
+
+    kw = _cache_keyword(model)
+    ctx = v.context(model) if v.context is not None else contextlib.nullcontext()
+    with torch.no_grad(), ctx:
+        t0 = time.perf_counter()
+        out = model(input_ids=v.tok[:, None], position_ids=torch.tensor([[v.pos]]), use_cache=True,
+                    logits_to_keep=1, **{kw: v.cache})
+        v.ms.append((time.perf_counter() - t0) * 1e3)
+    v.cache = getattr(out, kw)
+    v.tok = out.logits[:, -1].argmax(-1)
+    v.ids.append(int(v.tok))
+    v.pos += 1
+
+
+def interleaved(model, tok, n_tokens: int, ratios, rounds: int, baseline: str) -> dict:
+    """Paired decode comparison at one prompt length: each variant prefilled once, then ``rounds``
+    rounds in which every variant runs one decode forward in turn (same machine state for all
+    within a round). Per pair of variants: the median over rounds of the per-round ratio of
+    forward times (round 0 dropped as warm-up)."""
+    text, count = build_prompt(tok, n_tokens)
+    ids = encode_prompts(tok, [text])[0]
+    variants = [_prefill_variant(model, ids, "bare", None)]
+    for r in ratios:
+        variants.append(_prefill_variant(model, ids, "poisson", r, press=kvcert.PoissonPress(compression_ratio=r)))
+        variants.append(_prefill_variant(model, ids, "snapkv", r, press=kvcert.SnapKVPress(compression_ratio=r)))
+        variants.append(_prefill_variant(model, ids, "truncated", r, press=kvcert.SnapKVPress(compression_ratio=r),
+                                         truncate=True))
+        if baseline == "kvpress_snapkv":  # pragma: no cover - needs kvpress
+            from kvpress import SnapKVPress as KP
+
+            variants.append(_prefill_variant(model, ids, "kvpress", r, kvpress_press=KP(compression_ratio=r)))
+    for _ in range(rounds + 1):
+        for v in variants:
+            _decode_one(model, v)
+    by = {(v.name, v.ratio): v for v in variants}
+
+    def paired(a, b):
+        if a not in by or b not in by:
+            return None
+        xs = [x / y for x, y in zip(by[a].ms[1:], by[b].ms[1:])]
+        return {"median": statistics.median(xs), "q20_q80": _quantiles(xs), "rounds": len(xs)}
+
+    rows = [{"run": v.name, "ratio": v.ratio, "forward_ms": statistics.median(v.ms[1:]),
+             "forward_ms_q20_q80": _quantiles(v.ms[1:]), "cache": v.held, "token_ids": v.ids} for v in variants]
+    ratios_out = []
+    for r in ratios:
+        base = ("kvpress", r) if baseline == "kvpress_snapkv" else ("truncated", r)
+        for goal, num, den in (("certified_vs_baseline", ("poisson", r), base),
+                               ("certified_vs_truncated", ("poisson", r), ("truncated", r)),
+                               ("certified_vs_bare", ("poisson", r), ("bare", None)),
+                               ("snapkv_vs_truncated", ("snapkv", r), ("truncated", r))):
+            x = paired(num, den)
+            if x is not None and not (goal == "certified_vs_truncated" and base == den):
+                target = GOALS.get(goal)
+                met = None if target is None else (x["median"] < target if goal == "certified_vs_bare"
+                                                    else x["median"] <= target)
+                ratios_out.append({"goal": goal, "ratio": r, "numerator": num[0], "denominator": den[0], **x,
+                                   "target": target, "met": met})
+    same = by[("snapkv", ratios[0])].ids == by[("truncated", ratios[0])].ids
+    return {"tokens": n_tokens, "prompt_tokens": count, "rounds": rounds, "variants": rows, "ratios": ratios_out,
+            "snapkv_tokens_equal_truncated": same}
+
+
+def interleaved_markdown(blocks: list[dict]) -> str:
+    lines = ["| prompt tokens | ratio | certified / baseline | certified / SDPA same kept | certified / bare "
+             "full cache | SnapKVPress / SDPA same kept |", "|---|---|---|---|---|---|"]
+    for b in blocks:
+        for r in sorted({x["ratio"] for x in b["ratios"]}):
+            cells = []
+            for goal in ("certified_vs_baseline", "certified_vs_truncated", "certified_vs_bare", "snapkv_vs_truncated"):
+                x = next((y for y in b["ratios"] if y["goal"] == goal and y["ratio"] == r), None)
+                cells.append("" if x is None else f"{x['median']:.2f} [{x['q20_q80'][0]:.2f}-{x['q20_q80'][1]:.2f}]")
+            lines.append(f"| {b['prompt_tokens']} | {r:g} | " + " | ".join(cells) + " |")
+    lines += ["", "| prompt tokens | variant | ratio | forward ms (median [20-80%]) | kept / head | cache MiB |",
+              "|---|---|---|---|---|---|"]
+    for b in blocks:
+        for v in b["variants"]:
+            c = v["cache"] or {}
+            q = v["forward_ms_q20_q80"]
+            ratio = "" if v["ratio"] is None else f"{v['ratio']:g}"
+            lines.append(f"| {b['prompt_tokens']} | {v['run']} | {ratio} "
+                         f"| {v['forward_ms']:.1f} [{q[0]:.1f}-{q[1]:.1f}] | {c.get('mean_kept', 0):.0f} "
+                         f"| {c.get('total_bytes', 0) / 2**20:.1f} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
 # profile of certified decode steps
 # ---------------------------------------------------------------------------------------------
 def _named_functions() -> dict:
@@ -615,6 +746,8 @@ def main(argv=None) -> dict:
             jobs += [(n, "poisson", r), (n, "snapkv", r), (n, "baseline", r)]
             if baseline != "sdpa_truncated":  # the SDPA loop over kvcert's SnapKV tokens, beside kvpress
                 jobs.append((n, "truncated", r))
+    if args.only_interleaved:
+        jobs = []
     bar = tqdm(jobs, desc="runs", unit="run", disable=args.no_progress)
     prompts: dict[int, tuple] = {}
     for n, name, r in bar:
@@ -654,6 +787,9 @@ def main(argv=None) -> dict:
     result["goals"] = goal_ratios(result["runs"], args.ratio_list, args.token_list)
     result["meta"]["load_average_end"] = os.getloadavg()
 
+    if args.interleaved:
+        result["interleaved"] = [interleaved(model, tok, n, args.ratio_list, args.interleaved, baseline)
+                                 for n in tqdm(args.token_list, desc="paired", disable=args.no_progress)]
     if args.profile:
         n = args.profile_tokens or args.token_list[0]
         text = prompts[n][0] if n in prompts else build_prompt(tok, n)[0]
@@ -665,6 +801,10 @@ def main(argv=None) -> dict:
     print(f"threads {result['meta']['threads']}, load average {result['meta']['load_average_start']} -> "
           f"{result['meta']['load_average_end']}, {args.new_tokens} new tokens\n")
     print(markdown(result))
+    if result.get("interleaved"):
+        print(f"\npaired decode comparison ({args.interleaved} rounds; per-round forward-time ratios, "
+              "median [20-80%]):\n")
+        print(interleaved_markdown(result["interleaved"]))
     if result["profile"] is not None:
         p = result["profile"]
         print(f"\nprofile: {p['press']}, {p['prompt_tokens']} tokens, {p['steps']} steps per profiler; "
