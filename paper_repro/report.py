@@ -264,7 +264,7 @@ def write_results_md(results: dict, s: dict, cfg: Config) -> None:
         held = [k for k, v in s["claims"].items() if v == "yes"]
         parts += [f"Of the paper's findings tested in Table 4, {len(held)} of {len(s['claims'])} hold here"
                   + (f" ({', '.join(held)})" if held else "") + ".", ""]
-    for name in ("T1", "T1b", "T2a", "T2", "T2b", "T2c", "T3", "T4", "T5"):
+    for name in ("T1", "T1b", "T2a", "T2", "T2b", "T2c", "T2d", "T3", "T4", "T5"):
         if name in results:
             parts += [results[name].markdown(), ""]
     figs = sorted((DOCS / "figures").glob("*.png")) if (DOCS / "figures").exists() else []

@@ -105,3 +105,38 @@ def test_auc():
     assert auc([0, 1, 2, 3], [True, True, False, False]) == 0.0
     assert auc([1, 1], [True, False]) == 0.5
     assert np.isnan(auc([1, 2], [True, True]))
+
+
+def test_block_replay_tiny(captured):
+    """T2d on 3 layers: equal expected memory, the exact estimate when every block is kept, and a
+    row naming why a design cannot run."""
+    from paper_repro import replay_blocks
+
+    _, _, full, _, _ = captured
+    cap = Captured(full.queries[:3], full.keys[:3], full.values[:3], full.scaling)
+    cfg = Config(quick=True, context=256, budgets=(0.5, 1.0), progress=False)
+    t2d = replay_blocks.run(cfg, cap, designs=("token", "block16_mean", "block128_mean"), draws=16)
+    rows = {(r["budget"], r["design"], r.get("delta")): r for r in t2d.rows}
+    for (budget, design, delta), row in rows.items():
+        if design == "block128_mean":  # 256 tokens = 2 blocks: no room beside the sink and recent block
+            assert row["cells"] == 0 and "cannot hold" in row["note"]
+            continue
+        assert row["cells"] == 3 * cap.queries[0].shape[0] * 4
+        assert row["expected_kept"] == pytest.approx(budget, abs=1e-6)  # equal expected memory
+        assert 0.0 <= row["worst_decile"] <= row["coverage"] <= 1.0
+        if budget == 1.0:  # every block kept with pi = 1: exact attention (float32)
+            assert row["mean_relative_error"] < 1e-5
+        else:
+            assert row["mean_relative_error"] > 1e-3
+
+
+def test_block_design_pi_budget_and_certainty():
+    from paper_repro.replay_blocks import block_design_pi
+
+    g = torch.Generator().manual_seed(0)
+    u = torch.rand(2, 3, 512, generator=g, dtype=torch.float64)
+    pib = block_design_pi(u, 0.25, 16, "mean")                  # 32 blocks, budget 8 blocks
+    assert pib.shape == (32,) and float(pib.sum()) == pytest.approx(8.0)
+    assert pib[0] == 1.0 and pib[-1] == 1.0 and pib[-2] == 1.0  # sink block, two recent blocks
+    with pytest.raises(ValueError, match="cannot hold the sink and recent blocks"):
+        block_design_pi(u, 0.25, 128, "mean")                   # 1 block of budget
