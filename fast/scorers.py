@@ -35,6 +35,8 @@ __all__ = [
     "random_scores",
     "keydiff_scores",
     "lagkv_scores",
+    "SNAPKV_POOLINGS",
+    "HEAD_POOLINGS",
 ]
 
 
@@ -79,7 +81,7 @@ def streaming_llm_scores(n_or_keys, *, device=None, dtype: torch.dtype = torch.f
 
 
 def snapkv_scores(queries: torch.Tensor, keys: torch.Tensor, *, scale: float | None = None,
-                  kernel_size: int = 7) -> torch.Tensor:
+                  kernel_size: int = 7, pooling: str = "replicate") -> torch.Tensor:
     r"""SnapKV (Li et al. 2024): observation-window attention, GQA-pooled, smoothed.
 
     .. math:: u_j = \frac{1}{g}\sum_{h \in \text{group}} \sum_{t=1}^{w}
@@ -94,13 +96,35 @@ def snapkv_scores(queries: torch.Tensor, keys: torch.Tensor, *, scale: float | N
     keys : (b, h_kv, n, d), w <= n
     scale : float, default 1/sqrt(d)
     kernel_size : positive odd int
+    pooling : {"replicate", "kvpress"}
+        ``"replicate"`` (default): the formula above over all n tokens, the
+        pool's edges padded with the edge values. ``"kvpress"``: kvpress
+        0.5's ``SnapKVPress.score``: the mean (not the sum) over the window,
+        pooled over the n - w tokens *before* the window only, with zero
+        padding counted in the average (``avg_pool1d(padding=kernel_size // 2)``),
+        then the group mean; the w window tokens score the row's maximum + 1
+        (so a top-k keeps them). The two rank the tokens before the window
+        alike except within ``kernel_size // 2`` of either end of that span.
 
     Returns
     -------
     (b, h_kv, n) float32 (float64 for float64 inputs)
     """
+    pooling = _choice("pooling", pooling, SNAPKV_POOLINGS)
     s, g, w = _window_scores(queries, keys, scale, kernel_size)
-    return _snapkv_from_scores(s, g, w, kernel_size)
+    return _snapkv_from_scores(s, g, w, kernel_size, pooling)
+
+
+#: how :func:`snapkv_scores` pools: kvcert's edge-replicated pool over every token, or kvpress's
+SNAPKV_POOLINGS = ("replicate", "kvpress")
+#: how :func:`tova_scores` averages over query heads: per KV group (kvcert), or over all heads (kvpress, TOVA)
+HEAD_POOLINGS = ("group", "all")
+
+
+def _choice(name: str, value, choices: tuple) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
 
 
 def _window_scores(queries, keys, scale, kernel_size) -> tuple[torch.Tensor, int, int]:
@@ -117,18 +141,39 @@ def _window_scores(queries, keys, scale, kernel_size) -> tuple[torch.Tensor, int
     return torch.matmul(qs.to(dt) * tau, k.to(dt).transpose(-1, -2)), g, w
 
 
-def _snapkv_from_scores(s: torch.Tensor, g: int, w: int, kernel_size: int) -> torch.Tensor:
+def _snapkv_from_scores(s: torch.Tensor, g: int, w: int, kernel_size: int,
+                        pooling: str = "replicate") -> torch.Tensor:
     """SnapKV from the window scores (b, h_kv, g*w, n); masks ``s`` in place."""
     b, h_kv, _, n = s.shape
     s = s.view(b, h_kv, g, w, n)
     pos_q = torch.arange(n - w, n, device=s.device)[:, None]
     future = torch.arange(n, device=s.device)[None, :] > pos_q  # (w, n)
     s.masked_fill_(future, float("-inf"))
+    if pooling == "kvpress":
+        return _snapkv_kvpress(torch.softmax(s, dim=-1), kernel_size)
     u = torch.softmax(s, dim=-1).sum(dim=3).mean(dim=2)  # (b, h_kv, n)
     if kernel_size > 1:
         pad = kernel_size // 2
         up = F.pad(u.reshape(b * h_kv, 1, n), (pad, pad), mode="replicate")
         u = F.avg_pool1d(up, kernel_size, stride=1).reshape(b, h_kv, n)
+    return u
+
+
+def _snapkv_kvpress(p: torch.Tensor, kernel_size: int) -> torch.Tensor:
+    """kvpress 0.5's SnapKV score from the window's attention p (b, h_kv, g, w, n), in its order:
+    mean over the window, zero-padded pool over the n - w tokens before it, group mean, then the
+    window tokens at the row's maximum + 1."""
+    b, h_kv, g, w, n = p.shape
+    m = n - w
+    u = torch.ones(b, h_kv, n, dtype=p.dtype, device=p.device)
+    if m == 0:  # the window is the whole cache: every token is kept alike
+        return u
+    a = p[..., :m].mean(dim=3).reshape(b, h_kv * g, m)
+    if kernel_size > 1:
+        a = F.avg_pool1d(a, kernel_size, stride=1, padding=kernel_size // 2)  # count_include_pad: zeros count
+    a = a.reshape(b, h_kv, g, m).mean(dim=2)
+    u[..., :m] = a
+    u[..., m:] = a.amax(dim=(1, 2), keepdim=True) + 1  # per row (kvpress: over its batch of one)
     return u
 
 
@@ -243,13 +288,19 @@ def h2o_scores(queries: torch.Tensor, keys: torch.Tensor, *, scale: float | None
     return u / g
 
 
-def tova_scores(query: torch.Tensor, keys: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+def tova_scores(query: torch.Tensor, keys: torch.Tensor, *, scale: float | None = None,
+                head_pooling: str = "group") -> torch.Tensor:
     r"""TOVA (Oren et al. 2024): attention of the last query, averaged over the group.
 
     .. math:: u_j = \frac{1}{g}\sum_h \operatorname{softmax}_i(\tau\, q_{h,\mathrm{last}}\cdot k_i)_j
 
     ``query`` (b, h_q, d) or (b, h_q, w, d) (the last of the w is used).
+    ``head_pooling``: ``"group"`` (default) averages over the g query heads of
+    each KV head, as above; ``"all"`` averages over all h_q query heads, so
+    every KV head of the layer gets the same score (the TOVA paper's policy,
+    and kvpress 0.5's ``TOVAPress``).
     """
+    head_pooling = _choice("head_pooling", head_pooling, HEAD_POOLINGS)
     k = _keys(keys)
     q = check_tensor("query", query, ndim=(3, 4), floating=True)
     if q.ndim == 4:
@@ -258,7 +309,10 @@ def tova_scores(query: torch.Tensor, keys: torch.Tensor, *, scale: float | None 
     b, h_kv, n, d = k.shape
     dt = compute_dtype(qs, k)
     s = torch.matmul(qs.to(dt) * check_scale(scale, d), k.to(dt).transpose(-1, -2))  # (b, h_kv, g, n)
-    return torch.softmax(s, dim=-1).mean(dim=2)
+    p = torch.softmax(s, dim=-1)
+    if head_pooling == "all":
+        return p.mean(dim=(1, 2)).unsqueeze(1).expand(b, h_kv, n).contiguous()
+    return p.mean(dim=2)
 
 
 def knorm_scores(keys: torch.Tensor) -> torch.Tensor:
@@ -502,7 +556,8 @@ class Scorer:
         common press fields, ``observation_window`` if it reads a window,
         and :attr:`params`.
     params : dict
-        Hyperparameter name -> default (ints), e.g. ``{"kernel_size": 7}``.
+        Hyperparameter name -> default (ints, or a str choice such as SnapKV's
+        ``pooling``), e.g. ``{"kernel_size": 7, "pooling": "replicate"}``.
     summary : str
         One line: the method and its rule (docstring of the press).
     random : bool
@@ -587,14 +642,16 @@ for _scorer in (  # the order of the tables' rows (paper_repro T1, T2b)
     Scorer("h2o", _h2o, "all", "H2OPress", {},
            "H2O (Zhang et al. 2023): heavy hitters of the accumulated causal attention of every prefill "
            "query (decode-time events accumulate over the recent queries only)."),
-    Scorer("snapkv", lambda q, k, v, *, scale, kernel_size, **_: snapkv_scores(q, k, scale=scale,
-                                                                                 kernel_size=kernel_size),
-           "window", "SnapKVPress", {"kernel_size": 7},
+    Scorer("snapkv", lambda q, k, v, *, scale, kernel_size, pooling, **_: snapkv_scores(
+               q, k, scale=scale, kernel_size=kernel_size, pooling=pooling),
+           "window", "SnapKVPress", {"kernel_size": 7, "pooling": "replicate"},
            "SnapKV (Li et al. 2024): attention of the last observation_window queries, GQA-pooled, "
-           "smoothed with kernel_size."),
-    Scorer("tova", lambda q, k, v, *, scale, **_: tova_scores(q[:, :, -1], k, scale=scale),
-           "window", "TOVAPress", {},
-           "TOVA (Oren et al. 2024): attention of the last query, GQA-averaged."),
+           "smoothed with kernel_size (pooling=\"kvpress\": kvpress's edges and window scores)."),
+    Scorer("tova", lambda q, k, v, *, scale, head_pooling, **_: tova_scores(q[:, :, -1], k, scale=scale,
+                                                                             head_pooling=head_pooling),
+           "window", "TOVAPress", {"head_pooling": "group"},
+           "TOVA (Oren et al. 2024): attention of the last query, GQA-averaged (head_pooling=\"all\": "
+           "over all query heads, as kvpress)."),
     Scorer("knorm", lambda q, k, v, **_: knorm_scores(k), "none", "KNormPress", {},
            "K-norm (Devoto et al. 2024): keys of small L2 norm (score -||k||)."),
     Scorer("random", lambda q, k, v, *, seed, layer, event, **_: random_scores(k, seed=seed, layer=layer,

