@@ -47,6 +47,10 @@ _LAZY = {
     "generate": "kvcert.generation",
     "prefill": "kvcert.generation",
     "Prefill": "kvcert.generation",
+    "compress_context": "kvcert.generation",
+    "answer": "kvcert.generation",
+    "answer_certificates": "kvcert.generation",
+    "CompressedContext": "kvcert.generation",
     "GenerationResult": "kvcert.generation",
 }
 

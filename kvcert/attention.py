@@ -40,6 +40,7 @@ among cached tokens (padding is carried by the -inf bias).
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 from transformers import AttentionInterface
@@ -55,10 +56,12 @@ from .records import Certificates, Recorder
 __all__ = [
     "ATTENTION_NAME",
     "BASE_ATTENTION",
+    "Carrier",
     "Certificates",
     "Session",
     "activate",
     "active_session",
+    "carry",
     "deactivate",
     "kvcert_attention_forward",
     "kvcert_mask",
@@ -125,6 +128,12 @@ class Session:
         self._real: dict[int, torch.Tensor | None] = {}  # q_len -> the new tokens' real mask of this forward
         self._norms: list[torch.Tensor] = []  # this forward's decode output norms (the NaN check)
         self._backend: str | None = None
+        #: decoding a compressed context after the press context closed (query-agnostic protocol,
+        #: :class:`Carrier`): no press events, one record per question
+        self.carried = False
+        #: the carried questions answered so far: (question tokens, their Recorder), oldest first
+        self.answers: list[tuple[int, Recorder]] = []
+        self._question_tokens: int | None = None
 
     def _new_recorder(self) -> Recorder | None:
         return Recorder(self.kind, self.delta) if self.kind is not None else None
@@ -133,6 +142,31 @@ class Session:
     def certificates(self) -> Certificates | None:
         """The record of the current (or last) sequence, or None."""
         return None if self.recorder is None else self.recorder.result()
+
+    def new_question(self) -> None:
+        """Start the record of a new question over the carried context (query-agnostic protocol)."""
+        self.recorder = self._new_recorder()
+        self._question_tokens = None
+        if self.recorder is not None:
+            self.answers.append((0, self.recorder))
+
+    def answer_certificates(self) -> list[Certificates]:
+        """One record per question answered over the carried context, oldest first: row s is the
+        forward that produced answer token s (the question's last query for s = 0). A context of
+        one sequence gives (steps, layers, heads) tensors, a batch (batch, steps, layers, heads)."""
+        out = []
+        for q, recorder in self.answers:
+            c = recorder.result()
+            if c is None or q == 0:
+                continue
+            if c.radius.shape[0] == 1:
+                c = c[0]
+                cut = lambda x, q=q: x[q - 1:]  # noqa: E731
+            else:
+                cut = lambda x, q=q: x[:, q - 1:]  # noqa: E731
+            out.append(Certificates(c.kind, c.delta, cut(c.radius), cut(c.relative_radius), cut(c.trace),
+                                    cut(c.kept)))
+        return out
 
     # -- per forward --------------------------------------------------------------------------
     def begin_forward(self, args: tuple, kwargs: dict) -> None:
@@ -234,7 +268,11 @@ class Session:
         if real is not None:
             layer.mark_padding(real)
         out = self._decode(layer, layer_idx, query, scaling)
-        self.press.decode_event(layer, layer_idx, query, scaling)
+        if not self.carried:  # the query-agnostic protocol compresses the context only
+            self.press.decode_event(layer, layer_idx, query, scaling)
+        elif self._question_tokens is None and self.answers:  # the question's forward: note its length
+            self._question_tokens = q_len
+            self.answers[-1] = (q_len, self.answers[-1][1])
         return out.to(query.dtype).contiguous(), None
 
     def _decode(self, layer: KVCertLayer, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:
@@ -283,6 +321,115 @@ class Session:
             if bool(torch.isnan(norms).any()):
                 raise ValueError("kvcert: the Hajek attention output is NaN at this decoding step: the model's "
                                  "queries, keys and values (and the log inclusion probabilities) must be finite")
+
+
+# ---------------------------------------------------------------------------------------------
+# the carried cache: decoding a compressed context after its press context closed
+# ---------------------------------------------------------------------------------------------
+class Carrier:
+    """Keeps a compressed cache decodable with the Hajek estimate after ``with press(model):`` ends.
+
+    kvpress's pipeline (and kvcert's query-agnostic protocol, :func:`kvcert.answer`)
+    compresses the context under the press, then decodes each question
+    *outside* the press context. The cache carries what that needs: its
+    layers hold log pi beside K/V, and the carrier, made by the press context
+    when it closes over a cache that holds tokens, routes every later forward
+    over *that* cache (and no other) to the press's session:
+
+    - before the forward (a pre-hook on the decoder model): the session is
+      activated for the model and the model's attention switched to
+      ``"kvcert"`` for this forward only; a forward that finds the cache at
+      its mark (the compressed context) starts the record of a new question;
+    - after it (a hook that also runs when the forward raises): the previous
+      attention implementation is back, the session deactivated.
+
+    No press event runs on the carried cache: the question and the answer
+    are never compressed (kvpress's pipeline semantics). When the cache is
+    changed from outside between two forwards (kvpress's pipeline trims
+    ``layer.keys`` / ``layer.values`` after each answer), every layer returns
+    to the compressed context (:meth:`KVCertLayer.restore_mark`), so the next
+    question starts from it. The hooks go away with the cache (a weak
+    reference) or with :meth:`close`. A press context active on the model
+    takes precedence: the carrier then does nothing.
+    """
+
+    def __init__(self, session: Session, module, cache):
+        self.session, self.config = session, session.config
+        self._cache = weakref.ref(cache)
+        for layer in cache.layers:
+            layer.mark()
+        self._seen = self._held(cache)
+        self._previous = None
+        self._active = False
+        session.carried = True
+        self._handles = [module.register_forward_pre_hook(self._before, with_kwargs=True),
+                         module.register_forward_hook(self._after, with_kwargs=True, always_call=True)]
+        self._finalizer = weakref.finalize(cache, _remove_handles, list(self._handles))
+
+    @staticmethod
+    def _held(cache) -> list:
+        return [(layer.keys, layer.values) for layer in cache.layers]
+
+    @property
+    def cache(self):
+        """The carried cache (None once it is gone)."""
+        return self._cache()
+
+    def restore(self) -> None:
+        """Return every layer of the carried cache to the compressed context."""
+        cache = self._cache()
+        if cache is None:
+            raise RuntimeError("the carried cache no longer exists")
+        for layer in cache.layers:
+            layer.restore_mark()
+        self._seen = self._held(cache)
+
+    def close(self) -> None:
+        """Remove the hooks: the cache is no longer routed to the session."""
+        self._finalizer()
+
+    def _before(self, module, args, kwargs):
+        cache = next((kwargs[n] for n in ("cache", "past_key_values") if kwargs.get(n) is not None), None)
+        if cache is None or cache is not self._cache() or active_session(self.config) is not None:
+            return None
+        held = self._held(cache)
+        if any(a is not b or c is not d for (a, c), (b, d) in zip(held, self._seen)) or len(held) != len(self._seen):
+            self.restore()  # changed from outside (kvpress trims the answer): back to the context
+        if all(layer.at_mark for layer in cache.layers):
+            self.session.new_question()
+        activate(self.session)
+        self._previous = self.config._attn_implementation
+        self.config._attn_implementation = ATTENTION_NAME
+        self._active = True
+        self.session.begin_forward(args, kwargs)
+        return None
+
+    def _after(self, module, args, kwargs, output):
+        if not self._active:
+            return None
+        self._active = False
+        cache = self._cache()
+        if cache is not None:
+            self._seen = self._held(cache)
+        self.config._attn_implementation = self._previous
+        deactivate(self.session)
+        return None
+
+
+def _remove_handles(handles) -> None:
+    for h in handles:
+        h.remove()
+
+
+def carry(session: Session, module) -> "Carrier | None":
+    """A :class:`Carrier` for the cache of the session's last forward, if it holds tokens in
+    :class:`KVCertLayer` layers (called by the press context when it closes); else None."""
+    cache = session.cache
+    if cache is None or not getattr(cache, "layers", None) or cache.get_seq_length() == 0:
+        return None
+    if not all(isinstance(layer, KVCertLayer) and layer.is_initialized for layer in cache.layers):
+        return None
+    return Carrier(session, module, cache)
 
 
 _SESSIONS: dict[int, Session] = {}

@@ -62,6 +62,8 @@ class KVCertLayer(DynamicLayer):
         self.value_sqdist: torch.Tensor | None = None
         self._kept: torch.Tensor | None = None
         self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: the state :meth:`mark` saved (the compressed context of the query-agnostic protocol), or None
+        self._mark: tuple | None = None
 
     # -- transformers interface ---------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -162,7 +164,7 @@ class KVCertLayer(DynamicLayer):
         self.keys = self.values = None
         self.is_initialized = False
         self.log_weights = self.positions = self.next_position = self.queries = self.budgets = None
-        self.value_center = self.value_sqdist = self._kept = None
+        self.value_center = self.value_sqdist = self._kept = self._mark = None
         self._buffers = {}
         self.cumulative_length = self.length_before_update = self.events = self.tokens_since_event = 0
 
@@ -321,6 +323,37 @@ class KVCertLayer(DynamicLayer):
         self.positions = positions.to(torch.int64)
         self._invalidate()
         self._trim()
+
+    # -- the compressed context, shared by several questions (query-agnostic protocol) ------------
+    _MARKED = ("keys", "values", "log_weights", "positions", "next_position", "cumulative_length", "events",
+               "tokens_since_event", "budgets", "queries")
+
+    def mark(self) -> None:
+        """Remember the current state, to come back to with :meth:`restore_mark`.
+
+        The query-agnostic protocol marks each layer after the context's
+        compression, then answers each question from the mark. Only references
+        are kept, no copy: nothing writes into a held tensor in place
+        (appends go to a fresh reserved buffer once the layer is restored, an
+        eviction event installs new tensors), so the marked tensors stay as
+        they were.
+        """
+        self._mark = tuple(getattr(self, name) for name in self._MARKED)
+
+    def restore_mark(self) -> None:
+        """Return to the state of the last :meth:`mark` (forget every token added since)."""
+        if self._mark is None:
+            raise RuntimeError("restore_mark: this layer was never marked")
+        for name, value in zip(self._MARKED, self._mark):
+            setattr(self, name, value)
+        self.length_before_update = self.physical_length
+        self._invalidate()
+
+    @property
+    def at_mark(self) -> bool:
+        """Whether the layer holds exactly its marked state (no token added since, no outside change)."""
+        m = self._mark
+        return m is not None and self.keys is m[0] and self.values is m[1] and self.cumulative_length == m[5]
 
     def remember_queries(self, queries: torch.Tensor, window: int) -> None:
         """Keep the last ``window`` queries (b, h_q, t, d) for decode-time scorers."""

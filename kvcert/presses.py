@@ -30,7 +30,9 @@ The family, as kvpress users know it:
 - :class:`PoissonPress`: the randomized design of the paper (every token has
   a known inclusion probability pi > 0, so the certificates are informative),
   with its importance from ``scorer=``: a registry name, a
-  :class:`ScorerPress` instance or a callable.
+  :class:`ScorerPress` instance, a kvpress score-based press (duck-typed on
+  kvpress's ``score(module, hidden_states, keys, values, attentions,
+  kwargs)``; docs/kvpress.md) or a callable.
 - :class:`DecodingPress`: decode-time compression around any press
   (kvpress's ``DecodingPress(base_press, compression_interval, target_size)``).
 
@@ -54,7 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from .fast import KINDS, SCORERS, design_sizes
-from .fast.scorers import queries_needed, queries_read
+from .fast.scorers import HEAD_POOLINGS, SNAPKV_POOLINGS, queries_needed, queries_read
 
 __all__ = [
     "Press",
@@ -66,6 +68,7 @@ __all__ = [
     "PRESS_CASES",
     "SCORER_NAMES",
     "make_scorer_press",
+    "KVPRESS_NAMES",
 ]
 
 
@@ -107,22 +110,78 @@ SCORER_PARAMS = {
     "observation_window": (32, lambda v: _int("observation_window", v, low=1)),
     "kernel_size": (7, _kernel_size),
     "seed": (0, lambda v: _int("seed", v)),
+    "pooling": ("replicate", lambda v: _choice("pooling", v, SNAPKV_POOLINGS)),
+    "head_pooling": ("group", lambda v: _choice("head_pooling", v, HEAD_POOLINGS)),
 }
+
+
+def _choice(name: str, value, choices: tuple) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
 
 
 def _validate_params(press) -> None:
     names = set(SCORER_PARAMS).union(*(s.params for s in SCORERS.values()))
-    for name in sorted(names):
-        if hasattr(press, name):
-            check = SCORER_PARAMS.get(name, (None, lambda v, n=name: _int(n, v, low=1)))[1]
-            setattr(press, name, check(getattr(press, name)))
+    own = {f.name for f in dataclasses.fields(press)}  # fields only: not a kvpress-name property
+    for name in sorted(names & own):
+        check = SCORER_PARAMS.get(name, (None, lambda v, n=name: _int(n, v, low=1)))[1]
+        setattr(press, name, check(getattr(press, name)))
+
+
+#: kvpress's names of kvcert press fields that mean the same (DESIGN.md section 9): kvpress's
+#: ``window_size`` (SnapKV) is the *observation* window, kvcert's ``window`` the recent tokens kept
+#: with certainty; kvpress's ``n_sink`` (StreamingLLM, ExpectedAttention) is kvcert's ``sinks``
+KVPRESS_NAMES = {"window_size": "observation_window", "n_sink": "sinks"}
+
+
+def _accept_kvpress_names(cls):
+    """Let ``cls(...)`` take kvpress's names (:data:`KVPRESS_NAMES`) of the fields it has, as
+    keyword aliases, and read them back as properties; the fields keep kvcert's names (repr,
+    ``dataclasses.fields``, ``dataclasses.replace``). A name that is a field of its own (LagKV's
+    ``n_sink``) stays that field."""
+    own = {f.name for f in dataclasses.fields(cls)}
+    aliases = {a: n for a, n in KVPRESS_NAMES.items() if n in own and a not in own}
+    if not aliases:
+        return cls
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        for alias, name in aliases.items():
+            if alias in kwargs:
+                if name in kwargs:
+                    raise TypeError(f"give {name} or its kvpress name {alias}, not both (got {name}="
+                                    f"{kwargs[name]!r}, {alias}={kwargs[alias]!r})")
+                kwargs[name] = kwargs.pop(alias)
+        init(self, *args, **kwargs)
+
+    sig = inspect.signature(init)
+    extra = [inspect.Parameter(a, inspect.Parameter.KEYWORD_ONLY, default=None) for a in aliases]
+    __init__.__signature__ = sig.replace(parameters=[*sig.parameters.values(), *extra])
+    __init__.__doc__, __init__.__qualname__ = init.__doc__, f"{cls.__qualname__}.__init__"
+    cls.__init__ = __init__
+    for alias, name in aliases.items():
+        setattr(cls, alias, property(lambda self, n=name: getattr(self, n),
+                                     lambda self, value, n=name: setattr(self, n, value),
+                                     doc=f"kvpress's name of ``{name}``."))
+    return cls
 
 
 # ---------------------------------------------------------------------------------------------
 # the context manager and the result every press shares
 # ---------------------------------------------------------------------------------------------
 class _PressContext:
-    """``with press(model):`` -- switch the model to kvcert attention and a compressible cache."""
+    """``with press(model):`` -- switch the model to kvcert attention and a compressible cache.
+
+    The forward pre-hook sits on the decoder model (``model.base_model``, e.g.
+    ``LlamaModel``), which every path calls with the cache: the causal LM's
+    forward, ``model.generate``, and kvpress's pipeline, which prefills the
+    context through ``model.model(...)`` without the LM head. On exit, a cache
+    that holds tokens stays decodable with the Hajek estimate outside the
+    context (:class:`kvcert.attention.Carrier`, in :attr:`carrier`): the
+    query-agnostic protocol (kvpress's pipeline, :func:`kvcert.answer`)
+    decodes the questions there.
+    """
 
     def __init__(self, press, model):
         if not hasattr(model, "config") or not hasattr(model, "set_attn_implementation"):
@@ -131,6 +190,13 @@ class _PressContext:
         self._hook = None
         self._previous = None
         self._session = None
+        #: the :class:`kvcert.attention.Carrier` of the compressed cache after exit, or None
+        self.carrier = None
+
+    def _decoder(self):
+        """The module that receives the cache: the decoder model inside a causal LM (or the model)."""
+        base = getattr(self.model, "base_model", None)
+        return base if isinstance(base, torch.nn.Module) else self.model
 
     def __enter__(self):
         from . import attention as A
@@ -139,7 +205,8 @@ class _PressContext:
         model, config = self.model, self.model.config
         _check_full_attention(config)
         self._previous = config._attn_implementation
-        params = inspect.signature(model.forward).parameters
+        decoder = self._decoder()
+        params = inspect.signature(decoder.forward).parameters
         session = A.Session(self.press, A.resolve_base(self._previous), config,
                             "cache" if "cache" in params else "past_key_values")
         A.activate(session)
@@ -149,7 +216,7 @@ class _PressContext:
             session.begin_forward(args, kwargs)
             return args, kwargs
 
-        self._hook = model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        self._hook = decoder.register_forward_pre_hook(pre_hook, with_kwargs=True)
         try:
             model.set_attn_implementation(A.ATTENTION_NAME)
         except Exception:
@@ -171,6 +238,8 @@ class _PressContext:
             except Exception:  # e.g. a FlashAttention model on a machine without it
                 config._attn_implementation_internal = self._previous
         if self._session is not None:
+            if exc[0] is None:  # the compressed cache stays decodable outside the context
+                self.carrier = A.carry(self._session, self._decoder())
             A.deactivate(self._session)
         return False
 
@@ -323,6 +392,12 @@ class BasePress(Press):
         at a prefill event, else the last ``observation_window``)."""
         return queries[:, :, -queries_read(self._query_need(), queries.shape[2], n, self._observation_window()):]
 
+    def _prefill_importance(self, queries, keys, values, *, scale, layer_idx, event, row, tokens) -> torch.Tensor:
+        """Importance (1, h_kv, n) of batch row ``row`` at a prefill event: keys/values are its n
+        real tokens (``tokens``: their slots in the layer, None when the row has no padding)."""
+        return self._score(self._window_queries(queries, keys.shape[2]), keys, values, scale=scale,
+                           layer=layer_idx, event=event)
+
     def _row_importance(self, queries, keys, values, valid, scale, *, layer_idx, event) -> torch.Tensor:
         """Importance (1, h_kv, m) of one row of a cache with per-head padding (0 on padding)."""
         h_kv = keys.shape[1]
@@ -362,10 +437,12 @@ class BasePress(Press):
             k, v = layer.keys[sl], layer.values[sl]
             lw, pos, valid = layer.log_weights[sl], layer.positions[sl], valid_all[sl]
             if prefill:
+                tokens = None  # the row's real tokens, if it has padding
                 # every head holds the same tokens: drop the padding, one scorer call for the row
                 if not bool(valid.all()):
                     idx = valid[0, 0].nonzero().squeeze(-1)
                     k, v, lw, pos, valid = k[:, :, idx], v[:, :, idx], lw[:, :, idx], pos[:, :, idx], valid[:, :, idx]
+                    tokens = idx
                     # the queries may be the last few of the prefill only (a shared kvcert.prefill)
                     offset = valid_all.shape[-1] - queries.shape[2]
                     q_r = queries[sl][:, :, idx[idx >= offset] - offset]
@@ -377,7 +454,8 @@ class BasePress(Press):
                 if n == 0 or budget >= n:
                     rows.append((k, v, lw, pos))
                     continue
-                u = self._score(self._window_queries(q_r, n), k, v, scale=scale, layer=layer_idx, event=event)
+                u = self._prefill_importance(q_r, k, v, scale=scale, layer_idx=layer_idx, event=event, row=r,
+                                             tokens=tokens)
             else:
                 row_target = target
                 if row_target is None and layer.budgets is not None and not math.isnan(float(layer.budgets[r])):
@@ -454,8 +532,10 @@ class ScorerPress(BasePress):
 
 
 def _scorer_params(press, scorer) -> dict:
-    """The registered scorer's hyperparameters that ``press`` sets (fields of the same name)."""
-    return {p: getattr(press, p) for p in scorer.params if hasattr(press, p)}
+    """The registered scorer's hyperparameters that ``press`` sets (fields of the same name; a
+    kvpress-name property such as ``n_sink`` -> ``sinks`` is not one)."""
+    own = {f.name for f in dataclasses.fields(press)}
+    return {p: getattr(press, p) for p in scorer.params if p in own}
 
 
 class _RegistryScorer:
@@ -480,14 +560,14 @@ def make_scorer_press(name: str) -> type:
     scorer = SCORERS[name]
     names = (["observation_window"] if scorer.queries == "window" else []) + list(scorer.params)
     defaults = {"observation_window": SCORER_PARAMS["observation_window"][0], **scorer.params}
-    fields = [(p, int, dataclasses.field(default=defaults[p])) for p in names]
+    fields = [(p, type(defaults[p]), dataclasses.field(default=defaults[p])) for p in names]
     doc = (f"Deterministic {scorer.summary} Keeps the sinks, the window and the top of the score "
            f"(scorer ``{name}``, :data:`kvcert.fast.SCORERS`); pi = 1 on kept tokens: certificates "
            "are 0 (uninformative).")
     cls = dataclasses.make_dataclass(scorer.press, fields, bases=(_RegistryScorer, ScorerPress),
                                      namespace={"scorer_name": name, "__doc__": doc})
     cls.__module__ = __name__
-    return cls
+    return _accept_kvpress_names(cls)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,24 +604,50 @@ class PoissonPress(BasePress):
     floor : float in (0, 1]
         Defensive mixture weight alpha (default 0.1): every tail token has
         pi >= alpha B_tail / |T| > 0.
-    scorer : str, ScorerPress or callable
+    scorer : str, ScorerPress, kvpress ScorerPress or callable
         Importance u (default ``"snapkv"``: attention of the last
         ``observation_window`` prefill queries, GQA-pooled, smoothed with
         ``kernel_size``). A name of ``kvcert.fast.SCORERS``; or a
         :class:`ScorerPress` instance (its ``score`` and its own
-        hyperparameters); or a callable
+        hyperparameters); or any object with kvpress's
+        ``score(module, hidden_states, keys, values, attentions, kwargs)
+        -> (batch, kv_heads, seq)``, e.g. a kvpress ``ScorerPress``
+        (duck-typed: kvcert never imports kvpress; see Notes); or a callable
         ``fn(queries, keys, values, *, scale, layer, event) -> (b, h_kv, n)``
         reading the last ``observation_window`` queries. Negative scores
-        (``knorm``) are shifted to >= 0 per head.
+        (``knorm``, ``keydiff``) are shifted to >= 0 per head; NaN or inf
+        scores raise ``ValueError``.
     seed : int >= 0
         Seed of the sampling streams, one per (layer, batch row, KV head,
         event) and indexed by token position (:mod:`kvcert.fast.design`):
         the same seed replays the same draws, and a sequence draws the same
         sample alone or in a batch.
     observation_window : int >= 1
-        Queries the query-based scorers look at (default 32).
+        Queries the query-based scorers look at (default 32). kvpress's name
+        ``window_size`` is accepted for it (``PoissonPress(window_size=64)``),
+        and ``n_sink`` for ``sinks`` (docs/kvpress.md).
     kernel_size : odd int >= 1
         SnapKV pooling width (default 7).
+
+    Notes
+    -----
+    A kvpress scorer is called once per layer, batch row and prefill event,
+    right after the layer's exact prefill, with what kvpress's forward hook
+    gives it: the attention module, the module's input ``hidden_states``
+    (1, n, hidden) and its forward keyword arguments (``position_embeddings``
+    ...), the row's cached keys and values (1, h_kv, n, d), and
+    ``attentions=None`` (the scorer recomputes what it needs, as kvpress
+    does under sdpa). A padded row passes its n real tokens only (the
+    hidden states and position embeddings sliced alike, ``attention_mask``
+    None). Inside ``with press(model):`` the press hooks each attention
+    module's forward to see those inputs; like kvpress it sets the module's
+    ``rotary_emb`` when missing and calls the scorer's
+    ``post_init_from_model(model)`` if it has one. The scorer's own
+    ``compression_ratio`` is not used (the budget is this press's), except
+    by a ``score`` that reads it (kvpress's ``StreamingLLMPress``). A
+    kvpress scorer scores prefills only: not under :class:`DecodingPress`,
+    nor from a shared :func:`kvcert.prefill` (neither keeps the hidden
+    states).
 
     Examples
     --------
@@ -568,15 +674,30 @@ class PoissonPress(BasePress):
         if isinstance(s, str):
             if s not in SCORERS:
                 raise ValueError(f"scorer must be one of {tuple(SCORERS)}, a ScorerPress or a callable, got {s!r}")
-        elif not (isinstance(s, ScorerPress) or callable(s)):
-            raise TypeError(f"scorer must be a registry name {tuple(SCORERS)}, a ScorerPress instance or a "
-                            f"callable, got {type(s).__name__}")
+        elif not isinstance(s, ScorerPress) and not _is_kvpress_scorer(s) and not callable(s):
+            raise TypeError(f"scorer must be a registry name {tuple(SCORERS)}, a ScorerPress instance (kvcert's, "
+                            f"or kvpress's: an object with score(module, hidden_states, keys, values, attentions, "
+                            f"kwargs)) or a callable, got {type(s).__name__}")
+        self._layer_inputs = {}  # layer -> (attention module, its forward kwargs) of the forward under way
+
+    @property
+    def _external(self) -> bool:
+        """The importance comes from a kvpress-style ``score(module, hidden_states, ...)``."""
+        return not isinstance(self.scorer, (str, ScorerPress)) and _is_kvpress_scorer(self.scorer)
+
+    def __call__(self, model):
+        """Context manager: ``with press(model):``; with a kvpress scorer it also hooks the
+        attention modules to hand their inputs (module, hidden states, kwargs) to ``score``."""
+        context = super().__call__(model)
+        return _KvpressInputs(self, model, context) if self._external else context
 
     def _query_need(self) -> str:
         s = self.scorer
         if isinstance(s, str):
             return SCORERS[s].queries
-        return s.query_need if isinstance(s, ScorerPress) else "window"
+        if isinstance(s, ScorerPress):
+            return s.query_need
+        return "none" if self._external else "window"  # a kvpress scorer makes its own queries
 
     def _observation_window(self) -> int:
         s = self.scorer
@@ -589,11 +710,40 @@ class PoissonPress(BasePress):
                               **_scorer_params(self, SCORERS[s]))
         if isinstance(s, ScorerPress):
             return s.score(queries, keys, values, scale=scale, layer=layer, event=event)
+        if self._external:
+            raise ValueError(f"scorer: {type(s).__name__}.score(module, hidden_states, keys, values, attentions, "
+                             "kwargs) reads a layer's hidden states, which only a prefill event under "
+                             "`with press(model):` gives (not a decode-time event)")
         u = s(queries, keys, values, scale=scale, layer=layer, event=event)
-        if not isinstance(u, torch.Tensor) or u.shape != keys.shape[:3]:
-            raise ValueError(f"scorer must return a tensor of shape (b, h_kv, n) = {tuple(keys.shape[:3])}, "
-                             f"got {getattr(u, 'shape', type(u).__name__)}")
-        return u
+        return _checked_scores(u, keys, "scorer(queries, keys, values, *, scale, layer, event)", layer)
+
+    def _prefill_importance(self, queries, keys, values, *, scale, layer_idx, event, row, tokens):
+        if not self._external:
+            return super()._prefill_importance(queries, keys, values, scale=scale, layer_idx=layer_idx,
+                                               event=event, row=row, tokens=tokens)
+        s = self.scorer
+        name = f"{type(s).__name__}.score(module, hidden_states, keys, values, attentions, kwargs)"
+        entry = self._layer_inputs.get(layer_idx)
+        if entry is None:
+            raise ValueError(
+                f"scorer: {name} needs layer {layer_idx}'s attention inputs (module, hidden_states, kwargs), "
+                "which only a prefill forward under `with press(model):` gives; a cache filled by "
+                "kvcert.prefill does not keep them: call generate without prefilled="
+            )
+        module, kwargs = entry
+        kw = dict(kwargs)
+        kw["hidden_states"] = _row_slice(kwargs["hidden_states"], row, tokens)
+        pe = kwargs.get("position_embeddings")
+        if isinstance(pe, (tuple, list)):
+            kw["position_embeddings"] = tuple(_row_slice(t, row, tokens) for t in pe)
+        if tokens is not None:
+            kw["attention_mask"] = None  # the padding is gone; the row is one causal sequence
+        hidden = kw["hidden_states"]
+        if hidden.shape[1] != keys.shape[2]:
+            raise ValueError(f"scorer: layer {layer_idx}'s hidden_states hold {hidden.shape[1]} tokens but its cache "
+                             f"{keys.shape[2]}: a kvpress scorer needs the whole sequence in one prefill forward")
+        u = s.score(module, hidden, keys, values, None, kw)
+        return _checked_scores(u, keys, name, layer_idx)
 
     def inclusion_probabilities(self, importance: torch.Tensor, n: int | None = None) -> torch.Tensor:
         """pi (..., n) this press's prefill event gives to tokens of this importance
@@ -616,6 +766,9 @@ class PoissonPress(BasePress):
                           pi=log_weights.exp(), positions=positions)
 
 
+_accept_kvpress_names(PoissonPress)
+
+
 def _shifted(u: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Importance >= 0 on the valid slots (0 on the others): a negative score
     (e.g. knorm's -||k||) is shifted by its per-head minimum."""
@@ -626,6 +779,137 @@ def _shifted(u: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor
     if bool((low < 0).any()):
         u = (u - low).masked_fill(~valid, 0.0)
     return u
+
+
+_KVPRESS_SCORE = ("module", "hidden_states", "keys", "values", "attentions", "kwargs")
+
+
+def _is_kvpress_scorer(s) -> bool:
+    """Whether ``s`` is a kvpress-style scorer: ``s.score(module, hidden_states, keys, values,
+    attentions, kwargs)``. Raises ``TypeError`` for a kvpress press without ``score`` (it has
+    ``compress``/``forward_hook`` only) and for a ``score`` of another signature."""
+    score = getattr(s, "score", None)
+    if score is None:
+        if hasattr(s, "compress") and hasattr(s, "forward_hook"):
+            raise TypeError(
+                f"scorer: {type(s).__module__}.{type(s).__name__} has no score(module, hidden_states, keys, values, "
+                "attentions, kwargs); only a score-based press (a kvpress ScorerPress, e.g. SnapKVPress, "
+                "ExpectedAttentionPress, KeyDiffPress, TOVAPress, KnormPress) gives an importance"
+            )
+        return False
+    if not callable(score):
+        raise TypeError(f"scorer: {type(s).__name__}.score must be a method, got {type(score).__name__}")
+    try:
+        sig = inspect.signature(score)
+    except (TypeError, ValueError):  # no signature to read (a builtin): take it on trust
+        return True
+    try:
+        sig.bind(*_KVPRESS_SCORE)
+    except TypeError:
+        raise TypeError(
+            f"scorer: {type(s).__name__}.score must take (module, hidden_states, keys, values, attentions, kwargs) "
+            f"and return (batch, kv_heads, seq) scores, as kvpress's ScorerPress.score; its signature is "
+            f"score{sig}"
+        ) from None
+    return True
+
+
+def _checked_scores(u, keys: torch.Tensor, name: str, layer: int) -> torch.Tensor:
+    """The scores of a user scorer, checked: a tensor of the keys' (batch, kv_heads, seq), finite."""
+    want = tuple(keys.shape[:3])
+    if not isinstance(u, torch.Tensor) or tuple(u.shape) != want:
+        got = tuple(u.shape) if isinstance(u, torch.Tensor) else type(u).__name__
+        raise ValueError(f"scorer must return a tensor of shape (b, h_kv, n) = (batch, kv_heads, seq) = {want}: "
+                         f"{name} returned {got}")
+    if not u.is_floating_point():
+        u = u.to(torch.float32)
+    if not bool(torch.isfinite(u).all()):
+        bad = int((~torch.isfinite(u)).sum())
+        raise ValueError(f"scorer: {name} returned {bad} NaN or inf scores of {u.numel()} at layer {layer} "
+                         f"(shape (batch, kv_heads, seq) = {want}); scores must be finite")
+    return u
+
+
+def _row_slice(t, row: int, tokens):
+    """Batch row ``row`` of a (b, n, ...) tensor (a batch of one is shared), its ``tokens`` only."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    t = t[row:row + 1] if t.shape[0] > 1 else t
+    return t if tokens is None else t[:, tokens.to(t.device)]
+
+
+def _attention_modules(model) -> list:
+    """The attention modules of a transformers model: kvpress's ``model.model(.language_model).layers[i]
+    .self_attn``, else every submodule named ``...self_attn`` with a ``layer_idx``."""
+    base = getattr(model, "model", None)
+    base = getattr(base, "language_model", base)
+    layers = getattr(base, "layers", None)
+    if layers is not None and all(hasattr(layer, "self_attn") for layer in layers):
+        return [layer.self_attn for layer in layers]
+    return [m for name, m in model.named_modules() if name.endswith("self_attn") and hasattr(m, "layer_idx")]
+
+
+class _KvpressInputs:
+    """The context of a PoissonPress with a kvpress scorer: the press's own context, plus forward
+    hooks on every attention module that keep its inputs (module, kwargs with ``hidden_states``)
+    while the module runs, for the prefill event (kvpress's scorers read them)."""
+
+    def __init__(self, press, model, context):
+        self.press, self.model, self.context = press, model, context
+        self._hooks, self._rotary = [], []
+
+    def __getattr__(self, name):  # anything else the press's own context offers
+        context = self.__dict__.get("context")
+        if context is None:
+            raise AttributeError(name)
+        return getattr(context, name)
+
+    def __enter__(self):
+        press, model = self.press, self.model
+        modules = _attention_modules(model)
+        if not modules:
+            raise ValueError(f"scorer: found no attention modules (layers[i].self_attn) in {type(model).__name__} "
+                             "to read the hidden states a kvpress scorer needs")
+        base = getattr(getattr(model, "model", None), "language_model", getattr(model, "model", None))
+        rotary = getattr(base, "rotary_emb", None)
+        inputs = press._layer_inputs
+
+        def keep(module, args, kwargs):
+            if "hidden_states" not in kwargs and args:
+                kwargs = {**kwargs, "hidden_states": args[0]}
+            inputs[module.layer_idx] = (module, kwargs)
+
+        def drop(module, args, output):
+            inputs.pop(module.layer_idx, None)
+
+        try:
+            for m in modules:
+                if rotary is not None and getattr(m, "rotary_emb", None) is None:
+                    m.rotary_emb = rotary  # as kvpress does: ExpectedAttentionPress reads module.rotary_emb
+                    self._rotary.append(m)
+                self._hooks.append(m.register_forward_pre_hook(keep, with_kwargs=True))
+                self._hooks.append(m.register_forward_hook(drop))
+            init = getattr(press.scorer, "post_init_from_model", None)
+            if callable(init):
+                init(model)
+            return self.context.__enter__()
+        except BaseException:
+            self._undo()
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return self.context.__exit__(*exc)
+        finally:
+            self._undo()
+
+    def _undo(self):
+        for h in self._hooks:
+            h.remove()
+        for m in self._rotary:
+            del m.rotary_emb
+        self._hooks, self._rotary = [], []
+        self.press._layer_inputs.clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -660,6 +944,11 @@ class DecodingPress(Press):
         if not isinstance(self.base_press, BasePress):
             raise TypeError(f"base_press must be a kvcert press (e.g. kvcert.PoissonPress()), got "
                             f"{type(self.base_press).__name__}")
+        if getattr(self.base_press, "_external", False):
+            raise TypeError(f"base_press: a PoissonPress whose scorer is a kvpress press "
+                            f"({type(self.base_press.scorer).__name__}) scores prefills only (its score reads a "
+                            "layer's hidden states, which decode-time events do not keep); give DecodingPress a "
+                            "kvcert scorer")
         self.compression_interval = _int("compression_interval", self.compression_interval, low=1)
         self.target_size = _int("target_size", self.target_size, low=1, optional=True)
         if self.target_size is None:
@@ -731,7 +1020,7 @@ def _cases(name: str, cls) -> tuple[dict, dict]:
     if cls is PoissonPress:
         return ({**easy, "seed": 1},
                 {**hard, "top_fraction": 0.9, "floor": 1.0, "scorer": "tova", "kind": "wald", "seed": 3})
-    extra = {"observation_window": 3, "kernel_size": 3, "seed": 4}
+    extra = {"observation_window": 3, "kernel_size": 3, "seed": 4, "pooling": "kvpress", "head_pooling": "all"}
     fields = {f.name for f in dataclasses.fields(cls)}
     return easy, {**hard, **{p: extra.get(p, 2) for p in fields if p in extra or p in SCORERS[name].params}}
 
