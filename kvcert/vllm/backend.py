@@ -1,0 +1,210 @@
+"""The plugin's CPU attention backend: the stock C++ kernel, plus a torch path for rows with evicted blocks.
+
+Registered over vLLM's ``CPU_ATTN`` (on CPU, ``CpuPlatform.get_attn_backend_cls``
+ignores any other selection). Outside a step of the plugin's worker
+(:class:`kvcert.vllm.worker.CertifiedCPUWorker` sets :data:`STEP`), and for
+every request that has not evicted anything, it runs the stock
+``CPUAttentionBackendImpl.forward`` unchanged, so an engine without eviction
+is the stock engine token for token.
+
+For a request with an eviction decision (a decode row: one query token), the
+C++ op cannot be used (it takes no additive bias and returns no
+log-sum-exp), so the row's kept blocks are gathered from the paged cache and
+:func:`kvcert.fast.block_hajek_attention` computes the Hajek estimate (offset
+-log pi_b on every token of a kept sampled block; evicted blocks are simply
+not gathered, i.e. masked with -inf) and the cluster-sampling trace, from
+which :func:`kvcert.fast.certificate_moments` and
+:func:`kvcert.fast.radius_from_statistics` give the relative radius per query
+head. Evicted blocks must be masked: the worker never learns that a block was
+freed, and its old id may already hold another request's keys.
+
+On the prompt's last chunk the backend also gathers the block importance: the
+SnapKV attention (:func:`kvcert.fast.snapkv_scores`, no pooling) of the
+prompt's last ``observation_window`` queries over all its keys, per layer and
+KV head; the worker aggregates it with :func:`kvcert.fast.block_importance`.
+
+Cache layout read here (ISA ``vec``: float caches, block_size a multiple of
+32, no AMX/bf16): the ``[num_blocks, h_kv, block_size, 2 * head_size]`` cache
+holds, per (block, KV head), the keys transposed ``[head_size, block_size]``
+then the values ``[block_size, head_size]`` (checked by
+tests/vllm/test_vllm_backend.py against ``ops.cpu_attn_reshape_and_cache``).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from vllm import _custom_ops as ops
+from vllm import envs
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+from kvcert.fast import (
+    block_hajek_attention,
+    certificate_moments,
+    estimate_options,
+    radius_from_statistics,
+    snapkv_scores,
+)
+
+__all__ = ["CertifiedCPUAttentionBackend", "CertifiedCPUAttentionImpl", "STEP", "gather_blocks"]
+
+#: per-thread pointer to the running step's context (set by the plugin's worker around execute_model)
+STEP = threading.local()
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values (h_kv, m * block_size, head_size) of the blocks ``block_ids`` (m,) of a ``vec`` cache."""
+    nb, h, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    flat = kv_cache.view(nb, h, bs * two_d)[block_ids]  # (m, h, 2 bs d)
+    m = flat.shape[0]
+    k = flat[..., : bs * d].reshape(m, h, d, bs).transpose(-1, -2)  # (m, h, bs, d)
+    v = flat[..., bs * d:].reshape(m, h, bs, d)
+    return (k.permute(1, 0, 2, 3).reshape(h, m * bs, d), v.permute(1, 0, 2, 3).reshape(h, m * bs, d))
+
+
+def masked_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Hajek decode attention over whole kept blocks of a ``vec`` cache, and the cluster-sampling trace, batched.
+
+    The plugin's fast path for the Chebyshev certificate: the same estimate and
+    trace as :func:`kvcert.fast.block_hajek_attention` on the gathered blocks
+    (checked in tests/vllm/test_vllm_backend.py), specialized to one query
+    token per row and to kept units that are whole blocks, so the block sums
+    are a reshape instead of a scatter:
+
+    .. math::
+
+        \hat o = \sum_{i\in S} a_i v_i,\quad a = \operatorname{softmax}_S(\tau q\cdot k_i - \log\pi_{b(i)}),
+        \quad \mathrm{trace} = \sum_{b\in S}(1-\pi_b)\lVert z_b\rVert^2,\quad
+        z_b = \sum_{i\in b} a_i (v_i - \hat o),
+
+    with :math:`A_b = \sum_{i\in b} a_i`, computed as :math:`W_b - A_b\hat o`,
+    :math:`W_b = \sum_{i\in b} a_i v_i` (one batched matmul, K/V copied once by
+    the gather; float32 cancellation is of order eps |v|, far below the
+    radii reported). Slots that hold no token of the row (padding blocks, the
+    tail of the last block) get weight exactly 0; vLLM allocates the cache
+    with zeros, so they hold finite values (zeros or an earlier request's
+    keys/values), which the zero weights cancel.
+
+    Parameters
+    ----------
+    query : (E, h_q, d), one decode query per row
+    kv_cache : (num_blocks, h_kv, block_size, 2 d), the ``vec`` layout
+    block_ids : int64 (E, M), kept physical blocks per row (padding: any allocated block)
+    log_pi : (E, M, block_size) float32, log pi_b on every valid token of a kept
+        block (0 on certain blocks and decode tokens), -inf on padding and on
+        slots past the sequence end
+    scale : float
+
+    Returns
+    -------
+    output (E, h_q, d) in the query's dtype, trace (E, h_q) float32
+    """
+    E, h_q, d = query.shape
+    nb, h, bs, two_d = kv_cache.shape
+    M = block_ids.shape[1]
+    g = h_q // h
+    blk = kv_cache.view(nb, h * bs * two_d).index_select(0, block_ids.reshape(-1)).view(E, M, h, bs * two_d)  # the one copy
+    kt = blk[..., : bs * d].view(E, M, h, d, bs)  # keys transposed, per (row, block, KV head)
+    v = blk[..., bs * d:].view(E, M, h, bs, d)
+    lp = log_pi.float()
+    valid = lp > float("-inf")  # (E, M, bs)
+    qx = query.float().view(E, 1, h, g, d).expand(E, M, h, g, d)
+    s = torch.matmul(qx, kt.float()) * scale  # (E, M, h, g, bs), batched over (row, block, head)
+    s = torch.where(valid[:, :, None, None, :], s - lp[:, :, None, None, :], float("-inf"))
+    a = torch.softmax(s.permute(0, 2, 3, 1, 4).reshape(E, h, g, M * bs), dim=-1)  # softmax over the kept tokens
+    a = a.view(E, h, g, M, bs).permute(0, 3, 1, 2, 4)  # (E, M, h, g, bs); exactly 0 off the row's tokens
+    w = torch.matmul(a, v.float())  # (E, M, h, g, d): W_b = sum_{i in b} a_i v_i
+    o = w.sum(1)  # (E, h, g, d)
+    A = a.sum(-1)  # (E, M, h, g)
+    z = w - A[..., None] * o[:, None]  # z_b = W_b - A_b o_hat
+    omp = -torch.expm1(lp[:, :, 0])  # 1 - pi_b per block (0: certain; padding: 1 with z = 0)
+    trace = (omp[:, :, None, None] * (z * z).sum(-1)).sum(1)  # (E, h, g)
+    return o.reshape(E, h_q, d).to(query.dtype), trace.reshape(E, h_q)
+
+
+class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
+    """``CPUAttentionBackendImpl`` with the masked, bias-corrected torch path for rows with evicted blocks."""
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        step = getattr(STEP, "ctx", None)
+        if step is None or attn_metadata is None or self.attn_type != AttentionType.DECODER:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        plan = step.plan(attn_metadata, kv_cache.shape[2])
+        if not plan.masked:
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                            output_block_scale)
+        else:
+            if getattr(layer, "isa", "vec") != "vec":
+                raise RuntimeError(f"kvcert.vllm reads the 'vec' cache layout; this layer uses {layer.isa!r}")
+            num_blocks, h_kv, bs, _ = kv_cache.shape
+            kvv = kv_cache.view((num_blocks, h_kv, bs * 2, -1))
+            key_cache, value_cache = kvv.chunk(2, dim=2)
+            if plan.stock_rows:
+                sub = plan.stock_metadata(self)
+                q_sub = query.index_select(0, sub.token_index)
+                out_sub = torch.empty_like(q_sub)
+                ops.cpu_attention_with_kv_cache(
+                    query=q_sub, key_cache=key_cache, value_cache=value_cache, output=out_sub,
+                    query_start_loc=sub.query_start_loc, seq_lens=sub.seq_lens, scale=self.scale,
+                    causal=attn_metadata.causal, alibi_slopes=self.alibi_slopes, sliding_window=self.sliding_window,
+                    block_table=sub.block_table, softcap=self.logits_soft_cap,
+                    scheduler_metadata=sub.scheduler_metadata, s_aux=self.sinks,
+                    dynamic_causal=attn_metadata.dynamic_causal, k_scale=layer._k_scale_float,
+                    v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
+                output.index_copy_(0, sub.token_index, out_sub.to(output.dtype))
+            cfg = step.config
+            if cfg.kind == "chebyshev":  # needs only the trace: the batched fast path
+                o, trace = masked_decode(query.index_select(0, plan.masked_tokens), kv_cache, plan.masked_block_ids,
+                                         plan.masked_log_pi, self.scale)
+                output.index_copy_(0, plan.masked_tokens, o.to(output.dtype))
+                _, _, rel = radius_from_statistics(cfg.kind, cfg.delta, trace=trace,
+                                                   output_norm=torch.linalg.vector_norm(o.float(), dim=-1))
+                for j, row in enumerate(plan.masked):
+                    step.add_certificate(row.req_id, rel[j])
+                return self._importance(step, plan, query, kv_cache, output)
+            opts = estimate_options(cfg.kind)
+            for row in plan.masked:
+                k, v = gather_blocks(kv_cache, row.block_ids)
+                q = query[row.token : row.token + 1]  # (1, h_q, d)
+                shape = (1, k.shape[0], k.shape[1])
+                est = block_hajek_attention(q, k[None], v[None], row.pi.expand(shape), block_size=bs,
+                                            positions=row.positions.expand(shape), scale=self.scale, **opts)
+                output[row.token] = est.output[0].to(output.dtype)
+                stats = certificate_moments(est, cfg.kind)
+                _, _, rel = radius_from_statistics(cfg.kind, cfg.delta, **stats)
+                step.add_certificate(row.req_id, rel[0])
+        return self._importance(step, plan, query, kv_cache, output)
+
+    def _importance(self, step, plan, query, kv_cache, output):
+        for row in plan.importance:
+            nbt = -(-row.seq_len // kv_cache.shape[2])
+            k, _ = gather_blocks(kv_cache, row.all_block_ids[:nbt])
+            k = k[:, : row.seq_len]
+            w = min(step.config.observation_window, row.q_len)
+            q = query[row.q_end - w : row.q_end].permute(1, 0, 2)[None]  # (1, h_q, w, d)
+            u = snapkv_scores(q, k[None], scale=self.scale, kernel_size=1)
+            step.add_importance(row.req_id, u[0])
+        return output
+
+
+class CertifiedCPUAttentionBackend(CPUAttentionBackend):
+    """vLLM's CPU attention backend with :class:`CertifiedCPUAttentionImpl` (same name, same cache)."""
+
+    @staticmethod
+    def get_impl_cls():
+        return CertifiedCPUAttentionImpl
+
+
+def stock_scheduler_metadata(impl: CPUAttentionBackendImpl, seq_lens, query_start_loc, causal, isa, dtype):
+    """The C++ op's work partition for a sub-batch (as ``CPUAttentionMetadataBuilder.build`` computes it)."""
+    return ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=int(seq_lens.shape[0]), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
+        head_dim=impl.head_size, seq_lens=seq_lens, dtype=dtype, query_start_loc=query_start_loc, causal=causal,
+        sliding_window_size=-1, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
+        kv_cache_dtype=impl.kv_cache_dtype)

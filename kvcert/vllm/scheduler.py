@@ -1,0 +1,203 @@
+"""The plugin's scheduler: decides the block sample after a prompt, frees evicted blocks, reports.
+
+``CertifiedScheduler`` (engine argument ``scheduler_cls``) is vLLM's
+synchronous ``Scheduler`` plus three duties:
+
+1. **Decide.** The worker returns, on the step that processes the last chunk
+   of a prompt, the prompt's block importance (``ModelRunnerOutput``
+   attribute ``kvcert_importance``). The scheduler turns it into inclusion
+   probabilities pi_b (``kvcert.fast.block_inclusion_probabilities``, budget
+   ``(1 - compression_ratio) * n_blocks``) and draws the sample with the
+   counter-based stream ``kvcert.fast.block_sample(seed=seed, event=prompt_event(prompt))``
+   indexed by the block's position in the prompt (:func:`prompt_event` hashes
+   the prompt's token ids), so the same prompt and seed keep the same blocks
+   whatever the batch and call order.
+2. **Free.** Evicted blocks are swapped for vLLM's ``null_block`` in the
+   request's block table and returned to the pool (``BlockPool.free_blocks``),
+   as vLLM's ``RSWAManager._remove_blocks_in_range`` does for a skipped
+   range; other requests may then be given them while the owner still decodes.
+3. **Tell and report.** The decision rides to the worker on the next
+   ``SchedulerOutput`` (attribute ``kvcert``); the worker masks evicted
+   blocks and adds -log pi_b to the sampled kept ones. Per-token certificates
+   come back on ``ModelRunnerOutput.kvcert_certs`` and leave with the finished
+   request in ``RequestOutput.kv_transfer_params["kvcert"]``
+   (docs/serving.md, "The certificate channel").
+
+Preemption of a request whose blocks were evicted: vLLM recomputes it from its
+tokens, which restores the full cache; the worker is told to drop the mask
+(``clear``) and the request continues without eviction (certificate 0 for the
+tokens after the resumption, flagged ``preempted`` in the report).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import defaultdict
+
+import numpy as np
+import torch
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from kvcert.fast import block_inclusion_probabilities, block_sample
+
+from .config import KVCertConfig, check_vllm_config
+
+__all__ = ["CertifiedScheduler", "prompt_event"]
+
+
+def prompt_event(token_ids) -> int:
+    """The stream's event key of a prompt: the first 63 bits of BLAKE2b over its token ids (int64, little endian).
+
+    With the seed it keys the block stream, so a prompt keeps the same blocks
+    whatever the batch, the call order or the engine, and different prompts
+    draw independent streams.
+    """
+    data = np.asarray(list(token_ids or ()), dtype="<i8").tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+
+
+class CertifiedScheduler(Scheduler):
+    """vLLM's synchronous scheduler with block eviction after prefill (module docstring)."""
+
+    def __init__(self, vllm_config, kv_cache_config, *args, **kwargs):
+        check_vllm_config(vllm_config)
+        super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
+        self.kvcert = KVCertConfig.from_vllm_config(vllm_config) or KVCertConfig(compression_ratio=0.0)
+        groups = kv_cache_config.kv_cache_groups
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec or \
+                getattr(groups[0].kv_cache_spec, "sliding_window", None):
+            specs = [type(g.kv_cache_spec).__name__ for g in groups]
+            raise ValueError(f"kvcert.vllm cannot serve model {vllm_config.model_config.model!r}: its KV cache "
+                             f"groups {specs} are not one full-attention group (hybrid, sliding-window and "
+                             f"MLA models are unsupported)")
+        self._manager = self.kv_cache_manager.coordinator.single_type_managers[0]
+        self._bs = int(groups[0].kv_cache_spec.block_size)
+        self._pending: dict[str, dict] = {}  # decisions for the next SchedulerOutput
+        self._clear: set[str] = set()  # requests whose mask the worker must drop
+        self._records: dict[str, dict] = {}  # per evicted request: decision, certificates, pool counts
+        self._decided: set[str] = set()  # requests already decided (never twice)
+        self._freed_owner: dict[int, str] = {}  # freed block id -> former owner (while it runs)
+        self.kvcert_stats = defaultdict(int)
+
+    # ------------------------------------------------------------------ decide and free
+
+    def _decide(self, request, importance) -> None:
+        req_id = request.request_id
+        self._decided.add(req_id)
+        cfg = self.kvcert
+        n_prompt = request.num_prompt_tokens
+        nb = -(-n_prompt // self._bs)
+        ub = torch.as_tensor(np.asarray(importance, dtype=np.float64))
+        budget = cfg.budget(nb)
+        if budget is None or ub.shape != (nb,):
+            self.kvcert_stats["requests_not_evicted"] += 1
+            return
+        # block importance per block (already aggregated over layers and heads by the worker):
+        # the block design's solver on "blocks of one unit"
+        pi = block_inclusion_probabilities(ub[None], budget, block_size=1, sink_blocks=cfg.sink_blocks,
+                                           recent_blocks=cfg.recent_blocks, top_blocks=cfg.top_blocks,
+                                           floor=cfg.floor)[0]
+        keep = block_sample(pi, seed=cfg.seed, event=prompt_event(request.prompt_token_ids))
+        evicted = [int(j) for j in torch.nonzero(~keep).flatten()]
+        blocks = self._manager.req_to_blocks.get(req_id)
+        pool = self._manager.block_pool
+        free_before = pool.get_num_free_blocks()
+        freed = 0
+        if evicted and cfg.free_blocks and blocks is not None:
+            null = self._manager._null_block
+            out = []
+            for j in reversed(evicted):  # tail first, as _remove_blocks_in_range
+                blk = blocks[j]
+                if blk is null or blk.is_null:
+                    continue
+                out.append(blk)
+                blocks[j] = null
+                if cfg.track_reuse:
+                    self._freed_owner[blk.block_id] = req_id
+            if out:
+                pool.free_blocks(out)
+                freed = len(out)
+        free_after = pool.get_num_free_blocks()
+        log_pi = torch.where(keep, torch.log(pi), torch.full_like(pi, -math.inf))
+        self._pending[req_id] = {"n_prompt_tokens": n_prompt, "log_pi": log_pi.tolist()}
+        self._records[req_id] = {
+            "pi": pi.tolist(), "kept": [bool(k) for k in keep.tolist()], "evicted": evicted,
+            "blocks_freed": freed, "free_before": free_before, "free_after": free_after,
+            "certificates": [0.0] * request.num_output_tokens,  # tokens sampled from the full cache
+            "preempted": False,
+        }
+        self.kvcert_stats["requests_evicted"] += 1 if evicted else 0
+        self.kvcert_stats["requests_decided"] += 1
+        self.kvcert_stats["blocks_evicted"] += len(evicted)
+        self.kvcert_stats["blocks_freed"] += freed
+
+    def _check_reuse(self, scheduler_output) -> None:
+        if not self._freed_owner:
+            return
+        new = [(r.req_id, r.block_ids) for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        new += [(rid, ids) for rid, ids in zip(cached.req_ids, cached.new_block_ids) if ids]
+        for req_id, block_ids in new:
+            for group in block_ids:
+                for bid in group:
+                    owner = self._freed_owner.get(bid)
+                    if owner is not None and owner != req_id:
+                        owner_req = self.requests.get(owner)
+                        if owner_req is not None and not owner_req.is_finished():
+                            self.kvcert_stats["blocks_reused_while_owner_runs"] += 1
+                        del self._freed_owner[bid]
+
+    # ------------------------------------------------------------------ engine hooks
+
+    def schedule(self, *args, **kwargs):
+        out = super().schedule(*args, **kwargs)
+        if self.kvcert.track_reuse:
+            self._check_reuse(out)
+        out.kvcert = {"decisions": self._pending, "clear": sorted(self._clear), "stats": dict(self.kvcert_stats),
+                      "block_size": self._bs}
+        self._pending, self._clear = {}, set()
+        return out
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        certs = getattr(model_runner_output, "kvcert_certs", None) or {}
+        sampled = model_runner_output.sampled_token_ids
+        index = model_runner_output.req_id_to_index
+        for req_id, rec in self._records.items():  # before super(): a request may finish in it
+            i = index.get(req_id)
+            if i is not None and sampled and len(sampled[i]) > 0 and req_id in scheduler_output.num_scheduled_tokens:
+                rec["certificates"].extend([float(certs.get(req_id, 0.0))] * len(sampled[i]))
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        importance = getattr(model_runner_output, "kvcert_importance", None) or {}
+        for req_id, imp in importance.items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished() or req_id in self._decided:
+                continue
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                continue
+            self._decide(request, imp)
+        return outputs
+
+    def _preempt_request(self, request, *args, **kwargs):
+        req_id = request.request_id
+        if req_id in self._records and not self._records[req_id]["preempted"]:
+            # the recompute restores the full cache: drop the mask, no second eviction
+            self._records[req_id]["preempted"] = True
+            self._clear.add(req_id)
+            self._pending.pop(req_id, None)
+            self.kvcert_stats["evicted_requests_preempted"] += 1
+        return super()._preempt_request(request, *args, **kwargs)
+
+    def _free_request(self, request, *args, **kwargs):
+        kv_params, ec_params = super()._free_request(request, *args, **kwargs)
+        req_id = request.request_id
+        rec = self._records.pop(req_id, None)
+        self._decided.discard(req_id)
+        self._pending.pop(req_id, None)
+        if rec is not None:
+            kv_params = dict(kv_params or {})
+            kv_params["kvcert"] = rec
+            self._clear.add(req_id)
+        return kv_params, ec_params

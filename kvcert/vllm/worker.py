@@ -1,0 +1,273 @@
+"""The plugin's worker: holds the eviction decisions, runs each step with them, reports back.
+
+``CertifiedCPUWorker`` (engine argument ``worker_cls``) is vLLM's ``CPUWorker``
+plus a per-step context (:class:`Step`) that the attention backend reads:
+
+- before the step: the decisions that came on ``SchedulerOutput.kvcert``
+  (log pi_b per prompt block, -inf = evicted) become per-request states;
+  ``clear`` and finished requests drop theirs;
+- during the step (in the backend): rows with a state take the masked,
+  bias-corrected torch path and add their relative radii; rows that finish
+  their prompt add their SnapKV importance;
+- after the step: ``ModelRunnerOutput.kvcert_certs`` = {request: mean relative
+  radius over layers and query heads} and ``kvcert_importance`` =
+  {request: block importance (n_blocks,)} (``kvcert.fast.block_importance``
+  over the stacked (layer, KV head) scores, normalized per head, ``reduce``
+  over them), read by :class:`kvcert.vllm.scheduler.CertifiedScheduler`.
+
+The rows of a step are matched to requests through the model runner's
+``input_batch.req_ids`` (the order the attention metadata is built in).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from kvcert.fast import block_importance
+
+from . import backend as _backend
+from .config import KVCertConfig, check_vllm_config
+
+__all__ = ["CertifiedCPUWorker", "Step"]
+
+
+@dataclass
+class _Masked:
+    req_id: str
+    token: int  # index of the row's query token in the step's tokens
+    block_ids: torch.Tensor  # physical ids of the kept blocks (m,)
+    pi: torch.Tensor  # (1, 1, m * bs) pi_b per token, 0 past seq_len
+    positions: torch.Tensor  # (1, 1, m * bs) token positions, -1 past seq_len
+
+
+@dataclass
+class _Importance:
+    req_id: str
+    q_len: int
+    q_end: int
+    seq_len: int
+    all_block_ids: torch.Tensor
+
+
+@dataclass
+class _SubBatch:
+    token_index: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    scheduler_metadata: torch.Tensor
+
+
+@dataclass
+class _Plan:
+    masked: list = field(default_factory=list)
+    masked_tokens: torch.Tensor | None = None  # (E,) query token of each masked row
+    masked_block_ids: torch.Tensor | None = None  # (E, M) kept physical blocks, padded
+    masked_log_pi: torch.Tensor | None = None  # (E, M, bs) log pi per slot, -inf = padding / past the end
+    importance: list = field(default_factory=list)
+    stock_rows: list = field(default_factory=list)
+    metadata: object = None
+    _sub: _SubBatch | None = None
+
+    def stock_metadata(self, impl) -> _SubBatch:
+        if self._sub is None:
+            md = self.metadata
+            qsl = md.query_start_loc.tolist()
+            rows = self.stock_rows
+            tokens = torch.cat([torch.arange(qsl[r], qsl[r + 1]) for r in rows])
+            lens = torch.tensor([qsl[r + 1] - qsl[r] for r in rows], dtype=md.query_start_loc.dtype)
+            sub_qsl = torch.zeros(len(rows) + 1, dtype=md.query_start_loc.dtype)
+            sub_qsl[1:] = torch.cumsum(lens, 0)
+            idx = torch.tensor(rows)
+            seq = md.seq_lens.index_select(0, idx).contiguous()
+            table = md.block_table.index_select(0, idx).contiguous()
+            sched = _backend.stock_scheduler_metadata(impl, seq, sub_qsl, md.causal, "vec", _STEP_DTYPE[0])
+            self._sub = _SubBatch(tokens, sub_qsl, seq, table, sched)
+        return self._sub
+
+
+_STEP_DTYPE = [torch.float32]  # the model's dtype (set by the worker), for the C++ op's work partition
+
+
+class Step:
+    """What the attention backend needs during one step, and what it leaves for the scheduler."""
+
+    def __init__(self, worker: "CertifiedCPUWorker"):
+        self.worker = worker
+        self.config = worker.kvcert
+        self._plan: _Plan | None = None
+        self.cert_sum: dict[str, float] = {}
+        self.cert_n: dict[str, int] = {}
+        self.importance: dict[str, list] = {}
+
+    def plan(self, md, block_size: int) -> _Plan:
+        if self._plan is not None:
+            return self._plan
+        w = self.worker
+        plan = _Plan(metadata=md)
+        row_log_pi = []
+        qsl = md.query_start_loc.tolist()
+        seq_lens = md.seq_lens.tolist()
+        req_ids = w.model_runner.input_batch.req_ids
+        for r in range(len(seq_lens)):
+            rid = req_ids[r] if r < len(req_ids) else None
+            q_len = qsl[r + 1] - qsl[r]
+            if q_len <= 0:
+                continue
+            seq_len = seq_lens[r]
+            state = w.kvcert_states.get(rid) if rid is not None else None
+            if state is not None and q_len == 1:
+                nbt = -(-seq_len // block_size)
+                log_pi = state  # (nb_prompt,) float64, -inf = evicted
+                nbp = log_pi.shape[0]
+                full = torch.zeros(nbt, dtype=torch.float64)
+                full[: min(nbp, nbt)] = log_pi[: min(nbp, nbt)]
+                kept = torch.nonzero(full > float("-inf")).flatten()
+                ids = md.block_table[r, kept].to(torch.int64)
+                pos = (kept[:, None] * block_size + torch.arange(block_size)[None]).flatten()
+                pi = torch.exp(full[kept]).repeat_interleave(block_size)
+                inside = pos < seq_len
+                pi = torch.where(inside, pi, 0.0).to(torch.float32)
+                pos = torch.where(inside, pos, -1)
+                plan.masked.append(_Masked(rid, qsl[r], ids, pi[None, None], pos[None, None]))
+                row_log_pi.append(torch.where(inside, torch.log(pi.double()), float("-inf")).float()
+                                  .reshape(-1, block_size))
+            else:
+                if state is not None:
+                    raise RuntimeError(f"kvcert.vllm: request {rid} has evicted blocks and {q_len} query tokens "
+                                       f"in one step; only single-token decode steps are supported")
+                plan.stock_rows.append(r)
+                if (rid is not None and w.kvcert_prompt_len.get(rid) == seq_len and rid not in w.kvcert_states
+                        and self.config.budget(-(-seq_len // block_size)) is not None):  # else nothing to evict
+                    nbt = -(-seq_len // block_size)
+                    plan.importance.append(_Importance(rid, q_len, qsl[r + 1], seq_len,
+                                                       md.block_table[r, :nbt].to(torch.int64)))
+        if plan.masked:
+            E, M = len(plan.masked), max(len(m.block_ids) for m in plan.masked)
+            plan.masked_tokens = torch.tensor([m.token for m in plan.masked], dtype=torch.int64)
+            plan.masked_block_ids = torch.zeros(E, M, dtype=torch.int64)
+            plan.masked_log_pi = torch.full((E, M, block_size), float("-inf"))
+            for j, (m, lp) in enumerate(zip(plan.masked, row_log_pi)):
+                plan.masked_block_ids[j, : len(m.block_ids)] = m.block_ids
+                plan.masked_log_pi[j, : lp.shape[0]] = lp
+        self._plan = plan
+        return plan
+
+    def add_certificate(self, req_id: str, rel: torch.Tensor) -> None:
+        self.cert_sum[req_id] = self.cert_sum.get(req_id, 0.0) + float(rel.double().mean())
+        self.cert_n[req_id] = self.cert_n.get(req_id, 0) + 1
+
+    def add_importance(self, req_id: str, u: torch.Tensor) -> None:
+        self.importance.setdefault(req_id, []).append(u.detach().to(torch.float64))
+
+    def results(self, block_size: int) -> tuple[dict, dict]:
+        certs = {r: self.cert_sum[r] / self.cert_n[r] for r in self.cert_sum}
+        imp = {}
+        for r, us in self.importance.items():
+            u = torch.stack(us)[None]  # (1, layers, h_kv, n)
+            imp[r] = block_importance(u, block_size, reduce=self.config.reduce)[0].tolist()
+        return certs, imp
+
+
+class CertifiedCPUWorker(CPUWorker):
+    """vLLM's CPU worker with the kvcert step context (module docstring)."""
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        check_vllm_config(vllm_config)
+        super().__init__(vllm_config, *args, **kwargs)
+        self.kvcert = KVCertConfig.from_vllm_config(vllm_config) or KVCertConfig(compression_ratio=0.0)
+        self.kvcert_states: dict[str, torch.Tensor] = {}
+        self.kvcert_prompt_len: dict[str, int] = {}
+        self.kvcert_last_stats: dict = {}
+        self.kvcert_block_size = int(vllm_config.cache_config.block_size)
+        self._kvcert_pending: tuple[dict, dict] | None = None
+        _STEP_DTYPE[0] = vllm_config.model_config.dtype
+
+    def load_model(self, *args, **kwargs):
+        out = super().load_model(*args, **kwargs)
+        self._kvcert_check_layers()
+        return out
+
+    def _kvcert_check_layers(self) -> None:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        layers = get_layers_from_vllm_config(self.vllm_config, Attention)
+        model = self.vllm_config.model_config.model
+        for name, layer in layers.items():
+            impl = layer.impl
+            if not isinstance(impl, _backend.CertifiedCPUAttentionImpl):
+                raise ValueError(f"kvcert.vllm cannot serve model {model!r}: layer {name} uses "
+                                 f"{type(impl).__name__}, not the plugin's CPU attention (plugin not registered?)")
+            bad = [what for what, on in (("alibi", impl.alibi_slopes is not None),
+                                          ("sliding window", impl.sliding_window not in (-1, None)),
+                                          ("logits softcap", bool(impl.logits_soft_cap)),
+                                          ("attention sinks", impl.sinks is not None)) if on]
+            if bad:
+                raise ValueError(f"kvcert.vllm cannot serve model {model!r}: layer {name} uses {', '.join(bad)}")
+            isa = _get_attn_isa(self.vllm_config.model_config.dtype, self.kvcert_block_size, impl.head_size,
+                                self.vllm_config.cache_config.cache_dtype)
+            if isa != "vec":
+                raise ValueError(f"kvcert.vllm cannot serve dtype={self.vllm_config.model_config.dtype} with "
+                                 f"block_size={self.kvcert_block_size} here: the CPU cache layout would be "
+                                 f"{isa!r}, the torch fallback reads 'vec' (use dtype float32)")
+
+    # ------------------------------------------------------------------ the step
+
+    def _kvcert_before(self, scheduler_output) -> None:
+        for req in scheduler_output.scheduled_new_reqs:
+            if req.prompt_token_ids is not None:
+                self.kvcert_prompt_len[req.req_id] = len(req.prompt_token_ids)
+            else:
+                self.kvcert_prompt_len[req.req_id] = req.prompt_len
+        info = getattr(scheduler_output, "kvcert", None) or {}
+        for rid in info.get("clear", ()):
+            self.kvcert_states.pop(rid, None)
+        for rid, d in info.get("decisions", {}).items():
+            self.kvcert_states[rid] = torch.tensor(d["log_pi"], dtype=torch.float64)
+        if "stats" in info:
+            self.kvcert_last_stats = info["stats"]
+        for rid in scheduler_output.finished_req_ids:
+            self.kvcert_states.pop(rid, None)
+            self.kvcert_prompt_len.pop(rid, None)
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        self._kvcert_before(scheduler_output)
+        step = Step(self)
+        _backend.STEP.ctx = step
+        try:
+            out = super().execute_model(scheduler_output, *args, **kwargs)
+        finally:
+            _backend.STEP.ctx = None
+        self._kvcert_pending = step.results(self.kvcert_block_size)
+        if out is not None:
+            self._kvcert_attach(out)
+        return out
+
+    def _kvcert_attach(self, out) -> None:
+        if self._kvcert_pending is None:
+            return
+        certs, imp = self._kvcert_pending
+        self._kvcert_pending = None
+        try:
+            out.kvcert_certs = certs
+            out.kvcert_importance = imp
+        except AttributeError:  # an output type without a __dict__ (not expected with the sync scheduler)
+            raise RuntimeError("kvcert.vllm: cannot attach certificates to the model runner's output "
+                               f"({type(out).__name__}); is async scheduling on?") from None
+
+    def sample_tokens(self, *args, **kwargs):
+        out = super().sample_tokens(*args, **kwargs)
+        if out is not None:
+            self._kvcert_attach(out)
+        return out
+
+    # ------------------------------------------------------------------ RPC (LLM.collective_rpc)
+
+    def kvcert_stats(self) -> dict:
+        """The scheduler's counters as of the last step (blocks_freed, blocks_evicted, ...)."""
+        return dict(self.kvcert_last_stats)

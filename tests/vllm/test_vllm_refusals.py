@@ -1,0 +1,76 @@
+"""Configurations the plugin cannot serve fail at start-up, before any engine starts, naming the option."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from vllm_support import model_path, vllm_env
+
+for _k, _v in vllm_env().items():  # offline, caches in the work tree (this process builds engine configs)
+    if _k.startswith(("VLLM_", "HF_", "TRANSFORMERS_")):
+        os.environ.setdefault(_k, _v)
+
+from kvcert.vllm import KVCertConfig, certified_llm, engine_kwargs  # noqa: E402
+
+
+@pytest.mark.parametrize("kwargs, option", [
+    ({"enable_prefix_caching": True}, "enable_prefix_caching"),
+    ({"async_scheduling": True}, "async_scheduling"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
+     "speculative_config"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
+    ({"kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}}, "kv_transfer_config"),
+    ({"dtype": "bfloat16"}, "dtype"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+    ({"enforce_eager": False}, "enforce_eager"),
+    ({"scheduler_cls": "vllm.v1.core.sched.async_scheduler.AsyncScheduler"}, "scheduler_cls"),
+    ({"worker_cls": "vllm.v1.worker.cpu_worker.CPUWorker"}, "worker_cls"),
+])
+def test_refused_engine_options_name_the_option(kwargs, option):
+    with pytest.raises(ValueError, match=f"kvcert.vllm cannot serve {option}"):
+        certified_llm(model_path(), compression_ratio=0.5, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"compression_ratio": 1.0}, "compression_ratio"),
+    ({"compression_ratio": -0.1}, "compression_ratio"),
+    ({"seed": -1}, "seed"),
+    ({"kvcert": {"recent_blocks": 0}}, "recent_blocks"),
+    ({"kvcert": {"floor": 0.0}}, "floor"),
+    ({"kvcert": {"delta": 1.5}}, "delta"),
+    ({"kvcert": {"kind": "wald"}}, "kind"),
+    ({"kvcert": {"window": 3}}, "window"),
+])
+def test_bad_plugin_settings_are_refused(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        certified_llm(model_path(), **kwargs)
+
+
+def test_unsupported_model_is_refused(tmp_path):
+    # the default model's folder with a sliding-window Mistral config: refused on the resolved config
+    src = model_path()
+    folder = tmp_path / "swa-model"
+    shutil.copytree(src, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=64)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="kvcert.vllm cannot serve model .*sliding_window=64"):
+        certified_llm(str(folder), compression_ratio=0.5, max_model_len=256, block_size=32)
+
+
+def test_engine_kwargs_route_and_config_roundtrip():
+    kw = engine_kwargs(0.25, 7, kvcert={"top_blocks": 1}, max_model_len=256)
+    assert kw["scheduler_cls"] == "kvcert.vllm.scheduler.CertifiedScheduler"
+    assert kw["worker_cls"] == "kvcert.vllm.worker.CertifiedCPUWorker"
+    assert kw["enable_prefix_caching"] is False and kw["async_scheduling"] is False
+    assert kw["max_model_len"] == 256
+    cfg = KVCertConfig.from_dict(kw["additional_config"]["kvcert"])
+    assert cfg == KVCertConfig(compression_ratio=0.25, seed=7, top_blocks=1)
+    # budget: None when the certainty set fills it (short prompts are not evicted)
+    assert cfg.budget(3) is None and cfg.budget(10) == pytest.approx(7.5)
+    assert KVCertConfig(compression_ratio=0.0).budget(100) is None

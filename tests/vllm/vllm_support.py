@@ -1,0 +1,82 @@
+"""Shared helpers of the vLLM tests (not a test module): environment, prompts, engines in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = Path(__file__).with_name("vllm_driver.py")
+CACHE = ROOT / ".cache"
+
+#: small engines: 32-token blocks, short context, a few sequences
+BLOCK = 32
+ENGINE = {"max_model_len": 384, "block_size": BLOCK, "max_num_seqs": 4, "dtype": "float32",
+          "enforce_eager": True, "enable_prefix_caching": False}
+#: prompt lengths 32 k + 1: decoding up to MAX_TOKENS <= 31 tokens stays inside the last prompt block,
+#: so a running request never asks the pool for a new block (no preemption in the tests)
+PROMPT_BLOCKS = (6, 7, 8, 6, 7, 8, 9, 6)
+MAX_TOKENS = 12
+
+
+def vllm_env() -> dict:
+    """Environment of every engine process: offline, caches inside the work tree, a small KV pool."""
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_CACHE_ROOT=str(CACHE / "vllm"), VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+               TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+@lru_cache(maxsize=1)
+def model_path() -> str:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from kvcert.vllm import default_model_path
+
+    return default_model_path()
+
+
+@lru_cache(maxsize=1)
+def prompts() -> tuple[tuple[int, ...], ...]:
+    """Token-id prompts of exactly 32 k + 1 tokens (k in PROMPT_BLOCKS), from CPython's pydoc topics."""
+    from pydoc_data.topics import topics
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path())
+    keys = ("assert", "class", "for", "while", "if", "try", "with", "import")
+    out = []
+    for k, key in zip(PROMPT_BLOCKS, keys):
+        ids = tok(f"Read this and answer.\n{topics[key]}\n{topics['specialnames']}")["input_ids"]
+        n = BLOCK * k + 1
+        assert len(ids) >= n, (key, len(ids))
+        out.append(tuple(ids[:n]))
+    return tuple(out)
+
+
+def run_engine(*, plugin: bool, runs: list[dict], compression_ratio: float = 0.0, seed: int = 0,
+               kvcert: dict | None = None, timeout: float = 420.0, **llm_kwargs) -> dict:
+    """Start one engine in a fresh process (the stock one without any plugin), generate, return the JSON."""
+    kw = dict(ENGINE)
+    kw.update(llm_kwargs)
+    if plugin:
+        for name in ("enable_prefix_caching",):
+            kw.pop(name, None)
+    spec = {"plugin": plugin, "model": model_path(), "compression_ratio": compression_ratio, "seed": seed,
+            "kvcert": kvcert or {}, "llm_kwargs": kw, "prompts": [list(p) for p in prompts()], "runs": runs}
+    env = vllm_env()
+    if not plugin:
+        env["VLLM_PLUGINS"] = ""  # no general plugin at all: the stock engine
+    with tempfile.TemporaryDirectory(dir=str(CACHE)) as tmp:
+        sp, op = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        sp.write_text(json.dumps(spec))
+        proc = subprocess.run([sys.executable, str(DRIVER), str(sp), str(op)], env=env, cwd=str(ROOT),
+                              capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0 or not op.exists():
+            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
+            raise RuntimeError(f"engine process failed (rc {proc.returncode}):\n{tail}")
+        return json.loads(op.read_text())
