@@ -95,19 +95,22 @@ def _layer_importance(name, queries, keys, values, L, scale, seed):
     return u[0].double().numpy()
 
 
-def _estimates(q, k, v, pi, qpos, scale, kinds_need):
+def _estimates(q, k, v, pi, qpos, scale, kinds_need, *, block_size: int | None = None):
     """fast.hajek_attention over M draws: q (g, Q, d), k/v (n, d), pi (M, n) (0 = not sampled).
 
     Each draw's sample is first packed (``kvcert.fast.compact``), as a serving
-    cache would hold it, so the cost scales with the kept count, not n.
+    cache would hold it, so the cost scales with the kept count, not n. With
+    ``block_size`` the sample is a block sample and ``fast.block_hajek_attention``
+    gives the cluster-sampling variance (Table 2d).
     """
     M, n = pi.shape
     positions = torch.arange(n).expand(M, 1, n)
     cc = F.compact(pi[:, None, :] > 0, k.expand(M, 1, *k.shape), v.expand(M, 1, *v.shape),
                    pi[:, None, :], positions)
-    return F.hajek_attention(
-        q.expand(M, *q.shape), cc.keys, cc.values, cc.pi, positions=cc.positions,
-        scale=scale, query_positions=qpos, **F.estimate_options(kinds_need))
+    kw = dict(positions=cc.positions, scale=scale, query_positions=qpos, **F.estimate_options(kinds_need))
+    if block_size is not None:
+        return F.block_hajek_attention(q.expand(M, *q.shape), cc.keys, cc.values, cc.pi, block_size=block_size, **kw)
+    return F.hajek_attention(q.expand(M, *q.shape), cc.keys, cc.values, cc.pi, **kw)
 
 
 def run(cfg: Config, captured) -> tuple[Table, Table, dict]:

@@ -112,19 +112,11 @@ def run(cfg: Config, captured, *, designs=None, draws: int | None = None) -> Tab
             if bs is None:  # Table 2's token design, its own draws
                 pi = torch.from_numpy(press_pi(paper_press(fraction), importance[layer, h].numpy())).float()
                 keep = torch.from_numpy(rng.random((setup.draws, L))) < pi
-                pis = torch.cat([torch.where(keep, pi, 0.0), torch.ones(setup.draws, Fut)], dim=1)
-                est = _estimates(q, k, v, pis, qpos, scale, (KIND,))
             else:
                 pi = F.expand_blocks(pib.float(), bs, L)
                 keep = F.block_keep(keep_b, bs, L)
-                pis = torch.cat([torch.where(keep, pi, 0.0), torch.ones(setup.draws, Fut)], dim=1)
-                M = setup.draws
-                pos = torch.arange(T).expand(M, 1, T)
-                cc = F.compact(pis[:, None] > 0, k.expand(M, 1, *k.shape), v.expand(M, 1, *v.shape),
-                               pis[:, None], pos)
-                est = F.block_hajek_attention(q.expand(M, *q.shape), cc.keys, cc.values, cc.pi,
-                                              positions=cc.positions, block_size=bs, scale=scale,
-                                              query_positions=qpos, per_coordinate=False)
+            pis = torch.cat([torch.where(keep, pi, 0.0), torch.ones(setup.draws, Fut)], dim=1)
+            est = _estimates(q, k, v, pis, qpos, scale, (KIND,), block_size=bs)
             err = (est.output - exact).norm(dim=-1)                                # (M, g, Q)
             certs = {d: F.certificate(est, delta=d, kind=KIND).radius for d in cfg.deltas}
             for j in range(g):
