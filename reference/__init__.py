@@ -51,6 +51,8 @@ from .design import (
     poisson_sample,
 )
 from .sketch import (
+    ClusterDesign,
+    CodeDesign,
     EvictionResult,
     PageSketch,
     SketchDesign,
@@ -84,5 +86,5 @@ __all__ = [
     "Estimate", "attention", "hajek_attention", "horvitz_thompson_totals",
     "linearized_variance", "linearized_variance_ht", "scores",
     "EvictionResult", "PageSketch", "SketchDesign", "evict_and_certify", "memory_fraction", "page_score_bounds",
-    "page_sketch", "sketch_budget", "variance_bound",
+    "page_sketch", "sketch_budget", "variance_bound", "ClusterDesign", "CodeDesign",
 ]
