@@ -79,6 +79,48 @@ def _tile(q, k_base, v_base, p_base, offs_n, nmask, offs_d, dmask, offs_v, vmask
 
 
 @triton.jit
+def _online_step(m, logits):
+    """Online-softmax step over one tile: m' = max(m, max_i l_i), alpha = e^{m - m'}, p_i = e^{l_i - m'}
+    (a row still all -inf uses m' = 0 for the exponents, so no -inf - -inf is evaluated)."""
+    m_new = tl.maximum(m, tl.max(logits, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: avoid -inf - -inf
+    alpha = tl.exp(m - m_use)
+    p = tl.exp(logits - m_use[:, None])
+    return m_new, alpha, p
+
+
+@triton.jit
+def _chan_merge(W_a, mean_a, M2_a, W_b, mean_b, M2_b):
+    """Chan's pairwise merge of two weighted (W, mean, M2) states whose W and M2 are already rescaled to
+    the common max: W = W_a + W_b, mean = mean_a + delta W_b / W, M2 = M2_a + M2_b + delta^2 W_a W_b / W."""
+    W_n = W_a + W_b
+    ratio = W_b / tl.where(W_n > 0.0, W_n, 1.0)
+    delta = mean_b - mean_a
+    mean = mean_a + delta * ratio[:, None]
+    M2 = M2_a + M2_b + delta * delta * (W_a * ratio)[:, None]
+    return W_n, mean, M2
+
+
+@triton.jit
+def _store_split(PartS, PartV, base, smask, offs_v, m, l, l_o, acc, W, mean, M2, Q2,
+                 DV_PAD: tl.constexpr, CERTIFY: tl.constexpr, ROUND_P: tl.constexpr):
+    """One split's state to the float32 workspace read by ``_hajek_merge_kernel``:
+    PartS[base] = (m, l, W, Q2, l_o), PartV[base] = (acc, mean, M2)."""
+    tl.store(PartS + base * 5 + 0, m, mask=smask)
+    tl.store(PartS + base * 5 + 1, l, mask=smask)
+    tl.store(PartS + base * 5 + 2, W, mask=smask)
+    tl.store(PartS + base * 5 + 3, Q2, mask=smask)
+    if ROUND_P:
+        tl.store(PartS + base * 5 + 4, l_o, mask=smask)
+    vptr = PartV + (base * 3)[:, None] * DV_PAD + offs_v[None, :]
+    pmask = smask[:, None]
+    tl.store(vptr, acc, mask=pmask)
+    if CERTIFY:
+        tl.store(vptr + DV_PAD, mean, mask=pmask)
+        tl.store(vptr + 2 * DV_PAD, M2, mask=pmask)
+
+
+@triton.jit
 def _finalize(rows, rmask, offs_v, vmask, m, l, l_o, acc, W, mean, M2, Q2,
               Out, Lse, Var, Tr, Neff, DV,
               CERTIFY: tl.constexpr, PER_COORD: tl.constexpr):
@@ -161,10 +203,7 @@ def _hajek_decode_kernel(
                                               vmask, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn,
                                               scale, LOG_PI, DOT_F32)
 
-        m_new = tl.maximum(m, tl.max(logits, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: avoid -inf - -inf
-        alpha = tl.exp(m - m_use)
-        p = tl.exp(logits - m_use[:, None])
+        m_new, alpha, p = _online_step(m, logits)
         l = l * alpha + tl.sum(p, axis=1)
         p_lo = p.to(v.dtype)  # the P V product runs at the input precision (tensor cores)
         if ROUND_P:
@@ -214,30 +253,12 @@ def _hajek_decode_kernel(
                 t_mean = mu[None, :] + d1
                 t_M2 = tl.maximum(S2 - S1 * d1, 0.0)
             # Chan's pairwise merge of (W, mean, M2) with the tile's moments
-            W_a = W * a2
-            W_n = W_a + t_W
-            ratio = t_W / tl.where(W_n > 0.0, W_n, 1.0)
-            delta = t_mean - mean
-            mean = mean + delta * ratio[:, None]
-            M2 = M2 * a2[:, None] + t_M2 + delta * delta * (W_a * ratio)[:, None]
-            W = W_n
+            W, mean, M2 = _chan_merge(W * a2, mean, M2 * a2[:, None], t_W, t_mean, t_M2)
         m = m_new
 
     if SPLIT:
-        smask = rmask
-        base = sid * BH + rows
-        tl.store(PartS + base * 5 + 0, m, mask=smask)
-        tl.store(PartS + base * 5 + 1, l, mask=smask)
-        tl.store(PartS + base * 5 + 2, W, mask=smask)
-        tl.store(PartS + base * 5 + 3, Q2, mask=smask)
-        if ROUND_P:
-            tl.store(PartS + base * 5 + 4, l_o, mask=smask)
-        vptr = PartV + (base * 3)[:, None] * DV_PAD + offs_v[None, :]
-        pmask = smask[:, None]
-        tl.store(vptr, acc, mask=pmask)
-        if CERTIFY:
-            tl.store(vptr + DV_PAD, mean, mask=pmask)
-            tl.store(vptr + 2 * DV_PAD, M2, mask=pmask)
+        _store_split(PartS, PartV, sid * BH + rows, rmask, offs_v, m, l, l_o, acc, W, mean, M2, Q2,
+                     DV_PAD, CERTIFY, ROUND_P)
     else:
         if not ROUND_P:
             l_o = l
@@ -286,14 +307,7 @@ def _hajek_merge_kernel(
             M2_s = tl.load(vptr + 2 * DV_PAD, mask=rmask[:, None], other=0.0)
             a2 = alpha * alpha
             b2 = beta * beta
-            W_a = W * a2
-            W_b = W_s * b2
-            W_n = W_a + W_b
-            ratio = W_b / tl.where(W_n > 0.0, W_n, 1.0)
-            delta = mean_s - mean
-            mean = mean + delta * ratio[:, None]
-            M2 = M2 * a2[:, None] + M2_s * b2[:, None] + delta * delta * (W_a * ratio)[:, None]
-            W = W_n
+            W, mean, M2 = _chan_merge(W * a2, mean, M2 * a2[:, None], W_s * b2, mean_s, M2_s * b2[:, None])
             Q2 = Q2 * a2 + Q2_s * b2
         m = m_new
     if not ROUND_P:

@@ -1,0 +1,434 @@
+"""Paged Hajek decode attention: the block design read straight from a paged K/V cache.
+
+One query token per sequence (decode). The kernel walks the sequence's block
+table, skips every evicted block (log pi_b = -inf) without touching its memory,
+adds the offset -log pi_b to every logit of a kept block, and returns in the same
+pass the Hajek output, the log-normalizer and the cluster-sampling variance of
+DESIGN.md section 7 (docs/theory_blocks.md):
+
+    trace = sum_{b in S} (1 - pi_b) || sum_{i in b} a_i (v_i - o_hat) ||^2.
+
+Layout targeted: vLLM 0.32's FlashAttention-style CUDA cache. vLLM allocates
+``kv_cache`` as (num_blocks, h_kv, block_size, 2 d) and its FlashAttention
+backend reads it as ``key_cache, value_cache = kv_cache.transpose(1, 2).split(d, -1)``:
+two (num_blocks, block_size, h_kv, d) views with arbitrary strides, which is
+what this kernel takes (any strides). The block table is (num_seqs, max_blocks)
+int32 of physical block ids, logical block j holding tokens j * block_size ...
+(j + 1) * block_size - 1 of the sequence.
+
+Each kept block is streamed in sub-tiles of ``block_t`` tokens (the whole
+block up to 64 tokens). Its unnormalized weights p_i (relative to the running
+max) give A_b = sum p_i and S_b = sum p_i v_i (the P V product the output
+needs anyway); the certificate state is the weighted mean and centred
+second moment of the block means S_b / A_b under the weights (1 - pi_b) A_b^2,
+merged block by block (and split by split, by the same merge kernel as
+:mod:`kvcert.kernels.hajek`) with Chan's formula; docs/gpu.md derives it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcert.fast.types import Estimate
+
+from .hajek import (
+    _MAX_ROWS,
+    INTERPRETED,
+    SUPPORTED_DTYPES,
+    _chan_merge,
+    _finalize,
+    _hajek_merge_kernel,
+    _neg_expm1,
+    _online_step,
+    _pow2,
+    _store_split,
+    _tile,
+    default_config,
+)
+
+__all__ = ["paged_hajek_attention", "kv_cache_views", "default_block_t"]
+
+
+@triton.jit
+def _paged_decode_kernel(
+    Q, KC, VC, BT, SL, LP, Out, Lse, Var, Tr, Neff, PartS, PartV,
+    stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_bs, stride_bm, stride_ls, stride_lm,
+    H_KV, H_Q, CHUNK_B, BH, scale,
+    BS: tl.constexpr, BS_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    G: tl.constexpr, G_BLOCK: tl.constexpr, N_RB: tl.constexpr, R_PAD: tl.constexpr,
+    CERTIFY: tl.constexpr, PER_COORD: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+    ROUND_P: tl.constexpr,
+):
+    """One (sequence, KV head, query-head block, split of the block table): online softmax of
+    tau q.k_i - log pi_b over the kept blocks, and the Chan-merged (1 - pi_b) A_b^2 weighted
+    mean / second moment of the block means m_b = S_b / A_b."""
+    pid = tl.program_id(0)
+    sid = tl.program_id(1)
+    rb = pid % N_RB
+    bk = pid // N_RB
+    kvh = (bk % H_KV).to(tl.int64)
+    si = (bk // H_KV).to(tl.int64)
+
+    r = tl.arange(0, R_PAD)
+    g_idx = rb * G_BLOCK + r
+    rmask = (r < G_BLOCK) & (g_idx < G)
+    head = kvh * G + g_idx
+    rows = si * H_Q + head
+    offs_d = tl.arange(0, D_PAD)
+    offs_v = tl.arange(0, DV_PAD)
+    dmask = offs_d < D
+    vmask = offs_v < DV
+
+    q = tl.load(Q + si * stride_qs + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m = tl.full([R_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([R_PAD], tl.float32)
+    l_o = tl.zeros([R_PAD], tl.float32)
+    acc = tl.zeros([R_PAD, DV_PAD], tl.float32)
+    W = tl.zeros([R_PAD], tl.float32)
+    mean = tl.zeros([R_PAD, DV_PAD], tl.float32)
+    M2 = tl.zeros([R_PAD, DV_PAD], tl.float32)
+    Q2 = tl.zeros([R_PAD], tl.float32)
+
+    seq_len = tl.load(SL + si).to(tl.int64)
+    n_blk = (seq_len + BS - 1) // BS
+    j0 = sid * CHUNK_B
+    j1 = tl.minimum(j0 + CHUNK_B, n_blk)
+    for j in range(j0, j1):
+        lp_ptr = LP + si * stride_ls + j * stride_lm
+        log_pi = tl.load(lp_ptr)
+        if log_pi > float("-inf"):  # evicted blocks: neither the id nor the memory is read
+            phys = tl.load(BT + si * stride_bs + j * stride_bm).to(tl.int64)
+            k_blk = KC + phys * stride_kb + kvh * stride_kh
+            v_blk = VC + phys * stride_vb + kvh * stride_vh
+            omp = _neg_expm1(log_pi)  # 1 - pi_b
+            A_b = tl.zeros([R_PAD], tl.float32)  # sum_{i in b} p_i   (rescaled with the running max)
+            S_b = tl.zeros([R_PAD, DV_PAD], tl.float32)  # sum_{i in b} p_i v_i
+            Q_b = tl.zeros([R_PAD], tl.float32)  # sum_{i in b} p_i^2 (n_eff of a certain block)
+            for t0 in range(0, BS_PAD, BLOCK_T):  # the block in sub-tiles of BLOCK_T tokens (not unrolled)
+                offs_t = t0 + tl.arange(0, BLOCK_T)
+                nmask = (offs_t < BS) & (j * BS + offs_t < seq_len)
+                # the block's log pi broadcast to its tokens (stride 0); -inf past the sequence end
+                v, logits, _, _ = _tile(q, k_blk, v_blk, lp_ptr, offs_t, nmask, offs_d, dmask, offs_v, vmask,
+                                        stride_kt, stride_kd, stride_vt, stride_vd, 0, scale, True, DOT_F32)
+                m_new, alpha, p = _online_step(m, logits)
+                l = l * alpha + tl.sum(p, axis=1)
+                p_lo = p.to(v.dtype)
+                if ROUND_P:
+                    A_t = tl.sum(p_lo.to(tl.float32), axis=1)  # the normalizer of the rounded p that form S_b
+                    l_o = l_o * alpha + A_t
+                else:
+                    A_t = tl.sum(p, axis=1)
+                if DOT_F32:
+                    pv = tl.dot(p_lo.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+                else:
+                    pv = tl.dot(p_lo, v)
+                acc = acc * alpha[:, None] + pv
+                if CERTIFY:
+                    a2 = alpha * alpha  # the state is quadratic in p: rescale by e^{2 dm}
+                    A_b = A_b * alpha + A_t
+                    S_b = S_b * alpha[:, None] + pv
+                    Q_b = Q_b * a2 + tl.sum(p * p, axis=1)
+                    W = W * a2
+                    M2 = M2 * a2[:, None]
+                    Q2 = Q2 * a2
+                m = m_new
+            if CERTIFY:
+                # Kish's n_eff counts a sampled block as one unit, a certain block's tokens one by one
+                Q2 = Q2 + tl.where(omp > 0.0, A_b * A_b, Q_b)
+                t_mean = S_b / tl.where(A_b > 0.0, A_b, 1.0)[:, None]  # block mean m_b; one point: M2_b = 0
+                W, mean, M2 = _chan_merge(W, mean, M2, omp * A_b * A_b, t_mean, 0.0)
+
+    if SPLIT:
+        _store_split(PartS, PartV, sid * BH + rows, rmask, offs_v, m, l, l_o, acc, W, mean, M2, Q2,
+                     DV_PAD, CERTIFY, ROUND_P)
+    else:
+        if not ROUND_P:
+            l_o = l
+        _finalize(rows, rmask, offs_v, vmask, m, l, l_o, acc, W, mean, M2, Q2,
+                  Out, Lse, Var, Tr, Neff, DV, CERTIFY, PER_COORD)
+
+
+def default_block_t(block_size: int, d: int, dtype: torch.dtype) -> int:
+    """Sub-tile of a block: the whole block up to 64 tokens for float16/bfloat16 with d <= 128, up to 32
+    otherwise (the contiguous kernel's ``default_config`` tiles; from sm_90 ptxas counts only: whole
+    128-token blocks spill registers at d = 128, docs/gpu.md)."""
+    cap = 64 if (d <= 128 and dtype != torch.float32) else 32
+    return min(max(16, _pow2(block_size)), cap)
+
+
+def kv_cache_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM 0.32's FlashAttention cache (num_blocks, h_kv, block_size, 2 d) -> the (num_blocks,
+    block_size, h_kv, d) key and value views the kernel reads (no copy; what
+    ``FlashAttentionImpl.forward`` does: ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``)."""
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
+        raise ValueError(f"kv_cache must have shape (num_blocks, h_kv, block_size, 2 * head_size) with "
+                         f"head_size = {head_size}, got {tuple(kv_cache.shape)}")
+    k, v = kv_cache.transpose(1, 2).split(head_size, dim=-1)
+    return k, v
+
+
+def _check(q, key_cache, value_cache, block_table, seq_lens, log_pi_blocks, scale, validate):
+    for name, x in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache),
+                    ("block_table", block_table), ("seq_lens", seq_lens), ("log_pi_blocks", log_pi_blocks)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if q.dim() != 3:
+        raise ValueError(f"q must have shape (num_seqs, h_q, d) (one decode token per sequence), "
+                         f"got {tuple(q.shape)}")
+    if key_cache.dim() != 4 or value_cache.dim() != 4:
+        raise ValueError(f"key_cache and value_cache must have shape (num_blocks, block_size, h_kv, d), got "
+                         f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+    S, h_q, d = q.shape
+    nb, bs, h_kv, dk = key_cache.shape
+    if dk != d:
+        raise ValueError(f"key_cache must have head size d = {d} (q's last dim), got {dk}")
+    if tuple(value_cache.shape[:3]) != (nb, bs, h_kv):
+        raise ValueError(f"value_cache must have shape (num_blocks, block_size, h_kv, dv) = ({nb}, {bs}, {h_kv}, dv), "
+                         f"got {tuple(value_cache.shape)}")
+    if h_kv == 0 or h_q % h_kv:
+        raise ValueError(f"h_q = {h_q} must be a positive multiple of h_kv = {h_kv} (GQA)")
+    if block_table.dim() != 2 or block_table.shape[0] != S or block_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_table must be an int32 tensor of shape (num_seqs, max_blocks) = ({S}, M), got "
+                         f"{block_table.dtype} of shape {tuple(block_table.shape)}")
+    M = block_table.shape[1]
+    if tuple(seq_lens.shape) != (S,) or seq_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"seq_lens must be an int32 tensor of shape (num_seqs,) = ({S},), got "
+                         f"{seq_lens.dtype} of shape {tuple(seq_lens.shape)}")
+    if tuple(log_pi_blocks.shape) != (S, M) or log_pi_blocks.dtype != torch.float32:
+        raise ValueError(f"log_pi_blocks must be a float32 tensor of shape (num_seqs, max_blocks) = ({S}, {M}), "
+                         f"got {log_pi_blocks.dtype} of shape {tuple(log_pi_blocks.shape)}")
+    for name, x in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must have dtype float16, bfloat16 or float32, got {x.dtype}")
+    if not (q.dtype == key_cache.dtype == value_cache.dtype):
+        raise TypeError(f"q, key_cache and value_cache must share one dtype, got {q.dtype}, {key_cache.dtype}, "
+                        f"{value_cache.dtype}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0.0 < float(scale) < math.inf):
+        raise ValueError(f"scale must be a finite positive float, got {scale!r}")
+    if validate and S:
+        if not bool(torch.isfinite(q).all()):
+            raise ValueError("q must be finite (found NaN or inf)")
+        lens = seq_lens.to(torch.int64)
+        if bool((lens < 0).any()) or bool((lens > M * bs).any()):
+            raise ValueError(f"seq_lens must lie in [0, max_blocks * block_size] = [0, {M * bs}], "
+                             f"got {lens.tolist()}")
+        used = torch.arange(M, device=lens.device)[None, :] < -(-lens // bs)[:, None]
+        lp = log_pi_blocks
+        if bool(torch.isnan(lp).any()) or bool((lp > 0).any()):
+            raise ValueError("log_pi_blocks must lie in [-inf, 0] (-inf = evicted, 0 = certain), found NaN or > 0")
+        kept = used & (lp > float("-inf"))
+        ids = block_table.to(torch.int64)
+        if bool((kept & ((ids < 0) | (ids >= nb))).any()):
+            raise ValueError(f"block_table must hold physical block ids in [0, num_blocks) = [0, {nb}) on every "
+                             f"kept block")
+    return float(scale)
+
+
+def paged_hajek_attention(q, key_cache, value_cache, block_table, seq_lens, log_pi_blocks, *, scale=None,
+                          per_coordinate=False, certify=True, num_splits=None, max_seq_len=None, block_t=None,
+                          num_warps=None, num_stages=None, validate=True) -> Estimate:
+    r"""Hajek decode attention over the kept blocks of a paged cache, and its cluster-sampling variance.
+
+    .. math::
+
+        \ell_i = \tau\, q\cdot k_i - \log\pi_{b(i)}, \qquad
+        \hat o = \sum_{i\in S} a_i v_i, \quad a_i = e^{\ell_i} / \textstyle\sum_{j\in S} e^{\ell_j},
+        \qquad \log\hat Z = \log \textstyle\sum_{i\in S} e^{\ell_i},
+
+        \hat\Sigma = \sum_{b\in S} (1-\pi_b)\, z_b z_b^\top, \quad
+        z_b = \sum_{i\in b} a_i (v_i - \hat o) = A_b (\bar v_b - \hat o), \quad
+        A_b = \sum_{i\in b} a_i, \ \bar v_b = \sum_{i\in b} a_i v_i / A_b,
+
+    S = the kept blocks (log pi_b > -inf) within ``seq_lens``. The trace is
+    accumulated as :math:`\sum_b w_b \lVert\bar v_b - \hat o\rVert^2 = M_2 + W\lVert\bar w - \hat o\rVert^2`
+    with :math:`w_b = (1-\pi_b) A_b^2`, :math:`W = \sum w_b`, :math:`\bar w = \sum w_b \bar v_b / W`,
+    :math:`M_2 = \sum w_b (\bar v_b - \bar w)^2` (Chan's merge, docs/gpu.md).
+
+    Parameters
+    ----------
+    q : (num_seqs, h_q, d), float16, bfloat16 or float32
+        One decode query per sequence.
+    key_cache, value_cache : (num_blocks, block_size, h_kv, d | dv), q's dtype, any strides
+        vLLM's FlashAttention layout (:func:`kv_cache_views` makes them from
+        vLLM's ``kv_cache`` tensor). h_q = g * h_kv (GQA).
+    block_table : (num_seqs, max_blocks) int32 (or int64)
+        Physical block id of each logical block. Entries of evicted blocks
+        and past ``seq_lens`` are never read (they may be stale);
+        ``seq_lens <= max_blocks * block_size`` (checked with ``validate``).
+    seq_lens : (num_seqs,) int32 (or int64)
+        Tokens per sequence (the current decode token included); the last
+        block may be partial; 0 = empty.
+    log_pi_blocks : (num_seqs, max_blocks) float32
+        log pi_b per logical block: 0 = certain (pi = 1: attended, no variance),
+        -inf = evicted (masked; its memory is never read).
+    scale : float, default 1/sqrt(d)
+    per_coordinate : bool, default False
+        Also return diag(Sigma_hat) (b, h_q, dv); the trace is always returned.
+    certify : bool, default True
+        False skips the variance state (a benchmarking baseline).
+    num_splits : int, optional
+        Split the block table into this many chunks (flash decoding), merged
+        by :mod:`kvcert.kernels.hajek`'s merge kernel. Default: about two
+        waves of the GPU with >= 4 blocks per split (1 on the interpreter).
+    max_seq_len : int, optional
+        Upper bound of ``seq_lens`` for sizing the splits (default
+        ``seq_lens.max()``, which synchronizes with the device). It must
+        bound every ``seq_lens`` entry (checked with ``validate``): blocks
+        past it would not be visited.
+    block_t : int, optional
+        Tokens per sub-tile (power of two >= 16): a block larger than this is
+        streamed in sub-tiles (A_b, S_b rescaled with the running max like
+        the output) so that a 128-token block does not need a 128 x d tile
+        in registers. Default :func:`default_block_t`.
+    num_warps, num_stages : int, optional
+        Triton launch parameters (ignored by the interpreter).
+    validate : bool, default True
+        Check q finite, ``log_pi_blocks`` in [-inf, 0], ``seq_lens`` within
+        the table and kept block ids within the cache (device syncs; pass
+        False in timed or graph-captured loops).
+
+    Returns
+    -------
+    kvcert.fast.types.Estimate
+        ``output`` (num_seqs, h_q, dv) in the input dtype; ``lse``, ``trace``,
+        ``n_eff`` (num_seqs, h_q) float32 (n_eff = 1 / sum of squared unit
+        weights: a sampled block is one unit, a certain block's tokens count
+        one by one, as in :func:`kvcert.fast.block_hajek_attention`);
+        ``variance`` (num_seqs, h_q, dv) float32 or None; ``weights``,
+        ``max_term``, ``tail_moment`` None.
+
+    Notes
+    -----
+    - Every pi = 1 (log pi 0 everywhere): exact paged attention, trace 0.
+    - Empty sequences (seq_len 0 or every block evicted): output 0, lse -inf,
+      trace and variance +inf, n_eff 0, as in kvcert.fast.
+    - Slots of a kept block past ``seq_len`` get weight 0 and are masked in
+      the load (never read); values in kept slots must be finite.
+    - float32 accumulation; for half inputs p is rounded to the input dtype
+      for the P V product and A_b, l_o are sums of the rounded p, as in
+      :func:`kvcert.kernels.hajek_attention`.
+    """
+    scale = _check(q, key_cache, value_cache, block_table, seq_lens, log_pi_blocks, scale, validate)
+    if not INTERPRETED and not q.is_cuda:
+        raise ValueError(f"q is on {q.device}: the Triton kernel needs CUDA tensors, or TRITON_INTERPRET=1 set "
+                         "before kvcert.kernels is imported (CPU interpreter)")
+    S, h_q, d = q.shape
+    nb, bs, h_kv, _ = key_cache.shape
+    dv = value_cache.shape[-1]
+    g = h_q // h_kv
+    M = block_table.shape[1]
+    g_block = min(g, _MAX_ROWS)
+    n_rb = math.ceil(g / g_block)
+    r_pad = max(16, _pow2(g_block))
+    programs = S * h_kv * n_rb
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max()) if S else 0
+    elif validate and S and int(seq_lens.max()) > int(max_seq_len):
+        raise ValueError(f"max_seq_len = {max_seq_len} is below the longest sequence ({int(seq_lens.max())})")
+    n_blk = max(1, min(M, -(-int(max_seq_len) // bs)))
+    cfg = default_config(n_blk * bs, d, programs, q.device, bs, value_cache.dtype)
+    if num_splits is not None:
+        if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+            raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+        cfg["num_splits"] = num_splits
+    chunk_b = max(1, math.ceil(n_blk / cfg["num_splits"]))
+    splits = max(1, math.ceil(n_blk / chunk_b))
+
+    bs_pad = max(16, _pow2(bs))
+    if block_t is None:
+        block_t = default_block_t(bs, d, value_cache.dtype)
+    if isinstance(block_t, bool) or not isinstance(block_t, int) or block_t < 16 or block_t & (block_t - 1):
+        raise ValueError(f"block_t must be a power of two >= 16, got {block_t!r}")
+    bt = min(block_t, bs_pad)
+
+    dev = q.device
+    out = torch.empty((S, h_q, dv), device=dev, dtype=value_cache.dtype)
+    lse = torch.empty((S, h_q), device=dev, dtype=torch.float32)
+    var = torch.empty((S, h_q, dv), device=dev, dtype=torch.float32) if certify and per_coordinate else None
+    trace = torch.empty((S, h_q), device=dev, dtype=torch.float32) if certify else None
+    neff = torch.empty((S, h_q), device=dev, dtype=torch.float32) if certify else None
+    dummy = lse
+    dv_pad = max(16, _pow2(dv))
+    d_pad = max(16, _pow2(d))
+    bh = S * h_q
+    split = splits > 1
+    if split:
+        part_s = torch.empty((splits, bh, 5), device=dev, dtype=torch.float32)
+        part_v = torch.empty((splits, bh, 3, dv_pad), device=dev, dtype=torch.float32)
+    else:
+        part_s = part_v = dummy
+    dot_f32 = value_cache.dtype == torch.float32 or INTERPRETED
+    round_p = value_cache.dtype != torch.float32
+    launch = {} if INTERPRETED else {"num_warps": int(num_warps or cfg["num_warps"]),
+                                     "num_stages": int(num_stages or cfg["num_stages"])}
+    if programs > 0:
+        _paged_decode_kernel[(programs, splits)](
+            q, key_cache, value_cache, block_table, seq_lens, log_pi_blocks, out, lse,
+            var if var is not None else dummy, trace if trace is not None else dummy,
+            neff if neff is not None else dummy, part_s, part_v,
+            q.stride(0), q.stride(1), q.stride(2),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
+            block_table.stride(0), block_table.stride(1), log_pi_blocks.stride(0), log_pi_blocks.stride(1),
+            h_kv, h_q, chunk_b, bh, scale,
+            BS=bs, BS_PAD=bs_pad, BLOCK_T=bt, D=d, DV=dv, D_PAD=d_pad, DV_PAD=dv_pad,
+            G=g, G_BLOCK=g_block, N_RB=n_rb, R_PAD=r_pad,
+            CERTIFY=bool(certify), PER_COORD=var is not None, SPLIT=split, DOT_F32=dot_f32, ROUND_P=round_p,
+            **launch,
+        )
+        if split:
+            block_r = 16
+            _hajek_merge_kernel[(math.ceil(bh / block_r),)](
+                part_s, part_v, out, lse,
+                var if var is not None else dummy, trace if trace is not None else dummy,
+                neff if neff is not None else dummy, bh, splits,
+                DV=dv, DV_PAD=dv_pad, BLOCK_R=block_r, CERTIFY=bool(certify), PER_COORD=var is not None,
+                ROUND_P=round_p, **({} if INTERPRETED else {"num_warps": 4}),
+            )
+    return Estimate(output=out, weights=None, variance=var, trace=trace, lse=lse, n_eff=neff, max_term=None)
+
+
+def compile_paged(*, arch: int = 90, dtype: str = "bf16", d: int = 128, dv: int | None = None, g: int = 4,
+                  block_size: int = 16, block_t: int | None = None, num_warps: int = 8, num_stages: int = 2, certify: bool = True,
+                  per_coordinate: bool = False, split: bool = True) -> dict:
+    """Lower the paged decode kernel to a ``sm_<arch>`` cubin without a GPU (Triton's bundled ptxas) and
+    return its resource usage (:func:`kvcert.kernels.aot.resource_usage`: registers, spills, shared memory).
+
+    Static evidence only, like ``python -m kvcert.kernels.aot`` for the contiguous kernel; run it
+    without ``TRITON_INTERPRET``.
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from . import aot
+
+    aot._check_compiled()
+    dt = aot._DT[dtype]
+    dv = d if dv is None else dv
+    g_block = min(g, _MAX_ROWS)
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
+    bt = min(block_t or default_block_t(block_size, d, tdt), aot._pow2(block_size))
+    const = dict(BS=block_size, BS_PAD=aot._pow2(block_size), BLOCK_T=bt, D=d, DV=dv, D_PAD=aot._pow2(d), DV_PAD=aot._pow2(dv),
+                 G=g, G_BLOCK=g_block, N_RB=-(-g // g_block), R_PAD=aot._pow2(g_block), CERTIFY=certify,
+                 PER_COORD=per_coordinate, SPLIT=split, DOT_F32=dt == "fp32", ROUND_P=dt != "fp32")
+    ptr = {"Q": dt, "KC": dt, "VC": dt, "Out": dt, "BT": "i32", "SL": "i32", "LP": "fp32",
+           **{name: "fp32" for name in ("Lse", "Var", "Tr", "Neff", "PartS", "PartV")}}
+    src = ASTSource(_paged_decode_kernel, aot._signature(_paged_decode_kernel, const, ptr), constexprs=const)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps,
+                                                                         "num_stages": num_stages})
+    return dict(kernel="paged_decode", arch=f"sm_{arch}", dtype=dt, d=d, g=g, block_size=block_size, block_t=bt,
+                num_warps=num_warps, certify=certify, split=split, **aot.resource_usage(k))

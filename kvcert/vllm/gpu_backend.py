@@ -1,0 +1,340 @@
+"""The plugin's CUDA attention backend (prepared, not yet run on a device): FlashAttention + the paged kernel.
+
+Meant for vLLM 0.32's ``AttentionBackendEnum.CUSTOM`` route on CUDA
+(``register_backend(AttentionBackendEnum.CUSTOM, "kvcert.vllm.gpu_backend.CertifiedFlashAttentionBackend")``,
+then ``attention_config={"backend": "CUSTOM"}``; see :func:`register_cuda`).
+It mirrors :mod:`kvcert.vllm.backend` (the CPU route):
+
+- outside a step context (:data:`STEP` unset), for encoder layers, and for
+  every row without an eviction decision, the stock ``FlashAttentionImpl.forward``
+  runs (on the sub-batch of those rows when some rows are masked), so an
+  engine without eviction is the stock engine;
+- a decode row (one query token) of a request with an eviction decision goes
+  to :func:`kvcert.kernels.paged_hajek_attention`, which reads the paged cache
+  through the row's block table, skips evicted blocks (log pi_b = -inf, never
+  read: a freed block may already hold another request's keys), adds the
+  offset -log pi_b and returns the cluster-sampling trace in the same pass;
+  the relative Chebyshev radius follows from
+  :func:`kvcert.fast.radius_from_statistics`;
+- on a prompt's last chunk, rows flagged for importance get the SnapKV
+  scores of their last ``observation_window`` queries over the prompt keys
+  gathered from the paged cache (as on CPU).
+
+Cache layout: vLLM 0.32 allocates the FlashAttention cache as
+(num_blocks, h_kv, block_size, 2 * head_size) and reads it as
+``kv_cache.transpose(1, 2).split(head_size, -1)``, two (num_blocks, block_size,
+h_kv, head_size) strided views (:func:`kvcert.kernels.kv_cache_views`); the
+kernel takes those views as they are.
+
+Import hygiene: importing this module imports only torch and the standard
+library. vLLM's FlashAttention classes, Triton and the kernels are imported
+on first use: the backend and impl classes are built on first attribute
+access (module ``__getattr__``, which is how vLLM's registry resolves a
+class path), so the module imports on a CPU-only machine.
+
+The step context is a protocol (the GPU twin of
+:class:`kvcert.vllm.worker.Step`; the CUDA worker that sets it is not written yet):
+``ctx.row_states(attn_metadata)`` -> a list with one :class:`RowState` per
+batch row, ``ctx.config`` (a :class:`kvcert.vllm.config.KVCertConfig`),
+``ctx.add_certificate(req_id, rel)`` and ``ctx.add_importance(req_id, u)``;
+the plan is cached on ``ctx.paged_plan`` (one context per step, as on CPU).
+The metadata builder declares no full-CUDA-graph support
+(``AttentionCGSupport.NEVER``): a captured graph would freeze the Python row split.
+Only the ``chebyshev`` certificate is served (the kernel returns the trace).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+# (plus CertifiedFlashAttentionBackend, CertifiedFlashAttentionImpl and CertifiedFlashAttentionMetadataBuilder,
+# built lazily by __getattr__)
+__all__ = ["RowState", "PagedPlan", "plan_rows", "log_pi_table", "stock_sub_metadata", "paged_decode", "STEP",
+           "register_cuda"]
+
+#: per-thread pointer to the running step's context (set by a CUDA worker around execute_model)
+STEP = threading.local()
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class RowState:
+    """What the step context knows about one batch row: its request, its decision, whether to score it.
+
+    ``log_pi``: (n_prompt_blocks,) log pi_b of the request's prompt blocks
+    (-inf = evicted, 0 = certain), or None (no eviction decision: stock path).
+    ``importance``: gather the SnapKV block importance of this row (its prompt's last chunk).
+    """
+
+    req_id: str | None = None
+    log_pi: torch.Tensor | None = None
+    importance: bool = False
+
+
+@dataclass
+class PagedPlan:
+    """The rows of one step split between the paged kernel and the stock backend.
+
+    ``masked_rows``/``masked_tokens``: batch rows with a decision and the index
+    of their one query token; ``block_table`` (E, M), ``seq_lens`` (E,) and
+    ``log_pi_blocks`` (E, M) float32 are the kernel's inputs for them;
+    ``stock_rows`` the others (in batch order) and ``stock_tokens`` their query
+    tokens; ``importance_rows`` the stock rows to score.
+    """
+
+    masked_rows: list = field(default_factory=list)
+    masked_req_ids: list = field(default_factory=list)
+    masked_tokens: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    log_pi_blocks: torch.Tensor | None = None
+    max_seq_len: int = 0
+    stock_rows: list = field(default_factory=list)
+    stock_tokens: torch.Tensor | None = None
+    stock_q_lens: list = field(default_factory=list)
+    stock_max_seq_len: int = 0
+    importance_rows: list = field(default_factory=list)
+
+    @property
+    def masked(self) -> bool:
+        return bool(self.masked_rows)
+
+
+def log_pi_table(log_pi: torch.Tensor, seq_len: int, block_size: int, width: int) -> torch.Tensor:
+    """(width,) float32 log pi per logical block of a request: its prompt blocks' decision, 0 (certain) for
+    the blocks decoding appended after the prompt, -inf past ``ceil(seq_len / block_size)``."""
+    nbt = -(-int(seq_len) // block_size)
+    if nbt > width:
+        raise ValueError(f"seq_len {seq_len} needs {nbt} blocks of {block_size}, the block table has {width}")
+    out = torch.full((width,), _NEG_INF, dtype=torch.float32)
+    out[:nbt] = 0.0
+    k = min(int(log_pi.shape[0]), nbt)
+    out[:k] = log_pi[:k].to(torch.float32)
+    return out
+
+
+def plan_rows(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, states: list,
+              block_size: int) -> PagedPlan:
+    """Split a step's rows (the GPU twin of :meth:`kvcert.vllm.worker.Step.plan`).
+
+    Parameters
+    ----------
+    query_start_loc : (R + 1,) int, seq_lens : (R,) int, block_table : (R, M) int32
+        The attention metadata's (any device; read on the host once per step).
+    states : list of :class:`RowState` (or None), one per row
+    block_size : int
+
+    Returns
+    -------
+    PagedPlan. A row with a decision and more than one query token is refused
+    (the masked path serves single-token decode steps only, as on CPU).
+    """
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    if len(states) < len(lens):
+        states = list(states) + [None] * (len(lens) - len(states))
+    plan = PagedPlan()
+    width = block_table.shape[1]
+    lp_rows, stock_tok = [], []
+    for r, seq_len in enumerate(lens):
+        q_len = qsl[r + 1] - qsl[r]
+        if q_len <= 0:
+            continue
+        st = states[r]
+        if st is not None and st.log_pi is not None:
+            if q_len != 1:
+                raise RuntimeError(f"kvcert.vllm: request {st.req_id} has evicted blocks and {q_len} query tokens "
+                                   f"in one step; only single-token decode steps are supported")
+            plan.masked_rows.append(r)
+            plan.masked_req_ids.append(st.req_id)
+            lp_rows.append(log_pi_table(st.log_pi, seq_len, block_size, width))
+        else:
+            plan.stock_rows.append(r)
+            plan.stock_q_lens.append(q_len)
+            plan.stock_max_seq_len = max(plan.stock_max_seq_len, seq_len)
+            stock_tok.extend(range(qsl[r], qsl[r + 1]))
+            if st is not None and st.importance:
+                plan.importance_rows.append((r, st.req_id))
+    dev = block_table.device
+    if plan.masked_rows:
+        idx = torch.tensor(plan.masked_rows, dtype=torch.int64, device=dev)
+        plan.masked_tokens = torch.tensor([qsl[r] for r in plan.masked_rows], dtype=torch.int64, device=dev)
+        plan.block_table = block_table.index_select(0, idx)
+        plan.seq_lens = seq_lens.to(dev).index_select(0, idx).to(torch.int32)
+        plan.log_pi_blocks = torch.stack(lp_rows).to(dev)
+        plan.max_seq_len = max(lens[r] for r in plan.masked_rows)  # host int: no device sync per layer
+    plan.stock_tokens = torch.tensor(stock_tok, dtype=torch.int64, device=dev)
+    return plan
+
+
+def stock_sub_metadata(md, plan: PagedPlan):
+    """The FlashAttention metadata of the stock rows only (their tokens packed in batch order).
+
+    ``dataclasses.replace`` of vLLM's ``FlashAttentionMetadata``: query_start_loc,
+    seq_lens, block_table and slot_mapping restricted to the stock rows, the
+    max lengths recomputed, the ahead-of-time scheduler metadata dropped (the
+    FlashAttention op then plans the sub-batch itself).
+    """
+    rows = plan.stock_rows
+    dev = md.query_start_loc.device
+    q_lens = plan.stock_q_lens  # host values from plan_rows: no device sync per layer
+    sub_qsl = torch.zeros(len(rows) + 1, dtype=md.query_start_loc.dtype)
+    if rows:
+        sub_qsl[1:] = torch.cumsum(torch.tensor(q_lens, dtype=md.query_start_loc.dtype), 0)
+    idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+    seq = md.seq_lens.index_select(0, idx)
+    tok = plan.stock_tokens
+    changes = dict(num_actual_tokens=int(tok.numel()), max_query_len=max(q_lens, default=0),
+                   query_start_loc=sub_qsl.to(dev), max_seq_len=plan.stock_max_seq_len, seq_lens=seq,
+                   block_table=md.block_table.index_select(0, idx), slot_mapping=md.slot_mapping.index_select(0, tok),
+                   scheduler_metadata=None)
+    if hasattr(md, "max_num_splits"):
+        changes["max_num_splits"] = 0
+    return dataclasses.replace(md, **changes)
+
+
+def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: PagedPlan, scale: float, head_size: int,
+                 validate: bool = False):
+    """The masked rows through the paged kernel: output (E, h_q, d) in the query's dtype and trace (E, h_q).
+
+    ``kv_cache``: vLLM's FlashAttention cache (num_blocks, h_kv, block_size, 2 head_size).
+    """
+    from kvcert.kernels import kv_cache_views, paged_hajek_attention
+
+    key_cache, value_cache = kv_cache_views(kv_cache, head_size)
+    q = query.index_select(0, plan.masked_tokens)
+    est = paged_hajek_attention(q, key_cache, value_cache, plan.block_table, plan.seq_lens, plan.log_pi_blocks,
+                                scale=scale, max_seq_len=plan.max_seq_len, validate=validate)
+    return est.output, est.trace
+
+
+def _certify(ctx, plan, o, trace):
+    from kvcert.fast import radius_from_statistics
+
+    cfg = ctx.config
+    if cfg.kind != "chebyshev":  # the kernel returns the trace only (no covariance, no max_term)
+        raise RuntimeError(f"kvcert.vllm's CUDA route serves kind='chebyshev' only, got {cfg.kind!r}")
+    _, _, rel = radius_from_statistics("chebyshev", cfg.delta, trace=trace,
+                                       output_norm=torch.linalg.vector_norm(o.float(), dim=-1))
+    for j, rid in enumerate(plan.masked_req_ids):
+        ctx.add_certificate(rid, rel[j])
+
+
+def _importance(ctx, plan, md, query, kv_cache, head_size, scale):
+    from kvcert.fast import snapkv_scores
+    from kvcert.kernels import kv_cache_views
+
+    key_cache, _ = kv_cache_views(kv_cache, head_size)
+    bs = key_cache.shape[1]
+    qsl = md.query_start_loc.tolist()
+    lens = md.seq_lens.tolist()
+    for r, rid in plan.importance_rows:
+        seq_len = lens[r]
+        ids = md.block_table[r, : -(-seq_len // bs)].to(torch.int64)
+        k = key_cache.index_select(0, ids).reshape(-1, key_cache.shape[2], head_size)[:seq_len]  # (n, h_kv, d)
+        w = min(ctx.config.observation_window, qsl[r + 1] - qsl[r])
+        q = query[qsl[r + 1] - w: qsl[r + 1]].permute(1, 0, 2)[None]  # (1, h_q, w, d)
+        u = snapkv_scores(q, k.permute(1, 0, 2)[None], scale=scale, kernel_size=1)
+        ctx.add_importance(rid, u[0])
+
+
+def _build_classes():
+    """CertifiedFlashAttentionImpl / CertifiedFlashAttentionBackend over vLLM's FlashAttention ones."""
+    from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
+    from vllm.v1.attention.backends.flash_attn import (
+        FlashAttentionBackend,
+        FlashAttentionImpl,
+        FlashAttentionMetadataBuilder,
+    )
+
+    class CertifiedFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
+        """FlashAttention's builder, declaring no full-CUDA-graph support: the row split is Python that
+        a captured graph would freeze, so vLLM runs attention eagerly (piecewise graphs around it)."""
+
+        _cudagraph_support = AttentionCGSupport.NEVER
+
+    class CertifiedFlashAttentionImpl(FlashAttentionImpl):
+        """``FlashAttentionImpl`` with the paged Hajek kernel for decode rows with evicted blocks."""
+
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                    output_block_scale=None):
+            ctx = getattr(STEP, "ctx", None)
+            if ctx is None or attn_metadata is None or self.attn_type != AttentionType.DECODER:
+                return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                       output_block_scale)
+            plan = getattr(ctx, "paged_plan", None)
+            if plan is None:
+                md = attn_metadata
+                plan = plan_rows(md.query_start_loc, md.seq_lens, md.block_table, ctx.row_states(md),
+                                 kv_cache.shape[2])
+                ctx.paged_plan = plan
+            if not plan.masked:
+                super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                output_block_scale)
+            else:
+                if self.kv_cache_dtype not in ("auto", None) or output_scale is not None:
+                    raise RuntimeError("kvcert.vllm's paged kernel reads float caches without output quantization")
+                if plan.stock_rows:
+                    sub = stock_sub_metadata(attn_metadata, plan)
+                    tok = plan.stock_tokens
+                    out_sub = torch.empty((tok.numel(), *output.shape[1:]), dtype=output.dtype, device=output.device)
+                    pick = lambda x: None if x is None else x.index_select(0, tok)  # noqa: E731
+                    super().forward(layer, pick(query), pick(key), pick(value), kv_cache, sub, out_sub)
+                    output.index_copy_(0, tok, out_sub)
+                o, trace = paged_decode(query, kv_cache, plan, self.scale, self.head_size)
+                output.index_copy_(0, plan.masked_tokens, o.reshape(o.shape[0], *output.shape[1:]).to(output.dtype))
+                _certify(ctx, plan, o, trace)
+            if plan.importance_rows:
+                _importance(ctx, plan, attn_metadata, query, kv_cache, self.head_size, self.scale)
+            return output
+
+    class CertifiedFlashAttentionBackend(FlashAttentionBackend):
+        """vLLM's FlashAttention backend with :class:`CertifiedFlashAttentionImpl` (same cache, same metadata)."""
+
+        @staticmethod
+        def get_name() -> str:
+            return "CUSTOM"
+
+        @staticmethod
+        def get_impl_cls():
+            return CertifiedFlashAttentionImpl
+
+        @staticmethod
+        def get_builder_cls():
+            return CertifiedFlashAttentionMetadataBuilder
+
+    classes = {"CertifiedFlashAttentionImpl": CertifiedFlashAttentionImpl,
+               "CertifiedFlashAttentionBackend": CertifiedFlashAttentionBackend,
+               "CertifiedFlashAttentionMetadataBuilder": CertifiedFlashAttentionMetadataBuilder}
+    for c in classes.values():
+        c.__module__ = __name__
+    return classes
+
+
+_CLASSES: dict = {}
+
+
+def __getattr__(name):  # PEP 562: the vLLM classes are built on first access (vLLM imported then)
+    if name in ("CertifiedFlashAttentionBackend", "CertifiedFlashAttentionImpl",
+                "CertifiedFlashAttentionMetadataBuilder"):
+        if not _CLASSES:
+            _CLASSES.update(_build_classes())
+        return _CLASSES[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def register_cuda() -> None:
+    """Register :class:`CertifiedFlashAttentionBackend` as vLLM's ``CUSTOM`` attention backend (by class path).
+
+    Select it with ``attention_config={"backend": "CUSTOM"}`` (or ``--attention-backend CUSTOM``).
+    Not called by :func:`kvcert.vllm.register` yet: the CUDA route is untested on a device and
+    :func:`kvcert.vllm.config.check_vllm_config` still refuses non-CPU platforms.
+    """
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CUSTOM, f"{__name__}.CertifiedFlashAttentionBackend")

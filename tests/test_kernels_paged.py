@@ -1,0 +1,366 @@
+"""The paged Triton decode kernel (kvcert.kernels.paged_hajek_attention) against the block estimator.
+
+Runs on Triton's CPU interpreter where there is no GPU:
+
+    TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/test_kernels_paged.py -x -q
+
+Oracle: ``kvcert.fast.block_hajek_attention`` in float64 over the kept blocks
+gathered contiguous (and, on one case, ``kvcert.reference.block_hajek_attention``,
+the NumPy oracle). Tolerances (STYLE.md, flash-attention style): for float32
+inputs ``|kernel - f64| <= 2 |fast_f32 - f64| + 32 eps32 * scale`` with scale the
+field's natural size (output: max|v|; lse: |lse| + 1; trace: W max ||v||^2,
+W = sum_b (1 - pi_b) A_b^2 <= 1, the bound of the float32 rounding of the Chan
+form, docs/gpu.md); for half inputs the f64 oracle runs on the upcast half
+values and the rounding term uses 8 eps of the input dtype (p is rounded to it
+for the P V product, as in flash attention).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+triton = pytest.importorskip("triton")
+
+from kvcert import fast  # noqa: E402
+from kvcert import reference as ref  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()),
+    reason="needs a GPU or TRITON_INTERPRET=1 (Triton's CPU interpreter)",
+)
+
+kernels = pytest.importorskip("kvcert.kernels")
+DEV = "cpu" if kernels.INTERPRETED else "cuda"
+NEG_INF = float("-inf")
+EPS = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+
+
+def make_case(*, seq_lens, h_kv, g, d, dv=None, bs, extra_blocks=3, evict=0.4, certain=0.2, dtype=torch.float32,
+              seed=0, poison=True, value_offset=0.0):
+    """Random paged cache, shuffled physical ids, per-block log pi (-inf evicted, 0 certain).
+
+    ``poison``: NaN written into every evicted block, into the slots past each
+    sequence's end, and garbage ids (-1, or past the cache) into the table
+    entries of evicted blocks and past the end: none of it may be read.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    dv = dv or d
+    S = len(seq_lens)
+    nbt = [-(-L // bs) for L in seq_lens]
+    M = max(max(nbt), 1) + 1  # one spare column past the longest sequence
+    nb = sum(nbt) + extra_blocks
+    kc = torch.randn(nb, bs, h_kv, d, generator=gen)
+    vc = torch.randn(nb, bs, h_kv, dv, generator=gen) + value_offset
+    ids = torch.randperm(nb, generator=gen)
+    table = torch.full((S, M), nb + 7, dtype=torch.int32)  # garbage past the end
+    lp = torch.full((S, M), NEG_INF)
+    c = 0
+    for s, n in enumerate(nbt):
+        table[s, :n] = ids[c:c + n].to(torch.int32)
+        c += n
+        u = torch.rand(n, generator=gen)
+        lp[s, :n] = torch.log(torch.rand(n, generator=gen) * 0.9 + 0.05)
+        lp[s, :n] = torch.where(u < certain, 0.0, lp[s, :n])
+        lp[s, :n] = torch.where((u > 1 - evict), NEG_INF, lp[s, :n])
+        if n:
+            lp[s, n - 1] = 0.0  # the decode block is certain (as in the plugin)
+    if poison:
+        for s, n in enumerate(nbt):
+            for j in range(n):
+                if lp[s, j] == NEG_INF:
+                    kc[table[s, j].long()] = float("nan")
+                    vc[table[s, j].long()] = float("nan")
+                    table[s, j] = -1 if j % 2 else nb + 3
+            L = seq_lens[s]
+            if L % bs and n:
+                kc[table[s, n - 1].long(), L % bs:] = float("nan")
+                vc[table[s, n - 1].long(), L % bs:] = float("nan")
+    q = torch.randn(S, h_kv * g, d, generator=gen)
+    return dict(q=q.to(dtype), key_cache=kc.to(dtype), value_cache=vc.to(dtype), block_table=table,
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32), log_pi_blocks=lp.to(torch.float32), bs=bs)
+
+
+def gathered(case, s):
+    """Sequence s's kept blocks gathered contiguous: K, V (1, h_kv, m bs, d), log pi, positions (1, h_kv, m bs)."""
+    bs, L = case["bs"], int(case["seq_lens"][s])
+    lp = case["log_pi_blocks"][s]
+    kept = [j for j in range(-(-L // bs)) if lp[j] > NEG_INF]
+    h_kv, d = case["key_cache"].shape[2], case["key_cache"].shape[3]
+    dv = case["value_cache"].shape[3]
+    if not kept:
+        z = torch.zeros(1, h_kv, 0, d, dtype=torch.float64)
+        return z, torch.zeros(1, h_kv, 0, dv, dtype=torch.float64), torch.zeros(1, h_kv, 0), \
+            torch.zeros(1, h_kv, 0, dtype=torch.int64)
+    ids = case["block_table"][s, kept].long()
+    k = case["key_cache"][ids].double().reshape(-1, h_kv, d)  # (m bs, h_kv, d)
+    v = case["value_cache"][ids].double().reshape(-1, h_kv, dv)
+    pos = (torch.tensor(kept)[:, None] * bs + torch.arange(bs)).reshape(-1)
+    inside = pos < L
+    lpt = torch.where(inside, lp[kept].double().repeat_interleave(bs), NEG_INF)
+    k = torch.where(inside[:, None, None], k, 0.0)  # the slots past the end hold poison: padding is finite
+    v = torch.where(inside[:, None, None], v, 0.0)
+    pos = torch.where(inside, pos, -1)
+    ex = lambda x: x.permute(1, 0, 2)[None]  # noqa: E731
+    return ex(k), ex(v), lpt.expand(1, h_kv, -1), pos.expand(1, h_kv, -1)
+
+
+def oracle(case, s, dtype=torch.float64, scale=None):
+    k, v, lpt, pos = gathered(case, s)
+    q = case["q"][s:s + 1].to(dtype)
+    est = fast.block_hajek_attention(q, k.to(dtype), v.to(dtype), log_pi=lpt.to(dtype), block_size=case["bs"],
+                                     positions=pos, scale=scale, per_coordinate=True, return_weights=True)
+    return est, v
+
+
+def _report(name, got, want, tol):
+    err = (got.double() - want.double()).abs()
+    bad = ~(err <= tol)
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in torch.nonzero(bad)[0])
+        raise AssertionError(f"{name}: max err {float(err.max()):.3g}, mean {float(err.mean()):.3g}, worst at {idx}: "
+                             f"got {float(got[idx]):.8g} want {float(want[idx]):.8g} tol {float(torch.as_tensor(tol).expand_as(err)[idx]):.3g}")
+    return float(err.max()) if err.numel() else 0.0
+
+
+def check_against_fast(case, est, *, scale=None):
+    """Compare every field of the kernel's estimate, per sequence, with the float64 (and float32) oracle."""
+    dt = case["q"].dtype
+    half = dt != torch.float32
+    eps = EPS[dt] if half else EPS[torch.float32]
+    errs = {}
+    for s in range(case["q"].shape[0]):
+        if gathered(case, s)[0].shape[2] == 0:  # nothing kept: the empty-sample convention
+            assert bool((est.output[s] == 0).all()) and bool(torch.isneginf(est.lse[s]).all())
+            assert bool(torch.isposinf(est.trace[s]).all()) and bool((est.n_eff[s] == 0).all())
+            continue
+        e64, v = oracle(case, s, torch.float64, scale)
+        e32 = None if half else oracle(case, s, torch.float32, scale)[0]
+        lse = e64.lse[0]
+        vmax = float(v.abs().max()) if v.numel() else 0.0
+        v2max = float((v * v).sum(-1).max()) if v.numel() else 0.0
+        # W = sum_b (1 - pi_b) A_b^2 per query head (the weight mass of the certificate state)
+        a = e64.weights[0]  # (h_q, m bs)
+        bs = case["bs"]
+        A = a.reshape(a.shape[0], -1, bs).sum(-1)
+        omp = -torch.expm1(case["log_pi_blocks"][s].double())
+        L = int(case["seq_lens"][s])
+        kept = [j for j in range(-(-L // bs)) if case["log_pi_blocks"][s, j] > NEG_INF]
+        W = (omp[kept][None, :] * A * A).sum(-1)
+
+        def tol(fld, scl):
+            base = 2 * (getattr(e32, fld)[0].double() - getattr(e64, fld)[0]).abs() if e32 is not None else 0.0
+            return base + (8 if half else 32) * eps * scl + 1e-30
+
+        for fld, scl in (("output", vmax * 2), ("lse", lse.abs() + 1), ("trace", W * v2max + e64.trace[0].abs()),
+                         ("variance", (W * v2max)[:, None] + e64.variance[0].abs()),
+                         ("n_eff", e64.n_eff[0].abs())):
+            got = getattr(est, fld)
+            if got is None:
+                continue
+            errs[fld] = max(errs.get(fld, 0.0), _report(f"seq {s} {fld}", got[s], getattr(e64, fld)[0],
+                                                        tol(fld, scl)))
+    return errs
+
+
+GQA = [(1, 1), (2, 2), (1, 4)]  # (h_kv, g)
+
+
+@pytest.mark.parametrize("bs,block_t", [(16, None), (32, None), (32, 16)])  # (32, 16): two sub-tiles per block
+@pytest.mark.parametrize("h_kv,g", GQA)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_matches_block_estimator_float32(bs, block_t, h_kv, g, splits):
+    # lengths break the tiling: a full block, partial last blocks, a single token, a short one
+    case = make_case(seq_lens=[3 * bs, 2 * bs + 5, 1, bs - 3, 5 * bs + 1], h_kv=h_kv, g=g, d=16, bs=bs,
+                     seed=bs + 7 * h_kv + 13 * g + splits)
+    est = kernels.paged_hajek_attention(case["q"], case["key_cache"], case["value_cache"], case["block_table"],
+                                        case["seq_lens"], case["log_pi_blocks"], per_coordinate=True,
+                                        num_splits=splits, block_t=block_t)
+    errs = check_against_fast(case, est)
+    assert set(errs) == {"output", "lse", "trace", "variance", "n_eff"}
+    for x in (est.output, est.lse, est.trace, est.variance, est.n_eff):
+        assert not bool(torch.isnan(x).any())  # the poison in evicted blocks and past the end is never read
+
+
+def test_matches_numpy_reference():
+    case = make_case(seq_lens=[40, 17], h_kv=2, g=2, d=8, dv=24, bs=16, seed=3, evict=0.3)
+    est = kernels.paged_hajek_attention(case["q"], case["key_cache"], case["value_cache"], case["block_table"],
+                                        case["seq_lens"], case["log_pi_blocks"], per_coordinate=True,
+                                        num_splits=2, scale=0.3)
+    for s in range(2):
+        k, v, lpt, pos = gathered(case, s)
+        pi = torch.exp(lpt[0, 0]).numpy()
+        for h in range(4):
+            kh = h // 2
+            r = ref.block_hajek_attention(case["q"][s, h].double().numpy(), k[0, kh].numpy(), v[0, kh].numpy(), pi,
+                                          block_size=16, positions=pos[0, 0].numpy(), scale=0.3)
+            scl = float(np.abs(v[0, kh].numpy()).max())
+            np.testing.assert_allclose(est.output[s, h].double().numpy(), r.output, rtol=0, atol=64 * EPS[torch.float32] * scl)
+            np.testing.assert_allclose(float(est.lse[s, h]), r.lse, rtol=0, atol=64 * EPS[torch.float32] * (abs(r.lse) + 1))
+            np.testing.assert_allclose(float(est.trace[s, h]), r.trace, rtol=0,
+                                       atol=64 * EPS[torch.float32] * (scl * scl * 8 + r.trace))
+            np.testing.assert_allclose(est.variance[s, h].double().numpy(), r.variance, rtol=0,
+                                       atol=64 * EPS[torch.float32] * scl * scl)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the deliberate NaN read at the end
+def test_poison_does_not_change_the_result():
+    """Negative control: the same case with and without NaN/garbage in evicted blocks, stale table entries
+    and the slots past the end gives bit-identical results; and the poison is really there (a gather that
+    reads every table entry would return NaN)."""
+    kw = dict(seq_lens=[70, 33, 64], h_kv=2, g=2, d=16, bs=16, seed=11, evict=0.5)
+    clean = make_case(poison=False, **kw)
+    dirty = make_case(poison=True, **kw)
+    run = lambda c: kernels.paged_hajek_attention(c["q"], c["key_cache"], c["value_cache"], c["block_table"],  # noqa: E731
+                                                  c["seq_lens"], c["log_pi_blocks"], per_coordinate=True)
+    a, b = run(clean), run(dirty)
+    for f in ("output", "lse", "trace", "variance", "n_eff"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert bool(torch.isnan(dirty["value_cache"]).any())
+    assert bool((dirty["log_pi_blocks"][:, :5] == NEG_INF).any())
+    # the control of the control: an unmasked read of an evicted block would show the NaN
+    evicted = [(s, j) for s in range(3) for j in range(-(-int(dirty["seq_lens"][s]) // 16))
+               if dirty["log_pi_blocks"][s, j] == NEG_INF]
+    s, j = evicted[0]
+    lp = dirty["log_pi_blocks"].clone()
+    lp[s, j] = 0.0
+    tab = dirty["block_table"].clone()
+    tab[s, j] = int(torch.nonzero(torch.isnan(dirty["value_cache"][:, 0, 0, 0]))[0])
+    bad = kernels.paged_hajek_attention(dirty["q"], dirty["key_cache"], dirty["value_cache"], tab,
+                                        dirty["seq_lens"], lp)
+    assert bool(torch.isnan(bad.output[s]).any())
+
+
+def test_all_certain_is_exact_attention_with_zero_trace():
+    case = make_case(seq_lens=[50, 16, 7], h_kv=2, g=2, d=16, bs=16, seed=5, evict=0.0, certain=1.0, poison=False)
+    lp = torch.where(case["log_pi_blocks"] > NEG_INF, 0.0, NEG_INF)
+    est = kernels.paged_hajek_attention(case["q"], case["key_cache"], case["value_cache"], case["block_table"],
+                                        case["seq_lens"], lp, per_coordinate=True, num_splits=2)
+    for s in range(3):
+        L = int(case["seq_lens"][s])
+        ids = case["block_table"][s, : -(-L // 16)].long()
+        k = case["key_cache"][ids].reshape(-1, 2, 16)[:L].double()
+        v = case["value_cache"][ids].reshape(-1, 2, 16)[:L].double()
+        q = case["q"][s].double().view(2, 2, 16)
+        sc = torch.einsum("kgd,nkd->kgn", q, k) / 4.0
+        o = torch.einsum("kgn,nkd->kgd", torch.softmax(sc, -1), v).reshape(4, 16)
+        _report(f"seq {s} exact output", est.output[s], o, 32 * EPS[torch.float32] * float(v.abs().max()))
+        _report(f"seq {s} exact lse", est.lse[s], torch.logsumexp(sc, -1).reshape(4), 1e-5)
+    assert bool((est.trace == 0).all()) and bool((est.variance == 0).all())
+
+
+def test_empty_sequences():
+    case = make_case(seq_lens=[0, 20, 33], h_kv=1, g=2, d=16, bs=16, seed=2, poison=False)
+    case["log_pi_blocks"][1] = NEG_INF  # every block evicted
+    est = kernels.paged_hajek_attention(case["q"], case["key_cache"], case["value_cache"], case["block_table"],
+                                        case["seq_lens"], case["log_pi_blocks"], num_splits=2)
+    for s in (0, 1):
+        assert bool((est.output[s] == 0).all()) and bool(torch.isneginf(est.lse[s]).all())
+        assert bool(torch.isposinf(est.trace[s]).all()) and bool((est.n_eff[s] == 0).all())
+    assert bool(torch.isfinite(est.trace[2]).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs(dtype):
+    case = make_case(seq_lens=[75, 16], h_kv=2, g=2, d=16, bs=32, seed=9, dtype=dtype)
+    est = kernels.paged_hajek_attention(case["q"], case["key_cache"], case["value_cache"], case["block_table"],
+                                        case["seq_lens"], case["log_pi_blocks"], per_coordinate=True,
+                                        num_splits=2, block_t=16)
+    assert est.output.dtype == dtype
+    check_against_fast(case, est)
+
+
+def test_value_offset_no_cancellation():
+    """A large common offset in v: the Chan form keeps the trace at float32 resolution of the residuals
+    (the raw expansion sum ||S_b||^2 - 2 o.S_b A_b + ||o||^2 A_b^2 would lose about log10(offset^2) digits)."""
+    case = make_case(seq_lens=[64, 40], h_kv=1, g=2, d=16, bs=16, seed=4, value_offset=100.0, evict=0.3,
+                     certain=0.0, poison=False)
+    est = kernels.paged_hajek_attention(case["q"], case["key_cache"], case["value_cache"], case["block_table"],
+                                        case["seq_lens"], case["log_pi_blocks"])
+    for s in range(2):
+        e64, _ = oracle(case, s)
+        rel = (est.trace[s].double() - e64.trace[0]).abs() / e64.trace[0]
+        assert float(rel.max()) < 1e-2, (s, rel)  # offset^2 / trace ~ 1e5: the expansion would keep ~2 digits
+
+
+def test_kv_cache_views_read_vllm_flash_layout():
+    """vLLM 0.32's FlashAttention cache (num_blocks, h_kv, block_size, 2 d): token t of block b, head h
+    holds K in [..., :d] and V in [..., d:] of kv_cache[b, h, t] (FlashAttentionImpl.forward's
+    ``kv_cache.transpose(1, 2).split(d, -1)``)."""
+    nb, h, bs, d = 4, 2, 16, 8
+    kv = torch.randn(nb, h, bs, 2 * d)
+    k, v = kernels.kv_cache_views(kv, d)
+    assert k.shape == (nb, bs, h, d) and v.shape == (nb, bs, h, d)
+    assert torch.equal(k[2, 5, 1], kv[2, 1, 5, :d]) and torch.equal(v[3, 0, 0], kv[3, 0, 0, d:])
+    table = torch.tensor([[2, 0, 3]], dtype=torch.int32)
+    lp = torch.tensor([[0.0, NEG_INF, math.log(0.5)]])
+    q = torch.randn(1, 4, d)
+    a = kernels.paged_hajek_attention(q, k, v, table, torch.tensor([40], dtype=torch.int32), lp)
+    b = kernels.paged_hajek_attention(q, k.contiguous(), v.contiguous(), table, torch.tensor([40], dtype=torch.int32),
+                                      lp)
+    torch.testing.assert_close(a.output, b.output, rtol=0, atol=0)
+    torch.testing.assert_close(a.trace, b.trace, rtol=0, atol=0)
+
+
+def test_refuses_bad_inputs():
+    case = make_case(seq_lens=[20], h_kv=2, g=1, d=16, bs=16, seed=1, poison=False)
+    args = [case[k] for k in ("q", "key_cache", "value_cache", "block_table", "seq_lens", "log_pi_blocks")]
+    f = kernels.paged_hajek_attention
+    with pytest.raises(ValueError, match="log_pi_blocks"):
+        f(*args[:5], args[5].double())
+    with pytest.raises(ValueError, match="seq_lens must lie"):
+        f(*args[:4], torch.tensor([1000], dtype=torch.int32), args[5])
+    with pytest.raises(ValueError, match="log_pi_blocks must lie"):
+        f(*args[:5], args[5].abs())
+    with pytest.raises(ValueError, match="physical block ids"):
+        f(*args[:3], torch.full_like(args[3], 10 ** 6), *args[4:])
+    with pytest.raises(ValueError, match="GQA"):
+        f(torch.randn(1, 3, 16), *args[1:])
+    with pytest.raises(ValueError, match="max_seq_len"):
+        f(*args, max_seq_len=5)  # blocks past it would be skipped silently
+    with pytest.raises(ValueError, match="block_t"):
+        f(*args, block_t=24)
+    with pytest.raises(TypeError, match="share one dtype"):
+        f(args[0].half(), *args[1:])
+
+
+@settings(max_examples=6)
+@given(bs=st.sampled_from([16, 32]), h_kv=st.sampled_from([1, 2]), g=st.sampled_from([1, 3]),
+       lens=st.lists(st.integers(0, 100), min_size=1, max_size=3), evict=st.sampled_from([0.0, 0.5, 0.9]),
+       splits=st.sampled_from([1, 2, 5]), block_t=st.sampled_from([None, 16]), seed=st.integers(0, 2 ** 16))
+def test_hypothesis_random_tables(bs, h_kv, g, lens, evict, splits, block_t, seed):
+    case = make_case(seq_lens=lens, h_kv=h_kv, g=g, d=16, bs=bs, evict=evict, seed=seed)
+    est = kernels.paged_hajek_attention(case["q"], case["key_cache"], case["value_cache"], case["block_table"],
+                                        case["seq_lens"], case["log_pi_blocks"], per_coordinate=True,
+                                        num_splits=splits, block_t=block_t)
+    check_against_fast(case, est)
+
+
+def test_compiles_for_sm90_without_a_gpu():
+    """The compiled (non-interpreted) paged kernel lowers to sm_90 cubins (bf16 split and fp32 unsplit, blocks
+    of 16 and 128, default sub-tiles, d = 128, g = 4): the interpreter cannot catch type or layout errors of
+    the compiled path."""
+    import json
+    import subprocess
+    import sys
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this triton wheel ships no ptxas")
+    code = ("import json\n"
+            "from kvcert.kernels.paged import compile_paged\n"
+            "rows = [compile_paged(dtype=dt, block_size=bs, split=sp) for dt, sp in (('bf16', True), ('fp32', False))"
+            " for bs in (16, 128)]\n"
+            "print(json.dumps(rows))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 4 and all(r["arch"] == "sm_90" for r in rows)
+    counted = [r for r in rows if r["stack_bytes"] is not None]
+    assert all(r["stack_bytes"] == 0 for r in counted), counted  # default sub-tiles: no register spills (docs/gpu.md)

@@ -1,0 +1,326 @@
+"""The CUDA attention backend (kvcert.vllm.gpu_backend) on a CPU machine: import hygiene, registration,
+the row split and sub-batch metadata, and the paged kernel (Triton interpreter) against the CPU path.
+
+    .venv-vllm/bin/python -m pytest tests/vllm/test_vllm_gpu_backend.py -q
+
+The stock FlashAttention forward needs a CUDA device: the backend's forward is exercised with it stubbed
+(routing, sub-batch, certificates, importance); nothing here runs FlashAttention itself (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_support import ROOT, vllm_env
+
+NEG_INF = float("-inf")
+HERE = Path(__file__).resolve().parent
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    e = vllm_env()
+    e.update(env)
+    return subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), env=e, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_imports_without_cuda_triton_or_vllm():
+    code = ("import sys, torch, kvcert.vllm.gpu_backend as g\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('triton', 'vllm') or m.startswith('kvcert.kernels')]\n"
+            "assert not bad, bad[:10]\n"
+            "assert not torch.cuda.is_initialized()\n"
+            "print('ok')\n")
+    proc = _run(code)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_classes_resolve_by_class_path_and_register_as_custom():
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
+    from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBackendEnum
+
+    from kvcert.vllm import gpu_backend
+
+    path = "kvcert.vllm.gpu_backend.CertifiedFlashAttentionBackend"
+    cls = resolve_obj_by_qualname(path)  # what vLLM's registry does with the class path
+    assert issubclass(cls, FlashAttentionBackend) and cls.get_name() == "CUSTOM"
+    assert issubclass(cls.get_impl_cls(), FlashAttentionImpl)
+    assert cls.get_impl_cls() is gpu_backend.CertifiedFlashAttentionImpl
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
+
+    builder = cls.get_builder_cls()  # same metadata, but no full CUDA graphs over the Python row split
+    assert issubclass(builder, FlashAttentionMetadataBuilder)
+    assert builder._cudagraph_support == AttentionCGSupport.NEVER
+    assert AttentionBackendEnum[cls.get_name()] is AttentionBackendEnum.CUSTOM  # Attention layers map name -> enum
+    before = _ATTN_OVERRIDES.get(AttentionBackendEnum.CUSTOM)
+    try:
+        gpu_backend.register_cuda()
+        assert AttentionBackendEnum.CUSTOM.get_path() == path
+        assert AttentionBackendEnum.CUSTOM.get_class() is cls
+    finally:
+        if before is None:
+            _ATTN_OVERRIDES.pop(AttentionBackendEnum.CUSTOM, None)
+        else:
+            _ATTN_OVERRIDES[AttentionBackendEnum.CUSTOM] = before
+    with pytest.raises(AttributeError):
+        gpu_backend.NoSuchClass  # noqa: B018
+
+
+def _batch():
+    """Rows: 0 a prompt chunk (5 tokens, to score), 1 a decode row with a decision, 2 a decode row
+    without, 3 a decode row whose sequence grew one block past its prompt (that block: certain)."""
+    from kvcert.vllm.gpu_backend import RowState
+
+    bs = 16
+    qsl = torch.tensor([0, 5, 6, 7, 8], dtype=torch.int32)
+    seq_lens = torch.tensor([5, 50, 20, 40], dtype=torch.int32)
+    table = torch.tensor([[9, 0, 0, 0], [3, 7, 1, 5], [2, 0, 0, 0], [4, 6, 8, 0]], dtype=torch.int32)
+    lp1 = torch.tensor([0.0, NEG_INF, math.log(0.4), 0.0], dtype=torch.float64)  # 4 prompt blocks
+    lp3 = torch.tensor([0.0, math.log(0.5)], dtype=torch.float64)  # 2 prompt blocks, block 2 from decoding
+    states = [RowState("a", None, importance=True), RowState("b", lp1), RowState("c", None), RowState("d", lp3)]
+    return bs, qsl, seq_lens, table, states
+
+
+def test_plan_rows_splits_like_the_cpu_worker():
+    from kvcert.vllm.gpu_backend import RowState, plan_rows
+
+    bs, qsl, seq_lens, table, states = _batch()
+    plan = plan_rows(qsl, seq_lens, table, states, bs)
+    assert plan.masked and plan.masked_rows == [1, 3] and plan.masked_req_ids == ["b", "d"]
+    assert plan.masked_tokens.tolist() == [5, 7]
+    assert plan.stock_rows == [0, 2] and plan.stock_tokens.tolist() == [0, 1, 2, 3, 4, 6]
+    assert plan.importance_rows == [(0, "a")]
+    assert plan.block_table.tolist() == [[3, 7, 1, 5], [4, 6, 8, 0]] and plan.block_table.dtype == torch.int32
+    assert plan.seq_lens.tolist() == [50, 40]
+    lp = plan.log_pi_blocks
+    assert lp.dtype == torch.float32 and lp.shape == (2, 4)
+    assert lp[0].tolist()[:2] == [0.0, NEG_INF] and math.isclose(lp[0, 2], math.log(0.4), rel_tol=1e-6)
+    assert lp[0, 3] == 0.0
+    assert lp[1, 0] == 0.0 and math.isclose(lp[1, 1], math.log(0.5), rel_tol=1e-6)
+    assert lp[1, 2] == 0.0 and lp[1, 3] == NEG_INF  # decode-appended block certain, past the end -inf
+    # no decision anywhere: nothing masked
+    none = plan_rows(qsl, seq_lens, table, [None] * 4, bs)
+    assert not none.masked and none.stock_rows == [0, 1, 2, 3]
+    # a decision on a multi-token row is refused, as on CPU
+    with pytest.raises(RuntimeError, match="single-token decode"):
+        plan_rows(qsl, seq_lens, table, [RowState("a", torch.zeros(1))] + states[1:], bs)
+
+
+def test_stock_sub_metadata_restricts_to_the_stock_rows():
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
+
+    from kvcert.vllm.gpu_backend import plan_rows, stock_sub_metadata
+
+    bs, qsl, seq_lens, table, states = _batch()
+    slots = torch.arange(8, dtype=torch.int64) + 100
+    md = FlashAttentionMetadata(num_actual_tokens=8, max_query_len=5, query_start_loc=qsl, max_seq_len=50,
+                                seq_lens=seq_lens, block_table=table, slot_mapping=slots,
+                                scheduler_metadata=torch.zeros(3), max_num_splits=4)
+    plan = plan_rows(qsl, seq_lens, table, states, bs)
+    sub = stock_sub_metadata(md, plan)
+    assert sub.num_actual_tokens == 6 and sub.max_query_len == 5 and sub.max_seq_len == 20
+    assert sub.query_start_loc.tolist() == [0, 5, 6] and sub.query_start_loc.dtype == qsl.dtype
+    assert sub.seq_lens.tolist() == [5, 20] and sub.block_table.tolist() == [[9, 0, 0, 0], [2, 0, 0, 0]]
+    assert sub.slot_mapping.tolist() == [100, 101, 102, 103, 104, 106]
+    assert sub.scheduler_metadata is None and sub.max_num_splits == 0
+    assert md.num_actual_tokens == 8  # the step's metadata is untouched
+
+
+def compare_with_cpu_path():
+    """paged_decode (Triton interpreter, FlashAttention cache layout) against the CPU plugin's masked_decode
+    (torch, ``vec`` cache layout) on the same tokens; run in a subprocess with TRITON_INTERPRET=1."""
+    from kvcert.vllm.backend import masked_decode
+    from kvcert.vllm.gpu_backend import plan_rows
+
+    bs, qsl, seq_lens, table, states = _batch()
+    torch.manual_seed(0)
+    nb, h, g, d = 10, 2, 2, 16
+    flash = torch.randn(nb, h, bs, 2 * d)  # FlashAttention layout: [..., :d] keys, [..., d:] values
+    vec = torch.empty(nb, h, bs, 2 * d)  # CPU 'vec' layout: keys transposed (d, bs), then values (bs, d)
+    flat = vec.view(nb, h, bs * 2 * d)
+    flat[..., : bs * d] = flash[..., :d].transpose(-1, -2).reshape(nb, h, bs * d)
+    flat[..., bs * d:] = flash[..., d:].reshape(nb, h, bs * d)
+    query = torch.randn(8, h * g, d)
+    plan = plan_rows(qsl, seq_lens, table, states, bs)
+    # poison the evicted block (row 1, logical block 1 = physical 7): never read by either path
+    flash[7] = float("nan")
+    vec[7] = float("nan")
+    from kvcert.vllm.gpu_backend import paged_decode
+
+    o, trace = paged_decode(query, flash, plan, 0.25, d, validate=True)
+    # the CPU path's inputs: kept physical blocks per row, log pi per slot (-inf past the end)
+    E = len(plan.masked_rows)
+    ids, lps = [], []
+    for j in range(E):
+        L = int(plan.seq_lens[j])
+        kept = [b for b in range(-(-L // bs)) if plan.log_pi_blocks[j, b] > NEG_INF]
+        ids.append([int(plan.block_table[j, b]) for b in kept])
+        pos = torch.tensor(kept)[:, None] * bs + torch.arange(bs)
+        lps.append(torch.where(pos < L, plan.log_pi_blocks[j, kept][:, None], NEG_INF))
+    M = max(len(x) for x in ids)
+    block_ids = torch.zeros(E, M, dtype=torch.int64)
+    log_pi = torch.full((E, M, bs), NEG_INF)
+    for j in range(E):
+        block_ids[j, : len(ids[j])] = torch.tensor(ids[j])
+        log_pi[j, : len(ids[j])] = lps[j]
+    o_cpu, tr_cpu = masked_decode(query.index_select(0, plan.masked_tokens), vec, block_ids, log_pi, 0.25)
+    assert not bool(torch.isnan(o).any()) and not bool(torch.isnan(trace).any())
+    # both float32; tolerance 64 eps32 of the value scale (output) and of its square (trace)
+    vmax = float(flash[..., d:].nan_to_num(0).abs().max())
+    eo, et = float((o - o_cpu).abs().max()), float((trace - tr_cpu).abs().max())
+    assert eo <= 64 * 2 ** -23 * vmax, eo
+    assert et <= 64 * 2 ** -23 * vmax ** 2, et
+    assert bool((trace > 0).all())
+    print(f"max |o - o_cpu| = {eo:.3g}, max |trace - trace_cpu| = {et:.3g}")
+
+    # the importance pass of a prompt row (row 0: 5 tokens, block 9) against the CPU backend's
+    from types import SimpleNamespace
+
+    from kvcert.vllm import gpu_backend
+    from kvcert.vllm.backend import CertifiedCPUAttentionImpl
+    from kvcert.vllm.worker import _Importance
+
+    class Ctx:
+        config = SimpleNamespace(observation_window=3)
+
+        def __init__(self):
+            self.u = {}
+
+        def add_importance(self, rid, u):
+            self.u[rid] = u
+
+    md = SimpleNamespace(query_start_loc=qsl, seq_lens=seq_lens, block_table=table)
+    gpu, cpu = Ctx(), Ctx()
+    gpu_backend._importance(gpu, plan, md, query, flash, d, 0.25)
+    cpu_plan = SimpleNamespace(importance=[_Importance("a", 5, 5, 5, table[0, :1].long())])
+    CertifiedCPUAttentionImpl._importance(SimpleNamespace(scale=0.25), SimpleNamespace(config=Ctx.config, **{
+        "add_importance": cpu.add_importance}), cpu_plan, query, vec, None)
+    assert set(gpu.u) == set(cpu.u) == {"a"}
+    torch.testing.assert_close(gpu.u["a"], cpu.u["a"], rtol=1e-6, atol=1e-7)
+    print("importance ok")
+
+
+def test_paged_kernel_matches_the_cpu_masked_decode():
+    code = (f"import sys; sys.path.insert(0, {str(HERE)!r})\n"
+            "import test_vllm_gpu_backend as t; t.compare_with_cpu_path()\n")
+    proc = _run(code, TRITON_INTERPRET="1")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "importance ok" in proc.stdout
+
+
+def test_refusal_names_the_gpu_backend():
+    from types import SimpleNamespace
+
+    import vllm.platforms
+
+    from kvcert.vllm.config import check_vllm_config
+
+    fake = SimpleNamespace(is_cpu=lambda: False, device_name="cuda")
+    orig = vllm.platforms.current_platform
+    try:
+        vllm.platforms.current_platform = fake
+        with pytest.raises(ValueError, match="untested on a device"):
+            check_vllm_config(SimpleNamespace())
+    finally:
+        vllm.platforms.current_platform = orig
+
+
+def exercise_forward():
+    """CertifiedFlashAttentionImpl.forward with the stock FlashAttention forward replaced by a marker
+    (it needs CUDA): the stock rows go to it as a sub-batch, the masked rows to the paged kernel, the
+    certificates and importance reach the step context, the plan is built once per step. Run in a
+    subprocess with TRITON_INTERPRET=1."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl, FlashAttentionMetadata
+
+    from kvcert.vllm import gpu_backend as gb
+
+    calls = []
+
+    def stock_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                      output_block_scale=None):
+        calls.append(attn_metadata)
+        n = attn_metadata.num_actual_tokens
+        output[:n] = 2 * query[:n]  # a marker of the stock path
+        return output
+
+    FlashAttentionImpl.forward = stock_forward
+    bs, qsl, seq_lens, table, states = _batch()
+    torch.manual_seed(1)
+    nb, h, g, d = 10, 2, 2, 16
+    flash = torch.randn(nb, h, bs, 2 * d)
+    query, key, value = torch.randn(8, h * g, d), torch.randn(8, h, d), torch.randn(8, h, d)
+    md = FlashAttentionMetadata(num_actual_tokens=8, max_query_len=5, query_start_loc=qsl, max_seq_len=50,
+                                seq_lens=seq_lens, block_table=table, slot_mapping=torch.arange(8))
+    impl = object.__new__(gb.CertifiedFlashAttentionImpl)
+    impl.attn_type, impl.scale, impl.head_size, impl.kv_cache_dtype = AttentionType.DECODER, 0.25, d, "auto"
+
+    class Ctx:
+        config = SimpleNamespace(kind="chebyshev", delta=0.05, observation_window=3)
+
+        def __init__(self):
+            self.certs, self.imp, self.n_plans = {}, {}, 0
+
+        def row_states(self, md_):
+            self.n_plans += 1
+            return states
+
+        def add_certificate(self, rid, rel):
+            self.certs.setdefault(rid, []).append(rel)
+
+        def add_importance(self, rid, u):
+            self.imp[rid] = u
+
+    # outside a step: the stock forward on the whole batch
+    gb.STEP.ctx = None
+    out = torch.zeros(8, h * g, d)
+    impl.forward(None, query, key, value, flash, md, out)
+    assert calls[-1] is md and torch.equal(out, 2 * query)
+    # inside a step, two layers
+    ctx = Ctx()
+    gb.STEP.ctx = ctx
+    try:
+        for _ in range(2):
+            out = torch.zeros(8, h * g, d)
+            impl.forward(None, query, key, value, flash, md, out)
+    finally:
+        gb.STEP.ctx = None
+    assert ctx.n_plans == 1  # the plan is built once per step
+    sub = calls[-1]
+    assert sub.num_actual_tokens == 6 and sub.query_start_loc.tolist() == [0, 5, 6]
+    stock = [0, 1, 2, 3, 4, 6]
+    assert torch.equal(out[stock], 2 * query[stock])
+    o, trace = gb.paged_decode(query, flash, ctx.paged_plan, 0.25, d)
+    assert torch.equal(out[[5, 7]], o)
+    assert set(ctx.certs) == {"b", "d"} and all(len(v) == 2 for v in ctx.certs.values())
+    rel = torch.stack(ctx.certs["b"])
+    assert bool(torch.isfinite(rel).all()) and bool((rel > 0).all())
+    assert set(ctx.imp) == {"a"} and ctx.imp["a"].shape == (h, 5)
+    # a certificate kind the kernel cannot serve is refused
+    ctx = Ctx()
+    ctx.config = SimpleNamespace(kind="chi2", delta=0.05, observation_window=3)
+    gb.STEP.ctx = ctx
+    try:
+        impl.forward(None, query, key, value, flash, md, torch.zeros(8, h * g, d))
+        raise AssertionError("kind='chi2' was not refused")
+    except RuntimeError as e:
+        assert "chebyshev" in str(e)
+    finally:
+        gb.STEP.ctx = None
+    print("forward ok")
+
+
+def test_forward_routes_rows_with_a_stubbed_flash_attention():
+    code = (f"import sys; sys.path.insert(0, {str(HERE)!r})\n"
+            "import test_vllm_gpu_backend as t; t.exercise_forward()\n")
+    proc = _run(code, TRITON_INTERPRET="1")
+    assert proc.returncode == 0 and "forward ok" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
