@@ -20,6 +20,7 @@ from .blocks import (
     block_sample,
     block_uniforms,
     expand_blocks,
+    prompt_event,
 )
 from .certificates import (
     CERTIFICATE_KINDS,
@@ -61,7 +62,7 @@ __all__ = [
     "Estimate", "Certificate", "CompressedCache",
     "attention", "hajek_attention", "value_moments", "clear_workspace",
     "BLOCK_REDUCTIONS", "block_compact", "block_count", "block_evict", "block_hajek_attention", "block_importance",
-    "block_inclusion_probabilities", "block_keep", "block_sample", "block_uniforms", "expand_blocks",
+    "block_inclusion_probabilities", "block_keep", "block_sample", "block_uniforms", "expand_blocks", "prompt_event",
     "CERTIFICATE_KINDS", "CertificateKind", "KINDS", "certificate", "certificate_moments", "estimate_options",
     "radius_from_moments", "radius_from_statistics",
     "budget_from_fraction", "certainty_mask", "DesignSizes", "design_sizes", "design_uniforms", "edge_mask",

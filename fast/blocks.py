@@ -16,7 +16,9 @@ kept blocks are applied to every layer and KV head of a batch row.
   stream keyed by (seed, event) and indexed by the block index, so a
   sequence keeps the same blocks whatever the batch it is in and whatever the
   call order; bit-identical to ``kvcert.reference.block_uniforms``. ``seed``
-  may be a (b,) tensor (one seed per request).
+  may be a (b,) tensor (one seed per request). :func:`prompt_event` is the
+  event of a prompt (a hash of its token ids), shared by the vLLM plugin and
+  the Hugging Face ``BlockPoissonPress``.
 - :func:`block_compact` / :func:`block_evict`: the kept blocks packed into a
   padded :class:`~kvcert.fast.types.CompressedCache` (same kept tokens on every
   KV head; the token pi is pi_b).
@@ -34,8 +36,10 @@ block ``j`` draws ``U_j = (mix(k + (j + 1) G) >> 11) * 2**-53`` (all modulo 2**6
 
 from __future__ import annotations
 
+import hashlib
 import numbers
 
+import numpy as np
 import torch
 
 from ._checks import check_nonneg_int, check_probabilities, check_tensor, stat_dtype
@@ -51,6 +55,7 @@ __all__ = [
     "block_importance",
     "block_inclusion_probabilities",
     "block_sample",
+    "prompt_event",
     "expand_blocks",
     "block_keep",
     "block_compact",
@@ -94,6 +99,20 @@ def block_count(n: int, block_size: int) -> int:
 
 
 # ----------------------------------------------------------------------------- the stream
+
+
+def prompt_event(token_ids) -> int:
+    """The stream's event key of a prompt: the first 63 bits of BLAKE2b over its token ids (int64, little endian).
+
+    With the seed it keys the block stream (:func:`block_uniforms`), so a
+    prompt keeps the same blocks whatever the batch, the call order or the
+    engine (the vLLM plugin's scheduler and the Hugging Face
+    ``kvcert.presses.BlockPoissonPress`` both call it), and different prompts
+    draw independent streams. ``token_ids``: any iterable of ints (padding
+    excluded).
+    """
+    data = np.asarray(list(token_ids or ()), dtype="<i8").tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & ((1 << 63) - 1)
 
 
 def _seed_keys(seed, lead: tuple[int, ...], event: int, device) -> torch.Tensor:

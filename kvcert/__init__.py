@@ -30,6 +30,8 @@ _LAZY = {
     # Hugging Face integration
     "load_model": "kvcert.models",
     "PoissonPress": "kvcert.presses",
+    "BlockPoissonPress": "kvcert.presses",
+    "BlockDecision": "kvcert.presses",
     "SnapKVPress": "kvcert.presses",
     "H2OPress": "kvcert.presses",
     "StreamingLLMPress": "kvcert.presses",
@@ -46,6 +48,7 @@ _LAZY = {
     "KVCertCache": "kvcert.cache",
     "generate": "kvcert.generation",
     "prefill": "kvcert.generation",
+    "prefill_context": "kvcert.generation",
     "Prefill": "kvcert.generation",
     "compress_context": "kvcert.generation",
     "answer": "kvcert.generation",

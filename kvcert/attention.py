@@ -124,6 +124,7 @@ class Session:
         self.n_layers = config.get_text_config(decoder=True).num_hidden_layers
         self.cache = None
         self.mask2d: torch.Tensor | None = None
+        self.input_ids: torch.Tensor | None = None
         self.recorder: Recorder | None = self._new_recorder()
         self._real: dict[int, torch.Tensor | None] = {}  # q_len -> the new tokens' real mask of this forward
         self._norms: list[torch.Tensor] = []  # this forward's decode output norms (the NaN check)
@@ -190,10 +191,16 @@ class Session:
         if mask is None and len(args) > 1 and isinstance(args[1], torch.Tensor):
             mask = args[1]
         self.mask2d = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+        ids = kwargs.get("input_ids")
+        if ids is None and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
+            ids = args[0]
+        #: (b, q) token ids of this forward, or None (inputs_embeds): a prefill leaves them on its
+        #: layers (``KVCertLayer.token_ids``) for designs keyed by the prompt (the block design's event)
+        self.input_ids = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
         self._real, self._norms, self._backend = {}, [], None
 
     def end(self) -> None:
-        self.cache, self.mask2d = None, None
+        self.cache, self.mask2d, self.input_ids = None, None, None
 
     def _real_new(self, q_len: int) -> torch.Tensor | None:
         """(b, q_len) bool: which of the new tokens are real (from the 2-D attention mask), or None
@@ -232,6 +239,7 @@ class Session:
 
     def prefill_recorded(self, cache, query_window) -> None:
         """The prefill event on a cache filled by ``kvcert.prefill`` (queries recorded in its layers)."""
+        self.cache = cache  # the press context's carrier (query-agnostic protocol) carries this cache
         for idx, layer in enumerate(cache.layers):
             queries, scale = layer.queries, getattr(layer, "query_scale", None)
             layer.queries = None
@@ -261,6 +269,8 @@ class Session:
                 real = _real_from_4d(attention_mask, key.shape[-2])
             if real is not None:
                 layer.mark_padding(real)
+            ids = self.input_ids
+            layer.token_ids = ids if ids is not None and tuple(ids.shape) == (key.shape[0], key.shape[-2]) else None
             out, weights = BASE_ATTENTION[self.base](module, query, key, value, attention_mask, scaling=scaling,
                                                      dropout=dropout, **kwargs)
             self.prefill(layer, layer_idx, query, scaling)
@@ -288,6 +298,8 @@ class Session:
         takes no pass over V of its own.
         """
         q_len = query.shape[2]
+        if layer.block_size is not None:  # a block eviction: the cluster-sampling certificate
+            return self._decode_blocks(layer, layer_idx, query, scale)
         if self._backend is None:
             self._backend = dispatch.select_backend(query[:, :, 0], **self.options)
         kw = dict(self.options, log_pi=layer.log_weights, scale=scale, validate=False, backend=self._backend)
@@ -308,6 +320,43 @@ class Session:
             else:
                 valid = layer.valid
                 for j in range(q_len):  # query j sees the kept tokens up to its own position
+                    seen = (valid & (layer.positions <= qpos[:, None, j:j + 1])).sum(-1)
+                    self._record(layer_idx, _query_slice(est, j), seen)
+        self._check_finite(layer_idx, est.output, norms)
+        return out
+
+    def _decode_blocks(self, layer: KVCertLayer, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+        r"""The decode of a block-evicted layer: :func:`kvcert.fast.block_hajek_attention`, (b, q, h_q, dv).
+
+        .. math:: \hat o = \sum_{i\in S} a_i v_i,\quad a = \operatorname{softmax}_S(\tau q\cdot k_i - \log\pi_{b(i)}),
+                  \quad \mathrm{trace} = \sum_{b\in S} (1-\pi_b) \Big\lVert \sum_{i\in b} a_i (v_i - \hat o)\Big\rVert^2,
+
+        with block b(i) = position_i // ``layer.block_size`` for the slots with
+        pi < 1; slots with pi = 1 (certain blocks, decoded tokens) are units of
+        their own and contribute 0. The same function the vLLM plugin's
+        backend uses (its Chebyshev fast path is checked against it), on any
+        device (torch; no Triton block kernel yet). A chunk of several queries
+        is causal by the stored positions.
+        """
+        from .fast import block_hajek_attention
+
+        q_len = query.shape[2]
+        kw = dict(self.options, log_pi=layer.log_weights, block_size=layer.block_size, positions=layer.positions,
+                  scale=scale)
+        if q_len == 1:
+            est = block_hajek_attention(query[:, :, 0], layer.keys, layer.values, **kw)
+            out = est.output[:, None]
+        else:
+            qpos = layer.positions[:, 0, -q_len:]
+            est = block_hajek_attention(query, layer.keys, layer.values, query_positions=qpos, **kw)
+            out = est.output.transpose(1, 2)
+        norms = None
+        if self.recorder is not None:
+            if q_len == 1:
+                norms = self._record(layer_idx, est, layer.kept)
+            else:
+                valid = layer.valid
+                for j in range(q_len):
                     seen = (valid & (layer.positions <= qpos[:, None, j:j + 1])).sum(-1)
                     self._record(layer_idx, _query_slice(est, j), seen)
         self._check_finite(layer_idx, est.output, norms)

@@ -11,6 +11,13 @@ with three extra per-slot tensors, modelled on ``DynamicIndexedLayer``:
   (the RoPE position: left padding is not counted), -1 on padding;
 - ``next_position`` (b,): the position the next token of each row takes.
 
+After a block eviction (:class:`kvcert.presses.BlockPoissonPress`) the layer
+also holds ``block_size``: the sampling unit of a slot with pi < 1 is its
+block ``positions // block_size`` (one label per slot, read off the stored
+positions, so no tensor of its own), and decoding uses the block design's
+cluster-sampling certificate. Slots with pi = 1 (certain blocks, tokens
+appended while decoding) are units of their own and contribute no variance.
+
 After an eviction the cache is shorter than the sequence. The layer then
 reports two lengths, as the transformers mask code expects:
 :meth:`get_seq_length` is the *logical* length (tokens seen, the columns of
@@ -64,6 +71,12 @@ class KVCertLayer(DynamicLayer):
         self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         #: the state :meth:`mark` saved (the compressed context of the query-agnostic protocol), or None
         self._mark: tuple | None = None
+        #: tokens per block of a block eviction (the slots' sampling units are ``positions // block_size``),
+        #: or None for the token design (the default; decoding then takes the token path unchanged)
+        self.block_size: int | None = None
+        #: (b, q) token ids of the prefill forward (slot j of the prefill holds token ``token_ids[:, j]``;
+        #: left padding included), kept by the session for designs keyed by the prompt, or None
+        self.token_ids: torch.Tensor | None = None
 
     # -- transformers interface ---------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -165,6 +178,7 @@ class KVCertLayer(DynamicLayer):
         self.is_initialized = False
         self.log_weights = self.positions = self.next_position = self.queries = self.budgets = None
         self.value_center = self.value_sqdist = self._kept = self._mark = None
+        self.block_size = self.token_ids = None
         self._buffers = {}
         self.cumulative_length = self.length_before_update = self.events = self.tokens_since_event = 0
 
@@ -194,6 +208,8 @@ class KVCertLayer(DynamicLayer):
             self.queries = fn(self.queries)
         if self.budgets is not None:
             self.budgets = fn(self.budgets)
+        if self.token_ids is not None:
+            self.token_ids = fn(self.token_ids)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda x: x.index_select(0, beam_idx.to(x.device)))
@@ -326,7 +342,7 @@ class KVCertLayer(DynamicLayer):
 
     # -- the compressed context, shared by several questions (query-agnostic protocol) ------------
     _MARKED = ("keys", "values", "log_weights", "positions", "next_position", "cumulative_length", "events",
-               "tokens_since_event", "budgets", "queries")
+               "tokens_since_event", "budgets", "queries", "block_size")
 
     def mark(self) -> None:
         """Remember the current state, to come back to with :meth:`restore_mark`.

@@ -330,14 +330,26 @@ def prefill(
     -------
     Prefill
     """
-    from .presses import _QueryRecorder
-
     _, prompts = _prompt_list(prompt, "prefilled")
+    _check_query_window(query_window)
+    use_chat = getattr(tokenizer, "chat_template", None) is not None if chat_template is None else chat_template
+    input_ids, attention_mask = _prompt_ids(model, tokenizer, prompts, chat_template, system_prompt)
+    out, cache, elapsed = _recorded_prefill(model, input_ids, attention_mask, query_window, progress)
+    return Prefill(list(prompts), input_ids, attention_mask, out.logits[:, -1].detach(), cache, query_window,
+                   elapsed, bool(use_chat), system_prompt, id(model))
+
+
+def _check_query_window(query_window) -> None:
     if query_window is not None and (isinstance(query_window, bool) or not isinstance(query_window, int)
                                      or query_window < 1):
         raise ValueError(f"query_window must be an int >= 1 or None, got {query_window!r}")
-    use_chat = getattr(tokenizer, "chat_template", None) is not None if chat_template is None else chat_template
-    input_ids, attention_mask = _prompt_ids(model, tokenizer, prompts, chat_template, system_prompt)
+
+
+def _recorded_prefill(model, input_ids, attention_mask, query_window, progress):
+    """One exact forward over the prompt(s), recording the last ``query_window`` queries per layer;
+    returns ``(model output, cache, wall seconds)``."""
+    from .presses import _QueryRecorder
+
     position_ids = _position_ids(attention_mask)
     fwd_kwargs, cache_kw = _forward_kwargs(model)
     recorder = _QueryRecorder(query_window=query_window)
@@ -345,9 +357,7 @@ def prefill(
         t0 = time.perf_counter()
         out = _prefill_forward(model, input_ids, attention_mask, position_ids, fwd_kwargs, progress)
         elapsed = time.perf_counter() - t0
-    cache = getattr(out, cache_kw, None)
-    return Prefill(list(prompts), input_ids, attention_mask, out.logits[:, -1].detach(), cache, query_window,
-                   elapsed, bool(use_chat), system_prompt, id(model))
+    return out, getattr(out, cache_kw, None), elapsed
 
 
 def generate(
@@ -561,6 +571,7 @@ def compress_context(
     enable_thinking: bool = False,
     max_context_length: int | None = None,
     progress: bool | None = False,
+    prefilled: "Prefill | None" = None,
 ) -> CompressedContext:
     """Prefill ``context`` once under ``press`` and keep the compressed cache for questions.
 
@@ -596,50 +607,130 @@ def compress_context(
         kvpress does; default the tokenizer's ``model_max_length``.
     progress : bool
         A progress bar over the layers of the prefill.
+    prefilled : Prefill, optional
+        An exact prefill of the same context from :func:`prefill_context`
+        (same formatting arguments), shared between presses: the press
+        compresses a copy of its cache, so the result equals a call without
+        ``prefilled`` (the prefill is exact attention under every press) while
+        the context is prefilled once. ``prefill_s`` is then the shared
+        prefill's time.
 
     Returns
     -------
     CompressedContext
     """
-    import warnings
-
     from transformers import DynamicCache
 
     from .presses import Press
 
-    if not isinstance(context, str) or not context:
-        raise TypeError("context must be a non-empty str (one context; pass several questions to answer)")
     if press is not None and not isinstance(press, Press):
         raise TypeError(f"press must be a kvcert press (e.g. kvcert.PoissonPress), got {type(press).__name__}")
-    if max_context_length is not None and (isinstance(max_context_length, bool)
-                                           or not isinstance(max_context_length, int) or max_context_length < 1):
-        raise ValueError(f"max_context_length must be an int >= 1, got {max_context_length!r}")
-    text, suffix, use_chat = _context_texts(tokenizer, context, chat_template, system_prompt, enable_thinking)
-    device = next(model.parameters()).device
-    ids = tokenizer.encode(text, return_tensors="pt", add_special_tokens=False)
-    limit = max_context_length or min(int(getattr(tokenizer, "model_max_length", 10**10) or 10**10), 10**10)
-    if ids.shape[1] > limit:
-        warnings.warn(f"kvcert: the context was truncated from {ids.shape[1]} to {limit} tokens", stacklevel=2)
-        ids = ids[:, :limit]
-    ids = ids.to(device)
-    decoder = getattr(model, "base_model", model)
-    _, cache_kw = _forward_kwargs(decoder)
-    cache = DynamicCache()
+    ids, suffix, use_chat = _context_ids(model, tokenizer, context, chat_template, system_prompt, enable_thinking,
+                                         max_context_length)
     scope = press(model) if press is not None else contextlib.nullcontext()
-    bar = _LayerProgress(model, "prefill") if progress else None
-    t0 = time.perf_counter()
-    try:
+    if prefilled is not None:
+        _check_context_prefill(prefilled, model, ids)
         with torch.no_grad(), scope:
-            decoder(input_ids=ids, **{cache_kw: cache})
-    finally:
-        if bar is not None:
-            bar.close()
-    elapsed = time.perf_counter() - t0
+            cache = prefilled._compressed_copy(press)
+        if press is None:  # a plain cache, as compress_context without a press gives
+            plain = DynamicCache()
+            for i, layer in enumerate(cache.layers):
+                plain.update(layer.keys[:, :, :ids.shape[1]], layer.values[:, :, :ids.shape[1]], i)
+            cache = plain
+        elapsed = prefilled.prefill_s
+    else:
+        decoder = getattr(model, "base_model", model)
+        _, cache_kw = _forward_kwargs(decoder)
+        cache = DynamicCache()
+        bar = _LayerProgress(model, "prefill") if progress else None
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad(), scope:
+                decoder(input_ids=ids, **{cache_kw: cache})
+        finally:
+            if bar is not None:
+                bar.close()
+        elapsed = time.perf_counter() - t0
     carrier = getattr(scope, "carrier", None)
     if press is not None and carrier is None:
         raise RuntimeError("kvcert: the press left no compressed cache to answer over")
     return CompressedContext(context, ids, suffix, cache, press, elapsed, use_chat, system_prompt,
                              enable_thinking, id(model), carrier)
+
+
+def _context_ids(model, tokenizer, context, chat_template, system_prompt, enable_thinking, max_context_length):
+    """``(ids (1, n) on the model's device, question suffix, chat template used)`` of a context, formatted
+    as kvpress's pipeline formats it (:func:`_context_texts`), cut to ``max_context_length`` tokens."""
+    import warnings
+
+    if not isinstance(context, str) or not context:
+        raise TypeError("context must be a non-empty str (one context; pass several questions to answer)")
+    if max_context_length is not None and (isinstance(max_context_length, bool)
+                                           or not isinstance(max_context_length, int) or max_context_length < 1):
+        raise ValueError(f"max_context_length must be an int >= 1, got {max_context_length!r}")
+    text, suffix, use_chat = _context_texts(tokenizer, context, chat_template, system_prompt, enable_thinking)
+    ids = tokenizer.encode(text, return_tensors="pt", add_special_tokens=False)
+    limit = max_context_length or min(int(getattr(tokenizer, "model_max_length", 10**10) or 10**10), 10**10)
+    if ids.shape[1] > limit:
+        warnings.warn(f"kvcert: the context was truncated from {ids.shape[1]} to {limit} tokens", stacklevel=3)
+        ids = ids[:, :limit]
+    return ids.to(next(model.parameters()).device), suffix, use_chat
+
+
+def _check_context_prefill(prefilled, model, ids) -> None:
+    if not isinstance(prefilled, Prefill):
+        raise TypeError(f"prefilled must be a kvcert.Prefill from kvcert.prefill_context, got "
+                        f"{type(prefilled).__name__}")
+    if prefilled.model_id != id(model):
+        raise ValueError("prefilled was made with another model")
+    same = prefilled.input_ids.shape == ids.shape and bool((prefilled.input_ids == ids.to(
+        prefilled.input_ids.device)).all())
+    if not same:
+        raise ValueError("prefilled is not a prefill of this context as compress_context formats it: make it "
+                         "with kvcert.prefill_context(model, tokenizer, context, ...) and the same chat_template, "
+                         "system_prompt, enable_thinking and max_context_length")
+
+
+def prefill_context(
+    model,
+    tokenizer,
+    context: str,
+    *,
+    query_window: int | None = 64,
+    chat_template: bool | None = None,
+    system_prompt: str | None = None,
+    enable_thinking: bool = False,
+    max_context_length: int | None = None,
+    progress: bool | None = False,
+) -> Prefill:
+    """The exact prefill of a context, once, for :func:`compress_context` under several presses.
+
+    The context is formatted as :func:`compress_context` formats it (kvpress's
+    pipeline); the result goes to ``compress_context(..., prefilled=...)``:
+
+    >>> state = kvcert.prefill_context(model, tok, document)                                # doctest: +SKIP
+    >>> for press in (kvcert.PoissonPress(compression_ratio=0.5), kvcert.SnapKVPress(compression_ratio=0.5)):
+    ...     ctx = kvcert.compress_context(model, tok, document, press=press, prefilled=state)  # doctest: +SKIP
+    ...     print(kvcert.answer(model, tok, ctx, "Who wrote it?").text)                       # doctest: +SKIP
+
+    Parameters
+    ----------
+    model, tokenizer, context, chat_template, system_prompt, enable_thinking, max_context_length, progress
+        As in :func:`compress_context`.
+    query_window : int >= 1 or None
+        As in :func:`prefill`.
+
+    Returns
+    -------
+    Prefill
+        Of the one formatted context (``prompts == [context]``).
+    """
+    _check_query_window(query_window)
+    ids, _, use_chat = _context_ids(model, tokenizer, context, chat_template, system_prompt, enable_thinking,
+                                    max_context_length)
+    out, cache, elapsed = _recorded_prefill(model, ids, torch.ones_like(ids), query_window, progress)
+    return Prefill([context], ids, torch.ones_like(ids), out.logits[:, -1].detach(), cache, query_window, elapsed,
+                   bool(use_chat), system_prompt, id(model))
 
 
 def _stop_ids(model, tokenizer) -> set[int]:

@@ -151,3 +151,21 @@ def forced_logits(model, ids, cont, press=None, mask=None):
             cache = _cache_of(out)
             logits.append(out.logits[:, -1])
     return torch.stack(logits, dim=1), cache
+
+
+def spy_block_hajek(monkeypatch):
+    """Record the inputs and the estimate of every kvcert.fast.block_hajek_attention call (block-design decodes)."""
+    import kvcert.fast
+
+    calls = []
+    original = kvcert.fast.block_hajek_attention
+
+    def spy(q, keys, values, pi=None, **kw):
+        est = original(q, keys, values, pi, **kw)
+        calls.append({"q": q.clone(), "keys": keys.clone(), "values": values.clone(),
+                      "log_pi": kw["log_pi"].clone(), "positions": kw["positions"].clone(),
+                      "block_size": kw["block_size"], "scale": kw["scale"], "kw": dict(kw), "estimate": est})
+        return est
+
+    monkeypatch.setattr(kvcert.fast, "block_hajek_attention", spy)
+    return calls

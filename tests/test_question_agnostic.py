@@ -148,6 +148,38 @@ def test_two_questions_equal_separate_runs_and_repeat(tiny):
     _same_result(both[0], again)
 
 
+def test_shared_context_prefill_equals_compressing_from_scratch(tiny):
+    """``prefill_context`` once, then ``compress_context(..., prefilled=)`` per press: the press compresses
+    a copy of the exact prefill, so every press gives what a prefill of its own gives, bit for bit, and
+    the shared prefill is left untouched for the next press."""
+    state = kvcert.prefill_context(tiny, TOK, CONTEXT)
+    for press in (None, _press(seed=7), kvcert.SnapKVPress(compression_ratio=0.5, window=4)):
+        shared = kvcert.compress_context(tiny, TOK, CONTEXT, press=press, prefilled=state)
+        alone = kvcert.compress_context(tiny, TOK, CONTEXT, press=press)
+        a = kvcert.answer(tiny, TOK, shared, QUESTIONS, max_new_tokens=NEW, stop_at_eos=False)
+        b = kvcert.answer(tiny, TOK, alone, QUESTIONS, max_new_tokens=NEW, stop_at_eos=False)
+        if press is None:
+            assert a.token_ids == b.token_ids and a.certificates is None
+            assert all(torch.allclose(x, y, rtol=0, atol=1e-5) for x, y in zip(a.logprobs, b.logprobs))
+        else:
+            for x, y in zip(a.rows(), b.rows()):
+                _same_result(x, y)
+        if press is not None and press.compresses:
+            assert shared.kept() is not None and torch.equal(shared.kept(), alone.kept())
+            assert int(shared.kept().max()) < shared.context_tokens
+    assert all(layer.keys.shape[-2] == state.input_ids.shape[1] for layer in state.cache.layers)
+
+
+def test_shared_context_prefill_must_match_the_context(tiny):
+    state = kvcert.prefill_context(tiny, TOK, CONTEXT)
+    with pytest.raises(ValueError, match="prefill_context"):
+        kvcert.compress_context(tiny, TOK, CONTEXT + "more", press=_press(), prefilled=state)
+    with pytest.raises(TypeError, match="prefilled must be a kvcert.Prefill"):
+        kvcert.compress_context(tiny, TOK, CONTEXT, press=_press(), prefilled="state")
+    with pytest.raises(ValueError, match="query_window"):
+        kvcert.prefill_context(tiny, TOK, CONTEXT, query_window=0)
+
+
 def test_question_and_answer_never_compressed(tiny):
     """After an answer every layer holds the compressed context (one eviction event: the context's)
     plus every question and answer token with pi = 1, at positions n, n + 1, ... ."""

@@ -31,7 +31,6 @@ tokens after the resumption, flagged ``preempted`` in the report).
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import defaultdict
 
@@ -39,22 +38,11 @@ import numpy as np
 import torch
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from kvcert.fast import block_inclusion_probabilities, block_sample
+from kvcert.fast import block_inclusion_probabilities, block_sample, prompt_event
 
 from .config import KVCertConfig, check_vllm_config
 
 __all__ = ["CertifiedScheduler", "prompt_event"]
-
-
-def prompt_event(token_ids) -> int:
-    """The stream's event key of a prompt: the first 63 bits of BLAKE2b over its token ids (int64, little endian).
-
-    With the seed it keys the block stream, so a prompt keeps the same blocks
-    whatever the batch, the call order or the engine, and different prompts
-    draw independent streams.
-    """
-    data = np.asarray(list(token_ids or ()), dtype="<i8").tobytes()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & ((1 << 63) - 1)
 
 
 class CertifiedScheduler(Scheduler):
