@@ -1,7 +1,7 @@
 """The block-level (cluster) design, batched (torch): whole blocks of ``block_size`` tokens are sampled.
 
 Torch twin of ``kvcert.reference.blocks`` (DESIGN.md section 7, derivation in
-docs/theory_blocks.md). A paged engine stores K/V in blocks that hold every
+docs/theory.md section 7). A paged engine stores K/V in blocks that hold every
 head of a layer, and one block table serves all layers, so the block choice
 is one per *sequence*: shapes are (b, n_blocks) for the design, and the same
 kept blocks are applied to every layer and KV head of a batch row.

@@ -809,7 +809,7 @@ class BlockPoissonPress(Press):
     inclusion probabilities pi_b is drawn per batch row and applied to every
     layer and KV head; every token of a kept block carries the offset
     :math:`-\log\pi_b`, and decoding reports the cluster-sampling certificate
-    (DESIGN.md section 7, docs/theory_blocks.md):
+    (DESIGN.md section 7, docs/theory.md section 7):
 
     .. math::
 

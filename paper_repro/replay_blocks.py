@@ -6,7 +6,7 @@ serving engine can free memory with: whole blocks of ``block_size`` tokens
 sampled with known pi_b, **the same blocks for every layer and KV head** of
 the sequence (one block table), every token of a kept block offset by
 -log pi_b, and the cluster-sampling certificate
-(:func:`kvcert.fast.block_hajek_attention`; docs/theory_blocks.md).
+(:func:`kvcert.fast.block_hajek_attention`; docs/theory.md section 7).
 
 Equal expected memory: at kept fraction f of the prefix of L tokens, the token
 design keeps f L tokens per KV head in expectation (``paper``: Table 2's

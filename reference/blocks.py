@@ -4,7 +4,7 @@ Paged serving engines (vLLM, SGLang, FlashInfer) store K/V in blocks of
 ``block_size`` consecutive tokens that hold every head of a layer, and one
 block table serves all layers of a KV-cache group: only whole blocks can be
 freed. This module is the float64 NumPy oracle of the block design of
-DESIGN.md section 7 (derivation: docs/theory_blocks.md), one query head at a
+DESIGN.md section 7 (derivation: docs/theory.md section 7), one query head at a
 time, written to be read beside the token design of :mod:`.design` and
 :mod:`.estimators`:
 
@@ -401,7 +401,7 @@ def block_hajek_attention(q, keys, values, pi, *, block_size: int, positions=Non
     differs: a block is sampled as a whole, so the linearized error
     :math:`Z^{-1}\sum_b (I_b/\pi_b - 1) \sum_{i\in b} e^{s_i}(v_i - o)` is a sum
     over independent *blocks*, and its HT variance estimate keeps the
-    cross-products of the tokens of a block (docs/theory_blocks.md).
+    cross-products of the tokens of a block (docs/theory.md section 7.4).
 
     The other fields follow the same cluster form:
     ``n_eff`` = 1 / sum_b A_b^2 (effective number of *blocks*, A_b = sum_{i in b} a_i; certain tokens count
