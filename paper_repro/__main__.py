@@ -123,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="torch device for the model (default cpu)")
     p.add_argument("--suite-examples", type=int, help="examples per task in T3/T4 (default 16, full 40)")
     p.add_argument("--suite-context", type=int, help="prompt length in tokens in T3 (default 768, full 2048)")
+    p.add_argument("--suite-batch", type=int, help="examples decoded together in T3's query-aware runs (default 8)")
+    p.add_argument("--protocols", default=None,
+                   help="T3/T4 protocols, comma-separated: query-aware (the paper's), query-agnostic (kvpress's "
+                        "pipeline) (default: query-aware in quick mode, both in full mode)")
+    p.add_argument("--kvpress", default="SnapKVPress",
+                   help="kvpress presses run as T3 baselines when kvpress is installed, comma-separated class "
+                        "names, or 'none' (default SnapKVPress)")
     p.add_argument("--no-docs", action="store_true", help="do not rewrite docs/results.md")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
@@ -132,12 +139,17 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         budgets = tuple(float(b) for b in args.budgets.split(","))
+        protocols = None if args.protocols is None else tuple(p.strip() for p in args.protocols.split(",")
+                                                              if p.strip())
+        kvpress = () if args.kvpress.strip().lower() == "none" else tuple(
+            k.strip() for k in args.kvpress.split(",") if k.strip())
         cfg = Config(quick=not args.full, seed=args.seed, out=args.out, budgets=budgets,
-                     progress=not args.no_progress, model=args.model, device=args.device)
+                     progress=not args.no_progress, model=args.model, device=args.device, protocols=protocols,
+                     kvpress=kvpress)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for name in ("cells", "draws", "n", "context", "suite_examples", "suite_context"):
+    for name in ("cells", "draws", "n", "context", "suite_examples", "suite_context", "suite_batch"):
         value = getattr(args, name)
         if value is not None:
             if value < 1:

@@ -34,6 +34,14 @@ class Config:
     # synthetic suites on the real model (T3)
     suite_examples: int = 16
     suite_context: int = 768
+    #: examples decoded together (left-padded batch) in the query-aware runs
+    suite_batch: int = 8
+    #: protocols of T3/T4: "query-aware" (the paper's: the question is compressed with the context) and
+    #: "query-agnostic" (kvpress's pipeline: the context compressed once, the question not compressed);
+    #: None = query-aware in quick mode, both in full mode
+    protocols: tuple | None = None
+    #: kvpress presses run as baselines in T3 when kvpress is installed (class names in kvpress)
+    kvpress: tuple = ("SnapKVPress",)
 
     # synthetic attention (T1, T2a)
     n: int = 1024
@@ -47,6 +55,16 @@ class Config:
             self.cells, self.draws = 200, 500
             self.context = 4096
             self.suite_examples, self.suite_context = 40, 2048
+        if self.protocols is None:
+            self.protocols = ("query-aware",) if self.quick else ("query-aware", "query-agnostic")
+        self.protocols = tuple(self.protocols)
+        bad = [p for p in self.protocols if p not in ("query-aware", "query-agnostic")]
+        if bad or not self.protocols:
+            raise ValueError(f"protocols must be a non-empty subset of ('query-aware', 'query-agnostic'), got "
+                             f"{self.protocols!r}")
+        if isinstance(self.suite_batch, bool) or not isinstance(self.suite_batch, int) or self.suite_batch < 1:
+            raise ValueError(f"suite_batch must be an int >= 1, got {self.suite_batch!r}")
+        self.kvpress = tuple(self.kvpress)
         self.out = Path(self.out)
         for b in self.budgets:
             if not 0 < b <= 1:

@@ -112,11 +112,12 @@ def roc_points(scores, positive):
 def roc(records: list, path: Path) -> Path:
     """ROC curves of the certificate and of output confidence: failure prediction
     (left, every PoissonPress run) and attribution (right, failed runs:
-    cache-induced vs inherent)."""
+    cache-induced vs inherent), on the query-aware runs (the paper's protocol)."""
     from .claims import attribution_scores
-    from .suites import auc
+    from .suites import QUERY_AWARE, auc, protocol_of
 
     plt = _plt()
+    records = [r for r in records if protocol_of(r) == QUERY_AWARE] or records
     runs = [r for r in records if r["method"] == "poisson"]
     failed = np.array([not r["correct"] for r in runs])
     cert = np.array([r["cert"] for r in runs], dtype=float)

@@ -71,10 +71,12 @@ def summary(results: dict, cfg: Config, raw: dict | None = None) -> dict:
         }
     t3 = results.get("T3")
     if t3 is not None:
-        aucs = [r["auc_certificate"] for r in t3.rows if np.isfinite(r["auc_certificate"])]
-        conf = [r["auc_confidence"] for r in t3.rows if np.isfinite(r["auc_confidence"])]
+        first = t3.rows[0].get("protocol") if t3.rows else None  # the summary is the first protocol's
+        rows3 = [r for r in t3.rows if r.get("protocol") == first]
+        aucs = [r["auc_certificate"] for r in rows3 if np.isfinite(r["auc_certificate"])]
+        conf = [r["auc_confidence"] for r in rows3 if np.isfinite(r["auc_confidence"])]
         out["synthetic_failure_auc_mean"] = float(np.mean(aucs)) if aucs else None
-        out["synthetic_failure_auc"] = {"cells_defined": len(aucs), "cells": len(t3.rows),
+        out["synthetic_failure_auc"] = {"protocol": first, "cells_defined": len(aucs), "cells": len(rows3),
                                         "above_half": int(sum(a > 0.5 for a in aucs)),
                                         "confidence_auc_mean": float(np.mean(conf)) if conf else None}
     t4 = (raw or {}).get("T4")
@@ -82,7 +84,10 @@ def summary(results: dict, cfg: Config, raw: dict | None = None) -> dict:
         for key in ("attribution_auc", "attribution_auc_confidence", "recompute_gain_points"):
             out[key] = t4.get(key)
     if "T4" in results:
-        out["claims"] = {r["claim"]: r["holds_here"] for r in results["T4"].rows}
+        rows4 = results["T4"].rows
+        first = rows4[0].get("protocol") if rows4 else None  # the first protocol's claims under their own keys
+        out["claims"] = {r["claim"] + ("" if r.get("protocol") == first else f" ({r.get('protocol')})"):
+                         r["holds_here"] for r in rows4}
     t1b = results.get("T1b")
     if t1b is not None:
         out["impossibility_real"] = {"caches": len({(r["layer"], r["kv_head"]) for r in t1b.rows}),

@@ -2,8 +2,18 @@
 
 Each example is answered with the full cache, with PoissonPress and with the
 deterministic SnapKV press at every budget (greedy decoding, raw completion:
-the prompts end with the answer's lead-in, so no chat template). A Poisson
-run's failure (wrong answer) is predicted from what the serving system sees:
+the prompts end with the answer's lead-in, so no chat template), under one or
+both protocols:
+
+- query-aware (the paper's): the whole prompt, question included, is
+  prefilled and compressed (``kvcert.generate``);
+- query-agnostic (kvpress's pipeline): the context is compressed once and the
+  question and the answer's lead-in attend over it uncompressed
+  (``kvcert.compress_context`` + ``kvcert.answer``).
+
+Where kvpress is installed (the kvpress venv), kvpress's own presses run
+beside them as baselines, decoded as kvpress decodes. A Poisson run's
+failure (wrong answer) is predicted from what the serving system sees:
 
 - the certificate: mean relative radius over the decoding steps, layers and
   query heads of the run (``GenerationResult.certificates``);
@@ -45,65 +55,198 @@ def auc(scores, failed) -> float:
     return float((greater + 0.5 * ties) / (pos.size * neg.size))
 
 
-def _run(model, tokenizer, example, press, state, *, chunk=None):
-    import kvcert
+QUERY_AWARE, QUERY_AGNOSTIC = "query-aware", "query-agnostic"
 
-    r = kvcert.generate(model, tokenizer, example.prompt, press=press, max_new_tokens=MAX_NEW_TOKENS,
-                        chat_template=False, prefilled=state, prefill_chunk=chunk)
+
+def _cert_conf(r, press, *, agnostic: bool = False) -> tuple[float, float]:
+    """(certificate score, confidence score) of one single-prompt result (module docstring)."""
     lp = np.asarray(r.logprobs, dtype=float).ravel()
     cert = float("nan")
     if r.certificates is not None and press is not None:
-        # every certified query: the prompt's after the first chunk (streaming) and the decoding steps
-        # (step 0 is the exact prefill, or with chunks the last prompt query, already counted)
+        # every certified query: query-aware, the decoding steps (step 0 is the exact prefill, or with
+        # chunks the last prompt query, already counted) and the streamed prompt's queries; query-agnostic,
+        # the question's queries and the decoding steps (all over the compressed context)
         rel = [r.certificates.relative_radius[1:].flatten()]
         if r.prompt_certificates is not None:
             rel.append(r.prompt_certificates.relative_radius.flatten())
         rel = torch.cat(rel)
         cert = float(rel.float().mean()) if rel.numel() else float("nan")
-    return bool(example.score(r.text)), cert, float(-lp.mean()) if lp.size else float("nan")
+    return cert, float(-lp.mean()) if lp.size else float("nan")
+
+
+def _run(model, tokenizer, examples, press, state, *, chunk=None) -> list[tuple]:
+    """Query-aware runs of a batch of examples under one press: ``(correct, cert, conf)`` per example."""
+    import kvcert
+
+    r = kvcert.generate(model, tokenizer, [e.prompt for e in examples], press=press,
+                        max_new_tokens=MAX_NEW_TOKENS, chat_template=False, prefilled=state, prefill_chunk=chunk)
+    return [(bool(e.score(row.text)),) + _cert_conf(row, press) for e, row in zip(examples, r.rows())]
+
+
+def _run_agnostic(model, tokenizer, example, press, state) -> tuple:
+    """One query-agnostic run: the context compressed by ``press`` (from the shared context prefill
+    ``state``), then the question and the answer's lead-in over it, uncompressed."""
+    import kvcert
+
+    ctx = kvcert.compress_context(model, tokenizer, example.context, press=press, chat_template=False,
+                                  prefilled=state)
+    r = kvcert.answer(model, tokenizer, ctx, example.question, answer_prefix=example.answer_prefix,
+                      max_new_tokens=MAX_NEW_TOKENS)
+    return (bool(example.score(r.text)),) + _cert_conf(r, press, agnostic=True)
+
+
+def kvpress_available() -> bool:
+    """Whether kvpress is importable (its baselines need transformers < 5.3: the kvpress venv)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("kvpress")
+    return spec is not None and spec.origin is not None
+
+
+def kvpress_press(name: str, budget: float):
+    """kvpress's press ``name`` (a class of the kvpress package) keeping ``budget`` of the tokens."""
+    import kvpress
+
+    cls = getattr(kvpress, name, None)
+    if cls is None:
+        raise ValueError(f"kvpress has no press named {name!r}")
+    return cls(compression_ratio=1.0 - budget)
+
+
+_PIPELINES: dict = {}
+
+
+def _kvpress_run(model, tokenizer, example, press, protocol: str) -> tuple:
+    """One run of a kvpress press, decoded as kvpress decodes: plain attention over the compressed cache.
+
+    Query-agnostic: kvpress's own pipeline (``kv-press-text-generation``; the context compressed, the
+    question and ``answer_prefix`` not), formatted without the chat template as kvcert's runs.
+    Query-aware: the whole prompt prefilled under ``with press(model):`` (kvpress compresses each layer
+    after its prefill), then the greedy loop of kvpress's pipeline outside the press context.
+    Certificate and confidence scores are NaN (kvpress has neither)."""
+    from transformers import DynamicCache, pipeline
+
+    from kvcert.generation import encode_prompts
+
+    if protocol == QUERY_AGNOSTIC:
+        template = tokenizer.chat_template
+        tokenizer.chat_template = None  # kvpress formats without a template when the tokenizer has none
+        try:
+            if _PIPELINES.get("model") is not model:  # one pipeline per model (building one is slow)
+                _PIPELINES.update(model=model, pipe=pipeline("kv-press-text-generation", model=model,
+                                                             tokenizer=tokenizer))
+            text = _PIPELINES["pipe"](example.context, question=example.question, answer_prefix=example.answer_prefix,
+                        press=press, max_new_tokens=MAX_NEW_TOKENS)["answer"]
+        finally:
+            tokenizer.chat_template = template
+        return bool(example.score(text)), float("nan"), float("nan")
+    ids, _ = encode_prompts(tokenizer, [example.prompt], chat_template=False)
+    ids = ids.to(model.device)
+    n = ids.shape[1]
+    cache = DynamicCache()
+    stop = model.generation_config.eos_token_id
+    stop = set(stop if isinstance(stop, list) else [stop])
+    tokens = []
+    with torch.no_grad():
+        with press(model):
+            out = model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
+        for step in range(MAX_NEW_TOKENS):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            if tokens[-1] in stop or step == MAX_NEW_TOKENS - 1:
+                break
+            out = model(input_ids=torch.tensor([[tokens[-1]]], device=ids.device), past_key_values=cache,
+                        position_ids=torch.tensor([[n + step]], device=ids.device), logits_to_keep=1)
+    return bool(example.score(tokenizer.decode(tokens, skip_special_tokens=True))), float("nan"), float("nan")
+
+
+def _prompt_tokens(tokenizer, example) -> int:
+    """Tokens of an example's query-aware prompt (as ``kvcert.generate(..., chat_template=False)`` encodes it)."""
+    return len(tokenizer(example.prompt)["input_ids"])
+
+
+def _batches(examples: list, size: int, tokenizer) -> list[list[int]]:
+    """Indices of ``examples`` in batches of ``size``, by prompt length (little padding)."""
+    lengths = [_prompt_tokens(tokenizer, e) for e in examples]
+    order = sorted(range(len(examples)), key=lambda i: (lengths[i], i))
+    return [order[i:i + size] for i in range(0, len(order), size)]
 
 
 def collect(cfg: Config, model, tokenizer) -> list[dict]:
-    """Every run of the suites: one record per (task, example, method, budget).
+    """Every run of the suites: one record per (protocol, task, example, method, budget).
 
-    Each example is prefilled once (``kvcert.prefill``; exact under every
-    press) and decoded with the full cache, then with PoissonPress and
-    SnapKVPress at every budget from copies of that prefill.
-    With budget ``STREAM_BUDGET`` among the budgets, each example is also
-    run once with streaming compression (method "poisson_stream": the prompt
-    in chunks of ``STREAM_CHUNK`` tokens, PoissonPress compressing back to
-    the budget after each; no shared prefill).
-    Record: ``task, example, method`` ("full", "poisson", "snapkv", "poisson_stream"),
-    ``budget`` (1.0 for full), ``correct``, ``cert`` (mean relative radius,
-    NaN without certificates), ``conf`` (minus the mean log-probability).
+    Query-aware (the paper's protocol; the question is compressed with the
+    context): examples are run in left-padded batches of ``cfg.suite_batch``
+    (sorted by prompt length); each batch is prefilled once
+    (``kvcert.prefill``; exact under every press) and decoded with the full
+    cache, then with PoissonPress and SnapKVPress at every budget from
+    copies of that prefill. With budget ``STREAM_BUDGET`` among the budgets,
+    each batch is also run once with streaming compression (method
+    "poisson_stream": the prompt in chunks of ``STREAM_CHUNK`` tokens,
+    PoissonPress compressing back to ``STREAM_BUDGET`` x the batch's mean
+    prompt length after each chunk; no shared prefill).
+
+    Query-agnostic (kvpress's pipeline): each example's context is prefilled
+    once (``kvcert.prefill_context``), compressed by each press
+    (``kvcert.compress_context``), and the question and the answer's lead-in
+    are answered over it uncompressed (``kvcert.answer``).
+
+    Under both, with kvpress installed, each press of ``cfg.kvpress`` runs
+    at every budget as kvpress runs it (method "kvpress:<name>").
+
+    Record: ``protocol, task, example, method`` ("full", "poisson", "snapkv",
+    "poisson_stream", "kvpress:<name>"), ``budget`` (1.0 for full),
+    ``correct``, ``cert`` (mean relative radius, NaN without certificates),
+    ``conf`` (minus the mean log-probability).
     """
     import kvcert
 
     tasks = QUICK_TASKS if cfg.quick else NEEDLE_SUITE + RULER_SUITE
-    jobs = [(t, i, e) for t in tasks
-            for i, e in enumerate(make_examples(t, cfg.suite_examples, context_tokens=cfg.suite_context,
-                                                seed=cfg.seed, tokenizer=tokenizer))]
+    examples = {t: make_examples(t, cfg.suite_examples, context_tokens=cfg.suite_context, seed=cfg.seed,
+                                 tokenizer=tokenizer) for t in tasks}
+    baselines = cfg.kvpress if kvpress_available() else ()
     records = []
 
-    def add(task, i, method, budget, out):
-        records.append(dict(task=task, example=i, method=method, budget=budget, correct=out[0], cert=out[1],
-                            conf=out[2]))
+    def add(protocol, task, i, method, budget, out):
+        records.append(dict(protocol=protocol, task=task, example=i, method=method, budget=budget,
+                            correct=out[0], cert=out[1], conf=out[2]))
 
-    for task, i, ex in progress(jobs, desc="T3/T4 synthetic suites", enabled=cfg.progress):
-        state = kvcert.prefill(model, tokenizer, ex.prompt, chat_template=False)
-        add(task, i, "full", 1.0, _run(model, tokenizer, ex, None, state))
+    jobs = []
+    if QUERY_AWARE in cfg.protocols:
+        jobs += [(QUERY_AWARE, t, b) for t in tasks for b in _batches(examples[t], cfg.suite_batch, tokenizer)]
+    if QUERY_AGNOSTIC in cfg.protocols:
+        jobs += [(QUERY_AGNOSTIC, t, [i]) for t in tasks for i in range(len(examples[t]))]
+    bar = progress(jobs, desc="T3/T4 synthetic suites", enabled=cfg.progress)
+    for protocol, task, idx in bar:
+        exs = [examples[task][i] for i in idx]
+        if protocol == QUERY_AWARE:
+            def runs(press, state, **kw):
+                return zip(idx, _run(model, tokenizer, exs, press, state, **kw))
+
+            state = kvcert.prefill(model, tokenizer, [e.prompt for e in exs], chat_template=False)
+        else:
+            def runs(press, state, **kw):
+                return [(idx[0], _run_agnostic(model, tokenizer, exs[0], press, state))]
+
+            state = kvcert.prefill_context(model, tokenizer, exs[0].context, chat_template=False)
+        for i, out in runs(None, state):
+            add(protocol, task, i, "full", 1.0, out)
         for b in cfg.budgets:
             ratio = 1.0 - b
-            add(task, i, "poisson", b, _run(model, tokenizer, ex, kvcert.PoissonPress(compression_ratio=ratio,
-                                                                                     seed=cfg.seed), state))
-            add(task, i, "snapkv", b, _run(model, tokenizer, ex, kvcert.SnapKVPress(compression_ratio=ratio),
-                                           state))
-        if STREAM_BUDGET in cfg.budgets:
-            n = int(state.attention_mask.sum())
+            for method, press in (("poisson", kvcert.PoissonPress(compression_ratio=ratio, seed=cfg.seed)),
+                                  ("snapkv", kvcert.SnapKVPress(compression_ratio=ratio))):
+                for i, out in runs(press, state):
+                    add(protocol, task, i, method, b, out)
+            for name in baselines:
+                for i, ex in zip(idx, exs):
+                    add(protocol, task, i, f"kvpress:{name}", b,
+                        _kvpress_run(model, tokenizer, ex, kvpress_press(name, b), protocol))
+        del state
+        if protocol == QUERY_AWARE and STREAM_BUDGET in cfg.budgets:
+            n = float(np.mean([_prompt_tokens(tokenizer, e) for e in exs]))
             press = kvcert.DecodingPress(kvcert.PoissonPress(target_size=max(1, round(STREAM_BUDGET * n)),
                                                              seed=cfg.seed), compression_interval=STREAM_CHUNK)
-            add(task, i, "poisson_stream", STREAM_BUDGET, _run(model, tokenizer, ex, press, None,
-                                                               chunk=STREAM_CHUNK))
+            for i, out in runs(press, None, chunk=STREAM_CHUNK):
+                add(protocol, task, i, "poisson_stream", STREAM_BUDGET, out)
     return records
 
 
@@ -113,38 +256,58 @@ def select(records, **match) -> list[dict]:
     return sorted(out, key=lambda r: (r["task"], r["example"]))
 
 
+def _acc(runs) -> float:
+    return float(np.mean([r["correct"] for r in runs])) if runs else float("nan")
+
+
+def protocol_of(record: dict) -> str:
+    """A record's protocol (records made before protocols existed are query-aware)."""
+    return record.get("protocol", QUERY_AWARE)
+
+
 def table(records: list[dict], cfg: Config) -> Table:
-    """Table 3 from the records of :func:`collect`."""
+    """Table 3 from the records of :func:`collect`: one row per (protocol, task, budget)."""
+    protocols = list(dict.fromkeys(protocol_of(r) for r in records))
     tasks = list(dict.fromkeys(r["task"] for r in records))
     budgets = sorted({r["budget"] for r in records if r["method"] != "full"})
+    baselines = sorted({r["method"] for r in records if r["method"].startswith("kvpress:")})
     rows = []
-    for task in tasks:
-        full = select(records, task=task, method="full")
-        for b in budgets:
-            po = select(records, task=task, method="poisson", budget=b)
-            sn = select(records, task=task, method="snapkv", budget=b)
-            st = select(records, task=task, method="poisson_stream", budget=b)
-            failed = [not r["correct"] for r in po]
-            rows.append(dict(
-                task=task, budget=b, examples=len(po),
-                acc_full=float(np.mean([r["correct"] for r in full])),
-                acc_poisson=float(np.mean([r["correct"] for r in po])),
-                acc_snapkv=float(np.mean([r["correct"] for r in sn])),
-                acc_poisson_streaming=float(np.mean([r["correct"] for r in st])) if st else float("nan"),
-                failures=int(sum(failed)),
-                auc_certificate=auc([r["cert"] for r in po], failed),
-                auc_confidence=auc([r["conf"] for r in po], failed),
-            ))
+    for protocol in protocols:
+        mine = [r for r in records if protocol_of(r) == protocol]
+        for task in tasks:
+            full = select(mine, task=task, method="full")
+            for b in budgets:
+                po = select(mine, task=task, method="poisson", budget=b)
+                st = select(mine, task=task, method="poisson_stream", budget=b)
+                failed = [not r["correct"] for r in po]
+                row = dict(protocol=protocol, task=task, budget=b, examples=len(po), acc_full=_acc(full),
+                           acc_poisson=_acc(po), acc_snapkv=_acc(select(mine, task=task, method="snapkv", budget=b)))
+                for m in baselines:
+                    row["acc_" + m.replace(":", "_")] = _acc(select(mine, task=task, method=m, budget=b))
+                row.update(acc_poisson_streaming=_acc(st), failures=int(sum(failed)),
+                           auc_certificate=auc([r["cert"] for r in po], failed),
+                           auc_confidence=auc([r["conf"] for r in po], failed))
+                rows.append(row)
     count, ctx = cfg.suite_examples, cfg.suite_context
     notes = [
         f"{count} seeded examples per task at about {ctx} tokens of pydoc text, greedy decoding of "
         f"{MAX_NEW_TOKENS} tokens, exact match (every expected answer in the output). PoissonPress: the "
         "paper's design (sinks 4, window 32, top half of the free budget, SnapKV importance, floor 0.1), "
-        "seed as configured; SnapKVPress keeps the same expected number of tokens. One exact prefill per "
-        "example is shared by all its runs (`kvcert.prefill`; the prefill is exact under every press, so "
-        "this changes no result).",
-        f"acc_poisson_streaming (budget {STREAM_BUDGET:g} only): the prompt arrives in chunks of {STREAM_CHUNK} "
-        "tokens and PoissonPress compresses the cache back to the budget after each chunk (no shared prefill).",
+        "seed as configured; SnapKVPress keeps the same expected number of tokens.",
+        "protocol query-aware (the paper's): the whole prompt, question included, is prefilled and compressed; "
+        f"examples run in left-padded batches of up to {cfg.suite_batch} (sorted by length), one exact prefill "
+        "per batch shared by all its runs (`kvcert.prefill`; the prefill is exact under every press). "
+        "protocol query-agnostic (kvpress's pipeline): the context alone (BOS + text before the question) is "
+        "compressed, once per example (`kvcert.prefill_context` + `kvcert.compress_context`); the question, "
+        "a newline and the answer's lead-in are prefilled over it uncompressed (`kvcert.answer`). Both without "
+        "the chat template.",
+        f"acc_poisson_streaming (query-aware, budget {STREAM_BUDGET:g} only): the prompt arrives in chunks of "
+        f"{STREAM_CHUNK} tokens and PoissonPress compresses the cache back to {STREAM_BUDGET:g} x the batch's "
+        "mean prompt length after each chunk (no shared prefill).",
+        ("acc_kvpress_<press>: kvpress's press at the same compression ratio, decoded as kvpress decodes "
+         "(plain attention over the compressed cache; query-agnostic through kvpress's own pipeline)."
+         if baselines else "No kvpress baseline: kvpress is not installed here (it needs transformers < 5.3; "
+         "run T3 in the kvpress venv, `make .venv-kvpress`, for its columns)."),
         "auc_certificate: AUC of the run's mean relative certificate radius for predicting a wrong Poisson "
         "answer; auc_confidence: the same for minus the mean output log-probability. nan where a cell "
         "has no failure or no success.",

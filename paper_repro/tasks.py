@@ -53,6 +53,12 @@ class Example:
     answers: list
     context_tokens: int
     meta: dict = field(default_factory=dict)
+    #: the query-agnostic split of ``prompt``: ``context`` (what is compressed), ``question`` and the
+    #: answer's lead-in ``answer_prefix``, with ``prompt == context + "\n\n" + question + " " + answer_prefix``
+    #: (LongBench: ``"\n"`` before the prefix); None for an example made without the split
+    context: str | None = None
+    question: str | None = None
+    answer_prefix: str | None = None
 
     def score(self, output: str) -> bool:
         if self.meta.get("match") == "any":  # LongBench: any one of the reference answers
@@ -126,6 +132,12 @@ def _hex(rng, n=8) -> str:
     return "".join("0123456789abcdef"[i] for i in rng.integers(0, 16, size=n))
 
 
+def _example(task, context, question, answer_prefix, answers, tokens, meta) -> Example:
+    """An example whose prompt is ``context``, a blank line, ``question`` and the answer's lead-in."""
+    return Example(task, f"{context}\n\n{question} {answer_prefix}", answers, tokens, meta, context, question,
+                   answer_prefix)
+
+
 def _make(task: str, rng: np.random.Generator, tokens: int, budget: _Budget, text: str) -> Example:
     if task in ("niah_single", "niah_multikey", "multikey_retrieval"):
         n_keys = {"niah_single": 1, "niah_multikey": 4, "multikey_retrieval": 4}[task]
@@ -139,16 +151,15 @@ def _make(task: str, rng: np.random.Generator, tokens: int, budget: _Budget, tex
         ask = int(rng.integers(n_keys))
         question = f"What is the special magic number for {keys[ask]} mentioned in the text above?"
         body = _haystack_with(facts, tokens - budget.count(question) - 8, budget, rng, text)
-        prompt = f"{body}\n\n{question} The special magic number for {keys[ask]} is:"
-        return Example(task, prompt, [values[ask]], tokens, {"keys": keys, "asked": keys[ask]})
+        return _example(task, body, question, f"The special magic number for {keys[ask]} is:", [values[ask]],
+                        tokens, {"keys": keys, "asked": keys[ask]})
     if task == "variable_tracking":
         names = ["".join(chr(65 + c) for c in rng.integers(0, 26, size=5)) for _ in range(4)]
         value = str(int(rng.integers(10_000, 100_000)))
         facts = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, 4)]
         question = f"Find all variables that are assigned the value {value} in the text above."
         body = _haystack_with(facts, tokens - budget.count(question) - 12, budget, rng, text)
-        prompt = f"{body}\n\n{question} Answer: the variables are"
-        return Example(task, prompt, names, tokens, {"value": value})
+        return _example(task, body, question, "Answer: the variables are", names, tokens, {"value": value})
     if task == "common_words":
         common = [str(w) for w in rng.choice(_FILLER_WORDS, size=3, replace=False)]
         rare = [w for w in _FILLER_WORDS if w not in common]
@@ -160,8 +171,8 @@ def _make(task: str, rng: np.random.Generator, tokens: int, budget: _Budget, tex
             rng.shuffle(block)
             words += block
             text_words = " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
-        prompt = f"Here is a list of words.\n{text_words}\n\n{question} Answer: the most common words are"
-        return Example(task, prompt, common, tokens, {})
+        return _example(task, f"Here is a list of words.\n{text_words}", question,
+                        "Answer: the most common words are", common, tokens, {})
     if task == "kv_retrieval":
         pairs, block = [], ""
         question_stub = "What is the value of the key"
@@ -170,9 +181,8 @@ def _make(task: str, rng: np.random.Generator, tokens: int, budget: _Budget, tex
             pairs.append((_hex(rng), _hex(rng)))
             block = "\n".join(f'"{k}": "{v}"' for k, v in pairs)
         k, v = pairs[int(rng.integers(len(pairs)))]
-        prompt = (f"JSON data:\n{{\n{block}\n}}\n\n{question_stub} \"{k}\" in the JSON data above? "
-                  f"The value of \"{k}\" is:")
-        return Example(task, prompt, [v], tokens, {"pairs": len(pairs)})
+        return _example(task, f"JSON data:\n{{\n{block}\n}}", f"{question_stub} \"{k}\" in the JSON data above?",
+                        f"The value of \"{k}\" is:", [v], tokens, {"pairs": len(pairs)})
     raise ValueError(f"task must be one of {TASKS}, got {task!r}")
 
 
@@ -207,5 +217,5 @@ def load_longbench(path, *, limit: int | None = None) -> list:
                     raise ValueError(f"{path}: a record lacks the field {key!r}")
             prompt = f"{rec['context']}\n\n{rec['input']}\nAnswer:"
             out.append(Example(rec.get("dataset", "longbench"), prompt, list(rec["answers"]),
-                               rec.get("length", 0), {"match": "any"}))
+                               rec.get("length", 0), {"match": "any"}, rec["context"], rec["input"], "Answer:"))
     return out

@@ -75,25 +75,43 @@ def test_suites_tiny(smollm2):  # noqa: F811
     from paper_repro import claims, suites
 
     model, tokenizer = smollm2
-    cfg = Config(quick=True, budgets=(0.25, 0.5), progress=False, suite_examples=1, suite_context=200)
+    cfg = Config(quick=True, budgets=(0.25, 0.5), progress=False, suite_examples=2, suite_context=200,
+                 suite_batch=2, protocols=("query-aware", "query-agnostic"), kvpress=())
     records = suites.collect(cfg, model, tokenizer)
-    # one full run per example, one Poisson and one SnapKV run per budget, one streaming run
-    assert len(records) == len(suites.QUICK_TASKS) * (1 + 2 * len(cfg.budgets) + 1)
-    assert sum(r["method"] == "poisson_stream" for r in records) == len(suites.QUICK_TASKS)
+    aware = [r for r in records if r["protocol"] == "query-aware"]
+    agnostic = [r for r in records if r["protocol"] == "query-agnostic"]
+    # per example: one full run, one Poisson and one SnapKV run per budget; query-aware adds a streaming run
+    per_example = 1 + 2 * len(cfg.budgets)
+    assert len(aware) == len(suites.QUICK_TASKS) * cfg.suite_examples * (per_example + 1)
+    assert len(agnostic) == len(suites.QUICK_TASKS) * cfg.suite_examples * per_example
+    assert sum(r["method"] == "poisson_stream" for r in records) == len(suites.QUICK_TASKS) * cfg.suite_examples
+    assert {(r["task"], r["example"]) for r in aware} == {(t, i) for t in suites.QUICK_TASKS for i in range(2)}
     t3 = suites.table(records, cfg)
-    assert [r["task"] for r in t3.rows] == [t for t in suites.QUICK_TASKS for _ in cfg.budgets]
+    assert [(r["protocol"], r["task"]) for r in t3.rows] == [
+        (p, t) for p in cfg.protocols for t in suites.QUICK_TASKS for _ in cfg.budgets]
     for r in t3.rows:
-        assert r["examples"] == 1 and r["failures"] == round((1 - r["acc_poisson"]) * r["examples"])
+        assert r["examples"] == 2 and r["failures"] == round((1 - r["acc_poisson"]) * r["examples"])
         assert all(0.0 <= r[k] <= 1.0 for k in ("acc_full", "acc_poisson", "acc_snapkv"))
-        assert np.isnan(r["acc_poisson_streaming"]) == (r["budget"] != suites.STREAM_BUDGET)
+        assert np.isnan(r["acc_poisson_streaming"]) == (r["budget"] != suites.STREAM_BUDGET
+                                                        or r["protocol"] != "query-aware")
     for r in records:
         assert np.isfinite(r["conf"])
         # the full cache records no certificate; SnapKV's kept tokens have pi = 1, so its radius is 0
         assert np.isnan(r["cert"]) == (r["method"] == "full")
         if r["method"] == "snapkv":
             assert r["cert"] == 0.0
+    # a batch of two gives each example the runs it gets alone (rows mapped back to their examples):
+    # the deterministic runs agree to float rounding (Poisson draws are keyed by the batch row)
+    alone = suites.collect(Config(quick=True, budgets=(0.25,), progress=False, suite_examples=2, suite_context=200,
+                                  suite_batch=1, kvpress=()), model, tokenizer)
+    together = {(r["task"], r["example"], r["method"], r["budget"]): r for r in aware}
+    for r in alone:
+        if r["method"] in ("full", "snapkv"):
+            t = together[r["task"], r["example"], r["method"], r["budget"]]
+            assert t["correct"] == r["correct"] and abs(t["conf"] - r["conf"]) < 1e-3
     t4, headline = claims.run(records, cfg)
-    assert [r["claim"] for r in t4.rows] == [c.key for c in claims.CLAIMS]
+    assert [(r["protocol"], r["claim"]) for r in t4.rows] == [(p, c.key) for p in cfg.protocols
+                                                              for c in claims.CLAIMS]
     assert {r["holds_here"] for r in t4.rows} <= {"yes", "no", "not testable"}
     assert "recompute_gain_points" in headline
 

@@ -23,6 +23,11 @@ def test_examples_are_seeded_and_contain_their_answers(task):
         assert e.score(e.prompt) and not e.score("")
         # about the asked length (4 characters per token without a tokenizer)
         assert 0.6 * 400 <= len(e.prompt) / 4 <= 1.5 * 400
+        # the query-agnostic split: the context holds every answer, the question and lead-in none
+        assert e.prompt == f"{e.context}\n\n{e.question} {e.answer_prefix}"
+        assert all(ans.lower() in e.context.lower() for ans in e.answers)
+        assert e.question and e.answer_prefix and not any(
+            ans.lower() in (e.question + e.answer_prefix).lower() for ans in e.answers if len(ans) > 4)
 
 
 def test_needle_is_inside_real_text():
@@ -75,6 +80,7 @@ def test_load_longbench(tmp_path):
     ]))
     ex = T.load_longbench(p)
     assert len(ex) == 2 and ex[0].task == "qa"
+    assert (ex[0].context, ex[0].question, ex[0].answer_prefix) == ("ctx one", "q1?", "Answer:")
     assert ex[0].score("it is beta") and not ex[0].score("delta")
     assert len(T.load_longbench(p, limit=1)) == 1
     with pytest.raises(FileNotFoundError):
