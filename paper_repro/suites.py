@@ -307,7 +307,7 @@ def table(records: list[dict], cfg: Config) -> Table:
         ("acc_kvpress_<press>: kvpress's press at the same compression ratio, decoded as kvpress decodes "
          "(plain attention over the compressed cache; query-agnostic through kvpress's own pipeline)."
          if baselines else "No kvpress baseline: kvpress is not installed here (it needs transformers < 5.3; "
-         "run T3 in the kvpress venv, `make .venv-kvpress`, for its columns)."),
+         "`make repro-kvpress` runs T3/T4 in the kvpress venv with them)."),
         "auc_certificate: AUC of the run's mean relative certificate radius for predicting a wrong Poisson "
         "answer; auc_confidence: the same for minus the mean output log-probability. nan where a cell "
         "has no failure or no success.",
