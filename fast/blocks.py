@@ -55,6 +55,7 @@ __all__ = [
     "block_importance",
     "block_inclusion_probabilities",
     "block_sample",
+    "block_budget",
     "prompt_event",
     "expand_blocks",
     "block_keep",
@@ -99,6 +100,20 @@ def block_count(n: int, block_size: int) -> int:
 
 
 # ----------------------------------------------------------------------------- the stream
+
+
+def block_budget(n_blocks: int, compression_ratio: float, certain_blocks: int) -> float | None:
+    """Expected kept blocks of a prompt of ``n_blocks`` blocks at ``compression_ratio``, or None when
+    nothing is evicted: ratio 0, or the certainty set (``certain_blocks`` = sinks + recent + top, capped
+    at ``n_blocks``) fills the budget ``(1 - compression_ratio) * n_blocks``. The rule of the vLLM
+    plugin (``KVCertConfig.budget``) and of the Hugging Face ``BlockPoissonPress``."""
+    if compression_ratio <= 0:
+        return None
+    budget = (1.0 - float(compression_ratio)) * n_blocks
+    certain = min(n_blocks, certain_blocks)
+    if budget <= certain or certain >= n_blocks:
+        return None
+    return budget
 
 
 def prompt_event(token_ids) -> int:

@@ -303,24 +303,28 @@ class Session:
         if self._backend is None:
             self._backend = dispatch.select_backend(query[:, :, 0], **self.options)
         kw = dict(self.options, log_pi=layer.log_weights, scale=scale, validate=False, backend=self._backend)
+        qpos = None
         if q_len == 1:
             if self._backend == "fast" and not self.options.get("per_coordinate"):
                 kw["value_center"], kw["value_sqdist"] = layer.value_moments()
             est = dispatch.hajek_attention(query[:, :, 0], layer.keys, layer.values, **kw)
-            out = est.output[:, None]  # (b, 1, h_q, dv)
         else:  # a chunk: causal by the stored positions
             qpos = layer.positions[:, 0, -q_len:]
             est = dispatch.hajek_attention(query, layer.keys, layer.values, positions=layer.positions,
                                            query_positions=qpos, **kw)
-            out = est.output.transpose(1, 2)  # (b, q, h_q, dv)
+        return self._finish(layer_idx, layer, est, qpos)
+
+    def _finish(self, layer_idx: int, layer: KVCertLayer, est, qpos: torch.Tensor | None) -> torch.Tensor:
+        """Record a decode estimate's certificates (one query, or a chunk of queries at positions ``qpos``),
+        collect its output norms for the NaN check, and return the output (b, q, h_q, dv)."""
         norms = None
         if self.recorder is not None:
-            if q_len == 1:
+            if qpos is None:
                 norms = self._record(layer_idx, est, layer.kept)
             else:
                 self._record_chunk(layer_idx, est, layer, qpos)
         self._check_finite(layer_idx, est.output, norms)
-        return out
+        return est.output[:, None] if qpos is None else est.output.transpose(1, 2)
 
     def _record_chunk(self, layer_idx: int, est, layer: KVCertLayer, qpos: torch.Tensor) -> None:
         """Record a chunk of q queries as q steps, each over the kept tokens up to its own position.
@@ -351,21 +355,13 @@ class Session:
         q_len = query.shape[2]
         kw = dict(self.options, log_pi=layer.log_weights, block_size=layer.block_size, positions=layer.positions,
                   scale=scale)
+        qpos = None
         if q_len == 1:
             est = block_hajek_attention(query[:, :, 0], layer.keys, layer.values, **kw)
-            out = est.output[:, None]
         else:
             qpos = layer.positions[:, 0, -q_len:]
             est = block_hajek_attention(query, layer.keys, layer.values, query_positions=qpos, **kw)
-            out = est.output.transpose(1, 2)
-        norms = None
-        if self.recorder is not None:
-            if q_len == 1:
-                norms = self._record(layer_idx, est, layer.kept)
-            else:
-                self._record_chunk(layer_idx, est, layer, qpos)
-        self._check_finite(layer_idx, est.output, norms)
-        return out
+        return self._finish(layer_idx, layer, est, qpos)
 
     def _check_finite(self, layer_idx: int, output: torch.Tensor, norms: torch.Tensor | None = None) -> None:
         """Collect each layer's output norms; at the last layer, one check for NaN over all of them."""

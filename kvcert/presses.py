@@ -943,13 +943,9 @@ class BlockPoissonPress(Press):
         """Expected kept blocks of a prompt of ``n_blocks`` blocks, or None when nothing is evicted
         (ratio 0, or the certainty set ``sink_blocks + recent_blocks + top_blocks`` fills the budget):
         ``kvcert.vllm.KVCertConfig.budget``'s rule."""
-        if not self.compresses:
-            return None
-        budget = (1.0 - self.compression_ratio) * n_blocks
-        certain = min(n_blocks, self.sink_blocks + self.recent_blocks + self.top_blocks)
-        if budget <= certain or certain >= n_blocks:
-            return None
-        return budget
+        from .fast import block_budget
+
+        return block_budget(n_blocks, self.compression_ratio, self.sink_blocks + self.recent_blocks + self.top_blocks)
 
     def queries_needed(self, n: int) -> int:
         """Prefill queries the importance reads at a prefill of n tokens (the observation window)."""

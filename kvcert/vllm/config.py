@@ -111,13 +111,9 @@ class KVCertConfig:
         None when the certainty set (sinks + recent [+ top]) already fills the
         budget: every block is kept with certainty (no eviction, no certificate).
         """
-        if not self.enabled:
-            return None
-        budget = (1.0 - float(self.compression_ratio)) * n_blocks
-        certain = min(n_blocks, self.sink_blocks + self.recent_blocks + self.top_blocks)
-        if budget <= certain or certain >= n_blocks:
-            return None
-        return budget
+        from kvcert.fast import block_budget
+
+        return block_budget(n_blocks, self.compression_ratio, self.sink_blocks + self.recent_blocks + self.top_blocks)
 
     def to_dict(self) -> dict:
         return asdict(self)
