@@ -224,6 +224,27 @@ def sketch_budget(budget: float, n: int, d: int, dv: int, *, pages: int) -> floa
     return float(budget) - (pages * (2 * d + PAGE_SCALARS) + dv) / float(d + dv + TOKEN_SCALARS)
 
 
+def _sketch_inputs(keys, values, pi, keep):
+    """``(keys (n, d), values (n, dv), pi (n,), keep (n,) bool)`` as float64 / bool arrays, checked: the
+    inputs every sketch is built from (an evicted token needs pi > 0 to be observable)."""
+    k = np.asarray(keys, dtype=np.float64)
+    v = np.asarray(values, dtype=np.float64)
+    if k.ndim != 2:
+        raise ValueError(f"keys must have shape (n, d), got shape {k.shape}")
+    n = k.shape[0]
+    if v.ndim != 2 or v.shape[0] != n:
+        raise ValueError(f"values must have shape (n, dv) = ({n}, dv), got shape {v.shape}")
+    p = np.asarray(pi, dtype=np.float64)
+    if p.shape != (n,):
+        raise ValueError(f"pi must have shape (n,) = ({n},), got shape {p.shape}")
+    keep = np.asarray(keep, dtype=bool)
+    if keep.shape != (n,):
+        raise ValueError(f"keep must have shape (n,) = ({n},), got shape {keep.shape}")
+    if np.any(~keep & ~(p > 0)):
+        raise ValueError("pi must be > 0 for every evicted token (an evicted token with pi = 0 is unobservable)")
+    return k, v, p, keep
+
+
 def page_sketch(keys, values, pi, keep, *, page_size: int = 16) -> PageSketch:
     r"""Build the page sketch of the evicted tokens (``keep == False``).
 
@@ -244,21 +265,8 @@ def page_sketch(keys, values, pi, keep, *, page_size: int = 16) -> PageSketch:
     page_size : int >= 1
     """
     page_size = _check_page_size(page_size)
-    k = np.asarray(keys, dtype=np.float64)
-    v = np.asarray(values, dtype=np.float64)
-    if k.ndim != 2:
-        raise ValueError(f"keys must have shape (n, d), got shape {k.shape}")
+    k, v, p, keep = _sketch_inputs(keys, values, pi, keep)
     n, d = k.shape
-    if v.ndim != 2 or v.shape[0] != n:
-        raise ValueError(f"values must have shape (n, dv) = ({n}, dv), got shape {v.shape}")
-    p = np.asarray(pi, dtype=np.float64)
-    if p.shape != (n,):
-        raise ValueError(f"pi must have shape (n,) = ({n},), got shape {p.shape}")
-    keep = np.asarray(keep, dtype=bool)
-    if keep.shape != (n,):
-        raise ValueError(f"keep must have shape (n,) = ({n},), got shape {keep.shape}")
-    if np.any(~keep & ~(p > 0)):
-        raise ValueError("pi must be > 0 for every evicted token (an evicted token with pi = 0 is unobservable)")
     mu = v.mean(axis=0)
     gone = np.flatnonzero(~keep)
     page_of = gone // page_size
@@ -650,21 +658,8 @@ def code_sketch(keys, values, pi, keep, design: CodeDesign | None = None) -> Cod
     :math:`[a_j, b_j]`, so :math:`|c_{ij} - \hat c_{ij}| \le \Delta_j / 2`.
     """
     design = CodeDesign() if design is None else design
-    k = np.asarray(keys, dtype=np.float64)
-    v = np.asarray(values, dtype=np.float64)
-    if k.ndim != 2:
-        raise ValueError(f"keys must have shape (n, d), got shape {k.shape}")
+    k, v, p, keep = _sketch_inputs(keys, values, pi, keep)
     n, d = k.shape
-    if v.ndim != 2 or v.shape[0] != n:
-        raise ValueError(f"values must have shape (n, dv) = ({n}, dv), got shape {v.shape}")
-    p = np.asarray(pi, dtype=np.float64)
-    if p.shape != (n,):
-        raise ValueError(f"pi must have shape (n,) = ({n},), got shape {p.shape}")
-    keep = np.asarray(keep, dtype=bool)
-    if keep.shape != (n,):
-        raise ValueError(f"keep must have shape (n,) = ({n},), got shape {keep.shape}")
-    if np.any(~keep & ~(p > 0)):
-        raise ValueError("pi must be > 0 for every evicted token (an evicted token with pi = 0 is unobservable)")
     r = min(design.rank, d)
     mk = k.mean(axis=0)
     kc = k - mk
@@ -895,21 +890,8 @@ def kmeans_assign(keys, clusters: int, *, iterations: int = 10) -> np.ndarray:
 def cluster_sketch(keys, values, pi, keep, design: ClusterDesign | None = None, *, labels=None) -> ClusterSketch:
     r"""Build the cluster sketch of the evicted tokens (``keep == False``); ``labels`` (n,) overrides k-means."""
     design = ClusterDesign() if design is None else design
-    k = np.asarray(keys, dtype=np.float64)
-    v = np.asarray(values, dtype=np.float64)
-    if k.ndim != 2:
-        raise ValueError(f"keys must have shape (n, d), got shape {k.shape}")
+    k, v, p, keep = _sketch_inputs(keys, values, pi, keep)
     n, d = k.shape
-    if v.ndim != 2 or v.shape[0] != n:
-        raise ValueError(f"values must have shape (n, dv) = ({n}, dv), got shape {v.shape}")
-    p = np.asarray(pi, dtype=np.float64)
-    if p.shape != (n,):
-        raise ValueError(f"pi must have shape (n,) = ({n},), got shape {p.shape}")
-    keep = np.asarray(keep, dtype=bool)
-    if keep.shape != (n,):
-        raise ValueError(f"keep must have shape (n,) = ({n},), got shape {keep.shape}")
-    if np.any(~keep & ~(p > 0)):
-        raise ValueError("pi must be > 0 for every evicted token (an evicted token with pi = 0 is unobservable)")
     lab = kmeans_assign(k, design.clusters, iterations=design.iterations) if labels is None else np.asarray(labels)
     mu = v.mean(axis=0)
     gone = np.flatnonzero(~keep)
