@@ -224,6 +224,16 @@ def sketch_budget(budget: float, n: int, d: int, dv: int, *, pages: int) -> floa
     return float(budget) - (pages * (2 * d + PAGE_SCALARS) + dv) / float(d + dv + TOKEN_SCALARS)
 
 
+def _kept_inputs(q, keys, values, pi, output):
+    """``(q, keys, values, pi, output)`` of a sketched variance as float64 arrays, checked: the kept
+    tokens' pi must be in (0, 1]."""
+    q, k, v = _as_qkv(q, keys, values)
+    p = np.asarray(pi, dtype=np.float64)
+    if p.shape != (k.shape[0],) or np.any(~(p > 0)) or np.any(p > 1):
+        raise ValueError(f"pi must have shape ({k.shape[0]},) with values in (0, 1]")
+    return q, k, v, p, np.asarray(output, dtype=np.float64)
+
+
 def _sketch_inputs(keys, values, pi, keep):
     """``(keys (n, d), values (n, dv), pi (n,), keep (n,) bool)`` as float64 / bool arrays, checked: the
     inputs every sketch is built from (an evicted token needs pi > 0 to be observable)."""
@@ -339,11 +349,7 @@ def variance_bound(q, keys, values, pi, sketch: PageSketch, *, output, scale: fl
     sketch : PageSketch of the evicted tokens
     output : (dv,) the plug-in o_hat
     """
-    q, k, v = _as_qkv(q, keys, values)
-    p = np.asarray(pi, dtype=np.float64)
-    if p.shape != (k.shape[0],) or np.any(~(p > 0)) or np.any(p > 1):
-        raise ValueError(f"pi must have shape ({k.shape[0]},) with values in (0, 1]")
-    o = np.asarray(output, dtype=np.float64)
+    q, k, v, p, o = _kept_inputs(q, keys, values, pi, output)
     s = scores(q, k, scale=scale)
     lo, up = page_score_bounds(q, sketch, scale=scale)
     cnt = sketch.unseen.astype(np.float64)
@@ -765,11 +771,7 @@ def hybrid_variance(q, keys, values, pi, sketch: CodeSketch, *, output, scale: f
     sketch : CodeSketch of the evicted tokens
     output : (dv,) the plug-in o_hat
     """
-    q, k, v = _as_qkv(q, keys, values)
-    p = np.asarray(pi, dtype=np.float64)
-    if p.shape != (k.shape[0],) or np.any(~(p > 0)) or np.any(p > 1):
-        raise ValueError(f"pi must have shape ({k.shape[0]},) with values in (0, 1]")
-    o = np.asarray(output, dtype=np.float64)
+    q, k, v, p, o = _kept_inputs(q, keys, values, pi, output)
     s = scores(q, k, scale=scale)
     sc = code_scores(q, sketch, scale=scale)
     log_z = logsumexp(np.concatenate([s, sc["first"]])) if (s.size + sc["first"].size) else -np.inf
@@ -929,11 +931,7 @@ def cluster_variance(q, keys, values, pi, sketch: ClusterSketch, *, output, scal
     (exact on average when :math:`v_i - \mu` is uncorrelated with :math:`\mu - \hat o`).
     Same target as :func:`hybrid_variance`: V itself.
     """
-    q, k, v = _as_qkv(q, keys, values)
-    p = np.asarray(pi, dtype=np.float64)
-    if p.shape != (k.shape[0],) or np.any(~(p > 0)) or np.any(p > 1):
-        raise ValueError(f"pi must have shape ({k.shape[0]},) with values in (0, 1]")
-    o = np.asarray(output, dtype=np.float64)
+    q, k, v, p, o = _kept_inputs(q, keys, values, pi, output)
     tau = 1.0 / np.sqrt(q.shape[0]) if scale is None else float(scale)
     s = scores(q, k, scale=scale)
     lin = tau * sketch.mean @ q
