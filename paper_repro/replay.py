@@ -24,7 +24,7 @@ from kvcert import reference as R
 
 from .common import Config, Table, progress
 from .synthetic import SINKS, WINDOW, paper_press, press_pi
-from .synthetic_coverage import summarize
+from .synthetic_coverage import draw_estimates, draw_statistics, summarize
 
 
 #: designs compared: name -> (top slice share of the free budget, importance).
@@ -95,24 +95,6 @@ def _layer_importance(name, queries, keys, values, L, scale, seed):
     return u[0].double().numpy()
 
 
-def _estimates(q, k, v, pi, qpos, scale, kinds_need, *, block_size: int | None = None):
-    """fast.hajek_attention over M draws: q (g, Q, d), k/v (n, d), pi (M, n) (0 = not sampled).
-
-    Each draw's sample is first packed (``kvcert.fast.compact``), as a serving
-    cache would hold it, so the cost scales with the kept count, not n. With
-    ``block_size`` the sample is a block sample and ``fast.block_hajek_attention``
-    gives the cluster-sampling variance (Table 2d).
-    """
-    M, n = pi.shape
-    positions = torch.arange(n).expand(M, 1, n)
-    cc = F.compact(pi[:, None, :] > 0, k.expand(M, 1, *k.shape), v.expand(M, 1, *v.shape),
-                   pi[:, None, :], positions)
-    kw = dict(positions=cc.positions, scale=scale, query_positions=qpos, **F.estimate_options(kinds_need))
-    if block_size is not None:
-        return F.block_hajek_attention(q.expand(M, *q.shape), cc.keys, cc.values, cc.pi, block_size=block_size, **kw)
-    return F.hajek_attention(q.expand(M, *q.shape), cc.keys, cc.values, cc.pi, **kw)
-
-
 def run(cfg: Config, captured) -> tuple[Table, Table, dict]:
     """T2 (coverage) and T2b (accuracy cost); also returns the raw per-cell data for figures."""
     setup = setup_for(cfg)
@@ -153,24 +135,11 @@ def run(cfg: Config, captured) -> tuple[Table, Table, dict]:
                 pi = torch.from_numpy(press_pi(paper_press(fraction, top_fraction=top_share), u)).float()
                 keep = torch.from_numpy(rng.random((setup.draws, L))) < pi
                 pis = torch.cat([torch.where(keep, pi, 0.0), torch.ones(setup.draws, Fut)], dim=1)
-                est = _estimates(q, k, v, pis, qpos, scale, kinds)
-                err = (est.output - exact).norm(dim=-1)                       # (M, g, Q)
-                certs = {(kind, d): F.certificate(est, delta=d, kind=kind) for kind in kinds
-                         for d in cfg.deltas}
-                for j in range(g):
-                    for t, off in enumerate(setup.query_offsets):
-                        radius, hit = {}, {}
-                        for (kind, d), c in certs.items():
-                            r = c.radius[:, j, t]
-                            if kind == "wald":
-                                hit[kind, d] = ((est.output[:, j, t] - exact[j, t]).abs() <= r).double().mean(-1).numpy()
-                                radius[kind, d] = r.norm(dim=-1).double().numpy()
-                            else:
-                                hit[kind, d] = (err[:, j, t] <= r).double().numpy()
-                                radius[kind, d] = r.double().numpy()
-                        cells.setdefault((fraction, design), []).append((err[:, j, t].double().numpy(), radius, hit))
-                        cell_ids.setdefault((fraction, design), []).append((layer, h * g + j, off))
-                rel = (err / onorm).mean(0)                                   # (g, Q) mean over draws
+                est = draw_estimates(q, k, v, pis, qpos, scale, kinds)
+                cells.setdefault((fraction, design), []).extend(draw_statistics(est, exact, kinds, cfg.deltas))
+                cell_ids.setdefault((fraction, design), []).extend(
+                    (layer, h * g + j, off) for j in range(g) for off in setup.query_offsets)
+                rel = ((est.output - exact).norm(dim=-1) / onorm).mean(0)     # (g, Q) mean over draws
                 accuracy.setdefault((fraction, f"poisson_{design}"), []).extend(rel.flatten().tolist())
             count = int(round(fraction * L))
             for name, bu in importance.items():

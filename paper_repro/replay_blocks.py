@@ -34,9 +34,9 @@ import torch
 import kvcert.fast as F
 
 from .common import Config, Table, progress
-from .replay import _estimates, _layer_importance, setup_for
+from .replay import _layer_importance, setup_for
 from .synthetic import SINKS, WINDOW, paper_press, press_pi
-from .synthetic_coverage import summarize
+from .synthetic_coverage import draw_estimates, draw_statistics, summarize
 
 #: compared designs: name -> (block_size, reduce); block_size None = the token design ("paper" of Table 2)
 BLOCK_DESIGNS = {"token": (None, None), "block16_mean": (16, "mean"), "block16_max": (16, "max"),
@@ -116,14 +116,9 @@ def run(cfg: Config, captured, *, designs=None, draws: int | None = None) -> Tab
                 pi = F.expand_blocks(pib.float(), bs, L)
                 keep = F.block_keep(keep_b, bs, L)
             pis = torch.cat([torch.where(keep, pi, 0.0), torch.ones(setup.draws, Fut)], dim=1)
-            est = _estimates(q, k, v, pis, qpos, scale, (KIND,), block_size=bs)
+            est = draw_estimates(q, k, v, pis, qpos, scale, (KIND,), block_size=bs)
+            cells.setdefault((fraction, name), []).extend(draw_statistics(est, exact, (KIND,), cfg.deltas))
             err = (est.output - exact).norm(dim=-1)                                # (M, g, Q)
-            certs = {d: F.certificate(est, delta=d, kind=KIND).radius for d in cfg.deltas}
-            for j in range(g):
-                for t in range(len(setup.query_offsets)):
-                    radius = {(KIND, d): r[:, j, t].double().numpy() for d, r in certs.items()}
-                    hit = {(KIND, d): (err[:, j, t] <= r[:, j, t]).double().numpy() for d, r in certs.items()}
-                    cells.setdefault((fraction, name), []).append((err[:, j, t].double().numpy(), radius, hit))
             errors.setdefault((fraction, name), []).extend((err / onorm).mean(0).flatten().tolist())
     rows = []
     for fraction in cfg.budgets:

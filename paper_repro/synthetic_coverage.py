@@ -6,36 +6,86 @@ per (regime, budget, kind, delta): pooled coverage (all draws of all cells),
 the mean coverage of the worst decile of cells, the Spearman correlation
 across cells of the median radius and the realized RMS error, and the
 tightness median_cells(median radius / RMS error).
+
+The draws of a cell are replayed in one batch by ``kvcert.fast`` in float64
+(:func:`draw_estimates`, which Tables 2 and 2d use too); ``kvcert.fast`` is
+checked against the float64 reference by the property tests, and
+``tests/test_paper_repro.py`` checks this replay against a per-draw loop over
+``kvcert.reference``.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 from scipy import stats
 
+import kvcert.fast as F
 from kvcert import reference as R
 
 from .common import Config, Table, progress
 from .synthetic import REGIMES, design_pi, make_head
 
 
+def draw_estimates(q, k, v, pi, qpos, scale, kinds_need, *, block_size: int | None = None, pack: bool = True):
+    """fast.hajek_attention over M draws: q (g, Q, d), k/v (n, d), pi (M, n) (0 = not sampled).
+
+    With ``pack`` each draw's sample is first packed (``kvcert.fast.compact``),
+    as a serving cache would hold it, so the cost scales with the kept count,
+    not n; without, the draws share the full k/v (stride 0 over M) and the
+    unsampled tokens are padding (pi = 0): the same estimate, cheaper when
+    n is small next to the copy of M packed caches. With
+    ``block_size`` the sample is a block sample and ``fast.block_hajek_attention``
+    gives the cluster-sampling variance (Table 2d). ``qpos`` (Q,) positions of
+    the queries (causal mask), or None (every query sees every token).
+    """
+    M, n = pi.shape
+    positions = torch.arange(n).expand(M, 1, n)
+    keys, values, p = k.expand(M, 1, *k.shape), v.expand(M, 1, *v.shape), pi[:, None, :]
+    if pack:
+        cc = F.compact(p > 0, keys, values, p, positions)
+        keys, values, p, positions = cc.keys, cc.values, cc.pi, cc.positions
+    causal = {} if qpos is None else dict(positions=positions, query_positions=qpos)
+    kw = dict(scale=scale, **causal, **F.estimate_options(kinds_need))
+    if block_size is not None:
+        return F.block_hajek_attention(q.expand(M, *q.shape), keys, values, p, block_size=block_size, **kw)
+    return F.hajek_attention(q.expand(M, *q.shape), keys, values, p, **kw)
+
+
+def draw_statistics(est, exact, kinds, deltas) -> list:
+    """Per query head j and query t of a batched estimate over M draws (output (M, g, Q, dv)) and the
+    exact output (g, Q, dv): the cell's (err (M,), radius {(kind, delta): (M,)}, hit {(kind, delta): (M,)}),
+    in the order j-major. Norm kinds: hit = ||o_hat - o|| <= radius. ``wald`` (per coordinate): hit =
+    the fraction of coordinates inside their interval, radius = the norm of the half-widths."""
+    err = (est.output - exact).norm(dim=-1)                               # (M, g, Q)
+    radius, hit = {}, {}
+    for kind in kinds:
+        for d in deltas:
+            r = F.certificate(est, delta=d, kind=kind).radius
+            if R.CERTIFICATE_KINDS[kind].per_coordinate:
+                hit[kind, d] = ((est.output - exact).abs() <= r).double().mean(-1)
+                radius[kind, d] = r.norm(dim=-1).double()
+            else:
+                hit[kind, d] = (err <= r).double()
+                radius[kind, d] = r.double()
+    _, g, Q = err.shape
+    return [(err[:, j, t].double().numpy(), {key: x[:, j, t].numpy() for key, x in radius.items()},
+             {key: x[:, j, t].numpy() for key, x in hit.items()}) for j in range(g) for t in range(Q)]
+
+
 def replay_cell(head, pi, draws, deltas, rng):
-    """Replay one cell: per kind and delta, arrays (draws,) of radius and hit, and the errors."""
-    o = R.attention(head.q, head.keys, head.values)
-    err = np.empty(draws)
-    radius = {(k, d): np.empty(draws) for k in R.KINDS for d in deltas}
-    hit = {(k, d): np.empty(draws) for k in R.KINDS for d in deltas}
-    for t in range(draws):
-        keep = R.poisson_sample(pi, generator=rng)
-        est = R.hajek_attention(head.q, head.keys[keep], head.values[keep], pi[keep])
-        err[t] = np.linalg.norm(est.output - o)
-        for kind in R.KINDS:
-            for delta in deltas:
-                cert = R.certificate(est, delta=delta, kind=kind)
-                # wald: coordinate coverage; its "radius" is the norm of the half-widths
-                radius[kind, delta][t] = np.linalg.norm(cert.radius)
-                hit[kind, delta][t] = np.mean(R.covers(cert, est, o))
-    return err, radius, hit
+    """Replay one cell: per kind and delta, arrays (draws,) of radius and hit, and the errors.
+
+    Draw t keeps token i iff U_ti < pi_i with U = ``rng.random((draws, n))`` (the stream
+    ``reference.poisson_sample(pi, generator=rng)`` reads, draw after draw)."""
+    q, keys, values = (torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64))
+                       for x in (head.q, head.keys, head.values))
+    p = torch.from_numpy(np.asarray(pi, dtype=np.float64))
+    keep = torch.from_numpy(rng.random((draws, p.numel()))) < p
+    exact = torch.from_numpy(R.attention(head.q, head.keys, head.values))[None, None]        # (1, 1, dv)
+    est = draw_estimates(q[None, None], keys, values, torch.where(keep, p, 0.0), None, None, R.KINDS,
+                         pack=False)
+    return draw_statistics(est, exact, R.KINDS, deltas)[0]
 
 
 def summarize(cells, kind, delta):

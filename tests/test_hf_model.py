@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from model_fixtures import SHORT_PROMPT, long_prompt, model_sdpa, smollm2, smollm2_float64, spy_hajek, reference_certificate  # noqa: F401
+from model_fixtures import SHORT_PROMPT, long_prompt, topics, model_sdpa, smollm2, smollm2_float64, spy_hajek, reference_certificate  # noqa: F401
 
 import kvcert
 import kvcert.dispatch
@@ -330,6 +330,42 @@ def test_load_model_default_is_offline_smollm2(smollm2):
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (30, 9, 3, 64)
     assert model.dtype == torch.float32 and not model.training
     assert tok.pad_token is not None and tok.chat_template is not None
+
+
+def test_default_model_cache_equals_the_gguf_load(smollm2, monkeypatch):
+    """load_model() reads the default model from the folder convert_gguf wrote once: the same weights,
+    logits, tokenizer and generation config as transformers' GGUF loader gives; where the cache cannot
+    be written, load_model falls back to the GGUF file with a warning."""
+    from kvcert import models
+
+    model, tok = smollm2
+    folder = models.default_model_folder()
+    marker = folder / models._MARKER
+    assert marker.is_file() and model.config._name_or_path == str(folder)
+    before = marker.stat().st_mtime_ns
+    assert models.convert_gguf(models.default_gguf_path(), folder) == folder  # reused, not rewritten
+    assert marker.stat().st_mtime_ns == before
+
+    def unwritable(*a, **k):
+        raise PermissionError("read-only")
+
+    monkeypatch.setattr(models, "convert_gguf", unwritable)
+    with pytest.warns(UserWarning, match="loading the GGUF file instead"):
+        ref, ref_tok = models.load_model()
+    assert getattr(ref.config, "quantization_config", None) is not None  # really the GGUF loader
+    text = "Read this documentation:\n\n" + topics["assert"][:2000]
+    ids = tok(text)["input_ids"]
+    assert ids == ref_tok(text)["input_ids"]
+    msgs = [{"role": "user", "content": SHORT_PROMPT}]
+    assert (tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            == ref_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+    assert (tok.pad_token, tok.eos_token) == (ref_tok.pad_token, ref_tok.eos_token)
+    assert model.generation_config.to_dict() == ref.generation_config.to_dict()
+    mine, theirs = model.state_dict(), ref.state_dict()
+    assert sorted(mine) == sorted(theirs) and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    x = torch.tensor([ids[:200]])
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, ref(x).logits)
 
 
 def test_sampling_is_seeded_and_progress_bars_run(model_sdpa, capsys):

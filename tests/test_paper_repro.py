@@ -29,3 +29,29 @@ def test_runner_tiny(tmp_path, capsys):
 def test_runner_bad_arguments(argv, tmp_path, capsys):
     assert main(argv + ["--out", str(tmp_path), "--no-docs"]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("regime", ["heavy", "needle"])
+def test_synthetic_replay_matches_the_reference_draw_by_draw(regime):
+    """T2a replays a cell's draws in one float64 batch of kvcert.fast; draw by draw, kvcert.reference on the
+    same uniforms gives the same errors, radii and hits (every kind and delta)."""
+    import numpy as np
+
+    from paper_repro.synthetic import design_pi, make_head
+    from paper_repro.synthetic_coverage import replay_cell
+
+    head = make_head(np.random.default_rng(4), regime, n=256, d=16, dv=8)
+    pi = design_pi(head, 0.25)
+    deltas = (0.1, 0.05)
+    err, radius, hit = replay_cell(head, pi, 12, deltas, np.random.default_rng(9))
+    o = R.attention(head.q, head.keys, head.values)
+    rng = np.random.default_rng(9)
+    for t in range(12):
+        keep = R.poisson_sample(pi, generator=rng)
+        est = R.hajek_attention(head.q, head.keys[keep], head.values[keep], pi[keep])
+        assert err[t] == pytest.approx(np.linalg.norm(est.output - o), rel=1e-10)
+        for kind in R.KINDS:
+            for delta in deltas:
+                cert = R.certificate(est, delta=delta, kind=kind)
+                assert radius[kind, delta][t] == pytest.approx(np.linalg.norm(cert.radius), rel=1e-9)
+                assert hit[kind, delta][t] == np.mean(R.covers(cert, est, o))

