@@ -57,6 +57,17 @@ from .scorers import (
     streaming_llm_scores,
     tova_scores,
 )
+from .sketch import (
+    CLUSTER_RADII,
+    ClusterDesign,
+    ClusterEstimate,
+    ClusterSketch,
+    cluster_hajek_attention,
+    cluster_radius,
+    cluster_sketch,
+    cluster_variance,
+    kmeans_assign,
+)
 from .types import Certificate, CompressedCache, Estimate
 
 __all__ = [
@@ -72,4 +83,6 @@ __all__ = [
     "compact", "evict", "topk_evict",
     "scorers", "SCORERS", "Scorer", "register_scorer", "expected_attention_scores", "h2o_scores", "knorm_scores", "random_scores", "snapkv_scores",
     "streaming_llm_scores", "tova_scores",
+    "CLUSTER_RADII", "ClusterDesign", "ClusterEstimate", "ClusterSketch", "cluster_hajek_attention", "cluster_radius",
+    "cluster_sketch", "cluster_variance", "kmeans_assign",
 ]

@@ -330,12 +330,12 @@ class Session:
         """Record a chunk of q queries as q steps, each over the kept tokens up to its own position.
 
         The statistics of all the chunk's queries come from one call on the (b, h_q, q) estimate and
-        the kept counts from one comparison (b, h_kv, q, n): the same numbers as one call per query
-        (the statistics are per query), without q x (a dozen small ops) per layer."""
+        the kept counts from one comparison (b, h_kv, q, n), recorded as q steps by one
+        ``Recorder.add_steps``: the same numbers as one call per query (the statistics are per
+        query), without q x (a dozen small ops) per layer."""
         stats = certificate_moments(est, self.kind)
         seen = (layer.valid[:, :, None, :] & (layer.positions[:, :, None, :] <= qpos[:, None, :, None])).sum(-1)
-        for j in range(qpos.shape[-1]):
-            self.recorder.add(layer_idx, {k: v[:, :, j] for k, v in stats.items()}, seen[:, :, j])
+        self.recorder.add_steps(layer_idx, stats, seen)
 
     def _decode_blocks(self, layer: KVCertLayer, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:
         r"""The decode of a block-evicted layer: :func:`kvcert.fast.block_hajek_attention`, (b, q, h_q, dv).

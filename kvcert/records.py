@@ -139,11 +139,20 @@ class Recorder:
     def add(self, layer: int, stats: dict, kept: torch.Tensor) -> None:
         """One step of one layer: ``stats`` (b, h_q) tensors from ``certificate_moments``
         (wald's ``variance`` (b, h_q, dv)), ``kept`` (b, h_kv) or (b, h_q) tokens attended over."""
-        self.rows.setdefault(layer, []).append((kept, stats))
+        self.rows.setdefault(layer, []).append((kept[None], {k: v[None] for k, v in stats.items()}))
+
+    def add_steps(self, layer: int, stats: dict, kept: torch.Tensor) -> None:
+        """q consecutive steps of one layer at once (a chunk of queries): ``stats`` (b, h_q, q)
+        tensors (wald's ``variance`` (b, h_q, q, dv)), ``kept`` (b, h_kv, q) or (b, h_q, q); the
+        same record as q calls of :meth:`add`, one step per query."""
+        self.rows.setdefault(layer, []).append((kept.movedim(2, 0), {k: v.movedim(2, 0) for k, v in stats.items()}))
+
+    def _steps(self, layer: int) -> int:
+        return sum(row[0].shape[0] for row in self.rows[layer])
 
     @property
     def steps(self) -> int:
-        return min((len(v) for v in self.rows.values()), default=0)
+        return min((self._steps(layer) for layer in self.rows), default=0)
 
     def result(self) -> Certificates | None:
         """(batch, steps, layers, heads) record, or None if nothing was recorded."""
@@ -153,13 +162,13 @@ class Recorder:
             return None
         layers = sorted(self.rows)
         steps = self.steps
-        if any(len(self.rows[l]) != steps for l in layers):
+        if any(self._steps(l) != steps for l in layers):
             raise RuntimeError(
-                f"kvcert: layers recorded different numbers of steps {[len(self.rows[l]) for l in layers]}"
+                f"kvcert: layers recorded different numbers of steps {[self._steps(l) for l in layers]}"
             )
 
         def stack(get):  # (steps, b, h, ...) per layer -> (b, steps, layers, h, ...)
-            per_layer = [torch.stack([get(row) for row in self.rows[l]]) for l in layers]
+            per_layer = [torch.cat([get(row) for row in self.rows[l]]) for l in layers]
             x = torch.stack(per_layer, dim=1)
             return x.permute(2, 0, 1, *range(3, x.dim())).cpu()
 

@@ -259,6 +259,23 @@ def test_recorder_stacks_and_certificates_aggregate():
     bad.add(1, row, torch.zeros(1, 1))
     with pytest.raises(RuntimeError, match="different numbers of steps"):
         bad.result()
+    # a chunk of q queries recorded at once (add_steps) is the same record as q calls of add, mixed freely
+    for kind in ("chebyshev", "wald"):
+        g = torch.Generator().manual_seed(1)
+        one, chunked = Recorder(kind, 0.05), Recorder(kind, 0.05)
+        for layer in (0, 1):
+            st = {"trace": torch.rand(2, 4, 5, generator=g), "output_norm": torch.rand(2, 4, 5, generator=g) + 1}
+            if kind == "wald":
+                st["variance"] = torch.rand(2, 4, 5, 3, generator=g)
+            kept = torch.randint(1, 50, (2, 2, 5), generator=g)
+            for j in range(5):
+                one.add(layer, {k: v[:, :, j] for k, v in st.items()}, kept[:, :, j])
+            chunked.add(layer, {k: v[:, :, 0] for k, v in st.items()}, kept[:, :, 0])
+            chunked.add_steps(layer, {k: v[:, :, 1:] for k, v in st.items()}, kept[:, :, 1:])
+        a, b = one.result(), chunked.result()
+        assert chunked.steps == 5 and a.shape == b.shape == (2, 5, 2, 4)
+        for name in ("radius", "relative_radius", "trace", "kept"):
+            assert torch.equal(getattr(a, name), getattr(b, name))
     inf = Certificates("chebyshev", 0.05, torch.full((1, 1, 1), math.inf), torch.full((1, 1, 1), math.inf),
                        torch.full((1, 1, 1), math.inf), torch.ones(1, 1, 1, dtype=torch.long))
     assert inf.to_dict()["radius"] == [[["inf"]]]

@@ -5,6 +5,7 @@ import pytest
 import torch
 from model_fixtures import smollm2  # noqa: F401
 import kvcert.fast
+import kvcert.reference
 
 from paper_repro import replay
 from paper_repro.common import Config
@@ -46,6 +47,10 @@ def test_replay_tiny(captured):
     assert len(cells) == 3 * cap.queries[0].shape[0] * 4
     for row in t2.rows:
         assert 0.0 <= row["worst_decile"] <= row["coverage"] <= 1.0
+    # quick mode leaves chi2 (a dv x dv covariance per draw and query) to T2a and --full, and says so
+    kinds = {row["kind"] for row in t2.rows}
+    assert kinds == set(kvcert.reference.KINDS) - set(replay.QUICK_SKIPS) and "chi2" not in kinds
+    assert any("leaves out chi2" in note for note in t2.notes)
     methods = {r["method"] for r in t2b.rows}
     assert {"poisson_paper", *kvcert.fast.SCORERS} <= methods
     # Hajek with every token certain would be exact: the realized errors here are positive but

@@ -1,0 +1,728 @@
+r"""The cluster design of issue 14, batched (torch): Gaussian moments of the evicted keys per cluster.
+
+Torch twin of the cluster design of ``kvcert.reference.sketch`` (docs/theory.md
+section 8, "Second slice"): same math, batched over (b, h_kv) heads, grouped-query
+attention (h_q = g * h_kv) and several queries, float32 or float64. Never imports
+``kvcert.reference`` (DESIGN.md section 3); the reference checks it
+(tests/test_fast_sketch.py).
+
+- :class:`ClusterDesign`: the design's fields (``clusters``, ``iterations``,
+  ``radius``, ``multiplier``), the same validation and memory count as the
+  reference's. Every function also accepts any object with those attributes
+  (e.g. ``kvcert.reference.ClusterDesign``).
+- :func:`kmeans_assign`: deterministic Lloyd k-means of each head's keys, labels
+  (b, h_kv, n), -1 on padding.
+- :func:`cluster_sketch`: at eviction, per cluster c of each head with evicted
+  tokens :math:`U_c` and :math:`w_i = (1-\pi_i)/\pi_i`: the w-weighted mean key
+  :math:`m_c` and per-channel variance :math:`\sigma^2_c`, :math:`W_c = \sum w_i`,
+  :math:`Y_c = \sum w_i \nu_i^2` (:math:`\nu_i = \lVert v_i - \mu\rVert`),
+  :math:`N_c = |U_c|`; per head the value centre :math:`\mu`. A fixed number
+  C = ``clusters`` of slots per head: a cluster without an evicted token has
+  ``count`` 0 and ``weight`` 0 and contributes nothing (the reference drops it).
+- :func:`cluster_variance`: :math:`V_{\mathrm{cl}}` for a plug-in output.
+- :func:`cluster_radius`: radius from a variance (``chebyshev``, ``gaussian``,
+  ``fixed``).
+- :func:`cluster_hajek_attention`: the decode step: Hajek output, HT trace,
+  :math:`V_{\mathrm{cl}}` and its radius with one read of K and V (the trace and
+  the kept part of :math:`V_{\mathrm{cl}}` are two more rows of the output's
+  matmul) and O(C d) more work per query for the sketch.
+
+Memory (elements of the K/V dtype, one head): C (2d + 3) + dv
+(:meth:`ClusterDesign.elements`), whatever the number of evicted tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from statistics import NormalDist
+
+import numpy as np
+import torch
+
+from ._checks import check_tensor, compute_dtype
+from .contract import check_attention_inputs, check_attention_values
+from .estimators import _WS, _cast, _Layout, value_moments
+from .types import Estimate
+
+__all__ = [
+    "CLUSTER_RADII",
+    "ClusterDesign",
+    "ClusterEstimate",
+    "ClusterSketch",
+    "cluster_hajek_attention",
+    "cluster_radius",
+    "cluster_sketch",
+    "cluster_variance",
+    "kmeans_assign",
+]
+
+#: radius rules: ``chebyshev`` sqrt(V / delta); ``gaussian`` z_{1-delta/2} sqrt(V); ``fixed`` c sqrt(V)
+#: (the reference's ``CODE_RADII``)
+CLUSTER_RADII = ("chebyshev", "gaussian", "fixed")
+#: per-cluster scalars beside the 2 d moments (W_c, Y_c, N_c)
+CLUSTER_SCALARS = 3
+
+
+def _check_int(name: str, x, low: int) -> int:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {x!r}")
+    return int(x)
+
+
+def _check_rule(rule) -> str:
+    if rule not in CLUSTER_RADII:
+        raise ValueError(f"rule must be one of {CLUSTER_RADII}, got {rule!r}")
+    return rule
+
+
+def _check_multiplier(multiplier) -> float:
+    if isinstance(multiplier, bool) or not isinstance(multiplier, numbers.Real) \
+            or not (math.isfinite(multiplier) and multiplier > 0):
+        raise ValueError(f"multiplier must be a finite number > 0, got {multiplier!r}")
+    return float(multiplier)
+
+
+def _check_delta(delta) -> float:
+    if isinstance(delta, bool) or not isinstance(delta, numbers.Real):
+        raise TypeError(f"delta must be a float, got {type(delta).__name__}")
+    delta = float(delta)
+    if not (0.0 < delta < 1.0):
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    return delta
+
+
+@dataclass(frozen=True)
+class ClusterDesign:
+    r"""A cluster design: Poisson sampling plus weighted Gaussian moments of the evicted keys per cluster.
+
+    Same fields, defaults, validation and memory count as
+    ``kvcert.reference.ClusterDesign`` (which the functions of this module also
+    accept, as any object with these four attributes).
+
+    Attributes
+    ----------
+    clusters : int >= 1
+        Clusters per head (k-means of the head's keys); the sketch holds this many slots.
+    iterations : int >= 0
+        Lloyd iterations.
+    radius : one of :data:`CLUSTER_RADII`
+    multiplier : float > 0, the ``fixed`` rule's c in c sqrt(V_cl)
+    """
+
+    clusters: int = 16
+    iterations: int = 10
+    radius: str = "gaussian"
+    multiplier: float = 3.0
+
+    def __post_init__(self):
+        _check_int("clusters", self.clusters, 1)
+        _check_int("iterations", self.iterations, 0)
+        if self.radius not in CLUSTER_RADII:
+            raise ValueError(f"radius must be one of {CLUSTER_RADII}, got {self.radius!r}")
+        _check_multiplier(self.multiplier)
+
+    def elements(self, d: int, dv: int) -> int:
+        """Elements held by the sketch of one head: C (2d + 3) + dv."""
+        return self.clusters * (2 * d + CLUSTER_SCALARS) + dv
+
+
+def _as_design(design) -> ClusterDesign:
+    """None -> ClusterDesign(); a ClusterDesign as is; any object with the four fields -> a checked copy."""
+    if design is None:
+        return ClusterDesign()
+    if isinstance(design, ClusterDesign):
+        return design
+    try:
+        fields = {f: getattr(design, f) for f in ("clusters", "iterations", "radius", "multiplier")}
+    except AttributeError:
+        raise TypeError(f"design must be None or have the attributes clusters, iterations, radius and multiplier "
+                        f"(a ClusterDesign), got {type(design).__name__}") from None
+    return ClusterDesign(**fields)
+
+
+@dataclass(frozen=True)
+class ClusterSketch:
+    """Per-cluster moments of the evicted tokens of every head (fixed C slots per head).
+
+    Attributes
+    ----------
+    mean : (b, h_kv, C, d) w-weighted mean key m_c of the cluster's evicted tokens
+    var : (b, h_kv, C, d) w-weighted per-channel variance sigma^2_c
+    weight : (b, h_kv, C) W_c = sum (1 - pi)/pi
+    wnorm : (b, h_kv, C) Y_c = sum (1 - pi)/pi nu^2, nu_i = ||v_i - mu||
+    count : (b, h_kv, C) N_c, evicted tokens of the cluster (a float)
+    mu : (b, h_kv, dv) the value centre: mean of the head's values (every valid token, kept or not)
+    rule : str, the design's radius rule     multiplier : float, its ``fixed`` multiplier
+
+    A slot whose cluster has no evicted token holds count 0, weight 0, wnorm 0, mean 0 and var 0
+    and takes no part in :func:`cluster_variance`. Float32 for float32 inputs (float64 for float64).
+    """
+
+    mean: torch.Tensor
+    var: torch.Tensor
+    weight: torch.Tensor
+    wnorm: torch.Tensor
+    count: torch.Tensor
+    mu: torch.Tensor
+    rule: str = "gaussian"
+    multiplier: float = 3.0
+
+    @property
+    def clusters(self) -> int:
+        """C, the slots per head."""
+        return self.mean.shape[-2]
+
+
+@dataclass
+class ClusterEstimate:
+    """Result of :func:`cluster_hajek_attention`.
+
+    Attributes
+    ----------
+    estimate : Estimate
+        What ``hajek_attention(..., per_coordinate=False)`` returns on the same inputs
+        (output, lse and the HT ``trace``; ``weights``, ``variance``, ``n_eff`` None).
+    variance : (b, h_q[, t]) V_cl, the hybrid variance with the sketch's evicted part
+    radius : (b, h_q[, t]) the radius of ``rule`` on V_cl at level 1 - ``delta``
+    rule : str   delta : float
+    """
+
+    estimate: Estimate
+    variance: torch.Tensor
+    radius: torch.Tensor
+    rule: str
+    delta: float
+
+    @property
+    def output(self) -> torch.Tensor:
+        """The Hajek estimate o_hat (``estimate.output``)."""
+        return self.estimate.output
+
+
+# ----------------------------------------------------------------------------------------------------
+# eviction time: k-means and the sketch
+
+
+def _valid_mask(name: str, valid, shape, device) -> torch.Tensor | None:
+    if valid is None:
+        return None
+    valid = check_tensor(name, valid)
+    if valid.dtype != torch.bool or tuple(valid.shape) != tuple(shape):
+        raise ValueError(f"{name} must be a bool tensor of shape (b, h_kv, n) = {tuple(shape)}, "
+                         f"got {valid.dtype} {tuple(valid.shape)}")
+    return valid.to(device)
+
+
+def _initial_centres(keys: torch.Tensor, valid: torch.Tensor, C: int):
+    """Initial centres (B, C, d) of every head and its cluster count min(C, n_valid) (B,).
+
+    As ``kvcert.reference.kmeans_assign``: the head's valid keys (in slot order) at the evenly
+    spaced quantiles ``floor((j + 1/2) n / C)`` of their projection on the first principal
+    direction (stable sort). The direction comes from ``numpy.linalg.svd`` of the centred float64
+    keys on the host, exactly the reference's call, because the sign of a singular vector is
+    LAPACK's arbitrary choice: it decides the order of the centres, and torch's SVD (MKL)
+    picks the other sign than NumPy's on about 7% of random heads.
+    """
+    B, n, d = keys.shape
+    host = keys.detach().to("cpu", torch.float64).numpy()
+    ok = valid.detach().cpu().numpy()
+    centres = np.zeros((B, C, d))
+    live = np.zeros(B, dtype=np.int64)
+    for h in range(B):
+        k = host[h][ok[h]]
+        m = k.shape[0]
+        if m == 0:
+            continue
+        c = min(C, m)
+        kc = k - k.mean(axis=0)
+        _, _, vt = np.linalg.svd(kc, full_matrices=False)
+        order = np.argsort(kc @ vt[0], kind="stable")
+        centres[h, :c] = k[order[((np.arange(c) + 0.5) * m / c).astype(int)]]
+        live[h] = c
+    return torch.from_numpy(centres).to(device=keys.device, dtype=keys.dtype), torch.from_numpy(live).to(keys.device)
+
+
+def kmeans_assign(keys: torch.Tensor, clusters: int, *, iterations: int = 10,
+                  valid: torch.Tensor | None = None) -> torch.Tensor:
+    r"""Deterministic Lloyd k-means of every head's keys: labels (b, h_kv, n) in [0, clusters), -1 on padding.
+
+    Per head, with the n' valid keys and C' = min(``clusters``, n'): initial centres at the
+    evenly spaced quantiles of the projection on the first principal direction (see
+    :func:`_initial_centres`), then ``iterations + 1`` rounds of
+
+    .. math::
+
+        \ell_i = \arg\min_c \lVert k_i\rVert^2 - 2\, k_i\cdot m_c + \lVert m_c\rVert^2, \qquad
+        m_c \leftarrow \frac{1}{|\{i: \ell_i = c\}|}\sum_{\ell_i = c} k_i\ \text{(if non-empty)},
+
+    ties to the lowest index and empty clusters keeping their previous centre: the labels of
+    ``kvcert.reference.kmeans_assign`` on the head's valid keys (tested in float64 on generic
+    inputs; float32 differs only for keys within rounding of a cluster boundary).
+
+    Parameters
+    ----------
+    keys : (b, h_kv, n, d) floating
+    clusters : int >= 1
+    iterations : int >= 0
+    valid : (b, h_kv, n) bool, optional
+        The real tokens (default: all). Padding takes no part and gets label -1; a head
+        without a valid token gets -1 everywhere.
+
+    Returns
+    -------
+    labels : (b, h_kv, n) int64
+
+    Notes
+    -----
+    The initialisation runs on the host (one float64 SVD of each head's keys, O(n d^2)); the
+    Lloyd rounds are batched on the keys' device in their compute dtype (O(n C d) each).
+    """
+    keys = check_tensor("keys", keys, ndim=(4,), floating=True)
+    clusters = _check_int("clusters", clusters, 1)
+    iterations = _check_int("iterations", iterations, 0)
+    b, h, n, d = keys.shape
+    valid = _valid_mask("valid", valid, (b, h, n), keys.device)
+    if valid is None:
+        valid = torch.ones((b, h, n), dtype=torch.bool, device=keys.device)
+    dt = compute_dtype(keys)
+    B = b * h
+    k = _cast(keys, dt).reshape(B, n, d)
+    ok = valid.reshape(B, n)
+    if n == 0 or d == 0:
+        return torch.full((b, h, n), -1, dtype=torch.int64, device=keys.device)
+    centres, live = _initial_centres(k, ok, clusters)
+    C = clusters
+    dead = torch.arange(C, device=k.device)[None, :] >= live[:, None]  # (B, C): slots beyond C'
+    k2 = (k * k).sum(-1)                                           # (B, n)
+    okf = ok.to(dt)
+    for _ in range(iterations + 1):
+        dist = k2[:, :, None] - 2.0 * torch.bmm(k, centres.transpose(1, 2)) + (centres * centres).sum(-1)[:, None, :]
+        dist.masked_fill_(dead[:, None, :], float("inf"))
+        lab = dist.argmin(-1)                                      # first minimum on ties, as NumPy
+        onehot = torch.nn.functional.one_hot(lab, C).to(dt) * okf[:, :, None]   # (B, n, C), 0 on padding
+        cnt = onehot.sum(1)                                        # (B, C)
+        sums = torch.bmm(onehot.transpose(1, 2), k)                # (B, C, d)
+        nz = cnt > 0
+        centres = torch.where(nz[:, :, None], sums / cnt.clamp(min=1.0)[:, :, None], centres)
+    return lab.masked_fill(~ok, -1).reshape(b, h, n)
+
+
+def _probabilities(name: str, pi, shape, device) -> torch.Tensor:
+    pi = check_tensor(name, pi, floating=True)
+    if tuple(pi.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape (b, h_kv, n) = {tuple(shape)}, got shape {tuple(pi.shape)}")
+    if pi.device != device:
+        raise ValueError(f"{name} must be on the device of keys ({device}), got {pi.device}")
+    return pi
+
+
+def cluster_sketch(keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor, keep: torch.Tensor, design=None, *,
+                   labels: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> ClusterSketch:
+    r"""Build the cluster sketch of the evicted tokens (``keep == False``) of every head.
+
+    Per head, with the labels of :func:`kmeans_assign` (or ``labels``), :math:`\mu` the mean of
+    the head's valid values, :math:`w_i = (1-\pi_i)/\pi_i` and U_c the evicted tokens of cluster c:
+
+    .. math::
+
+        W_c = \sum_{U_c} w_i,\quad Y_c = \sum_{U_c} w_i \lVert v_i - \mu\rVert^2,\quad N_c = |U_c|,\quad
+        m_c = \frac{\sum_{U_c} w_i k_i}{W_c},\quad
+        \sigma^2_{cj} = \frac{\sum_{U_c} w_i (k_{ij} - m_{cj})^2}{W_c}
+
+    (with :math:`W_c` replaced by 1 where it is 0, as the reference: only a cluster whose evicted
+    tokens all have pi = 1, which a Poisson sample never evicts). The same numbers as
+    ``kvcert.reference.cluster_sketch`` for the clusters with an evicted token, in label order;
+    the other slots hold zeros.
+
+    Parameters
+    ----------
+    keys : (b, h_kv, n, d)   values : (b, h_kv, n, dv)
+        Every head's full cache at the eviction (kept and evicted tokens).
+    pi : (b, h_kv, n) in [0, 1], > 0 on every valid evicted token (an evicted token with pi = 0 is
+        unobservable)
+    keep : (b, h_kv, n) bool, the sample
+    design : ClusterDesign (or any object with its fields), default ``ClusterDesign()``
+    labels : (b, h_kv, n) int64 in [0, design.clusters) on the valid tokens, optional
+        Overrides k-means (padding labels are ignored).
+    valid : (b, h_kv, n) bool, optional
+        The real tokens of a padded batch; default ``pi > 0`` (0 on padding, the ``kvcert.fast``
+        convention). Padding takes no part in k-means, mu or the moments.
+
+    Returns
+    -------
+    ClusterSketch with C = ``design.clusters`` slots per head.
+    """
+    design = _as_design(design)
+    keys = check_tensor("keys", keys, ndim=(4,), floating=True)
+    b, h, n, d = keys.shape
+    values = check_tensor("values", values, floating=True)
+    if values.ndim != 4 or tuple(values.shape[:3]) != (b, h, n):
+        raise ValueError(f"values must have shape (b, h_kv, n, dv) = ({b}, {h}, {n}, dv), "
+                         f"got shape {tuple(values.shape)}")
+    dev = keys.device
+    if values.device != dev:
+        raise ValueError(f"values must be on the device of keys ({dev}), got {values.device}")
+    pi = _probabilities("pi", pi, (b, h, n), dev)
+    keep = check_tensor("keep", keep)
+    if keep.dtype != torch.bool or tuple(keep.shape) != (b, h, n):
+        raise ValueError(f"keep must be a bool tensor of shape (b, h_kv, n) = {(b, h, n)}, "
+                         f"got {keep.dtype} {tuple(keep.shape)}")
+    keep = keep.to(dev)
+    dt = compute_dtype(keys, values, pi)
+    p = _cast(pi, dt)
+    if p.numel():
+        lo, hi = torch.stack(torch.aminmax(p)).tolist()
+        if not (lo >= 0.0 and hi <= 1.0):
+            raise ValueError("pi must lie in [0, 1] (found a value outside, or NaN)")
+    valid = _valid_mask("valid", valid, (b, h, n), dev)
+    if valid is None:
+        valid = p > 0
+    gone = valid & ~keep
+    if bool((gone & ~(p > 0)).any()):
+        raise ValueError("pi must be > 0 for every evicted token (an evicted token with pi = 0 is unobservable)")
+    C = design.clusters
+    if labels is None:
+        lab = kmeans_assign(keys, C, iterations=design.iterations, valid=valid)
+    else:
+        lab = check_tensor("labels", labels)
+        if lab.dtype.is_floating_point or lab.dtype == torch.bool or tuple(lab.shape) != (b, h, n):
+            raise ValueError(f"labels must be an integer tensor of shape (b, h_kv, n) = {(b, h, n)}, "
+                             f"got {lab.dtype} {tuple(lab.shape)}")
+        lab = lab.to(device=dev, dtype=torch.int64)
+        bad = valid & ((lab < 0) | (lab >= C))
+        if bool(bad.any()):
+            raise ValueError(f"labels must lie in [0, clusters) = [0, {C}) on every valid token")
+    B = b * h
+    dv = values.shape[-1]
+    k = _cast(keys, dt).reshape(B, n, d)
+    v = _cast(values, dt).reshape(B, n, dv)
+    okf = valid.reshape(B, n).to(dt)
+    mu = (okf[:, None, :] @ v).squeeze(1) / okf.sum(-1, keepdim=True).clamp(min=1.0)   # (B, dv)
+    g = gone.reshape(B, n)
+    w = torch.where(g, (1.0 - p.reshape(B, n)) / torch.where(g, p.reshape(B, n), 1.0), 0.0)   # 0 off U
+    E = torch.nn.functional.one_hot(torch.where(g, lab.reshape(B, n), 0), C).to(dt) * g.to(dt)[:, :, None]
+    Et = E.transpose(1, 2)                                                  # (B, C, n)
+    nu2 = (v - mu[:, None, :]).square().sum(-1)                             # (B, n)
+    W = (Et @ w[:, :, None]).squeeze(-1)
+    Y = (Et @ (w * nu2)[:, :, None]).squeeze(-1)
+    N = E.sum(1)
+    Ws = torch.where(W > 0, W, 1.0)
+    mean = (Et @ (w[:, :, None] * k)) / Ws[:, :, None]
+    centred = k - torch.gather(mean, 1, torch.where(g, lab.reshape(B, n), 0)[:, :, None].expand(B, n, d))
+    var = (Et @ (w[:, :, None] * centred.square())) / Ws[:, :, None]
+    return ClusterSketch(mean=mean.reshape(b, h, C, d), var=var.reshape(b, h, C, d), weight=W.reshape(b, h, C),
+                         wnorm=Y.reshape(b, h, C), count=N.reshape(b, h, C), mu=mu.reshape(b, h, dv),
+                         rule=design.radius, multiplier=float(design.multiplier))
+
+
+# ----------------------------------------------------------------------------------------------------
+# decode time: V_cl, the radius, and the one-pass decode step
+
+
+def cluster_radius(variance: torch.Tensor, *, delta: float, rule: str, multiplier: float = 3.0) -> torch.Tensor:
+    r"""Radius from a variance, elementwise: ``chebyshev`` :math:`\sqrt{V/\delta}`, ``gaussian``
+    :math:`z_{1-\delta/2}\sqrt V`, ``fixed`` :math:`c\sqrt V` (c = ``multiplier``); negative V
+    counts as 0, +inf stays +inf. As ``kvcert.reference.radius_from_variance``.
+
+    Raises
+    ------
+    ValueError
+        delta outside (0, 1), an unknown rule, a multiplier that is not a finite number > 0, NaN in
+        ``variance``.
+    """
+    variance = check_tensor("variance", variance, floating=True)
+    delta = _check_delta(delta)
+    rule = _check_rule(rule)
+    multiplier = _check_multiplier(multiplier)
+    if bool(torch.isnan(variance).any()):
+        raise ValueError("variance must not contain NaN")
+    return _radius(variance, delta, rule, multiplier)
+
+
+def _radius(variance: torch.Tensor, delta: float, rule: str, multiplier: float) -> torch.Tensor:
+    if rule == "chebyshev":
+        factor = math.sqrt(1.0 / delta)
+    elif rule == "gaussian":
+        factor = NormalDist().inv_cdf(1.0 - delta / 2.0)
+    else:
+        factor = multiplier
+    return variance.clamp(min=0.0).sqrt().mul_(factor)
+
+
+def _check_sketch(sketch, L: _Layout) -> None:
+    """``sketch`` must be a ClusterSketch of the KV heads of these keys and values (shapes, device)."""
+    if not isinstance(sketch, ClusterSketch):
+        raise TypeError(f"sketch must be a ClusterSketch (kvcert.fast.cluster_sketch), got {type(sketch).__name__}")
+    C = sketch.mean.shape[-2] if isinstance(sketch.mean, torch.Tensor) and sketch.mean.ndim == 4 else "C"
+    want = {"mean": ("(b, h_kv, C, d)", (L.b, L.h_kv, C, L.d)), "var": ("(b, h_kv, C, d)", (L.b, L.h_kv, C, L.d)),
+            "weight": ("(b, h_kv, C)", (L.b, L.h_kv, C)), "wnorm": ("(b, h_kv, C)", (L.b, L.h_kv, C)),
+            "count": ("(b, h_kv, C)", (L.b, L.h_kv, C)), "mu": ("(b, h_kv, dv)", (L.b, L.h_kv, L.dv))}
+    for name, (text, shape) in want.items():
+        x = getattr(sketch, name)
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"sketch.{name} must have shape {text} = {shape} for these keys and values, got {got}")
+        if x.device != L.q.device:
+            raise ValueError(f"sketch.{name} must be on the device of q ({L.q.device}), got {x.device}")
+
+
+def _probs(L: _Layout, C) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log pi, 1 - pi, pi) as (B, n) in the compute dtype, from ``pi`` or ``log_pi`` (as hajek_attention)."""
+    dt = L.dtype
+    if C.p_name == "pi":
+        pf = _cast(C.p, dt).reshape(L.B, L.n)
+        return torch.log(pf), 1.0 - pf, pf
+    lp = _cast(C.p, dt).reshape(L.B, L.n)
+    return lp, -torch.expm1(lp), torch.exp(lp)
+
+
+def _kept_pass(L: _Layout, lp, omp, pf, mu, r2):
+    r"""One pass over K and V: the Hajek output and the sums behind the HT trace and the kept part of V_cl.
+
+    .. math::
+
+        s = \tau\, q K^\top - \log\pi, \quad a = \operatorname{softmax}(s),\quad c = (1-\pi)\, a^2,
+        \quad c' = \pi c,\quad [\hat o;\ \textstyle\sum c_i v_i;\ \sum c'_i v_i] = [a; c; c']\, V,
+
+    with :math:`r_i = \lVert v_i - \mu\rVert^2` the per-token sums
+    :math:`\sum c_i r_i,\ \sum c_i,\ \sum c'_i r_i,\ \sum c'_i` and the kept share
+    :math:`\kappa = \sum_S \pi_i a_i = \hat Z^{-1}\sum_S e^{s_i}`. Returns a dict of (B, G[, dv])
+    tensors; empty rows (every slot padding) have a = 0 and lse = -inf.
+    """
+    dt, B, G, n = L.dtype, L.B, L.G, L.n
+    dev = L.q.device
+    qf = _cast(L.q, dt).reshape(B, G, L.d)
+    kf = _cast(L.keys, dt).reshape(B, n, L.d)
+    v = _cast(L.values, dt).reshape(B, n, L.dv)
+    off = lp.neg().nan_to_num_(nan=float("nan"), posinf=float("-inf")).view(B, 1, n)
+    s = _WS.get("sketch_scores", B * G * n, dt, dev).view(B, G, n)
+    torch.baddbmm(off, qf, kf.transpose(1, 2), alpha=L.scale, out=s)
+    m = s.amax(-1, keepdim=True)
+    empty = m == float("-inf")                                 # (B, G, 1): every slot padding
+    m.masked_fill_(empty, 0.0)
+    rows = _WS.get("sketch_rows", B * 3 * G * n, dt, dev).view(B, 3 * G, n)   # rows [a; c; c']
+    a = torch.sub(s, m, out=rows[:, :G]).exp_()
+    l = a.sum(-1, keepdim=True)
+    a.div_(l.masked_fill(empty, 1.0))                          # empty rows: a = 0
+    lse = l.log_().add_(m).squeeze(-1)                         # -inf on empty rows
+    c = torch.mul(a, a, out=rows[:, G:2 * G]).mul_(omp.view(B, 1, n))
+    c2 = torch.mul(c, pf.view(B, 1, n), out=rows[:, 2 * G:])
+    oc = torch.bmm(rows, v)                                    # (B, 3G, dv): [o; sum c v; sum c' v]
+    sums = torch.bmm(rows, torch.stack((r2, pf), dim=-1))      # (B, 3G, 2): [. r2 , . pi]
+    return dict(o=oc[:, :G], cv=oc[:, G:2 * G], c2v=oc[:, 2 * G:], t1=sums[:, G:2 * G, 0],
+                t2=sums[:, 2 * G:, 0], sc=c.sum(-1, keepdim=True), sc2=c2.sum(-1, keepdim=True),
+                kappa=sums[:, :G, 1], lse=lse, qf=qf)
+
+
+def _centred(t1, cv, sc, o, mu):
+    r""":math:`\sum c_i\lVert v_i - o\rVert^2 = \sum c_i r_i - 2(o-\mu)\cdot(\sum c_i v_i - \mu\sum c_i)
+    + \lVert o-\mu\rVert^2 \sum c_i` (the one-pass trace's epilogue), clamped at 0."""
+    dm = o - mu
+    half = torch.addcmul(cv, mu, sc, value=-1.0).addcmul_(dm, sc, value=-0.5)
+    return torch.add(t1, torch.linalg.vecdot(dm, half), alpha=-2.0).clamp_(min=0.0)
+
+
+def _log_variance(L: _Layout, sketch: ClusterSketch, qf, o, lse, kappa, t_kept):
+    r"""log of V_cl's numerator and of Z~ from the kept pieces and the sketch, (B, G) each.
+
+    Kept part: :math:`\sum_S \frac{1-\pi_i}{\pi_i} e^{2 s_i}\lVert v_i - \hat o\rVert^2 = \hat Z^2 T'`
+    with :math:`T' = \sum_S (1-\pi_i)\pi_i a_i^2 \lVert v_i-\hat o\rVert^2` and
+    :math:`\sum_S e^{s_i} = \hat Z \kappa`, :math:`\log\hat Z` = lse. Rows without a kept token
+    (lse = -inf) have no kept part. Slots with count 0 / weight 0 give log 0 = -inf: absent.
+    """
+    dt, B = L.dtype, L.B
+    C = sketch.mean.shape[-2]
+    mean = _cast(sketch.mean, dt).reshape(B, C, L.d)
+    var = _cast(sketch.var, dt).reshape(B, C, L.d)
+    qs = qf * L.scale
+    lin = torch.bmm(qs, mean.transpose(1, 2))                  # (B, G, C)  tau q.m_c
+    quad = torch.bmm(qs * qs, var.transpose(1, 2))             # (B, G, C)  tau^2 sum_j q_j^2 sigma^2_cj
+    mu = _cast(sketch.mu, dt).reshape(B, 1, L.dv)
+    a2 = (mu - o).square().sum(-1, keepdim=True)               # (B, G, 1)  ||mu - o||^2
+    cnt = _cast(sketch.count, dt).reshape(B, 1, C)
+    ev = _cast(sketch.wnorm, dt).reshape(B, 1, C) + _cast(sketch.weight, dt).reshape(B, 1, C) * a2
+    log_zu = torch.logsumexp(torch.log(cnt) + lin + 0.5 * quad, dim=-1)
+    log_nu = torch.logsumexp(torch.log(ev) + 2.0 * (lin + quad), dim=-1)
+    none = lse == float("-inf")
+    log_zs = torch.where(none, float("-inf"), lse + torch.log(kappa))
+    log_ns = torch.where(none, float("-inf"), 2.0 * lse + torch.log(t_kept))
+    return torch.logaddexp(log_ns, log_nu), torch.logaddexp(log_zs, log_zu)
+
+
+def _variance(log_num, log_z):
+    """exp(log_num - 2 log_z); 0 where there is no term at all (log_num = -inf)."""
+    return torch.where(log_num == float("-inf"), 0.0, torch.exp(log_num - 2.0 * log_z))
+
+
+def _empty_kept(L: _Layout):
+    """The kept pieces of a cache with n = 0 slots."""
+    dt, dev = L.dtype, L.q.device
+    z = torch.zeros(L.B, L.G, dtype=dt, device=dev)
+    return dict(o=torch.zeros(L.B, L.G, L.dv, dtype=dt, device=dev), lse=torch.full_like(z, float("-inf")),
+                kappa=z, t2=z, trace=torch.full_like(z, float("inf")),
+                qf=_cast(L.q, dt).reshape(L.B, L.G, L.d))
+
+
+def cluster_variance(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor,
+                     sketch: ClusterSketch, *, output: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    r"""The hybrid variance :math:`V_{\mathrm{cl}}` with the evicted part from per-cluster Gaussian moments.
+
+    .. math::
+
+        V_{\mathrm{cl}} = \frac{1}{\tilde Z^2}\Big[\sum_{i\in S}\frac{1-\pi_i}{\pi_i} e^{2 s_i}
+            \lVert v_i - \hat o\rVert^2 + \sum_c (Y_c + W_c \lVert\mu - \hat o\rVert^2)\,
+            e^{2\tau q\cdot m_c + 2\tau^2 \sum_j q_j^2\sigma^2_{cj}}\Big],\quad
+        \tilde Z = \sum_{i\in S} e^{s_i} + \sum_c N_c\, e^{\tau q\cdot m_c + \tau^2\sum_j q_j^2\sigma^2_{cj}/2}.
+
+    The exponentials are the moment generating function of a Gaussian with the cluster's
+    weighted mean and diagonal covariance: exact for Gaussian keys with independent channels,
+    an approximation otherwise (heavy tails: too small; correlated channels: either way), and
+    :math:`\nu_i^2 + \lVert\mu-\hat o\rVert^2` stands for :math:`\lVert v_i - \hat o\rVert^2`
+    (exact on average when :math:`v_i - \mu` is uncorrelated with :math:`\mu - \hat o`).
+    Same target as the reference's ``hybrid_variance``: the design variance V itself. Computed in
+    log space (:math:`s_i = \tau q\cdot k_i` may be large), the kept sums in the centred form
+    around the mean kept value (``value_moments``); slots with count 0 and weight 0 are absent.
+    Every query head reads its KV head's sketch (GQA); several queries (b, h_q, t, d) see every
+    kept token (no causal mask).
+
+    Parameters
+    ----------
+    q : (b, h_q, d) or (b, h_q, t, d)
+    keys, values : (b, h_kv, n, d), (b, h_kv, n, dv), the kept tokens
+    pi : (b, h_kv, n) in [0, 1], 0 on padding (certain tokens, pi = 1, count in Z only)
+    sketch : ClusterSketch of the evicted tokens (:func:`cluster_sketch`), per KV head
+    output : (b, h_q[, t], dv), the plug-in o_hat
+    scale : float, default 1/sqrt(d)
+
+    Returns
+    -------
+    (b, h_q[, t]) V_cl in float32 (float64 for float64 inputs); 0 when no term is positive
+    (the reference's ``0.0``).
+    """
+    C = check_attention_inputs(q, keys, values, pi, scale=scale, validate=True)
+    L = _Layout(C, q, keys, values)
+    _check_sketch(sketch, L)
+    output = check_tensor("output", output, floating=True)
+    want = (L.b, L.h_q, L.dv) if L.decode else (L.b, L.h_q, L.t, L.dv)
+    if tuple(output.shape) != want:
+        raise ValueError(f"output must have shape (b, h_q[, t], dv) = {want}, got shape {tuple(output.shape)}")
+    o = _cast(output, L.dtype).reshape(L.B, L.G, L.dv)
+    lp, omp, pf = _probs(L, C)
+    if L.n == 0:
+        kp = _empty_kept(L)
+        t_kept = kp["t2"]
+    else:
+        mu, r2 = value_moments(L.values.to(L.dtype), pf.reshape(L.b, L.h_kv, L.n))
+        mu = mu.reshape(L.B, 1, L.dv)
+        kp = _kept_pass(L, lp, omp, pf, mu, r2.reshape(L.B, L.n))
+        t_kept = _centred(kp["t2"], kp["c2v"], kp["sc2"], o, mu)
+    log_num, log_z = _log_variance(L, sketch, kp["qf"], o, kp["lse"], kp["kappa"], t_kept)
+    return L.unrows(_variance(log_num, log_z)[..., None]).squeeze(-1)
+
+
+def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor | None,
+                            sketch: ClusterSketch, *, scale: float | None = None, delta: float = 0.05,
+                            rule: str | None = None, multiplier: float | None = None,
+                            log_pi: torch.Tensor | None = None, value_center: torch.Tensor | None = None,
+                            value_sqdist: torch.Tensor | None = None, validate: bool = True) -> ClusterEstimate:
+    r"""The cluster design's decode step: Hajek output, HT trace, :math:`V_{\mathrm{cl}}` and its radius.
+
+    .. math::
+
+        s = \tau\, q K^\top - \log\pi,\quad a = \operatorname{softmax}(s),\quad c = (1-\pi) a^2,\quad
+        c' = \pi c,\qquad [\hat o;\ \textstyle\sum c_i v_i;\ \sum c'_i v_i] = [a; c; c']\, V,
+
+        \mathrm{trace} = \textstyle\sum_S c_i \lVert v_i - \hat o\rVert^2,\qquad
+        \sum_{i\in S}\frac{1-\pi_i}{\pi_i} e^{2 s_i}\lVert v_i - \hat o\rVert^2
+            = \hat Z^2 \textstyle\sum_S c'_i \lVert v_i - \hat o\rVert^2,\qquad
+        \sum_{i\in S} e^{s_i} = \hat Z \textstyle\sum_S \pi_i a_i,
+
+    (:math:`\hat Z` = e^lse; here :math:`s_i` in the sums is the raw score :math:`\tau q\cdot k_i`),
+    the squared distances in the centred form around ``value_center``
+    (:math:`\sum c_i r_i - 2(\hat o-\mu)\cdot(\sum c_i v_i - \mu\sum c_i) + \lVert\hat o-\mu\rVert^2\sum c_i`,
+    :math:`r_i` = ``value_sqdist``), then :math:`V_{\mathrm{cl}}` as :func:`cluster_variance` with
+    :math:`\hat o` as the plug-in, and the radius of :func:`cluster_radius`. K and V are read once
+    (one score matmul, one [a; c; c'] x V matmul: one more row per query than the trace-only
+    ``hajek_attention`` path); the sketch adds two (C x d) x (d x g t) matmuls and O(C) work per
+    query. No causal mask: every query sees every kept token.
+
+    Parameters
+    ----------
+    q : (b, h_q, d) or (b, h_q, t, d)
+    keys, values : (b, h_kv, n, d), (b, h_kv, n, dv), the kept tokens (padding: pi = 0)
+    pi : (b, h_kv, n) in [0, 1], or None with ``log_pi`` (exactly one of the two)
+    sketch : ClusterSketch of the evicted tokens, per KV head
+    scale : float, default 1/sqrt(d)
+    delta : float in (0, 1)
+    rule : one of :data:`CLUSTER_RADII`, default the sketch's (its design's ``radius``)
+    multiplier : float > 0, the ``fixed`` rule's c, default the sketch's
+    log_pi : (b, h_kv, n), log pi instead of pi (-inf = padding), as the Hugging Face cache holds it
+    value_center, value_sqdist : (b, h_kv, dv), (b, h_kv, n), optional
+        :math:`\mu` and :math:`\lVert v_i - \mu\rVert^2` kept beside the cache
+        (:func:`kvcert.fast.value_moments`); without them they are computed here (one more pass
+        over V). Give both or neither.
+    validate : bool, default True
+        Check pi / log_pi values and refuse a NaN output (host synchronisations); ``False`` for a
+        caller that checked its inputs once.
+
+    Returns
+    -------
+    ClusterEstimate
+        ``estimate`` as ``hajek_attention(..., per_coordinate=False)`` (output in the dtype of
+        ``values``; trace and lse float32, float64 for float64 inputs), ``variance`` V_cl and
+        ``radius``, (b, h_q[, t]). A query head whose KV head holds no kept token: output 0, lse
+        -inf, trace, variance and radius +inf (the empty-sample convention of ``Estimate``).
+
+    Raises
+    ------
+    TypeError / ValueError
+        Bad shapes (naming the argument and the expected shape), a sketch of other heads, delta
+        outside (0, 1), an unknown rule, a bad multiplier, pi outside [0, 1].
+    """
+    C = check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale)
+    L = _Layout(C, q, keys, values)
+    _check_sketch(sketch, L)
+    delta = _check_delta(delta)
+    rule = _check_rule(sketch.rule if rule is None else rule)
+    multiplier = _check_multiplier(sketch.multiplier if multiplier is None else multiplier)
+    if (value_center is None) != (value_sqdist is None):
+        raise TypeError("give both value_center= and value_sqdist= (from value_moments), or neither")
+    if validate:
+        check_attention_values(C)
+    lp, omp, pf = _probs(L, C)
+    dt = L.dtype
+    if L.n == 0:
+        kp = _empty_kept(L)
+        o, trace, t_kept = kp["o"], kp["trace"], kp["t2"]
+    else:
+        if value_center is None:
+            mu, r2 = value_moments(L.values, pf.reshape(L.b, L.h_kv, L.n))
+        else:
+            mu, r2 = value_center, value_sqdist
+            for name, x, shape in (("value_center", mu, (L.b, L.h_kv, L.dv)),
+                                   ("value_sqdist", r2, (L.b, L.h_kv, L.n))):
+                check_tensor(name, x)
+                if tuple(x.shape) != shape:
+                    raise ValueError(f"{name} must have shape {shape} (b, h_kv, {'dv' if x is mu else 'n'}), "
+                                     f"got {tuple(x.shape)}")
+        mu = _cast(mu, dt).reshape(L.B, 1, L.dv)
+        kp = _kept_pass(L, lp, omp, pf, mu, _cast(r2, dt).reshape(L.B, L.n))
+        o = kp["o"]
+        trace = _centred(kp["t1"], kp["cv"], kp["sc"], o, mu)
+        t_kept = _centred(kp["t2"], kp["c2v"], kp["sc2"], o, mu)
+    log_num, log_z = _log_variance(L, sketch, kp["qf"], o, kp["lse"], kp["kappa"], t_kept)
+    variance = _variance(log_num, log_z)
+    empty = kp["lse"] == float("-inf")
+    inf = torch.tensor(float("inf"), dtype=dt, device=o.device)
+    trace = torch.where(empty, inf, trace)
+    variance = torch.where(empty, inf, variance)
+    if validate and bool(torch.isnan(o).any()):
+        raise ValueError("cluster_hajek_attention produced NaN: q, keys, values must be finite")
+    unrow = lambda x: L.unrows(x[..., None]).squeeze(-1)  # noqa: E731
+    est = Estimate(output=_cast(L.unrows(o.contiguous()), values.dtype), weights=None, variance=None,
+                   trace=unrow(trace), lse=unrow(kp["lse"]))
+    variance = unrow(variance)
+    return ClusterEstimate(estimate=est, variance=variance, radius=_radius(variance, delta, rule, multiplier),
+                           rule=rule, delta=delta)
