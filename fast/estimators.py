@@ -401,7 +401,9 @@ def _one_pass(L: _Layout, lp: torch.Tensor, omp: torch.Tensor, bias, mu: torch.T
         off = off + _broadcast_bias(bias, L).to(dt).reshape(B, G, n)
     s = _WS.get("scores", B * G * n, dt, dev).view(B, G, n)
     torch.baddbmm(off, qf, kf.transpose(1, 2), alpha=L.scale, out=s)
-    m = s.amax(-1, keepdim=True)  # -inf on empty rows
+    # the row max, clamped to a finite value on empty rows (every slot padding or masked), so that
+    # s - m stays -inf there (not NaN) and lse comes out -inf, which the caller detects
+    m = s.amax(-1, keepdim=True).clamp_(min=torch.finfo(dt).min)
     ac = _WS.get("rows", B * 2 * G * n, dt, dev).view(B, 2 * G, n)  # rows [a; c]
     a = torch.sub(s, m, out=ac[:, :G]).exp_()  # the softmax, written into the [a; c] rows
     l = a.sum(-1, keepdim=True)

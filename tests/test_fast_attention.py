@@ -238,6 +238,18 @@ def test_empty_sample_and_fully_masked_rows():
     bias = torch.tensor([[[-math.inf] * 5, [0.0] * 5]])
     est = F.hajek_attention(q, k, v, torch.full((1, 1, 5), 0.5), bias=bias)
     assert est.trace[0, 0] == math.inf and torch.isfinite(est.trace[0, 1])
+    # the one-pass trace path (cached value moments, the decode path): a KV head all padding gives the
+    # empty-sample convention too, beside a live head, as the tiled path does
+    q2, k2, v2 = torch.randn(1, 4, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 3)
+    p2 = torch.full((1, 2, 5), 0.5)
+    p2[0, 1] = 0.0
+    mu, r2 = F.value_moments(v2, p2)
+    one = F.hajek_attention(q2, k2, v2, p2, per_coordinate=False, value_center=mu, value_sqdist=r2)
+    tiled = F.hajek_attention(q2, k2, v2, p2, per_coordinate=False)
+    assert torch.all(one.output[0, 2:] == 0) and torch.all(one.trace[0, 2:] == math.inf)
+    assert torch.all(one.lse[0, 2:] == -math.inf)
+    torch.testing.assert_close(one.output, tiled.output)
+    torch.testing.assert_close(one.trace[0, :2], tiled.trace[0, :2])
     # n = 0 cache
     est = F.hajek_attention(q, k[:, :, :0], v[:, :, :0], torch.zeros(1, 1, 0))
     assert torch.all(est.lse == -math.inf) and est.output.shape == (1, 2, 3)
