@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from ._checks import check_tensor, compute_dtype
+from .certificates import _check_delta
 from .contract import check_attention_inputs, check_attention_values
 from .estimators import _WS, _cast, _Layout, value_moments
 from .types import Estimate
@@ -82,15 +83,6 @@ def _check_multiplier(multiplier) -> float:
             or not (math.isfinite(multiplier) and multiplier > 0):
         raise ValueError(f"multiplier must be a finite number > 0, got {multiplier!r}")
     return float(multiplier)
-
-
-def _check_delta(delta) -> float:
-    if isinstance(delta, bool) or not isinstance(delta, numbers.Real):
-        raise TypeError(f"delta must be a float, got {type(delta).__name__}")
-    delta = float(delta)
-    if not (0.0 < delta < 1.0):
-        raise ValueError(f"delta must be in (0, 1), got {delta}")
-    return delta
 
 
 @dataclass(frozen=True)
@@ -441,14 +433,14 @@ def cluster_radius(variance: torch.Tensor, *, delta: float, rule: str, multiplie
     return _radius(variance, delta, rule, multiplier)
 
 
-def _radius(variance: torch.Tensor, delta: float, rule: str, multiplier: float) -> torch.Tensor:
+def _radius(variance: torch.Tensor, delta: float, rule: str, multiplier: float, clamp: bool = True) -> torch.Tensor:
     if rule == "chebyshev":
         factor = math.sqrt(1.0 / delta)
     elif rule == "gaussian":
         factor = NormalDist().inv_cdf(1.0 - delta / 2.0)
     else:
         factor = multiplier
-    return variance.clamp(min=0.0).sqrt().mul_(factor)
+    return (variance.clamp(min=0.0) if clamp else variance).sqrt().mul_(factor)
 
 
 def _check_sketch(sketch, L: _Layout) -> None:
@@ -479,90 +471,87 @@ def _probs(L: _Layout, C) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _kept_pass(L: _Layout, lp, omp, pf, mu, r2):
-    r"""One pass over K and V: the Hajek output and the sums behind the HT trace and the kept part of V_cl.
+    r"""One pass over K and V: the Hajek output and the HT trace, and the kept pieces of V_cl.
 
     .. math::
 
         s = \tau\, q K^\top - \log\pi, \quad a = \operatorname{softmax}(s),\quad c = (1-\pi)\, a^2,
         \quad c' = \pi c,\quad [\hat o;\ \textstyle\sum c_i v_i;\ \sum c'_i v_i] = [a; c; c']\, V,
 
-    with :math:`r_i = \lVert v_i - \mu\rVert^2` the per-token sums
-    :math:`\sum c_i r_i,\ \sum c_i,\ \sum c'_i r_i,\ \sum c'_i` and the kept share
-    :math:`\kappa = \sum_S \pi_i a_i = \hat Z^{-1}\sum_S e^{s_i}`. Returns a dict of (B, G[, dv])
-    tensors; empty rows (every slot padding) have a = 0 and lse = -inf.
+    and, with :math:`r_i = \lVert v_i - \mu\rVert^2`, :math:`[\sum c_i r_i, \sum c'_i r_i]`,
+    :math:`[\sum c_i, \sum c'_i]` and the kept share :math:`\kappa = \sum_S \pi_i a_i =
+    \hat Z^{-1}\sum_S e^{s_i}`. Empty rows (every slot padding) get a = 0 (so o = 0, kappa = 0,
+    every sum 0) and lse = -inf. Returns ``(o (B, G, dv), cv (B, 2G, dv), t (B, 2G), sc (B, 2G, 1),
+    kappa (B, G), lse (B, G))``, the c rows first.
     """
     dt, B, G, n = L.dtype, L.B, L.G, L.n
     dev = L.q.device
     qf = _cast(L.q, dt).reshape(B, G, L.d)
     kf = _cast(L.keys, dt).reshape(B, n, L.d)
     v = _cast(L.values, dt).reshape(B, n, L.dv)
+    # bias -log pi, and -inf (not +inf = -log 0) on padding slots
     off = lp.neg().nan_to_num_(nan=float("nan"), posinf=float("-inf")).view(B, 1, n)
     s = _WS.get("sketch_scores", B * G * n, dt, dev).view(B, G, n)
     torch.baddbmm(off, qf, kf.transpose(1, 2), alpha=L.scale, out=s)
-    m = s.amax(-1, keepdim=True)
-    empty = m == float("-inf")                                 # (B, G, 1): every slot padding
-    m.masked_fill_(empty, 0.0)
+    m = s.amax(-1, keepdim=True).clamp_(min=torch.finfo(dt).min)   # finite: an empty row gets a = e^{-inf} = 0
     rows = _WS.get("sketch_rows", B * 3 * G * n, dt, dev).view(B, 3 * G, n)   # rows [a; c; c']
     a = torch.sub(s, m, out=rows[:, :G]).exp_()
     l = a.sum(-1, keepdim=True)
-    a.div_(l.masked_fill(empty, 1.0))                          # empty rows: a = 0
-    lse = l.log_().add_(m).squeeze(-1)                         # -inf on empty rows
+    lse = torch.log(l).add_(m).squeeze(-1)                     # -inf on empty rows (l = 0)
+    a.div_(l.clamp_(min=1.0))                                  # l >= 1 on a non-empty row (its max is e^0)
     c = torch.mul(a, a, out=rows[:, G:2 * G]).mul_(omp.view(B, 1, n))
-    c2 = torch.mul(c, pf.view(B, 1, n), out=rows[:, 2 * G:])
+    torch.mul(c, pf.view(B, 1, n), out=rows[:, 2 * G:])
     oc = torch.bmm(rows, v)                                    # (B, 3G, dv): [o; sum c v; sum c' v]
-    sums = torch.bmm(rows, torch.stack((r2, pf), dim=-1))      # (B, 3G, 2): [. r2 , . pi]
-    return dict(o=oc[:, :G], cv=oc[:, G:2 * G], c2v=oc[:, 2 * G:], t1=sums[:, G:2 * G, 0],
-                t2=sums[:, 2 * G:, 0], sc=c.sum(-1, keepdim=True), sc2=c2.sum(-1, keepdim=True),
-                kappa=sums[:, :G, 1], lse=lse, qf=qf)
+    t = torch.linalg.vecdot(rows[:, G:], r2.view(B, 1, n))    # (B, 2G): [sum c r; sum c' r]
+    kappa = torch.linalg.vecdot(a, pf.view(B, 1, n))            # (B, G): sum pi a
+    sc = rows[:, G:].sum(-1, keepdim=True)
+    return oc[:, :G], oc[:, G:], t, sc, kappa, lse
 
 
-def _centred(t1, cv, sc, o, mu):
-    r""":math:`\sum c_i\lVert v_i - o\rVert^2 = \sum c_i r_i - 2(o-\mu)\cdot(\sum c_i v_i - \mu\sum c_i)
-    + \lVert o-\mu\rVert^2 \sum c_i` (the one-pass trace's epilogue), clamped at 0."""
-    dm = o - mu
-    half = torch.addcmul(cv, mu, sc, value=-1.0).addcmul_(dm, sc, value=-0.5)
-    return torch.add(t1, torch.linalg.vecdot(dm, half), alpha=-2.0).clamp_(min=0.0)
+def _centred(t, cv, sc, o, mu):
+    r"""Both kept sums :math:`\sum c_i\lVert v_i - \hat o\rVert^2` (c rows, then c' rows), (B, 2, G):
+    :math:`\sum c_i r_i - 2(\hat o-\mu)\cdot(\sum c_i v_i - \mu\sum c_i) + \lVert\hat o-\mu\rVert^2
+    \sum c_i` (the one-pass trace's epilogue, for the two kinds of rows at once), clamped at 0."""
+    B, G2, dv = cv.shape
+    G = G2 // 2
+    dm = (o - mu).view(B, 1, G, dv)
+    sc = sc.view(B, 2, G, 1)
+    half = torch.addcmul(cv.view(B, 2, G, dv), mu.view(B, 1, 1, dv), sc, value=-1.0).addcmul_(dm, sc, value=-0.5)
+    return torch.add(t.view(B, 2, G), torch.linalg.vecdot(dm, half), alpha=-2.0).clamp_(min=0.0)
 
 
-def _log_variance(L: _Layout, sketch: ClusterSketch, qf, o, lse, kappa, t_kept):
+def _log_variance(L: _Layout, sketch: ClusterSketch, o, lse, kappa, t_kept):
     r"""log of V_cl's numerator and of Z~ from the kept pieces and the sketch, (B, G) each.
 
     Kept part: :math:`\sum_S \frac{1-\pi_i}{\pi_i} e^{2 s_i}\lVert v_i - \hat o\rVert^2 = \hat Z^2 T'`
-    with :math:`T' = \sum_S (1-\pi_i)\pi_i a_i^2 \lVert v_i-\hat o\rVert^2` and
-    :math:`\sum_S e^{s_i} = \hat Z \kappa`, :math:`\log\hat Z` = lse. Rows without a kept token
-    (lse = -inf) have no kept part. Slots with count 0 / weight 0 give log 0 = -inf: absent.
+    with :math:`T' = \sum_S (1-\pi_i)\pi_i a_i^2 \lVert v_i-\hat o\rVert^2`, and
+    :math:`\sum_S e^{s_i} = \hat Z \kappa`, :math:`\log\hat Z` = lse. A row without a kept token
+    (lse = -inf, kappa = T' = 0) has no kept part (-inf + -inf = -inf, never NaN); slots with
+    count 0 / weight 0 give log 0 = -inf: absent.
     """
     dt, B = L.dtype, L.B
     C = sketch.mean.shape[-2]
-    mean = _cast(sketch.mean, dt).reshape(B, C, L.d)
-    var = _cast(sketch.var, dt).reshape(B, C, L.d)
-    qs = qf * L.scale
-    lin = torch.bmm(qs, mean.transpose(1, 2))                  # (B, G, C)  tau q.m_c
-    quad = torch.bmm(qs * qs, var.transpose(1, 2))             # (B, G, C)  tau^2 sum_j q_j^2 sigma^2_cj
-    mu = _cast(sketch.mu, dt).reshape(B, 1, L.dv)
-    a2 = (mu - o).square().sum(-1, keepdim=True)               # (B, G, 1)  ||mu - o||^2
-    cnt = _cast(sketch.count, dt).reshape(B, 1, C)
-    ev = _cast(sketch.wnorm, dt).reshape(B, 1, C) + _cast(sketch.weight, dt).reshape(B, 1, C) * a2
-    log_zu = torch.logsumexp(torch.log(cnt) + lin + 0.5 * quad, dim=-1)
-    log_nu = torch.logsumexp(torch.log(ev) + 2.0 * (lin + quad), dim=-1)
-    none = lse == float("-inf")
-    log_zs = torch.where(none, float("-inf"), lse + torch.log(kappa))
-    log_ns = torch.where(none, float("-inf"), 2.0 * lse + torch.log(t_kept))
-    return torch.logaddexp(log_ns, log_nu), torch.logaddexp(log_zs, log_zu)
-
-
-def _variance(log_num, log_z):
-    """exp(log_num - 2 log_z); 0 where there is no term at all (log_num = -inf)."""
-    return torch.where(log_num == float("-inf"), 0.0, torch.exp(log_num - 2.0 * log_z))
+    qs = _cast(L.q, dt).reshape(B, L.G, L.d) * L.scale
+    lin = torch.bmm(qs, _cast(sketch.mean, dt).view(B, C, L.d).transpose(1, 2))          # tau q.m_c
+    quad = torch.bmm(qs * qs, _cast(sketch.var, dt).view(B, C, L.d).transpose(1, 2))     # tau^2 q^2.sigma^2_c
+    dmu = _cast(sketch.mu, dt).view(B, 1, L.dv) - o
+    a2 = torch.linalg.vecdot(dmu, dmu).unsqueeze_(-1)                                     # ||mu - o||^2
+    ev = torch.addcmul(_cast(sketch.wnorm, dt).view(B, 1, C), _cast(sketch.weight, dt).view(B, 1, C), a2)
+    log_zu = torch.logsumexp(torch.add(lin, quad, alpha=0.5).add_(torch.log(_cast(sketch.count, dt).view(B, 1, C))),
+                             dim=-1)
+    log_nu = torch.logsumexp(lin.add_(quad).mul_(2.0).add_(ev.log_()), dim=-1)
+    log_z = torch.logaddexp(torch.log(kappa).add_(lse), log_zu)
+    log_num = torch.logaddexp(torch.log(t_kept).add_(lse, alpha=2.0), log_nu)
+    return log_num, log_z
 
 
 def _empty_kept(L: _Layout):
-    """The kept pieces of a cache with n = 0 slots."""
+    """The kept pieces of a cache with n = 0 slots (as an all-padding one)."""
     dt, dev = L.dtype, L.q.device
     z = torch.zeros(L.B, L.G, dtype=dt, device=dev)
-    return dict(o=torch.zeros(L.B, L.G, L.dv, dtype=dt, device=dev), lse=torch.full_like(z, float("-inf")),
-                kappa=z, t2=z, trace=torch.full_like(z, float("inf")),
-                qf=_cast(L.q, dt).reshape(L.B, L.G, L.d))
+    zz = torch.zeros(L.B, 2 * L.G, dtype=dt, device=dev)
+    return (torch.zeros(L.B, L.G, L.dv, dtype=dt, device=dev), torch.zeros(L.B, 2 * L.G, L.dv, dtype=dt, device=dev),
+            zz, zz[..., None], z, torch.full_like(z, float("-inf")))
 
 
 def cluster_variance(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor,
@@ -611,15 +600,17 @@ def cluster_variance(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     o = _cast(output, L.dtype).reshape(L.B, L.G, L.dv)
     lp, omp, pf = _probs(L, C)
     if L.n == 0:
-        kp = _empty_kept(L)
-        t_kept = kp["t2"]
+        mu = torch.zeros(L.B, 1, L.dv, dtype=L.dtype, device=o.device)
+        _, cv, t, sc, kappa, lse = _empty_kept(L)
     else:
         mu, r2 = value_moments(L.values.to(L.dtype), pf.reshape(L.b, L.h_kv, L.n))
         mu = mu.reshape(L.B, 1, L.dv)
-        kp = _kept_pass(L, lp, omp, pf, mu, r2.reshape(L.B, L.n))
-        t_kept = _centred(kp["t2"], kp["c2v"], kp["sc2"], o, mu)
-    log_num, log_z = _log_variance(L, sketch, kp["qf"], o, kp["lse"], kp["kappa"], t_kept)
-    return L.unrows(_variance(log_num, log_z)[..., None]).squeeze(-1)
+        _, cv, t, sc, kappa, lse = _kept_pass(L, lp, omp, pf, mu, r2.reshape(L.B, L.n))
+    t_kept = _centred(t, cv, sc, o, mu)[:, 1]
+    log_num, log_z = _log_variance(L, sketch, o, lse, kappa, t_kept)
+    # no term at all (no kept token and an empty sketch): 0, the reference's convention, not exp(-inf + inf)
+    variance = torch.where(log_num == float("-inf"), 0.0, torch.exp(log_num - 2.0 * log_z))
+    return L.unrows(variance[..., None]).squeeze(-1)
 
 
 def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor | None,
@@ -680,6 +671,34 @@ def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     TypeError / ValueError
         Bad shapes (naming the argument and the expected shape), a sketch of other heads, delta
         outside (0, 1), an unknown rule, a bad multiplier, pi outside [0, 1].
+
+    Notes
+    -----
+    The kept sums use the centred form, so a kept token with :math:`v_i \approx \hat o` has its
+    (small) term computed as a difference of :math:`O(\lVert v_i - \mu\rVert^2)` ones: an absolute
+    error of about eps times :math:`\sum c_i(\lVert v_i-\mu\rVert + \lVert\hat o-\mu\rVert)^2`,
+    as the cached trace of ``hajek_attention`` (tests/test_fast_sketch.py derives its float32
+    tolerance from it). V_cl is a model-based estimate of the design variance, not a bound
+    (docs/theory.md section 8): the reference's ``evict_and_certify(design="cluster")`` is the
+    per-head composition this function batches for the decode step.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kvcert.fast import ClusterDesign, cluster_hajek_attention, cluster_sketch, hajek_attention
+    >>> g = torch.Generator().manual_seed(0)
+    >>> k, v = torch.randn(1, 2, 40, 8, generator=g), torch.randn(1, 2, 40, 4, generator=g)
+    >>> pi = torch.full((1, 2, 40), 0.5)
+    >>> keep = torch.arange(40) < 20                           # tokens 0..19 kept in both heads
+    >>> keep = keep.expand(1, 2, 40)
+    >>> sketch = cluster_sketch(k, v, pi, keep, ClusterDesign(clusters=4))
+    >>> q = torch.randn(1, 6, 8, generator=g)                  # GQA: 3 query heads per KV head
+    >>> ce = cluster_hajek_attention(q, k[:, :, :20], v[:, :, :20], pi[:, :, :20], sketch)
+    >>> ce.variance.shape, ce.radius.shape, int(sketch.count.sum())
+    (torch.Size([1, 6]), torch.Size([1, 6]), 40)
+    >>> est = hajek_attention(q, k[:, :, :20], v[:, :, :20], pi[:, :, :20], per_coordinate=False)
+    >>> bool(torch.allclose(ce.output, est.output, atol=1e-6))
+    True
     """
     C = check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale)
     L = _Layout(C, q, keys, values)
@@ -694,35 +713,32 @@ def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     lp, omp, pf = _probs(L, C)
     dt = L.dtype
     if L.n == 0:
-        kp = _empty_kept(L)
-        o, trace, t_kept = kp["o"], kp["trace"], kp["t2"]
+        mu = torch.zeros(L.B, 1, L.dv, dtype=dt, device=L.q.device)
+        o, cv, t, sc, kappa, lse = _empty_kept(L)
     else:
         if value_center is None:
             mu, r2 = value_moments(L.values, pf.reshape(L.b, L.h_kv, L.n))
         else:
             mu, r2 = value_center, value_sqdist
-            for name, x, shape in (("value_center", mu, (L.b, L.h_kv, L.dv)),
-                                   ("value_sqdist", r2, (L.b, L.h_kv, L.n))):
+            for name, x, shape, text in (("value_center", mu, (L.b, L.h_kv, L.dv), "(b, h_kv, dv)"),
+                                         ("value_sqdist", r2, (L.b, L.h_kv, L.n), "(b, h_kv, n)")):
                 check_tensor(name, x)
                 if tuple(x.shape) != shape:
-                    raise ValueError(f"{name} must have shape {shape} (b, h_kv, {'dv' if x is mu else 'n'}), "
-                                     f"got {tuple(x.shape)}")
+                    raise ValueError(f"{name} must have shape {text} = {shape}, got {tuple(x.shape)}")
         mu = _cast(mu, dt).reshape(L.B, 1, L.dv)
-        kp = _kept_pass(L, lp, omp, pf, mu, _cast(r2, dt).reshape(L.B, L.n))
-        o = kp["o"]
-        trace = _centred(kp["t1"], kp["cv"], kp["sc"], o, mu)
-        t_kept = _centred(kp["t2"], kp["c2v"], kp["sc2"], o, mu)
-    log_num, log_z = _log_variance(L, sketch, kp["qf"], o, kp["lse"], kp["kappa"], t_kept)
-    variance = _variance(log_num, log_z)
-    empty = kp["lse"] == float("-inf")
-    inf = torch.tensor(float("inf"), dtype=dt, device=o.device)
-    trace = torch.where(empty, inf, trace)
-    variance = torch.where(empty, inf, variance)
+        o, cv, t, sc, kappa, lse = _kept_pass(L, lp, omp, pf, mu, _cast(r2, dt).reshape(L.B, L.n))
+    both = _centred(t, cv, sc, o, mu)                          # (B, 2, G): trace, T'
+    log_num, log_z = _log_variance(L, sketch, o, lse, kappa, both[:, 1])
+    variance = torch.add(log_num, log_z, alpha=-2.0).exp_()
+    # an empty row (nothing kept): trace, V_cl and the radius +inf, the Estimate convention
+    empty = (lse == float("-inf")).unsqueeze_(1)
+    stats = torch.cat((both[:, :1], variance.unsqueeze(1)), dim=1).masked_fill_(empty, float("inf"))
+    trace, variance = stats[:, 0], stats[:, 1]
     if validate and bool(torch.isnan(o).any()):
         raise ValueError("cluster_hajek_attention produced NaN: q, keys, values must be finite")
     unrow = lambda x: L.unrows(x[..., None]).squeeze(-1)  # noqa: E731
     est = Estimate(output=_cast(L.unrows(o.contiguous()), values.dtype), weights=None, variance=None,
-                   trace=unrow(trace), lse=unrow(kp["lse"]))
+                   trace=unrow(trace), lse=unrow(lse))
     variance = unrow(variance)
-    return ClusterEstimate(estimate=est, variance=variance, radius=_radius(variance, delta, rule, multiplier),
+    return ClusterEstimate(estimate=est, variance=variance, radius=_radius(variance, delta, rule, multiplier, clamp=False),
                            rule=rule, delta=delta)
