@@ -50,16 +50,17 @@ def _policy_keep(name: str, head, budget: int) -> np.ndarray:
 
 def _randomized(head, keys, values, pi, draws, rng):
     """Coverage, median radius and RMS error of the Poisson design on a cache."""
-    o = R.attention(head.q, keys, values)
-    hit, radius, err = [], [], []
-    for _ in range(draws):
-        keep = R.poisson_sample(pi, generator=rng)
-        est = R.hajek_attention(head.q, keys[keep], values[keep], pi[keep])
-        cert = R.certificate(est, delta=DELTA, kind=KIND)
-        hit.append(R.covers(cert, est, o))
-        radius.append(cert.radius)
-        err.append(np.linalg.norm(est.output - o))
-    return float(np.mean(hit)), float(np.median(radius)), float(np.sqrt(np.mean(np.square(err))))
+    cov, radius, err = _replay(head.q, keys, values, pi, draws, rng, None)
+    return cov, radius, float(np.sqrt(np.mean(np.square(err))))
+
+
+def _replay(q, keys, values, pi, draws, rng, scale):
+    """(coverage, median radius, errors) of the Poisson design's certificate over ``draws`` samples,
+    batched (:func:`paper_repro.synthetic_coverage.replay_draws`: the draws of ``reference.poisson_sample``)."""
+    from .synthetic_coverage import replay_draws
+
+    err, radius, hit = replay_draws(q, keys, values, pi, draws, rng, kinds=(KIND,), deltas=(DELTA,), scale=scale)
+    return float(np.mean(hit[KIND, DELTA])), float(np.median(radius[KIND, DELTA])), err
 
 
 def run(cfg: Config) -> Table:
@@ -112,15 +113,8 @@ REAL_CACHES = ((0, 0), (15, 1), (29, 2))
 
 
 def _randomized_on(q, keys, values, pi, draws, rng, scale):
-    o = R.attention(q, keys, values, scale=scale)
-    hit, radius = [], []
-    for _ in range(draws):
-        keep = R.poisson_sample(pi, generator=rng)
-        est = R.hajek_attention(q, keys[keep], values[keep], pi[keep], scale=scale)
-        cert = R.certificate(est, delta=DELTA, kind=KIND)
-        hit.append(R.covers(cert, est, o))
-        radius.append(cert.radius)
-    return float(np.mean(hit)), float(np.median(radius))
+    """(coverage, median radius) of the Poisson design's certificate over ``draws`` samples."""
+    return _replay(q, keys, values, pi, draws, rng, scale)[:2]
 
 
 def run_real(cfg: Config, captured) -> Table:

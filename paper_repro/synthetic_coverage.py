@@ -75,19 +75,25 @@ def draw_statistics(est, exact, kinds, deltas) -> list:
              {key: x[:, j, t].numpy() for key, x in hit.items()}) for j in range(g) for t in range(Q)]
 
 
-def replay_cell(head, pi, draws, deltas, rng):
-    """Replay one cell: per kind and delta, arrays (draws,) of radius and hit, and the errors.
+def replay_draws(q, keys, values, pi, draws, rng, *, kinds, deltas, scale=None):
+    """One head and one query over ``draws`` Poisson samples, batched (float64): (err (draws,),
+    radius {(kind, delta): (draws,)}, hit {(kind, delta): (draws,)}) as :func:`draw_statistics`.
 
     Draw t keeps token i iff U_ti < pi_i with U = ``rng.random((draws, n))`` (the stream
-    ``reference.poisson_sample(pi, generator=rng)`` reads, draw after draw)."""
-    q, keys, values = (torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64))
-                       for x in (head.q, head.keys, head.values))
+    ``reference.poisson_sample(pi, generator=rng)`` reads, draw after draw); the truth is
+    ``reference.attention``. q (d,), keys (n, d), values (n, dv), pi (n,) NumPy arrays."""
+    qt, kt, vt = (torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64)) for x in (q, keys, values))
     p = torch.from_numpy(np.asarray(pi, dtype=np.float64))
     keep = torch.from_numpy(rng.random((draws, p.numel()))) < p
-    exact = torch.from_numpy(R.attention(head.q, head.keys, head.values))[None, None]        # (1, 1, dv)
-    est = draw_estimates(q[None, None], keys, values, torch.where(keep, p, 0.0), None, None, R.KINDS,
-                         pack=False)
-    return draw_statistics(est, exact, R.KINDS, deltas)[0]
+    exact = torch.from_numpy(R.attention(q, keys, values, scale=scale))[None, None]        # (1, 1, dv)
+    est = draw_estimates(qt[None, None], kt, vt, torch.where(keep, p, 0.0), None, scale, kinds, pack=False)
+    return draw_statistics(est, exact, kinds, deltas)[0]
+
+
+def replay_cell(head, pi, draws, deltas, rng):
+    """Replay one cell: per kind and delta, arrays (draws,) of radius and hit, and the errors
+    (:func:`replay_draws` with every kind)."""
+    return replay_draws(head.q, head.keys, head.values, pi, draws, rng, kinds=R.KINDS, deltas=deltas)
 
 
 def summarize(cells, kind, delta):
