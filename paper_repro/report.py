@@ -160,6 +160,44 @@ CHANGES = [
 ]
 
 
+#: issue 14's research results (not rerun by make repro: 439 s of its own), quoted into results.md
+SKETCH_RESULTS = DOCS / "research" / "issue14" / "RESULTS_T2.md"
+
+
+def _sketch_section() -> list[str]:
+    """The curated goal-line table of the sketched designs (issue 14), quoted from
+    ``SKETCH_RESULTS`` with where it comes from; nothing if that file or its table is missing."""
+    try:
+        text = SKETCH_RESULTS.read_text().splitlines()
+    except OSError:
+        return []
+    start = next((i for i, line in enumerate(text) if line.startswith("## Table (curated")), None)
+    if start is None:
+        return []
+    table = []
+    for line in text[start + 1:]:
+        if line.startswith("|"):
+            table.append(line)
+        elif table:
+            break
+    if not table:
+        return []
+    return [
+        "### Sketched designs at equal memory (issue 14)",
+        "",
+        "Quoted from [research/issue14/RESULTS_T2.md](research/issue14/RESULTS_T2.md) (the real model's T2 "
+        "cells at quick-mode sizes, 256 draws per cell, `docs/research/issue14/evaluate_t2.py`; not rerun by "
+        "`make repro`). Goal lines: P pooled >= 0.95, W worst decile >= 0.90, S silent material errors "
+        "<= 0.5%, T tightness <= 3, E mean relative error <= 1.1x the paper design; `-` = missed. No deployable "
+        "design meets every line at every M (the cluster design misses T; the oracle rows use the true evicted "
+        "terms and only show what a sketch would need), so `design=None` stays \"paper\"; "
+        "decode cost of the cluster design: docs/theory.md section 8.",
+        "",
+        *table,
+        "",
+    ]
+
+
 def write_results_md(results: dict, s: dict, cfg: Config) -> None:
     DOCS.mkdir(exist_ok=True)
     parts = [
@@ -265,6 +303,7 @@ def write_results_md(results: dict, s: dict, cfg: Config) -> None:
                       "and design, Table 2c where they fail; docs/theory.md section 6 the analysis).", ""]
         else:
             parts.append("")
+    parts += _sketch_section()
     if "claims" in s:
         held = [k for k, v in s["claims"].items() if v == "yes"]
         parts += [f"Of the paper's findings tested in Table 4, {len(held)} of {len(s['claims'])} hold here"

@@ -55,3 +55,24 @@ def test_synthetic_replay_matches_the_reference_draw_by_draw(regime):
                 cert = R.certificate(est, delta=delta, kind=kind)
                 assert radius[kind, delta][t] == pytest.approx(np.linalg.norm(cert.radius), rel=1e-9)
                 assert hit[kind, delta][t] == np.mean(R.covers(cert, est, o))
+
+
+def test_results_md_quotes_the_sketch_goal_table(tmp_path, monkeypatch):
+    """results.md quotes issue 14's curated goal-line table (every row, with where it comes from);
+    without the research file the section is left out rather than written empty."""
+    from paper_repro import report
+
+    lines = report.SKETCH_RESULTS.read_text().splitlines()
+    start = next(i for i, x in enumerate(lines) if x.startswith("## Table (curated"))
+    rows = []
+    for x in lines[start + 1:]:
+        if x.startswith("|"):
+            rows.append(x)
+        elif rows:
+            break
+    section = report._sketch_section()
+    assert section[0].startswith("### Sketched designs") and "evaluate_t2.py" in section[2]
+    assert [x for x in section if x.startswith("|")] == rows and len(rows) > 10
+    assert any("| cluster |" in x for x in rows)
+    monkeypatch.setattr(report, "SKETCH_RESULTS", tmp_path / "missing.md")
+    assert report._sketch_section() == []
