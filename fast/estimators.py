@@ -392,18 +392,7 @@ def _one_pass(L: _Layout, lp: torch.Tensor, omp: torch.Tensor, bias, mu: torch.T
     or masked: lse -inf) come back NaN and are fixed by the caller.
     """
     dt, B, G, n, dev = L.dtype, L.B, L.G, L.n, L.q.device
-    qf = _cast(L.q, dt).reshape(B, G, L.d)
-    kf = _cast(L.keys, dt).reshape(B, n, L.d)
-    v = _cast(L.values, dt).reshape(B, n, L.dv)
-    # bias -log pi, and -inf (not +inf = -log 0) on padding slots (NaN stays NaN)
-    off = lp.neg().nan_to_num_(nan=float("nan"), posinf=float("-inf")).view(B, 1, n)
-    if bias is not None:
-        off = off + _broadcast_bias(bias, L).to(dt).reshape(B, G, n)
-    s = _WS.get("scores", B * G * n, dt, dev).view(B, G, n)
-    torch.baddbmm(off, qf, kf.transpose(1, 2), alpha=L.scale, out=s)
-    # the row max, clamped to a finite value on empty rows (every slot padding or masked), so that
-    # s - m stays -inf there (not NaN) and lse comes out -inf, which the caller detects
-    m = s.amax(-1, keepdim=True).clamp_(min=torch.finfo(dt).min)
+    v, s, m = _offset_scores(L, lp, bias, "scores")
     ac = _WS.get("rows", B * 2 * G * n, dt, dev).view(B, 2 * G, n)  # rows [a; c]
     a = torch.sub(s, m, out=ac[:, :G]).exp_()  # the softmax, written into the [a; c] rows
     l = a.sum(-1, keepdim=True)
@@ -414,10 +403,37 @@ def _one_pass(L: _Layout, lp: torch.Tensor, omp: torch.Tensor, bias, mu: torch.T
     o, cv = oc[:, :G], oc[:, G:]
     sc = c.sum(-1, keepdim=True)  # (B, G, 1)
     t1 = torch.linalg.vecdot(c, r2.view(B, 1, n))  # sum c_i ||v_i - mu||^2
-    dm = o - mu
+    return o, _centred_sum(t1, cv, sc, o - mu, mu), lse
+
+
+def _offset_scores(L: _Layout, lp: torch.Tensor, bias, name: str):
+    r"""The one-pass paths' scores: ``(v, s, m)`` with v the values as (B, n, dv),
+    :math:`s = \tau q K^\top - \log\pi` (+ bias) (B, G, n) written into the workspace buffer
+    ``name`` by one ``baddbmm`` (-log pi as its input; -inf, not +inf, on padding slots), and the
+    row max m (B, G, 1) clamped to a finite value, so that on an empty row (every slot padding or
+    masked) s - m stays -inf (not NaN) and the log-normalizer comes out -inf, which callers detect."""
+    dt, B, G, n = L.dtype, L.B, L.G, L.n
+    qf = _cast(L.q, dt).reshape(B, G, L.d)
+    kf = _cast(L.keys, dt).reshape(B, n, L.d)
+    v = _cast(L.values, dt).reshape(B, n, L.dv)
+    off = lp.neg().nan_to_num_(nan=float("nan"), posinf=float("-inf")).view(B, 1, n)  # NaN stays NaN
+    if bias is not None:
+        off = off + _broadcast_bias(bias, L).to(dt).reshape(B, G, n)
+    s = _WS.get(name, B * G * n, dt, L.q.device).view(B, G, n)
+    torch.baddbmm(off, qf, kf.transpose(1, 2), alpha=L.scale, out=s)
+    return v, s, s.amax(-1, keepdim=True).clamp_(min=torch.finfo(dt).min)
+
+
+def _centred_sum(t: torch.Tensor, cv: torch.Tensor, sc: torch.Tensor, dm: torch.Tensor, mu: torch.Tensor):
+    r"""The centred form of :math:`\sum_S c_i \lVert v_i - \hat o\rVert^2`, clamped at 0:
+
+    .. math:: \textstyle\sum c_i r_i - 2 (\hat o-\mu)\cdot(\sum c_i v_i - \mu \sum c_i)
+              + \lVert \hat o - \mu\rVert^2 \sum c_i,
+
+    from t = sum c r (...), cv = sum c v (..., dv), sc = sum c (..., 1), dm = o_hat - mu and
+    mu (broadcast against cv): the epilogue of the one-pass trace, and of any weights c."""
     half = torch.addcmul(cv, mu, sc, value=-1.0).addcmul_(dm, sc, value=-0.5)  # s1 - (o - mu) sum c / 2
-    trace = torch.add(t1, torch.linalg.vecdot(dm, half), alpha=-2.0).clamp_(min=0.0)
-    return o, trace, lse
+    return torch.add(t, torch.linalg.vecdot(dm, half), alpha=-2.0).clamp_(min=0.0)
 
 
 def _empty_estimate(L: _Layout, weights: bool, max_term: bool, covariance: bool, per_coordinate: bool,

@@ -44,7 +44,7 @@ import torch
 from ._checks import check_tensor, compute_dtype
 from .certificates import _check_delta
 from .contract import check_attention_inputs, check_attention_values
-from .estimators import _WS, _cast, _Layout, value_moments
+from .estimators import _WS, _cast, _centred_sum, _Layout, _offset_scores, value_moments
 from .types import Estimate
 
 __all__ = [
@@ -486,14 +486,7 @@ def _kept_pass(L: _Layout, lp, omp, pf, mu, r2):
     """
     dt, B, G, n = L.dtype, L.B, L.G, L.n
     dev = L.q.device
-    qf = _cast(L.q, dt).reshape(B, G, L.d)
-    kf = _cast(L.keys, dt).reshape(B, n, L.d)
-    v = _cast(L.values, dt).reshape(B, n, L.dv)
-    # bias -log pi, and -inf (not +inf = -log 0) on padding slots
-    off = lp.neg().nan_to_num_(nan=float("nan"), posinf=float("-inf")).view(B, 1, n)
-    s = _WS.get("sketch_scores", B * G * n, dt, dev).view(B, G, n)
-    torch.baddbmm(off, qf, kf.transpose(1, 2), alpha=L.scale, out=s)
-    m = s.amax(-1, keepdim=True).clamp_(min=torch.finfo(dt).min)   # finite: an empty row gets a = e^{-inf} = 0
+    v, s, m = _offset_scores(L, lp, None, "sketch_scores")     # m finite: an empty row gets a = e^{-inf} = 0
     rows = _WS.get("sketch_rows", B * 3 * G * n, dt, dev).view(B, 3 * G, n)   # rows [a; c; c']
     a = torch.sub(s, m, out=rows[:, :G]).exp_()
     l = a.sum(-1, keepdim=True)
@@ -511,13 +504,11 @@ def _kept_pass(L: _Layout, lp, omp, pf, mu, r2):
 def _centred(t, cv, sc, o, mu):
     r"""Both kept sums :math:`\sum c_i\lVert v_i - \hat o\rVert^2` (c rows, then c' rows), (B, 2, G):
     :math:`\sum c_i r_i - 2(\hat o-\mu)\cdot(\sum c_i v_i - \mu\sum c_i) + \lVert\hat o-\mu\rVert^2
-    \sum c_i` (the one-pass trace's epilogue, for the two kinds of rows at once), clamped at 0."""
+    \sum c_i` (:func:`kvcert.fast.estimators._centred_sum`, for the two kinds of rows at once), clamped at 0."""
     B, G2, dv = cv.shape
     G = G2 // 2
     dm = (o - mu).view(B, 1, G, dv)
-    sc = sc.view(B, 2, G, 1)
-    half = torch.addcmul(cv.view(B, 2, G, dv), mu.view(B, 1, 1, dv), sc, value=-1.0).addcmul_(dm, sc, value=-0.5)
-    return torch.add(t.view(B, 2, G), torch.linalg.vecdot(dm, half), alpha=-2.0).clamp_(min=0.0)
+    return _centred_sum(t.view(B, 2, G), cv.view(B, 2, G, dv), sc.view(B, 2, G, 1), dm, mu.view(B, 1, 1, dv))
 
 
 def _log_variance(L: _Layout, sketch: ClusterSketch, o, lse, kappa, t_kept):
