@@ -62,17 +62,15 @@ def test_results_md_quotes_the_sketch_goal_table(tmp_path, monkeypatch):
     without the research file the section is left out rather than written empty."""
     from paper_repro import report
 
-    lines = report.SKETCH_RESULTS.read_text().splitlines()
-    start = next(i for i, x in enumerate(lines) if x.startswith("## Table (curated"))
-    rows = []
-    for x in lines[start + 1:]:
-        if x.startswith("|"):
-            rows.append(x)
-        elif rows:
-            break
     section = report._sketch_section()
+    table = [x for x in section if x.startswith("|")]
     assert section[0].startswith("### Sketched designs") and "evaluate_t2.py" in section[2]
-    assert [x for x in section if x.startswith("|")] == rows and len(rows) > 10
-    assert any("| cluster |" in x for x in rows)
+    assert table[0].startswith("| M | design | variance | radius |") and table[0].endswith("| goal lines met |")
+    assert table[2].startswith("| 0.15 | paper | trace | chebyshev |") and table[-1].startswith("| 0.55 |")
+    assert any("| cluster |" in x for x in table) and len(table) > 10
+    # the curated table only: the memory table above it and the prose after it are not quoted
+    assert not any(x.startswith("| design | sketch held |") for x in table)
+    text = report.SKETCH_RESULTS.read_text()
+    assert all(x in text for x in table)
     monkeypatch.setattr(report, "SKETCH_RESULTS", tmp_path / "missing.md")
     assert report._sketch_section() == []
