@@ -108,7 +108,7 @@ def _stream_keys(seed: int, layer: int, event: int, rows: int, heads: int, devic
 
 
 def design_uniforms(shape, seed: int, *, layer: int = 0, event: int = 0, index: torch.Tensor | None = None,
-                    device=None) -> torch.Tensor:
+                    device=None, row_streams: bool = True) -> torch.Tensor:
     r"""The uniforms :math:`U_i \in [0, 1)` of the default stream, float64.
 
     Parameters
@@ -122,6 +122,11 @@ def design_uniforms(shape, seed: int, *, layer: int = 0, event: int = 0, index: 
         :func:`kvcert.fast.evict` passes the original token positions, so a
         token's draw does not depend on where padding sits.
     device : torch device, optional
+    row_streams : bool
+        True (default): leading row r draws from the stream of batch row r.
+        False: every leading row draws from the stream of batch row 0, so a
+        row's draw does not depend on where it sits in a batch (the presses'
+        rule: a sequence draws the same sample alone or in a batch).
 
     Returns
     -------
@@ -140,7 +145,9 @@ def design_uniforms(shape, seed: int, *, layer: int = 0, event: int = 0, index: 
         if tuple(index.shape) != shape:
             raise ValueError(f"index must have shape {shape}, got {tuple(index.shape)}")
         device = index.device
-    keys = _stream_keys(seed, layer, event, rows, heads, device)  # (rows, heads)
+    keys = _stream_keys(seed, layer, event, rows if row_streams else 1, heads, device)  # (rows or 1, heads)
+    if not row_streams:
+        keys = keys.expand(rows, heads)
     if index is None:
         ctr = torch.arange(1, n + 1, dtype=torch.int64, device=device)
         state = keys[:, :, None] + ctr * _GOLDEN
@@ -310,6 +317,27 @@ def _budget_rows(budget, rows: int, lead: tuple[int, ...], device) -> torch.Tens
     return torch.full((rows,), float(budget), dtype=torch.float64, device=device)
 
 
+def _top_rows(top, rows: int, lead: tuple[int, ...], device):
+    """``top`` as an int, or as an int64 (rows,) tensor when given per head (broadcast to ``lead``)."""
+    if not isinstance(top, torch.Tensor):
+        return check_nonneg_int("top", top)
+    if top.is_floating_point() or top.is_complex() or top.dtype == torch.bool:
+        raise TypeError(f"top must be an int or an integer tensor, got dtype {top.dtype}")
+    try:
+        t = torch.broadcast_to(top.to(torch.int64), lead)
+    except RuntimeError:
+        raise ValueError(f"top must be an int or a tensor broadcastable to the leading dims {lead}, "
+                         f"got shape {tuple(top.shape)}") from None
+    if t.numel() and bool((t < 0).any()):
+        raise ValueError(f"top must be >= 0, found {int(t.min())}")
+    return t.reshape(rows).to(device)
+
+
+def _at(x, i: int):
+    """Row i's value of a per-row tensor, or the int itself (for messages)."""
+    return int(x[i]) if isinstance(x, torch.Tensor) else x
+
+
 def _first_bad(mask: torch.Tensor, lead: tuple[int, ...]) -> str:
     i = int(torch.nonzero(mask)[0, 0])
     if not lead:
@@ -340,8 +368,11 @@ def inclusion_probabilities(importance: torch.Tensor, budget, *, sinks: int = 4,
     budget : float or tensor broadcastable to the leading dims
         Expected kept count per head, ``|C| < budget <= n_valid``
         (``budget == n_valid`` keeps everything).
-    sinks, window, top : int
-        Certainty set, see :func:`certainty_mask`.
+    sinks, window : int
+        Certainty edges, see :func:`certainty_mask`.
+    top : int, or int tensor broadcastable to the leading dims
+        Most important free tokens kept with certainty, per head (a tensor
+        gives each head its own count, e.g. one per batch row as (b, 1)).
     floor : float in (0, 1]
         Defensive mixture weight alpha (every tail token gets pi > 0).
     valid : bool tensor of importance's shape, optional
@@ -400,7 +431,7 @@ def inclusion_probabilities(importance: torch.Tensor, budget, *, sinks: int = 4,
             f"floor must be in (0, 1] (a zero floor gives pi = 0 to zero-importance "
             f"tokens, which breaks unbiasedness), got {floor}")
     vr = _valid_rows(valid, shape, u.device)
-    top = check_nonneg_int("top", top)
+    top = _top_rows(top, rows, lead, u.device)
     uv = u if vr is None else u.masked_fill(~vr, 0.0)
     if not bool(torch.isfinite(uv).all()):
         raise ValueError("importance must be finite (found NaN or inf)")
@@ -414,7 +445,7 @@ def inclusion_probabilities(importance: torch.Tensor, budget, *, sinks: int = 4,
     edge = edge_mask(n, sinks=sinks, window=window, valid=vr, device=dev)  # (n,) or (R, n)
     free = ~edge if vr is None else vr & ~edge
     nfree = free.sum(-1).expand(rows) if vr is None else free.sum(-1)
-    ntop = torch.clamp(nfree, max=top)
+    ntop = torch.minimum(nfree, top) if isinstance(top, torch.Tensor) else torch.clamp(nfree, max=top)
     t = nfree - ntop  # tail size
     c = nv - t  # certainty set size
     bad = bud > nv
@@ -426,18 +457,24 @@ def inclusion_probabilities(importance: torch.Tensor, budget, *, sinks: int = 4,
         i = int(torch.nonzero(bad)[0, 0])
         raise ValueError(
             f"budget = {float(bud[i])} < n = {int(nv[i])}, but every token is in the certainty set "
-            f"(sinks={sinks}, window={window}, top={top}){_first_bad(bad, lead)}")
+            f"(sinks={sinks}, window={window}, top={_at(top, i)}){_first_bad(bad, lead)}")
     bad = (t > 0) & (bud <= c)
     if bool(bad.any()):
         i = int(torch.nonzero(bad)[0, 0])
         raise ValueError(
             f"budget must exceed the certainty set size |C| = {int(c[i])} "
-            f"(sinks={sinks}, window={window}, top={top}), got {float(bud[i])}{_first_bad(bad, lead)}")
+            f"(sinks={sinks}, window={window}, top={_at(top, i)}), got {float(bud[i])}{_first_bad(bad, lead)}")
 
     # top set: the `top` largest free importances, ties to the lower index (exact, no sort)
-    if top > 0:
+    kmax = min(int(top.max()) if isinstance(top, torch.Tensor) and top.numel() else int(top), n)
+    if kmax > 0:
         key = uv.masked_fill(~free, float("-inf"))
-        thr = torch.topk(key, min(top, n), dim=-1, sorted=False).values.amin(-1, keepdim=True)
+        if isinstance(top, torch.Tensor):  # per-row counts: the ntop-th largest (+inf where ntop = 0)
+            vals = torch.topk(key, kmax, dim=-1, sorted=True).values
+            thr = vals.gather(-1, (ntop - 1).clamp(min=0)[:, None])
+            thr = torch.where(ntop[:, None] > 0, thr, float("inf"))
+        else:
+            thr = torch.topk(key, kmax, dim=-1, sorted=False).values.amin(-1, keepdim=True)
         gt = key > thr
         eq = (key == thr) & free
         need = ntop[:, None] - gt.sum(-1, keepdim=True)

@@ -112,9 +112,10 @@ def compact(keep: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pi: to
 
 
 def evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tensor, budget, *, sinks: int = 4,
-          window: int = 32, top: int = 0, floor: float = 0.1, seed: int | None = 0, layer: int = 0, event: int = 0,
+          window: int = 32, top=0, floor: float = 0.1, seed: int | None = 0, layer: int = 0, event: int = 0,
           pi: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-          uniforms: torch.Tensor | None = None, generator: torch.Generator | None = None) -> CompressedCache:
+          uniforms: torch.Tensor | None = None, generator: torch.Generator | None = None,
+          row_streams: bool = True) -> CompressedCache:
     r"""One Poisson eviction event on every KV head, compacted into a padded cache.
 
     .. math::
@@ -133,11 +134,16 @@ def evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tensor, bu
         Expected kept count per head among the real slots, ``|C| < budget <= n``.
     sinks, window, top, floor
         The design (see :func:`kvcert.fast.inclusion_probabilities`); sinks
-        and window count the real slots of each head in slot order.
+        and window count the real slots of each head in slot order; ``top``
+        an int or an int tensor broadcastable to (b, h_kv) (one per row).
     seed, layer, event : int
         The default random stream (see :mod:`kvcert.fast.design`); each token's
         uniform is indexed by its original position, so the draw does not
         depend on padding. Use a new ``event`` for every eviction of a layer.
+    row_streams : bool
+        True (default): batch row r draws from stream row r. False: every row
+        from stream row 0, so a row draws the same sample alone or in any
+        batch (:func:`kvcert.fast.design_uniforms`; the presses' rule).
     pi, positions : (b, h_kv, n), optional
         pi and positions of an earlier ``CompressedCache`` (pi = 0 /
         positions = -1 on padding; new tokens appended since carry pi = 1).
@@ -192,7 +198,8 @@ def evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tensor, bu
     if uniforms is None and generator is None:
         # counter = original position (slot index when the cache carries no positions)
         index = None if positions is None else pos.clamp(min=0)
-        u = design_uniforms(tuple(p_e.shape), seed, layer=layer, event=event, index=index, device=p_e.device)
+        u = design_uniforms(tuple(p_e.shape), seed, layer=layer, event=event, index=index, device=p_e.device,
+                            row_streams=row_streams)
         keep = u < p_e  # poisson_sample's rule, without re-validating the pi we just made
     else:
         keep = poisson_sample(p_e, uniforms=uniforms, generator=generator)
@@ -218,7 +225,8 @@ def topk_evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tenso
     ----------
     keys, values : (b, h_kv, n, d), (b, h_kv, n, dv)
     importance : (b, h_kv, n), finite
-    budget : int, kept count per head, in [|E|, n_valid] with E the sinks + window
+    budget : int, or int tensor broadcastable to (b, h_kv)
+        Kept count per head, in [|E|, n_valid] with E the sinks + window.
     sinks, window : int
     pi, positions : optional, of an earlier CompressedCache (padding allowed)
 
@@ -228,9 +236,18 @@ def topk_evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tenso
     """
     keys, values, importance = _check_cache(keys, values, importance)
     b, h, n, _ = keys.shape
-    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
+    if isinstance(budget, torch.Tensor):
+        if budget.is_floating_point() or budget.is_complex() or budget.dtype == torch.bool:
+            raise TypeError(f"budget must be an int or an integer tensor (kept counts), got dtype {budget.dtype}")
+        try:
+            budget = torch.broadcast_to(budget.to(torch.int64), (b, h)).reshape(b * h).to(keys.device)
+        except RuntimeError:
+            raise ValueError(f"budget must be an int or a tensor broadcastable to (b, h_kv) = ({b}, {h}), "
+                             f"got shape {tuple(budget.shape)}") from None
+    elif isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
         raise TypeError(f"budget must be an int (a kept count), got {type(budget).__name__}")
-    budget = int(budget)
+    else:
+        budget = int(budget)
     valid, prev, pos = _prior(pi, positions, (b, h, n), keys.device)
     u = importance if valid is None else importance.masked_fill(~valid, 0.0)
     if not bool(torch.isfinite(u).all()):
@@ -243,7 +260,8 @@ def topk_evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tenso
     bad = (budget < ne) | (budget > nv)
     if bool(bad.any()):
         i = int(torch.nonzero(bad)[0, 0])
-        raise ValueError(f"budget must be in [{int(ne[i])}, {int(nv[i])}] (sinks + window .. n), got {budget}")
+        got = int(budget[i]) if isinstance(budget, torch.Tensor) else budget
+        raise ValueError(f"budget must be in [{int(ne[i])}, {int(nv[i])}] (sinks + window .. n), got {got}")
     ur = u.reshape(b * h, n).to(torch.float64)
     keep = _certainty_rows(ur, sinks, window, budget - ne, vr).reshape(b, h, n)
     one = torch.ones((b, h, n), dtype=stat_dtype(importance), device=keys.device)

@@ -280,9 +280,10 @@ class Press:
 class BasePress(Press):
     r"""Common fields and the compression engine of every press that evicts.
 
-    A subclass says how it scores (:meth:`_score`, :meth:`queries_needed`)
-    and how it evicts one row (:meth:`_evict`); the engine handles the
-    batch rows, padding, budgets and the cache.
+    A subclass says how it scores (:meth:`_score`, :meth:`queries_needed`;
+    called per row on its real tokens) and how it evicts a stack of rows,
+    each as if alone (:meth:`_evict`); the engine handles the batch rows,
+    padding, budgets and the cache.
 
     Parameters
     ----------
@@ -360,9 +361,15 @@ class BasePress(Press):
     def _observation_window(self) -> int:
         return getattr(self, "observation_window", self.window) or 1
 
-    def _evict(self, keys, values, importance, budget, sizes, *, valid, log_weights, positions, layer_idx,
-               event):
-        """One row's eviction -> a ``kvcert.fast.CompressedCache``."""
+    def _evict(self, keys, values, importance, budget, *, sinks, window, top, valid, log_weights, positions,
+               layer_idx, event):
+        """The eviction of R batch rows at once -> a ``kvcert.fast.CompressedCache``.
+
+        keys/values (R, h_kv, m, d), importance (R, h_kv, m) (0 on padding), budget (R, h_kv)
+        float64 expected kept counts, sinks/window ints, top (R, 1) int64 (each row's
+        :func:`kvcert.fast.design_sizes` top), valid/log_weights/positions (R, h_kv, m) of the
+        layer. Row i must be evicted as if alone (a sequence's sample does not depend on its batch).
+        """
         raise NotImplementedError
 
     # -- the events (called by the session) ------------------------------------------------------
@@ -423,6 +430,12 @@ class BasePress(Press):
         A prefill event compresses to this press's budget; a decode-time event
         (``prefill=False``) compresses back to ``target``, or to the row's
         prefill budget when ``target`` is None.
+
+        Each row is scored on its own tokens (its padding dropped), then the
+        rows that evict are evicted together, one :meth:`_evict` call per
+        certainty-set shape (sinks, window), with per-row budgets and top
+        counts: the same design per row as one call per row would give, in
+        a few batched calls (issue 15).
         """
         event = layer.events
         layer.events += 1
@@ -431,52 +444,78 @@ class BasePress(Press):
             return
         b = layer.keys.shape[0]
         valid_all = layer.valid
-        rows, changed = [], False
+        n_slots = valid_all.shape[-1]
+        h_kv = valid_all.shape[1]
         if prefill:
             layer.budgets = torch.full((b,), math.nan, dtype=torch.float64)
+        plans = {}  # row -> (importance (1, h_kv, slots), budget (h_kv,), DesignSizes)
+        keep_rows = {}  # row -> its (keys, values, log_weights, positions) when it evicts nothing
         for r in range(b):
             sl = slice(r, r + 1)
-            k, v = layer.keys[sl], layer.values[sl]
-            lw, pos, valid = layer.log_weights[sl], layer.positions[sl], valid_all[sl]
+            valid = valid_all[sl]
             if prefill:
-                tokens = None  # the row's real tokens, if it has padding
-                # every head holds the same tokens: drop the padding, one scorer call for the row
-                if not bool(valid.all()):
-                    idx = valid[0, 0].nonzero().squeeze(-1)
-                    k, v, lw, pos, valid = k[:, :, idx], v[:, :, idx], lw[:, :, idx], pos[:, :, idx], valid[:, :, idx]
-                    tokens = idx
-                    # the queries may be the last few of the prefill only (a shared kvcert.prefill)
-                    offset = valid_all.shape[-1] - queries.shape[2]
-                    q_r = queries[sl][:, :, idx[idx >= offset] - offset]
-                else:
-                    q_r = queries[sl]
-                n = k.shape[2]
+                # every head holds the same tokens: score the row's real tokens in one scorer call
+                idx = None if bool(valid.all()) else valid[0, 0].nonzero().squeeze(-1)
+                n = n_slots if idx is None else idx.numel()
                 budget = self._budget(n) if n else 0.0
                 layer.budgets[r] = budget
                 if n == 0 or budget >= n:
-                    rows.append((k, v, lw, pos))
+                    keep_rows[r] = _row_slots(layer, r, idx)
                     continue
+                k, v, q_r = layer.keys[sl], layer.values[sl], queries[sl]
+                if idx is not None:
+                    k, v = k[:, :, idx], v[:, :, idx]
+                    # the queries may be the last few of the prefill only (a shared kvcert.prefill)
+                    offset = n_slots - queries.shape[2]
+                    q_r = q_r[:, :, idx[idx >= offset] - offset]
                 u = self._prefill_importance(q_r, k, v, scale=scale, layer_idx=layer_idx, event=event, row=r,
-                                             tokens=tokens)
+                                             tokens=idx)
+                if idx is not None:  # back onto the layer's slots (0 on padding)
+                    u = u.new_zeros((1, h_kv, n_slots)).index_copy_(-1, idx, u)
+                plans[r] = (u, torch.full((h_kv,), float(budget), dtype=torch.float64), self._sizes(budget))
             else:
                 row_target = target
                 if row_target is None and layer.budgets is not None and not math.isnan(float(layer.budgets[r])):
                     row_target = float(layer.budgets[r])
                 n_h = valid.sum(-1)  # (1, h)
                 if row_target is None or int(n_h.max()) <= row_target:
-                    rows.append((k, v, lw, pos))
+                    keep_rows[r] = _row_slots(layer, r, None)
                     continue
-                budget = torch.clamp(n_h.to(torch.float64), max=float(row_target))
+                budget = torch.clamp(n_h[0].to(torch.float64), max=float(row_target))
                 seen = min(queries.shape[2], int(layer.next_position[r]))  # no left-padding queries
-                u = self._row_importance(queries[sl][:, :, -seen:], k, v, valid, scale, layer_idx=layer_idx,
-                                         event=event)
-            top = float(budget) if not torch.is_tensor(budget) else float(budget.max())
-            cc = self._evict(k, v, u, budget, self._sizes(top), valid=valid, log_weights=lw, positions=pos,
-                             layer_idx=layer_idx, event=event)
-            rows.append((cc.keys, cc.values, torch.log(cc.pi), cc.positions))
-            changed = True
-        if changed:
-            layer.replace(*_pad_rows(rows))
+                u = self._row_importance(queries[sl][:, :, -seen:], layer.keys[sl], layer.values[sl], valid, scale,
+                                         layer_idx=layer_idx, event=event)
+                plans[r] = (u, budget, self._sizes(float(budget.max())))
+        if not plans:
+            return
+        rows = dict(keep_rows)
+        groups = {}
+        for r, (_, _, sz) in plans.items():
+            groups.setdefault((sz.sinks, sz.window), []).append(r)
+        for (sinks, window), members in groups.items():
+            sel = None if len(members) == b else torch.tensor(members, device=layer.keys.device)
+
+            def pick(x, sel=sel):
+                return x if sel is None else x.index_select(0, sel)
+
+            u = torch.cat([plans[r][0] for r in members]).to(layer.keys.device)
+            budget = torch.stack([plans[r][1] for r in members]).to(layer.keys.device)
+            top = torch.tensor([[plans[r][2].top] for r in members], device=layer.keys.device)
+            cc = self._evict(pick(layer.keys), pick(layer.values), u, budget, sinks=sinks, window=window, top=top,
+                             valid=pick(valid_all), log_weights=pick(layer.log_weights),
+                             positions=pick(layer.positions), layer_idx=layer_idx, event=event)
+            if sel is None and len(groups) == 1:
+                layer.replace(cc.keys, cc.values, torch.log(cc.pi), cc.positions)
+                return
+            for i, r in enumerate(members):
+                rows[r] = (cc.keys[i:i + 1], cc.values[i:i + 1], torch.log(cc.pi[i:i + 1]), cc.positions[i:i + 1])
+        layer.replace(*_pad_rows([rows[r] for r in range(b)]))
+
+
+def _row_slots(layer, r: int, idx):
+    """Row r of a layer as (keys, values, log_weights, positions), its slots ``idx`` only if given."""
+    out = (layer.keys[r:r + 1], layer.values[r:r + 1], layer.log_weights[r:r + 1], layer.positions[r:r + 1])
+    return out if idx is None else tuple(x[:, :, idx] for x in out)
 
 
 def _pad_rows(rows):
@@ -523,13 +562,13 @@ class ScorerPress(BasePress):
     def _score(self, queries, keys, values, *, scale, layer, event):
         return self.score(queries, keys, values, scale=scale, layer=layer, event=event)
 
-    def _evict(self, keys, values, importance, budget, sizes, *, valid, log_weights, positions, layer_idx,
-               event):
+    def _evict(self, keys, values, importance, budget, *, sinks, window, top, valid, log_weights, positions,
+               layer_idx, event):
         from . import fast
 
-        k = int(torch.as_tensor(budget).min()) if torch.is_tensor(budget) else int(budget)
-        k = min(k, int(valid.sum(-1).min()))
-        return fast.topk_evict(keys, values, importance, k, sinks=sizes.sinks, window=sizes.window,
+        # one kept count per row: its smallest budget, at most its smallest head
+        k = torch.minimum(budget.amin(-1).floor().to(torch.int64), valid.sum(-1).amin(-1))
+        return fast.topk_evict(keys, values, importance, k[:, None], sinks=sinks, window=window,
                                pi=log_weights.exp(), positions=positions)
 
 
@@ -620,10 +659,11 @@ class PoissonPress(BasePress):
         (``knorm``, ``keydiff``) are shifted to >= 0 per head; NaN or inf
         scores raise ``ValueError``.
     seed : int >= 0
-        Seed of the sampling streams, one per (layer, batch row, KV head,
-        event) and indexed by token position (:mod:`kvcert.fast.design`):
-        the same seed replays the same draws, and a sequence draws the same
-        sample alone or in a batch.
+        Seed of the sampling streams, one per (layer, KV head, event) and
+        indexed by token position (:mod:`kvcert.fast.design`; every batch row
+        draws from the stream of row 0, ``row_streams=False``): the same seed
+        replays the same draws, and a sequence draws the same sample alone or
+        in a batch.
     observation_window : int >= 1
         Queries the query-based scorers look at (default 32). kvpress's name
         ``window_size`` is accepted for it (``PoissonPress(window_size=64)``),
@@ -758,14 +798,14 @@ class PoissonPress(BasePress):
                                             sinks=sizes.sinks, window=sizes.window, top=sizes.top,
                                             floor=self.floor)
 
-    def _evict(self, keys, values, importance, budget, sizes, *, valid, log_weights, positions, layer_idx,
-               event):
+    def _evict(self, keys, values, importance, budget, *, sinks, window, top, valid, log_weights, positions,
+               layer_idx, event):
         from . import fast
 
         u = _shifted(importance.to(torch.float64), valid)
-        return fast.evict(keys, values, u, budget, sinks=sizes.sinks, window=sizes.window, top=sizes.top,
-                          floor=self.floor, seed=self.seed, layer=layer_idx, event=event,
-                          pi=log_weights.exp(), positions=positions)
+        return fast.evict(keys, values, u, budget, sinks=sinks, window=window, top=top, floor=self.floor,
+                          seed=self.seed, layer=layer_idx, event=event, pi=log_weights.exp(), positions=positions,
+                          row_streams=False)
 
 
 _accept_kvpress_names(PoissonPress)
@@ -1046,14 +1086,15 @@ class BlockPoissonPress(Press):
 
 
 def _shifted(u: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Importance >= 0 on the valid slots (0 on the others): a negative score
-    (e.g. knorm's -||k||) is shifted by its per-head minimum."""
+    """Importance >= 0 on the valid slots (0 on the others): a head with a negative
+    score (e.g. knorm's -||k||) is shifted by its minimum; other heads are left as they are."""
     if valid is None:
         valid = torch.ones_like(u, dtype=torch.bool)
     u = u.masked_fill(~valid, 0.0)
     low = u.masked_fill(~valid, math.inf).amin(-1, keepdim=True)
-    if bool((low < 0).any()):
-        u = (u - low).masked_fill(~valid, 0.0)
+    neg = low < 0
+    if bool(neg.any()):
+        u = torch.where(neg, u - low, u).masked_fill(~valid, 0.0)
     return u
 
 

@@ -245,6 +245,45 @@ def test_inclusion_probabilities_invariant_to_padding(n, pads, data):
     assert_close("pi", got[valid], want, 1e-12)
 
 
+@given(designs(), st.data())
+def test_inclusion_probabilities_per_row_top_equals_one_call_per_row(design, data):
+    # a top count per batch row (the presses' batched eviction) gives each row the design of a call with its int
+    u, frac, kw = design
+    b, h, n = u.shape
+    tops = [data.draw(st.integers(0, 6)) for _ in range(b)]
+    bud = np.array([[_budget(u[i, j], frac, {**kw, "top": tops[i]}) for j in range(h)] for i in range(b)])
+    kw = {k: v for k, v in kw.items() if k != "top"}
+    got = F.inclusion_probabilities(torch.from_numpy(u), torch.from_numpy(bud), top=torch.tensor(tops)[:, None], **kw)
+    for i in range(b):
+        want = F.inclusion_probabilities(torch.from_numpy(u[i]), torch.from_numpy(bud[i]), top=tops[i], **kw)
+        assert torch.equal(got[i], want), i
+        for j in range(h):
+            assert_close("pi", got[i, j].numpy(), R.inclusion_probabilities(u[i, j], bud[i, j], top=tops[i], **kw),
+                         1e-12)
+
+
+def test_inclusion_probabilities_per_row_top_errors():
+    u = torch.rand(2, 3, 20, dtype=torch.float64)
+    with pytest.raises(ValueError, match="top must be >= 0"):
+        F.inclusion_probabilities(u, 10.0, top=torch.tensor([[1], [-1]]))
+    with pytest.raises(TypeError, match="integer tensor"):
+        F.inclusion_probabilities(u, 10.0, top=torch.tensor([[1.0], [2.0]]))
+    with pytest.raises(ValueError, match="broadcastable to the leading dims"):
+        F.inclusion_probabilities(u, 10.0, top=torch.tensor([1, 2, 3, 4]))
+    with pytest.raises(ValueError, match=r"top=7\).*leading index \(1, 0\)"):  # the message names the row's top
+        F.inclusion_probabilities(u, 9.0, sinks=1, window=1, top=torch.tensor([[2], [7]]))
+
+
+def test_design_uniforms_row_streams_false_gives_every_row_the_row_0_stream():
+    index = torch.tensor([[[0, 5, 9]], [[3, 5, 100]]])  # (b=2, h=1, n=3)
+    u = F.design_uniforms((2, 1, 3), 4, layer=2, event=1, index=index, row_streams=False)
+    for r in range(2):
+        for i in range(3):
+            assert float(u[r, 0, i]) == py_uniform(4, 2, 0, 0, 1, int(index[r, 0, i]))
+    per_row = F.design_uniforms((2, 1, 3), 4, layer=2, event=1, index=index)
+    assert float(per_row[1, 0, 1]) == py_uniform(4, 2, 1, 0, 1, 5) != float(u[1, 0, 1])
+
+
 def test_inclusion_probabilities_edge_cases():
     u = torch.rand(2, 40, dtype=torch.float64)
     assert torch.equal(F.inclusion_probabilities(u, 40.0), torch.ones_like(u))  # budget == n

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import kvcert.fast as F
 import kvcert.reference as R
-from support import TILE_N
+from support import TILE_N, rounding
 
 
 def _cache(b, h, n, d=8, dv=4, seed=0):
@@ -161,6 +161,52 @@ def test_topk_evict_matches_deterministic_keep(n, budget_frac, b, h, ties, seed)
     keep_rows = [[R.deterministic_keep(imp[bi, hh].numpy(), budget, sinks=sinks, window=window) for hh in range(h)]
                  for bi in range(b)]
     _check_packed(cc, keys, values, keep_rows, [[np.ones(n)] * h] * b)
+
+
+def _alone(cc, i):
+    """Row i of a CompressedCache, trimmed to its own longest head."""
+    m = int(cc.kept[i].max())
+    return [x[i:i + 1, :, :m] for x in (cc.keys, cc.values, cc.pi, cc.positions)]
+
+
+@given(n=st.integers(40, 150), seed=st.integers(0, 999), pads=st.lists(st.integers(0, 25), min_size=2, max_size=3))
+def test_evict_rows_with_their_own_budget_and_top_equal_each_row_alone(n, seed, pads):
+    # the presses' batched eviction: left-padded rows, per-row budget and top, every row on the row-0
+    # stream (row_streams=False) -> each row's kept tokens, pi and positions are those of the row alone
+    b = len(pads)
+    keys, values, imp = _cache(b, 2, n, seed=seed)
+    pos = torch.arange(n).expand(b, 2, n).clone()
+    pi = torch.ones(b, 2, n, dtype=torch.float64)
+    for r, p in enumerate(pads):
+        pos[r, :, :p], pi[r, :, :p] = -1, 0.0
+    top = torch.tensor([[r * 3] for r in range(b)])
+    c = [2 + 4 + r * 3 for r in range(b)]  # each row's certainty set: sinks + window + top
+    budget = torch.tensor([[c[r] + f * (n - p - c[r]) for f in (0.3, 0.6)] for r, p in enumerate(pads)],
+                          dtype=torch.float64)
+    kw = dict(sinks=2, window=4, seed=seed, layer=3, event=1)
+    cc = F.evict(keys, values, imp, budget, top=top, pi=pi, positions=pos, row_streams=False, **kw)
+    for r, p in enumerate(pads):
+        one = F.evict(keys[r:r + 1, :, p:], values[r:r + 1, :, p:], imp[r:r + 1, :, p:], budget[r:r + 1],
+                      top=int(top[r]), pi=pi[r:r + 1, :, p:], positions=pos[r:r + 1, :, p:], **kw)
+        k, v, p_got, pos_got = _alone(cc, r)
+        assert torch.equal(pos_got, one.positions) and torch.equal(k, one.keys) and torch.equal(v, one.values), r
+        # pi: the same sums over the tail, in another order (the padded row is longer)
+        assert torch.allclose(p_got, one.pi, rtol=rounding(torch.float64, n), atol=0), r
+
+
+def test_topk_evict_per_row_budgets_equal_one_call_per_row():
+    keys, values, imp = _cache(3, 2, 60, seed=5)
+    budget = torch.tensor([[10], [25], [60]])
+    cc = F.topk_evict(keys, values, imp, budget, sinks=2, window=3)
+    for r in range(3):
+        one = F.topk_evict(keys[r:r + 1], values[r:r + 1], imp[r:r + 1], int(budget[r]), sinks=2, window=3)
+        assert torch.equal(cc.kept[r], one.kept[0])
+        for got, want in zip(_alone(cc, r), [one.keys, one.values, one.pi, one.positions]):
+            assert torch.equal(got, want), r
+    with pytest.raises(ValueError, match="got 61"):
+        F.topk_evict(keys, values, imp, torch.tensor([[10], [61], [5]]), sinks=2, window=3)
+    with pytest.raises(TypeError, match="integer tensor"):
+        F.topk_evict(keys, values, imp, budget.double(), sinks=2, window=3)
 
 
 def test_topk_evict_with_padding_and_prior_pi():

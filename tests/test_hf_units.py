@@ -350,6 +350,44 @@ def test_tiny_compressed_batch_certificates_equal_reference(monkeypatch):
         assert_within_oracle(logits[row], alone[0], ref[0].float())
 
 
+@pytest.mark.parametrize("make", [
+    lambda: kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=7),
+    lambda: kvcert.SnapKVPress(compression_ratio=0.5, sinks=2, window=4),
+    lambda: kvcert.DecodingPress(kvcert.PoissonPress(target_size=20, sinks=2, window=4, seed=3), compression_interval=2),
+], ids=["poisson", "snapkv", "decoding-poisson"])
+def test_tiny_batched_eviction_gives_each_row_its_sample_alone(make):
+    """The press evicts a layer's rows in one batched call (per-row budgets, top counts and
+    certainty-set shapes; rows that evict nothing left as they are): every row must hold
+    the tokens it holds alone, with the same pi up to rounding. Rows of 60, 35 and 8 tokens:
+    at ratio 0.5 the 8-token row's budget (4) shrinks its window (a second certainty-set
+    shape); under target_size 20 it evicts nothing at the prefill event."""
+    model = tiny_model()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 96, (n,), generator=g) for n in (60, 35, 8)]
+    ids = torch.zeros(3, 60, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, 60 - len(p):], mask[r, 60 - len(p):] = p, 1
+    cont = torch.randint(1, 96, (5,), generator=g)
+    _, cache = forced_logits(model, ids, cont, make(), mask=mask)
+    for r, p in enumerate(prompts):
+        _, alone = forced_logits(model, p[None], cont, make())
+        for li, (la, lb) in enumerate(zip(cache.layers, alone.layers)):
+            va, vb = la.valid[r], lb.valid[0]
+            for h in range(va.shape[0]):
+                assert torch.equal(la.positions[r, h][va[h]], lb.positions[0, h][vb[h]]), (r, li, h)
+                # pi is solved in float64 (the batched sums in another order: ~1e-15) and held as a float32
+                # log: at most one float32 rounding of log pi per event (two events at most here) + exp
+                la_, lb_ = la.log_weights[r, h][va[h]], lb.log_weights[0, h][vb[h]]
+                tol = 2 * EPS32 * (lb_.abs() + 2) * lb_.exp()
+                assert bool(((la_.exp() - lb_.exp()).abs() <= tol).all()), (r, li, h)
+            held = vb.sum(-1)
+            if isinstance(make(), kvcert.DecodingPress) and len(p) + len(cont) <= 20:
+                assert bool((held == len(p) + len(cont)).all()), (r, li)  # under target_size: nothing evicted
+            else:
+                assert bool((held < len(p) + len(cont)).all()), (r, li)  # the row did evict
+
+
 def test_tiny_chunked_call_after_compression_is_causal():
     """A multi-token call on a compressed cache (e.g. chunked prefill) is causal
     among the new tokens: its last position equals feeding the tokens one by one."""
