@@ -65,6 +65,31 @@ def test_shared_prefill_batch_with_padding_and_no_press(smollm2):  # noqa: F811
         _same(fresh, shared)
 
 
+def _held(cache):
+    """Every tensor the prefill's layers hold, cloned, by (layer, attribute)."""
+    return {(i, k): v.clone() for i, layer in enumerate(cache.layers) for k, v in vars(layer).items()
+            if isinstance(v, torch.Tensor)}
+
+
+def test_runs_share_the_prefill_tensors_without_writing_into_them(smollm2):  # noqa: F811
+    # the copy a run starts from shares the prefill's tensors (no deep copy of K and V): every
+    # kind of run (compressing, decode-time compression, no press) must leave them bit-identical
+    model, tok = smollm2
+    state = kvcert.prefill(model, tok, PROMPTS)
+    before = _held(state.cache)
+    assert before, "the prefill holds no tensors"
+    presses = [None, kvcert.PoissonPress(compression_ratio=0.5, seed=0), kvcert.SnapKVPress(compression_ratio=0.5),
+               kvcert.DecodingPress(kvcert.PoissonPress(target_size=60, seed=2), compression_interval=2)]
+    first = [kvcert.generate(model, tok, PROMPTS, press=p, max_new_tokens=NEW, prefilled=state) for p in presses]
+    after = _held(state.cache)
+    assert after.keys() == before.keys()
+    for key, x in before.items():
+        assert torch.equal(x, after[key]), key
+    # and a second round from the same state gives the same generations
+    for p, r in zip(presses, first):
+        _same(r, kvcert.generate(model, tok, PROMPTS, press=p, max_new_tokens=NEW, prefilled=state))
+
+
 def test_h2o_needs_every_prefill_query(smollm2):  # noqa: F811
     model, tok = smollm2
     state = kvcert.prefill(model, tok, PROMPT, query_window=32)
