@@ -95,12 +95,17 @@ def compact(keep: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pi: to
     src = src[:, :m]
     pad = src < 0
     src.clamp_(min=0)
-    flat = (src + torch.arange(R, device=keep.device)[:, None] * n).reshape(-1)
     d, dv = keys.shape[-1], values.shape[-1]
-    k_out = keys.reshape(R * n, d).index_select(0, flat).reshape(b, h, m, d)
-    v_out = values.reshape(R * n, dv).index_select(0, flat).reshape(b, h, m, dv)
-    p_out = pi.reshape(R * n).index_select(0, flat).reshape(b, h, m)
-    pos_out = positions.reshape(R * n).index_select(0, flat).reshape(b, h, m)
+    if keys.is_contiguous() and values.is_contiguous():  # one row gather of the flat cache
+        flat = (src + torch.arange(R, device=keep.device)[:, None] * n).reshape(-1)
+        k_out = keys.reshape(R * n, d).index_select(0, flat).reshape(b, h, m, d)
+        v_out = values.reshape(R * n, dv).index_select(0, flat).reshape(b, h, m, dv)
+    else:  # e.g. one cache expanded over many samples (stride 0): gather in place, no flat copy of it
+        idx = src.reshape(b, h, m, 1)
+        k_out = torch.gather(keys, 2, idx.expand(b, h, m, d))
+        v_out = torch.gather(values, 2, idx.expand(b, h, m, dv))
+    p_out = torch.gather(pi, 2, src.reshape(b, h, m))
+    pos_out = torch.gather(positions, 2, src.reshape(b, h, m))
     if bool(pad.any()):
         padm = pad.reshape(b, h, m)
         idx = padm.nonzero(as_tuple=True)

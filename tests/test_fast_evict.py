@@ -209,6 +209,19 @@ def test_topk_evict_per_row_budgets_equal_one_call_per_row():
         F.topk_evict(keys, values, imp, budget.double(), sinks=2, window=3)
 
 
+def test_compact_of_an_expanded_cache_equals_compact_of_its_copy():
+    # one cache shared by many samples (stride 0, as paper_repro's replay passes it) is gathered in place
+    keys, values, _ = _cache(1, 1, 50, seed=2)
+    keep = torch.rand(6, 1, 50, generator=torch.Generator().manual_seed(3)) < 0.3
+    pi = torch.where(keep, 0.3, 0.0).double()
+    pos = torch.arange(50).expand(6, 1, 50)
+    shared = F.compact(keep, keys.expand(6, 1, 50, 8), values.expand(6, 1, 50, 4), pi, pos)
+    copied = F.compact(keep, keys.expand(6, 1, 50, 8).contiguous(), values.expand(6, 1, 50, 4).contiguous(), pi, pos)
+    for f in ("keys", "values", "pi", "positions", "kept"):
+        assert torch.equal(getattr(shared, f), getattr(copied, f)), f
+    assert torch.equal(shared.kept[:, 0], keep[:, 0].sum(-1))
+
+
 def test_topk_evict_with_padding_and_prior_pi():
     keys, values, imp = _cache(1, 2, 100)
     cc = F.evict(keys, values, imp, 50.0, seed=0)

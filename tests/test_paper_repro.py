@@ -31,17 +31,19 @@ def test_runner_bad_arguments(argv, tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("regime", ["heavy", "needle"])
-def test_synthetic_replay_matches_the_reference_draw_by_draw(regime):
+@pytest.mark.parametrize("regime, budget", [("heavy", 0.25), ("needle", 0.25), ("heavy", 0.6)])
+def test_synthetic_replay_matches_the_reference_draw_by_draw(regime, budget):
     """T2a replays a cell's draws in one float64 batch of kvcert.fast; draw by draw, kvcert.reference on the
-    same uniforms gives the same errors, radii and hits (every kind and delta)."""
+    same uniforms gives the same errors, radii and hits (every kind and delta). Budget 0.25 takes the packed
+    path of draw_estimates, 0.6 the unpacked one (PACK_BELOW)."""
     import numpy as np
 
     from paper_repro.synthetic import design_pi, make_head
-    from paper_repro.synthetic_coverage import replay_cell
+    from paper_repro.synthetic_coverage import PACK_BELOW, replay_cell
 
+    assert budget < PACK_BELOW or budget > PACK_BELOW + 0.1  # the draws' kept fraction is near the budget
     head = make_head(np.random.default_rng(4), regime, n=256, d=16, dv=8)
-    pi = design_pi(head, 0.25)
+    pi = design_pi(head, budget)
     deltas = (0.1, 0.05)
     err, radius, hit = replay_cell(head, pi, 12, deltas, np.random.default_rng(9))
     o = R.attention(head.q, head.keys, head.values)
