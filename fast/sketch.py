@@ -691,6 +691,16 @@ def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     >>> bool(torch.allclose(ce.output, est.output, atol=1e-6))
     True
     """
+    return _cluster_step(q, keys, values, pi, sketch, scale=scale, delta=delta, rule=rule, multiplier=multiplier,
+                         log_pi=log_pi, value_center=value_center, value_sqdist=value_sqdist, validate=validate,
+                         kept_pass=_kept_pass)
+
+
+def _cluster_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier, log_pi, value_center,
+                  value_sqdist, validate, kept_pass) -> ClusterEstimate:
+    """:func:`cluster_hajek_attention` with its one pass over K and V given: ``kept_pass(L, lp, omp, pf, mu, r2)``
+    -> ``(o, cv, t, sc, kappa, lse)`` as :func:`_kept_pass` (this module's torch pass, or the Triton kernel of
+    ``kvcert.kernels.cluster_hajek_attention``); the checks, the value moments and the O(C d) epilogue are shared."""
     C = check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale)
     L = _Layout(C, q, keys, values)
     _check_sketch(sketch, L)
@@ -717,7 +727,7 @@ def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
                 if tuple(x.shape) != shape:
                     raise ValueError(f"{name} must have shape {text} = {shape}, got {tuple(x.shape)}")
         mu = _cast(mu, dt).reshape(L.B, 1, L.dv)
-        o, cv, t, sc, kappa, lse = _kept_pass(L, lp, omp, pf, mu, _cast(r2, dt).reshape(L.B, L.n))
+        o, cv, t, sc, kappa, lse = kept_pass(L, lp, omp, pf, mu, _cast(r2, dt).reshape(L.B, L.n))
     both = _centred(t, cv, sc, o, mu)                          # (B, 2, G): trace, T'
     log_num, log_z = _log_variance(L, sketch, o, lse, kappa, both[:, 1])
     variance = torch.add(log_num, log_z, alpha=-2.0).exp_()

@@ -201,8 +201,9 @@ def test_design_matches_reference():
 # ----------------------------------------------------------------------------- V_cl, radius, the decode step
 
 
-def _reference_rows(q, k, v, pi, keep, valid, design, *, out=None, t=None):
-    """Per (b, h_q[, t]) the reference o_hat, V_cl, and the Hajek estimate (float64 numpy)."""
+def _reference_rows(q, k, v, pi, keep, valid, design, *, out=None, t=None, labels=None):
+    """Per (b, h_q[, t]) the reference o_hat, V_cl, and the Hajek estimate (float64 numpy); ``labels``
+    (b, h, n) the clusters to use (default: the reference's own k-means)."""
     b, h_q = q.shape[:2]
     g = h_q // k.shape[1]
     res = {}
@@ -210,7 +211,7 @@ def _reference_rows(q, k, v, pi, keep, valid, design, *, out=None, t=None):
         for hq in range(h_q):
             hi = hq // g
             ok = valid[bi, hi]
-            rsk = _ref_sketch(k, v, pi, keep, valid, bi, hi, design)
+            rsk = _ref_sketch(k, v, pi, keep, valid, bi, hi, design, labels=labels)
             kk = ok & keep[bi, hi]
             for j in range(1 if t is None else t):
                 qq = q[bi, hq] if t is None else q[bi, hq, j]
@@ -389,8 +390,19 @@ def _centred_scale(q, k, v, p, sk, bi, hi, o):
     return float(np.sum((1 - p) / p * np.exp(2 * s - 2 * log_z) * dist))
 
 
-@pytest.mark.parametrize("n, g, clusters", [(113, 1, 6), (239, 3, 16), (64, 3, 1), (3, 3, 4)])
+FLOAT32_CASES = [(113, 1, 6), (239, 3, 16), (64, 3, 1), (3, 3, 4)]
+
+
+@pytest.mark.parametrize("n, g, clusters", FLOAT32_CASES)
 def test_float32_within_derived_tolerance(n, g, clusters):
+    check_float32_step(FS.cluster_hajek_attention, n, g, clusters)
+
+
+def check_float32_step(step, n, g, clusters, device="cpu"):
+    """The float32 decode step ``step`` (kvcert.fast's, or the Triton kernel's: tests/test_kernels_sketch.py)
+    against the float64 reference on the same rounded inputs: the sketch fields, V_cl, and the output and
+    trace (|o32 - o64| <= r ((1 + 2 S) sum a_i |v_i - o| + max |v|): an exponent off by eps S moves each
+    a_i by 2 eps S relative; trace: r ((1 + 4 S) trace + the centred form's scale), as V_cl)."""
     d, dv = 16, 5
     k, v, pi, keep, valid = _full(100 + n, 2, 2, n, d, dv, budget=0.3)
     pi[(pi > 0) & (pi < 1e-3)] = 0.02      # tiny pi: a 1e6 weight, whose fp32 1 - pi is exact anyway
@@ -409,10 +421,17 @@ def test_float32_within_derived_tolerance(n, g, clusters):
         tol = _sketch_tolerances(r, k[bi, hi], v[bi, hi], pi[bi, hi], ok & ~keep[bi, hi], lab[bi, hi], ok, ref)
         _check_fields(sk, ref, bi, hi, tol=tol)
     K, V, P = _compact(k, v, pi, keep)
-    ce = FS.cluster_hajek_attention(T(q, f32), T(K, f32), T(V, f32), T(P, f32), sk)
+    on = lambda x: x.to(device)  # noqa: E731
+    sk_dev = FS.ClusterSketch(*(on(getattr(sk, f)) for f in ("mean", "var", "weight", "wnorm", "count", "mu")),
+                              rule=sk.rule, multiplier=sk.multiplier)
+    ce = step(on(T(q, f32)), on(T(K, f32)), on(T(V, f32)), on(T(P, f32)), sk_dev)
+    ce = FS.ClusterEstimate(estimate=type(ce.estimate)(**{f: None if x is None else x.cpu() for f, x in
+                                                          vars(ce.estimate).items()}),
+                            variance=ce.variance.cpu(), radius=ce.radius.cpu(), rule=ce.rule, delta=ce.delta)
     assert ce.variance.dtype == f32 and ce.output.dtype == f32
     o = ce.output.double().numpy()
-    ref = _reference_rows(q, k, v, pi, keep, valid, RS.ClusterDesign(clusters=clusters), out=o)
+    # the labels the float32 sketch was built with
+    ref = _reference_rows(q, k, v, pi, keep, valid, RS.ClusterDesign(clusters=clusters), out=o, labels=lab)
     sk32 = FS.cluster_sketch(T(k, f32), T(v, f32), T(pi, f32), T(keep, torch.bool), design, labels=labels)
     naive = _naive_vcl32(T(q, f32), T(K, f32), T(V, f32), T(P, f32), sk32, ce.output)
     tau = 1.0 / math.sqrt(d)
@@ -425,6 +444,19 @@ def test_float32_within_derived_tolerance(n, g, clusters):
         tol = 2 * abs(naive[bi, hq] - want) + r * ((1 + 4 * S) * want + _centred_scale(
             q[bi, hq], K[bi, hi][kept], V[bi, hi][kept], P[bi, hi][kept], sk, bi, hi, o[bi, hq]))
         assert_close(f"V_cl32[{bi}, {hq}]", float(ce.variance[bi, hq]), want, tol)
+        e = ref_hajek(q[bi, hq], K[bi, hi][kept], V[bi, hi][kept], P[bi, hi][kept]) if kept.any() else None
+        if e is None:
+            assert not ce.output[bi, hq].any() and float(ce.estimate.trace[bi, hq]) == math.inf
+            continue
+        vv, pp = V[bi, hi][kept], P[bi, hi][kept]
+        dev = np.linalg.norm(vv - e.output, axis=1)
+        assert_close(f"output32[{bi}, {hq}]", ce.output[bi, hq].double().numpy(), e.output,
+                     r * ((1 + 2 * S) * np.sum(e.weights * dev) + np.abs(vv).max()))
+        mu_k = vv.mean(0)
+        c_scale = np.sum((1 - pp) * e.weights ** 2 * (np.linalg.norm(vv - mu_k, axis=1)
+                                                      + np.linalg.norm(e.output - mu_k)) ** 2)
+        assert_close(f"trace32[{bi}, {hq}]", float(ce.estimate.trace[bi, hq]), e.trace,
+                     r * ((1 + 4 * S) * e.trace + c_scale))
 
 
 # ----------------------------------------------------------------------------- errors
