@@ -80,8 +80,9 @@ def test_tiled_rounding_is_the_tighter_bound_at_the_kernel_test_sizes():
 
 
 def test_no_test_module_imports_another():
-    """Shared helpers live in tests/support.py: a test module imported by another would run its tests'
-    module-level code (and skips) inside the importer, and hide what the importer depends on."""
+    """Shared helpers live in tests/support.py (or a topic module beside it: model_fixtures.py,
+    sketch_support.py): a test module imported by another would run its tests' module-level code
+    (and skips) inside the importer, and hide what the importer depends on."""
     import ast
     from pathlib import Path
 

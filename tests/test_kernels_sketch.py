@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 from support import triton_kernels
-from test_fast_sketch import FLOAT32_CASES, check_float32_step
+from sketch_support import FLOAT32_CASES, check_float32_step
 
 import kvcert.fast as F
 
