@@ -1,7 +1,7 @@
 """The cluster design's Triton decode step (kvcert.kernels.cluster_hajek_attention) against the oracles.
 
 Runs on Triton's CPU interpreter where there is no GPU (``make test`` sets TRITON_INTERPRET=1).
-Float32: the derived tolerances of tests/test_fast_sketch.py (``check_float32_step``: V_cl, output
+Float32: the tolerances derived in tests/test_fast_sketch.py (``sketch_support.check_float32_step``: V_cl, output
 and trace against the float64 reference on the same rounded inputs), the same rule the torch step
 meets; the kernel's tiles add one rounding per tile merge, below the shared 8 eps sqrt(n + 1)
 allowance for every (n, block) here (tests/test_fast_tolerances.py). Half inputs: exactly the float32
