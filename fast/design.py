@@ -317,19 +317,20 @@ def _budget_rows(budget, rows: int, lead: tuple[int, ...], device) -> torch.Tens
     return torch.full((rows,), float(budget), dtype=torch.float64, device=device)
 
 
-def _top_rows(top, rows: int, lead: tuple[int, ...], device):
-    """``top`` as an int, or as an int64 (rows,) tensor when given per head (broadcast to ``lead``)."""
-    if not isinstance(top, torch.Tensor):
-        return check_nonneg_int("top", top)
-    if top.is_floating_point() or top.is_complex() or top.dtype == torch.bool:
-        raise TypeError(f"top must be an int or an integer tensor, got dtype {top.dtype}")
+def _count_rows(name: str, x, rows: int, lead: tuple[int, ...], device):
+    """A count >= 0 as an int, or as an int64 (rows,) tensor when given per head (an integer tensor
+    broadcast to ``lead``): ``top`` here, ``budget`` of :func:`kvcert.fast.topk_evict`."""
+    if not isinstance(x, torch.Tensor):
+        return check_nonneg_int(name, x)
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise TypeError(f"{name} must be an int or an integer tensor, got dtype {x.dtype}")
     try:
-        t = torch.broadcast_to(top.to(torch.int64), lead)
+        t = torch.broadcast_to(x.to(torch.int64), lead)
     except RuntimeError:
-        raise ValueError(f"top must be an int or a tensor broadcastable to the leading dims {lead}, "
-                         f"got shape {tuple(top.shape)}") from None
+        raise ValueError(f"{name} must be an int or a tensor broadcastable to the leading dims {lead}, "
+                         f"got shape {tuple(x.shape)}") from None
     if t.numel() and bool((t < 0).any()):
-        raise ValueError(f"top must be >= 0, found {int(t.min())}")
+        raise ValueError(f"{name} must be >= 0, found {int(t.min())}")
     return t.reshape(rows).to(device)
 
 
@@ -431,7 +432,7 @@ def inclusion_probabilities(importance: torch.Tensor, budget, *, sinks: int = 4,
             f"floor must be in (0, 1] (a zero floor gives pi = 0 to zero-importance "
             f"tokens, which breaks unbiasedness), got {floor}")
     vr = _valid_rows(valid, shape, u.device)
-    top = _top_rows(top, rows, lead, u.device)
+    top = _count_rows("top", top, rows, lead, u.device)
     uv = u if vr is None else u.masked_fill(~vr, 0.0)
     if not bool(torch.isfinite(uv).all()):
         raise ValueError("importance must be finite (found NaN or inf)")
@@ -466,7 +467,10 @@ def inclusion_probabilities(importance: torch.Tensor, budget, *, sinks: int = 4,
             f"(sinks={sinks}, window={window}, top={_at(top, i)}), got {float(bud[i])}{_first_bad(bad, lead)}")
 
     # top set: the `top` largest free importances, ties to the lower index (exact, no sort)
-    kmax = min(int(top.max()) if isinstance(top, torch.Tensor) and top.numel() else int(top), n)
+    if isinstance(top, torch.Tensor):
+        kmax = min(int(top.max()), n) if top.numel() else 0
+    else:
+        kmax = min(top, n)
     if kmax > 0:
         key = uv.masked_fill(~free, float("-inf"))
         if isinstance(top, torch.Tensor):  # per-row counts: the ntop-th largest (+inf where ntop = 0)

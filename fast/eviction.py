@@ -15,7 +15,8 @@ import numbers
 import torch
 
 from ._checks import check_probabilities, check_tensor, stat_dtype
-from .design import _certainty_rows, design_uniforms, edge_mask, inclusion_probabilities, poisson_sample
+from .design import (_at, _certainty_rows, _count_rows, design_uniforms, edge_mask, inclusion_probabilities,
+                     poisson_sample)
 from .types import CompressedCache
 
 __all__ = ["evict", "topk_evict", "compact"]
@@ -241,14 +242,8 @@ def topk_evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tenso
     """
     keys, values, importance = _check_cache(keys, values, importance)
     b, h, n, _ = keys.shape
-    if isinstance(budget, torch.Tensor):
-        if budget.is_floating_point() or budget.is_complex() or budget.dtype == torch.bool:
-            raise TypeError(f"budget must be an int or an integer tensor (kept counts), got dtype {budget.dtype}")
-        try:
-            budget = torch.broadcast_to(budget.to(torch.int64), (b, h)).reshape(b * h).to(keys.device)
-        except RuntimeError:
-            raise ValueError(f"budget must be an int or a tensor broadcastable to (b, h_kv) = ({b}, {h}), "
-                             f"got shape {tuple(budget.shape)}") from None
+    if isinstance(budget, torch.Tensor):  # one kept count per (b, h_kv) head, broadcast
+        budget = _count_rows("budget", budget, b * h, (b, h), keys.device)
     elif isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
         raise TypeError(f"budget must be an int (a kept count), got {type(budget).__name__}")
     else:
@@ -265,8 +260,7 @@ def topk_evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tenso
     bad = (budget < ne) | (budget > nv)
     if bool(bad.any()):
         i = int(torch.nonzero(bad)[0, 0])
-        got = int(budget[i]) if isinstance(budget, torch.Tensor) else budget
-        raise ValueError(f"budget must be in [{int(ne[i])}, {int(nv[i])}] (sinks + window .. n), got {got}")
+        raise ValueError(f"budget must be in [{int(ne[i])}, {int(nv[i])}] (sinks + window .. n), got {_at(budget, i)}")
     ur = u.reshape(b * h, n).to(torch.float64)
     keep = _certainty_rows(ur, sinks, window, budget - ne, vr).reshape(b, h, n)
     one = torch.ones((b, h, n), dtype=stat_dtype(importance), device=keys.device)

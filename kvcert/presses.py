@@ -449,7 +449,7 @@ class BasePress(Press):
         if prefill:
             layer.budgets = torch.full((b,), math.nan, dtype=torch.float64)
         plans = {}  # row -> (importance (1, h_kv, slots), budget (h_kv,), DesignSizes)
-        keep_rows = {}  # row -> its (keys, values, log_weights, positions) when it evicts nothing
+        rows = {}  # row -> its (keys, values, log_weights, positions) after the event
         for r in range(b):
             sl = slice(r, r + 1)
             valid = valid_all[sl]
@@ -460,7 +460,7 @@ class BasePress(Press):
                 budget = self._budget(n) if n else 0.0
                 layer.budgets[r] = budget
                 if n == 0 or budget >= n:
-                    keep_rows[r] = _row_slots(layer, r, idx)
+                    rows[r] = _row_slots(layer, r, idx)
                     continue
                 k, v, q_r = layer.keys[sl], layer.values[sl], queries[sl]
                 if idx is not None:
@@ -479,7 +479,7 @@ class BasePress(Press):
                     row_target = float(layer.budgets[r])
                 n_h = valid.sum(-1)  # (1, h)
                 if row_target is None or int(n_h.max()) <= row_target:
-                    keep_rows[r] = _row_slots(layer, r, None)
+                    rows[r] = _row_slots(layer, r, None)
                     continue
                 budget = torch.clamp(n_h[0].to(torch.float64), max=float(row_target))
                 seen = min(queries.shape[2], int(layer.next_position[r]))  # no left-padding queries
@@ -488,7 +488,6 @@ class BasePress(Press):
                 plans[r] = (u, budget, self._sizes(float(budget.max())))
         if not plans:
             return
-        rows = dict(keep_rows)
         groups = {}
         for r, (_, _, sz) in plans.items():
             groups.setdefault((sz.sinks, sz.window), []).append(r)
