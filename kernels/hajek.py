@@ -439,18 +439,32 @@ def default_config(n: int, d: int, programs: int, device: torch.device, block_n:
     return {"block_n": block_n, "num_splits": num_splits, "num_warps": 8, "num_stages": 2}
 
 
+def _check_decode_q(q, fallback: str = "kvcert.fast") -> None:
+    """A decode query, (b, h_q, d) or (b, h_q, 1, d) (the kernels are decode kernels)."""
+    if isinstance(q, torch.Tensor) and not (q.dim() == 3 or (q.dim() == 4 and q.shape[2] == 1)):
+        raise ValueError(f"the Triton kernel is a decode kernel: q must have shape (b, h_q, d) or "
+                         f"(b, h_q, 1, d), got shape {tuple(q.shape)} (use {fallback} for t > 1)")
+
+
+def _check_dtypes(**named) -> None:
+    """Every named tensor in SUPPORTED_DTYPES, all in one dtype (arguments that are not tensors are left
+    to the shape checks)."""
+    xs = [(name, x) for name, x in named.items() if isinstance(x, torch.Tensor)]
+    for name, x in xs:
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must have dtype float16, bfloat16 or float32, got {x.dtype}")
+    if len({x.dtype for _, x in xs}) > 1:
+        names = [name for name, _ in xs]
+        raise TypeError(f"{', '.join(names[:-1])} and {names[-1]} must share one dtype, got "
+                        f"{', '.join(str(x.dtype) for _, x in xs)}")
+
+
 def _check_inputs(q, keys, values, pi, log_pi, scale, validate) -> AttentionLayout:
     """The shared contract (kvcert.fast.contract) and what only this kernel adds: a decode q,
     one input dtype among SUPPORTED_DTYPES, and (``validate``) a finite q."""
-    if isinstance(q, torch.Tensor) and not (q.dim() == 3 or (q.dim() == 4 and q.shape[2] == 1)):
-        raise ValueError(f"the Triton kernel is a decode kernel: q must have shape (b, h_q, d) or "
-                         f"(b, h_q, 1, d), got shape {tuple(q.shape)} (use kvcert.fast for t > 1)")
+    _check_decode_q(q)
     layout = check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale, validate=validate)
-    for name, x in (("q", q), ("keys", keys), ("values", values)):
-        if x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} must have dtype float16, bfloat16 or float32, got {x.dtype}")
-    if not (q.dtype == keys.dtype == values.dtype):
-        raise TypeError(f"q, keys and values must share one dtype, got {q.dtype}, {keys.dtype}, {values.dtype}")
+    _check_dtypes(q=q, keys=keys, values=values)
     if validate and not bool(torch.isfinite(q).all()):
         raise ValueError("q must be finite (found NaN or inf)")
     return layout

@@ -38,8 +38,8 @@ from kvcert.fast.types import Estimate
 from .hajek import (
     _MAX_ROWS,
     INTERPRETED,
-    SUPPORTED_DTYPES,
     _chan_merge,
+    _check_dtypes,
     _finalize,
     _hajek_merge_kernel,
     _neg_expm1,
@@ -209,12 +209,7 @@ def _check(q, key_cache, value_cache, block_table, seq_lens, log_pi_blocks, scal
     if tuple(log_pi_blocks.shape) != (S, M) or log_pi_blocks.dtype != torch.float32:
         raise ValueError(f"log_pi_blocks must be a float32 tensor of shape (num_seqs, max_blocks) = ({S}, {M}), "
                          f"got {log_pi_blocks.dtype} of shape {tuple(log_pi_blocks.shape)}")
-    for name, x in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} must have dtype float16, bfloat16 or float32, got {x.dtype}")
-    if not (q.dtype == key_cache.dtype == value_cache.dtype):
-        raise TypeError(f"q, key_cache and value_cache must share one dtype, got {q.dtype}, {key_cache.dtype}, "
-                        f"{value_cache.dtype}")
+    _check_dtypes(q=q, key_cache=key_cache, value_cache=value_cache)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0.0 < float(scale) < math.inf):

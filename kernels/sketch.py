@@ -33,7 +33,7 @@ import triton.language as tl
 
 from kvcert.fast.sketch import ClusterEstimate, _cluster_step
 
-from .hajek import SUPPORTED_DTYPES, _neg_expm1, _online_step, _pow2
+from .hajek import _check_decode_q, _check_dtypes, _neg_expm1, _online_step, _pow2
 
 __all__ = ["cluster_hajek_attention"]
 
@@ -175,12 +175,8 @@ def cluster_hajek_attention(q, keys, values, pi=None, sketch=None, *, scale=None
     -------
     ClusterEstimate (output in the dtype of ``values``; the statistics float32)
     """
-    if isinstance(q, torch.Tensor) and not (q.dim() == 3 or (q.dim() == 4 and q.shape[2] == 1)):
-        raise ValueError(f"the Triton kernel is a decode kernel: q must have shape (b, h_q, d) or (b, h_q, 1, d), "
-                         f"got shape {tuple(q.shape)} (use kvcert.fast.cluster_hajek_attention for t > 1)")
-    for name, x in (("q", q), ("keys", keys), ("values", values)):
-        if isinstance(x, torch.Tensor) and x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} must have dtype float16, bfloat16 or float32, got {x.dtype}")
+    _check_decode_q(q, "kvcert.fast.cluster_hajek_attention")
+    _check_dtypes(q=q, keys=keys, values=values)
     if block_n is not None and (isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16
                                 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n!r}")
