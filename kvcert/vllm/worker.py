@@ -160,6 +160,12 @@ class Step:
         self.cert_sum[req_id] = self.cert_sum.get(req_id, 0.0) + float(rel.double().mean())
         self.cert_n[req_id] = self.cert_n.get(req_id, 0) + 1
 
+    def add_certificates(self, req_ids: list, rel: torch.Tensor) -> None:
+        """:meth:`add_certificate` for the rows of a batch at once: ``rel`` (len(req_ids), h_q)."""
+        for rid, mean in zip(req_ids, rel.double().mean(-1).tolist()):
+            self.cert_sum[rid] = self.cert_sum.get(rid, 0.0) + mean
+            self.cert_n[rid] = self.cert_n.get(rid, 0) + 1
+
     def add_importance(self, req_id: str, u: torch.Tensor) -> None:
         self.importance.setdefault(req_id, []).append(u.detach().to(torch.float64))
 

@@ -162,9 +162,11 @@ def test_masked_forward_matches_the_block_estimator_on_a_compact_cache(monkeypat
     assert step.importance == {} and set(step.cert_sum) == {"a"}
 
 
-def test_masked_decode_is_the_block_estimator_and_batch_invariant():
-    """The batched fast path = kvcert.fast.block_hajek_attention per row; a row's result does not depend on its batch."""
+def test_masked_decode_is_the_block_estimator_and_batch_invariant(monkeypatch):
+    """The batched fast path = kvcert.fast.block_hajek_attention per row; a row's result does not depend on its
+    batch or on how the rows are chunked for the gather."""
     from kvcert.fast import block_hajek_attention
+    from kvcert.vllm import backend
     from kvcert.vllm.backend import gather_blocks, masked_decode
 
     torch.manual_seed(2)
@@ -203,3 +205,9 @@ def test_masked_decode_is_the_block_estimator_and_batch_invariant():
                                         log_pi[j : j + 1, : len(blocks)], 0.125)
         assert torch.equal(alone[0], out[j]) and torch.equal(tr_alone[0], trace[j]), f"row {j} depends on its batch"
     assert (trace[2] == 0).all() and (trace[:2] > 0).all()  # all-certain row: zero variance
+    # chunked gathers (one row per chunk; rows 0-1 together, then row 2) give the same rows bit for bit
+    one_block = cache[0].numel() * cache.element_size()
+    for cap in (1, 2 * M * one_block):
+        monkeypatch.setattr(backend, "GATHER_BYTES", cap)
+        o_c, t_c = masked_decode(q, cache, ids, log_pi, 0.125)
+        assert torch.equal(o_c, out) and torch.equal(t_c, trace), f"chunk cap {cap} changed a row"
