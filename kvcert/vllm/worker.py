@@ -17,6 +17,11 @@ plus a per-step context (:class:`Step`) that the attention backend reads:
 
 The rows of a step are matched to requests through the model runner's
 ``input_batch.req_ids`` (the order the attention metadata is built in).
+
+``CertifiedGPUWorker`` is the same context over vLLM's CUDA ``Worker`` for the
+CUDA backend (:mod:`kvcert.vllm.gpu_backend`, which reads the rows through
+:meth:`Step.row_states`); prepared, never run on a device (the platform
+refusal of :func:`kvcert.vllm.config.check_vllm_config` keeps it from starting).
 """
 
 from __future__ import annotations
@@ -25,13 +30,15 @@ from dataclasses import dataclass, field
 
 import torch
 from vllm.v1.worker.cpu_worker import CPUWorker
+from vllm.v1.worker.gpu_worker import Worker as GPUWorker  # CPUWorker's own base class
 
 from kvcert.fast import block_importance
 
 from . import backend as _backend
+from . import gpu_backend as _gpu_backend
 from .config import KVCertConfig, check_vllm_config
 
-__all__ = ["CertifiedCPUWorker", "Step"]
+__all__ = ["CertifiedCPUWorker", "CertifiedGPUWorker", "Step"]
 
 
 @dataclass
@@ -140,8 +147,7 @@ class Step:
                     raise RuntimeError(f"kvcert.vllm: request {rid} has evicted blocks and {q_len} query tokens "
                                        f"in one step; only single-token decode steps are supported")
                 plan.stock_rows.append(r)
-                if (rid is not None and w.kvcert_prompt_len.get(rid) == seq_len and rid not in w.kvcert_states
-                        and self.config.budget(-(-seq_len // block_size)) is not None):  # else nothing to evict
+                if self._wants_importance(rid, seq_len, block_size):
                     nbt = -(-seq_len // block_size)
                     plan.importance.append(_Importance(rid, q_len, qsl[r + 1], seq_len,
                                                        md.block_table[r, :nbt].to(torch.int64)))
@@ -155,6 +161,25 @@ class Step:
                 plan.masked_log_pi[j, : lp.shape[0]] = lp
         self._plan = plan
         return plan
+
+    def _wants_importance(self, rid, seq_len: int, block_size: int) -> bool:
+        """True on the step that processes the last chunk of a prompt that has not been decided and is long
+        enough to evict anything (else its importance is not even computed)."""
+        w = self.worker
+        return (rid is not None and w.kvcert_prompt_len.get(rid) == seq_len and rid not in w.kvcert_states
+                and self.config.budget(-(-seq_len // block_size)) is not None)
+
+    def row_states(self, md) -> list:
+        """The CUDA backend's view of the step (:mod:`kvcert.vllm.gpu_backend`): one ``RowState`` per row."""
+        w = self.worker
+        req_ids = w.model_runner.input_batch.req_ids
+        out = []
+        for r, seq_len in enumerate(md.seq_lens.tolist()):
+            rid = req_ids[r] if r < len(req_ids) else None
+            log_pi = w.kvcert_states.get(rid) if rid is not None else None
+            out.append(_gpu_backend.RowState(rid, log_pi, log_pi is None and self._wants_importance(
+                rid, seq_len, w.kvcert_block_size)))
+        return out
 
     def add_certificate(self, req_id: str, rel: torch.Tensor) -> None:
         self.cert_sum[req_id] = self.cert_sum.get(req_id, 0.0) + float(rel.double().mean())
@@ -178,49 +203,34 @@ class Step:
         return certs, imp
 
 
-class CertifiedCPUWorker(CPUWorker):
-    """vLLM's CPU worker with the kvcert step context (module docstring)."""
+class _CertifiedWorker:
+    """The kvcert step context around a vLLM worker (module docstring), shared by the CPU and CUDA workers.
 
-    def __init__(self, vllm_config, *args, **kwargs):
-        check_vllm_config(vllm_config)
-        super().__init__(vllm_config, *args, **kwargs)
+    A subclass sets ``_kvcert_slot``, the attention backend's per-thread ``STEP``.
+    """
+
+    _kvcert_slot = None
+
+    def _kvcert_init(self, vllm_config) -> None:
         self.kvcert = KVCertConfig.from_vllm_config(vllm_config) or KVCertConfig(compression_ratio=0.0)
         self.kvcert_states: dict[str, torch.Tensor] = {}
         self.kvcert_prompt_len: dict[str, int] = {}
         self.kvcert_last_stats: dict = {}
         self.kvcert_block_size = int(vllm_config.cache_config.block_size)
         self._kvcert_pending: tuple[dict, dict] | None = None
-        _STEP_DTYPE[0] = vllm_config.model_config.dtype
 
-    def load_model(self, *args, **kwargs):
-        out = super().load_model(*args, **kwargs)
-        self._kvcert_check_layers()
-        return out
-
-    def _kvcert_check_layers(self) -> None:
+    def _kvcert_layers(self, impl_cls) -> dict:
+        """The model's attention layers, refusing any whose implementation is not ``impl_cls``."""
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
         model = self.vllm_config.model_config.model
         for name, layer in layers.items():
-            impl = layer.impl
-            if not isinstance(impl, _backend.CertifiedCPUAttentionImpl):
+            if not isinstance(layer.impl, impl_cls):
                 raise ValueError(f"kvcert.vllm cannot serve model {model!r}: layer {name} uses "
-                                 f"{type(impl).__name__}, not the plugin's CPU attention (plugin not registered?)")
-            bad = [what for what, on in (("alibi", impl.alibi_slopes is not None),
-                                          ("sliding window", impl.sliding_window not in (-1, None)),
-                                          ("logits softcap", bool(impl.logits_soft_cap)),
-                                          ("attention sinks", impl.sinks is not None)) if on]
-            if bad:
-                raise ValueError(f"kvcert.vllm cannot serve model {model!r}: layer {name} uses {', '.join(bad)}")
-            isa = _get_attn_isa(self.vllm_config.model_config.dtype, self.kvcert_block_size, impl.head_size,
-                                self.vllm_config.cache_config.cache_dtype)
-            if isa != "vec":
-                raise ValueError(f"kvcert.vllm cannot serve dtype={self.vllm_config.model_config.dtype} with "
-                                 f"block_size={self.kvcert_block_size} here: the CPU cache layout would be "
-                                 f"{isa!r}, the torch fallback reads 'vec' (use dtype float32)")
+                                 f"{type(layer.impl).__name__}, not the plugin's attention (plugin not registered?)")
+        return layers
 
     # ------------------------------------------------------------------ the step
 
@@ -244,11 +254,11 @@ class CertifiedCPUWorker(CPUWorker):
     def execute_model(self, scheduler_output, *args, **kwargs):
         self._kvcert_before(scheduler_output)
         step = Step(self)
-        _backend.STEP.ctx = step
+        self._kvcert_slot.ctx = step
         try:
             out = super().execute_model(scheduler_output, *args, **kwargs)
         finally:
-            _backend.STEP.ctx = None
+            self._kvcert_slot.ctx = None
         self._kvcert_pending = step.results(self.kvcert_block_size)
         if out is not None:
             self._kvcert_attach(out)
@@ -277,3 +287,61 @@ class CertifiedCPUWorker(CPUWorker):
     def kvcert_stats(self) -> dict:
         """The scheduler's counters as of the last step (blocks_freed, blocks_evicted, ...)."""
         return dict(self.kvcert_last_stats)
+
+
+class CertifiedCPUWorker(_CertifiedWorker, CPUWorker):
+    """vLLM's CPU worker with the kvcert step context (module docstring)."""
+
+    _kvcert_slot = _backend.STEP
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        check_vllm_config(vllm_config)
+        super().__init__(vllm_config, *args, **kwargs)
+        self._kvcert_init(vllm_config)
+        _STEP_DTYPE[0] = vllm_config.model_config.dtype
+
+    def load_model(self, *args, **kwargs):
+        out = super().load_model(*args, **kwargs)
+        self._kvcert_check_layers()
+        return out
+
+    def _kvcert_check_layers(self) -> None:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        model = self.vllm_config.model_config.model
+        for name, layer in self._kvcert_layers(_backend.CertifiedCPUAttentionImpl).items():
+            impl = layer.impl
+            bad = [what for what, on in (("alibi", impl.alibi_slopes is not None),
+                                          ("sliding window", impl.sliding_window not in (-1, None)),
+                                          ("logits softcap", bool(impl.logits_soft_cap)),
+                                          ("attention sinks", impl.sinks is not None)) if on]
+            if bad:
+                raise ValueError(f"kvcert.vllm cannot serve model {model!r}: layer {name} uses {', '.join(bad)}")
+            isa = _get_attn_isa(self.vllm_config.model_config.dtype, self.kvcert_block_size, impl.head_size,
+                                self.vllm_config.cache_config.cache_dtype)
+            if isa != "vec":
+                raise ValueError(f"kvcert.vllm cannot serve dtype={self.vllm_config.model_config.dtype} with "
+                                 f"block_size={self.kvcert_block_size} here: the CPU cache layout would be "
+                                 f"{isa!r}, the torch fallback reads 'vec' (use dtype float32)")
+
+
+class CertifiedGPUWorker(_CertifiedWorker, GPUWorker):
+    """vLLM's CUDA worker with the kvcert step context, for :mod:`kvcert.vllm.gpu_backend` (the ``CUSTOM`` backend).
+
+    Prepared, never run on a device: :func:`kvcert.vllm.config.check_vllm_config`
+    refuses non-CPU platforms, so it cannot start until a device run lifts that
+    refusal. Its step context is the CPU worker's (:meth:`Step.row_states`
+    feeds the CUDA backend), tested on CPU in tests/vllm/test_vllm_gpu_backend.py.
+    """
+
+    _kvcert_slot = _gpu_backend.STEP
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        check_vllm_config(vllm_config)
+        super().__init__(vllm_config, *args, **kwargs)
+        self._kvcert_init(vllm_config)
+
+    def load_model(self, *args, **kwargs):
+        out = super().load_model(*args, **kwargs)
+        self._kvcert_layers(_gpu_backend.CertifiedFlashAttentionImpl)
+        return out

@@ -274,8 +274,9 @@ def exercise_forward():
             self.n_plans += 1
             return states
 
-        def add_certificate(self, rid, rel):
-            self.certs.setdefault(rid, []).append(rel)
+        def add_certificates(self, rids, rel):
+            for j, rid in enumerate(rids):
+                self.certs.setdefault(rid, []).append(rel[j])
 
         def add_importance(self, rid, u):
             self.imp[rid] = u
@@ -324,3 +325,50 @@ def test_forward_routes_rows_with_a_stubbed_flash_attention():
             "import test_vllm_gpu_backend as t; t.exercise_forward()\n")
     proc = _run(code, TRITON_INTERPRET="1")
     assert proc.returncode == 0 and "forward ok" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
+
+
+def test_step_row_states_feed_the_cuda_backend(monkeypatch):
+    """The CUDA worker's step context: Step.row_states gives each row its request, decision and whether to
+    score it (the CPU plan's rule); CertifiedGPUWorker.execute_model sets gpu_backend.STEP around the
+    stock step, applies the scheduler's decisions first and attaches the results to the output."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from kvcert.vllm import KVCertConfig, backend, gpu_backend, worker
+
+    lp = torch.tensor([0.0, NEG_INF, math.log(0.4), 0.0, 0.0, 0.0], dtype=torch.float64)
+    fake = SimpleNamespace(kvcert=KVCertConfig(compression_ratio=0.5), kvcert_states={"b": lp}, kvcert_block_size=16,
+                           kvcert_prompt_len={"a": 90, "b": 90, "c": 20, "e": 200, "f": 30},
+                           model_runner=SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b", "c", "e", "f"])))
+    # a: last chunk of a 6-block prompt (scored); b: decided; c: decoding, undecided; e: a middle chunk;
+    # f: last chunk of a 2-block prompt (its certainty set fills the budget: not scored)
+    md = SimpleNamespace(seq_lens=torch.tensor([90, 91, 21, 100, 30], dtype=torch.int32))
+    states = worker.Step(fake).row_states(md)
+    assert [st.req_id for st in states] == ["a", "b", "c", "e", "f"]
+    assert [st.importance for st in states] == [True, False, False, False, False]
+    assert states[1].log_pi is lp and all(st.log_pi is None for k, st in enumerate(states) if k != 1)
+
+    assert issubclass(worker.CertifiedGPUWorker, Worker)
+    assert worker.CertifiedGPUWorker._kvcert_slot is gpu_backend.STEP
+    assert worker.CertifiedCPUWorker._kvcert_slot is backend.STEP
+    seen = []
+
+    def stock_step(self, scheduler_output, *args, **kwargs):
+        ctx = gpu_backend.STEP.ctx
+        seen.append((ctx, dict(self.kvcert_states), getattr(backend.STEP, "ctx", None)))
+        ctx.add_certificates(["b"], torch.tensor([[0.25, 0.75]]))
+        return SimpleNamespace()
+
+    monkeypatch.setattr(Worker, "execute_model", stock_step)
+    w = object.__new__(worker.CertifiedGPUWorker)
+    w.__dict__.update(fake.__dict__)
+    w.kvcert_states = {}
+    w.kvcert_last_stats, w._kvcert_pending = {}, None
+    so = SimpleNamespace(scheduled_new_reqs=[], finished_req_ids=set(),
+                         kvcert={"decisions": {"b": {"log_pi": lp.tolist()}}})
+    out = w.execute_model(so)
+    ctx, states_seen, cpu_ctx = seen[0]
+    assert isinstance(ctx, worker.Step) and cpu_ctx is None and getattr(gpu_backend.STEP, "ctx", None) is None
+    assert torch.equal(states_seen["b"], lp)  # decisions are applied before the step runs
+    assert out.kvcert_certs == {"b": pytest.approx(0.5)} and out.kvcert_importance == {}
