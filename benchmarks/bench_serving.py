@@ -6,15 +6,23 @@ One engine per configuration, each in a process of its own (the stock engine
 with ``VLLM_PLUGINS=""``, i.e. without the plugin): stock, then kvcert at the
 compression ratios asked for. Every engine gets the same arguments (float32,
 eager, no prefix caching, ``block_size``, a fixed pool of
-``num_gpu_blocks_override`` KV blocks, ``max_num_seqs``) and the same
-workload, greedy with ``ignore_eos``:
+``num_gpu_blocks_override`` KV blocks, ``max_num_seqs``, and
+``max_num_batched_tokens`` = concurrency x the longest prompt, so that a
+latency phase's prompts are prefilled in one step and its decode steps are
+not interleaved with prefill chunks) and the same workload, greedy with
+``ignore_eos``:
 
 - ``latency`` rows: ``concurrency`` distinct prompts of 1k and of 2k tokens
   submitted together: time to first token (vLLM's per-request
   ``first_token_latency``), decode seconds per token per request
   ((last_token_ts - first_token_ts) / (tokens - 1), vLLM's engine
   timestamps), decode tokens/s of the batch, and KV blocks in use after the
-  eviction (the prompts' blocks minus those freed; stock: all).
+  eviction (the prompts' blocks minus those freed; stock: all). The engine
+  core starts stepping as soon as the first request arrives, so the prompts
+  may be prefilled in two groups and the first group's decode steps then
+  wait on the second group's prefill; ``steady_decode_s_per_token`` is the
+  mean over the requests prefilled last (first token within 0.5 s of the
+  last first token), whose decode steps hold no prefill.
 - ``admission`` row: ``admission_requests`` distinct 1k-token prompts
   submitted at once into the same fixed pool: the largest number of requests
   running at the same time (overlap of [scheduled_ts, last_token_ts]) and
@@ -143,9 +151,13 @@ def _summary(res: dict) -> dict:
             dec = [r["decode_s_per_token"] for r in reqs]
             span = max(r["last_token_ts"] for r in reqs) - min(r["first_token_ts"] for r in reqs)
             certs = [r["mean_certificate"] for r in reqs if r["mean_certificate"] is not None]
+            # the requests prefilled last decode with no prefill step between their tokens
+            last = max(r["first_token_ts"] for r in reqs)
+            steady = [r["decode_s_per_token"] for r in reqs if r["first_token_ts"] >= last - 0.5]
             out[name] = {
                 "ttft_s": statistics.fmean(r["ttft_s"] for r in reqs),
                 "decode_s_per_token": statistics.fmean(dec),
+                "steady_decode_s_per_token": statistics.fmean(steady),
                 "decode_tok_s_batch": sum(r["tokens"] - 1 for r in reqs) / span if span > 0 else None,
                 "kv_blocks_prompt": sum(r["prompt_blocks"] for r in reqs),
                 "kv_blocks_in_use_after_eviction": sum(r["prompt_blocks"] - r["blocks_freed"] for r in reqs),
@@ -162,10 +174,11 @@ def main(argv=None) -> None:
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75])
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--pool-blocks", type=int, default=140, help="num_gpu_blocks_override of every engine")
-    ap.add_argument("--admission-requests", type=int, default=16)
+    ap.add_argument("--admission-requests", type=int, default=24,
+                    help="more than the pool can hold at once even at ratio 0.5, so the pool is the limit")
     ap.add_argument("--admission-length", type=int, default=1024)
     ap.add_argument("--quick", action="store_true", help="1k prompts only, 2 concurrent, 8 admission requests")
     ap.add_argument("--timeout", type=float, default=1800)
@@ -184,7 +197,8 @@ def main(argv=None) -> None:
     max_len = max(args.lengths + [args.admission_length]) + args.max_tokens + args.block_size
     engine = {"dtype": "float32", "enforce_eager": True, "enable_prefix_caching": False,
               "block_size": args.block_size, "num_gpu_blocks_override": args.pool_blocks, "max_num_seqs": 64,
-              "max_model_len": max_len, "disable_log_stats": False}
+              "max_model_len": max_len, "disable_log_stats": False,
+              "max_num_batched_tokens": max(max(args.lengths) * args.concurrency, max_len)}
     phases = {}
     for j, n in enumerate(args.lengths):
         phases[f"latency_{n}"] = {"prompts": _prompts(model, [n], args.concurrency, offset=101 * j),
@@ -208,6 +222,8 @@ def main(argv=None) -> None:
         s = results["runs"][name]["summary"]
         ratios[name] = {f"decode_time_ratio_{n}": s[f"latency_{n}"]["decode_s_per_token"]
                         / base[f"latency_{n}"]["decode_s_per_token"] for n in args.lengths}
+        ratios[name].update({f"steady_decode_time_ratio_{n}": s[f"latency_{n}"]["steady_decode_s_per_token"]
+                             / base[f"latency_{n}"]["steady_decode_s_per_token"] for n in args.lengths})
         ratios[name].update({f"ttft_ratio_{n}": s[f"latency_{n}"]["ttft_s"] / base[f"latency_{n}"]["ttft_s"]
                              for n in args.lengths})
         ratios[name]["admission_ratio"] = s["admission"]["max_concurrent"] / base["admission"]["max_concurrent"]
