@@ -15,7 +15,10 @@ read, as in a forward pass):
   with probability 0.5, as at compression 0.5) and the certificate.
 
 Interleaved repetitions; prints min and median ms per step and the ratio of
-the minima. One thread is what vLLM's CPU worker gets on a 2-core machine
+the minima. ``--fixed-mmap-threshold`` pins glibc's ``M_MMAP_THRESHOLD`` at
+its 128 KiB default (glibc otherwise raises it after the first large free),
+so every multi-MB temporary is mapped and page-faulted afresh, as it was
+inside vLLM's worker. One thread is what vLLM's CPU worker gets on a 2-core machine
 (it keeps one core for the engine core). No timing assertion anywhere.
 """
 
@@ -114,10 +117,18 @@ def main(argv=None) -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[1025, 2049, 4097])
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--fixed-mmap-threshold", action="store_true",
+                    help="mallopt(M_MMAP_THRESHOLD, 128 KiB): large temporaries are page-faulted on every call")
     args = ap.parse_args(argv)
+    if args.fixed_mmap_threshold:
+        import ctypes
+        import ctypes.util
+
+        ctypes.CDLL(ctypes.util.find_library("c")).mallopt(-3, 128 * 1024)  # -3 = M_MMAP_THRESHOLD
     results = []
     for n in args.lengths:
         r = measure(n, rows=args.rows)
+        r["fixed_mmap_threshold"] = args.fixed_mmap_threshold
         results.append(r)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
     if args.out:

@@ -131,6 +131,25 @@ def masked_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.
     return torch.cat(outs), torch.cat(traces)
 
 
+_BUFFER = threading.local()
+
+
+def _gather_buffer(flat: torch.Tensor, rows: int) -> torch.Tensor:
+    """A (rows, flat.shape[1]) tensor over this thread's reused gather buffer (grown when too small).
+
+    A fresh multi-MB tensor per layer would be page-faulted in again on every
+    call (glibc returns large blocks to the system), which inside vLLM's
+    worker costs more than the copy itself; the buffer holds one chunk
+    (:data:`GATHER_BYTES`, or one row when a row is larger) and is
+    overwritten by the next chunk, after the chunk's products have read it.
+    """
+    n = rows * flat.shape[1]
+    buf = getattr(_BUFFER, "buf", None)
+    if buf is None or buf.numel() < n or buf.dtype != flat.dtype:
+        buf = _BUFFER.buf = torch.empty(max(n, GATHER_BYTES // flat.element_size()), dtype=flat.dtype)
+    return buf[:n].view(rows, flat.shape[1])
+
+
 def _masked_chunk(query, kv_cache, block_ids, log_pi, scale):
     """:func:`masked_decode` on rows whose gathered blocks are copied at once."""
     E, h_q, d = query.shape
@@ -138,7 +157,8 @@ def _masked_chunk(query, kv_cache, block_ids, log_pi, scale):
     M = block_ids.shape[1]
     g = h_q // h
     B = E * M * h  # one small matrix product per (row, block, KV head)
-    blk = kv_cache.view(nb, h * bs * two_d).index_select(0, block_ids.reshape(-1)).view(B, bs * two_d)  # the one copy
+    flat = kv_cache.view(nb, h * bs * two_d)
+    blk = torch.index_select(flat, 0, block_ids.reshape(-1), out=_gather_buffer(flat, E * M)).view(B, bs * two_d)
     kt = blk[:, : bs * d].view(B, d, bs)  # keys transposed
     v = blk[:, bs * d:].view(B, bs, d)
     lp = log_pi.float()
