@@ -14,7 +14,7 @@ not interleaved with prefill chunks) and the same workload, greedy with
 
 - a warm-up phase first, shaped like the first latency phase and not
   reported: an engine's first phase ran slower than a second identical one
-  (in the plugin's engine, its masked decode steps by 1.3-1.8x);
+  (in the plugin's engine its decode steps took 1.28x as long, docs/serving.md);
 - ``latency`` rows: ``concurrency`` distinct prompts of 1k and of 2k tokens
   submitted together: time to first token (vLLM's per-request
   ``first_token_latency``), decode seconds per token per request
@@ -205,7 +205,7 @@ def main(argv=None) -> None:
               "max_model_len": max_len, "disable_log_stats": False,
               "max_num_batched_tokens": max(max(args.lengths) * args.concurrency, max_len)}
     # first, a warm-up phase shaped like the first latency phase, not reported: in the plugin's engine the
-    # masked decode steps of the first phase ran 1.3-1.8x slower than the same steps of a second one
+    # decode steps of the first phase took 1.28x as long (attention 1.45x) as those of a second identical one
     phases = {"warmup": {"prompts": _prompts(model, [args.lengths[0]], args.concurrency, offset=499),
                          "max_tokens": args.max_tokens}}
     for j, n in enumerate(args.lengths):
