@@ -52,7 +52,8 @@ __all__ = ["CertifiedCPUAttentionBackend", "CertifiedCPUAttentionImpl", "STEP", 
 
 #: most bytes of K/V that :func:`masked_decode` gathers at once: rows are processed in chunks
 #: within it, so the copy is still in cache when the two matrix products read it
-#: (at 4k-token rows a single 12 MiB gather of 4 rows ran 1.2-1.5x slower than per-chunk ones)
+#: (4 rows of 4k tokens, one unchunked gather: 1.80x the C++ kernel's step, chunked 0.95x;
+#: benchmarks/bench_masked_decode.py, docs/serving.md)
 GATHER_BYTES = 4 << 20
 
 #: per-thread pointer to the running step's context (set by the plugin's worker around execute_model)
@@ -229,7 +230,7 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
                 output[row.token] = est.output[0].to(output.dtype)
                 stats = certificate_moments(est, cfg.kind)
                 _, _, rel = radius_from_statistics(cfg.kind, cfg.delta, **stats)
-                step.add_certificate(row.req_id, rel[0])
+                step.add_certificates([row.req_id], rel)
         return self._importance(step, plan, query, kv_cache, output)
 
     def _importance(self, step, plan, query, kv_cache, output):

@@ -181,12 +181,8 @@ class Step:
                 rid, seq_len, w.kvcert_block_size)))
         return out
 
-    def add_certificate(self, req_id: str, rel: torch.Tensor) -> None:
-        self.cert_sum[req_id] = self.cert_sum.get(req_id, 0.0) + float(rel.double().mean())
-        self.cert_n[req_id] = self.cert_n.get(req_id, 0) + 1
-
     def add_certificates(self, req_ids: list, rel: torch.Tensor) -> None:
-        """:meth:`add_certificate` for the rows of a batch at once: ``rel`` (len(req_ids), h_q)."""
+        """Add each row's mean relative radius over query heads to its request: ``rel`` (len(req_ids), h_q)."""
         for rid, mean in zip(req_ids, rel.double().mean(-1).tolist()):
             self.cert_sum[rid] = self.cert_sum.get(rid, 0.0) + mean
             self.cert_n[rid] = self.cert_n.get(rid, 0) + 1
@@ -206,12 +202,15 @@ class Step:
 class _CertifiedWorker:
     """The kvcert step context around a vLLM worker (module docstring), shared by the CPU and CUDA workers.
 
-    A subclass sets ``_kvcert_slot``, the attention backend's per-thread ``STEP``.
+    A subclass sets ``_kvcert_slot``, the attention backend's per-thread ``STEP``, and
+    ``_kvcert_check_layers`` (run after the model is loaded: refuse layers it cannot serve).
     """
 
     _kvcert_slot = None
 
-    def _kvcert_init(self, vllm_config) -> None:
+    def __init__(self, vllm_config, *args, **kwargs):
+        check_vllm_config(vllm_config)
+        super().__init__(vllm_config, *args, **kwargs)
         self.kvcert = KVCertConfig.from_vllm_config(vllm_config) or KVCertConfig(compression_ratio=0.0)
         self.kvcert_states: dict[str, torch.Tensor] = {}
         self.kvcert_prompt_len: dict[str, int] = {}
@@ -231,6 +230,14 @@ class _CertifiedWorker:
                 raise ValueError(f"kvcert.vllm cannot serve model {model!r}: layer {name} uses "
                                  f"{type(layer.impl).__name__}, not the plugin's attention (plugin not registered?)")
         return layers
+
+    def _kvcert_check_layers(self) -> None:
+        raise NotImplementedError
+
+    def load_model(self, *args, **kwargs):
+        out = super().load_model(*args, **kwargs)
+        self._kvcert_check_layers()
+        return out
 
     # ------------------------------------------------------------------ the step
 
@@ -295,15 +302,8 @@ class CertifiedCPUWorker(_CertifiedWorker, CPUWorker):
     _kvcert_slot = _backend.STEP
 
     def __init__(self, vllm_config, *args, **kwargs):
-        check_vllm_config(vllm_config)
         super().__init__(vllm_config, *args, **kwargs)
-        self._kvcert_init(vllm_config)
         _STEP_DTYPE[0] = vllm_config.model_config.dtype
-
-    def load_model(self, *args, **kwargs):
-        out = super().load_model(*args, **kwargs)
-        self._kvcert_check_layers()
-        return out
 
     def _kvcert_check_layers(self) -> None:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -336,12 +336,5 @@ class CertifiedGPUWorker(_CertifiedWorker, GPUWorker):
 
     _kvcert_slot = _gpu_backend.STEP
 
-    def __init__(self, vllm_config, *args, **kwargs):
-        check_vllm_config(vllm_config)
-        super().__init__(vllm_config, *args, **kwargs)
-        self._kvcert_init(vllm_config)
-
-    def load_model(self, *args, **kwargs):
-        out = super().load_model(*args, **kwargs)
+    def _kvcert_check_layers(self) -> None:
         self._kvcert_layers(_gpu_backend.CertifiedFlashAttentionImpl)
-        return out
