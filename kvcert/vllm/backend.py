@@ -33,6 +33,7 @@ tests/vllm/test_vllm_backend.py against ``ops.cpu_attn_reshape_and_cache``).
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import torch
 from vllm import _custom_ops as ops
@@ -48,13 +49,15 @@ from kvcert.fast import (
     snapkv_scores,
 )
 
-__all__ = ["CertifiedCPUAttentionBackend", "CertifiedCPUAttentionImpl", "STEP", "gather_blocks"]
+__all__ = ["CertifiedCPUAttentionBackend", "CertifiedCPUAttentionImpl", "STEP", "gather_blocks", "masked_chunks",
+           "masked_decode"]
 
 #: most bytes of K/V that :func:`masked_decode` gathers at once: rows are processed in chunks
-#: within it, so the copy is still in cache when the two matrix products read it
-#: (4 rows of 4k tokens, one unchunked gather: 1.80x the C++ kernel's step, chunked 0.95x;
-#: benchmarks/bench_masked_decode.py, docs/serving.md)
-GATHER_BYTES = 4 << 20
+#: within it, so the copy is still in cache (here a 32 MiB L3) when the two matrix products read it.
+#: 4 rows of 4k tokens in one gather of fresh memory measured 1.80x the C++ kernel's step, in 4 MiB
+#: chunks 0.95x; with the reused buffer, 4 / 8 / 16 MiB gave 34.6 / 31.3 / 31.5 ms at 1k, 50.6 / 47.3 /
+#: 46.5 ms at 2k and 83.8 / 81.2 / 85.7 ms at 4k (benchmarks/bench_masked_decode.py, docs/serving.md)
+GATHER_BYTES = 8 << 20
 
 #: per-thread pointer to the running step's context (set by the plugin's worker around execute_model)
 STEP = threading.local()
@@ -72,7 +75,7 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torc
 
 
 def masked_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float, chunks: list[MaskedChunk] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Hajek decode attention over whole kept blocks of a ``vec`` cache, and the cluster-sampling trace, batched.
 
     The plugin's fast path for the Chebyshev certificate: the same estimate and
@@ -109,27 +112,56 @@ def masked_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.
         block (0 on certain blocks and decode tokens), -inf on padding and on
         slots past the sequence end
     scale : float
+    chunks : :func:`masked_chunks` of these ``kv_cache`` geometry, ``block_ids`` and ``log_pi``, if already
+        computed (the backend computes them once per step; every layer reuses them)
 
     Returns
     -------
     output (E, h_q, d) in the query's dtype, trace (E, h_q) float32
     """
-    E = query.shape[0]
+    if chunks is None:
+        chunks = masked_chunks(kv_cache, block_ids, log_pi)
+    outs, traces = [], []
+    for ch in chunks:
+        o, tr = _masked_chunk(query[ch.rows], kv_cache, ch, scale)
+        outs.append(o)
+        traces.append(tr)
+    if len(outs) == 1:
+        return outs[0], traces[0]
+    return torch.cat(outs), torch.cat(traces)
+
+
+@dataclass
+class MaskedChunk:
+    """Rows ``rows`` of a :func:`masked_decode` batch whose kept blocks are gathered at once, and what does not
+    depend on the layer: the blocks (c * m,), the scores' bias (c * m * h_kv, 1, bs) and 1 - pi_b (c, m)."""
+
+    rows: slice
+    block_ids: torch.Tensor
+    bias: torch.Tensor
+    one_minus_pi: torch.Tensor
+
+
+def masked_chunks(kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor) -> list[MaskedChunk]:
+    """:func:`masked_decode`'s row chunks (each gathering at most :data:`GATHER_BYTES`, or one row), computed
+    once per step: every layer of a step has the same rows, blocks and pi, and a cache of the same geometry."""
+    E = block_ids.shape[0]
+    h, bs = kv_cache.shape[1], kv_cache.shape[2]
     row_bytes = kv_cache[0].numel() * kv_cache.element_size()  # one block, all KV heads, K and V
     kept = (log_pi[:, :, 0] > float("-inf")).sum(1).tolist()  # padding blocks come last in a row
-    outs, traces, j = [], [], 0
-    while j < E:  # rows in chunks whose gathered blocks stay within GATHER_BYTES (cache-resident)
+    out, j = [], 0
+    while j < E:
         c, m = 1, kept[j]
         while j + c < E and max(m, kept[j + c]) * (c + 1) * row_bytes <= GATHER_BYTES:
             m = max(m, kept[j + c])
             c += 1
-        o, tr = _masked_chunk(query[j : j + c], kv_cache, block_ids[j : j + c, :m], log_pi[j : j + c, :m], scale)
-        outs.append(o)
-        traces.append(tr)
+        lp = log_pi[j : j + c, :m].float()
+        bias = torch.where(lp > float("-inf"), -lp, float("-inf"))  # -log pi_b on the row's tokens, -inf elsewhere
+        bias = bias[:, :, None, None, :].expand(c, m, h, 1, bs).reshape(c * m * h, 1, bs)
+        omp = -torch.expm1(lp[:, :, 0])  # 1 - pi_b per block (0: certain; padding: 1 with z = 0)
+        out.append(MaskedChunk(slice(j, j + c), block_ids[j : j + c, :m].reshape(-1), bias, omp))
         j += c
-    if len(outs) == 1:
-        return outs[0], traces[0]
-    return torch.cat(outs), torch.cat(traces)
+    return out
 
 
 _BUFFER = threading.local()
@@ -151,22 +183,19 @@ def _gather_buffer(flat: torch.Tensor, rows: int) -> torch.Tensor:
     return buf[:n].view(rows, flat.shape[1])
 
 
-def _masked_chunk(query, kv_cache, block_ids, log_pi, scale):
-    """:func:`masked_decode` on rows whose gathered blocks are copied at once."""
+def _masked_chunk(query, kv_cache, ch: MaskedChunk, scale):
+    """:func:`masked_decode` on the rows of one chunk, whose gathered blocks are copied at once."""
     E, h_q, d = query.shape
     nb, h, bs, two_d = kv_cache.shape
-    M = block_ids.shape[1]
+    M = ch.one_minus_pi.shape[1]
     g = h_q // h
     B = E * M * h  # one small matrix product per (row, block, KV head)
     flat = kv_cache.view(nb, h * bs * two_d)
-    blk = torch.index_select(flat, 0, block_ids.reshape(-1), out=_gather_buffer(flat, E * M)).view(B, bs * two_d)
+    blk = torch.index_select(flat, 0, ch.block_ids, out=_gather_buffer(flat, E * M)).view(B, bs * two_d)
     kt = blk[:, : bs * d].view(B, d, bs)  # keys transposed
     v = blk[:, bs * d:].view(B, bs, d)
-    lp = log_pi.float()
-    bias = torch.where(lp > float("-inf"), -lp, float("-inf"))  # -log pi_b on the row's tokens, -inf elsewhere
-    bias = bias[:, :, None, None, :].expand(E, M, h, 1, bs).reshape(B, 1, bs)
     qx = query.float().view(E, 1, h, g, d).expand(E, M, h, g, d).reshape(B, g, d)
-    s = torch.baddbmm(bias, qx, kt.float(), alpha=scale).view(E, M, h, g, bs)  # tau q.k - log pi_b
+    s = torch.baddbmm(ch.bias, qx, kt.float(), alpha=scale).view(E, M, h, g, bs)  # tau q.k - log pi_b
     s = s.sub_(s.amax(dim=(1, 4), keepdim=True))  # the softmax's max over all kept tokens of the row
     p = s.exp_()  # unnormalized weights; exactly 0 off the row's tokens
     inv = p.sum(dim=(1, 4)).reciprocal_()  # (E, h, g): 1 / sum over the kept tokens
@@ -174,8 +203,7 @@ def _masked_chunk(query, kv_cache, block_ids, log_pi, scale):
     A = p.sum(-1).mul_(inv[:, None])  # (E, M, h, g): A_b
     o = w.sum(1)  # (E, h, g, d)
     z = w.sub_(A[..., None] * o[:, None])  # z_b = W_b - A_b o_hat
-    omp = -torch.expm1(lp[:, :, 0])  # 1 - pi_b per block (0: certain; padding: 1 with z = 0)
-    trace = (omp[:, :, None, None] * (z * z).sum(-1)).sum(1)  # (E, h, g)
+    trace = (ch.one_minus_pi[:, :, None, None] * (z * z).sum(-1)).sum(1)  # (E, h, g)
     return o.reshape(E, h_q, d).to(query.dtype), trace.reshape(E, h_q)
 
 
@@ -213,8 +241,10 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
                 output.index_copy_(0, sub.token_index, out_sub.to(output.dtype))
             cfg = step.config
             if cfg.kind == "chebyshev":  # needs only the trace: the batched fast path
+                if plan.masked_chunks is None:  # the same for every layer of the step
+                    plan.masked_chunks = masked_chunks(kv_cache, plan.masked_block_ids, plan.masked_log_pi)
                 o, trace = masked_decode(query.index_select(0, plan.masked_tokens), kv_cache, plan.masked_block_ids,
-                                         plan.masked_log_pi, self.scale)
+                                         plan.masked_log_pi, self.scale, plan.masked_chunks)
                 output.index_copy_(0, plan.masked_tokens, o.to(output.dtype))
                 _, _, rel = radius_from_statistics(cfg.kind, cfg.delta, trace=trace,
                                                    output_norm=torch.linalg.vector_norm(o.float(), dim=-1))

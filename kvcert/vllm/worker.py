@@ -74,6 +74,7 @@ class _Plan:
     masked_tokens: torch.Tensor | None = None  # (E,) query token of each masked row
     masked_block_ids: torch.Tensor | None = None  # (E, M) kept physical blocks, padded
     masked_log_pi: torch.Tensor | None = None  # (E, M, bs) log pi per slot, -inf = padding / past the end
+    masked_chunks: list | None = None  # backend.masked_chunks, set by the first layer of the step
     importance: list = field(default_factory=list)
     stock_rows: list = field(default_factory=list)
     metadata: object = None
@@ -108,6 +109,7 @@ class Step:
         self._plan: _Plan | None = None
         self.cert_sum: dict[str, float] = {}
         self.cert_n: dict[str, int] = {}
+        self._certs: list[tuple[tuple, torch.Tensor]] = []
         self.importance: dict[str, list] = {}
 
     def plan(self, md, block_size: int) -> _Plan:
@@ -182,15 +184,28 @@ class Step:
         return out
 
     def add_certificates(self, req_ids: list, rel: torch.Tensor) -> None:
-        """Add each row's mean relative radius over query heads to its request: ``rel`` (len(req_ids), h_q)."""
-        for rid, mean in zip(req_ids, rel.double().mean(-1).tolist()):
-            self.cert_sum[rid] = self.cert_sum.get(rid, 0.0) + mean
-            self.cert_n[rid] = self.cert_n.get(rid, 0) + 1
+        """Add each row's mean relative radius over query heads to its request: ``rel`` (len(req_ids), h_q).
+
+        Kept as given and summed in :meth:`results`, once per step: the layers of a step certify the same rows,
+        so their means are taken in one conversion instead of one per layer."""
+        self._certs.append((tuple(req_ids), rel))
+
+    def _sum_certificates(self) -> None:
+        groups: dict[tuple, list] = {}
+        for rids, rel in self._certs:
+            groups.setdefault(rids, []).append(rel)
+        for rids, rels in groups.items():
+            for means in torch.stack(rels).double().mean(-1).tolist():  # layer by layer, in call order
+                for rid, mean in zip(rids, means):
+                    self.cert_sum[rid] = self.cert_sum.get(rid, 0.0) + mean
+                    self.cert_n[rid] = self.cert_n.get(rid, 0) + 1
+        self._certs = []
 
     def add_importance(self, req_id: str, u: torch.Tensor) -> None:
         self.importance.setdefault(req_id, []).append(u.detach().to(torch.float64))
 
     def results(self, block_size: int) -> tuple[dict, dict]:
+        self._sum_certificates()
         certs = {r: self.cert_sum[r] / self.cert_n[r] for r in self.cert_sum}
         imp = {}
         for r, us in self.importance.items():

@@ -159,7 +159,7 @@ def test_masked_forward_matches_the_block_estimator_on_a_compact_cache(monkeypat
         impl.forward(layer, query, None, None, cache, md, torch.empty_like(query))
     finally:
         backend.STEP.ctx = None
-    assert step.importance == {} and set(step.cert_sum) == {"a"}
+    assert step.importance == {} and set(step.results(bs)[0]) == {"a"}
 
 
 def test_masked_decode_is_the_block_estimator_and_batch_invariant(monkeypatch):
@@ -207,7 +207,34 @@ def test_masked_decode_is_the_block_estimator_and_batch_invariant(monkeypatch):
     assert (trace[2] == 0).all() and (trace[:2] > 0).all()  # all-certain row: zero variance
     # chunked gathers (one row per chunk; rows 0-1 together, then row 2) give the same rows bit for bit
     one_block = cache[0].numel() * cache.element_size()
-    for cap in (1, 2 * M * one_block):
+    for cap, spans in ((1, [(0, 1), (1, 2), (2, 3)]), (2 * M * one_block, [(0, 2), (2, 3)])):
         monkeypatch.setattr(backend, "GATHER_BYTES", cap)
+        chunks = backend.masked_chunks(cache, ids, log_pi)
+        assert [(c.rows.start, c.rows.stop) for c in chunks] == spans
         o_c, t_c = masked_decode(q, cache, ids, log_pi, 0.125)
         assert torch.equal(o_c, out) and torch.equal(t_c, trace), f"chunk cap {cap} changed a row"
+        # the chunks are computed once per step and reused by every layer: another cache of the same geometry
+        other = torch.randn_like(cache)
+        o_r, t_r = masked_decode(q, other, ids, log_pi, 0.125, chunks)
+        o_f, t_f = masked_decode(q, other, ids, log_pi, 0.125)
+        assert torch.equal(o_r, o_f) and torch.equal(t_r, t_f)
+        assert not torch.equal(o_r, out)
+
+
+def test_step_sums_certificates_over_layers_per_request():
+    """add_certificates keeps each layer's (rows, query heads) radii; results() gives each request the mean over
+    its layers of the mean over query heads, whatever rows the layers certified together."""
+    from types import SimpleNamespace
+
+    from kvcert.vllm import KVCertConfig, worker
+
+    step = worker.Step(SimpleNamespace(kvcert=KVCertConfig(compression_ratio=0.5)))
+    rel = [torch.tensor([[0.1, 0.3], [1.0, 2.0]]), torch.tensor([[0.5, 0.5], [3.0, 5.0]])]
+    for r in rel:
+        step.add_certificates(["a", "b"], r)
+    step.add_certificates(["c"], torch.tensor([[0.25, 0.75]]))
+    step.add_certificates(["b"], torch.tensor([[8.0, 10.0]]))
+    certs, imp = step.results(16)
+    assert certs == pytest.approx({"a": (0.2 + 0.5) / 2, "b": (1.5 + 4.0 + 9.0) / 3, "c": 0.5}, rel=1e-6)  # float32 radii
+    assert imp == {}
+    assert step.results(16)[0] == certs  # summing twice adds nothing
