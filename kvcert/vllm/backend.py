@@ -113,8 +113,9 @@ def masked_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.
         block (0 on certain blocks and decode tokens), -inf on padding and on
         slots past the sequence end
     scale : float
-    chunks : :func:`masked_chunks` of these ``kv_cache`` geometry, ``block_ids`` and ``log_pi``, if already
-        computed (the backend computes them once per step; every layer reuses them)
+    chunks : list of MaskedChunk, optional
+        ``masked_chunks(kv_cache, block_ids, log_pi)`` if already computed; any cache of the same shape and
+        dtype gives the same chunks (the backend computes them once per step and every layer reuses them)
 
     Returns
     -------
