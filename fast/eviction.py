@@ -121,7 +121,7 @@ def evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tensor, bu
           window: int = 32, top=0, floor: float = 0.1, seed: int | None = 0, layer: int = 0, event: int = 0,
           pi: torch.Tensor | None = None, positions: torch.Tensor | None = None,
           uniforms: torch.Tensor | None = None, generator: torch.Generator | None = None,
-          row_streams: bool = True) -> CompressedCache:
+          row_streams: bool = True, sketch=None) -> CompressedCache:
     r"""One Poisson eviction event on every KV head, compacted into a padded cache.
 
     .. math::
@@ -157,6 +157,12 @@ def evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tensor, bu
     uniforms, generator
         Alternative randomness for :func:`kvcert.fast.poisson_sample`
         (``uniforms`` of shape (b, h_kv, n) makes masks equal the reference's).
+    sketch : ``kvcert.fast.ClusterDesign`` (or any object with its fields), optional
+        Also keep the cluster sketch of this event's evicted tokens
+        (:func:`kvcert.fast.cluster_sketch` of the cache before the event, with the
+        returned pi over every slot and the sample), as ``CompressedCache.sketch``.
+        It describes the tokens evicted *here*: an earlier event's evicted tokens are
+        not in ``keys`` any more, so a second event needs a sketch of its own.
 
     Returns
     -------
@@ -210,7 +216,12 @@ def evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tensor, bu
     else:
         keep = poisson_sample(p_e, uniforms=uniforms, generator=generator)
     final = p_e if prev is None else (prev.to(p_e.dtype) * p_e)
-    return compact(keep, keys, values, final, pos)
+    cc = compact(keep, keys, values, final, pos)
+    if sketch is not None:
+        from .sketch import cluster_sketch
+
+        cc.sketch = cluster_sketch(keys, values, final, keep, sketch, valid=valid)
+    return cc
 
 
 def topk_evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tensor, budget: int, *,

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from statistics import NormalDist
 
 import numpy as np
@@ -165,6 +165,25 @@ class ClusterSketch:
     def clusters(self) -> int:
         """C, the slots per head."""
         return self.mean.shape[-2]
+
+    def map(self, fn) -> "ClusterSketch":
+        """The same sketch with ``fn`` applied to each of its six tensors (e.g. a batch selection
+        ``lambda x: x[idx]`` or a device move); the rule and multiplier are kept."""
+        return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
+
+    @staticmethod
+    def cat(sketches) -> "ClusterSketch":
+        """Sketches of batch rows joined along the batch dimension (same C, d, dv, rule and multiplier)."""
+        sketches = list(sketches)
+        if not sketches:
+            raise ValueError("sketches must hold at least one ClusterSketch")
+        first = sketches[0]
+        if any((s.rule, s.multiplier, s.mean.shape[1:]) != (first.rule, first.multiplier, first.mean.shape[1:])
+               for s in sketches):
+            raise ValueError("sketches must share the heads, C, d, rule and multiplier to be joined")
+        return replace(first, **{f.name: torch.cat([getattr(s, f.name) for s in sketches])
+                                 for f in fields(first) if isinstance(getattr(first, f.name), torch.Tensor)})
 
 
 @dataclass

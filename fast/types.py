@@ -74,6 +74,8 @@ class CompressedCache:
     pi           : (b, h_kv, m) inclusion probabilities, 0 on padding slots
     positions    : (b, h_kv, m) int64 original token index, -1 on padding
     kept         : (b, h_kv) int64 number of real slots per head
+    sketch       : ``kvcert.fast.ClusterSketch`` of the evicted tokens when ``evict`` was given a
+                   ``sketch=`` design (issue 14's cluster design), else None
     """
 
     keys: torch.Tensor
@@ -81,6 +83,7 @@ class CompressedCache:
     pi: torch.Tensor
     positions: torch.Tensor
     kept: torch.Tensor
+    sketch: object = None
 
     @property
     def log_pi(self) -> torch.Tensor:

@@ -300,6 +300,8 @@ class Session:
         q_len = query.shape[2]
         if layer.block_size is not None:  # a block eviction: the cluster-sampling certificate
             return self._decode_blocks(layer, layer_idx, query, scale)
+        if layer.sketch is not None:  # a sketched eviction: the hybrid variance of the cluster design
+            return self._decode_sketch(layer, layer_idx, query, scale)
         if self._backend is None:
             self._backend = dispatch.select_backend(query[:, :, 0], **self.options)
         kw = dict(self.options, log_pi=layer.log_weights, scale=scale, validate=False, backend=self._backend)
@@ -362,6 +364,47 @@ class Session:
             qpos = layer.positions[:, 0, -q_len:]
             est = block_hajek_attention(query, layer.keys, layer.values, query_positions=qpos, **kw)
         return self._finish(layer_idx, layer, est, qpos)
+
+    def _decode_sketch(self, layer: KVCertLayer, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+        r"""The decode of a layer evicted with a sketch (``PoissonPress(sketch=...)``), (b, q, h_q, dv).
+
+        :func:`kvcert.fast.cluster_hajek_attention` over the held slots: the Hajek output (the
+        token path's), and the hybrid variance with the kept tokens exact and the evicted ones
+        through the layer's :class:`kvcert.fast.ClusterSketch`,
+
+        .. math:: V_{\mathrm{cl}} = \tilde Z^{-2}\Big[\sum_{i\in S}\tfrac{1-\pi_i}{\pi_i}
+                  e^{2 s_i}\lVert v_i-\hat o\rVert^2 + \sum_c (Y_c + W_c\lVert\mu-\hat o\rVert^2)
+                  e^{2\tau q\cdot m_c + 2\tau^2 \sum_j q_j^2\sigma^2_{cj}}\Big],
+
+        recorded as the step's ``trace`` (the press's kind, Chebyshev, turns it into
+        :math:`\sqrt{V_{\mathrm{cl}}/\delta}`). A chunk of several queries runs one query at a
+        time, each over the slots at or before its position (the function has no causal mask).
+        Torch on every device (the Triton twin, ``kvcert.kernels.cluster_hajek_attention``, is not
+        wired here).
+        """
+        import dataclasses
+
+        from .fast import cluster_hajek_attention
+
+        q_len = query.shape[2]
+        kw = dict(scale=scale, delta=self.press.delta, validate=False)
+        outs = []
+        for j in range(q_len):
+            if q_len == 1:
+                log_pi = layer.log_weights
+                kw["value_center"], kw["value_sqdist"] = layer.value_moments()
+            else:  # causal: the slots after query j's position are not there yet
+                qpos = layer.positions[:, 0, layer.positions.shape[-1] - q_len + j]
+                log_pi = layer.log_weights.masked_fill(layer.positions > qpos[:, None, None], float("-inf"))
+            ce = cluster_hajek_attention(query[:, :, j], layer.keys, layer.values, None, layer.sketch,
+                                         log_pi=log_pi, **kw)
+            est = dataclasses.replace(ce.estimate, trace=ce.variance)
+            kept = (log_pi > float("-inf")).sum(-1)
+            norms = self._record(layer_idx, est, kept) if self.recorder is not None else None
+            if j == q_len - 1:
+                self._check_finite(layer_idx, est.output, norms)
+            outs.append(est.output)
+        return torch.stack(outs, dim=1)
 
     def _check_finite(self, layer_idx: int, output: torch.Tensor, norms: torch.Tensor | None = None) -> None:
         """Collect each layer's output norms; at the last layer, one check for NaN over all of them."""

@@ -77,6 +77,9 @@ class KVCertLayer(DynamicLayer):
         #: (b, q) token ids of the prefill forward (slot j of the prefill holds token ``token_ids[:, j]``;
         #: left padding included), kept by the session for designs keyed by the prompt, or None
         self.token_ids: torch.Tensor | None = None
+        #: ``kvcert.fast.ClusterSketch`` of the tokens the eviction event evicted, per row and KV head,
+        #: when the press keeps one (``PoissonPress(sketch=...)``); decoding then certifies with V_cl
+        self.sketch = None
 
     # -- transformers interface ---------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -178,7 +181,7 @@ class KVCertLayer(DynamicLayer):
         self.is_initialized = False
         self.log_weights = self.positions = self.next_position = self.queries = self.budgets = None
         self.value_center = self.value_sqdist = self._kept = self._mark = None
-        self.block_size = self.token_ids = None
+        self.block_size = self.token_ids = self.sketch = None
         self._buffers = {}
         self.cumulative_length = self.length_before_update = self.events = self.tokens_since_event = 0
 
@@ -210,6 +213,8 @@ class KVCertLayer(DynamicLayer):
             self.budgets = fn(self.budgets)
         if self.token_ids is not None:
             self.token_ids = fn(self.token_ids)
+        if self.sketch is not None:
+            self.sketch = self.sketch.map(fn)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda x: x.index_select(0, beam_idx.to(x.device)))
@@ -323,8 +328,9 @@ class KVCertLayer(DynamicLayer):
         self._invalidate()
 
     def replace(self, keys: torch.Tensor, values: torch.Tensor, log_weights: torch.Tensor,
-                positions: torch.Tensor) -> None:
-        """Install a compressed state (every tensor padded to a common length m)."""
+                positions: torch.Tensor, sketch=None) -> None:
+        """Install a compressed state (every tensor padded to a common length m), with the sketch of
+        the evicted tokens if the design keeps one (:attr:`sketch`; None clears it)."""
         b, h, m = log_weights.shape
         if keys.shape[:3] != (b, h, m) or values.shape[:3] != (b, h, m) or positions.shape != (b, h, m):
             raise ValueError(
@@ -337,12 +343,13 @@ class KVCertLayer(DynamicLayer):
         self.keys, self.values = keys, values
         self.log_weights = log_weights
         self.positions = positions.to(torch.int64)
+        self.sketch = sketch
         self._invalidate()
         self._trim()
 
     # -- the compressed context, shared by several questions (query-agnostic protocol) ------------
     _MARKED = ("keys", "values", "log_weights", "positions", "next_position", "cumulative_length", "events",
-               "tokens_since_event", "budgets", "queries", "block_size")
+               "tokens_since_event", "budgets", "queries", "block_size", "sketch")
 
     def mark(self) -> None:
         """Remember the current state, to come back to with :meth:`restore_mark`.

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fast import KINDS, SCORERS, design_sizes
+from .fast import KINDS, SCORERS, ClusterSketch, design_sizes
 from .fast.scorers import HEAD_POOLINGS, SNAPKV_POOLINGS, queries_needed, queries_read
 
 __all__ = [
@@ -387,6 +387,11 @@ class BasePress(Press):
         b = n * (1.0 - self.compression_ratio)
         return b if self._randomized else float(max(int(b), 1))
 
+    def _sampled_budget(self, n: int, layer) -> float:
+        """The expected kept count of a prefill event over n tokens: the budget (:meth:`_budget`), less
+        the memory of a sketch of the evicted tokens where the design keeps one (:class:`PoissonPress`)."""
+        return self._budget(n)
+
     def design_sizes(self, n: int):
         """The budget and certainty set of this press's prefill event over n tokens
         (:func:`kvcert.fast.design_sizes`)."""
@@ -437,6 +442,10 @@ class BasePress(Press):
         counts: the same design per row as one call per row would give, in
         a few batched calls (issue 15).
         """
+        if not prefill and getattr(self, "sketch", None) is not None:
+            raise ValueError("sketch: a sketched PoissonPress evicts once per layer, at the prefill event; "
+                             "decode-time compression (DecodingPress, streaming) would need the sketches of "
+                             "several events merged, which kvcert does not do: use sketch=None there")
         event = layer.events
         layer.events += 1
         layer.tokens_since_event = 0
@@ -450,6 +459,7 @@ class BasePress(Press):
             layer.budgets = torch.full((b,), math.nan, dtype=torch.float64)
         plans = {}  # row -> (importance (1, h_kv, slots), budget (h_kv,), DesignSizes)
         rows = {}  # row -> its (keys, values, log_weights, positions) after the event
+        sketches = {}  # row -> its ClusterSketch (1, h_kv, ...) when the design keeps one
         for r in range(b):
             sl = slice(r, r + 1)
             valid = valid_all[sl]
@@ -457,7 +467,7 @@ class BasePress(Press):
                 # every head holds the same tokens: score the row's real tokens in one scorer call
                 idx = None if bool(valid.all()) else valid[0, 0].nonzero().squeeze(-1)
                 n = n_slots if idx is None else idx.numel()
-                budget = self._budget(n) if n else 0.0
+                budget = self._sampled_budget(n, layer) if n else 0.0
                 layer.budgets[r] = budget
                 if n == 0 or budget >= n:
                     rows[r] = _row_slots(layer, r, idx)
@@ -504,11 +514,17 @@ class BasePress(Press):
                              valid=pick(valid_all), log_weights=pick(layer.log_weights),
                              positions=pick(layer.positions), layer_idx=layer_idx, event=event)
             if sel is None and len(groups) == 1:
-                layer.replace(cc.keys, cc.values, torch.log(cc.pi), cc.positions)
+                layer.replace(cc.keys, cc.values, torch.log(cc.pi), cc.positions, cc.sketch)
                 return
             for i, r in enumerate(members):
                 rows[r] = (cc.keys[i:i + 1], cc.values[i:i + 1], torch.log(cc.pi[i:i + 1]), cc.positions[i:i + 1])
-        layer.replace(*_pad_rows([rows[r] for r in range(b)]))
+                if cc.sketch is not None:
+                    sketches[r] = cc.sketch.map(lambda x, i=i: x[i:i + 1])
+        sketch = None
+        if sketches:  # a row that evicted nothing has an empty sketch (count 0: no term)
+            blank = next(iter(sketches.values())).map(torch.zeros_like)
+            sketch = ClusterSketch.cat([sketches.get(r, blank) for r in range(b)])
+        layer.replace(*_pad_rows([rows[r] for r in range(b)]), sketch)
 
 
 def _row_slots(layer, r: int, idx):
@@ -669,6 +685,24 @@ class PoissonPress(BasePress):
         and ``n_sink`` for ``sinks`` (docs/kvpress.md).
     kernel_size : odd int >= 1
         SnapKV pooling width (default 7).
+    sketch : None, ``"cluster"`` or a ``kvcert.fast.ClusterDesign``
+        Keep a sketch of the evicted tokens (issue 14's cluster design,
+        docs/theory.md section 8): per layer, row and KV head, the
+        w-weighted mean and per-channel variance of the evicted keys in each
+        of C k-means clusters, with :math:`W_c, Y_c, N_c` and the value
+        centre, C (2d + 3) + dv elements. **At equal memory**: the event
+        samples :math:`B - (C(2d+3)+d_v)/(d+d_v+1)` expected tokens instead
+        of B (the top slice re-sized at that budget), so kept tokens plus
+        sketch hold what the pure design's B tokens hold. Decoding then
+        records Chebyshev on the hybrid variance,
+        :math:`\lVert\hat o - o\rVert_2 \le \sqrt{V_{\mathrm{cl}}/\delta}`
+        (``Certificates.trace`` holds :math:`V_{\mathrm{cl}}`): kept tokens
+        exact, evicted ones through the sketch's Gaussian moments. Opt-in and
+        empirical (it covers on the real model's replay cells but is
+        13-21x the RMS error there; docs/research/issue14/RESULTS_T2.md).
+        ``"cluster"`` is ``ClusterDesign(radius="chebyshev")`` (16 clusters);
+        needs ``kind="chebyshev"``, a design whose ``radius`` is
+        ``"chebyshev"`` and one eviction event per layer (no DecodingPress).
 
     Notes
     -----
@@ -704,6 +738,7 @@ class PoissonPress(BasePress):
     seed: int = 0
     observation_window: int = 32
     kernel_size: int = 7
+    sketch: object = None
 
     _randomized = True
 
@@ -720,6 +755,7 @@ class PoissonPress(BasePress):
                             f"or kvpress's: an object with score(module, hidden_states, keys, values, attentions, "
                             f"kwargs)) or a callable, got {type(s).__name__}")
         self._layer_inputs = {}  # layer -> (attention module, its forward kwargs) of the forward under way
+        self.sketch = _sketch_design(self.sketch, self.kind)
 
     @property
     def _external(self) -> bool:
@@ -797,6 +833,20 @@ class PoissonPress(BasePress):
                                             sinks=sizes.sinks, window=sizes.window, top=sizes.top,
                                             floor=self.floor)
 
+    def _sampled_budget(self, n: int, layer) -> float:
+        r"""The budget B, less the sketch's memory in kept tokens,
+        :math:`(C(2d+3)+d_v)/(d+d_v+1)` (a kept token holds its key, value and log pi)."""
+        budget = self._budget(n)
+        if self.sketch is None or budget >= n:
+            return budget
+        d, dv = layer.keys.shape[-1], layer.values.shape[-1]
+        held = self.sketch.elements(d, dv) / (d + dv + 1)
+        if budget - held < 1.0:
+            raise ValueError(f"sketch: {self.sketch.clusters} clusters hold {held:.1f} tokens' worth of memory per "
+                             f"head (d = {d}, dv = {dv}), which leaves less than one token of the budget "
+                             f"{budget:.1f} of this {n}-token prefill; use fewer clusters or a larger budget")
+        return budget - held
+
     def _evict(self, keys, values, importance, budget, *, sinks, window, top, valid, log_weights, positions,
                layer_idx, event):
         from . import fast
@@ -804,7 +854,29 @@ class PoissonPress(BasePress):
         u = _shifted(importance.to(torch.float64), valid)
         return fast.evict(keys, values, u, budget, sinks=sinks, window=window, top=top, floor=self.floor,
                           seed=self.seed, layer=layer_idx, event=event, pi=log_weights.exp(), positions=positions,
-                          row_streams=False)
+                          row_streams=False, sketch=self.sketch)
+
+
+def _sketch_design(sketch, kind: str):
+    """PoissonPress's ``sketch=``: None, ``"cluster"`` or a ClusterDesign-like object -> None or a
+    ``kvcert.fast.ClusterDesign`` whose radius rule is the recorded kind's (Chebyshev)."""
+    from .fast import ClusterDesign
+    from .fast.sketch import _as_design
+
+    if sketch is None:
+        return None
+    if isinstance(sketch, str):
+        if sketch != "cluster":
+            raise ValueError(f"sketch must be None, 'cluster' or a kvcert.fast.ClusterDesign, got {sketch!r}")
+        sketch = ClusterDesign(radius="chebyshev")
+    elif isinstance(sketch, bool) or not hasattr(sketch, "clusters"):
+        raise TypeError(f"sketch must be None, 'cluster' or a kvcert.fast.ClusterDesign, got {type(sketch).__name__}")
+    design = _as_design(sketch)
+    if kind != "chebyshev" or design.radius != "chebyshev":
+        raise ValueError(f"sketch: a sketched PoissonPress records Chebyshev on the hybrid variance, "
+                         f"sqrt(V_cl / delta); it needs kind='chebyshev' and a design with radius='chebyshev' "
+                         f"(got kind={kind!r}, radius={design.radius!r})")
+    return design
 
 
 _accept_kvpress_names(PoissonPress)
@@ -1269,6 +1341,10 @@ class DecodingPress(Press):
                             f"({type(self.base_press.scorer).__name__}) scores prefills only (its score reads a "
                             "layer's hidden states, which decode-time events do not keep); give DecodingPress a "
                             "kvcert scorer")
+        if getattr(self.base_press, "sketch", None) is not None:
+            raise ValueError("base_press: a sketched PoissonPress (sketch=...) evicts once per layer, at the "
+                             "prefill; decode-time events would need the sketches of several events merged, which "
+                             "kvcert does not do")
         self.compression_interval = _int("compression_interval", self.compression_interval, low=1)
         self.target_size = _int("target_size", self.target_size, low=1, optional=True)
         if self.target_size is None:

@@ -41,6 +41,10 @@ MAX_NEW_TOKENS = 10
 #: tokens and PoissonPress compresses the cache back to budget x prompt length after each
 STREAM_CHUNK = 128
 STREAM_BUDGET = 0.25
+#: issue 14's sketched design beside the paper's: PoissonPress(sketch=...) at the same budget, i.e. the
+#: same memory (the sketch's elements are taken off the sampled budget); its certificate is Chebyshev on
+#: the hybrid variance V_cl (docs/theory.md section 8)
+SKETCH = "cluster"
 
 
 def auc(scores, failed) -> float:
@@ -193,7 +197,11 @@ def collect(cfg: Config, model, tokenizer) -> list[dict]:
     Under both, with kvpress installed, each press of ``cfg.kvpress`` runs
     at every budget as kvpress runs it (method "kvpress:<name>").
 
-    Record: ``protocol, task, example, method`` ("full", "poisson", "snapkv",
+    Every budget also runs the cluster-sketch design of issue 14 (method
+    "poisson_cluster": ``PoissonPress(sketch=SKETCH)``, the same memory as
+    "poisson", its certificate Chebyshev on the hybrid variance).
+
+    Record: ``protocol, task, example, method`` ("full", "poisson", "poisson_cluster", "snapkv",
     "poisson_stream", "kvpress:<name>"), ``budget`` (1.0 for full),
     ``correct``, ``cert`` (mean relative radius, NaN without certificates),
     ``conf`` (minus the mean log-probability).
@@ -233,6 +241,8 @@ def collect(cfg: Config, model, tokenizer) -> list[dict]:
         for b in cfg.budgets:
             ratio = 1.0 - b
             for method, press in (("poisson", kvcert.PoissonPress(compression_ratio=ratio, seed=cfg.seed)),
+                                  ("poisson_cluster", kvcert.PoissonPress(compression_ratio=ratio, seed=cfg.seed,
+                                                                          sketch=SKETCH)),
                                   ("snapkv", kvcert.SnapKVPress(compression_ratio=ratio))):
                 for i, out in runs(press, state):
                     add(protocol, task, i, method, b, out)
@@ -287,6 +297,10 @@ def table(records: list[dict], cfg: Config) -> Table:
                 row.update(acc_poisson_streaming=_acc(st), failures=int(sum(failed)),
                            auc_certificate=auc([r["cert"] for r in po], failed),
                            auc_confidence=auc([r["conf"] for r in po], failed))
+                cl = select(mine, task=task, method="poisson_cluster", budget=b)
+                failed_cl = [not r["correct"] for r in cl]
+                row.update(acc_poisson_cluster=_acc(cl), auc_certificate_cluster=auc([r["cert"] for r in cl], failed_cl),
+                           auc_confidence_cluster=auc([r["conf"] for r in cl], failed_cl))
                 rows.append(row)
     count, ctx = cfg.suite_examples, cfg.suite_context
     notes = [
@@ -311,6 +325,11 @@ def table(records: list[dict], cfg: Config) -> Table:
         "auc_certificate: AUC of the run's mean relative certificate radius for predicting a wrong Poisson "
         "answer; auc_confidence: the same for minus the mean output log-probability. nan where a cell "
         "has no failure or no success.",
+        "*_cluster (issue 14): PoissonPress(sketch='cluster') at the same budget, i.e. the same memory: 16 "
+        "k-means clusters of each head's keys hold the evicted tokens' weighted mean key, per-channel "
+        "variance and three sums (16 (2d + 3) + dv elements per head, taken off the sampled budget: about 17 "
+        "tokens here); its certificate is Chebyshev on the hybrid variance V_cl (kept tokens exact, evicted "
+        "ones through the sketch; docs/theory.md section 8). Its own answers, failures and AUCs.",
         "Quick mode runs the needle-type tasks only: SmolLM2-135M answers variable tracking, common words "
         "and key-value retrieval wrongly even with the full cache at these lengths (0 of 3 each in a "
         "check at 500 and 1,000 tokens), so there is no failure to predict; --full runs all six tasks.",

@@ -101,3 +101,24 @@ def test_recompute_prefers_the_streaming_runs():
     # 50; confidence also picks request 2: 50; random 62.5 -> gain 50 - 62.5 = -12.5
     assert head["recompute_gain_points"] == pytest.approx(-12.5)
     assert holds is False and "poisson_stream @ 0.25" in text and "compressed once" in text
+
+
+def test_the_sketch_rows_test_the_cluster_runs_by_hand():
+    # the paper design's runs and the sketched design's runs of the same examples differ: the :cluster
+    # rows must read the latter (recompute on them: certificate 75, as test_recompute_by_hand), the
+    # plain rows the former (here the certificate ranks a success first: certificate 50)
+    paper = _records([False, False, True, True], [0.1, 0.2, 0.9, 0.8], [0.1, 0.2, 0.9, 0.8], [True] * 4)
+    cluster = [dict(r, method="poisson_cluster", cert=x) for r, x in
+               zip([r for r in paper if r["method"] == "poisson"], [0.9, 0.8, 0.1, 0.2])]
+    stream = [dict(r, method="poisson_stream") for r in paper if r["method"] == "poisson"]
+    view = claims.sketch_view(paper + cluster + stream)
+    assert {r["method"] for r in view} == {"poisson", "full"} and len(view) == 8
+    assert sorted(r["cert"] for r in view if r["method"] == "poisson") == [0.1, 0.2, 0.8, 0.9]
+    table, head = claims.run(paper + cluster, CFG)
+    rows = {r["claim"]: r for r in table.rows}
+    assert [r["claim"] for r in table.rows] == [c.key for c in claims.CLAIMS] + [
+        k + ":cluster" for k in claims.SKETCH_CLAIMS]
+    assert "certificate 75.0" in rows["recompute:cluster"]["measured"]
+    assert "certificate 50.0" in rows["recompute"]["measured"]
+    assert head["recompute_gain_points_cluster"] == pytest.approx(12.5)
+    assert head["recompute_gain_points"] == pytest.approx(-12.5)

@@ -1,0 +1,192 @@
+"""The cluster (sketch) design in the Hugging Face path: ``PoissonPress(sketch=...)`` (issue 14).
+
+What is checked, each against an independent computation:
+
+- ``kvcert.fast.evict(..., sketch=)`` keeps the eviction itself unchanged and its sketch is
+  ``cluster_sketch`` of the same cache, pi and sample (reconstructed from the kept positions);
+- ``ClusterSketch.map`` / ``cat`` round-trip a batch;
+- the press samples B - (C (2d + 3) + dv) / (d + dv + 1) expected tokens (equal memory), every
+  real token of a head is either held or counted in its sketch, and each decode step records
+  V_cl of ``cluster_hajek_attention`` on the layer's state as its trace, with the Chebyshev radius
+  sqrt(V_cl / delta);
+- a chunk of queries is causal: its j-th query's certificate is the one-query step over the slots
+  at or before its position;
+- a sequence gets the same sketch and certificates alone or in a padded batch;
+- bad configurations are refused with the argument named.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kvcert
+import kvcert.fast as F
+from model_fixtures import _cache_kw, _cache_of, forced_logits, tiny_model
+
+CHEB = F.ClusterDesign(clusters=4, radius="chebyshev")
+
+
+def _cache(b=2, h=2, n=60, d=8, dv=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, h, n, d, generator=g, dtype=torch.float64),
+            torch.randn(b, h, n, dv, generator=g, dtype=torch.float64),
+            torch.rand(b, h, n, generator=g, dtype=torch.float64))
+
+
+def test_evict_with_a_sketch_is_the_same_eviction_and_the_sketch_of_its_sample():
+    k, v, u = _cache()
+    kw = dict(sinks=2, window=4, top=5, seed=3, layer=1)
+    plain = F.evict(k, v, u, 25.0, **kw)
+    cc = F.evict(k, v, u, 25.0, sketch=CHEB, **kw)
+    for name in ("keys", "values", "pi", "positions", "kept"):
+        assert torch.equal(getattr(cc, name), getattr(plain, name)), name
+    assert plain.sketch is None
+    # the sample, from the kept positions; pi over every token, from the design alone
+    real = cc.positions >= 0
+    keep = torch.zeros(u.shape, dtype=torch.long).scatter_add_(-1, cc.positions.clamp(min=0), real.long()) > 0
+    pi = F.inclusion_probabilities(u, 25.0, sinks=2, window=4, top=5)
+    want = F.cluster_sketch(k, v, pi, keep, CHEB)
+    for name in ("mean", "var", "weight", "wnorm", "count", "mu"):
+        assert torch.allclose(getattr(cc.sketch, name), getattr(want, name), rtol=1e-12, atol=1e-12), name
+    # every token is held or counted in the sketch
+    assert torch.equal(cc.sketch.count.sum(-1) + cc.kept, torch.full_like(cc.kept, u.shape[-1]).double())
+
+
+def test_sketch_map_and_cat_round_trip_a_batch():
+    k, v, u = _cache(b=3)
+    s = F.evict(k, v, u, 25.0, sinks=2, window=4, seed=0, sketch=CHEB).sketch
+    rows = [s.map(lambda x, i=i: x[i:i + 1]) for i in range(3)]
+    back = F.ClusterSketch.cat(rows)
+    assert all(torch.equal(getattr(back, f), getattr(s, f)) for f in ("mean", "var", "weight", "wnorm", "count", "mu"))
+    assert (back.rule, back.multiplier) == (s.rule, s.multiplier)
+    with pytest.raises(ValueError, match="at least one"):
+        F.ClusterSketch.cat([])
+    other = F.evict(k, v, u, 25.0, sinks=2, window=4, seed=0, sketch=F.ClusterDesign(clusters=3, radius="chebyshev")).sketch
+    with pytest.raises(ValueError, match="share"):
+        F.ClusterSketch.cat([s, other])
+
+
+def _spy(monkeypatch):
+    calls = []
+    original = F.cluster_hajek_attention
+
+    def spy(q, keys, values, pi, sketch, **kw):
+        ce = original(q, keys, values, pi, sketch, **kw)
+        calls.append(dict(q=q.clone(), keys=keys.clone(), values=values.clone(), log_pi=kw["log_pi"].clone(),
+                          sketch=sketch, scale=kw["scale"], ce=ce))
+        return ce
+
+    monkeypatch.setattr(F, "cluster_hajek_attention", spy)
+    return calls
+
+
+def test_press_samples_at_equal_memory_and_records_v_cl(monkeypatch):
+    model = tiny_model()
+    n, steps = 120, 3
+    ids = torch.randint(1, 96, (1, n), generator=torch.Generator().manual_seed(0))
+    cont = [torch.tensor([[5 + t]]) for t in range(steps)]
+    press = kvcert.PoissonPress(compression_ratio=0.6, seed=2, sinks=2, window=8, sketch=CHEB)
+    calls = _spy(monkeypatch)
+    _, cache = forced_logits(model, ids, cont, press)
+    d = dv = 16
+    held = (4 * (2 * d + 3) + dv) / (d + dv + 1)
+    certs = press.certificates[0]
+    assert certs.shape == (steps + 1, 2, 4) and len(calls) == 2 * steps
+    for li, layer in enumerate(cache.layers):
+        assert layer.budgets[0].item() == pytest.approx(n * 0.4 - held)   # the pure budget less the sketch
+        assert layer.sketch is not None and layer.sketch.clusters == 4
+        # every prompt token of each head is held or counted in the sketch (the decoded ones are held)
+        assert torch.equal(layer.sketch.count.sum(-1).long() + layer.kept, torch.full_like(layer.kept, n + steps))
+    for i, c in enumerate(calls):  # layer-major within a step: step s, layer l is call 2 s + l
+        s, li = divmod(i, 2)
+        assert c["sketch"] is not None and c["q"].shape == (1, 4, 16)
+        want = F.cluster_variance(c["q"], c["keys"], c["values"], c["log_pi"].exp(), c["sketch"],
+                                  output=c["ce"].output, scale=c["scale"])
+        got = certs.trace[s + 1, li]
+        assert torch.allclose(got.double(), want.double(), rtol=1e-5), (s, li)
+        assert torch.allclose(certs.radius[s + 1, li].double(), (want.double() / press.delta).sqrt(), rtol=1e-5)
+    assert certs.kind == "chebyshev" and bool((certs.radius[1:] > 0).all())
+    # the sketch's value centre is the mean of all n prompt values of the head (kept or not)
+    _, full = forced_logits(model, ids, cont)
+    for li, layer in enumerate(cache.layers):
+        values = full.layers[li].values[:, :, :n].double()
+        assert torch.allclose(layer.sketch.mu.double(), values.mean(-2), rtol=1e-5, atol=1e-6)
+
+
+def _decode_tokens(model, press, ids, tokens, *, chunk: bool):
+    """Prefill ``ids`` under ``press``, then feed ``tokens`` as one chunk or one at a time."""
+    with torch.no_grad(), press(model):
+        cache = _cache_of(model(input_ids=ids, use_cache=True))
+        kw = _cache_kw(model)
+        if chunk:
+            model(input_ids=tokens, use_cache=True, **{kw: cache})
+        else:
+            for t in range(tokens.shape[1]):
+                cache = _cache_of(model(input_ids=tokens[:, t:t + 1], use_cache=True, **{kw: cache}))
+    return press.certificates[0]
+
+
+def test_a_chunk_is_causal_and_equals_one_query_at_a_time(monkeypatch):
+    model = tiny_model(seed=1)
+    n = 100
+    ids = torch.randint(1, 96, (1, n), generator=torch.Generator().manual_seed(1))
+    tokens = torch.tensor([[7, 8, 9, 10]])
+    make = lambda: kvcert.PoissonPress(compression_ratio=0.5, seed=4, sinks=2, window=8, sketch=CHEB)  # noqa: E731
+    calls = _spy(monkeypatch)
+    chunked = _decode_tokens(model, make(), ids, tokens, chunk=True)
+    first = (calls[0]["log_pi"] > float("-inf")).sum(-1)
+    for j, c in enumerate(calls[:4]):  # layer 0's four queries: each sees the slots up to its own position
+        assert torch.equal((c["log_pi"] > float("-inf")).sum(-1), first + j)
+    single = _decode_tokens(model, make(), ids, tokens, chunk=False)
+    assert chunked.shape == single.shape == (5, 2, 4)
+    assert torch.allclose(chunked.trace[1:], single.trace[1:], rtol=1e-4)
+    assert torch.equal(chunked.kept, single.kept)
+
+
+def test_a_sequence_gets_the_same_certificates_alone_or_in_a_padded_batch():
+    model = tiny_model(seed=2)
+    g = torch.Generator().manual_seed(2)
+    long, short = torch.randint(1, 96, (1, 110), generator=g), torch.randint(1, 96, (1, 80), generator=g)
+    cont = [torch.tensor([[11 + t]]) for t in range(2)]
+    make = lambda: kvcert.PoissonPress(compression_ratio=0.5, seed=5, sinks=2, window=8, sketch=CHEB)  # noqa: E731
+    ids = torch.cat([long, torch.cat([torch.zeros(1, 30, dtype=long.dtype), short], dim=1)])
+    mask = torch.ones_like(ids)
+    mask[1, :30] = 0
+    batch = make()
+    forced_logits(model, ids, cont, batch, mask=mask)
+    for row, x in ((0, long), (1, short)):
+        alone = make()
+        forced_logits(model, x, cont, alone)
+        a, b = alone.certificates[0], batch.certificates[row]
+        assert torch.equal(a.kept[1:], b.kept[1:]), row
+        assert torch.allclose(a.trace[1:], b.trace[1:], rtol=1e-4), row
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    ({"sketch": "page"}, ValueError, "sketch must be"),
+    ({"sketch": 3}, TypeError, "sketch must be"),
+    ({"sketch": True}, TypeError, "sketch must be"),
+    ({"sketch": F.ClusterDesign()}, ValueError, "radius='chebyshev'"),
+    ({"sketch": "cluster", "kind": "bernstein"}, ValueError, "kind='chebyshev'"),
+    ({"sketch": SimpleNamespace(clusters=0, iterations=10, radius="chebyshev", multiplier=3.0)}, ValueError,
+     "clusters must be an int >= 1"),
+])
+def test_sketch_configurations_are_refused_by_name(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        kvcert.PoissonPress(compression_ratio=0.5, **kwargs)
+
+
+def test_sketch_defaults_and_refusals_at_run_time():
+    p = kvcert.PoissonPress(compression_ratio=0.5, sketch="cluster")
+    assert p.sketch == F.ClusterDesign(clusters=16, radius="chebyshev")
+    assert kvcert.PoissonPress(compression_ratio=0.5).sketch is None
+    with pytest.raises(ValueError, match="base_press: a sketched PoissonPress"):
+        kvcert.DecodingPress(p, compression_interval=8)
+    model = tiny_model()
+    ids = torch.randint(1, 96, (1, 60), generator=torch.Generator().manual_seed(3))
+    tiny_budget = kvcert.PoissonPress(target_size=12, sinks=2, window=4, sketch="cluster")  # 16 clusters: 17.5 tokens
+    with pytest.raises(ValueError, match="sketch: 16 clusters hold"):
+        forced_logits(model, ids, [], tiny_budget)
