@@ -76,3 +76,28 @@ def test_results_md_quotes_the_sketch_goal_table(tmp_path, monkeypatch):
     assert all(x in text for x in table)
     monkeypatch.setattr(report, "SKETCH_RESULTS", tmp_path / "missing.md")
     assert report._sketch_section() == []
+
+
+def test_summary_and_results_md_put_the_sketched_design_beside_the_paper_design():
+    """T3's *_cluster columns and T4's _cluster headline keys reach summary() and results.md's section,
+    each design's number in its own column; Table 4's :cluster rows are not counted as paper findings."""
+    from paper_repro import report
+    from paper_repro.common import Config, Table
+
+    cells = [dict(protocol="query-aware", task="t", budget=b, auc_certificate=a, auc_confidence=0.9,
+                  auc_certificate_cluster=c, auc_confidence_cluster=0.8, acc_poisson=0.5, acc_poisson_cluster=0.25)
+             for b, a, c in ((0.1, 0.6, 0.4), (0.25, 0.8, float("nan")))]
+    t4 = Table("table4_claims", "T4", [dict(protocol="query-aware", claim="attribution", holds_here="yes"),
+                                       dict(protocol="query-aware", claim="attribution:cluster", holds_here="no")], [])
+    raw = {"T4": {"attribution_auc": 0.67, "attribution_auc_confidence": 0.48, "attribution_auc_cluster": 0.55,
+                  "attribution_auc_confidence_cluster": 0.5, "recompute_gain_points": -2.1,
+                  "recompute_gain_points_prefill": 0.5, "recompute_gain_points_cluster": 1.5}}
+    s = report.summary({"T3": Table("table3", "T3", cells, []), "T4": t4}, Config(quick=True, progress=False), raw)
+    assert s["sketch_t3"]["auc_certificate"] == pytest.approx(0.7)
+    assert s["sketch_t3"]["auc_certificate_cluster"] == pytest.approx(0.4)  # the NaN cell left out
+    assert s["sketch_t4"]["recompute_gain_points_cluster"] == 1.5
+    text = "\n".join(report._sketch_payoff(s))
+    assert "| T3 failure-prediction AUC of the certificate, mean over cells | 0.700 | 0.400 |" in text
+    assert "| T4 attribution AUC of the certificate | 0.670 | 0.550 |" in text
+    assert "compressed once after the prefill (mean over budgets) | +0.5 | +1.5 |" in text
+    assert report._sketch_payoff({}) == []
