@@ -21,13 +21,16 @@ Timed per decode step (``validate=False``, the per-step path of kvcert/attention
 - ``cluster``: the cluster design's decode step, ``kvcert.fast.cluster_hajek_attention`` with
   the same cache and moments: output, lse, trace, V_cl (which reads the sketch: C (2d + 3) + dv
   elements per KV head) and its radius;
+- ``cluster_v``: the same step with ``trace=False`` (output, lse, V_cl and its radius, no HT
+  trace: the pass reads [a; c'] instead of [a; c; c']), the call the Hugging Face decode of
+  ``PoissonPress(sketch=...)`` makes: the design as shipped;
 - ``sdpa``: torch SDPA with ``enable_gqa=True`` and the bias -log pi as a float mask (the
   output alone; context, DESIGN.md section 6's baseline).
 
 The variants run round-robin (the order rotated every round) after a warm-up, so machine noise
 hits them alike; per variant the median and 20/80 % quantiles of the per-call time, and the
-median (and 20/80 % quantiles) of the per-round ratio cluster / trace: the issue's target is
-<= 1.5. Writes JSON (``--out``) and prints a markdown table.
+median (and 20/80 % quantiles) of the per-round ratios cluster / trace and cluster_v / trace:
+the issue's target is <= 1.5. Writes JSON (``--out``) and prints a markdown table.
 
 Usage::
 
@@ -107,10 +110,14 @@ def variants(c: dict) -> dict:
         return F.cluster_hajek_attention(q, K, V, None, sk, log_pi=lp, value_center=mu, value_sqdist=r2,
                                          delta=DELTA, validate=False)
 
+    def cluster_v():
+        return F.cluster_hajek_attention(q, K, V, None, sk, log_pi=lp, value_center=mu, value_sqdist=r2,
+                                         delta=DELTA, validate=False, trace=False)
+
     def sdpa():
         return Fn.scaled_dot_product_attention(q4, K, V, attn_mask=mask, enable_gqa=True)
 
-    return {"trace": trace, "cluster": cluster, "sdpa": sdpa}
+    return {"trace": trace, "cluster": cluster, "cluster_v": cluster_v, "sdpa": sdpa}
 
 
 def check(c: dict, fns: dict) -> None:
@@ -120,6 +127,9 @@ def check(c: dict, fns: dict) -> None:
     assert torch.allclose(est.output, ce.output, rtol=1e-4, atol=1e-5), "outputs differ"
     assert torch.allclose(est.trace, ce.estimate.trace, rtol=1e-3, atol=1e-9), "traces differ"
     assert bool(torch.isfinite(ce.variance).all() & torch.isfinite(ce.radius).all()), "V_cl not finite"
+    cv = fns["cluster_v"]()
+    assert torch.allclose(cv.output, ce.output, rtol=1e-5, atol=1e-6), "outputs differ (trace=False)"
+    assert torch.allclose(cv.variance, ce.variance, rtol=1e-4), "V_cl differs (trace=False)"
 
 
 def quantiles(xs: list[float]) -> tuple[float, float, float]:
@@ -136,7 +146,7 @@ def run(n: int, rounds: int, warmup: int) -> dict:
         for f in fns.values():
             f()
     times = {k: [] for k in names}
-    ratios = []
+    ratios, ratios_v = [], []
     for r in range(rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         this = {}
@@ -147,6 +157,7 @@ def run(n: int, rounds: int, warmup: int) -> dict:
         for k, x in this.items():
             times[k].append(x)
         ratios.append(this["cluster"] / this["trace"])
+        ratios_v.append(this["cluster_v"] / this["trace"])
     row = {"n": n, "rounds": rounds}
     for k in names:
         med, lo, hi = quantiles(times[k])
@@ -154,18 +165,22 @@ def run(n: int, rounds: int, warmup: int) -> dict:
     med, lo, hi = quantiles(ratios)
     row["ratio_cluster_trace"], row["ratio_q20"], row["ratio_q80"] = med, lo, hi
     row["ratio_of_medians"] = row["cluster_us"] / row["trace_us"]
+    med, lo, hi = quantiles(ratios_v)
+    row["ratio_cluster_v_trace"], row["ratio_v_q20"], row["ratio_v_q80"] = med, lo, hi
     row["sketch_elements_per_head"] = F.ClusterDesign().elements(D, DV)
     row["kv_bytes"] = 2 * H_KV * n * D * 4
     return row
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| kept n | trace (us) | cluster (us) | sdpa (us) | cluster / trace (median of rounds, q20-q80) "
-            "| target |\n|---|---|---|---|---|---|")
+    head = ("| kept n | trace (us) | cluster (us) | cluster, no HT trace (us) | sdpa (us) | cluster / trace "
+            "(median of rounds, q20-q80) | no HT trace / trace | target |\n|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
-        lines.append(f"| {r['n']} | {r['trace_us']:.1f} | {r['cluster_us']:.1f} | {r['sdpa_us']:.1f} "
+        lines.append(f"| {r['n']} | {r['trace_us']:.1f} | {r['cluster_us']:.1f} | {r['cluster_v_us']:.1f} "
+                     f"| {r['sdpa_us']:.1f} "
                      f"| {r['ratio_cluster_trace']:.3f} ({r['ratio_q20']:.3f}-{r['ratio_q80']:.3f}) "
+                     f"| {r['ratio_cluster_v_trace']:.3f} ({r['ratio_v_q20']:.3f}-{r['ratio_v_q80']:.3f}) "
                      f"| <= {TARGET} |")
     return "\n".join(lines)
 
@@ -196,7 +211,8 @@ def main(argv=None) -> int:
     print(table(rows))
     if out is not None:
         result = {
-            "what": "decode cost per step: cluster_hajek_attention vs hajek_attention trace-only (one pass)",
+            "what": "decode cost per step: cluster_hajek_attention (with and without the HT trace) vs "
+                    "hajek_attention trace-only (one pass)",
             "target": f"cluster / trace <= {TARGET} at n >= 4096",
             "shape": {"b": 1, "h_kv": H_KV, "g": G, "d": D, "dv": DV, "dtype": "float32", "clusters": 16},
             "rows": rows,

@@ -33,6 +33,7 @@ Memory (elements of the K/V dtype, one head): C (2d + 3) + dv
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass, fields, replace
@@ -489,7 +490,7 @@ def _probs(L: _Layout, C) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return lp, -torch.expm1(lp), torch.exp(lp)
 
 
-def _kept_pass(L: _Layout, lp, omp, pf, mu, r2):
+def _kept_pass(L: _Layout, lp, omp, pf, mu, r2, trace: bool = True):
     r"""One pass over K and V: the Hajek output and the HT trace, and the kept pieces of V_cl.
 
     .. math::
@@ -500,34 +501,40 @@ def _kept_pass(L: _Layout, lp, omp, pf, mu, r2):
     and, with :math:`r_i = \lVert v_i - \mu\rVert^2`, :math:`[\sum c_i r_i, \sum c'_i r_i]`,
     :math:`[\sum c_i, \sum c'_i]` and the kept share :math:`\kappa = \sum_S \pi_i a_i =
     \hat Z^{-1}\sum_S e^{s_i}`. Empty rows (every slot padding) get a = 0 (so o = 0, kappa = 0,
-    every sum 0) and lse = -inf. Returns ``(o (B, G, dv), cv (B, 2G, dv), t (B, 2G), sc (B, 2G, 1),
-    kappa (B, G), lse (B, G))``, the c rows first.
+    every sum 0) and lse = -inf. Returns ``(o (B, G, dv), cv (B, KG, dv), t (B, KG), sc (B, KG, 1),
+    kappa (B, G), lse (B, G))``, the c rows first, K = 2; with ``trace=False`` the c rows (the HT
+    trace's) are not formed, K = 1 and the pass reads [a; c'] (two rows per query instead of three).
     """
     dt, B, G, n = L.dtype, L.B, L.G, L.n
     dev = L.q.device
+    K = 2 if trace else 1
     v, s, m = _offset_scores(L, lp, None, "sketch_scores")     # m finite: an empty row gets a = e^{-inf} = 0
-    rows = _WS.get("sketch_rows", B * 3 * G * n, dt, dev).view(B, 3 * G, n)   # rows [a; c; c']
+    rows = _WS.get("sketch_rows", B * (K + 1) * G * n, dt, dev).view(B, (K + 1) * G, n)   # [a; c; c'] or [a; c']
     a = torch.sub(s, m, out=rows[:, :G]).exp_()
     l = a.sum(-1, keepdim=True)
     lse = torch.log(l).add_(m).squeeze(-1)                     # -inf on empty rows (l = 0)
     a.div_(l.clamp_(min=1.0))                                  # l >= 1 on a non-empty row (its max is e^0)
     c = torch.mul(a, a, out=rows[:, G:2 * G]).mul_(omp.view(B, 1, n))
-    torch.mul(c, pf.view(B, 1, n), out=rows[:, 2 * G:])
-    oc = torch.bmm(rows, v)                                    # (B, 3G, dv): [o; sum c v; sum c' v]
-    t = torch.linalg.vecdot(rows[:, G:], r2.view(B, 1, n))    # (B, 2G): [sum c r; sum c' r]
+    if trace:
+        torch.mul(c, pf.view(B, 1, n), out=rows[:, 2 * G:])
+    else:
+        c.mul_(pf.view(B, 1, n))                               # c' in the place of c
+    oc = torch.bmm(rows, v)                                    # (B, (K + 1)G, dv): [o; sum c v; sum c' v]
+    t = torch.linalg.vecdot(rows[:, G:], r2.view(B, 1, n))    # (B, KG): [sum c r; sum c' r]
     kappa = torch.linalg.vecdot(a, pf.view(B, 1, n))            # (B, G): sum pi a
     sc = rows[:, G:].sum(-1, keepdim=True)
     return oc[:, :G], oc[:, G:], t, sc, kappa, lse
 
 
 def _centred(t, cv, sc, o, mu):
-    r"""Both kept sums :math:`\sum c_i\lVert v_i - \hat o\rVert^2` (c rows, then c' rows), (B, 2, G):
+    r"""The kept sums :math:`\sum c_i\lVert v_i - \hat o\rVert^2` (c rows, then c' rows), (B, K, G):
     :math:`\sum c_i r_i - 2(\hat o-\mu)\cdot(\sum c_i v_i - \mu\sum c_i) + \lVert\hat o-\mu\rVert^2
     \sum c_i` (:func:`kvcert.fast.estimators._centred_sum`, for the two kinds of rows at once), clamped at 0."""
-    B, G2, dv = cv.shape
-    G = G2 // 2
+    B, KG, dv = cv.shape
+    G = o.shape[1]
+    K = KG // G
     dm = (o - mu).view(B, 1, G, dv)
-    return _centred_sum(t.view(B, 2, G), cv.view(B, 2, G, dv), sc.view(B, 2, G, 1), dm, mu.view(B, 1, 1, dv))
+    return _centred_sum(t.view(B, K, G), cv.view(B, K, G, dv), sc.view(B, K, G, 1), dm, mu.view(B, 1, 1, dv))
 
 
 def _log_variance(L: _Layout, sketch: ClusterSketch, o, lse, kappa, t_kept):
@@ -555,12 +562,12 @@ def _log_variance(L: _Layout, sketch: ClusterSketch, o, lse, kappa, t_kept):
     return log_num, log_z
 
 
-def _empty_kept(L: _Layout):
-    """The kept pieces of a cache with n = 0 slots (as an all-padding one)."""
+def _empty_kept(L: _Layout, K: int = 2):
+    """The kept pieces of a cache with n = 0 slots (as an all-padding one), K kinds of rows."""
     dt, dev = L.dtype, L.q.device
     z = torch.zeros(L.B, L.G, dtype=dt, device=dev)
-    zz = torch.zeros(L.B, 2 * L.G, dtype=dt, device=dev)
-    return (torch.zeros(L.B, L.G, L.dv, dtype=dt, device=dev), torch.zeros(L.B, 2 * L.G, L.dv, dtype=dt, device=dev),
+    zz = torch.zeros(L.B, K * L.G, dtype=dt, device=dev)
+    return (torch.zeros(L.B, L.G, L.dv, dtype=dt, device=dev), torch.zeros(L.B, K * L.G, L.dv, dtype=dt, device=dev),
             zz, zz[..., None], z, torch.full_like(z, float("-inf")))
 
 
@@ -627,7 +634,8 @@ def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
                             sketch: ClusterSketch, *, scale: float | None = None, delta: float = 0.05,
                             rule: str | None = None, multiplier: float | None = None,
                             log_pi: torch.Tensor | None = None, value_center: torch.Tensor | None = None,
-                            value_sqdist: torch.Tensor | None = None, validate: bool = True) -> ClusterEstimate:
+                            value_sqdist: torch.Tensor | None = None, validate: bool = True,
+                            trace: bool = True) -> ClusterEstimate:
     r"""The cluster design's decode step: Hajek output, HT trace, :math:`V_{\mathrm{cl}}` and its radius.
 
     .. math::
@@ -667,6 +675,11 @@ def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     validate : bool, default True
         Check pi / log_pi values and refuse a NaN output (host synchronisations); ``False`` for a
         caller that checked its inputs once.
+    trace : bool, default True
+        Also the paper design's HT trace (``estimate.trace``). ``False``: its c rows are not formed
+        (the pass reads [a; c'] instead of [a; c; c']) and ``estimate.trace`` is None; output,
+        V_cl and radius are the same. The Hugging Face path's decode uses ``False``: the cluster
+        design's certificate reads V_cl only.
 
     Returns
     -------
@@ -712,14 +725,15 @@ def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     """
     return _cluster_step(q, keys, values, pi, sketch, scale=scale, delta=delta, rule=rule, multiplier=multiplier,
                          log_pi=log_pi, value_center=value_center, value_sqdist=value_sqdist, validate=validate,
-                         kept_pass=_kept_pass)
+                         kept_pass=_kept_pass if trace else functools.partial(_kept_pass, trace=False), trace=trace)
 
 
 def _cluster_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier, log_pi, value_center,
-                  value_sqdist, validate, kept_pass) -> ClusterEstimate:
+                  value_sqdist, validate, kept_pass, trace: bool = True) -> ClusterEstimate:
     """:func:`cluster_hajek_attention` with its one pass over K and V given: ``kept_pass(L, lp, omp, pf, mu, r2)``
     -> ``(o, cv, t, sc, kappa, lse)`` as :func:`_kept_pass` (this module's torch pass, or the Triton kernel of
-    ``kvcert.kernels.cluster_hajek_attention``); the checks, the value moments and the O(C d) epilogue are shared."""
+    ``kvcert.kernels.cluster_hajek_attention``), with the c rows of the HT trace iff ``trace``; the checks, the
+    value moments and the O(C d) epilogue are shared."""
     C = check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale)
     L = _Layout(C, q, keys, values)
     _check_sketch(sketch, L)
@@ -734,7 +748,7 @@ def _cluster_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier
     dt = L.dtype
     if L.n == 0:
         mu = torch.zeros(L.B, 1, L.dv, dtype=dt, device=L.q.device)
-        o, cv, t, sc, kappa, lse = _empty_kept(L)
+        o, cv, t, sc, kappa, lse = _empty_kept(L, 2 if trace else 1)
     else:
         if value_center is None:
             mu, r2 = value_moments(L.values, pf.reshape(L.b, L.h_kv, L.n))
@@ -747,18 +761,18 @@ def _cluster_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier
                     raise ValueError(f"{name} must have shape {text} = {shape}, got {tuple(x.shape)}")
         mu = _cast(mu, dt).reshape(L.B, 1, L.dv)
         o, cv, t, sc, kappa, lse = kept_pass(L, lp, omp, pf, mu, _cast(r2, dt).reshape(L.B, L.n))
-    both = _centred(t, cv, sc, o, mu)                          # (B, 2, G): trace, T'
-    log_num, log_z = _log_variance(L, sketch, o, lse, kappa, both[:, 1])
+    both = _centred(t, cv, sc, o, mu)                          # (B, K, G): [trace,] T'
+    log_num, log_z = _log_variance(L, sketch, o, lse, kappa, both[:, -1])
     variance = torch.add(log_num, log_z, alpha=-2.0).exp_()
     # an empty row (nothing kept): trace, V_cl and the radius +inf, the Estimate convention
     empty = (lse == float("-inf")).unsqueeze_(1)
-    stats = torch.cat((both[:, :1], variance.unsqueeze(1)), dim=1).masked_fill_(empty, float("inf"))
-    trace, variance = stats[:, 0], stats[:, 1]
+    stats = torch.cat((both[:, :-1], variance.unsqueeze(1)), dim=1).masked_fill_(empty, float("inf"))
+    trace, variance = (stats[:, 0] if stats.shape[1] == 2 else None), stats[:, -1]
     if validate and bool(torch.isnan(o).any()):
         raise ValueError("cluster_hajek_attention produced NaN: q, keys, values must be finite")
     unrow = lambda x: L.unrows(x[..., None]).squeeze(-1)  # noqa: E731
     est = Estimate(output=_cast(L.unrows(o.contiguous()), values.dtype), weights=None, variance=None,
-                   trace=unrow(trace), lse=unrow(lse))
+                   trace=None if trace is None else unrow(trace), lse=unrow(lse))
     variance = unrow(variance)
     return ClusterEstimate(estimate=est, variance=variance, radius=_radius(variance, delta, rule, multiplier, clamp=False),
                            rule=rule, delta=delta)

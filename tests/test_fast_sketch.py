@@ -323,3 +323,26 @@ def test_log_pi_and_cached_moments_give_the_same_step():
                                                                                        b.estimate.trace)):
         assert_close("log_pi path", y.numpy(), x.numpy(), 1e-13 * (np.abs(x.numpy()) + 1))
     assert F.cluster_hajek_attention is FS.cluster_hajek_attention and F.ClusterSketch is FS.ClusterSketch
+
+
+@pytest.mark.parametrize("n", [0, 37])
+def test_without_the_trace_the_step_is_the_same_but_for_the_trace(n):
+    """trace=False drops the HT trace's rows only: output, lse, V_cl and radius are the same numbers
+    (float64; one fewer row block in the matmul, so bit-equality is not asserted), trace is None."""
+    g = torch.Generator().manual_seed(7)
+    k, v = torch.randn(2, 3, 80, 8, generator=g, dtype=torch.float64), torch.randn(2, 3, 80, 5, generator=g,
+                                                                                  dtype=torch.float64)
+    pi = torch.rand(2, 3, 80, generator=g, dtype=torch.float64).clamp(min=0.05)
+    keep = torch.rand(2, 3, 80, generator=g, dtype=torch.float64) < pi
+    keep[..., :n] = True
+    sk = F.cluster_sketch(k, v, pi, keep, F.ClusterDesign(clusters=5))
+    kept = torch.where(keep, pi, torch.zeros_like(pi))[..., :max(n, 1)] if n else pi[..., :0]
+    q = torch.randn(2, 6, 8, generator=g, dtype=torch.float64)
+    a = F.cluster_hajek_attention(q, k[..., :kept.shape[-1], :], v[..., :kept.shape[-1], :], kept, sk)
+    b = F.cluster_hajek_attention(q, k[..., :kept.shape[-1], :], v[..., :kept.shape[-1], :], kept, sk, trace=False)
+    assert b.estimate.trace is None and a.estimate.trace is not None
+    for x, y in ((a.output, b.output), (a.estimate.lse, b.estimate.lse), (a.variance, b.variance),
+                 (a.radius, b.radius)):
+        assert torch.allclose(x, y, rtol=1e-12, atol=0.0, equal_nan=True)
+    if n == 0:  # nothing kept: the empty-sample convention either way
+        assert bool(torch.isinf(b.variance).all()) and bool((b.output == 0).all())

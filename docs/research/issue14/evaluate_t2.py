@@ -418,10 +418,16 @@ def main(argv=None):
     p.add_argument("--oracle-all", action="store_true", help="also the oracle V on each code design's sample")
     p.add_argument("--check", action="store_true", help="only check the vectorized code against the reference")
     p.add_argument("--save", help="write the per-row summary as .npy (pickled dicts)")
+    p.add_argument("--full-size", action="store_true",
+                   help="paper_repro's full-mode T2 sizes: prefix 4096, 64 future tokens, queries at +0/7/15/31/47/63")
     args = p.parse_args(argv)
+    global PREFIX, FUTURE, OFFSETS
+    if args.full_size:
+        PREFIX, FUTURE, OFFSETS = 4096, 64, (0, 7, 15, 31, 47, 63)
     if args.cache is None:
         tail = "" if args.text_seed == 0 else f"_seed{args.text_seed}"
-        args.cache = f"/tmp/kvcert_issue14_capture{tail}.pt"
+        size = "_full" if args.full_size else ""
+        args.cache = f"/tmp/kvcert_issue14_capture{size}{tail}.pt"
     RULES.clear()
     for r in args.rules:
         RULES[r] = {"chebyshev": 1 / np.sqrt(DELTA), "gaussian": Z}.get(r) or float(r[1:])
@@ -431,7 +437,7 @@ def main(argv=None):
     res, secs = run(args)
     rows = summarize(res)
     print(f"<!-- {secs:.0f} s; draws {args.draws}; layers every {args.layer_step}; text seed {args.text_seed}; "
-          f"clusters {args.clusters}; codes {args.codes} -->")
+          f"clusters {args.clusters}; codes {args.codes}; prefix {PREFIX}, future {FUTURE}, offsets {OFFSETS} -->")
     print(markdown(rows))
     if args.save:
         np.save(args.save, np.array(rows, dtype=object), allow_pickle=True)
