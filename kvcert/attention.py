@@ -399,12 +399,11 @@ class Session:
             ce = cluster_hajek_attention(query[:, :, j], layer.keys, layer.values, None, layer.sketch,
                                          log_pi=log_pi, **kw)
             est = dataclasses.replace(ce.estimate, trace=ce.variance)
-            kept = (log_pi > float("-inf")).sum(-1)
-            norms = self._record(layer_idx, est, kept) if self.recorder is not None else None
-            if j == q_len - 1:
-                self._check_finite(layer_idx, est.output, norms)
+            norms = self._record(layer_idx, est, (log_pi > float("-inf")).sum(-1))
             outs.append(est.output)
-        return torch.stack(outs, dim=1)
+        out = torch.stack(outs, dim=1)
+        self._check_finite(layer_idx, out, norms if q_len == 1 else None)  # every query's output, not the last's
+        return out
 
     def _check_finite(self, layer_idx: int, output: torch.Tensor, norms: torch.Tensor | None = None) -> None:
         """Collect each layer's output norms; at the last layer, one check for NaN over all of them."""

@@ -459,7 +459,10 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
     ``design=None`` is :data:`RECOMMENDED` (``"paper"``: on the synthetic cells
     of docs/research/issue14/RESULTS.md and on the real model's T2 cells of
     RESULTS_T2.md no sketched design meets every goal line of issue 14 (the
-    cluster design misses tightness); the choice is explicit).
+    cluster design misses tightness, 5.7-7.8 at quick sizes and 18.5-20 at
+    full size), and on T3/T4 the cluster design's certificate ranks failing
+    runs below chance (docs/theory.md section 8, fourth slice); the choice is
+    explicit).
 
     Parameters
     ----------
