@@ -193,8 +193,33 @@ def hybrid_variance(head, pi, keep, kf, oh, sk):
     return (kept_term + ev) / Zh ** 2
 
 
-def cluster_variance(head, pi, keep, kf, oh, labels, C, theta=1.0):
-    """V_cl for every draw (vectorized ``reference.sketch.cluster_variance``)."""
+def calibrated_theta(head, qw, w, gone, idx, mean, var, how):
+    """Per draw, the factor theta_c of the cluster's variance term calibrated on the observation window.
+
+    For each window query q_j (known at eviction: the scorer reads them), the theta that makes the
+    Gaussian moment term exact on this cluster's evicted tokens,
+    W_c exp(2 tau q_j.m_c + 2 theta tau^2 q_j^2.sigma^2_c) = sum_{U_c} w_i exp(2 tau q_j.k_i),
+    i.e. theta_j = (log(S_j / W_c) - 2 tau q_j.m_c) / (2 tau^2 q_j^2.sigma^2_c) >= 0 (Jensen); then a
+    quantile of theta_j over the window (``how``: a float in [0, 1], 1 = the max). One scalar per
+    cluster (memory C). Returns (D,)."""
+    tau = head.tau
+    sw = 2 * tau * qw @ head.k[idx].T                                   # (J, |idx|)
+    top = sw.max(1, keepdims=True)
+    Ew = np.exp(sw - top) * w[idx][None, :]                             # (J, |idx|)
+    S = gone[:, idx] @ Ew.T                                             # (D, J)
+    W = gone[:, idx] @ w[idx]                                           # (D,)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logratio = np.log(S) + top.T - np.log(W)[:, None]               # log(S_j / W_c)
+        lin = 2 * tau * mean @ qw.T                                     # (D, J)
+        den = 2 * tau ** 2 * var @ (qw ** 2).T                          # (D, J)
+        th = np.where(den > 0, (logratio - lin) / den, 0.0)
+    th = np.where(np.isfinite(th), np.maximum(th, 0.0), 0.0)
+    return np.quantile(th, how, axis=1)
+
+
+def cluster_variance(head, pi, keep, kf, oh, labels, C, theta=1.0, qw=None):
+    """V_cl for every draw (vectorized ``reference.sketch.cluster_variance``); ``theta`` a float, or
+    ``("cal", quantile)`` with the window queries ``qw`` for :func:`calibrated_theta`."""
     L = PREFIX
     k, v = head.k[:L], head.v[:L]
     pif = np.concatenate([pi, np.ones(FUTURE)])
@@ -215,12 +240,70 @@ def cluster_variance(head, pi, keep, kf, oh, labels, C, theta=1.0):
         mean = gc @ (w[idx, None] * k[idx]) / Ws
         var = np.maximum(gc @ (w[idx, None] * k[idx] ** 2) / Ws - mean ** 2, 0.0)
         lin[:, :, c] = head.tau * mean @ head.q.T
-        quad[:, :, c] = theta * head.tau ** 2 * var @ (head.q ** 2).T
+        th = calibrated_theta(head, qw, w, gone, idx, mean, var, theta[1])[:, None] if isinstance(theta, tuple) \
+            else theta
+        quad[:, :, c] = th * head.tau ** 2 * var @ (head.q ** 2).T
     sm = head.smax[None]                                             # (1, m, 1)
     Zh = (kf[:, None, :] * head.E[None]).sum(-1) + (N[:, None, :] * np.exp(lin + quad / 2 - sm)).sum(-1)
     kept_term = head.quad(kf[:, None, :] * ((1 - pif) / pif * head.E ** 2)[None], oh)
     a2 = ((oh - mu) ** 2).sum(-1)                                    # (D, m)
     ev = ((Y[:, None, :] + a2[..., None] * W[:, None, :]) * np.exp(2 * lin + 2 * quad - 2 * sm)).sum(-1)
+    return (kept_term + ev) / Zh ** 2
+
+
+def tilted_variance(head, pi, keep, kf, oh, labels, C, qw, per_head: bool, theta: float = 1.0):
+    """V with the evicted part from per-cluster moments *tilted* at a window query q0 (research variant).
+
+    For each cluster c and tilt point q0 (the mean observation-window query of the query head, or of
+    the KV head's group), the sketch keeps, over the cluster's evicted tokens U_c, the tilted masses
+    and moments for the squares (weights w_i e^{2 tau q0.k_i}: S0, its mean key and per-channel
+    variance, and Y0 = sum w_i nu_i^2 e^{2 tau q0.k_i}) and for Z (weights e^{tau q0.k_i}: N0, mean, var).
+    At a query q, with r = q - q0, the Gaussian moment step is taken on the tilted distribution:
+    sum_{U_c} w_i e^{2 tau q.k_i} ~ S0 exp(2 tau r.m~ + 2 tau^2 r^2.s~^2), small when q is near q0,
+    where the untilted step (around q = 0) explodes. Returns (D, m)."""
+    L = PREFIX
+    tau = head.tau
+    k, v = head.k[:L], head.v[:L]
+    pif = np.concatenate([pi, np.ones(FUTURE)])
+    gone = (~keep).astype(float)
+    w = (1 - pi) / pi
+    mu = v.mean(0)
+    nu2 = ((v - mu) ** 2).sum(1)
+    D, m = keep.shape[0], head.q.shape[0]
+    g = m // len(OFFSETS)
+    qwh = qw.reshape(g, -1, qw.shape[-1]).mean(1)                     # (g, d) mean window query per head
+    q0 = np.repeat(qwh, len(OFFSETS), axis=0) if per_head else np.repeat(qwh.mean(0, keepdims=True), m, axis=0)
+    r = head.q - q0                                                 # (m, d)
+    logV = np.full((D, m, C), -np.inf)
+    logY = np.full((D, m, C), -np.inf)
+    logZ = np.full((D, m, C), -np.inf)
+    for c in range(C):
+        idx = np.flatnonzero(labels == c)
+        if idx.size == 0:
+            continue
+        gc = gone[:, idx]                                           # (D, |idx|)
+        kc = k[idx]
+        for tilt, out_mass, out_y, weight in ((2.0, logV, logY, w[idx]), (1.0, logZ, None, np.ones(idx.size))):
+            e = tilt * tau * q0 @ kc.T                                # (m, |idx|)
+            top = e.max(1, keepdims=True)
+            om = np.exp(e - top) * weight[None, :]                   # (m, |idx|)
+            G = gc[:, None, :] * om[None, :, :]                      # (D, m, |idx|)
+            S0 = G.sum(-1)                                          # (D, m)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                mean = (G @ kc) / S0[..., None]
+                var = np.maximum((G @ kc ** 2) / S0[..., None] - mean ** 2, 0.0)
+                expo = tilt * tau * (r[None] * mean).sum(-1) \
+                    + theta * 0.5 * tilt ** 2 * tau ** 2 * (r[None] ** 2 * var).sum(-1)
+                live = S0 > 0                                       # a cluster with nothing evicted: no term
+                out_mass[:, :, c] = np.where(live, np.log(S0) + top.T + expo, -np.inf)
+                if out_y is not None:
+                    Y0 = gc @ (om * nu2[idx][None, :]).T
+                    out_y[:, :, c] = np.where(live & (Y0 > 0), np.log(Y0) + top.T + expo, -np.inf)
+    sm = head.smax[None]                                            # (1, m, 1)
+    Zh = (kf[:, None, :] * head.E[None]).sum(-1) + np.exp(logZ - sm).sum(-1)
+    kept_term = head.quad(kf[:, None, :] * ((1 - pif) / pif * head.E ** 2)[None], oh)
+    a2 = ((oh - mu) ** 2).sum(-1)                                   # (D, m)
+    ev = (np.exp(logY - 2 * sm) + a2[..., None] * np.exp(logV - 2 * sm)).sum(-1)
     return (kept_term + ev) / Zh ** 2
 
 
@@ -291,7 +374,9 @@ def run(args):
                     add("page16", "page", Vb, keep,
                         lambda kp, G=G: G * (2 * d + SK.PAGE_SCALARS) + dv * (G > 0))
                 for spec in args.clusters:
-                    C, theta = (int(spec.split(":")[0]), float(spec.split(":")[1])) if ":" in spec else (int(spec), 1.0)
+                    C, theta = (int(spec.split(":")[0]), spec.split(":")[1]) if ":" in spec else (int(spec), 1.0)
+                    theta = ("cal", float(theta[3:])) if isinstance(theta, str) and theta.startswith("cal") \
+                        else float(theta)
                     cl = SK.ClusterDesign(clusters=C)
                     b = B - cl.elements(d, dv) / (d + dv + 1)
                     kw2 = dict(kw, top=design_sizes(b, sinks=SINKS, window=WINDOW, top_fraction=TOP_FRACTION).top)
@@ -301,10 +386,31 @@ def run(args):
                     if C not in labels:
                         labels[C] = SK.kmeans_assign(k[:L], C, iterations=cl.iterations)
                     ce = cl.elements(d, dv)
-                    add(f"cl{spec}", "cluster", cluster_variance(head, pi, keep, kf, oh, labels[C], C, theta), keep,
-                        lambda kp, ce=ce: ce)
+                    if isinstance(theta, tuple):
+                        ce += C                                     # theta_c, one scalar per cluster
+                    qw = cap["q"][layer][h * g:(h + 1) * g][:, L - 32:L].double().numpy().reshape(-1, d)
+                    add(f"cl{spec}", "cluster", cluster_variance(head, pi, keep, kf, oh, labels[C], C, theta, qw),
+                        keep, lambda kp, ce=ce: ce)
                     if args.oracle_all:
                         add(f"cl{spec}", "oracle", oracle_variance(head, pif, oh), keep, lambda kp, ce=ce: ce)
+                for spec in args.tilts:
+                    parts = spec.split(":")
+                    C, mode = int(parts[0]), parts[1]
+                    theta = float(parts[2]) if len(parts) > 2 else 1.0
+                    per_head = mode == "head"
+                    n_tilt = g if per_head else 1
+                    te = n_tilt * C * (4 * d + 3) + n_tilt * d + dv
+                    b = B - te / (d + dv + 1)
+                    kw2 = dict(kw, top=design_sizes(b, sinks=SINKS, window=WINDOW, top_fraction=TOP_FRACTION).top)
+                    pi = R.inclusion_probabilities(u, b, **kw2)
+                    keep, pif, kf, A, oh = head.sample(pi, U)
+                    err = np.linalg.norm(oh - head.o, axis=-1)
+                    if C not in labels:
+                        labels[C] = SK.kmeans_assign(k[:L], C, iterations=10)
+                    qw = cap["q"][layer][h * g:(h + 1) * g][:, L - 32:L].double().numpy().reshape(-1, d)
+                    add(f"tilt{spec}", "tilted", tilted_variance(head, pi, keep, kf, oh, labels[C], C, qw, per_head,
+                                                                           theta),
+                        keep, lambda kp, te=te: te)
                 for name, cd in codes.items():
                     b = code_budget(B, L, d, dv, cd)
                     kw2 = dict(kw, top=design_sizes(b, sinks=SINKS, window=WINDOW, top_fraction=TOP_FRACTION).top)
@@ -412,8 +518,11 @@ def main(argv=None):
     p.add_argument("--cache", default=None, help="capture cache (default /tmp/kvcert_issue14_capture[_seedS].pt)")
     p.add_argument("--text-seed", type=int, default=0, help="seed of the pydoc haystack order (0 = T2's text)")
     p.add_argument("--codes", nargs="*", default=[])
-    p.add_argument("--clusters", nargs="*", default=["16"], help="C or C:theta (the mgf's variance factor)")
+    p.add_argument("--clusters", nargs="*", default=["16"],
+                   help="C, C:theta (the mgf's variance factor) or C:calQ (theta_c calibrated per cluster on the "
+                        "observation window's queries, their Q-quantile; cal1 = the max)")
     p.add_argument("--rules", nargs="*", default=list(RULES), help="radius rules: chebyshev, gaussian or xC")
+    p.add_argument("--tilts", nargs="*", default=[], help="C:group or C:head (research: tilted cluster moments)")
     p.add_argument("--no-page", dest="page", action="store_false")
     p.add_argument("--oracle-all", action="store_true", help="also the oracle V on each code design's sample")
     p.add_argument("--check", action="store_true", help="only check the vectorized code against the reference")
