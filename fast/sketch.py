@@ -725,14 +725,14 @@ def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     """
     return _cluster_step(q, keys, values, pi, sketch, scale=scale, delta=delta, rule=rule, multiplier=multiplier,
                          log_pi=log_pi, value_center=value_center, value_sqdist=value_sqdist, validate=validate,
-                         kept_pass=_kept_pass if trace else functools.partial(_kept_pass, trace=False), trace=trace)
+                         kept_pass=functools.partial(_kept_pass, trace=trace), with_trace=trace)
 
 
 def _cluster_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier, log_pi, value_center,
-                  value_sqdist, validate, kept_pass, trace: bool = True) -> ClusterEstimate:
+                  value_sqdist, validate, kept_pass, with_trace: bool = True) -> ClusterEstimate:
     """:func:`cluster_hajek_attention` with its one pass over K and V given: ``kept_pass(L, lp, omp, pf, mu, r2)``
     -> ``(o, cv, t, sc, kappa, lse)`` as :func:`_kept_pass` (this module's torch pass, or the Triton kernel of
-    ``kvcert.kernels.cluster_hajek_attention``), with the c rows of the HT trace iff ``trace``; the checks, the
+    ``kvcert.kernels.cluster_hajek_attention``), with the c rows of the HT trace iff ``with_trace``; the checks, the
     value moments and the O(C d) epilogue are shared."""
     C = check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale)
     L = _Layout(C, q, keys, values)
@@ -748,7 +748,7 @@ def _cluster_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier
     dt = L.dtype
     if L.n == 0:
         mu = torch.zeros(L.B, 1, L.dv, dtype=dt, device=L.q.device)
-        o, cv, t, sc, kappa, lse = _empty_kept(L, 2 if trace else 1)
+        o, cv, t, sc, kappa, lse = _empty_kept(L, 2 if with_trace else 1)
     else:
         if value_center is None:
             mu, r2 = value_moments(L.values, pf.reshape(L.b, L.h_kv, L.n))

@@ -195,11 +195,16 @@ def _recompute_one(records, method, b):
                   f"{acc['random']:.1f} (none {100 * c.mean():.1f}, all {100 * f.mean():.1f}): {gain:+.1f}")
 
 
+def _once_budgets(records, cfg) -> list:
+    """The budgets of ``cfg`` with prefill-compressed Poisson runs (compressed once, after the prefill)."""
+    return [b for b in cfg.budgets if any(r["method"] == "poisson" and r["budget"] == b for r in records)]
+
+
 def recompute(records, cfg):
     """Streaming runs when there are any (the paper's setting), else the prefill-compressed ones;
     the other setting is reported beside it."""
     stream = sorted({r["budget"] for r in records if r["method"] == "poisson_stream"})
-    once = [b for b in cfg.budgets if any(r["method"] == "poisson" and r["budget"] == b for r in records)]
+    once = _once_budgets(records, cfg)
     tested = [("poisson_stream", b) for b in stream] or [("poisson", b) for b in once]
     other = [("poisson", b) for b in once] if stream else []
     gains, parts = [], []
@@ -266,7 +271,7 @@ def run(records: list[dict], cfg: Config) -> tuple[Table, dict]:
             passes += [(claim, sketched, ":cluster") for claim in CLAIMS if claim.key in SKETCH_CLAIMS]
         if sketched is not None and protocol == protocols[0]:
             # the paper design's recompute gain in the sketch's setting (compressed once, after the prefill)
-            once = [b for b in cfg.budgets if any(r["method"] == "poisson" and r["budget"] == b for r in mine)]
+            once = _once_budgets(mine, cfg)
             if once:
                 headline["recompute_gain_points_prefill"] = float(np.mean(
                     [_recompute_one(mine, "poisson", b)[0] for b in once]))

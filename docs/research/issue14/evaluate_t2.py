@@ -217,16 +217,28 @@ def calibrated_theta(head, qw, w, gone, idx, mean, var, how):
     return np.quantile(th, how, axis=1)
 
 
+def _evicted_inputs(head, pi, keep):
+    """What every sketched variance reads of one head's prefix: its keys, pi with the future tokens
+    (pi = 1), the evicted indicator (D, L), w = (1 - pi)/pi, the value centre mu and nu^2."""
+    k, v = head.k[:PREFIX], head.v[:PREFIX]
+    mu = v.mean(0)
+    return (k, np.concatenate([pi, np.ones(FUTURE)]), (~keep).astype(float), (1 - pi) / pi, mu,
+            ((v - mu) ** 2).sum(1))
+
+
+def _hybrid(head, kf, oh, pif, mu, z_evicted, v_mass, y_mass):
+    """V_hyb from the evicted sums a sketch estimates, each (D, m), scaled by e^{-smax} (Z) or e^{-2 smax}:
+    Z~ = kept + z_evicted; numerator = exact kept terms + y_mass + ||mu - o_hat||^2 v_mass."""
+    Zh = (kf[:, None, :] * head.E[None]).sum(-1) + z_evicted
+    kept_term = head.quad(kf[:, None, :] * ((1 - pif) / pif * head.E ** 2)[None], oh)
+    a2 = ((oh - mu) ** 2).sum(-1)                                    # (D, m)
+    return (kept_term + y_mass + a2 * v_mass) / Zh ** 2
+
+
 def cluster_variance(head, pi, keep, kf, oh, labels, C, theta=1.0, qw=None):
     """V_cl for every draw (vectorized ``reference.sketch.cluster_variance``); ``theta`` a float, or
     ``("cal", quantile)`` with the window queries ``qw`` for :func:`calibrated_theta`."""
-    L = PREFIX
-    k, v = head.k[:L], head.v[:L]
-    pif = np.concatenate([pi, np.ones(FUTURE)])
-    gone = (~keep).astype(float)
-    w = (1 - pi) / pi
-    mu = v.mean(0)
-    nu2 = ((v - mu) ** 2).sum(1)
+    k, pif, gone, w, mu, nu2 = _evicted_inputs(head, pi, keep)
     D, m = keep.shape[0], head.q.shape[0]
     lin = np.zeros((D, m, C)); quad = np.zeros((D, m, C))
     W = np.zeros((D, C)); Y = np.zeros((D, C)); N = np.zeros((D, C))
@@ -244,11 +256,9 @@ def cluster_variance(head, pi, keep, kf, oh, labels, C, theta=1.0, qw=None):
             else theta
         quad[:, :, c] = th * head.tau ** 2 * var @ (head.q ** 2).T
     sm = head.smax[None]                                             # (1, m, 1)
-    Zh = (kf[:, None, :] * head.E[None]).sum(-1) + (N[:, None, :] * np.exp(lin + quad / 2 - sm)).sum(-1)
-    kept_term = head.quad(kf[:, None, :] * ((1 - pif) / pif * head.E ** 2)[None], oh)
-    a2 = ((oh - mu) ** 2).sum(-1)                                    # (D, m)
-    ev = ((Y[:, None, :] + a2[..., None] * W[:, None, :]) * np.exp(2 * lin + 2 * quad - 2 * sm)).sum(-1)
-    return (kept_term + ev) / Zh ** 2
+    e2 = np.exp(2 * lin + 2 * quad - 2 * sm)
+    return _hybrid(head, kf, oh, pif, mu, (N[:, None, :] * np.exp(lin + quad / 2 - sm)).sum(-1),
+                   (W[:, None, :] * e2).sum(-1), (Y[:, None, :] * e2).sum(-1))
 
 
 def tilted_variance(head, pi, keep, kf, oh, labels, C, qw, per_head: bool, theta: float = 1.0):
@@ -261,14 +271,8 @@ def tilted_variance(head, pi, keep, kf, oh, labels, C, qw, per_head: bool, theta
     At a query q, with r = q - q0, the Gaussian moment step is taken on the tilted distribution:
     sum_{U_c} w_i e^{2 tau q.k_i} ~ S0 exp(2 tau r.m~ + 2 tau^2 r^2.s~^2), small when q is near q0,
     where the untilted step (around q = 0) explodes. Returns (D, m)."""
-    L = PREFIX
     tau = head.tau
-    k, v = head.k[:L], head.v[:L]
-    pif = np.concatenate([pi, np.ones(FUTURE)])
-    gone = (~keep).astype(float)
-    w = (1 - pi) / pi
-    mu = v.mean(0)
-    nu2 = ((v - mu) ** 2).sum(1)
+    k, pif, gone, w, mu, nu2 = _evicted_inputs(head, pi, keep)
     D, m = keep.shape[0], head.q.shape[0]
     g = m // len(OFFSETS)
     qwh = qw.reshape(g, -1, qw.shape[-1]).mean(1)                     # (g, d) mean window query per head
@@ -300,11 +304,8 @@ def tilted_variance(head, pi, keep, kf, oh, labels, C, qw, per_head: bool, theta
                     Y0 = gc @ (om * nu2[idx][None, :]).T
                     out_y[:, :, c] = np.where(live & (Y0 > 0), np.log(Y0) + top.T + expo, -np.inf)
     sm = head.smax[None]                                            # (1, m, 1)
-    Zh = (kf[:, None, :] * head.E[None]).sum(-1) + np.exp(logZ - sm).sum(-1)
-    kept_term = head.quad(kf[:, None, :] * ((1 - pif) / pif * head.E ** 2)[None], oh)
-    a2 = ((oh - mu) ** 2).sum(-1)                                   # (D, m)
-    ev = (np.exp(logY - 2 * sm) + a2[..., None] * np.exp(logV - 2 * sm)).sum(-1)
-    return (kept_term + ev) / Zh ** 2
+    return _hybrid(head, kf, oh, pif, mu, np.exp(logZ - sm).sum(-1), np.exp(logV - 2 * sm).sum(-1),
+                   np.exp(logY - 2 * sm).sum(-1))
 
 
 def parse_code(name):
