@@ -121,7 +121,8 @@ def evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tensor, bu
           window: int = 32, top=0, floor: float = 0.1, seed: int | None = 0, layer: int = 0, event: int = 0,
           pi: torch.Tensor | None = None, positions: torch.Tensor | None = None,
           uniforms: torch.Tensor | None = None, generator: torch.Generator | None = None,
-          row_streams: bool = True, sketch=None) -> CompressedCache:
+          row_streams: bool = True, sketch=None, tilt: torch.Tensor | None = None,
+          scale: float | None = None) -> CompressedCache:
     r"""One Poisson eviction event on every KV head, compacted into a padded cache.
 
     .. math::
@@ -163,6 +164,9 @@ def evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tensor, bu
         returned pi over every slot and the sample), as ``CompressedCache.sketch``.
         It describes the tokens evicted *here*: an earlier event's evicted tokens are
         not in ``keys`` any more, so a second event needs a sketch of its own.
+    tilt, scale : (b, h_kv, d) and float, a tilted sketch's tilt points
+        (:func:`kvcert.fast.window_tilt`) and the attention's scale (default 1/sqrt(d)),
+        passed to :func:`kvcert.fast.cluster_sketch`.
 
     Returns
     -------
@@ -220,7 +224,7 @@ def evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tensor, bu
     if sketch is not None:
         from .sketch import cluster_sketch
 
-        cc.sketch = cluster_sketch(keys, values, final, keep, sketch, valid=valid)
+        cc.sketch = cluster_sketch(keys, values, final, keep, sketch, valid=valid, tilt=tilt, scale=scale)
     return cc
 
 

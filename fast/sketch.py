@@ -58,6 +58,7 @@ __all__ = [
     "cluster_sketch",
     "cluster_variance",
     "kmeans_assign",
+    "window_tilt",
 ]
 
 #: radius rules: ``chebyshev`` sqrt(V / delta); ``gaussian`` z_{1-delta/2} sqrt(V); ``fixed`` c sqrt(V)
@@ -65,6 +66,8 @@ __all__ = [
 CLUSTER_RADII = ("chebyshev", "gaussian", "fixed")
 #: per-cluster scalars beside the 2 d moments (W_c, Y_c, N_c)
 CLUSTER_SCALARS = 3
+#: per-cluster scalars of the tilted design beside its 4 d moments (S_c, Y_c, N_c, h_c)
+TILTED_SCALARS = 4
 
 
 def _check_int(name: str, x, low: int) -> int:
@@ -102,12 +105,17 @@ class ClusterDesign:
         Lloyd iterations.
     radius : one of :data:`CLUSTER_RADII`
     multiplier : float > 0, the ``fixed`` rule's c in c sqrt(V_cl)
+    tilt : bool
+        The tilted design (docs/theory.md section 8, fifth slice): the moments are taken at a
+        tilt point q0 per KV head given at eviction (:func:`window_tilt`), the decode step in
+        r = q - q0; memory C (4d + 4) + d + dv.
     """
 
     clusters: int = 16
     iterations: int = 10
     radius: str = "gaussian"
     multiplier: float = 3.0
+    tilt: bool = False
 
     def __post_init__(self):
         _check_int("clusters", self.clusters, 1)
@@ -115,14 +123,19 @@ class ClusterDesign:
         if self.radius not in CLUSTER_RADII:
             raise ValueError(f"radius must be one of {CLUSTER_RADII}, got {self.radius!r}")
         _check_multiplier(self.multiplier)
+        if not isinstance(self.tilt, bool):
+            raise ValueError(f"tilt must be a bool, got {self.tilt!r}")
 
     def elements(self, d: int, dv: int) -> int:
-        """Elements held by the sketch of one head: C (2d + 3) + dv."""
+        """Elements held by the sketch of one head: C (2d + 3) + dv, tilted C (4d + 4) + d + dv."""
+        if self.tilt:
+            return self.clusters * (4 * d + TILTED_SCALARS) + d + dv
         return self.clusters * (2 * d + CLUSTER_SCALARS) + dv
 
 
 def _as_design(design) -> ClusterDesign:
-    """None -> ClusterDesign(); a ClusterDesign as is; any object with the four fields -> a checked copy."""
+    """None -> ClusterDesign(); a ClusterDesign as is; any object with the four fields (and ``tilt``,
+    default False) -> a checked copy."""
     if design is None:
         return ClusterDesign()
     if isinstance(design, ClusterDesign):
@@ -132,7 +145,7 @@ def _as_design(design) -> ClusterDesign:
     except AttributeError:
         raise TypeError(f"design must be None or have the attributes clusters, iterations, radius and multiplier "
                         f"(a ClusterDesign), got {type(design).__name__}") from None
-    return ClusterDesign(**fields)
+    return ClusterDesign(**fields, tilt=bool(getattr(design, "tilt", False)))
 
 
 @dataclass(frozen=True)
@@ -148,9 +161,15 @@ class ClusterSketch:
     count : (b, h_kv, C) N_c, evicted tokens of the cluster (a float)
     mu : (b, h_kv, dv) the value centre: mean of the head's values (every valid token, kept or not)
     rule : str, the design's radius rule     multiplier : float, its ``fixed`` multiplier
+    tilt : (b, h_kv, d) or None, the tilt point q0 of a tilted design
+    zmean, zvar : (b, h_kv, C, d) or None, a tilted design's moments for Z~ (weights e^{tau q0.k})
+    shift : (b, h_kv, C) or None, a tilted design's h_c = max over U_c of tau q0.k_i
 
+    A tilted sketch's ``mean`` / ``var`` are the moments under w e^{2 tau q0.k}, and ``weight``,
+    ``wnorm``, ``count`` hold S_c e^{-2 h_c}, Y_c e^{-2 h_c}, N_c e^{-h_c} (:func:`cluster_sketch`).
     A slot whose cluster has no evicted token holds count 0, weight 0, wnorm 0, mean 0 and var 0
-    and takes no part in :func:`cluster_variance`. Float32 for float32 inputs (float64 for float64).
+    (and shift 0) and takes no part in :func:`cluster_variance`. Float32 for float32 inputs
+    (float64 for float64).
     """
 
     mean: torch.Tensor
@@ -161,6 +180,10 @@ class ClusterSketch:
     mu: torch.Tensor
     rule: str = "gaussian"
     multiplier: float = 3.0
+    tilt: torch.Tensor | None = None
+    zmean: torch.Tensor | None = None
+    zvar: torch.Tensor | None = None
+    shift: torch.Tensor | None = None
 
     @property
     def clusters(self) -> int:
@@ -180,9 +203,9 @@ class ClusterSketch:
         if not sketches:
             raise ValueError("sketches must hold at least one ClusterSketch")
         first = sketches[0]
-        if any((s.rule, s.multiplier, s.mean.shape[1:]) != (first.rule, first.multiplier, first.mean.shape[1:])
-               for s in sketches):
-            raise ValueError("sketches must share the heads, C, d, rule and multiplier to be joined")
+        if any((s.rule, s.multiplier, s.mean.shape[1:], s.tilt is None)
+               != (first.rule, first.multiplier, first.mean.shape[1:], first.tilt is None) for s in sketches):
+            raise ValueError("sketches must share the heads, C, d, rule, multiplier and tilt to be joined")
         return replace(first, **{f.name: torch.cat([getattr(s, f.name) for s in sketches])
                                  for f in fields(first) if isinstance(getattr(first, f.name), torch.Tensor)})
 
@@ -331,7 +354,8 @@ def _probabilities(name: str, pi, shape, device) -> torch.Tensor:
 
 
 def cluster_sketch(keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor, keep: torch.Tensor, design=None, *,
-                   labels: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> ClusterSketch:
+                   labels: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+                   tilt: torch.Tensor | None = None, scale: float | None = None) -> ClusterSketch:
     r"""Build the cluster sketch of the evicted tokens (``keep == False``) of every head.
 
     Per head, with the labels of :func:`kmeans_assign` (or ``labels``), :math:`\mu` the mean of
@@ -361,6 +385,14 @@ def cluster_sketch(keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor, k
     valid : (b, h_kv, n) bool, optional
         The real tokens of a padded batch; default ``pi > 0`` (0 on padding, the ``kvcert.fast``
         convention). Padding takes no part in k-means, mu or the moments.
+    tilt : (b, h_kv, d), required by a tilted design (``design.tilt``), refused otherwise
+        The tilt point :math:`q_0` of every KV head (:func:`window_tilt`). With
+        :math:`e_i = \tau q_0\cdot k_i` and :math:`h_c = \max_{U_c} e_i` the sketch holds
+        ``weight`` :math:`\sum_{U_c} w_i e^{2(e_i - h_c)}`, ``wnorm``
+        :math:`\sum_{U_c} w_i\nu_i^2 e^{2(e_i - h_c)}`, ``count`` :math:`\sum_{U_c} e^{e_i - h_c}`,
+        ``mean`` / ``var`` weighted by :math:`w_i e^{2e_i}`, ``zmean`` / ``zvar`` by :math:`e^{e_i}`,
+        ``shift`` :math:`h_c` and ``tilt`` (as ``kvcert.reference.cluster_sketch``).
+    scale : float, default 1/sqrt(d), the :math:`\tau` of the tilt
 
     Returns
     -------
@@ -408,25 +440,93 @@ def cluster_sketch(keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor, k
             raise ValueError(f"labels must lie in [0, clusters) = [0, {C}) on every valid token")
     B = b * h
     dv = values.shape[-1]
+    q0 = None
+    if design.tilt:
+        q0 = _tilt_tensor(tilt, (b, h, d), dev)
+    elif tilt is not None:
+        raise ValueError("tilt is for a tilted design (ClusterDesign(tilt=True)); this design has tilt=False")
     k = _cast(keys, dt).reshape(B, n, d)
     v = _cast(values, dt).reshape(B, n, dv)
     okf = valid.reshape(B, n).to(dt)
     mu = (okf[:, None, :] @ v).squeeze(1) / okf.sum(-1, keepdim=True).clamp(min=1.0)   # (B, dv)
     g = gone.reshape(B, n)
+    lab = torch.where(g, lab.reshape(B, n), 0)
     w = torch.where(g, (1.0 - p.reshape(B, n)) / torch.where(g, p.reshape(B, n), 1.0), 0.0)   # 0 off U
-    E = torch.nn.functional.one_hot(torch.where(g, lab.reshape(B, n), 0), C).to(dt) * g.to(dt)[:, :, None]
+    E = torch.nn.functional.one_hot(lab, C).to(dt) * g.to(dt)[:, :, None]
     Et = E.transpose(1, 2)                                                  # (B, C, n)
     nu2 = (v - mu[:, None, :]).square().sum(-1)                             # (B, n)
-    W = (Et @ w[:, :, None]).squeeze(-1)
+    out = dict(mu=mu.reshape(b, h, dv), rule=design.radius, multiplier=float(design.multiplier))
+    if q0 is None:
+        W, mean, var = _weighted_moments(Et, w, k, lab)
+        N = E.sum(1)
+    else:
+        tau = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        e = torch.bmm(k, _cast(q0, dt).reshape(B, d, 1)).squeeze(-1).mul_(tau)   # (B, n): tau q0.k
+        hc = torch.full((B, C), float("-inf"), dtype=dt, device=dev).scatter_reduce_(
+            1, lab, e.masked_fill(~g, float("-inf")), reduce="amax")
+        hc = torch.where(torch.isfinite(hc), hc, 0.0)                        # 0 on a slot without evicted tokens
+        x = (e - torch.gather(hc, 1, lab)).masked_fill_(~g, 0.0)             # <= 0 on U
+        ex = torch.exp(x) * g.to(dt)
+        w = w * ex.square()
+        W, mean, var = _weighted_moments(Et, w, k, lab)
+        N, zmean, zvar = _weighted_moments(Et, ex, k, lab)
+        out.update(tilt=_cast(q0, dt).reshape(b, h, d), zmean=zmean.reshape(b, h, C, d),
+                   zvar=zvar.reshape(b, h, C, d), shift=hc.reshape(b, h, C))
     Y = (Et @ (w * nu2)[:, :, None]).squeeze(-1)
-    N = E.sum(1)
+    return ClusterSketch(mean=mean.reshape(b, h, C, d), var=var.reshape(b, h, C, d), weight=W.reshape(b, h, C),
+                         wnorm=Y.reshape(b, h, C), count=N.reshape(b, h, C), **out)
+
+
+def _weighted_moments(Et, w, k, lab):
+    """Per-cluster mass (B, C), w-weighted mean and per-channel variance (B, C, d) of the keys (a mass of
+    0 divides by 1: its slot holds zeros)."""
+    B, n, d = k.shape
+    W = (Et @ w[:, :, None]).squeeze(-1)
     Ws = torch.where(W > 0, W, 1.0)
     mean = (Et @ (w[:, :, None] * k)) / Ws[:, :, None]
-    centred = k - torch.gather(mean, 1, torch.where(g, lab.reshape(B, n), 0)[:, :, None].expand(B, n, d))
+    centred = k - torch.gather(mean, 1, lab[:, :, None].expand(B, n, d))
     var = (Et @ (w[:, :, None] * centred.square())) / Ws[:, :, None]
-    return ClusterSketch(mean=mean.reshape(b, h, C, d), var=var.reshape(b, h, C, d), weight=W.reshape(b, h, C),
-                         wnorm=Y.reshape(b, h, C), count=N.reshape(b, h, C), mu=mu.reshape(b, h, dv),
-                         rule=design.radius, multiplier=float(design.multiplier))
+    return W, mean, var
+
+
+def _tilt_tensor(tilt, shape, device) -> torch.Tensor:
+    if tilt is None:
+        raise ValueError(f"tilt is required by a tilted design (ClusterDesign(tilt=True)): the tilt point q0 of "
+                         f"every KV head, shape (b, h_kv, d) = {shape} (window_tilt(queries, h_kv))")
+    tilt = check_tensor("tilt", tilt, floating=True)
+    if tuple(tilt.shape) != tuple(shape):
+        raise ValueError(f"tilt must have shape (b, h_kv, d) = {tuple(shape)}, got shape {tuple(tilt.shape)}")
+    if tilt.device != device:
+        raise ValueError(f"tilt must be on the device of keys ({device}), got {tilt.device}")
+    if not bool(torch.isfinite(tilt).all()):
+        raise ValueError("tilt must be finite")
+    return tilt
+
+
+def window_tilt(queries: torch.Tensor, h_kv: int, window: int | None = None) -> torch.Tensor:
+    r"""The tilted design's tilt point: the mean of the last ``window`` queries over each KV head's query group.
+
+    .. math:: q_0^{(j)} = \frac{1}{g\,w}\sum_{h \in \text{group } j}\ \sum_{t > T - w} q_{h,t}
+
+    Parameters
+    ----------
+    queries : (b, h_q, T, d), the prefill's queries (h_q = g h_kv)
+    h_kv : int >= 1, KV heads
+    window : int >= 1, optional, the observation window (default all T queries)
+
+    Returns
+    -------
+    (b, h_kv, d), in the dtype of ``queries``
+    """
+    queries = check_tensor("queries", queries, ndim=(4,), floating=True)
+    b, hq, T, d = queries.shape
+    h_kv = _check_int("h_kv", h_kv, 1)
+    if hq % h_kv:
+        raise ValueError(f"queries have {hq} heads, not a multiple of h_kv = {h_kv}")
+    if T == 0:
+        raise ValueError("queries must hold at least one query (T >= 1)")
+    w = T if window is None else min(_check_int("window", window, 1), T)
+    return queries[:, :, T - w:].reshape(b, h_kv, hq // h_kv, w, d).mean((2, 3))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -471,6 +571,9 @@ def _check_sketch(sketch, L: _Layout) -> None:
     want = {"mean": ("(b, h_kv, C, d)", (L.b, L.h_kv, C, L.d)), "var": ("(b, h_kv, C, d)", (L.b, L.h_kv, C, L.d)),
             "weight": ("(b, h_kv, C)", (L.b, L.h_kv, C)), "wnorm": ("(b, h_kv, C)", (L.b, L.h_kv, C)),
             "count": ("(b, h_kv, C)", (L.b, L.h_kv, C)), "mu": ("(b, h_kv, dv)", (L.b, L.h_kv, L.dv))}
+    if sketch.tilt is not None:
+        want.update({"tilt": ("(b, h_kv, d)", (L.b, L.h_kv, L.d)), "zmean": ("(b, h_kv, C, d)", (L.b, L.h_kv, C, L.d)),
+                     "zvar": ("(b, h_kv, C, d)", (L.b, L.h_kv, C, L.d)), "shift": ("(b, h_kv, C)", (L.b, L.h_kv, C))})
     for name, (text, shape) in want.items():
         x = getattr(sketch, name)
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape:
@@ -548,15 +651,27 @@ def _log_variance(L: _Layout, sketch: ClusterSketch, o, lse, kappa, t_kept):
     """
     dt, B = L.dtype, L.B
     C = sketch.mean.shape[-2]
-    qs = _cast(L.q, dt).reshape(B, L.G, L.d) * L.scale
-    lin = torch.bmm(qs, _cast(sketch.mean, dt).view(B, C, L.d).transpose(1, 2))          # tau q.m_c
-    quad = torch.bmm(qs * qs, _cast(sketch.var, dt).view(B, C, L.d).transpose(1, 2))     # tau^2 q^2.sigma^2_c
+    qs = _cast(L.q, dt).reshape(B, L.G, L.d)
+    if sketch.tilt is not None:                                                           # r = q - q0
+        qs = qs - _cast(sketch.tilt, dt).view(B, 1, L.d)
+    qs = qs * L.scale
+    q2 = qs * qs
+
+    def step(mean, var):  # tau r.m_c + tau^2 r^2.sigma^2_c / 2 and its quadratic part, (B, G, C)
+        lin = torch.bmm(qs, _cast(mean, dt).view(B, C, L.d).transpose(1, 2))
+        return lin, torch.bmm(q2, _cast(var, dt).view(B, C, L.d).transpose(1, 2))
+
+    lin, quad = step(sketch.mean, sketch.var)
+    zlin, zquad = (lin, quad) if sketch.zmean is None else step(sketch.zmean, sketch.zvar)
     dmu = _cast(sketch.mu, dt).view(B, 1, L.dv) - o
     a2 = torch.linalg.vecdot(dmu, dmu).unsqueeze_(-1)                                     # ||mu - o||^2
     ev = torch.addcmul(_cast(sketch.wnorm, dt).view(B, 1, C), _cast(sketch.weight, dt).view(B, 1, C), a2)
-    log_zu = torch.logsumexp(torch.add(lin, quad, alpha=0.5).add_(torch.log(_cast(sketch.count, dt).view(B, 1, C))),
-                             dim=-1)
-    log_nu = torch.logsumexp(lin.add_(quad).mul_(2.0).add_(ev.log_()), dim=-1)
+    log_count, log_ev = torch.log(_cast(sketch.count, dt).view(B, 1, C)), ev.log_()
+    if sketch.shift is not None:  # the masses are held scaled by e^{-h_c} and e^{-2 h_c}
+        h = _cast(sketch.shift, dt).view(B, 1, C)
+        log_count, log_ev = log_count + h, log_ev + 2.0 * h
+    log_zu = torch.logsumexp(torch.add(zlin, zquad, alpha=0.5).add_(log_count), dim=-1)
+    log_nu = torch.logsumexp(lin.add_(quad).mul_(2.0).add_(log_ev), dim=-1)
     log_z = torch.logaddexp(torch.log(kappa).add_(lse), log_zu)
     log_num = torch.logaddexp(torch.log(t_kept).add_(lse, alpha=2.0), log_nu)
     return log_num, log_z

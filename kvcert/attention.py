@@ -376,6 +376,7 @@ class Session:
                   e^{2 s_i}\lVert v_i-\hat o\rVert^2 + \sum_c (Y_c + W_c\lVert\mu-\hat o\rVert^2)
                   e^{2\tau q\cdot m_c + 2\tau^2 \sum_j q_j^2\sigma^2_{cj}}\Big],
 
+        (a tilted sketch takes the Gaussian step in :math:`q - q_0` with its tilted moments),
         recorded as the step's ``trace`` (the press's kind, Chebyshev, turns it into
         :math:`\sqrt{V_{\mathrm{cl}}/\delta}`). A chunk of several queries runs one query at a
         time, each over the slots at or before its position (the function has no causal mask).

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .fast import KINDS, SCORERS, ClusterSketch, design_sizes
+from .fast import KINDS, SCORERS, ClusterDesign, ClusterSketch, design_sizes, window_tilt
 from .fast.scorers import HEAD_POOLINGS, SNAPKV_POOLINGS, queries_needed, queries_read
 
 __all__ = [
@@ -362,15 +362,22 @@ class BasePress(Press):
         return getattr(self, "observation_window", self.window) or 1
 
     def _evict(self, keys, values, importance, budget, *, sinks, window, top, valid, log_weights, positions,
-               layer_idx, event):
+               layer_idx, event, tilt=None, scale=None):
         """The eviction of R batch rows at once -> a ``kvcert.fast.CompressedCache``.
 
         keys/values (R, h_kv, m, d), importance (R, h_kv, m) (0 on padding), budget (R, h_kv)
         float64 expected kept counts, sinks/window ints, top (R, 1) int64 (each row's
         :func:`kvcert.fast.design_sizes` top), valid/log_weights/positions (R, h_kv, m) of the
-        layer. Row i must be evicted as if alone (a sequence's sample does not depend on its batch).
+        layer; tilt (R, h_kv, d) the tilt points of a tilted sketch (:meth:`_tilt`, else None) and
+        scale the attention's. Row i must be evicted as if alone (a sequence's sample does not
+        depend on its batch).
         """
         raise NotImplementedError
+
+    def _tilt(self, queries: torch.Tensor, h_kv: int):
+        """The tilt points (1, h_kv, d) of one row's tilted sketch from its prefill queries, or None (no
+        tilted sketch: every press but a ``PoissonPress(sketch="tilted")``)."""
+        return None
 
     # -- the events (called by the session) ------------------------------------------------------
     def prefill_event(self, layer, layer_idx: int, queries: torch.Tensor, scale: float) -> None:
@@ -482,7 +489,8 @@ class BasePress(Press):
                                              tokens=idx)
                 if idx is not None:  # back onto the layer's slots (0 on padding)
                     u = u.new_zeros((1, h_kv, n_slots)).index_copy_(-1, idx, u)
-                plans[r] = (u, torch.full((h_kv,), float(budget), dtype=torch.float64), self._sizes(budget))
+                plans[r] = (u, torch.full((h_kv,), float(budget), dtype=torch.float64), self._sizes(budget),
+                            self._tilt(q_r, h_kv))
             else:
                 row_target = target
                 if row_target is None and layer.budgets is not None and not math.isnan(float(layer.budgets[r])):
@@ -495,11 +503,11 @@ class BasePress(Press):
                 seen = min(queries.shape[2], int(layer.next_position[r]))  # no left-padding queries
                 u = self._row_importance(queries[sl][:, :, -seen:], layer.keys[sl], layer.values[sl], valid, scale,
                                          layer_idx=layer_idx, event=event)
-                plans[r] = (u, budget, self._sizes(float(budget.max())))
+                plans[r] = (u, budget, self._sizes(float(budget.max())), None)
         if not plans:
             return
         groups = {}
-        for r, (_, _, sz) in plans.items():
+        for r, (_, _, sz, _) in plans.items():
             groups.setdefault((sz.sinks, sz.window), []).append(r)
         for (sinks, window), members in groups.items():
             sel = None if len(members) == b else torch.tensor(members, device=layer.keys.device)
@@ -510,9 +518,11 @@ class BasePress(Press):
             u = torch.cat([plans[r][0] for r in members]).to(layer.keys.device)
             budget = torch.stack([plans[r][1] for r in members]).to(layer.keys.device)
             top = torch.tensor([[plans[r][2].top] for r in members], device=layer.keys.device)
+            tilt = None if plans[members[0]][3] is None else torch.cat([plans[r][3] for r in members])
             cc = self._evict(pick(layer.keys), pick(layer.values), u, budget, sinks=sinks, window=window, top=top,
                              valid=pick(valid_all), log_weights=pick(layer.log_weights),
-                             positions=pick(layer.positions), layer_idx=layer_idx, event=event)
+                             positions=pick(layer.positions), layer_idx=layer_idx, event=event, tilt=tilt,
+                             scale=scale)
             if sel is None and len(groups) == 1:
                 layer.replace(cc.keys, cc.values, torch.log(cc.pi), cc.positions, cc.sketch)
                 return
@@ -578,7 +588,7 @@ class ScorerPress(BasePress):
         return self.score(queries, keys, values, scale=scale, layer=layer, event=event)
 
     def _evict(self, keys, values, importance, budget, *, sinks, window, top, valid, log_weights, positions,
-               layer_idx, event):
+               layer_idx, event, tilt=None, scale=None):
         from . import fast
 
         # one kept count per row: its smallest budget, at most its smallest head
@@ -701,7 +711,13 @@ class PoissonPress(BasePress):
         empirical (it covers on the real model's replay cells but is
         13-21x the RMS error there; docs/research/issue14/RESULTS_T2.md).
         ``"cluster"`` is ``ClusterDesign(radius="chebyshev")`` (16 clusters);
-        needs ``kind="chebyshev"``, a design whose ``radius`` is
+        ``"tilted"`` is ``ClusterDesign(clusters=8, radius="chebyshev",
+        tilt=True)``: the moments are tilted at the mean of the last
+        ``observation_window`` prefill queries of each KV head's query group
+        (:func:`kvcert.fast.window_tilt`), C (4d + 4) + d + dv elements (2,208
+        at d = dv = 64, the 16-cluster design's 2,160), and the decode's
+        Gaussian step is taken in q - q0 (docs/theory.md section 8, fifth
+        slice). Both need ``kind="chebyshev"``, a design whose ``radius`` is
         ``"chebyshev"`` and one eviction event per layer (no DecodingPress).
 
     Notes
@@ -848,29 +864,53 @@ class PoissonPress(BasePress):
         return budget - held
 
     def _evict(self, keys, values, importance, budget, *, sinks, window, top, valid, log_weights, positions,
-               layer_idx, event):
+               layer_idx, event, tilt=None, scale=None):
         from . import fast
 
         u = _shifted(importance.to(torch.float64), valid)
         return fast.evict(keys, values, u, budget, sinks=sinks, window=window, top=top, floor=self.floor,
                           seed=self.seed, layer=layer_idx, event=event, pi=log_weights.exp(), positions=positions,
-                          row_streams=False, sketch=self.sketch)
+                          row_streams=False, sketch=self.sketch, tilt=tilt, scale=scale)
+
+    def _tilt(self, queries: torch.Tensor, h_kv: int):
+        """A tilted sketch's tilt points: the mean of the last ``observation_window`` prefill queries
+        over each KV head's query group (:func:`kvcert.fast.window_tilt`)."""
+        if self.sketch is None or not self.sketch.tilt:
+            return None
+        if queries.shape[2] == 0:
+            raise ValueError("sketch: a tilted sketch needs the prefill's observation-window queries, and this "
+                             "prefill kept none (a shared kvcert.prefill made for a scorer that reads no query)")
+        return window_tilt(queries, h_kv, window=self._observation_window())
+
+    def queries_needed(self, n: int) -> int:
+        """Prefill queries the scorer reads, and at least the observation window with a tilted sketch."""
+        need = super().queries_needed(n)
+        if self.sketch is not None and self.sketch.tilt:
+            need = max(need, min(self._observation_window(), n))
+        return need
+
+
+#: ``PoissonPress(sketch=name)``: ``"cluster"`` (16 clusters, moments at q = 0) and ``"tilted"`` (8 clusters,
+#: moments tilted at the observation window's mean query; about the same memory), both recorded as Chebyshev
+SKETCHES = {"cluster": ClusterDesign(radius="chebyshev"),
+            "tilted": ClusterDesign(clusters=8, radius="chebyshev", tilt=True)}
 
 
 def _sketch_design(sketch, kind: str):
-    """PoissonPress's ``sketch=``: None, ``"cluster"`` or a ClusterDesign-like object -> None or a
+    """PoissonPress's ``sketch=``: None, a name of :data:`SKETCHES` or a ClusterDesign-like object -> None or a
     ``kvcert.fast.ClusterDesign`` whose radius rule is the recorded kind's (Chebyshev)."""
-    from .fast import ClusterDesign
     from .fast.sketch import _as_design
 
     if sketch is None:
         return None
     if isinstance(sketch, str):
-        if sketch != "cluster":
-            raise ValueError(f"sketch must be None, 'cluster' or a kvcert.fast.ClusterDesign, got {sketch!r}")
-        sketch = ClusterDesign(radius="chebyshev")
+        if sketch not in SKETCHES:
+            raise ValueError(f"sketch must be None, one of {tuple(SKETCHES)} or a kvcert.fast.ClusterDesign, "
+                             f"got {sketch!r}")
+        sketch = SKETCHES[sketch]
     elif isinstance(sketch, bool) or not hasattr(sketch, "clusters"):
-        raise TypeError(f"sketch must be None, 'cluster' or a kvcert.fast.ClusterDesign, got {type(sketch).__name__}")
+        raise TypeError(f"sketch must be None, one of {tuple(SKETCHES)} or a kvcert.fast.ClusterDesign, "
+                        f"got {type(sketch).__name__}")
     design = _as_design(sketch)
     if kind != "chebyshev" or design.radius != "chebyshev":
         raise ValueError(f"sketch: a sketched PoissonPress records Chebyshev on the hybrid variance, "

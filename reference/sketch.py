@@ -57,6 +57,7 @@ __all__ = [
     "EvictionResult",
     "PageSketch",
     "SketchDesign",
+    "TILTED",
     "cluster_sketch",
     "cluster_variance",
     "code_budget",
@@ -110,8 +111,9 @@ class SketchDesign:
 
 
 #: the designs ``evict_and_certify`` accepts by name; ``None`` means :data:`RECOMMENDED`.
-#: ``"cluster"`` is ``ClusterDesign()`` and ``"code"`` is ``CodeDesign()`` (defined further down)
-DESIGNS = ("paper", "page", "cluster", "code")
+#: ``"cluster"`` is ``ClusterDesign()``, ``"tilted"`` is :data:`TILTED` and ``"code"`` is ``CodeDesign()``
+#: (defined further down)
+DESIGNS = ("paper", "page", "cluster", "tilted", "code")
 
 #: the design ``design=None`` selects (see docs/research/issue14/RESULTS.md and RESULTS_T2.md for why:
 #: no sketched design meets every goal line of issue 14 on the real model's T2 cells)
@@ -385,7 +387,8 @@ def _design(design):
     if isinstance(design, (SketchDesign, ClusterDesign, CodeDesign)):
         return design
     if isinstance(design, str):
-        named = {"paper": None, "page": SketchDesign(), "cluster": ClusterDesign(), "code": CodeDesign()}
+        named = {"paper": None, "page": SketchDesign(), "cluster": ClusterDesign(), "tilted": TILTED,
+                 "code": CodeDesign()}
         if design in named:
             return named[design]
     raise ValueError(f"design must be None, one of {DESIGNS}, a SketchDesign, ClusterDesign or CodeDesign, "
@@ -395,6 +398,8 @@ def _design(design):
 def _design_name(spec) -> str:
     if spec is None:
         return "paper"
+    if isinstance(spec, ClusterDesign) and spec.tilt:
+        return "tilted"
     return {SketchDesign: "page", ClusterDesign: "cluster", CodeDesign: "code"}[type(spec)]
 
 
@@ -427,7 +432,7 @@ def code_budget(budget: float, n: int, d: int, dv: int, design: "CodeDesign") ->
 
 def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: float = 0.05, design=None,
                       sinks: int = 4, window: int = 32, top: int = 0, floor: float = 0.1,
-                      scale: float | None = None) -> EvictionResult:
+                      scale: float | None = None, tilt=None) -> EvictionResult:
     r"""Evict one KV head's cache at random and certify one query's attention output.
 
     ``design="paper"`` (today's design, DESIGN.md section 2):
@@ -448,6 +453,11 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
     memory), the same Hajek estimate, a :func:`cluster_sketch` of the evicted
     tokens and the radius of ``design.radius`` on :math:`V_{\mathrm{cl}}`
     (:func:`cluster_variance`, :func:`radius_from_variance`).
+
+    ``design="tilted"`` (:data:`TILTED`) or a ``ClusterDesign(tilt=True)``: the
+    same, with the sketch's moments tilted at ``tilt`` (the observation-window
+    queries (w, d) of the head's query group, or their mean q0 (d,)), memory
+    C (4d + 4) + d + dv (docs/theory.md section 8, fifth slice).
 
     ``design="code"`` or a :class:`CodeDesign`: sampling at :func:`code_budget`
     (equal expected memory), a :func:`code_sketch` of the evicted tokens and the
@@ -478,6 +488,7 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
     sinks, window, top, floor : the certainty set and defensive floor of
         :func:`inclusion_probabilities`
     scale : float, default 1/sqrt(d)
+    tilt : (w, d) or (d,), the tilt point of a tilted design (required there, refused elsewhere)
 
     Returns
     -------
@@ -504,6 +515,10 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
     budget = _check_budget(budget, n)
     spec = _design(design)
     name = _design_name(spec)
+    if isinstance(spec, ClusterDesign) and spec.tilt:
+        tilt = _tilt_point(tilt, d)
+    elif tilt is not None:
+        raise ValueError(f"tilt is for a tilted design (design='tilted' or ClusterDesign(tilt=True)), not {name!r}")
     if budget >= n:
         return EvictionResult(output=hajek_attention(q, k, v, np.ones(n), scale=scale).output, radius=0.0,
                               memory=1.0, design=name, budget=float(n), kept=n, variance=0.0)
@@ -541,7 +556,8 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
         radius = radius_from_variance(var, delta=delta, rule=spec.radius)
         memory = memory_fraction(n, d, dv, kept=kept, pages=int(sk.pages.size))
     elif isinstance(spec, ClusterDesign):
-        var = cluster_variance(*args, cluster_sketch(k, v, pi, keep, spec), output=est.output, scale=scale)
+        sk = cluster_sketch(k, v, pi, keep, spec, tilt=tilt, scale=scale)
+        var = cluster_variance(*args, sk, output=est.output, scale=scale)
         radius = radius_from_variance(var, delta=delta, rule=spec.radius, multiplier=spec.multiplier)
         memory = memory_fraction(n, d, dv, kept=kept, extra=spec.elements(d, dv) if kept < n else 0)
     else:
@@ -819,15 +835,31 @@ class ClusterDesign:
 
     Attributes
     ----------
+    With ``tilt=True`` (the *tilted* cluster design, docs/theory.md section 8, "Fifth
+    slice") the moments are taken at a tilt point :math:`q_0` (the mean observation-window
+    query of the KV head's query group, given at eviction): for the squared terms under the
+    weights :math:`\omega_i \propto w_i e^{2\tau q_0\cdot k_i}` (mean :math:`\tilde m_c`,
+    variance :math:`\tilde\sigma^2_c`, masses :math:`S_c = \sum w_i e^{2\tau q_0\cdot k_i}`,
+    :math:`Y_c = \sum w_i \nu_i^2 e^{2\tau q_0\cdot k_i}`), for :math:`\tilde Z` under
+    :math:`e^{\tau q_0\cdot k_i}` (mean :math:`m'_c`, variance :math:`\sigma'^2_c`, mass
+    :math:`N_c = \sum e^{\tau q_0\cdot k_i}`), and the Gaussian step is taken in
+    :math:`r = q - q_0`: exact at :math:`q = q_0` for any keys. The masses are held scaled by
+    :math:`e^{-2h_c}` / :math:`e^{-h_c}` with :math:`h_c = \max_{U_c}\tau q_0\cdot k_i` (one
+    more scalar, so no overflow): C (4d + 4) + d + dv elements per head with :math:`q_0`.
+
+    Attributes
+    ----------
     clusters : int >= 1
     iterations : int >= 0, Lloyd iterations
     radius : one of :data:`CODE_RADII`   multiplier : float > 0 (``fixed``)
+    tilt : bool, the tilted design (needs the tilt point at eviction)
     """
 
     clusters: int = 16
     iterations: int = 10
     radius: str = "gaussian"
     multiplier: float = 3.0
+    tilt: bool = False
 
     def __post_init__(self):
         for name, low in (("clusters", 1), ("iterations", 0)):
@@ -838,14 +870,23 @@ class ClusterDesign:
             raise ValueError(f"radius must be one of {CODE_RADII}, got {self.radius!r}")
         if not (np.isfinite(self.multiplier) and self.multiplier > 0):
             raise ValueError(f"multiplier must be a finite number > 0, got {self.multiplier!r}")
+        if not isinstance(self.tilt, (bool, np.bool_)):
+            raise ValueError(f"tilt must be a bool, got {self.tilt!r}")
 
     def elements(self, d: int, dv: int) -> int:
-        """Elements held by the sketch of one head: C (2d + 3) + dv."""
+        """Elements held by the sketch of one head: C (2d + 3) + dv, tilted C (4d + 4) + d + dv."""
+        if self.tilt:
+            return self.clusters * (4 * d + TILTED_SCALARS) + d + dv
         return self.clusters * (2 * d + CLUSTER_SCALARS) + dv
 
 
 #: per-cluster scalars beside the 2 d moments (W_c, Y_c, N_c)
 CLUSTER_SCALARS = 3
+#: per-cluster scalars of the tilted design beside its 4 d moments (S_c, Y_c, N_c and the exponent h_c)
+TILTED_SCALARS = 4
+#: the tilted design ``design="tilted"`` names: 8 clusters (its memory is about the 16-cluster
+#: design's) and the radius 3 sqrt(V) (docs/research/issue14/RESULTS_T2.md, "Fifth slice")
+TILTED = ClusterDesign(clusters=8, radius="fixed", multiplier=3.0, tilt=True)
 
 
 @dataclass(frozen=True)
@@ -857,6 +898,11 @@ class ClusterSketch:
     mean : (C, d) w-weighted mean key   var : (C, d) w-weighted per-channel variance
     weight : (C,) W_c = sum (1 - pi)/pi   wnorm : (C,) Y_c = sum (1 - pi)/pi nu^2   count : (C,) N_c
     mu : (dv,)
+
+    A tilted sketch (``ClusterDesign(tilt=True)``) also holds ``tilt`` (d,) the tilt point q0,
+    ``zmean`` / ``zvar`` (C, d) the moments under e^{tau q0.k} and ``shift`` (C,) h_c; then
+    ``mean`` / ``var`` are the moments under w e^{2 tau q0.k}, ``weight`` = S_c e^{-2 h_c},
+    ``wnorm`` = Y_c e^{-2 h_c}, ``count`` = N_c e^{-h_c}. Untilted: those four are None.
     """
 
     mean: np.ndarray
@@ -865,6 +911,10 @@ class ClusterSketch:
     wnorm: np.ndarray
     count: np.ndarray
     mu: np.ndarray
+    tilt: np.ndarray | None = None
+    zmean: np.ndarray | None = None
+    zvar: np.ndarray | None = None
+    shift: np.ndarray | None = None
 
 
 def kmeans_assign(keys, clusters: int, *, iterations: int = 10) -> np.ndarray:
@@ -892,8 +942,37 @@ def kmeans_assign(keys, clusters: int, *, iterations: int = 10) -> np.ndarray:
     return lab
 
 
-def cluster_sketch(keys, values, pi, keep, design: ClusterDesign | None = None, *, labels=None) -> ClusterSketch:
-    r"""Build the cluster sketch of the evicted tokens (``keep == False``); ``labels`` (n,) overrides k-means."""
+def _tilted_moments(k, weights, inv, C: int):
+    """Per-cluster mass, weighted mean and per-channel variance of keys ``k`` under ``weights``."""
+    d = k.shape[1]
+    mass = np.bincount(inv, weights=weights, minlength=C)
+    ms = np.where(mass > 0, mass, 1.0)
+    mean = np.zeros((C, d))
+    np.add.at(mean, inv, weights[:, None] * k)
+    mean /= ms[:, None]
+    var = np.zeros((C, d))
+    np.add.at(var, inv, weights[:, None] * (k - mean[inv]) ** 2)
+    var /= ms[:, None]
+    return mass, mean, var
+
+
+def cluster_sketch(keys, values, pi, keep, design: ClusterDesign | None = None, *, labels=None,
+                   tilt=None, scale: float | None = None) -> ClusterSketch:
+    r"""Build the cluster sketch of the evicted tokens (``keep == False``); ``labels`` (n,) overrides k-means.
+
+    A tilted design (``design.tilt``) needs ``tilt``: the tilt point :math:`q_0` (d,), or the
+    observation-window queries (w, d) whose mean it is; ``scale`` is :math:`	au` (default
+    1/sqrt(d)). With :math:`e_i = 	au q_0\cdot k_i` and :math:`h_c = \max_{U_c} e_i`:
+
+    .. math::
+
+        S_c e^{-2h_c} = \sum_{U_c} w_i e^{2(e_i - h_c)},\quad
+        Y_c e^{-2h_c} = \sum_{U_c} w_i 
+u_i^2 e^{2(e_i - h_c)},\quad
+        N_c e^{-h_c} = \sum_{U_c} e^{e_i - h_c},
+
+    ``mean`` / ``var`` weighted by :math:`w_i e^{2 e_i}`, ``zmean`` / ``zvar`` by :math:`e^{e_i}`.
+    """
     design = ClusterDesign() if design is None else design
     k, v, p, keep = _sketch_inputs(keys, values, pi, keep)
     n, d = k.shape
@@ -903,18 +982,40 @@ def cluster_sketch(keys, values, pi, keep, design: ClusterDesign | None = None, 
     used, inv = np.unique(lab[gone], return_inverse=True)
     C = used.size
     w = (1.0 - p[gone]) / p[gone]
-    W = np.bincount(inv, weights=w, minlength=C)
-    Y = np.bincount(inv, weights=w * np.sum((v[gone] - mu) ** 2, axis=1), minlength=C)
-    N = np.bincount(inv, minlength=C).astype(np.float64)
-    # w-weighted moments; a cluster whose evicted tokens all have pi = 1 cannot occur (pi = 1 is kept)
-    Ws = np.where(W > 0, W, 1.0)
-    mean = np.zeros((C, d))
-    np.add.at(mean, inv, w[:, None] * k[gone])
-    mean /= Ws[:, None]
-    var = np.zeros((C, d))
-    np.add.at(var, inv, w[:, None] * (k[gone] - mean[inv]) ** 2)
-    var /= Ws[:, None]
-    return ClusterSketch(mean=mean, var=var, weight=W, wnorm=Y, count=N, mu=mu)
+    nu2 = np.sum((v[gone] - mu) ** 2, axis=1)
+    if not design.tilt:
+        if tilt is not None:
+            raise ValueError("tilt is for a tilted design (ClusterDesign(tilt=True)); this design has tilt=False")
+        # w-weighted moments; a cluster whose evicted tokens all have pi = 1 cannot occur (pi = 1 is kept)
+        W, mean, var = _tilted_moments(k[gone], w, inv, C)
+        Y = np.bincount(inv, weights=w * nu2, minlength=C)
+        N = np.bincount(inv, minlength=C).astype(np.float64)
+        return ClusterSketch(mean=mean, var=var, weight=W, wnorm=Y, count=N, mu=mu)
+    q0 = _tilt_point(tilt, d)
+    tau = 1.0 / np.sqrt(d) if scale is None else float(scale)
+    e = tau * k[gone] @ q0
+    h = np.full(C, -np.inf)
+    np.maximum.at(h, inv, e)
+    x = e - h[inv]                                                     # <= 0
+    S, mean, var = _tilted_moments(k[gone], w * np.exp(2.0 * x), inv, C)
+    Y = np.bincount(inv, weights=w * nu2 * np.exp(2.0 * x), minlength=C)
+    N, zmean, zvar = _tilted_moments(k[gone], np.exp(x), inv, C)
+    return ClusterSketch(mean=mean, var=var, weight=S, wnorm=Y, count=N, mu=mu, tilt=q0, zmean=zmean, zvar=zvar,
+                         shift=h)
+
+
+def _tilt_point(tilt, d: int) -> np.ndarray:
+    """The tilt point q0 (d,) from ``tilt``: q0 itself (d,) or window queries (w, d), averaged."""
+    if tilt is None:
+        raise ValueError("tilt is required by a tilted design (ClusterDesign(tilt=True)): the tilt point q0 (d,) "
+                         "or the observation-window queries (w, d) whose mean it is")
+    t = np.asarray(tilt, dtype=np.float64)
+    if t.ndim == 2 and t.shape[0] >= 1 and t.shape[1] == d:
+        t = t.mean(axis=0)
+    if t.shape != (d,) or not np.all(np.isfinite(t)):
+        raise ValueError(f"tilt must be a finite (d,) = ({d},) point or (w, d) = (w, {d}) window queries, "
+                         f"got shape {np.shape(tilt)}")
+    return t
 
 
 def cluster_variance(q, keys, values, pi, sketch: ClusterSketch, *, output, scale: float | None = None) -> float:
@@ -933,13 +1034,31 @@ def cluster_variance(q, keys, values, pi, sketch: ClusterSketch, *, output, scal
     :math:`\nu_i^2 + \lVert\mu-\hat o\rVert^2` stands for :math:`\lVert v_i - \hat o\rVert^2`
     (exact on average when :math:`v_i - \mu` is uncorrelated with :math:`\mu - \hat o`).
     Same target as :func:`hybrid_variance`: V itself.
+
+    A tilted sketch (``sketch.tilt`` not None) takes the step in :math:`r = q - q_0` with its
+    tilted moments (:func:`cluster_sketch`):
+
+    .. math::
+
+        \sum_c (Y_c + S_c \lVert\mu - \hat o\rVert^2)\, e^{2\tau r\cdot\tilde m_c
+            + 2\tau^2\sum_j r_j^2\tilde\sigma^2_{cj}},\qquad
+        \sum_c N_c\, e^{\tau r\cdot m'_c + \tau^2\sum_j r_j^2\sigma'^2_{cj}/2},
+
+    the exponential-tilting identity :math:`\sum_{U_c} w_i e^{2\tau q\cdot k_i} =
+    S_c\,E_\omega[e^{2\tau r\cdot k}]` with the Gaussian step on :math:`\omega`: exact at
+    :math:`q = q_0` for any keys (docs/theory.md section 8, fifth slice).
     """
     q, k, v, p, o = _kept_inputs(q, keys, values, pi, output)
     tau = 1.0 / np.sqrt(q.shape[0]) if scale is None else float(scale)
     s = scores(q, k, scale=scale)
-    lin = tau * sketch.mean @ q
-    quad = tau ** 2 * sketch.var @ (q * q)
-    log_z = logsumexp(np.concatenate([s, np.log(np.maximum(sketch.count, 1e-300)) + lin + quad / 2.0]))
+    r = q if sketch.tilt is None else q - sketch.tilt
+    h = 0.0 if sketch.shift is None else sketch.shift
+    lin = tau * sketch.mean @ r + h
+    quad = tau ** 2 * sketch.var @ (r * r)
+    zmean = sketch.mean if sketch.zmean is None else sketch.zmean
+    zvar = sketch.var if sketch.zvar is None else sketch.zvar
+    zexp = tau * zmean @ r + h + tau ** 2 * zvar @ (r * r) / 2.0
+    log_z = logsumexp(np.concatenate([s, np.log(np.maximum(sketch.count, 1e-300)) + zexp]))
     a2 = float(np.sum((sketch.mu - o) ** 2))
     ratio = (1.0 - p) / p
     dd = np.sum((v - o) ** 2, axis=1)

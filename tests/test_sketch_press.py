@@ -12,6 +12,8 @@ What is checked, each against an independent computation:
 - a chunk of queries is causal: its j-th query's certificate is the one-query step over the slots
   at or before its position;
 - a sequence gets the same sketch and certificates alone or in a padded batch;
+- the same for the tilted sketch (``sketch="tilted"``), whose tilt point is the mean of the last
+  ``observation_window`` prefill queries of each KV head's query group;
 - bad configurations are refused with the argument named.
 """
 
@@ -27,6 +29,7 @@ import kvcert.fast as F
 from model_fixtures import _cache_kw, _cache_of, forced_logits, tiny_model
 
 CHEB = F.ClusterDesign(clusters=4, radius="chebyshev")
+TILT = F.ClusterDesign(clusters=4, radius="chebyshev", tilt=True)
 
 
 def _cache(b=2, h=2, n=60, d=8, dv=6, seed=0):
@@ -83,23 +86,25 @@ def _spy(monkeypatch):
     return calls
 
 
-def test_press_samples_at_equal_memory_and_records_v_cl(monkeypatch):
+@pytest.mark.parametrize("design", [CHEB, TILT], ids=["cluster", "tilted"])
+def test_press_samples_at_equal_memory_and_records_v_cl(monkeypatch, design):
     model = tiny_model()
     n, steps = 120, 3
     ids = torch.randint(1, 96, (1, n), generator=torch.Generator().manual_seed(0))
     cont = [torch.tensor([[5 + t]]) for t in range(steps)]
-    press = kvcert.PoissonPress(compression_ratio=0.6, seed=2, sinks=2, window=8, sketch=CHEB)
+    press = kvcert.PoissonPress(compression_ratio=0.6, seed=2, sinks=2, window=8, sketch=design)
     calls = _spy(monkeypatch)
     _, cache = forced_logits(model, ids, cont, press)
     d = dv = 16
-    held = (4 * (2 * d + 3) + dv) / (d + dv + 1)
+    held = (4 * (4 * d + 4) + d + dv if design.tilt else 4 * (2 * d + 3) + dv) / (d + dv + 1)
     certs = press.certificates[0]
     assert certs.shape == (steps + 1, 2, 4) and len(calls) == 2 * steps
     for li, layer in enumerate(cache.layers):
         assert layer.budgets[0].item() == pytest.approx(n * 0.4 - held)   # the pure budget less the sketch
         assert layer.sketch is not None and layer.sketch.clusters == 4
-        # every prompt token of each head is held or counted in the sketch (the decoded ones are held)
-        assert torch.equal(layer.sketch.count.sum(-1).long() + layer.kept, torch.full_like(layer.kept, n + steps))
+        assert (layer.sketch.tilt is not None) == design.tilt
+        if not design.tilt:  # every prompt token of each head is held or counted in the sketch (decoded: held)
+            assert torch.equal(layer.sketch.count.sum(-1).long() + layer.kept, torch.full_like(layer.kept, n + steps))
     for i, c in enumerate(calls):  # layer-major within a step: step s, layer l is call 2 s + l
         s, li = divmod(i, 2)
         assert c["sketch"] is not None and c["q"].shape == (1, 4, 16)
@@ -129,12 +134,13 @@ def _decode_tokens(model, press, ids, tokens, *, chunk: bool):
     return press.certificates[0]
 
 
-def test_a_chunk_is_causal_and_equals_one_query_at_a_time(monkeypatch):
+@pytest.mark.parametrize("design", [CHEB, TILT], ids=["cluster", "tilted"])
+def test_a_chunk_is_causal_and_equals_one_query_at_a_time(monkeypatch, design):
     model = tiny_model(seed=1)
     n = 100
     ids = torch.randint(1, 96, (1, n), generator=torch.Generator().manual_seed(1))
     tokens = torch.tensor([[7, 8, 9, 10]])
-    make = lambda: kvcert.PoissonPress(compression_ratio=0.5, seed=4, sinks=2, window=8, sketch=CHEB)  # noqa: E731
+    make = lambda: kvcert.PoissonPress(compression_ratio=0.5, seed=4, sinks=2, window=8, sketch=design)  # noqa: E731
     calls = _spy(monkeypatch)
     chunked = _decode_tokens(model, make(), ids, tokens, chunk=True)
     first = (calls[0]["log_pi"] > float("-inf")).sum(-1)
@@ -146,12 +152,13 @@ def test_a_chunk_is_causal_and_equals_one_query_at_a_time(monkeypatch):
     assert torch.equal(chunked.kept, single.kept)
 
 
-def test_a_sequence_gets_the_same_certificates_alone_or_in_a_padded_batch():
+@pytest.mark.parametrize("design", [CHEB, TILT], ids=["cluster", "tilted"])
+def test_a_sequence_gets_the_same_certificates_alone_or_in_a_padded_batch(design):
     model = tiny_model(seed=2)
     g = torch.Generator().manual_seed(2)
     long, short = torch.randint(1, 96, (1, 110), generator=g), torch.randint(1, 96, (1, 80), generator=g)
     cont = [torch.tensor([[11 + t]]) for t in range(2)]
-    make = lambda: kvcert.PoissonPress(compression_ratio=0.5, seed=5, sinks=2, window=8, sketch=CHEB)  # noqa: E731
+    make = lambda: kvcert.PoissonPress(compression_ratio=0.5, seed=5, sinks=2, window=8, sketch=design)  # noqa: E731
     ids = torch.cat([long, torch.cat([torch.zeros(1, 30, dtype=long.dtype), short], dim=1)])
     mask = torch.ones_like(ids)
     mask[1, :30] = 0
@@ -179,10 +186,41 @@ def test_sketch_configurations_are_refused_by_name(kwargs, exc, match):
         kvcert.PoissonPress(compression_ratio=0.5, **kwargs)
 
 
+def test_the_tilt_is_the_observation_windows_mean_query_of_each_group(monkeypatch):
+    """The tilted sketch's q0 of each layer and KV head is the mean of the last observation_window prefill
+    queries over the head's query group (the queries the prefill event receives)."""
+    model = tiny_model(seed=3)
+    n, window = 90, 12
+    ids = torch.randint(1, 96, (1, n), generator=torch.Generator().manual_seed(4))
+    press = kvcert.PoissonPress(compression_ratio=0.5, seed=1, sinks=2, window=8, observation_window=window,
+                                sketch=TILT)
+    seen = {}
+    original = press.prefill_event
+
+    def spy(layer, layer_idx, queries, scale):
+        seen[layer_idx] = queries.detach().clone()
+        return original(layer, layer_idx, queries, scale)
+
+    monkeypatch.setattr(press, "prefill_event", spy)
+    _, cache = forced_logits(model, ids, [torch.tensor([[3]])], press)
+    for li, layer in enumerate(cache.layers):
+        q = seen[li]
+        assert q.shape[2] >= window
+        h_kv = layer.keys.shape[1]
+        g = q.shape[1] // h_kv
+        want = torch.stack([q[0, j * g:(j + 1) * g, -window:].mean((0, 1)) for j in range(h_kv)])
+        assert torch.allclose(layer.sketch.tilt[0].double(), want.double(), rtol=1e-6, atol=1e-6), li
+
+
 def test_sketch_defaults_and_refusals_at_run_time():
     p = kvcert.PoissonPress(compression_ratio=0.5, sketch="cluster")
     assert p.sketch == F.ClusterDesign(clusters=16, radius="chebyshev")
     assert kvcert.PoissonPress(compression_ratio=0.5).sketch is None
+    tilted = kvcert.PoissonPress(compression_ratio=0.5, sketch="tilted", observation_window=16)
+    assert tilted.sketch == F.ClusterDesign(clusters=8, radius="chebyshev", tilt=True)
+    # the tilt reads the observation window even for a scorer that reads no query
+    assert kvcert.PoissonPress(compression_ratio=0.5, sketch="tilted", scorer="knorm").queries_needed(100) == 32
+    assert kvcert.PoissonPress(compression_ratio=0.5, scorer="knorm").queries_needed(100) == 0
     with pytest.raises(ValueError, match="base_press: a sketched PoissonPress"):
         kvcert.DecodingPress(p, compression_interval=8)
     model = tiny_model()
