@@ -47,7 +47,7 @@ from typing import Callable
 import numpy as np
 
 from .common import Config, Table
-from .suites import STREAM_BUDGET, STREAM_CHUNK, auc, protocol_of, select
+from .suites import SKETCHES, STREAM_BUDGET, STREAM_CHUNK, auc, protocol_of, select
 
 #: accuracy drop (points) against the full cache below which eviction counts as nearly free
 NEARLY_FREE_POINTS = 5.0
@@ -245,42 +245,43 @@ CLAIMS = (
 )
 
 
-#: the claims about the certificate, rerun on the cluster-sketch design's runs (issue 14)
+#: the claims about the certificate, rerun on each sketched design's runs (issue 14)
 SKETCH_CLAIMS = ("logprob_beats_certificate", "attribution", "recompute")
 
 
-def sketch_view(records: list[dict]) -> list[dict]:
-    """The records with the cluster-sketch design's runs ("poisson_cluster") in the place of the paper
-    design's ("poisson"; its streaming runs dropped, the sketch has none), so that the same claim code
-    tests them; full-cache and SnapKV runs kept."""
-    out = [dict(r, method="poisson") for r in records if r["method"] == "poisson_cluster"]
-    return out + [r for r in records if r["method"] not in ("poisson", "poisson_cluster", "poisson_stream")]
+def sketch_view(records: list[dict], name: str = "cluster") -> list[dict]:
+    """The records with sketched design ``name``'s runs ("poisson_<name>") in the place of the paper
+    design's ("poisson"; its streaming runs and the other sketches' runs dropped, a sketch has no
+    streaming runs), so that the same claim code tests them; full-cache and SnapKV runs kept."""
+    out = [dict(r, method="poisson") for r in records if r["method"] == f"poisson_{name}"]
+    return out + [r for r in records if not r["method"].startswith("poisson")]
 
 
 def run(records: list[dict], cfg: Config) -> tuple[Table, dict]:
     """Table 4 and its headline figures (attribution AUCs, recompute gain); the claims of
-    :data:`SKETCH_CLAIMS` again on the cluster-sketch design's runs (rows ``<claim>:cluster``,
-    headline keys ``<key>_cluster``)."""
+    :data:`SKETCH_CLAIMS` again on each sketched design's runs (rows ``<claim>:<sketch>``,
+    headline keys ``<key>_<sketch>``, for the sketches of ``suites.SKETCHES`` that ran)."""
     rows, headline = [], {}
     protocols = list(dict.fromkeys(protocol_of(r) for r in records))
     for protocol in protocols:
         mine = [r for r in records if protocol_of(r) == protocol]
-        sketched = sketch_view(mine) if any(r["method"] == "poisson_cluster" for r in mine) else None
+        ran = [name for name in SKETCHES if any(r["method"] == f"poisson_{name}" for r in mine)]
         passes = [(claim, mine, "") for claim in CLAIMS]
-        if sketched is not None:
-            passes += [(claim, sketched, ":cluster") for claim in CLAIMS if claim.key in SKETCH_CLAIMS]
-        if sketched is not None and protocol == protocols[0]:
-            # the paper design's recompute gain in the sketch's setting (compressed once, after the prefill)
+        for name in ran:
+            view = sketch_view(mine, name)
+            passes += [(claim, view, name) for claim in CLAIMS if claim.key in SKETCH_CLAIMS]
+        if ran and protocol == protocols[0]:
+            # the paper design's recompute gain in the sketches' setting (compressed once, after the prefill)
             once = _once_budgets(mine, cfg)
             if once:
                 headline["recompute_gain_points_prefill"] = float(np.mean(
                     [_recompute_one(mine, "poisson", b)[0] for b in once]))
-        for claim, runs, suffix in passes:
+        for claim, runs, name in passes:
             holds, numbers, head = claim.test(runs, cfg)
             if protocol == protocols[0]:  # the headline figures are the first protocol's (the paper's)
-                headline.update({(k + "_cluster" if suffix else k): v for k, v in head.items()})
-            rows.append(dict(protocol=protocol, claim=claim.key + suffix, paper_finding=claim.finding,
-                             threshold=claim.threshold,
+                headline.update({(f"{k}_{name}" if name else k): v for k, v in head.items()})
+            rows.append(dict(protocol=protocol, claim=claim.key + (f":{name}" if name else ""),
+                             paper_finding=claim.finding, threshold=claim.threshold,
                              holds_here="not testable" if holds is None else ("yes" if holds else "no"),
                              measured=numbers))
     n_runs = sum(r["method"] == "poisson" for r in records)
@@ -297,9 +298,10 @@ def run(records: list[dict], cfg: Config) -> tuple[Table, dict]:
         "prompt and answer); recomputation re-serves a whole request with the full cache.",
         "The paper's summary states the three failed claims as findings (e.g. 'eviction is nearly free'); "
         "each row tests the finding as stated, so 'yes' means the paper's finding is reproduced here.",
-        "Rows '<claim>:cluster' (issue 14): the same test on the runs of PoissonPress(sketch='cluster') at the "
-        "same budgets (same memory; certificate: Chebyshev on the hybrid variance V_cl), in place of the paper "
-        "design's; the sketch is kept at one eviction event, so it has no streaming runs and its recompute "
-        "row uses the prefill-compressed runs.",
+        "Rows '<claim>:cluster' and '<claim>:tilted' (issue 14): the same test on the runs of "
+        "PoissonPress(sketch='cluster') / PoissonPress(sketch='tilted') at the same budgets (same memory; "
+        "certificate: Chebyshev on the hybrid variance V_cl), in place of the paper design's; a sketch is kept "
+        "at one eviction event, so it has no streaming runs and its recompute row uses the prefill-compressed "
+        "runs.",
     ]
     return Table("table4_claims", "Table 4: the paper's claims on real workloads, tested here", rows, notes), headline

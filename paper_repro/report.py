@@ -8,6 +8,7 @@ from datetime import date
 import numpy as np
 
 from .common import DOCS, Config
+from .suites import SKETCHES
 
 #: figures quoted from the paper's abstract and summaries (arXiv 2607.21475)
 PAPER = {
@@ -76,10 +77,12 @@ def summary(results: dict, cfg: Config, raw: dict | None = None) -> dict:
         aucs = [r["auc_certificate"] for r in rows3 if np.isfinite(r["auc_certificate"])]
         conf = [r["auc_confidence"] for r in rows3 if np.isfinite(r["auc_confidence"])]
         out["synthetic_failure_auc_mean"] = float(np.mean(aucs)) if aucs else None
-        if rows3 and "auc_certificate_cluster" in rows3[0]:  # issue 14's sketched design, same cells
+        ran = [name for name in SKETCHES if rows3 and f"auc_certificate_{name}" in rows3[0]]
+        if ran:  # issue 14's sketched designs, same cells
             out["sketch_t3"] = {k: _mean_finite([r[k] for r in rows3]) for k in (
-                "auc_certificate", "auc_confidence", "auc_certificate_cluster", "auc_confidence_cluster",
-                "acc_poisson", "acc_poisson_cluster")}
+                "auc_certificate", "auc_confidence", "acc_poisson",
+                *(f"{stat}_{name}" for name in ran
+                  for stat in ("auc_certificate", "auc_confidence", "acc_poisson")))}
         out["synthetic_failure_auc"] = {"protocol": first, "cells_defined": len(aucs), "cells": len(rows3),
                                         "above_half": int(sum(a > 0.5 for a in aucs)),
                                         "confidence_auc_mean": float(np.mean(conf)) if conf else None}
@@ -87,11 +90,13 @@ def summary(results: dict, cfg: Config, raw: dict | None = None) -> dict:
     if t4 is not None:
         for key in ("attribution_auc", "attribution_auc_confidence", "recompute_gain_points"):
             out[key] = t4.get(key)
-        if "attribution_auc_cluster" in t4 or "recompute_gain_points_cluster" in t4:
+        ran = [name for name in SKETCHES
+               if f"attribution_auc_{name}" in t4 or f"recompute_gain_points_{name}" in t4]
+        if ran:
             out["sketch_t4"] = {k: t4.get(k) for k in (
-                "attribution_auc", "attribution_auc_confidence", "attribution_auc_cluster",
-                "attribution_auc_confidence_cluster", "recompute_gain_points_prefill",
-                "recompute_gain_points_cluster")}
+                "attribution_auc", "attribution_auc_confidence", "recompute_gain_points_prefill",
+                *(f"{stat}_{name}" for name in ran for stat in (
+                    "attribution_auc", "attribution_auc_confidence", "recompute_gain_points")))}
     if "T4" in results:
         rows4 = results["T4"].rows
         first = rows4[0].get("protocol") if rows4 else None  # the first protocol's claims under their own keys
@@ -113,32 +118,40 @@ def _mean_finite(xs):
 
 
 def _sketch_payoff(s: dict) -> list[str]:
-    """results.md's paragraph on T3/T4 under the cluster-sketch design beside the paper design's."""
-    t3, t4 = s.get("sketch_t3"), s.get("sketch_t4")
-    if not t3 and not t4:
+    """results.md's paragraph on T3/T4 under the sketched designs beside the paper design's."""
+    t3, t4 = s.get("sketch_t3") or {}, s.get("sketch_t4") or {}
+    ran = [name for name in SKETCHES if f"acc_poisson_{name}" in t3 or f"attribution_auc_{name}" in t4]
+    if not ran:
         return []
     f = lambda x, fmt=".3f": "n/a" if x is None else format(x, fmt)  # noqa: E731
-    rows = ["| | paper design (`PoissonPress`) | cluster sketch (`PoissonPress(sketch='cluster')`) |", "|---|---|---|"]
+    rows = ["| | paper design (`PoissonPress`) | " + " | ".join(
+                f"{name} sketch (`PoissonPress(sketch='{name}')`)" for name in ran) + " |",
+            "|---|---|" + "---|" * len(ran)]
+
+    def line(label, paper_value, key, table, fmt=".3f"):
+        return f"| {label} | {f(paper_value, fmt)} | " + " | ".join(
+            f(table.get(f"{key}_{name}"), fmt) for name in ran) + " |"
+
     if t3:
-        rows += [f"| T3 accuracy, mean over cells | {f(t3['acc_poisson'])} | {f(t3['acc_poisson_cluster'])} |",
-                 f"| T3 failure-prediction AUC of the certificate, mean over cells | {f(t3['auc_certificate'])} | "
-                 f"{f(t3['auc_certificate_cluster'])} |",
-                 f"| T3 the same for output confidence | {f(t3['auc_confidence'])} | {f(t3['auc_confidence_cluster'])} |"]
+        rows += [line("T3 accuracy, mean over cells", t3.get("acc_poisson"), "acc_poisson", t3),
+                 line("T3 failure-prediction AUC of the certificate, mean over cells", t3.get("auc_certificate"),
+                      "auc_certificate", t3),
+                 line("T3 the same for output confidence", t3.get("auc_confidence"), "auc_confidence", t3)]
     if t4:
-        rows += [f"| T4 attribution AUC of the certificate | {f(t4['attribution_auc'])} | "
-                 f"{f(t4['attribution_auc_cluster'])} |",
-                 f"| T4 attribution AUC of output confidence | {f(t4['attribution_auc_confidence'])} | "
-                 f"{f(t4['attribution_auc_confidence_cluster'])} |",
-                 f"| T4 recompute gain, points, compressed once after the prefill (mean over budgets) | "
-                 f"{f(t4['recompute_gain_points_prefill'], '+.1f')} | {f(t4['recompute_gain_points_cluster'], '+.1f')} |"]
+        rows += [line("T4 attribution AUC of the certificate", t4.get("attribution_auc"), "attribution_auc", t4),
+                 line("T4 attribution AUC of output confidence", t4.get("attribution_auc_confidence"),
+                      "attribution_auc_confidence", t4),
+                 line("T4 recompute gain, points, compressed once after the prefill (mean over budgets)",
+                      t4.get("recompute_gain_points_prefill"), "recompute_gain_points", t4, "+.1f")]
     return [
         "### The sketched design where users feel it: T3 and T4 (issue 14)",
         "",
-        "The same examples and budgets (the same memory: the sketch's 16 (2d + 3) + dv elements per head are "
-        "taken off the sampled budget) with the cluster-sketch design, whose certificate is Chebyshev on the "
-        "hybrid variance V_cl (docs/theory.md section 8); its own answers, so its own failures. The "
-        "recommended design (`design=None`) stays the paper's. Rows `:cluster` of Table 4 and the `*_cluster` "
-        "columns of Table 3 hold the details.",
+        "The same examples and budgets (the same memory: each sketch's elements per head, 16 (2d + 3) + dv "
+        "for `cluster` and 8 (4d + 4) + d + dv for `tilted`, are taken off the sampled budget) with the "
+        "sketched designs, whose certificate is Chebyshev on the hybrid variance V_cl (docs/theory.md "
+        "section 8; `tilted` takes its moments at the observation window's mean query); their own answers, "
+        "so their own failures. The recommended design (`design=None`) stays the paper's. Table 4's "
+        "`:cluster` / `:tilted` rows and Table 3's `*_cluster` / `*_tilted` columns hold the details.",
         "",
         *rows,
         "",

@@ -41,10 +41,11 @@ MAX_NEW_TOKENS = 10
 #: tokens and PoissonPress compresses the cache back to budget x prompt length after each
 STREAM_CHUNK = 128
 STREAM_BUDGET = 0.25
-#: issue 14's sketched design beside the paper's: PoissonPress(sketch=...) at the same budget, i.e. the
-#: same memory (the sketch's elements are taken off the sampled budget); its certificate is Chebyshev on
-#: the hybrid variance V_cl (docs/theory.md section 8)
-SKETCH = "cluster"
+#: issue 14's sketched designs beside the paper's: PoissonPress(sketch=name) at the same budget, i.e. the
+#: same memory (the sketch's elements are taken off the sampled budget), run as method "poisson_<name>"; the
+#: certificate is Chebyshev on the hybrid variance V_cl (docs/theory.md section 8)
+SKETCHES = ("cluster", "tilted")
+SKETCH = SKETCHES[0]
 
 
 def auc(scores, failed) -> float:
@@ -197,11 +198,12 @@ def collect(cfg: Config, model, tokenizer) -> list[dict]:
     Under both, with kvpress installed, each press of ``cfg.kvpress`` runs
     at every budget as kvpress runs it (method "kvpress:<name>").
 
-    Every budget also runs the cluster-sketch design of issue 14 (method
-    "poisson_cluster": ``PoissonPress(sketch=SKETCH)``, the same memory as
-    "poisson", its certificate Chebyshev on the hybrid variance).
+    Every budget also runs the sketched designs of issue 14 (methods
+    "poisson_cluster" and "poisson_tilted": ``PoissonPress(sketch=name)`` for
+    each name of ``SKETCHES``, the same memory as "poisson", their certificate
+    Chebyshev on the hybrid variance).
 
-    Record: ``protocol, task, example, method`` ("full", "poisson", "poisson_cluster", "snapkv",
+    Record: ``protocol, task, example, method`` ("full", "poisson", "poisson_<sketch>", "snapkv",
     "poisson_stream", "kvpress:<name>"), ``budget`` (1.0 for full),
     ``correct``, ``cert`` (mean relative radius, NaN without certificates),
     ``conf`` (minus the mean log-probability).
@@ -240,10 +242,11 @@ def collect(cfg: Config, model, tokenizer) -> list[dict]:
             add(protocol, task, i, "full", 1.0, out)
         for b in cfg.budgets:
             ratio = 1.0 - b
-            for method, press in (("poisson", kvcert.PoissonPress(compression_ratio=ratio, seed=cfg.seed)),
-                                  ("poisson_cluster", kvcert.PoissonPress(compression_ratio=ratio, seed=cfg.seed,
-                                                                          sketch=SKETCH)),
-                                  ("snapkv", kvcert.SnapKVPress(compression_ratio=ratio))):
+            presses = [("poisson", kvcert.PoissonPress(compression_ratio=ratio, seed=cfg.seed))]
+            presses += [(f"poisson_{name}", kvcert.PoissonPress(compression_ratio=ratio, seed=cfg.seed, sketch=name))
+                        for name in SKETCHES]
+            presses += [("snapkv", kvcert.SnapKVPress(compression_ratio=ratio))]
+            for method, press in presses:
                 for i, out in runs(press, state):
                     add(protocol, task, i, method, b, out)
             for name in baselines:
@@ -297,10 +300,12 @@ def table(records: list[dict], cfg: Config) -> Table:
                 row.update(acc_poisson_streaming=_acc(st), failures=int(sum(failed)),
                            auc_certificate=auc([r["cert"] for r in po], failed),
                            auc_confidence=auc([r["conf"] for r in po], failed))
-                cl = select(mine, task=task, method="poisson_cluster", budget=b)
-                failed_cl = [not r["correct"] for r in cl]
-                row.update(acc_poisson_cluster=_acc(cl), auc_certificate_cluster=auc([r["cert"] for r in cl], failed_cl),
-                           auc_confidence_cluster=auc([r["conf"] for r in cl], failed_cl))
+                for name in SKETCHES:
+                    cl = select(mine, task=task, method=f"poisson_{name}", budget=b)
+                    failed_cl = [not r["correct"] for r in cl]
+                    row.update({f"acc_poisson_{name}": _acc(cl),
+                                f"auc_certificate_{name}": auc([r["cert"] for r in cl], failed_cl),
+                                f"auc_confidence_{name}": auc([r["conf"] for r in cl], failed_cl)})
                 rows.append(row)
     count, ctx = cfg.suite_examples, cfg.suite_context
     notes = [
@@ -330,6 +335,10 @@ def table(records: list[dict], cfg: Config) -> Table:
         "variance and three sums (16 (2d + 3) + dv elements per head, taken off the sampled budget: about 17 "
         "tokens here); its certificate is Chebyshev on the hybrid variance V_cl (kept tokens exact, evicted "
         "ones through the sketch; docs/theory.md section 8). Its own answers, failures and AUCs.",
+        "*_tilted (issue 14): PoissonPress(sketch='tilted'), the same with 8 clusters whose moments are "
+        "tilted at the mean of the observation window's queries of each KV head's group (8 (4d + 4) + d + dv "
+        "elements per head: about 17 tokens here) and the decode's Gaussian step taken in q - q0 "
+        "(docs/theory.md section 8, fifth slice).",
         "Quick mode runs the needle-type tasks only: SmolLM2-135M answers variable tracking, common words "
         "and key-value retrieval wrongly even with the full cache at these lengths (0 of 3 each in a "
         "check at 500 and 1,000 tokens), so there is no failure to predict; --full runs all six tasks.",

@@ -85,19 +85,26 @@ def test_summary_and_results_md_put_the_sketched_design_beside_the_paper_design(
     from paper_repro.common import Config, Table
 
     cells = [dict(protocol="query-aware", task="t", budget=b, auc_certificate=a, auc_confidence=0.9,
-                  auc_certificate_cluster=c, auc_confidence_cluster=0.8, acc_poisson=0.5, acc_poisson_cluster=0.25)
+                  auc_certificate_cluster=c, auc_confidence_cluster=0.8, acc_poisson=0.5, acc_poisson_cluster=0.25,
+                  auc_certificate_tilted=0.9, auc_confidence_tilted=0.7, acc_poisson_tilted=0.125)
              for b, a, c in ((0.1, 0.6, 0.4), (0.25, 0.8, float("nan")))]
     t4 = Table("table4_claims", "T4", [dict(protocol="query-aware", claim="attribution", holds_here="yes"),
                                        dict(protocol="query-aware", claim="attribution:cluster", holds_here="no")], [])
     raw = {"T4": {"attribution_auc": 0.67, "attribution_auc_confidence": 0.48, "attribution_auc_cluster": 0.55,
                   "attribution_auc_confidence_cluster": 0.5, "recompute_gain_points": -2.1,
-                  "recompute_gain_points_prefill": 0.5, "recompute_gain_points_cluster": 1.5}}
+                  "recompute_gain_points_prefill": 0.5, "recompute_gain_points_cluster": 1.5,
+                  "attribution_auc_tilted": 0.75, "attribution_auc_confidence_tilted": 0.45,
+                  "recompute_gain_points_tilted": -3.0}}
     s = report.summary({"T3": Table("table3", "T3", cells, []), "T4": t4}, Config(quick=True, progress=False), raw)
     assert s["sketch_t3"]["auc_certificate"] == pytest.approx(0.7)
     assert s["sketch_t3"]["auc_certificate_cluster"] == pytest.approx(0.4)  # the NaN cell left out
     assert s["sketch_t4"]["recompute_gain_points_cluster"] == 1.5
     text = "\n".join(report._sketch_payoff(s))
-    assert "| T3 failure-prediction AUC of the certificate, mean over cells | 0.700 | 0.400 |" in text
-    assert "| T4 attribution AUC of the certificate | 0.670 | 0.550 |" in text
-    assert "compressed once after the prefill (mean over budgets) | +0.5 | +1.5 |" in text
+    assert "| T3 failure-prediction AUC of the certificate, mean over cells | 0.700 | 0.400 | 0.900 |" in text
+    assert "| T3 accuracy, mean over cells | 0.500 | 0.250 | 0.125 |" in text
+    assert "| T4 attribution AUC of the certificate | 0.670 | 0.550 | 0.750 |" in text
+    assert "compressed once after the prefill (mean over budgets) | +0.5 | +1.5 | -3.0 |" in text
+    # a run with the cluster sketch only (an older records file): its column alone
+    only = report._sketch_payoff({"sketch_t4": {k: v for k, v in raw["T4"].items() if "tilted" not in k}})
+    assert "| T4 attribution AUC of the certificate | 0.670 | 0.550 |" in "\n".join(only)
     assert report._sketch_payoff({}) == []

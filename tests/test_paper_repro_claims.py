@@ -122,3 +122,12 @@ def test_the_sketch_rows_test_the_cluster_runs_by_hand():
     assert "certificate 50.0" in rows["recompute"]["measured"]
     assert head["recompute_gain_points_cluster"] == pytest.approx(12.5)
     assert head["recompute_gain_points"] == pytest.approx(-12.5)
+    # a second sketch: its own rows after the first's, each view holding its own runs only
+    tilted = [dict(r, method="poisson_tilted", cert=x) for r, x in zip(cluster, [0.1, 0.2, 0.9, 0.8])]
+    assert sorted(r["cert"] for r in claims.sketch_view(paper + cluster + tilted, "tilted")
+                  if r["method"] == "poisson") == [0.1, 0.2, 0.8, 0.9]
+    table, head = claims.run(paper + cluster + tilted, CFG)
+    assert [r["claim"] for r in table.rows] == [c.key for c in claims.CLAIMS] + [
+        f"{k}:{name}" for name in ("cluster", "tilted") for k in claims.SKETCH_CLAIMS]
+    assert head["recompute_gain_points_tilted"] == pytest.approx(-12.5)
+    assert head["recompute_gain_points_cluster"] == pytest.approx(12.5)

@@ -87,7 +87,7 @@ def test_suites_tiny(smollm2):  # noqa: F811
     agnostic = [r for r in records if r["protocol"] == "query-agnostic"]
     # per example: one full run, one Poisson, one sketched Poisson and one SnapKV run per budget;
     # query-aware adds a streaming run
-    per_example = 1 + 3 * len(cfg.budgets)
+    per_example = 1 + (2 + len(suites.SKETCHES)) * len(cfg.budgets)
     assert len(aware) == len(suites.QUICK_TASKS) * cfg.suite_examples * (per_example + 1)
     assert len(agnostic) == len(suites.QUICK_TASKS) * cfg.suite_examples * per_example
     assert sum(r["method"] == "poisson_stream" for r in records) == len(suites.QUICK_TASKS) * cfg.suite_examples
@@ -97,7 +97,8 @@ def test_suites_tiny(smollm2):  # noqa: F811
         (p, t) for p in cfg.protocols for t in suites.QUICK_TASKS for _ in cfg.budgets]
     for r in t3.rows:
         assert r["examples"] == 2 and r["failures"] == round((1 - r["acc_poisson"]) * r["examples"])
-        assert all(0.0 <= r[k] <= 1.0 for k in ("acc_full", "acc_poisson", "acc_snapkv", "acc_poisson_cluster"))
+        assert all(0.0 <= r[k] <= 1.0 for k in ("acc_full", "acc_poisson", "acc_snapkv", "acc_poisson_cluster",
+                                                 "acc_poisson_tilted"))
         assert np.isnan(r["acc_poisson_streaming"]) == (r["budget"] != suites.STREAM_BUDGET
                                                         or r["protocol"] != "query-aware")
     for r in records:
@@ -106,7 +107,7 @@ def test_suites_tiny(smollm2):  # noqa: F811
         assert np.isnan(r["cert"]) == (r["method"] == "full")
         if r["method"] == "snapkv":
             assert r["cert"] == 0.0
-        if r["method"] == "poisson_cluster":  # evicted tokens: the sketch's variance is > 0
+        if r["method"] in ("poisson_cluster", "poisson_tilted"):  # evicted tokens: the sketch's variance is > 0
             assert r["cert"] > 0.0
     # a batch of two gives each example the runs it gets alone (rows mapped back to their examples):
     # the deterministic runs agree to float rounding (Poisson draws are keyed by the batch row)
@@ -120,7 +121,8 @@ def test_suites_tiny(smollm2):  # noqa: F811
     t4, headline = claims.run(records, cfg)
     assert [(r["protocol"], r["claim"]) for r in t4.rows] == [
         (p, key) for p in cfg.protocols
-        for key in [c.key for c in claims.CLAIMS] + [k + ":cluster" for k in claims.SKETCH_CLAIMS]]
+        for key in [c.key for c in claims.CLAIMS] + [f"{k}:{name}" for name in suites.SKETCHES
+                                                     for k in claims.SKETCH_CLAIMS]]
     assert {r["holds_here"] for r in t4.rows} <= {"yes", "no", "not testable"}
     assert "recompute_gain_points" in headline
 

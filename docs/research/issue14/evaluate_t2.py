@@ -399,8 +399,10 @@ def run(args):
                     C, mode = int(parts[0]), parts[1]
                     theta = float(parts[2]) if len(parts) > 2 else 1.0
                     per_head = mode == "head"
-                    n_tilt = g if per_head else 1
-                    te = n_tilt * C * (4 * d + 3) + n_tilt * d + dv
+                    # the library's count (ClusterDesign(tilt=True).elements: C (4d + 4) + d + dv), per query head
+                    # for the research variant C:head
+                    tilted_design = SK.ClusterDesign(clusters=C, tilt=True)
+                    te = tilted_design.elements(d, dv) + (g - 1) * (tilted_design.elements(d, dv) - dv) * per_head
                     b = B - te / (d + dv + 1)
                     kw2 = dict(kw, top=design_sizes(b, sinks=SINKS, window=WINDOW, top_fraction=TOP_FRACTION).top)
                     pi = R.inclusion_probabilities(u, b, **kw2)
@@ -429,7 +431,8 @@ def run(args):
 
 
 def check_against_reference(args, draws=3):
-    """The vectorized variances equal the reference functions on one KV head (layer 5, head 1)."""
+    """The vectorized variances equal the reference functions on one KV head (layer 5, head 1): the cluster,
+    code, page and tilted (``ClusterDesign(tilt=True)`` with q0 the window's mean query) designs."""
     cap = load_capture(Path(args.cache), args.text_seed)
     tau = float(cap["scaling"])
     layer, h, g, d, L = 5, 1, 3, 64, PREFIX
@@ -450,10 +453,14 @@ def check_against_reference(args, draws=3):
     sk_all = SK.code_sketch(k[:L], v[:L], pi, np.zeros(L, bool), cd)
     Vh = hybrid_variance(head, pi, keep, kf, oh, sk_all)
     Vb, _ = page_variance(head, pi, keep, kf, oh, P=16)
+    qw = cap["q"][layer][h * g:(h + 1) * g][:, L - 32:L].double().numpy().reshape(-1, d)
+    Vt = tilted_variance(head, pi, keep, kf, oh, lab, 8, qw, per_head=False)
+    tl = SK.ClusterDesign(clusters=8, tilt=True)
     worst = 0.0
     for s in range(draws):
         assert np.array_equal(keep[s], R.poisson_sample(pi, seed=s))
         csk = SK.cluster_sketch(k[:L], v[:L], pi, keep[s], cl)
+        tsk = SK.cluster_sketch(k[:L], v[:L], pi, keep[s], tl, tilt=qw, scale=tau)
         hsk = SK.code_sketch(k[:L], v[:L], pi, keep[s], cd)
         psk = SK.page_sketch(k[:L], v[:L], pi, keep[s], page_size=16)
         for j in range(q.shape[0]):
@@ -464,8 +471,9 @@ def check_against_reference(args, draws=3):
             assert np.allclose(est.output, oh[s, j], rtol=1e-9, atol=1e-12)
             ref = (SK.cluster_variance(*args_, csk, output=oh[s, j], scale=tau),
                    SK.hybrid_variance(*args_, hsk, output=oh[s, j], scale=tau),
-                   SK.variance_bound(*args_, psk, output=oh[s, j], scale=tau))
-            for a, b in zip(ref, (Vc[s, j], Vh[s, j], Vb[s, j])):
+                   SK.variance_bound(*args_, psk, output=oh[s, j], scale=tau),
+                   SK.cluster_variance(*args_, tsk, output=oh[s, j], scale=tau))
+            for a, b in zip(ref, (Vc[s, j], Vh[s, j], Vb[s, j], Vt[s, j])):
                 worst = max(worst, abs(a - b) / abs(a))
     print(f"[check] vectorized vs reference: worst relative difference {worst:.2e}", file=sys.stderr)
     assert worst < 1e-8, worst
