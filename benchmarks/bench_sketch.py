@@ -24,6 +24,10 @@ Timed per decode step (``validate=False``, the per-step path of kvcert/attention
 - ``cluster_v``: the same step with ``trace=False`` (output, lse, V_cl and its radius, no HT
   trace: the pass reads [a; c'] instead of [a; c; c']), the call the Hugging Face decode of
   ``PoissonPress(sketch=...)`` makes: the design as shipped;
+- ``tilted_v``: the tilted design as shipped (``PoissonPress(sketch="tilted")``: 8 clusters,
+  moments tilted at a window point q0, C (4d + 4) + d + dv elements per KV head, built once
+  beforehand like the other sketch), ``trace=False``: the step in q - q0 reads two moment pairs per
+  cluster instead of one;
 - ``sdpa``: torch SDPA with ``enable_gqa=True`` and the bias -log pi as a float mask (the
   output alone; context, DESIGN.md section 6's baseline).
 
@@ -66,6 +70,8 @@ from conftest import MALLOPT  # noqa: E402  (glibc keeps freed memory, as for be
 H_KV, G, D, DV, SINKS, WINDOW = 3, 3, 64, 64, 4, 32
 DELTA = 0.05
 TARGET = 1.5
+#: PoissonPress(sketch="tilted")'s design
+TILTED = F.ClusterDesign(clusters=8, radius="chebyshev", tilt=True)
 
 
 def setup(n: int, *, seed: int = 0, clusters: int = 16):
@@ -87,6 +93,8 @@ def setup(n: int, *, seed: int = 0, clusters: int = 16):
         keep[0, h, certain] = True
         keep[0, h, pick] = True
     sketch = F.cluster_sketch(k, v, pi, keep, F.ClusterDesign(clusters=clusters))
+    window = torch.randn(1, H_KV * G, WINDOW, D, generator=g)       # stands in for the observation window
+    tilted = F.cluster_sketch(k, v, pi, keep, TILTED, tilt=F.window_tilt(window, H_KV))
     idx = torch.stack([torch.nonzero(keep[0, h]).squeeze(-1) for h in range(H_KV)])[None]   # (1, h_kv, n)
     K = torch.gather(k, 2, idx[..., None].expand(-1, -1, -1, D)).contiguous()
     V = torch.gather(v, 2, idx[..., None].expand(-1, -1, -1, DV)).contiguous()
@@ -94,7 +102,7 @@ def setup(n: int, *, seed: int = 0, clusters: int = 16):
     mu, r2 = F.value_moments(V, log_pi=log_pi)
     q = torch.randn(1, H_KV * G, D, generator=g)
     mask = (-log_pi).repeat_interleave(G, dim=1)[:, :, None, :].contiguous()   # (b, h_q, 1, n), built once
-    return dict(q=q, K=K, V=V, log_pi=log_pi, mu=mu, r2=r2, sketch=sketch, mask=mask)
+    return dict(q=q, K=K, V=V, log_pi=log_pi, mu=mu, r2=r2, sketch=sketch, mask=mask, tilted=tilted)
 
 
 def variants(c: dict) -> dict:
@@ -114,10 +122,14 @@ def variants(c: dict) -> dict:
         return F.cluster_hajek_attention(q, K, V, None, sk, log_pi=lp, value_center=mu, value_sqdist=r2,
                                          delta=DELTA, validate=False, trace=False)
 
+    def tilted_v():
+        return F.cluster_hajek_attention(q, K, V, None, c["tilted"], log_pi=lp, value_center=mu, value_sqdist=r2,
+                                         delta=DELTA, validate=False, trace=False)
+
     def sdpa():
         return Fn.scaled_dot_product_attention(q4, K, V, attn_mask=mask, enable_gqa=True)
 
-    return {"trace": trace, "cluster": cluster, "cluster_v": cluster_v, "sdpa": sdpa}
+    return {"trace": trace, "cluster": cluster, "cluster_v": cluster_v, "tilted_v": tilted_v, "sdpa": sdpa}
 
 
 def check(c: dict, fns: dict) -> None:
@@ -130,6 +142,9 @@ def check(c: dict, fns: dict) -> None:
     cv = fns["cluster_v"]()
     assert torch.allclose(cv.output, ce.output, rtol=1e-5, atol=1e-6), "outputs differ (trace=False)"
     assert torch.allclose(cv.variance, ce.variance, rtol=1e-4), "V_cl differs (trace=False)"
+    tv = fns["tilted_v"]()
+    assert torch.allclose(tv.output, ce.output, rtol=1e-5, atol=1e-6), "outputs differ (tilted)"
+    assert bool(torch.isfinite(tv.variance).all()), "tilted V_cl not finite"
 
 
 def quantiles(xs: list[float]) -> tuple[float, float, float]:
@@ -146,7 +161,7 @@ def run(n: int, rounds: int, warmup: int) -> dict:
         for f in fns.values():
             f()
     times = {k: [] for k in names}
-    ratios, ratios_v = [], []
+    ratios, ratios_v, ratios_t = [], [], []
     for r in range(rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         this = {}
@@ -158,6 +173,7 @@ def run(n: int, rounds: int, warmup: int) -> dict:
             times[k].append(x)
         ratios.append(this["cluster"] / this["trace"])
         ratios_v.append(this["cluster_v"] / this["trace"])
+        ratios_t.append(this["tilted_v"] / this["trace"])
     row = {"n": n, "rounds": rounds}
     for k in names:
         med, lo, hi = quantiles(times[k])
@@ -167,20 +183,25 @@ def run(n: int, rounds: int, warmup: int) -> dict:
     row["ratio_of_medians"] = row["cluster_us"] / row["trace_us"]
     med, lo, hi = quantiles(ratios_v)
     row["ratio_cluster_v_trace"], row["ratio_v_q20"], row["ratio_v_q80"] = med, lo, hi
+    med, lo, hi = quantiles(ratios_t)
+    row["ratio_tilted_v_trace"], row["ratio_t_q20"], row["ratio_t_q80"] = med, lo, hi
     row["sketch_elements_per_head"] = F.ClusterDesign().elements(D, DV)
+    row["tilted_elements_per_head"] = TILTED.elements(D, DV)
     row["kv_bytes"] = 2 * H_KV * n * D * 4
     return row
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| kept n | trace (us) | cluster (us) | cluster, no HT trace (us) | sdpa (us) | cluster / trace "
-            "(median of rounds, q20-q80) | no HT trace / trace | target |\n|---|---|---|---|---|---|---|---|")
+    head = ("| kept n | trace (us) | cluster (us) | cluster, no HT trace (us) | tilted, no HT trace (us) | sdpa (us) "
+            "| cluster / trace (median of rounds, q20-q80) | no HT trace / trace | tilted / trace | target |\n"
+            "|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         lines.append(f"| {r['n']} | {r['trace_us']:.1f} | {r['cluster_us']:.1f} | {r['cluster_v_us']:.1f} "
-                     f"| {r['sdpa_us']:.1f} "
+                     f"| {r['tilted_v_us']:.1f} | {r['sdpa_us']:.1f} "
                      f"| {r['ratio_cluster_trace']:.3f} ({r['ratio_q20']:.3f}-{r['ratio_q80']:.3f}) "
                      f"| {r['ratio_cluster_v_trace']:.3f} ({r['ratio_v_q20']:.3f}-{r['ratio_v_q80']:.3f}) "
+                     f"| {r['ratio_tilted_v_trace']:.3f} ({r['ratio_t_q20']:.3f}-{r['ratio_t_q80']:.3f}) "
                      f"| <= {TARGET} |")
     return "\n".join(lines)
 
@@ -211,8 +232,8 @@ def main(argv=None) -> int:
     print(table(rows))
     if out is not None:
         result = {
-            "what": "decode cost per step: cluster_hajek_attention (with and without the HT trace) vs "
-                    "hajek_attention trace-only (one pass)",
+            "what": "decode cost per step: cluster_hajek_attention (with and without the HT trace; the tilted "
+                    "sketch without it) vs hajek_attention trace-only (one pass)",
             "target": f"cluster / trace <= {TARGET} at n >= 4096",
             "shape": {"b": 1, "h_kv": H_KV, "g": G, "d": D, "dv": DV, "dtype": "float32", "clusters": 16},
             "rows": rows,

@@ -261,7 +261,7 @@ def cluster_variance(head, pi, keep, kf, oh, labels, C, theta=1.0, qw=None):
                    (W[:, None, :] * e2).sum(-1), (Y[:, None, :] * e2).sum(-1))
 
 
-def tilted_variance(head, pi, keep, kf, oh, labels, C, qw, per_head: bool, theta: float = 1.0):
+def tilted_variance(head, pi, keep, kf, oh, labels, C, qw, per_head: bool, theta: float = 1.0, zhat: bool = False):
     """V with the evicted part from per-cluster moments *tilted* at a window query q0 (research variant).
 
     For each cluster c and tilt point q0 (the mean observation-window query of the query head, or of
@@ -287,7 +287,8 @@ def tilted_variance(head, pi, keep, kf, oh, labels, C, qw, per_head: bool, theta
             continue
         gc = gone[:, idx]                                           # (D, |idx|)
         kc = k[idx]
-        for tilt, out_mass, out_y, weight in ((2.0, logV, logY, w[idx]), (1.0, logZ, None, np.ones(idx.size))):
+        for tilt, out_mass, out_y, weight in ((2.0, logV, logY, w[idx]), (1.0, logZ, None, np.ones(idx.size)))[
+                :1 if zhat else 2]:
             e = tilt * tau * q0 @ kc.T                                # (m, |idx|)
             top = e.max(1, keepdims=True)
             om = np.exp(e - top) * weight[None, :]                   # (m, |idx|)
@@ -296,16 +297,31 @@ def tilted_variance(head, pi, keep, kf, oh, labels, C, qw, per_head: bool, theta
             with np.errstate(divide="ignore", invalid="ignore"):
                 mean = (G @ kc) / S0[..., None]
                 var = np.maximum((G @ kc ** 2) / S0[..., None] - mean ** 2, 0.0)
+                th = theta
+                if isinstance(theta, tuple):  # ("cal", quantile): theta_c from the window's exact sums
+                    rw = qw - q0[0]                                   # (J, d), the group's tilt point
+                    ew = tilt * tau * qw @ kc.T                       # (J, |idx|)
+                    tw = ew.max(1, keepdims=True)
+                    Sw = gc @ (np.exp(ew - tw) * weight[None, :]).T   # (D, J), scaled by e^{-tw}
+                    log_ratio = np.log(Sw) + tw.T - np.log(S0[:, :1]) - top[0, 0]
+                    lin_w = tilt * tau * mean[:, 0] @ rw.T            # (D, J)
+                    den = 0.5 * tilt ** 2 * tau ** 2 * var[:, 0] @ (rw ** 2).T
+                    thj = np.where(den > 0, (log_ratio - lin_w) / den, 0.0)
+                    thj = np.where(np.isfinite(thj), np.maximum(thj, 0.0), 0.0)
+                    th = np.quantile(thj, theta[1], axis=1)[:, None]  # (D, 1)
                 expo = tilt * tau * (r[None] * mean).sum(-1) \
-                    + theta * 0.5 * tilt ** 2 * tau ** 2 * (r[None] ** 2 * var).sum(-1)
+                    + th * 0.5 * tilt ** 2 * tau ** 2 * (r[None] ** 2 * var).sum(-1)
                 live = S0 > 0                                       # a cluster with nothing evicted: no term
                 out_mass[:, :, c] = np.where(live, np.log(S0) + top.T + expo, -np.inf)
                 if out_y is not None:
                     Y0 = gc @ (om * nu2[idx][None, :]).T
                     out_y[:, :, c] = np.where(live & (Y0 > 0), np.log(Y0) + top.T + expo, -np.inf)
     sm = head.smax[None]                                            # (1, m, 1)
-    return _hybrid(head, kf, oh, pif, mu, np.exp(logZ - sm).sum(-1), np.exp(logV - 2 * sm).sum(-1),
-                   np.exp(logY - 2 * sm).sum(-1))
+    if zhat:  # research: no Z moments; the evicted part of Z from the kept tokens, sum_S e^s (1 - pi)/pi
+        z_ev = (kf[:, None, :] * ((1 - pif) / pif * head.E)[None]).sum(-1)
+    else:
+        z_ev = np.exp(logZ - sm).sum(-1)
+    return _hybrid(head, kf, oh, pif, mu, z_ev, np.exp(logV - 2 * sm).sum(-1), np.exp(logY - 2 * sm).sum(-1))
 
 
 def parse_code(name):
@@ -396,13 +412,20 @@ def run(args):
                         add(f"cl{spec}", "oracle", oracle_variance(head, pif, oh), keep, lambda kp, ce=ce: ce)
                 for spec in args.tilts:
                     parts = spec.split(":")
+                    zhat = "zhat" in parts
+                    parts = [x for x in parts if x != "zhat"]
                     C, mode = int(parts[0]), parts[1]
-                    theta = float(parts[2]) if len(parts) > 2 else 1.0
+                    theta = 1.0 if len(parts) < 3 else (("cal", float(parts[2][3:]) if len(parts[2]) > 3 else 1.0)
+                                                         if parts[2].startswith("cal") else float(parts[2]))
                     per_head = mode == "head"
                     # the library's count (ClusterDesign(tilt=True).elements: C (4d + 4) + d + dv), per query head
                     # for the research variant C:head
                     tilted_design = SK.ClusterDesign(clusters=C, tilt=True)
                     te = tilted_design.elements(d, dv) + (g - 1) * (tilted_design.elements(d, dv) - dv) * per_head
+                    if isinstance(theta, tuple):
+                        te += C                                     # theta_c, one scalar per cluster
+                    if zhat:  # no Z-side moments (2d + 1 per cluster and tilt point)
+                        te -= (g if per_head else 1) * C * (2 * d + 1)
                     b = B - te / (d + dv + 1)
                     kw2 = dict(kw, top=design_sizes(b, sinks=SINKS, window=WINDOW, top_fraction=TOP_FRACTION).top)
                     pi = R.inclusion_probabilities(u, b, **kw2)
@@ -412,7 +435,7 @@ def run(args):
                         labels[C] = SK.kmeans_assign(k[:L], C, iterations=10)
                     qw = cap["q"][layer][h * g:(h + 1) * g][:, L - 32:L].double().numpy().reshape(-1, d)
                     add(f"tilt{spec}", "tilted", tilted_variance(head, pi, keep, kf, oh, labels[C], C, qw, per_head,
-                                                                           theta),
+                                                                           theta, zhat),
                         keep, lambda kp, te=te: te)
                 for name, cd in codes.items():
                     b = code_budget(B, L, d, dv, cd)
