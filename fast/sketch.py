@@ -29,6 +29,13 @@ attention (h_q = g * h_kv) and several queries, float32 or float64. Never import
 
 Memory (elements of the K/V dtype, one head): C (2d + 3) + dv
 (:meth:`ClusterDesign.elements`), whatever the number of evicted tokens.
+
+The tilted design (``ClusterDesign(tilt=True)``, docs/theory.md section 8, fifth slice) takes
+each cluster's moments under the weights :math:`w_i e^{2\tau q_0\cdot k_i}` (squared terms) and
+:math:`e^{\tau q_0\cdot k_i}` (:math:`\tilde Z`) at a tilt point :math:`q_0` per KV head
+(:func:`window_tilt`: the observation window's mean query of the head's group) and the decode's
+Gaussian step in :math:`r = q - q_0`; exact at :math:`q = q_0` for any keys; C (4d + 4) + d + dv
+elements.
 """
 
 from __future__ import annotations
@@ -702,7 +709,11 @@ def cluster_variance(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     an approximation otherwise (heavy tails: too small; correlated channels: either way), and
     :math:`\nu_i^2 + \lVert\mu-\hat o\rVert^2` stands for :math:`\lVert v_i - \hat o\rVert^2`
     (exact on average when :math:`v_i - \mu` is uncorrelated with :math:`\mu - \hat o`).
-    Same target as the reference's ``hybrid_variance``: the design variance V itself. Computed in
+    Same target as the reference's ``hybrid_variance``: the design variance V itself. A tilted
+    sketch (``sketch.tilt`` set) takes the step in :math:`r = q - q_0` with its tilted moments:
+    :math:`(Y_c + S_c\lVert\mu-\hat o\rVert^2) e^{2\tau r\cdot\tilde m_c + 2\tau^2\sum_j r_j^2
+    \tilde\sigma^2_{cj}}` and :math:`N_c e^{\tau r\cdot m'_c + \tau^2\sum_j r_j^2\sigma'^2_{cj}/2}`
+    (``kvcert.reference.cluster_variance``). Computed in
     log space (:math:`s_i = \tau q\cdot k_i` may be large), the kept sums in the centred form
     around the mean kept value (``value_moments``); slots with count 0 and weight 0 are absent.
     Every query head reads its KV head's sketch (GQA); several queries (b, h_q, t, d) see every

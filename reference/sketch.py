@@ -116,7 +116,8 @@ class SketchDesign:
 DESIGNS = ("paper", "page", "cluster", "tilted", "code")
 
 #: the design ``design=None`` selects (see docs/research/issue14/RESULTS.md and RESULTS_T2.md for why:
-#: no sketched design meets every goal line of issue 14 on the real model's T2 cells)
+#: no sketched design, the tilted one included, meets every goal line of issue 14 on the real model's
+#: T2 cells at every M)
 RECOMMENDED = "paper"
 
 
@@ -470,8 +471,11 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
     of docs/research/issue14/RESULTS.md and on the real model's T2 cells of
     RESULTS_T2.md no sketched design meets every goal line of issue 14 (the
     cluster design misses tightness, 5.7-7.8 at quick sizes and 18.5-20 at
-    full size), and on T3/T4 the cluster design's certificate ranks failing
-    runs below chance (docs/theory.md section 8, fourth slice); the choice is
+    full size; the tilted design meets every line at M = 0.55 with the
+    radius 2.5 sqrt(V) on the held-out text and at full size, and every line
+    but tightness (3.7-4.1) at every M with its 3 sqrt(V)), and on T3
+    both sketched designs' certificates rank failing runs below chance
+    (docs/theory.md section 8, fourth and fifth slices); the choice is
     explicit).
 
     Parameters

@@ -261,7 +261,8 @@ def cluster_variance(head, pi, keep, kf, oh, labels, C, theta=1.0, qw=None):
                    (W[:, None, :] * e2).sum(-1), (Y[:, None, :] * e2).sum(-1))
 
 
-def tilted_variance(head, pi, keep, kf, oh, labels, C, qw, per_head: bool, theta: float = 1.0, zhat: bool = False):
+def tilted_variance(head, pi, keep, kf, oh, labels, C, qw, per_head: bool, theta: float = 1.0, zhat: bool = False,
+                    vmean: bool = False, cap: bool = False):
     """V with the evicted part from per-cluster moments *tilted* at a window query q0 (research variant).
 
     For each cluster c and tilt point q0 (the mean observation-window query of the query head, or of
@@ -281,12 +282,15 @@ def tilted_variance(head, pi, keep, kf, oh, labels, C, qw, per_head: bool, theta
     logV = np.full((D, m, C), -np.inf)
     logY = np.full((D, m, C), -np.inf)
     logZ = np.full((D, m, C), -np.inf)
+    cross = np.zeros((D, m, head.v.shape[1]))                       # vmean: sum_c e^{..} sum_U w e^{2s} (v - mu)
+    vc = head.v[:PREFIX] - mu
     for c in range(C):
         idx = np.flatnonzero(labels == c)
         if idx.size == 0:
             continue
         gc = gone[:, idx]                                           # (D, |idx|)
         kc = k[idx]
+        reach = None
         for tilt, out_mass, out_y, weight in ((2.0, logV, logY, w[idx]), (1.0, logZ, None, np.ones(idx.size)))[
                 :1 if zhat else 2]:
             e = tilt * tau * q0 @ kc.T                                # (m, |idx|)
@@ -311,17 +315,31 @@ def tilted_variance(head, pi, keep, kf, oh, labels, C, qw, per_head: bool, theta
                     th = np.quantile(thj, theta[1], axis=1)[:, None]  # (D, 1)
                 expo = tilt * tau * (r[None] * mean).sum(-1) \
                     + th * 0.5 * tilt ** 2 * tau ** 2 * (r[None] ** 2 * var).sum(-1)
+                if cap:  # deterministic cap: max over U_c of r.k <= r.m~ + |r| R_c, R_c = max ||k_i - m~_c||
+                    if reach is None:                               # the first pass is the squares' (m~)
+                        centre = mean                                # (D, m, d)
+                        dist = np.linalg.norm(kc[None] - centre[:, :1], axis=-1)   # (D, |idx|), row 0's tilt
+                        reach = np.where(gc > 0, dist, 0.0).max(1)   # (D,)
+                    bound = tilt * tau * ((r[None] * centre).sum(-1) + np.linalg.norm(r, axis=1)[None] * reach[:, None])
+                    expo = np.minimum(expo, bound)
                 live = S0 > 0                                       # a cluster with nothing evicted: no term
                 out_mass[:, :, c] = np.where(live, np.log(S0) + top.T + expo, -np.inf)
                 if out_y is not None:
                     Y0 = gc @ (om * nu2[idx][None, :]).T
                     out_y[:, :, c] = np.where(live & (Y0 > 0), np.log(Y0) + top.T + expo, -np.inf)
+                    if vmean:  # the tilted mean value offset, scaled like the masses (e^{-2 smax} below)
+                        X = G @ vc[idx]                               # (D, m, dv)
+                        cross += np.where(live[..., None], X * np.exp(top.T + expo - 2 * head.smax[:, 0][None])[..., None],
+                                          0.0)
     sm = head.smax[None]                                            # (1, m, 1)
     if zhat:  # research: no Z moments; the evicted part of Z from the kept tokens, sum_S e^s (1 - pi)/pi
         z_ev = (kf[:, None, :] * ((1 - pif) / pif * head.E)[None]).sum(-1)
     else:
         z_ev = np.exp(logZ - sm).sum(-1)
-    return _hybrid(head, kf, oh, pif, mu, z_ev, np.exp(logV - 2 * sm).sum(-1), np.exp(logY - 2 * sm).sum(-1))
+    y_mass = np.exp(logY - 2 * sm).sum(-1)
+    if vmean:  # ||v - o||^2 = nu^2 + 2 (v - mu).(mu - o) + ||mu - o||^2: the middle term from the tilted mean
+        y_mass = y_mass + 2 * np.einsum("dmv,dmv->dm", cross, mu[None, None] - oh)
+    return _hybrid(head, kf, oh, pif, mu, z_ev, np.exp(logV - 2 * sm).sum(-1), y_mass)
 
 
 def parse_code(name):
@@ -412,8 +430,9 @@ def run(args):
                         add(f"cl{spec}", "oracle", oracle_variance(head, pif, oh), keep, lambda kp, ce=ce: ce)
                 for spec in args.tilts:
                     parts = spec.split(":")
-                    zhat = "zhat" in parts
-                    parts = [x for x in parts if x != "zhat"]
+                    # ":cap": each step capped at tau (r.m~ + |r| R_c), R_c = max ||k_i - m~_c|| (research)
+                    zhat, vmean, capped = "zhat" in parts, "vmean" in parts, "cap" in parts
+                    parts = [x for x in parts if x not in ("zhat", "vmean", "cap")]
                     C, mode = int(parts[0]), parts[1]
                     theta = 1.0 if len(parts) < 3 else (("cal", float(parts[2][3:]) if len(parts[2]) > 3 else 1.0)
                                                          if parts[2].startswith("cal") else float(parts[2]))
@@ -426,6 +445,10 @@ def run(args):
                         te += C                                     # theta_c, one scalar per cluster
                     if zhat:  # no Z-side moments (2d + 1 per cluster and tilt point)
                         te -= (g if per_head else 1) * C * (2 * d + 1)
+                    if vmean:  # the tilted mean value (dv per cluster and tilt point)
+                        te += (g if per_head else 1) * C * dv
+                    if capped:  # R_c, one scalar per cluster and tilt point
+                        te += (g if per_head else 1) * C
                     b = B - te / (d + dv + 1)
                     kw2 = dict(kw, top=design_sizes(b, sinks=SINKS, window=WINDOW, top_fraction=TOP_FRACTION).top)
                     pi = R.inclusion_probabilities(u, b, **kw2)
@@ -435,7 +458,7 @@ def run(args):
                         labels[C] = SK.kmeans_assign(k[:L], C, iterations=10)
                     qw = cap["q"][layer][h * g:(h + 1) * g][:, L - 32:L].double().numpy().reshape(-1, d)
                     add(f"tilt{spec}", "tilted", tilted_variance(head, pi, keep, kf, oh, labels[C], C, qw, per_head,
-                                                                           theta, zhat),
+                                                                           theta, zhat, vmean, capped),
                         keep, lambda kp, te=te: te)
                 for name, cd in codes.items():
                     b = code_budget(B, L, d, dv, cd)
