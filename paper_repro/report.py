@@ -79,10 +79,9 @@ def summary(results: dict, cfg: Config, raw: dict | None = None) -> dict:
         out["synthetic_failure_auc_mean"] = float(np.mean(aucs)) if aucs else None
         ran = [name for name in SKETCHES if rows3 and f"auc_certificate_{name}" in rows3[0]]
         if ran:  # issue 14's sketched designs, same cells
-            out["sketch_t3"] = {k: _mean_finite([r[k] for r in rows3]) for k in (
-                "auc_certificate", "auc_confidence", "acc_poisson",
-                *(f"{stat}_{name}" for name in ran
-                  for stat in ("auc_certificate", "auc_confidence", "acc_poisson")))}
+            stats = ("auc_certificate", "auc_confidence", "acc_poisson", "auc_certificate_median")
+            out["sketch_t3"] = {k: _mean_finite([r.get(k) for r in rows3]) for k in (
+                *stats, *(f"{stat}_{name}" for name in ran for stat in stats))}
         out["synthetic_failure_auc"] = {"protocol": first, "cells_defined": len(aucs), "cells": len(rows3),
                                         "above_half": int(sum(a > 0.5 for a in aucs)),
                                         "confidence_auc_mean": float(np.mean(conf)) if conf else None}
@@ -145,7 +144,9 @@ def _sketch_payoff(s: dict) -> list[str]:
         rows += [line("T3 accuracy, mean over cells", t3.get("acc_poisson"), "acc_poisson", t3),
                  line("T3 failure-prediction AUC of the certificate, mean over cells", t3.get("auc_certificate"),
                       "auc_certificate", t3),
-                 line("T3 the same for output confidence", t3.get("auc_confidence"), "auc_confidence", t3)]
+                 line("T3 the same for output confidence", t3.get("auc_confidence"), "auc_confidence", t3),
+                 line("T3 the same for the run's median relative radius (diagnostic)",
+                      t3.get("auc_certificate_median"), "auc_certificate_median", t3)]
     if t4:
         rows += [line("T4 attribution AUC of the certificate", t4.get("attribution_auc"), "attribution_auc", t4),
                  line("T4 attribution AUC of output confidence", t4.get("attribution_auc_confidence"),

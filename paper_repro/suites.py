@@ -63,10 +63,13 @@ def auc(scores, failed) -> float:
 QUERY_AWARE, QUERY_AGNOSTIC = "query-aware", "query-agnostic"
 
 
-def _cert_conf(r, press, *, agnostic: bool = False) -> tuple[float, float]:
-    """(certificate score, confidence score) of one single-prompt result (module docstring)."""
+def _cert_conf(r, press, *, agnostic: bool = False) -> tuple[float, float, float]:
+    """(certificate score, confidence score, median certificate score) of one single-prompt result (module
+    docstring): the mean relative radius over every certified query (the paper's score), minus the mean
+    output log-probability, and the median relative radius over the same queries (a score robust to a few
+    exploding radii, a diagnostic)."""
     lp = np.asarray(r.logprobs, dtype=float).ravel()
-    cert = float("nan")
+    cert = median = float("nan")
     if r.certificates is not None and press is not None:
         # every certified query: query-aware, the decoding steps (step 0 is the exact prefill, or with
         # chunks the last prompt query, already counted) and the streamed prompt's queries; query-agnostic,
@@ -75,8 +78,9 @@ def _cert_conf(r, press, *, agnostic: bool = False) -> tuple[float, float]:
         if r.prompt_certificates is not None:
             rel.append(r.prompt_certificates.relative_radius.flatten())
         rel = torch.cat(rel)
-        cert = float(rel.float().mean()) if rel.numel() else float("nan")
-    return cert, float(-lp.mean()) if lp.size else float("nan")
+        if rel.numel():
+            cert, median = float(rel.float().mean()), float(rel.float().median())
+    return cert, float(-lp.mean()) if lp.size else float("nan"), median
 
 
 def _run(model, tokenizer, examples, press, state, *, chunk=None) -> list[tuple]:
@@ -218,7 +222,8 @@ def collect(cfg: Config, model, tokenizer) -> list[dict]:
 
     def add(protocol, task, i, method, budget, out):
         records.append(dict(protocol=protocol, task=task, example=i, method=method, budget=budget,
-                            correct=out[0], cert=out[1], conf=out[2]))
+                            correct=out[0], cert=out[1], conf=out[2],
+                            cert_median=out[3] if len(out) > 3 else float("nan")))
 
     jobs = []
     if QUERY_AWARE in cfg.protocols:
@@ -269,6 +274,13 @@ def select(records, **match) -> list[dict]:
     return sorted(out, key=lambda r: (r["task"], r["example"]))
 
 
+def _median_auc(runs: list[dict], failed) -> float:
+    """:func:`auc` of the runs' median relative radius; NaN if a run has none (records made before it was
+    kept, or a run without a certified query)."""
+    scores = [r.get("cert_median", float("nan")) for r in runs]
+    return auc(scores, failed) if np.all(np.isfinite(scores)) else float("nan")
+
+
 def _acc(runs) -> float:
     return float(np.mean([r["correct"] for r in runs])) if runs else float("nan")
 
@@ -299,13 +311,15 @@ def table(records: list[dict], cfg: Config) -> Table:
                     row["acc_" + m.replace(":", "_")] = _acc(select(mine, task=task, method=m, budget=b))
                 row.update(acc_poisson_streaming=_acc(st), failures=int(sum(failed)),
                            auc_certificate=auc([r["cert"] for r in po], failed),
-                           auc_confidence=auc([r["conf"] for r in po], failed))
+                           auc_confidence=auc([r["conf"] for r in po], failed),
+                           auc_certificate_median=_median_auc(po, failed))
                 for name in SKETCHES:
                     cl = select(mine, task=task, method=f"poisson_{name}", budget=b)
                     failed_cl = [not r["correct"] for r in cl]
                     row.update({f"acc_poisson_{name}": _acc(cl),
                                 f"auc_certificate_{name}": auc([r["cert"] for r in cl], failed_cl),
-                                f"auc_confidence_{name}": auc([r["conf"] for r in cl], failed_cl)})
+                                f"auc_confidence_{name}": auc([r["conf"] for r in cl], failed_cl),
+                                f"auc_certificate_median_{name}": _median_auc(cl, failed_cl)})
                 rows.append(row)
     count, ctx = cfg.suite_examples, cfg.suite_context
     notes = [
@@ -328,8 +342,9 @@ def table(records: list[dict], cfg: Config) -> Table:
          if baselines else "No kvpress baseline: kvpress is not installed here (it needs transformers < 5.3; "
          "`make repro-kvpress` runs T3/T4 in the kvpress venv with them)."),
         "auc_certificate: AUC of the run's mean relative certificate radius for predicting a wrong Poisson "
-        "answer; auc_confidence: the same for minus the mean output log-probability. nan where a cell "
-        "has no failure or no success.",
+        "answer; auc_confidence: the same for minus the mean output log-probability; auc_certificate_median: "
+        "the same for the run's median relative radius (a diagnostic, robust to a few exploding radii). nan "
+        "where a cell has no failure or no success.",
         "*_cluster (issue 14): PoissonPress(sketch='cluster') at the same budget, i.e. the same memory: 16 "
         "k-means clusters of each head's keys hold the evicted tokens' weighted mean key, per-channel "
         "variance and three sums (16 (2d + 3) + dv elements per head, taken off the sampled budget: about 17 "

@@ -86,7 +86,8 @@ def test_summary_and_results_md_put_the_sketched_design_beside_the_paper_design(
 
     cells = [dict(protocol="query-aware", task="t", budget=b, auc_certificate=a, auc_confidence=0.9,
                   auc_certificate_cluster=c, auc_confidence_cluster=0.8, acc_poisson=0.5, acc_poisson_cluster=0.25,
-                  auc_certificate_tilted=0.9, auc_confidence_tilted=0.7, acc_poisson_tilted=0.125)
+                  auc_certificate_tilted=0.9, auc_confidence_tilted=0.7, acc_poisson_tilted=0.125,
+                  auc_certificate_median=0.65, auc_certificate_median_tilted=0.35)
              for b, a, c in ((0.1, 0.6, 0.4), (0.25, 0.8, float("nan")))]
     t4 = Table("table4_claims", "T4", [dict(protocol="query-aware", claim="attribution", holds_here="yes"),
                                        dict(protocol="query-aware", claim="attribution:cluster", holds_here="no"),
@@ -103,6 +104,8 @@ def test_summary_and_results_md_put_the_sketched_design_beside_the_paper_design(
     text = "\n".join(report._sketch_payoff(s))
     assert "| T3 failure-prediction AUC of the certificate, mean over cells | 0.700 | 0.400 | 0.900 |" in text
     assert "| T3 accuracy, mean over cells | 0.500 | 0.250 | 0.125 |" in text
+    # a statistic a design's cells lack (the cluster rows here have no median column): n/a, not 0
+    assert "| T3 the same for the run's median relative radius (diagnostic) | 0.650 | n/a | 0.350 |" in text
     assert "| T4 attribution AUC of the certificate | 0.670 | 0.550 | 0.750 |" in text
     assert "compressed once after the prefill (mean over budgets) | +0.5 | +1.5 | -3.0 |" in text
     # a run with the cluster sketch only (an older records file): its column alone

@@ -105,8 +105,9 @@ def test_suites_tiny(smollm2):  # noqa: F811
         assert np.isfinite(r["conf"])
         # the full cache records no certificate; SnapKV's kept tokens have pi = 1, so its radius is 0
         assert np.isnan(r["cert"]) == (r["method"] == "full")
+        assert np.isnan(r["cert_median"]) == (r["method"] == "full")   # the median of the same radii
         if r["method"] == "snapkv":
-            assert r["cert"] == 0.0
+            assert r["cert"] == 0.0 and r["cert_median"] == 0.0
         if r["method"] in ("poisson_cluster", "poisson_tilted"):  # evicted tokens: the sketch's variance is > 0
             assert r["cert"] > 0.0
     # a batch of two gives each example the runs it gets alone (rows mapped back to their examples):

@@ -359,6 +359,7 @@ def code_budget(B, n, d, dv, design):
 
 def run(args):
     t0 = time.perf_counter()
+    trust_far = []  # the share of each head's future queries beyond the trust radius (":trust")
     cap = load_capture(Path(args.cache), args.text_seed)
     tau = float(cap["scaling"])
     layers = range(0, 30, args.layer_step)
@@ -431,8 +432,9 @@ def run(args):
                 for spec in args.tilts:
                     parts = spec.split(":")
                     # ":cap": each step capped at tau (r.m~ + |r| R_c), R_c = max ||k_i - m~_c|| (research)
-                    zhat, vmean, capped = "zhat" in parts, "vmean" in parts, "cap" in parts
-                    parts = [x for x in parts if x not in ("zhat", "vmean", "cap")]
+                    zhat, vmean, capped, trust = ("zhat" in parts, "vmean" in parts, "cap" in parts,
+                                                  "trust" in parts)
+                    parts = [x for x in parts if x not in ("zhat", "vmean", "cap", "trust")]
                     C, mode = int(parts[0]), parts[1]
                     theta = 1.0 if len(parts) < 3 else (("cal", float(parts[2][3:]) if len(parts[2]) > 3 else 1.0)
                                                          if parts[2].startswith("cal") else float(parts[2]))
@@ -449,6 +451,8 @@ def run(args):
                         te += (g if per_head else 1) * C * dv
                     if capped:  # R_c, one scalar per cluster and tilt point
                         te += (g if per_head else 1) * C
+                    if trust:  # the trust radius rho, one scalar per head
+                        te += 1
                     b = B - te / (d + dv + 1)
                     kw2 = dict(kw, top=design_sizes(b, sinks=SINKS, window=WINDOW, top_fraction=TOP_FRACTION).top)
                     pi = R.inclusion_probabilities(u, b, **kw2)
@@ -457,9 +461,14 @@ def run(args):
                     if C not in labels:
                         labels[C] = SK.kmeans_assign(k[:L], C, iterations=10)
                     qw = cap["q"][layer][h * g:(h + 1) * g][:, L - 32:L].double().numpy().reshape(-1, d)
-                    add(f"tilt{spec}", "tilted", tilted_variance(head, pi, keep, kf, oh, labels[C], C, qw, per_head,
-                                                                           theta, zhat, vmean, capped),
-                        keep, lambda kp, te=te: te)
+                    Vt = tilted_variance(head, pi, keep, kf, oh, labels[C], C, qw, per_head, theta, zhat, vmean, capped)
+                    if trust:  # beyond the window's spread around q0, the paper design's HT trace instead
+                        q0 = qw.mean(0)
+                        rho = np.linalg.norm(qw - q0, axis=1).max()
+                        far = np.linalg.norm(head.q - q0, axis=1) > rho          # (m,)
+                        Vt = np.where(far[None, :], trace_variance(head, pif, A, oh), Vt)
+                        trust_far.append(far.mean())
+                    add(f"tilt{spec}", "tilted", Vt, keep, lambda kp, te=te: te)
                 for name, cd in codes.items():
                     b = code_budget(B, L, d, dv, cd)
                     kw2 = dict(kw, top=design_sizes(b, sinks=SINKS, window=WINDOW, top_fraction=TOP_FRACTION).top)
@@ -473,6 +482,8 @@ def run(args):
                     if args.oracle_all:
                         add(name, "oracle", oracle_variance(head, pif, oh), keep, xm)
         print(f"[t2] layer {layer} done, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    if trust_far:
+        print(f"[t2] trust: {100 * np.mean(trust_far):.1f}% of the queries beyond the window's spread", file=sys.stderr)
     return res, time.perf_counter() - t0
 
 
