@@ -664,7 +664,7 @@ def _log_variance(L: _Layout, sketch: ClusterSketch, o, lse, kappa, t_kept):
     qs = qs * L.scale
     q2 = qs * qs
 
-    def step(mean, var):  # tau r.m_c + tau^2 r^2.sigma^2_c / 2 and its quadratic part, (B, G, C)
+    def step(mean, var):  # (tau r.m_c, tau^2 r^2.sigma^2_c), (B, G, C) each
         lin = torch.bmm(qs, _cast(mean, dt).view(B, C, L.d).transpose(1, 2))
         return lin, torch.bmm(q2, _cast(var, dt).view(B, C, L.d).transpose(1, 2))
 

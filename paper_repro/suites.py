@@ -45,7 +45,6 @@ STREAM_BUDGET = 0.25
 #: same memory (the sketch's elements are taken off the sampled budget), run as method "poisson_<name>"; the
 #: certificate is Chebyshev on the hybrid variance V_cl (docs/theory.md section 8)
 SKETCHES = ("cluster", "tilted")
-SKETCH = SKETCHES[0]
 
 
 def auc(scores, failed) -> float:
@@ -210,7 +209,8 @@ def collect(cfg: Config, model, tokenizer) -> list[dict]:
     Record: ``protocol, task, example, method`` ("full", "poisson", "poisson_<sketch>", "snapkv",
     "poisson_stream", "kvpress:<name>"), ``budget`` (1.0 for full),
     ``correct``, ``cert`` (mean relative radius, NaN without certificates),
-    ``conf`` (minus the mean log-probability).
+    ``conf`` (minus the mean log-probability), ``cert_median`` (the median relative radius, NaN
+    without certificates).
     """
     import kvcert
 
@@ -274,11 +274,16 @@ def select(records, **match) -> list[dict]:
     return sorted(out, key=lambda r: (r["task"], r["example"]))
 
 
-def _median_auc(runs: list[dict], failed) -> float:
-    """:func:`auc` of the runs' median relative radius; NaN if a run has none (records made before it was
-    kept, or a run without a certified query)."""
-    scores = [r.get("cert_median", float("nan")) for r in runs]
-    return auc(scores, failed) if np.all(np.isfinite(scores)) else float("nan")
+def _aucs(runs: list[dict], suffix: str = "") -> dict:
+    """Failure-prediction AUCs of one method's runs: ``auc_certificate`` (mean relative radius),
+    ``auc_confidence`` and ``auc_certificate_median`` (the median relative radius; NaN if a run has none:
+    records made before it was kept, or a run without a certified query), each key with ``suffix``."""
+    failed = [not r["correct"] for r in runs]
+    medians = [r.get("cert_median", float("nan")) for r in runs]
+    return {f"auc_certificate{suffix}": auc([r["cert"] for r in runs], failed),
+            f"auc_confidence{suffix}": auc([r["conf"] for r in runs], failed),
+            f"auc_certificate_median{suffix}": auc(medians, failed) if np.all(np.isfinite(medians))
+            else float("nan")}
 
 
 def _acc(runs) -> float:
@@ -304,22 +309,15 @@ def table(records: list[dict], cfg: Config) -> Table:
             for b in budgets:
                 po = select(mine, task=task, method="poisson", budget=b)
                 st = select(mine, task=task, method="poisson_stream", budget=b)
-                failed = [not r["correct"] for r in po]
                 row = dict(protocol=protocol, task=task, budget=b, examples=len(po), acc_full=_acc(full),
                            acc_poisson=_acc(po), acc_snapkv=_acc(select(mine, task=task, method="snapkv", budget=b)))
                 for m in baselines:
                     row["acc_" + m.replace(":", "_")] = _acc(select(mine, task=task, method=m, budget=b))
-                row.update(acc_poisson_streaming=_acc(st), failures=int(sum(failed)),
-                           auc_certificate=auc([r["cert"] for r in po], failed),
-                           auc_confidence=auc([r["conf"] for r in po], failed),
-                           auc_certificate_median=_median_auc(po, failed))
+                row.update(acc_poisson_streaming=_acc(st), failures=sum(not r["correct"] for r in po),
+                           **_aucs(po))
                 for name in SKETCHES:
                     cl = select(mine, task=task, method=f"poisson_{name}", budget=b)
-                    failed_cl = [not r["correct"] for r in cl]
-                    row.update({f"acc_poisson_{name}": _acc(cl),
-                                f"auc_certificate_{name}": auc([r["cert"] for r in cl], failed_cl),
-                                f"auc_confidence_{name}": auc([r["conf"] for r in cl], failed_cl),
-                                f"auc_certificate_median_{name}": _median_auc(cl, failed_cl)})
+                    row.update({f"acc_poisson_{name}": _acc(cl), **_aucs(cl, f"_{name}")})
                 rows.append(row)
     count, ctx = cfg.suite_examples, cfg.suite_context
     notes = [

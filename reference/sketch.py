@@ -837,8 +837,6 @@ class ClusterDesign:
     Gaussian moment step over-estimates the evicted part in most cells (it is exact only for
     Gaussian keys), so this design does not replace the default.
 
-    Attributes
-    ----------
     With ``tilt=True`` (the *tilted* cluster design, docs/theory.md section 8, "Fifth
     slice") the moments are taken at a tilt point :math:`q_0` (the mean observation-window
     query of the KV head's query group, given at eviction): for the squared terms under the
@@ -946,7 +944,7 @@ def kmeans_assign(keys, clusters: int, *, iterations: int = 10) -> np.ndarray:
     return lab
 
 
-def _tilted_moments(k, weights, inv, C: int):
+def _weighted_moments(k, weights, inv, C: int):
     """Per-cluster mass, weighted mean and per-channel variance of keys ``k`` under ``weights``."""
     d = k.shape[1]
     mass = np.bincount(inv, weights=weights, minlength=C)
@@ -965,14 +963,13 @@ def cluster_sketch(keys, values, pi, keep, design: ClusterDesign | None = None, 
     r"""Build the cluster sketch of the evicted tokens (``keep == False``); ``labels`` (n,) overrides k-means.
 
     A tilted design (``design.tilt``) needs ``tilt``: the tilt point :math:`q_0` (d,), or the
-    observation-window queries (w, d) whose mean it is; ``scale`` is :math:`	au` (default
-    1/sqrt(d)). With :math:`e_i = 	au q_0\cdot k_i` and :math:`h_c = \max_{U_c} e_i`:
+    observation-window queries (w, d) whose mean it is; ``scale`` is :math:`\tau` (default
+    1/sqrt(d)). With :math:`e_i = \tau q_0\cdot k_i` and :math:`h_c = \max_{U_c} e_i`:
 
     .. math::
 
         S_c e^{-2h_c} = \sum_{U_c} w_i e^{2(e_i - h_c)},\quad
-        Y_c e^{-2h_c} = \sum_{U_c} w_i 
-u_i^2 e^{2(e_i - h_c)},\quad
+        Y_c e^{-2h_c} = \sum_{U_c} w_i \nu_i^2 e^{2(e_i - h_c)},\quad
         N_c e^{-h_c} = \sum_{U_c} e^{e_i - h_c},
 
     ``mean`` / ``var`` weighted by :math:`w_i e^{2 e_i}`, ``zmean`` / ``zvar`` by :math:`e^{e_i}`.
@@ -991,7 +988,7 @@ u_i^2 e^{2(e_i - h_c)},\quad
         if tilt is not None:
             raise ValueError("tilt is for a tilted design (ClusterDesign(tilt=True)); this design has tilt=False")
         # w-weighted moments; a cluster whose evicted tokens all have pi = 1 cannot occur (pi = 1 is kept)
-        W, mean, var = _tilted_moments(k[gone], w, inv, C)
+        W, mean, var = _weighted_moments(k[gone], w, inv, C)
         Y = np.bincount(inv, weights=w * nu2, minlength=C)
         N = np.bincount(inv, minlength=C).astype(np.float64)
         return ClusterSketch(mean=mean, var=var, weight=W, wnorm=Y, count=N, mu=mu)
@@ -1001,9 +998,9 @@ u_i^2 e^{2(e_i - h_c)},\quad
     h = np.full(C, -np.inf)
     np.maximum.at(h, inv, e)
     x = e - h[inv]                                                     # <= 0
-    S, mean, var = _tilted_moments(k[gone], w * np.exp(2.0 * x), inv, C)
+    S, mean, var = _weighted_moments(k[gone], w * np.exp(2.0 * x), inv, C)
     Y = np.bincount(inv, weights=w * nu2 * np.exp(2.0 * x), minlength=C)
-    N, zmean, zvar = _tilted_moments(k[gone], np.exp(x), inv, C)
+    N, zmean, zvar = _weighted_moments(k[gone], np.exp(x), inv, C)
     return ClusterSketch(mean=mean, var=var, weight=S, wnorm=Y, count=N, mu=mu, tilt=q0, zmean=zmean, zvar=zvar,
                          shift=h)
 
