@@ -197,6 +197,12 @@ class ClusterSketch:
         """C, the slots per head."""
         return self.mean.shape[-2]
 
+    @property
+    def elements(self) -> int:
+        """Elements this sketch holds per head: :meth:`ClusterDesign.elements` of its C, d, dv and tilt."""
+        return ClusterDesign(clusters=self.clusters, tilt=self.tilt is not None).elements(self.mean.shape[-1],
+                                                                                         self.mu.shape[-1])
+
     def map(self, fn) -> "ClusterSketch":
         """The same sketch with ``fn`` applied to each of its six tensors (e.g. a batch selection
         ``lambda x: x[idx]`` or a device move); the rule and multiplier are kept."""

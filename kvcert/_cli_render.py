@@ -18,7 +18,8 @@ def _finite(x: float):
 
 
 def layer_rows(certificates) -> list[dict]:
-    """Per layer: min / median / max relative radius over decoding steps and heads, mean kept."""
+    """Per layer: min / median / max relative radius over decoding steps and heads, mean kept and mean memory
+    (kept + a sketch, :attr:`kvcert.records.Certificates.memory`)."""
     stats = certificates.per_layer()
     return [
         {
@@ -27,6 +28,7 @@ def layer_rows(certificates) -> list[dict]:
             "median": float(stats["median"][i]),
             "max": float(stats["max"][i]),
             "kept": float(stats["kept"][i]),
+            "memory": float(stats["memory"][i]),
         }
         for i in range(stats["min"].shape[0])
     ]
@@ -101,6 +103,8 @@ def render_text(result, console=None) -> None:
     console.print(
         f"all layers and heads: median relative radius {_num(cert['median_relative_radius'])}, "
         f"mean {_num(cert['mean_relative_radius'])}, max {_num(cert['max_relative_radius'])}; "
-        f"mean kept {cert['mean_kept']:.1f} of {s['prompt_tokens'] + s['generated_tokens'] - 1} tokens",
+        f"mean kept {cert['mean_kept']:.1f} of {s['prompt_tokens'] + s['generated_tokens'] - 1} tokens"
+        + (f" (memory held {cert['mean_memory']:.1f} tokens' worth, the sketch of evicted tokens included)"
+           if c.sketch_memory is not None else ""),
         highlight=False,
     )

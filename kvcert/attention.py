@@ -166,7 +166,7 @@ class Session:
             else:
                 cut = lambda x, q=q: x[:, q - 1:]  # noqa: E731
             out.append(Certificates(c.kind, c.delta, cut(c.radius), cut(c.relative_radius), cut(c.trace),
-                                    cut(c.kept)))
+                                    cut(c.kept), None if c.sketch_memory is None else cut(c.sketch_memory)))
         return out
 
     # -- per forward --------------------------------------------------------------------------
@@ -215,12 +215,13 @@ class Session:
             self._real[q_len] = real
         return self._real[q_len]
 
-    def _record(self, layer_idx: int, estimate, kept) -> torch.Tensor | None:
-        """Keep the certificate statistics of one layer's estimate; returns its output norms."""
+    def _record(self, layer_idx: int, estimate, kept, sketch: float = 0.0) -> torch.Tensor | None:
+        """Keep the certificate statistics of one layer's estimate (and the memory of the sketch it read,
+        in kept-token units); returns its output norms."""
         if self.recorder is None:
             return None
         stats = certificate_moments(estimate, self.kind)
-        self.recorder.add(layer_idx, stats, kept)
+        self.recorder.add(layer_idx, stats, kept, sketch)
         return stats["output_norm"]
 
     # -- per layer ----------------------------------------------------------------------------
@@ -389,6 +390,7 @@ class Session:
 
         q_len = query.shape[2]
         kw = dict(scale=scale, delta=self.press.delta, validate=False, trace=False)  # V_cl is the certificate
+        held = layer.sketch.elements / (layer.keys.shape[-1] + layer.values.shape[-1] + 1)  # kept-token units
         outs = []
         for j in range(q_len):
             if q_len == 1:
@@ -400,7 +402,7 @@ class Session:
             ce = cluster_hajek_attention(query[:, :, j], layer.keys, layer.values, None, layer.sketch,
                                          log_pi=log_pi, **kw)
             est = dataclasses.replace(ce.estimate, trace=ce.variance)
-            norms = self._record(layer_idx, est, (log_pi > float("-inf")).sum(-1))
+            norms = self._record(layer_idx, est, (log_pi > float("-inf")).sum(-1), held)
             outs.append(est.output)
         out = torch.stack(outs, dim=1)
         self._check_finite(layer_idx, out, norms if q_len == 1 else None)  # every query's output, not the last's

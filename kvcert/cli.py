@@ -27,7 +27,7 @@ __all__ = ["main", "build_parser"]
 
 #: options that set a press field of the same name (--compression-interval wraps the press in a DecodingPress)
 _PRESS_OPTIONS = ("compression_ratio", "target_size", "sinks", "window", "top_fraction",
-                  "floor", "scorer", "seed", "delta", "kind", "observation_window")
+                  "floor", "scorer", "seed", "delta", "kind", "observation_window", "sketch")
 
 
 #: where the paper reproduction lives (paper_repro/, never imported by the library)
@@ -45,7 +45,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from .fast import KINDS, SCORERS
-    from .presses import PRESSES
+    from .presses import PRESSES, SKETCHES
 
     p = _Parser(
         prog="kvcert",
@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="poisson/random: seed of the sampling design (default 0)")
     g.add_argument("--delta", type=float, default=None, help="certificate miscoverage (default 0.05)")
     g.add_argument("--kind", default=None, choices=KINDS, help="certificate kind (default chebyshev)")
+    g.add_argument("--sketch", default=None, choices=tuple(SKETCHES),
+                   help="poisson: keep a sketch of the evicted tokens at equal memory (issue 14's opt-in designs: "
+                        "cluster, tilted; the certificate then covers the evicted tokens through it)")
     g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="streaming: feed the prompt in chunks of N tokens (with --target-size and "

@@ -98,7 +98,9 @@ class GenerationResult:
     def summary(self) -> dict:
         """Compact JSON-ready summary (one prompt): tokens, timings, and the
         certificate aggregates (mean / median / max relative radius over the
-        decoding steps, layers and heads; mean kept tokens)."""
+        decoding steps, layers and heads; mean kept tokens, and mean memory:
+        kept tokens plus a sketch's memory in kept-token units,
+        :attr:`Certificates.memory`)."""
         if isinstance(self.text, list):
             raise TypeError("summary() is per prompt; for a batch call it on each of result.rows()")
         out = {
@@ -124,6 +126,7 @@ class GenerationResult:
                 "median_relative_radius": float(rel.median()),
                 "max_relative_radius": float(rel.max()),
                 "mean_kept": float(c.kept[-1].to(torch.float64).mean()),
+                "mean_memory": float(c.memory[-1].mean()),
             }
         p = self.prompt_certificates
         if p is not None:  # streaming: the prompt's queries after the first chunk
@@ -1075,7 +1078,8 @@ def _decode_loop(model, tokenizer, cache, logits, attention_mask, max_new_tokens
 
 def _step_slice(c: Certificates, steps: slice) -> Certificates:
     """The certificates of one sequence restricted to the recorded ``steps``."""
-    return Certificates(c.kind, c.delta, c.radius[steps], c.relative_radius[steps], c.trace[steps], c.kept[steps])
+    return Certificates(c.kind, c.delta, c.radius[steps], c.relative_radius[steps], c.trace[steps], c.kept[steps],
+                        None if c.sketch_memory is None else c.sketch_memory[steps])
 
 
 def _assemble_result(tokenizer, single, attention_mask, decoded, certs, prompt_rows, timings,

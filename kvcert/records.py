@@ -41,6 +41,12 @@ class Certificates:
         tr(Sigma_hat), the estimated design variance of the output.
     kept : tensor (int64)
         Tokens the head attended over (its KV head's kept count).
+    sketch_memory : tensor (float64) or None
+        The memory of the sketch of evicted tokens the head's KV head held at
+        that step (``PoissonPress(sketch=...)``), in kept-token units of
+        d + dv + 1 elements (key, value, log pi), the shape of ``kept``; 0
+        where the step read no sketch (the exact prefill). None when no step
+        read one.
     """
 
     kind: str
@@ -49,6 +55,14 @@ class Certificates:
     relative_radius: torch.Tensor
     trace: torch.Tensor
     kept: torch.Tensor
+    sketch_memory: torch.Tensor | None = None
+
+    @property
+    def memory(self) -> torch.Tensor:
+        """Memory each head held at each step, in kept-token units: ``kept + sketch_memory`` (float64,
+        the shape of ``kept``); ``kept`` without a sketch."""
+        mem = self.kept.to(torch.float64)
+        return mem if self.sketch_memory is None else mem + self.sketch_memory
 
     @property
     def batched(self) -> bool:
@@ -64,7 +78,8 @@ class Certificates:
             raise TypeError("this record holds a single sequence; index its tensors directly")
         pick = lambda x: x[i]  # noqa: E731
         return Certificates(self.kind, self.delta, pick(self.radius), pick(self.relative_radius),
-                            pick(self.trace), pick(self.kept))
+                            pick(self.trace), pick(self.kept),
+                            None if self.sketch_memory is None else pick(self.sketch_memory))
 
     def per_step(self) -> torch.Tensor:
         r"""Mean relative radius over layers and heads, per step.
@@ -80,17 +95,19 @@ class Certificates:
 
     def per_layer(self) -> dict[str, torch.Tensor]:
         """Per layer, over decoding steps (step >= 1) and heads: min / median / max
-        relative radius and mean kept count (one sequence only)."""
+        relative radius, mean kept count and mean memory (kept + sketch, :attr:`memory`; one sequence only)."""
         if self.batched:
             raise TypeError("per_layer() summarizes one sequence: index the batch first (certs[i])")
         rel = self.relative_radius[1:] if self.radius.shape[0] > 1 else self.relative_radius
         kept = self.kept[1:] if self.kept.shape[0] > 1 else self.kept
+        memory = self.memory[1:] if self.kept.shape[0] > 1 else self.memory
         flat = rel.transpose(0, 1).reshape(rel.shape[1], -1).to(torch.float64)  # (layers, steps * heads)
         return {
             "min": flat.min(-1).values,
             "median": flat.median(-1).values,
             "max": flat.max(-1).values,
             "kept": kept.to(torch.float64).mean(dim=(0, 2)),
+            "memory": memory.mean(dim=(0, 2)),
         }
 
     def to_dict(self) -> dict:
@@ -106,6 +123,7 @@ class Certificates:
             "relative_radius": clean(self.relative_radius),
             "trace": clean(self.trace),
             "kept": self.kept.tolist(),
+            "sketch_memory": None if self.sketch_memory is None else self.sketch_memory.tolist(),
             "per_step_mean_relative_radius": clean(self.per_step()),
         }
 
@@ -134,18 +152,20 @@ class Recorder:
 
     def __init__(self, kind: str, delta: float):
         self.kind, self.delta = kind, delta
-        self.rows: dict[int, list[tuple[torch.Tensor, dict]]] = {}
+        self.rows: dict[int, list[tuple[torch.Tensor, dict, float]]] = {}
 
-    def add(self, layer: int, stats: dict, kept: torch.Tensor) -> None:
+    def add(self, layer: int, stats: dict, kept: torch.Tensor, sketch: float = 0.0) -> None:
         """One step of one layer: ``stats`` (b, h_q) tensors from ``certificate_moments``
-        (wald's ``variance`` (b, h_q, dv)), ``kept`` (b, h_kv) or (b, h_q) tokens attended over."""
-        self.rows.setdefault(layer, []).append((kept[None], {k: v[None] for k, v in stats.items()}))
+        (wald's ``variance`` (b, h_q, dv)), ``kept`` (b, h_kv) or (b, h_q) tokens attended over,
+        ``sketch`` the memory of a sketch of evicted tokens read beside them (kept-token units)."""
+        self.rows.setdefault(layer, []).append((kept[None], {k: v[None] for k, v in stats.items()}, float(sketch)))
 
     def add_steps(self, layer: int, stats: dict, kept: torch.Tensor) -> None:
         """q consecutive steps of one layer at once (a chunk of queries): ``stats`` (b, h_q, q)
         tensors (wald's ``variance`` (b, h_q, q, dv)), ``kept`` (b, h_kv, q) or (b, h_q, q); the
         same record as q calls of :meth:`add`, one step per query."""
-        self.rows.setdefault(layer, []).append((kept.movedim(2, 0), {k: v.movedim(2, 0) for k, v in stats.items()}))
+        self.rows.setdefault(layer, []).append((kept.movedim(2, 0), {k: v.movedim(2, 0) for k, v in stats.items()},
+                                                0.0))
 
     def _steps(self, layer: int) -> int:
         return sum(row[0].shape[0] for row in self.rows[layer])
@@ -177,4 +197,8 @@ class Recorder:
         h_q = stats["trace"].shape[-1]
         kept = stack(lambda row: row[0].repeat_interleave(h_q // row[0].shape[-1], dim=-1))
         _, radius, rel = radius_from_statistics(self.kind, self.delta, **stats)
-        return Certificates(self.kind, self.delta, radius.float(), rel.float(), stats["trace"].float(), kept.long())
+        sketch = None
+        if any(row[2] for l in layers for row in self.rows[l]):
+            sketch = stack(lambda row: torch.full((*row[0].shape[:-1], h_q), row[2], dtype=torch.float64))
+        return Certificates(self.kind, self.delta, radius.float(), rel.float(), stats["trace"].float(), kept.long(),
+                            sketch)

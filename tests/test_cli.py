@@ -60,6 +60,11 @@ def test_help(capsys):
     (["generate", "--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file: cannot read"),
     (["generate", "--prompt", "hi", "--bogus"], "unrecognized arguments: --bogus"),
     (["frobnicate"], "invalid choice"),
+    (["generate", "--prompt", "hi", "--sketch", "pages"], "invalid choice"),
+    (["generate", "--prompt", "hi", "--press", "snapkv", "--sketch", "tilted"],
+     "--sketch does not apply to --press snapkv"),
+    (["generate", "--prompt", "hi", "--sketch", "cluster", "--kind", "wald"], "sketch: a sketched PoissonPress"),
+    (["generate", "--prompt", "hi", "--sketch", "tilted", "--compression-interval", "16"], "sketch"),
 ])
 def test_bad_arguments_give_one_line_errors(argv, match, capsys):
     rc, out, err = run(argv, capsys)
@@ -84,6 +89,12 @@ def test_make_press_maps_options():
                                           "--top-fraction", "0.25", "--floor", "0.2", "--delta", "0.1"])
     p = cli.make_press(args)
     assert (p.scorer, p.seed, p.top_fraction, p.floor, p.delta) == ("knorm", 3, 0.25, 0.2, 0.1)
+    assert p.sketch is None
+    for name, design in kvcert.presses.SKETCHES.items():
+        args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--sketch", name])
+        p = cli.make_press(args)
+        assert isinstance(p, kvcert.PoissonPress) and p.sketch == kvcert.PoissonPress(sketch=design).sketch
+        assert p.sketch.tilt == (name == "tilted")
 
 
 @pytest.mark.parametrize("argv", [["repro"], ["repro", "--quick", "--tables", "T1"], ["repro", "--help"]])
@@ -163,6 +174,31 @@ def test_generate_on_the_model_json_and_table(model_sdpa, monkeypatch, capsys):
     assert "relative radius" in out and "kept tokens" in out and "median" in out
     table_rows = [line for line in out.splitlines() if line.startswith("│")]
     assert len(table_rows) == 30
+
+
+def test_generate_with_a_sketch_reports_its_memory(model_sdpa, monkeypatch, capsys):
+    model, tok = model_sdpa
+    import kvcert.models
+
+    monkeypatch.setattr(kvcert.models, "load_model", lambda *a, **k: (model, tok))
+    argv = ["generate", "--prompt", long_prompt(400), "--compression-ratio", "0.5", "--sketch", "tilted",
+            "--max-new-tokens", "3", "--json", "--no-progress"]
+    rc, out, _ = run(argv, capsys)
+    assert rc == 0
+    data = json.loads(out)
+    direct = kvcert.generate(model, tok, long_prompt(400), max_new_tokens=3,
+                             press=kvcert.PoissonPress(compression_ratio=0.5, sketch="tilted"))
+    assert data["token_ids"] == direct.token_ids
+    cfg = model.config
+    d = cfg.head_dim if getattr(cfg, "head_dim", None) else cfg.hidden_size // cfg.num_attention_heads
+    held = kvcert.presses.SKETCHES["tilted"].elements(d, d) / (2 * d + 1)
+    cert = data["certificate"]
+    assert cert["mean_memory"] == pytest.approx(cert["mean_kept"] + held, rel=1e-9)
+    for row in data["per_layer"]:
+        assert row["memory"] == pytest.approx(row["kept"] + held, rel=1e-9)
+    rc, out, _ = run(argv[:-2] + ["--no-progress"], capsys)
+    assert rc == 0 and f"memory held {cert['mean_memory']:.1f} tokens' worth, the sketch of evicted tokens included" \
+        in " ".join(out.split())
 
 
 def test_model_load_failure_is_one_line(monkeypatch, capsys):

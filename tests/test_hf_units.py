@@ -250,6 +250,20 @@ def test_recorder_stacks_and_certificates_aggregate():
     assert torch.equal(stats["kept"], torch.tensor([11.5, 11.5], dtype=torch.float64))
     d = one.to_dict()
     assert d["shape"] == ["step", "layer", "head"] and len(d["radius"]) == 3
+    assert c.sketch_memory is None and d["sketch_memory"] is None and torch.equal(c.memory, c.kept.double())
+    assert torch.equal(stats["memory"], stats["kept"])
+    # a sketch read at decoding steps only (step 0 the exact prefill): memory = kept + the sketch, per step
+    sk = Recorder("chebyshev", 0.05)
+    for s in range(3):
+        for layer in (0, 1):
+            stats = {"trace": torch.ones(2, 4, dtype=torch.float64), "output_norm": torch.ones(2, 4, dtype=torch.float64)}
+            sk.add(layer, stats, torch.full((2, 2), 10 + s), 0.0 if s == 0 else 2.5 + layer)
+    c = sk.result()
+    assert c.sketch_memory.shape == c.kept.shape and c.sketch_memory.dtype == torch.float64
+    assert torch.equal(c.memory[:, 0], c.kept[:, 0].double())
+    assert torch.equal(c.memory[:, 2, 1], torch.full((2, 4), 12 + 3.5, dtype=torch.float64))
+    assert torch.equal(c[1].per_layer()["memory"], torch.tensor([11.5 + 2.5, 11.5 + 3.5], dtype=torch.float64))
+    assert c[0].to_dict()["sketch_memory"][1] == [[2.5] * 4, [3.5] * 4]
     with pytest.raises(TypeError, match="index"):
         c.per_layer()
     bad = Recorder("chebyshev", 0.05)

@@ -114,6 +114,11 @@ def test_press_samples_at_equal_memory_and_records_v_cl(monkeypatch, design):
         assert torch.allclose(got.double(), want.double(), rtol=1e-5), (s, li)
         assert torch.allclose(certs.radius[s + 1, li].double(), (want.double() / press.delta).sqrt(), rtol=1e-5)
     assert certs.kind == "chebyshev" and bool((certs.radius[1:] > 0).all())
+    # the record counts the sketch's memory at every decoding step (not at the exact prefill, step 0)
+    assert layer.sketch.elements == design.elements(d, dv)
+    assert torch.equal(certs.sketch_memory[0], torch.zeros(2, 4, dtype=torch.float64))
+    assert torch.allclose(certs.sketch_memory[1:], torch.full((steps, 2, 4), held, dtype=torch.float64), rtol=1e-12)
+    assert torch.equal(certs.memory, certs.kept.double() + certs.sketch_memory)
     # the sketch's value centre is the mean of all n prompt values of the head (kept or not)
     _, full = forced_logits(model, ids, cont)
     for li, layer in enumerate(cache.layers):
