@@ -30,6 +30,9 @@ Every row is a (sample design, variance, radius rule). Variances:
   Gaussian variance term; 1 = ``kvcert.reference.sketch.cluster_variance``);
 - ``hybrid``: V_hybrid of a code design, ``--codes r8b4-lognormal-orthogonal``
   (``kvcert.reference.sketch.hybrid_variance``).
+Research rows ``--diffs C`` / ``C:tilt``: the difference estimator with a tilted C-cluster model
+(:func:`difference_estimate`; variances ``ht``, ``oracle`` and, with ``:tilt``, ``tilted``); ``--check``
+also checks that it is exact at q = q0.
 Radius rules (``--rules``): ``chebyshev`` sqrt(V / delta), ``gaussian`` z_{1-delta/2} sqrt(V),
 ``xC`` a fixed multiplier C sqrt(V).
 
@@ -342,6 +345,94 @@ def tilted_variance(head, pi, keep, kf, oh, labels, C, qw, per_head: bool, theta
     return _hybrid(head, kf, oh, pif, mu, z_ev, np.exp(logV - 2 * sm).sum(-1), y_mass)
 
 
+def difference_estimate(head, pi, keep, kf, labels, C, qw):
+    """The *difference estimator* with a tilted cluster model (research): returns o_DE (D, m, dv), the HT
+    estimate of its variance from the kept tokens (D, m) and its true design variance (D, m).
+
+    Model of token i's weight at a query q (r = q - q0): g_i = exp(tau q0.k_i + tau r.m_c), m_c the cluster's
+    evicted-token mean key under the weights e^{tau q0.k}. The sketch keeps, per cluster, m_c (d), the mass
+    B_c = sum_{U_c} e^{tau q0.k_i} (1) and X_c = sum_{U_c} e^{tau q0.k_i} v_i (dv), and q0 (d) per head; a kept
+    token keeps tau q0.k_i and its label. Then sum_U g_i = sum_c B_c e^{tau r.m_c} and sum_U g_i v_i =
+    sum_c X_c e^{tau r.m_c} exactly, and
+        Z_DE = sum_all g_i + sum_S (a_i - g_i) / pi_i,   N_DE = sum_all g_i v_i + sum_S (a_i - g_i) v_i / pi_i,
+    design-unbiased for Z and N whatever the model; o_DE - o = sum_i (I_i / pi_i - 1)(a_i - g_i)(v_i - o) / Z_DE
+    exactly, so its variance is the HT variance of the residuals a_i - g_i, estimated from the kept tokens
+    without bias. g_i = a_i at q = q0 for every token."""
+    tau = head.tau
+    L = keep.shape[1]
+    k, v = head.k[:L], head.v[:L]
+    D, m = keep.shape[0], head.q.shape[0]
+    q0 = qw.mean(0)
+    r = head.q - q0                                                  # (m, d)
+    e0 = tau * k @ q0                                               # (L,)
+    top0 = e0.max()
+    w0 = np.exp(e0 - top0)
+    gone = (~keep).astype(float)
+    phase = np.zeros((D, m, C))
+    logmass = np.full((D, m, C), -np.inf)
+    XU = np.zeros((D, m, v.shape[1]))
+    sm = head.smax[:, 0]                                            # (m,)
+    for c in range(C):
+        idx = np.flatnonzero(labels == c)
+        if idx.size == 0:
+            continue
+        Bc = gone[:, idx] @ w0[idx]                                 # (D,)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mc = np.where(Bc[:, None] > 0, (gone[:, idx] * w0[idx]) @ k[idx] / Bc[:, None], k[idx].mean(0))
+        phase[:, :, c] = tau * mc @ r.T                                # (D, m)
+        with np.errstate(divide="ignore"):
+            logmass[:, :, c] = np.log(Bc)[:, None] + top0 + phase[:, :, c] - sm[None]
+        Xc = (gone[:, idx] * w0[idx]) @ v[idx]                      # (D, dv), scaled by e^{-top0}
+        XU += Xc[:, None, :] * np.exp(top0 + phase[:, :, c] - sm[None])[..., None]
+    g = np.exp(e0[None, None, :] + np.take_along_axis(phase, np.broadcast_to(labels[None, None, :], (D, m, L)), 2)
+               - sm[None, :, None])                                  # (D, m, L), scaled by e^{-smax}
+    a = head.E[:, :L][None]                                          # (1, m, L)
+    kp = keep[:, None, :]
+    corr = kp * (1 - 1 / pi)[None, None, :] * g                     # sum_S (1 - 1/pi) g_i, per token
+    W = kf[:, None, :] * (head.E / np.concatenate([pi, np.ones(head.E.shape[1] - L)]))[None]
+    Zd = W.sum(-1) + corr.sum(-1) + np.exp(logmass).sum(-1)
+    Nd = W @ head.v + corr @ v + XU
+    od = Nd / Zd[..., None]
+    res2 = (a - g) ** 2                                              # (D, m, L)
+    pad = np.zeros((D, m, head.E.shape[1] - L))
+    b_ht = np.concatenate([kp * ((1 - pi) / pi ** 2)[None, None, :] * res2, pad], -1)
+    b_or = np.concatenate([((1 - pi) / pi)[None, None, :] * res2, pad], -1)
+    V_ht = head.quad(b_ht, od) / Zd ** 2
+    V_or = head.quad(b_or, od) / head.Z[None, :] ** 2
+    # V~: the kept tokens' residual terms exactly, the evicted ones from the tilted sketch's squares moments
+    # (weights w e^{2 tau q0.k}: mass S0, mean m~, variance s~^2, Y0 = sum w e^{2 tau q0.k} nu^2): with
+    # x = tau r.(k - m_c) ~ N(tau r.(m~ - m_c), tau^2 r^2.s~^2), sum_U w (a - g)^2 ||v - o||^2 ~
+    # e^{2 tau r.m_c} E[(e^x - 1)^2] (Y0 + S0 ||mu - o_hat||^2) (the orthogonal value rule).
+    mu = v.mean(0)
+    nu2 = ((v - mu) ** 2).sum(1)
+    wgt = (1 - pi) / pi
+    e2 = 2 * e0
+    top2 = e2.max()
+    om = wgt * np.exp(e2 - top2)
+    a2 = ((od - mu) ** 2).sum(-1)                                    # (D, m)
+    ev = np.zeros((D, m))
+    for c in range(C):
+        idx = np.flatnonzero(labels == c)
+        if idx.size == 0:
+            continue
+        G = gone[:, idx] * om[idx]                                  # (D, |idx|)
+        S0 = G.sum(1)
+        live = S0 > 0
+        S0s = np.where(live, S0, 1.0)
+        mt = G @ k[idx] / S0s[:, None]
+        st = np.maximum(G @ k[idx] ** 2 / S0s[:, None] - mt ** 2, 0.0)
+        Y0 = G @ nu2[idx]
+        mc_phase = phase[:, :, c]                                    # tau r.m_c, (D, m)
+        mx = tau * mt @ r.T - mc_phase                              # (D, m)
+        sx = tau ** 2 * st @ (r ** 2).T
+        F = np.exp(2 * mx + 2 * sx) - 2 * np.exp(mx + sx / 2) + 1
+        ev += np.where(live[:, None], np.exp(top2 + 2 * mc_phase - 2 * sm[None]) * F
+                       * (Y0[:, None] + S0[:, None] * a2), 0.0)
+    kept_terms = np.concatenate([kp * wgt[None, None, :] * res2, pad], -1)
+    V_sk = (head.quad(kept_terms, od) + ev) / Zd ** 2
+    return od, V_ht, V_or, Zd, V_sk
+
+
 def parse_code(name):
     """``r8b4-lognormal-orthogonal`` -> CodeDesign(rank=8, bits=4, score=..., value=...)."""
     rb, score, value = name.split("-")
@@ -359,6 +450,7 @@ def code_budget(B, n, d, dv, design):
 
 def run(args):
     t0 = time.perf_counter()
+    zmin = []       # min Z_DE / Z per head (--diffs)
     trust_far = []  # the share of each head's future queries beyond the trust radius (":trust")
     cap = load_capture(Path(args.cache), args.text_seed)
     tau = float(cap["scaling"])
@@ -469,6 +561,31 @@ def run(args):
                         Vt = np.where(far[None, :], trace_variance(head, pif, A, oh), Vt)
                         trust_far.append(far.mean())
                     add(f"tilt{spec}", "tilted", Vt, keep, lambda kp, te=te: te)
+                for spec in args.diffs:
+                    C, tilt_de = int(str(spec).split(":")[0]), str(spec).endswith(":tilt")
+                    # per head: C (d + dv + 1) + d; per kept token two more scalars (tau q0.k_i and its label)
+                    de = C * (d + dv + 1) + d
+                    b = (B * (d + dv + 1) - de) / (d + dv + 3)
+                    kw2 = dict(kw, top=design_sizes(b, sinks=SINKS, window=WINDOW, top_fraction=TOP_FRACTION).top)
+                    pi = R.inclusion_probabilities(u, b, **kw2)
+                    keep, pif, kf, A, oh = head.sample(pi, U)
+                    if C not in labels:
+                        labels[C] = SK.kmeans_assign(k[:L], C, iterations=10)
+                    qw = cap["q"][layer][h * g:(h + 1) * g][:, L - 32:L].double().numpy().reshape(-1, d)
+                    if tilt_de:  # + the tilted sketch's squares moments: C (2d + 2) more
+                        de += C * (2 * d + 2)
+                        b = (B * (d + dv + 1) - de) / (d + dv + 3)
+                        kw2 = dict(kw, top=design_sizes(b, sinks=SINKS, window=WINDOW,
+                                                        top_fraction=TOP_FRACTION).top)
+                        pi = R.inclusion_probabilities(u, b, **kw2)
+                        keep, pif, kf, A, oh = head.sample(pi, U)
+                    od, Vht, Vor, Zd, Vsk = difference_estimate(head, pi, keep, kf, labels[C], C, qw)
+                    zmin.append(float((Zd / head.Z[None]).min()))
+                    err = np.linalg.norm(od - head.o, axis=-1)
+                    add(f"de{C}", "ht", Vht, keep, lambda kp, de=de: de + 2 * kp.sum(1))
+                    add(f"de{C}", "oracle", Vor, keep, lambda kp, de=de: de + 2 * kp.sum(1))
+                    if tilt_de:
+                        add(f"de{C}", "tilted", Vsk, keep, lambda kp, de=de: de + 2 * kp.sum(1))
                 for name, cd in codes.items():
                     b = code_budget(B, L, d, dv, cd)
                     kw2 = dict(kw, top=design_sizes(b, sinks=SINKS, window=WINDOW, top_fraction=TOP_FRACTION).top)
@@ -482,6 +599,8 @@ def run(args):
                     if args.oracle_all:
                         add(name, "oracle", oracle_variance(head, pif, oh), keep, xm)
         print(f"[t2] layer {layer} done, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    if zmin:
+        print(f"[t2] difference estimator: min Z_DE / Z {min(zmin):.3g}", file=sys.stderr)
     if trust_far:
         print(f"[t2] trust: {100 * np.mean(trust_far):.1f}% of the queries beyond the window's spread", file=sys.stderr)
     return res, time.perf_counter() - t0
@@ -534,6 +653,15 @@ def check_against_reference(args, draws=3):
                 worst = max(worst, abs(a - b) / abs(a))
     print(f"[check] vectorized vs reference: worst relative difference {worst:.2e}", file=sys.stderr)
     assert worst < 1e-8, worst
+    # the difference estimator (--diffs): at q = q0 every residual a_i - g_i is 0, so o_DE = o and its variance is 0
+    q0 = qw.mean(0)
+    at_q0 = Head(np.repeat(q0[None], len(OFFSETS), axis=0), k, v, u, tau)
+    keep0, _, kf0, _, _ = at_q0.sample(pi, U)
+    od, Vht, Vor, Zd, _ = difference_estimate(at_q0, pi, keep0, kf0, lab, 8, qw)
+    gap = np.abs(od - at_q0.o[None]).max() / np.abs(at_q0.o).max()
+    print(f"[check] difference estimator at q = q0: |o_DE - o| / |o| {gap:.1e}, V {Vor.max():.1e}, "
+          f"Z_DE / Z - 1 {np.abs(Zd / at_q0.Z[None] - 1).max():.1e}", file=sys.stderr)
+    assert gap < 1e-10 and Vor.max() < 1e-20 and Vht.max() < 1e-20
 
 
 def summarize(res):
@@ -589,6 +717,8 @@ def main(argv=None):
                         "observation window's queries, their Q-quantile; cal1 = the max)")
     p.add_argument("--rules", nargs="*", default=list(RULES), help="radius rules: chebyshev, gaussian or xC")
     p.add_argument("--tilts", nargs="*", default=[], help="C:group or C:head (research: tilted cluster moments)")
+    p.add_argument("--diffs", nargs="*", default=[],
+                   help="C or C:tilt: the difference estimator with a tilted C-cluster model (research)")
     p.add_argument("--no-page", dest="page", action="store_false")
     p.add_argument("--oracle-all", action="store_true", help="also the oracle V on each code design's sample")
     p.add_argument("--check", action="store_true", help="only check the vectorized code against the reference")
