@@ -19,13 +19,13 @@ Timed per decode step (``validate=False``, the per-step path of kvcert/attention
   per_coordinate=False, value_center=mu, value_sqdist=r2)`` (the one-pass path: output, lse and
   the HT trace from one [a; c] x V matmul) and its Chebyshev radius sqrt(trace / delta);
 - ``cluster``: the cluster design's decode step, ``kvcert.fast.cluster_hajek_attention`` with
-  the same cache and moments: output, lse, trace, V_cl (which reads the sketch: C (2d + 3) + dv
+  the same cache and moments: output, lse, trace, V_cl (which reads the sketch: C (2d + 3) + dv + 1
   elements per KV head) and its radius;
 - ``cluster_v``: the same step with ``trace=False`` (output, lse, V_cl and its radius, no HT
   trace: the pass reads [a; c'] instead of [a; c; c']), the call the Hugging Face decode of
   ``PoissonPress(sketch=...)`` makes: the design as shipped;
 - ``tilted_v``: the tilted design as shipped (``PoissonPress(sketch="tilted")``: 8 clusters,
-  moments tilted at a window point q0, C (4d + 4) + d + dv elements per KV head, built once
+  moments tilted at a window point q0, C (4d + 4) + d + dv + 1 elements per KV head, built once
   beforehand like the other sketch), ``trace=False``: the step in q - q0 reads two moment pairs per
   cluster instead of one;
 - ``sdpa``: torch SDPA with ``enable_gqa=True`` and the bias -log pi as a float mask (the

@@ -27,14 +27,14 @@ attention (h_q = g * h_kv) and several queries, float32 or float64. Never import
   the kept part of :math:`V_{\mathrm{cl}}` are two more rows of the output's
   matmul) and O(C d) more work per query for the sketch.
 
-Memory (elements of the K/V dtype, one head): C (2d + 3) + dv
+Memory (elements of the K/V dtype, one head): C (2d + 3) + dv + 1
 (:meth:`ClusterDesign.elements`), whatever the number of evicted tokens.
 
 The tilted design (``ClusterDesign(tilt=True)``, docs/theory.md section 8, fifth slice) takes
 each cluster's moments under the weights :math:`w_i e^{2\tau q_0\cdot k_i}` (squared terms) and
 :math:`e^{\tau q_0\cdot k_i}` (:math:`\tilde Z`) at a tilt point :math:`q_0` per KV head
 (:func:`window_tilt`: the observation window's mean query of the head's group) and the decode's
-Gaussian step in :math:`r = q - q_0`; exact at :math:`q = q_0` for any keys; C (4d + 4) + d + dv
+Gaussian step in :math:`r = q - q_0`; exact at :math:`q = q_0` for any keys; C (4d + 4) + d + dv + 1
 elements.
 """
 
@@ -75,6 +75,8 @@ CLUSTER_RADII = ("chebyshev", "gaussian", "fixed")
 CLUSTER_SCALARS = 3
 #: per-cluster scalars of the tilted design beside its 4 d moments (S_c, Y_c, N_c, h_c)
 TILTED_SCALARS = 4
+#: per-head scalars beside mu (and q0): ``reach``, the evicted values' largest ||v_i - mu|| (the hull bound)
+HEAD_SCALARS = 1
 
 
 def _check_int(name: str, x, low: int) -> int:
@@ -115,7 +117,7 @@ class ClusterDesign:
     tilt : bool
         The tilted design (docs/theory.md section 8, fifth slice): the moments are taken at a
         tilt point q0 per KV head given at eviction (:func:`window_tilt`), the decode step in
-        r = q - q0; memory C (4d + 4) + d + dv.
+        r = q - q0; memory C (4d + 4) + d + dv + 1.
     """
 
     clusters: int = 16
@@ -134,10 +136,11 @@ class ClusterDesign:
             raise ValueError(f"tilt must be a bool, got {self.tilt!r}")
 
     def elements(self, d: int, dv: int) -> int:
-        """Elements held by the sketch of one head: C (2d + 3) + dv, tilted C (4d + 4) + d + dv."""
+        """Elements held by the sketch of one head: C (2d + 3) + dv + 1, tilted C (4d + 4) + d + dv + 1
+        (the + 1: ``reach``, for the hull bound of :func:`cluster_hajek_attention`)."""
         if self.tilt:
-            return self.clusters * (4 * d + TILTED_SCALARS) + d + dv
-        return self.clusters * (2 * d + CLUSTER_SCALARS) + dv
+            return self.clusters * (4 * d + TILTED_SCALARS) + d + dv + HEAD_SCALARS
+        return self.clusters * (2 * d + CLUSTER_SCALARS) + dv + HEAD_SCALARS
 
 
 def _as_design(design) -> ClusterDesign:
@@ -171,6 +174,8 @@ class ClusterSketch:
     tilt : (b, h_kv, d) or None, the tilt point q0 of a tilted design
     zmean, zvar : (b, h_kv, C, d) or None, a tilted design's moments for Z~ (weights e^{tau q0.k})
     shift : (b, h_kv, C) or None, a tilted design's h_c = max over U_c of tau q0.k_i
+    reach : (b, h_kv) or None, max over the evicted tokens of ||v_i - mu|| (0 where none is evicted), the
+        sketch's part of the hull bound (:func:`cluster_hajek_attention`); None: no hull bound
 
     A tilted sketch's ``mean`` / ``var`` are the moments under w e^{2 tau q0.k}, and ``weight``,
     ``wnorm``, ``count`` hold S_c e^{-2 h_c}, Y_c e^{-2 h_c}, N_c e^{-h_c} (:func:`cluster_sketch`).
@@ -191,6 +196,7 @@ class ClusterSketch:
     zmean: torch.Tensor | None = None
     zvar: torch.Tensor | None = None
     shift: torch.Tensor | None = None
+    reach: torch.Tensor | None = None
 
     @property
     def clusters(self) -> int:
@@ -216,16 +222,17 @@ class ClusterSketch:
         if not sketches:
             raise ValueError("sketches must hold at least one ClusterSketch")
         first = sketches[0]
-        if any((s.rule, s.multiplier, s.mean.shape[1:], s.tilt is None)
-               != (first.rule, first.multiplier, first.mean.shape[1:], first.tilt is None) for s in sketches):
-            raise ValueError("sketches must share the heads, C, d, rule, multiplier and tilt to be joined")
+        if any((s.rule, s.multiplier, s.mean.shape[1:], s.tilt is None, s.reach is None)
+               != (first.rule, first.multiplier, first.mean.shape[1:], first.tilt is None, first.reach is None)
+               for s in sketches):
+            raise ValueError("sketches must share the heads, C, d, rule, multiplier, tilt and reach to be joined")
         return replace(first, **{f.name: torch.cat([getattr(s, f.name) for s in sketches])
                                  for f in fields(first) if isinstance(getattr(first, f.name), torch.Tensor)})
 
 
 @dataclass
 class ClusterEstimate:
-    """Result of :func:`cluster_hajek_attention`.
+    r"""Result of :func:`cluster_hajek_attention`.
 
     Attributes
     ----------
@@ -233,8 +240,12 @@ class ClusterEstimate:
         What ``hajek_attention(..., per_coordinate=False)`` returns on the same inputs
         (output, lse and the HT ``trace``; ``weights``, ``variance``, ``n_eff`` None).
     variance : (b, h_q[, t]) V_cl, the hybrid variance with the sketch's evicted part
-    radius : (b, h_q[, t]) the radius of ``rule`` on V_cl at level 1 - ``delta``
+    radius : (b, h_q[, t]) the radius of ``rule`` on V_cl at level 1 - ``delta``, capped at ``bound``
     rule : str   delta : float
+    bound : (b, h_q[, t]) or None, the deterministic hull bound
+        :math:`\lVert\hat o-\mu\rVert + \max(\rho_U, \max_S\lVert v_i - c\rVert + \lVert c-\mu\rVert)` on
+        :math:`\lVert\hat o - o\rVert` (``kvcert.reference.sketch.hull_bound``; None for a sketch without
+        ``reach``)
     """
 
     estimate: Estimate
@@ -242,6 +253,7 @@ class ClusterEstimate:
     radius: torch.Tensor
     rule: str
     delta: float
+    bound: torch.Tensor | None = None
 
     @property
     def output(self) -> torch.Tensor:
@@ -468,7 +480,9 @@ def cluster_sketch(keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor, k
     E = torch.nn.functional.one_hot(lab, C).to(dt) * g.to(dt)[:, :, None]
     Et = E.transpose(1, 2)                                                  # (B, C, n)
     nu2 = (v - mu[:, None, :]).square().sum(-1)                             # (B, n)
-    out = dict(mu=mu.reshape(b, h, dv), rule=design.radius, multiplier=float(design.multiplier))
+    reach = nu2.masked_fill(~g, 0.0).amax(-1).sqrt() if n else torch.zeros(B, dtype=dt, device=dev)
+    out = dict(mu=mu.reshape(b, h, dv), rule=design.radius, multiplier=float(design.multiplier),
+               reach=reach.reshape(b, h))
     if q0 is None:
         W, mean, var = _weighted_moments(Et, w, k, lab)
         N = E.sum(1)
@@ -587,6 +601,8 @@ def _check_sketch(sketch, L: _Layout) -> None:
     if sketch.tilt is not None:
         want.update({"tilt": ("(b, h_kv, d)", (L.b, L.h_kv, L.d)), "zmean": ("(b, h_kv, C, d)", (L.b, L.h_kv, C, L.d)),
                      "zvar": ("(b, h_kv, C, d)", (L.b, L.h_kv, C, L.d)), "shift": ("(b, h_kv, C)", (L.b, L.h_kv, C))})
+    if sketch.reach is not None:
+        want["reach"] = ("(b, h_kv)", (L.b, L.h_kv))
     for name, (text, shape) in want.items():
         x = getattr(sketch, name)
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape:
@@ -906,5 +922,16 @@ def _cluster_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier
     est = Estimate(output=_cast(L.unrows(o.contiguous()), values.dtype), weights=None, variance=None,
                    trace=None if trace is None else unrow(trace), lse=unrow(lse))
     variance = unrow(variance)
-    return ClusterEstimate(estimate=est, variance=variance, radius=_radius(variance, delta, rule, multiplier, clamp=False),
-                           rule=rule, delta=delta)
+    radius = _radius(variance, delta, rule, multiplier, clamp=False)
+    bound = None
+    if sketch.reach is not None:  # the hull bound (reference.sketch.hull_bound); an empty row keeps +inf
+        mus = _cast(sketch.mu, dt).reshape(L.B, 1, L.dv)
+        if L.n == 0:
+            inside = torch.zeros(L.B, 1, dtype=dt, device=o.device)
+        else:
+            r2k = _cast(r2, dt).reshape(L.B, L.n).masked_fill(~(pf > 0), 0.0)
+            inside = r2k.amax(-1, keepdim=True).sqrt_() + torch.linalg.vector_norm(mu - mus, dim=-1)
+        far = torch.maximum(_cast(sketch.reach, dt).reshape(L.B, 1), inside)            # (B, 1)
+        bound = unrow(torch.linalg.vector_norm(o - mus, dim=-1).add_(far).masked_fill_(empty[:, 0], float("inf")))
+        radius = torch.minimum(radius, bound.to(radius.dtype))
+    return ClusterEstimate(estimate=est, variance=variance, radius=radius, rule=rule, delta=delta, bound=bound)

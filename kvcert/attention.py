@@ -379,7 +379,9 @@ class Session:
 
         (a tilted sketch takes the Gaussian step in :math:`q - q_0` with its tilted moments),
         recorded as the step's ``trace`` (the press's kind, Chebyshev, turns it into
-        :math:`\sqrt{V_{\mathrm{cl}}/\delta}`). A chunk of several queries runs one query at a
+        :math:`\sqrt{V_{\mathrm{cl}}/\delta}`), clipped at :math:`\delta H^2` with :math:`H` the
+        deterministic hull bound (``ClusterEstimate.bound``), so the radius is
+        :math:`\min(\sqrt{V_{\mathrm{cl}}/\delta}, H)`. A chunk of several queries runs one query at a
         time, each over the slots at or before its position (the function has no causal mask).
         Torch on every device (the Triton twin, ``kvcert.kernels.cluster_hajek_attention``, is not
         wired here).
@@ -401,7 +403,9 @@ class Session:
                 log_pi = layer.log_weights.masked_fill(layer.positions > qpos[:, None, None], float("-inf"))
             ce = cluster_hajek_attention(query[:, :, j], layer.keys, layer.values, None, layer.sketch,
                                          log_pi=log_pi, **kw)
-            est = dataclasses.replace(ce.estimate, trace=ce.variance)
+            # V_cl, clipped at delta H^2 (H the hull bound): the recorded Chebyshev radius is min(sqrt(V_cl / delta), H)
+            var = ce.variance if ce.bound is None else torch.minimum(ce.variance, ce.delta * ce.bound.square())
+            est = dataclasses.replace(ce.estimate, trace=var)
             norms = self._record(layer_idx, est, (log_pi > float("-inf")).sum(-1), held)
             outs.append(est.output)
         out = torch.stack(outs, dim=1)

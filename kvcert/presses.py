@@ -700,13 +700,15 @@ class PoissonPress(BasePress):
         docs/theory.md section 8): per layer, row and KV head, the
         w-weighted mean and per-channel variance of the evicted keys in each
         of C k-means clusters, with :math:`W_c, Y_c, N_c` and the value
-        centre, C (2d + 3) + dv elements. **At equal memory**: the event
-        samples :math:`B - (C(2d+3)+d_v)/(d+d_v+1)` expected tokens instead
+        centre, and the evicted values' largest distance to it (the hull
+        bound's part), C (2d + 3) + dv + 1 elements. **At equal memory**: the event
+        samples :math:`B - (C(2d+3)+d_v+1)/(d+d_v+1)` expected tokens instead
         of B (the top slice re-sized at that budget), so kept tokens plus
         sketch hold what the pure design's B tokens hold. Decoding then
-        records Chebyshev on the hybrid variance,
-        :math:`\lVert\hat o - o\rVert_2 \le \sqrt{V_{\mathrm{cl}}/\delta}`
-        (``Certificates.trace`` holds :math:`V_{\mathrm{cl}}`): kept tokens
+        records Chebyshev on the hybrid variance, capped at the deterministic
+        hull bound H (``kvcert.reference.sketch.hull_bound``):
+        :math:`\lVert\hat o - o\rVert_2 \le \min(\sqrt{V_{\mathrm{cl}}/\delta}, H)`
+        (``Certificates.trace`` holds :math:`\min(V_{\mathrm{cl}}, \delta H^2)`): kept tokens
         exact, evicted ones through the sketch's Gaussian moments. Opt-in and
         empirical (it covers on the real model's replay cells but is
         13-21x the RMS error there; docs/research/issue14/RESULTS_T2.md).
@@ -714,8 +716,8 @@ class PoissonPress(BasePress):
         ``"tilted"`` is ``ClusterDesign(clusters=8, radius="chebyshev",
         tilt=True)``: the moments are tilted at the mean of the last
         ``observation_window`` prefill queries of each KV head's query group
-        (:func:`kvcert.fast.window_tilt`), C (4d + 4) + d + dv elements (2,208
-        at d = dv = 64, the 16-cluster design's 2,160), and the decode's
+        (:func:`kvcert.fast.window_tilt`), C (4d + 4) + d + dv + 1 elements (2,209
+        at d = dv = 64, the 16-cluster design's 2,161), and the decode's
         Gaussian step is taken in q - q0 (docs/theory.md section 8, fifth
         slice). Both need ``kind="chebyshev"``, a design whose ``radius`` is
         ``"chebyshev"`` and one eviction event per layer (no DecodingPress).

@@ -156,8 +156,8 @@ def _sketch_payoff(s: dict) -> list[str]:
     return [
         "### The sketched design where users feel it: T3 and T4 (issue 14)",
         "",
-        "The same examples and budgets (the same memory: each sketch's elements per head, 16 (2d + 3) + dv "
-        "for `cluster` and 8 (4d + 4) + d + dv for `tilted`, are taken off the sampled budget) with the "
+        "The same examples and budgets (the same memory: each sketch's elements per head, 16 (2d + 3) + dv + 1 "
+        "for `cluster` and 8 (4d + 4) + d + dv + 1 for `tilted`, are taken off the sampled budget) with the "
         "sketched designs, whose certificate is Chebyshev on the hybrid variance V_cl (docs/theory.md "
         "section 8; `tilted` takes its moments at the observation window's mean query); their own answers, "
         "so their own failures. The recommended design (`design=None`) stays the paper's. Table 4's "

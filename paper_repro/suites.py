@@ -345,11 +345,11 @@ def table(records: list[dict], cfg: Config) -> Table:
         "where a cell has no failure or no success.",
         "*_cluster (issue 14): PoissonPress(sketch='cluster') at the same budget, i.e. the same memory: 16 "
         "k-means clusters of each head's keys hold the evicted tokens' weighted mean key, per-channel "
-        "variance and three sums (16 (2d + 3) + dv elements per head, taken off the sampled budget: about 17 "
+        "variance and three sums (16 (2d + 3) + dv + 1 elements per head, taken off the sampled budget: about 17 "
         "tokens here); its certificate is Chebyshev on the hybrid variance V_cl (kept tokens exact, evicted "
         "ones through the sketch; docs/theory.md section 8). Its own answers, failures and AUCs.",
         "*_tilted (issue 14): PoissonPress(sketch='tilted'), the same with 8 clusters whose moments are "
-        "tilted at the mean of the observation window's queries of each KV head's group (8 (4d + 4) + d + dv "
+        "tilted at the mean of the observation window's queries of each KV head's group (8 (4d + 4) + d + dv + 1 "
         "elements per head: about 17 tokens here) and the decode's Gaussian step taken in q - q0 "
         "(docs/theory.md section 8, fifth slice).",
         "Quick mode runs the needle-type tasks only: SmolLM2-135M answers variable tracking, common words "

@@ -64,6 +64,7 @@ __all__ = [
     "code_scores",
     "code_sketch",
     "evict_and_certify",
+    "hull_bound",
     "hybrid_variance",
     "kmeans_assign",
     "memory_fraction",
@@ -453,12 +454,13 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
     ``budget - ClusterDesign.elements(d, dv) / (d + dv + 1)`` (equal expected
     memory), the same Hajek estimate, a :func:`cluster_sketch` of the evicted
     tokens and the radius of ``design.radius`` on :math:`V_{\mathrm{cl}}`
-    (:func:`cluster_variance`, :func:`radius_from_variance`).
+    (:func:`cluster_variance`, :func:`radius_from_variance`), capped at the
+    deterministic :func:`hull_bound`.
 
     ``design="tilted"`` (:data:`TILTED`) or a ``ClusterDesign(tilt=True)``: the
     same, with the sketch's moments tilted at ``tilt`` (the observation-window
     queries (w, d) of the head's query group, or their mean q0 (d,)), memory
-    C (4d + 4) + d + dv (docs/theory.md section 8, fifth slice).
+    C (4d + 4) + d + dv + 1 (docs/theory.md section 8, fifth slice).
 
     ``design="code"`` or a :class:`CodeDesign`: sampling at :func:`code_budget`
     (equal expected memory), a :func:`code_sketch` of the evicted tokens and the
@@ -562,7 +564,8 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
     elif isinstance(spec, ClusterDesign):
         sk = cluster_sketch(k, v, pi, keep, spec, tilt=tilt, scale=scale)
         var = cluster_variance(*args, sk, output=est.output, scale=scale)
-        radius = radius_from_variance(var, delta=delta, rule=spec.radius, multiplier=spec.multiplier)
+        radius = min(radius_from_variance(var, delta=delta, rule=spec.radius, multiplier=spec.multiplier),
+                     hull_bound(v[keep], pi[keep], sk, output=est.output))
         memory = memory_fraction(n, d, dv, kept=kept, extra=spec.elements(d, dv) if kept < n else 0)
     else:
         var = hybrid_variance(*args, code_sketch(k, v, pi, keep, spec), output=est.output, scale=scale)
@@ -847,7 +850,7 @@ class ClusterDesign:
     :math:`N_c = \sum e^{\tau q_0\cdot k_i}`), and the Gaussian step is taken in
     :math:`r = q - q_0`: exact at :math:`q = q_0` for any keys. The masses are held scaled by
     :math:`e^{-2h_c}` / :math:`e^{-h_c}` with :math:`h_c = \max_{U_c}\tau q_0\cdot k_i` (one
-    more scalar, so no overflow): C (4d + 4) + d + dv elements per head with :math:`q_0`.
+    more scalar, so no overflow): C (4d + 4) + d + dv + 1 elements per head with :math:`q_0`.
 
     Attributes
     ----------
@@ -876,14 +879,17 @@ class ClusterDesign:
             raise ValueError(f"tilt must be a bool, got {self.tilt!r}")
 
     def elements(self, d: int, dv: int) -> int:
-        """Elements held by the sketch of one head: C (2d + 3) + dv, tilted C (4d + 4) + d + dv."""
+        """Elements held by the sketch of one head: C (2d + 3) + dv + 1, tilted C (4d + 4) + d + dv + 1
+        (the + 1: ``reach``, the evicted values' largest distance to mu, for :func:`hull_bound`)."""
         if self.tilt:
-            return self.clusters * (4 * d + TILTED_SCALARS) + d + dv
-        return self.clusters * (2 * d + CLUSTER_SCALARS) + dv
+            return self.clusters * (4 * d + TILTED_SCALARS) + d + dv + HEAD_SCALARS
+        return self.clusters * (2 * d + CLUSTER_SCALARS) + dv + HEAD_SCALARS
 
 
 #: per-cluster scalars beside the 2 d moments (W_c, Y_c, N_c)
 CLUSTER_SCALARS = 3
+#: per-head scalars of a cluster sketch beside mu (and q0): ``reach``, for :func:`hull_bound`
+HEAD_SCALARS = 1
 #: per-cluster scalars of the tilted design beside its 4 d moments (S_c, Y_c, N_c and the exponent h_c)
 TILTED_SCALARS = 4
 #: the tilted design ``design="tilted"`` names: 8 clusters (its memory is about the 16-cluster
@@ -905,6 +911,8 @@ class ClusterSketch:
     ``zmean`` / ``zvar`` (C, d) the moments under e^{tau q0.k} and ``shift`` (C,) h_c; then
     ``mean`` / ``var`` are the moments under w e^{2 tau q0.k}, ``weight`` = S_c e^{-2 h_c},
     ``wnorm`` = Y_c e^{-2 h_c}, ``count`` = N_c e^{-h_c}. Untilted: those four are None.
+    ``reach`` is max over the evicted tokens of ||v_i - mu|| (0 when none is evicted), the sketch's
+    part of :func:`hull_bound`; None (a sketch built by hand without it): no hull bound.
     """
 
     mean: np.ndarray
@@ -917,6 +925,7 @@ class ClusterSketch:
     zmean: np.ndarray | None = None
     zvar: np.ndarray | None = None
     shift: np.ndarray | None = None
+    reach: float | None = None
 
 
 def kmeans_assign(keys, clusters: int, *, iterations: int = 10) -> np.ndarray:
@@ -984,6 +993,7 @@ def cluster_sketch(keys, values, pi, keep, design: ClusterDesign | None = None, 
     C = used.size
     w = (1.0 - p[gone]) / p[gone]
     nu2 = np.sum((v[gone] - mu) ** 2, axis=1)
+    reach = float(np.sqrt(nu2.max())) if gone.size else 0.0
     if not design.tilt:
         if tilt is not None:
             raise ValueError("tilt is for a tilted design (ClusterDesign(tilt=True)); this design has tilt=False")
@@ -991,7 +1001,7 @@ def cluster_sketch(keys, values, pi, keep, design: ClusterDesign | None = None, 
         W, mean, var = _weighted_moments(k[gone], w, inv, C)
         Y = np.bincount(inv, weights=w * nu2, minlength=C)
         N = np.bincount(inv, minlength=C).astype(np.float64)
-        return ClusterSketch(mean=mean, var=var, weight=W, wnorm=Y, count=N, mu=mu)
+        return ClusterSketch(mean=mean, var=var, weight=W, wnorm=Y, count=N, mu=mu, reach=reach)
     q0 = _tilt_point(tilt, d)
     tau = 1.0 / np.sqrt(d) if scale is None else float(scale)
     e = tau * k[gone] @ q0
@@ -1002,7 +1012,7 @@ def cluster_sketch(keys, values, pi, keep, design: ClusterDesign | None = None, 
     Y = np.bincount(inv, weights=w * nu2 * np.exp(2.0 * x), minlength=C)
     N, zmean, zvar = _weighted_moments(k[gone], np.exp(x), inv, C)
     return ClusterSketch(mean=mean, var=var, weight=S, wnorm=Y, count=N, mu=mu, tilt=q0, zmean=zmean, zvar=zvar,
-                         shift=h)
+                         shift=h, reach=reach)
 
 
 def _tilt_point(tilt, d: int) -> np.ndarray:
@@ -1017,6 +1027,48 @@ def _tilt_point(tilt, d: int) -> np.ndarray:
         raise ValueError(f"tilt must be a finite (d,) = ({d},) point or (w, d) = (w, {d}) window queries, "
                          f"got shape {np.shape(tilt)}")
     return t
+
+
+def hull_bound(values, pi, sketch: ClusterSketch, *, output) -> float:
+    r"""A deterministic bound on :math:`\lVert\hat o - o\rVert` from the values' convex hull.
+
+    The exact output :math:`o` and the Hajek estimate :math:`\hat o` are both convex combinations of
+    the head's values (every token: kept, evicted, and those added after the eviction), so for the
+    sketch's centre :math:`\mu`
+
+    .. math::
+
+        \lVert\hat o - o\rVert \le \lVert\hat o - \mu\rVert + \max_i \lVert v_i - \mu\rVert
+            \le \lVert\hat o - \mu\rVert + \max\big(\rho_U,\ \max_{i\in S}\lVert v_i - c\rVert
+            + \lVert c - \mu\rVert\big),
+
+    :math:`\rho_U` = ``sketch.reach`` (the evicted tokens' largest :math:`\lVert v_i - \mu\rVert`, held
+    at eviction) and :math:`c` the mean of the kept values (``kvcert.fast.value_moments``: the kept
+    part goes through the distances the decode already has). No probability is involved: it holds
+    for every draw. The cluster designs' radius is the smaller of their rule's radius and this
+    bound, which only binds where the rule's radius is large (docs/theory.md section 8).
+
+    Parameters
+    ----------
+    values : (n, dv), the kept tokens' values   pi : (n,), 0 on padding
+    sketch : ClusterSketch   output : (dv,), the Hajek estimate o_hat
+
+    Returns
+    -------
+    float, +inf when the sketch holds no ``reach`` (built without it) or nothing is kept.
+    """
+    v = np.asarray(values, dtype=np.float64)
+    p = np.asarray(pi, dtype=np.float64)
+    o = np.asarray(output, dtype=np.float64)
+    if v.ndim != 2 or p.shape != (v.shape[0],) or o.shape != (v.shape[1],):
+        raise ValueError(f"values must be (n, dv), pi (n,) and output (dv,), got {v.shape}, {p.shape}, {o.shape}")
+    kept = v[p > 0]
+    if sketch.reach is None or kept.shape[0] == 0:
+        return float("inf")
+    mu = np.asarray(sketch.mu, dtype=np.float64)
+    c = kept.mean(axis=0)
+    inside = float(np.sqrt(np.max(np.sum((kept - c) ** 2, axis=1)))) + float(np.linalg.norm(c - mu))
+    return float(np.linalg.norm(o - mu)) + max(float(sketch.reach), inside)
 
 
 def cluster_variance(q, keys, values, pi, sketch: ClusterSketch, *, output, scale: float | None = None) -> float:

@@ -98,9 +98,10 @@ def _check_fields(fast, ref, bi, hi, dtype=torch.float64, tol=None):
     assert_close(f"mu[{bi}, {hi}]", got, want, RTOL * (np.abs(want).max() + 1.0) if tol is None else tol["mu"])
 
 
-def _reference_rows(q, k, v, pi, keep, valid, design, *, out=None, t=None, labels=None):
+def _reference_rows(q, k, v, pi, keep, valid, design, *, out=None, t=None, labels=None, bound=False):
     """Per (b, h_q[, t]) the reference o_hat, V_cl, and the Hajek estimate (float64 numpy); ``labels``
-    (b, h, n) the clusters to use (default: the reference's own k-means)."""
+    (b, h, n) the clusters to use (default: the reference's own k-means); ``bound``: each row also
+    holds the reference's hull bound (``RS.hull_bound``, +inf where nothing is kept)."""
     b, h_q = q.shape[:2]
     g = h_q // k.shape[1]
     res = {}
@@ -119,7 +120,10 @@ def _reference_rows(q, k, v, pi, keep, valid, design, *, out=None, t=None, label
                 o = (e.output if e is not None else np.zeros(v.shape[-1])) if out is None else \
                     (out[bi, hq] if t is None else out[bi, hq, j])
                 var = RS.cluster_variance(qq, k[bi, hi][kk], v[bi, hi][kk], pi[bi, hi][kk], rsk, output=o)
-                res[(bi, hq) if t is None else (bi, hq, j)] = (e, var)
+                row = (e, var)
+                if bound:
+                    row += (RS.hull_bound(v[bi, hi][kk], pi[bi, hi][kk], rsk, output=o),)
+                res[(bi, hq) if t is None else (bi, hq, j)] = row
     return res
 
 

@@ -133,7 +133,7 @@ def test_decode_step_matches_reference_float64(n, d, dv, g, clusters, budget, ru
     sk = FS.cluster_sketch(T(k), T(v), T(pi), T(keep, torch.bool), design)
     K, V, P = _compact(k, v, pi, keep)
     got = FS.cluster_hajek_attention(T(q), T(K), T(V), T(P), sk, delta=0.1)
-    ref = _reference_rows(q, k, v, pi, keep, valid, RS.ClusterDesign(clusters=clusters, iterations=4))
+    ref = _reference_rows(q, k, v, pi, keep, valid, RS.ClusterDesign(clusters=clusters, iterations=4), bound=True)
     # the estimate is hajek_attention's trace-only one (same inputs, cached moments)
     mu, r2 = F.value_moments(T(V), T(P))
     est = F.hajek_attention(T(q), T(K), T(V), T(P), per_coordinate=False, value_center=mu, value_sqdist=r2)
@@ -142,7 +142,7 @@ def test_decode_step_matches_reference_float64(n, d, dv, g, clusters, budget, ru
         assert_close(f, getattr(got.estimate, f).numpy(), want, RTOL * (np.abs(want).max() + 1.0))
     var_fn = FS.cluster_variance(T(q), T(K), T(V), T(P), sk, output=got.output)
     r64 = rounding(torch.float64, n)
-    for (bi, hq), (e, var) in ref.items():
+    for (bi, hq), (e, var, hull) in ref.items():
         hi = hq // g
         kept = P[bi, hi] > 0
         kk, vv, pp, o = K[bi, hi][kept], V[bi, hi][kept], P[bi, hi][kept], e.output
@@ -155,8 +155,11 @@ def test_decode_step_matches_reference_float64(n, d, dv, g, clusters, budget, ru
         for name, x in (("cluster_hajek_attention", got.variance), ("cluster_variance", var_fn)):
             assert_close(f"{name}[{bi}, {hq}]", float(x[bi, hq]), var, tol)
         want_r = RS.radius_from_variance(var, delta=0.1, rule=rule, multiplier=2.5)
+        # the hull bound: norms and a max of float64 sums, relative rounding r64; the radius is the smaller
+        assert_close(f"bound[{bi}, {hq}]", float(got.bound[bi, hq]), hull, r64 * hull)
         # sqrt halves the relative error
-        assert_close(f"radius[{bi}, {hq}]", float(got.radius[bi, hq]), want_r, want_r * (tol / max(var, 1e-300)))
+        assert_close(f"radius[{bi}, {hq}]", float(got.radius[bi, hq]), min(want_r, hull),
+                     max(want_r * (tol / max(var, 1e-300)), r64 * hull))
 
 
 def test_cluster_variance_several_queries_and_plug_in():

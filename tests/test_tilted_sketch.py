@@ -29,6 +29,7 @@ from scipy.special import logsumexp
 
 import kvcert.fast as F
 from kvcert.fast import sketch as FS
+from kvcert import reference as R
 from kvcert.reference import hajek_attention as ref_hajek
 from kvcert.reference import sketch as RS
 from sketch_support import RTOL, RTOL_V, T, _compact, _full, _heads
@@ -153,6 +154,7 @@ def test_fast_matches_reference_float64(n, d, dv, g, clusters, budget, seed):
             top = np.abs(want).max() if want.size else 0.0
             assert_close(f"{f}[{bi}, {hi}]", getattr(sk, f)[bi, hi].numpy()[used], want,
                          RTOL * (np.abs(want) + top + 1e-300))
+        assert_close(f"reach[{bi}, {hi}]", float(sk.reach[bi, hi]), ref.reach, RTOL * (ref.reach + 1e-300))
         kk = ok & keep[bi, hi]
         for h in range(g):
             hq = hi * g + h
@@ -163,8 +165,10 @@ def test_fast_matches_reference_float64(n, d, dv, g, clusters, budget, seed):
                 assert float(got.variance[bi, hq]) == math.inf
                 continue
             assert_close(f"V_cl[{bi}, {hq}]", float(got.variance[bi, hq]), want, tol)
-            assert_close(f"radius[{bi}, {hq}]", float(got.radius[bi, hq]), 3.0 * math.sqrt(want),
-                         3.0 * math.sqrt(want) * tol / max(want, 1e-300))
+            hull = RS.hull_bound(v[bi, hi][kk], pi[bi, hi][kk], ref, output=o)
+            assert_close(f"bound[{bi}, {hq}]", float(got.bound[bi, hq]), hull, r64 * hull)
+            assert_close(f"radius[{bi}, {hq}]", float(got.radius[bi, hq]), min(3.0 * math.sqrt(want), hull),
+                         max(3.0 * math.sqrt(want) * tol / max(want, 1e-300), r64 * hull))
 
 
 @pytest.mark.parametrize("backend", ["fast", "kernel"])
@@ -218,8 +222,8 @@ def test_float32_holds_large_tilt_exponents(backend):
 def test_design_memory_and_names():
     for kw in (dict(tilt=True), dict(clusters=3, tilt=True, radius="chebyshev")):
         a, r = FS.ClusterDesign(**kw), RS.ClusterDesign(**kw)
-        assert a.elements(64, 48) == r.elements(64, 48) == a.clusters * (4 * 64 + 4) + 64 + 48
-    assert RS.TILTED.elements(64, 64) == 8 * 260 + 128 and "tilted" in RS.DESIGNS
+        assert a.elements(64, 48) == r.elements(64, 48) == a.clusters * (4 * 64 + 4) + 64 + 48 + 1
+    assert RS.TILTED.elements(64, 64) == 8 * 260 + 128 + 1 and "tilted" in RS.DESIGNS
     assert FS._as_design(RS.TILTED).tilt is True
     with pytest.raises(ValueError, match="tilt must be a bool"):
         FS.ClusterDesign(tilt="window")
@@ -267,9 +271,47 @@ def test_fast_tilt_errors():
     a = FS.cluster_sketch(*args, tilted, tilt=torch.zeros(1, 2, 4, dtype=torch.float64))
     b = FS.cluster_sketch(*args, FS.ClusterDesign(clusters=3))
     assert FS.ClusterSketch.cat([a, a]).tilt.shape == (2, 2, 4)
-    with pytest.raises(ValueError, match="must share the heads, C, d, rule, multiplier and tilt"):
+    with pytest.raises(ValueError, match="must share the heads, C, d, rule, multiplier, tilt and reach"):
         FS.ClusterSketch.cat([a, b])
     K, V, P = _compact(k, v, pi, keep)
     bad = FS.ClusterSketch(**{**a.__dict__, "zmean": a.zmean[..., :2]})
     with pytest.raises(ValueError, match=r"sketch.zmean must have shape \(b, h_kv, C, d\) = \(1, 2, 3, 4\)"):
         FS.cluster_hajek_attention(T(np.ones((1, 2, 4))), T(K), T(V), T(P), bad)
+
+
+def test_the_hull_bound_holds_for_every_draw_and_caps_a_far_query():
+    """||o_hat - o|| <= hull_bound on every draw (a deterministic inequality: o and o_hat are convex
+    combinations of the values), on heavy-tailed keys and values; a query far from the tilt point, whose
+    Gaussian step explodes, gets the bound as its radius from evict_and_certify."""
+    rng = np.random.default_rng(11)
+    n, d, dv = 300, 8, 5
+    k = rng.standard_t(2, size=(n, d))
+    v = rng.standard_t(2, size=(n, dv)) * 3.0
+    imp = rng.random(n) ** 4
+    window = rng.normal(size=(6, d))
+    tau = 1.0 / math.sqrt(d)
+    worst = 0.0
+    for seed in range(40):
+        pi = R.inclusion_probabilities(imp, 60.0, sinks=2, window=4, floor=0.1)
+        keep = R.poisson_sample(pi, seed=seed)
+        sk = RS.cluster_sketch(k, v, pi, keep, RS.TILTED, tilt=window)
+        assert sk.reach == pytest.approx(np.sqrt(np.max(np.sum((v[~keep] - v.mean(0)) ** 2, axis=1))), rel=1e-12)
+        for q in (window.mean(0), rng.normal(size=d) * 4.0):
+            o_hat = R.hajek_attention(q, k[keep], v[keep], pi[keep], scale=tau).output
+            o = R.attention(q, k, v, scale=tau)
+            hull = RS.hull_bound(v[keep], pi[keep], sk, output=o_hat)
+            worst = max(worst, np.linalg.norm(o_hat - o) / hull)
+    assert worst <= 1.0 + 1e-12
+    # far from q0 the Gaussian step's radius exceeds the bound, and the design's radius is the bound
+    q_far = window.mean(0) + 4.0 * rng.normal(size=d)
+    r = RS.evict_and_certify(q_far, k, v, imp, 60.0, seed=0, design="tilted", tilt=window, sinks=2, window=4)
+    pi = R.inclusion_probabilities(imp, 60.0 - RS.TILTED.elements(d, dv) / (d + dv + 1), sinks=2, window=4, floor=0.1)
+    keep = R.poisson_sample(pi, seed=0)
+    sk = RS.cluster_sketch(k, v, pi, keep, RS.TILTED, tilt=window)
+    var = RS.cluster_variance(q_far, k[keep], v[keep], pi[keep], sk, output=r.output)
+    hull = RS.hull_bound(v[keep], pi[keep], sk, output=r.output)
+    rule = RS.radius_from_variance(var, delta=0.05, rule=RS.TILTED.radius, multiplier=RS.TILTED.multiplier)
+    assert rule > hull and r.radius == hull
+    assert np.linalg.norm(r.output - R.attention(q_far, k, v)) <= r.radius
+    without = RS.ClusterSketch(**{**sk.__dict__, "reach": None})
+    assert RS.hull_bound(v[keep], pi[keep], without, output=r.output) == math.inf

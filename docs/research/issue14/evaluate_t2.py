@@ -531,7 +531,7 @@ def run(args):
                     theta = 1.0 if len(parts) < 3 else (("cal", float(parts[2][3:]) if len(parts[2]) > 3 else 1.0)
                                                          if parts[2].startswith("cal") else float(parts[2]))
                     per_head = mode == "head"
-                    # the library's count (ClusterDesign(tilt=True).elements: C (4d + 4) + d + dv), per query head
+                    # the library's count (ClusterDesign(tilt=True).elements: C (4d + 4) + d + dv + 1), per query head
                     # for the research variant C:head
                     tilted_design = SK.ClusterDesign(clusters=C, tilt=True)
                     te = tilted_design.elements(d, dv) + (g - 1) * (tilted_design.elements(d, dv) - dv) * per_head
