@@ -224,7 +224,7 @@ def value_moments(values: torch.Tensor, pi: torch.Tensor | None = None, *, log_p
 
     .. math:: \mu = \frac{1}{|S|}\sum_{i\in S} v_i, \qquad r_i = \lVert v_i - \mu \rVert^2,
 
-    the mean kept value of each KV head (padding excluded) and the scalars a
+    the mean kept value of each KV head (padding excluded; r is 0 there) and the scalars a
     compressed cache can keep beside log pi (1/dv extra memory), so that
     ``hajek_attention(..., value_center=mu, value_sqdist=r, per_coordinate=False)``
     computes the trace without another pass over V.
@@ -244,7 +244,7 @@ def value_moments(values: torch.Tensor, pi: torch.Tensor | None = None, *, log_p
     w = present.to(dt)
     cnt = w.sum(-1, keepdim=True).clamp(min=1.0)
     mu = (w.unsqueeze(-2) @ v).squeeze(-2) / cnt
-    r = (v - mu.unsqueeze(-2)).square_().sum(-1)
+    r = (v - mu.unsqueeze(-2)).square_().sum(-1).mul_(w)       # 0 on padding
     return mu, r
 
 

@@ -819,7 +819,8 @@ def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     value_center, value_sqdist : (b, h_kv, dv), (b, h_kv, n), optional
         :math:`\mu` and :math:`\lVert v_i - \mu\rVert^2` kept beside the cache
         (:func:`kvcert.fast.value_moments`); without them they are computed here (one more pass
-        over V). Give both or neither.
+        over V). Give both or neither. The hull bound reads the largest ``value_sqdist`` over all
+        slots: ``value_moments`` puts 0 on padding; anything larger there only loosens the bound.
     validate : bool, default True
         Check pi / log_pi values and refuse a NaN output (host synchronisations); ``False`` for a
         caller that checked its inputs once.
@@ -928,10 +929,10 @@ def _cluster_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier
         mus = _cast(sketch.mu, dt).reshape(L.B, 1, L.dv)
         if L.n == 0:
             inside = torch.zeros(L.B, 1, dtype=dt, device=o.device)
-        else:
-            r2k = _cast(r2, dt).reshape(L.B, L.n).masked_fill(~(pf > 0), 0.0)
-            inside = r2k.amax(-1, keepdim=True).sqrt_() + torch.linalg.vector_norm(mu - mus, dim=-1)
+        else:  # value_sqdist is 0 on padding (value_moments); other values there only loosen the bound
+            inside = _cast(r2, dt).reshape(L.B, L.n).amax(-1, keepdim=True).sqrt_()
+            inside += torch.linalg.vector_norm(mu - mus, dim=-1)
         far = torch.maximum(_cast(sketch.reach, dt).reshape(L.B, 1), inside)            # (B, 1)
         bound = unrow(torch.linalg.vector_norm(o - mus, dim=-1).add_(far).masked_fill_(empty[:, 0], float("inf")))
-        radius = torch.minimum(radius, bound.to(radius.dtype))
+        radius = torch.fmin(radius, bound.to(radius.dtype))                            # a NaN bound: no cap
     return ClusterEstimate(estimate=est, variance=variance, radius=radius, rule=rule, delta=delta, bound=bound)
