@@ -33,6 +33,9 @@ Every row is a (sample design, variance, radius rule). Variances:
 Research rows ``--diffs C`` / ``C:tilt``: the difference estimator with a tilted C-cluster model
 (:func:`difference_estimate`; variances ``ht``, ``oracle`` and, with ``:tilt``, ``tilted``); ``--check``
 also checks that it is exact at q = q0.
+The cluster and tilted rows cap each radius at the library's deterministic hull bound
+(:func:`hull_cap`, ``kvcert.reference.sketch.hull_bound``; ``--no-hull`` leaves it out, as runs before
+2026-12-04 did).
 Radius rules (``--rules``): ``chebyshev`` sqrt(V / delta), ``gaussian`` z_{1-delta/2} sqrt(V),
 ``xC`` a fixed multiplier C sqrt(V).
 
@@ -218,6 +221,27 @@ def calibrated_theta(head, qw, w, gone, idx, mean, var, how):
         th = np.where(den > 0, (logratio - lin) / den, 0.0)
     th = np.where(np.isfinite(th), np.maximum(th, 0.0), 0.0)
     return np.quantile(th, how, axis=1)
+
+
+def hull_cap(head, keep, kf):
+    """The library's hull bound (``kvcert.reference.sketch.hull_bound``) for every draw and query, (D, m):
+    ||o_hat - mu|| + max(rho_U, max_S ||v_i - c|| + ||c - mu||), mu the prefix's mean value (the sketch's),
+    rho_U the evicted values' largest distance to it, c the mean of the values query j attends (kept prefix
+    and future tokens up to its position). Returns a function of o_hat (D, m, dv)."""
+    v = head.v
+    L = keep.shape[1]
+    mu = v[:L].mean(0)
+    nu2 = ((v[:L] - mu) ** 2).sum(1)
+    reach = np.sqrt(np.where(~keep, nu2[None], 0.0).max(1))                   # (D,)
+    m = head.q.shape[0]
+    lim = np.tile(PREFIX + np.asarray(OFFSETS), m // len(OFFSETS))
+    vis = np.arange(v.shape[0])[None, :] <= lim[:, None]                       # (m, T)
+    S = (kf[:, None, :] & vis[None]).astype(float)                             # (D, m, T)
+    c = (S @ v) / S.sum(-1, keepdims=True)                                     # (D, m, dv)
+    d2 = head.vn2[None, None] - 2 * c @ v.T + (c ** 2).sum(-1, keepdims=True)  # (D, m, T)
+    inside = np.sqrt(np.maximum(np.where(S > 0, d2, 0.0).max(-1), 0.0)) + np.linalg.norm(c - mu, axis=-1)
+    far = np.maximum(reach[:, None], inside)
+    return lambda oh: np.linalg.norm(oh - mu, axis=-1) + far
 
 
 def _evicted_inputs(head, pi, keep):
@@ -479,11 +503,13 @@ def run(args):
                 kw = dict(sinks=sz.sinks, window=sz.window, top=sz.top, floor=FLOOR)
                 certain = certainty_mask(u, sinks=sz.sinks, window=sz.window, top=sz.top)
 
-                def add(design, var_name, V, keep, extra_mem):
+                def add(design, var_name, V, keep, extra_mem, cap=None):
                     kept = keep.sum(1)
                     mem = (kept * (d + dv + 1) + extra_mem(keep)) / (L * (d + dv))
                     for rule, c in RULES.items():
                         rad = c * np.sqrt(np.maximum(V, 0))
+                        if cap is not None:  # the cluster designs' radius: min(rule, hull bound)
+                            rad = np.minimum(rad, cap)
                         for j in range(V.shape[1]):
                             res.setdefault((M, design, var_name, rule), []).append(
                                 (err[:, j], rad[:, j], head.onorm[j], mem))
@@ -518,7 +544,7 @@ def run(args):
                         ce += C                                     # theta_c, one scalar per cluster
                     qw = cap["q"][layer][h * g:(h + 1) * g][:, L - 32:L].double().numpy().reshape(-1, d)
                     add(f"cl{spec}", "cluster", cluster_variance(head, pi, keep, kf, oh, labels[C], C, theta, qw),
-                        keep, lambda kp, ce=ce: ce)
+                        keep, lambda kp, ce=ce: ce, cap=hull_cap(head, keep, kf)(oh) if args.hull else None)
                     if args.oracle_all:
                         add(f"cl{spec}", "oracle", oracle_variance(head, pif, oh), keep, lambda kp, ce=ce: ce)
                 for spec in args.tilts:
@@ -560,7 +586,8 @@ def run(args):
                         far = np.linalg.norm(head.q - q0, axis=1) > rho          # (m,)
                         Vt = np.where(far[None, :], trace_variance(head, pif, A, oh), Vt)
                         trust_far.append(far.mean())
-                    add(f"tilt{spec}", "tilted", Vt, keep, lambda kp, te=te: te)
+                    add(f"tilt{spec}", "tilted", Vt, keep, lambda kp, te=te: te,
+                        cap=hull_cap(head, keep, kf)(oh) if args.hull else None)
                 for spec in args.diffs:
                     C, tilt_de = int(str(spec).split(":")[0]), str(spec).endswith(":tilt")
                     # per head: C (d + dv + 1) + d; per kept token two more scalars (tau q0.k_i and its label)
@@ -608,7 +635,8 @@ def run(args):
 
 def check_against_reference(args, draws=3):
     """The vectorized variances equal the reference functions on one KV head (layer 5, head 1): the cluster,
-    code, page and tilted (``ClusterDesign(tilt=True)`` with q0 the window's mean query) designs."""
+    code, page and tilted (``ClusterDesign(tilt=True)`` with q0 the window's mean query) designs, and the
+    hull bound."""
     cap = load_capture(Path(args.cache), args.text_seed)
     tau = float(cap["scaling"])
     layer, h, g, d, L = 5, 1, 3, 64, PREFIX
@@ -632,6 +660,7 @@ def check_against_reference(args, draws=3):
     qw = cap["q"][layer][h * g:(h + 1) * g][:, L - 32:L].double().numpy().reshape(-1, d)
     Vt = tilted_variance(head, pi, keep, kf, oh, lab, 8, qw, per_head=False)
     tl = SK.ClusterDesign(clusters=8, tilt=True)
+    H = hull_cap(head, keep, kf)(oh)
     worst = 0.0
     for s in range(draws):
         assert np.array_equal(keep[s], R.poisson_sample(pi, seed=s))
@@ -649,7 +678,8 @@ def check_against_reference(args, draws=3):
                    SK.hybrid_variance(*args_, hsk, output=oh[s, j], scale=tau),
                    SK.variance_bound(*args_, psk, output=oh[s, j], scale=tau),
                    SK.cluster_variance(*args_, tsk, output=oh[s, j], scale=tau))
-            for a, b in zip(ref, (Vc[s, j], Vh[s, j], Vb[s, j], Vt[s, j])):
+            ref = ref + (SK.hull_bound(v[sel], pif[sel], tsk, output=oh[s, j]),)
+            for a, b in zip(ref, (Vc[s, j], Vh[s, j], Vb[s, j], Vt[s, j], H[s, j])):
                 worst = max(worst, abs(a - b) / abs(a))
     print(f"[check] vectorized vs reference: worst relative difference {worst:.2e}", file=sys.stderr)
     assert worst < 1e-8, worst
@@ -719,6 +749,8 @@ def main(argv=None):
     p.add_argument("--tilts", nargs="*", default=[], help="C:group or C:head (research: tilted cluster moments)")
     p.add_argument("--diffs", nargs="*", default=[],
                    help="C or C:tilt: the difference estimator with a tilted C-cluster model (research)")
+    p.add_argument("--no-hull", dest="hull", action="store_false",
+                   help="cluster / tilted rows without the hull bound cap (the radius before 2026-12-04)")
     p.add_argument("--no-page", dest="page", action="store_false")
     p.add_argument("--oracle-all", action="store_true", help="also the oracle V on each code design's sample")
     p.add_argument("--check", action="store_true", help="only check the vectorized code against the reference")
