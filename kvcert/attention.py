@@ -165,8 +165,7 @@ class Session:
                 cut = lambda x, q=q: x[q - 1:]  # noqa: E731
             else:
                 cut = lambda x, q=q: x[:, q - 1:]  # noqa: E731
-            out.append(Certificates(c.kind, c.delta, cut(c.radius), cut(c.relative_radius), cut(c.trace),
-                                    cut(c.kept), None if c.sketch_memory is None else cut(c.sketch_memory)))
+            out.append(c.map(cut))
         return out
 
     # -- per forward --------------------------------------------------------------------------

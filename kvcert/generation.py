@@ -1078,8 +1078,7 @@ def _decode_loop(model, tokenizer, cache, logits, attention_mask, max_new_tokens
 
 def _step_slice(c: Certificates, steps: slice) -> Certificates:
     """The certificates of one sequence restricted to the recorded ``steps``."""
-    return Certificates(c.kind, c.delta, c.radius[steps], c.relative_radius[steps], c.trace[steps], c.kept[steps],
-                        None if c.sketch_memory is None else c.sketch_memory[steps])
+    return c.map(lambda x: x[steps])
 
 
 def _assemble_result(tokenizer, single, attention_mask, decoded, certs, prompt_rows, timings,

@@ -76,10 +76,13 @@ class Certificates:
         """Select one sequence (int) or a sub-batch of a batched record."""
         if not self.batched:
             raise TypeError("this record holds a single sequence; index its tensors directly")
-        pick = lambda x: x[i]  # noqa: E731
-        return Certificates(self.kind, self.delta, pick(self.radius), pick(self.relative_radius),
-                            pick(self.trace), pick(self.kept),
-                            None if self.sketch_memory is None else pick(self.sketch_memory))
+        return self.map(lambda x: x[i])
+
+    def map(self, fn) -> "Certificates":
+        """The same record with ``fn`` applied to each of its tensors (``sketch_memory`` too when held),
+        e.g. a selection of steps or of batch rows; kind and delta are kept."""
+        return Certificates(self.kind, self.delta, fn(self.radius), fn(self.relative_radius), fn(self.trace),
+                            fn(self.kept), None if self.sketch_memory is None else fn(self.sketch_memory))
 
     def per_step(self) -> torch.Tensor:
         r"""Mean relative radius over layers and heads, per step.

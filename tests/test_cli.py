@@ -146,19 +146,24 @@ def test_prompt_file_and_stdin(tmp_path, monkeypatch):
     assert cli._read_prompt(args) == "from stdin"
 
 
-@pytest.mark.model
-def test_generate_on_the_model_json_and_table(model_sdpa, monkeypatch, capsys):
+def _json_beside_direct(model_sdpa, monkeypatch, capsys, options, press):
+    """``kvcert generate --json`` with ``options`` on long_prompt(400), 3 new tokens, on the shared model, and
+    ``kvcert.generate`` with ``press`` on the same prompt: (argv, the JSON object, the direct result)."""
     model, tok = model_sdpa
     import kvcert.models
 
     monkeypatch.setattr(kvcert.models, "load_model", lambda *a, **k: (model, tok))
-    argv = ["generate", "--prompt", long_prompt(400), "--compression-ratio", "0.5", "--window", "8",
-            "--max-new-tokens", "3", "--json", "--no-progress"]
-    rc, out, err = run(argv, capsys)
+    argv = ["generate", "--prompt", long_prompt(400), *options, "--max-new-tokens", "3", "--json", "--no-progress"]
+    rc, out, _ = run(argv, capsys)
     assert rc == 0
-    data = json.loads(out)
-    direct = kvcert.generate(model, tok, long_prompt(400), press=kvcert.PoissonPress(compression_ratio=0.5, window=8),
-                             max_new_tokens=3)
+    return argv, json.loads(out), kvcert.generate(model, tok, long_prompt(400), press=press, max_new_tokens=3)
+
+
+@pytest.mark.model
+def test_generate_on_the_model_json_and_table(model_sdpa, monkeypatch, capsys):
+    argv, data, direct = _json_beside_direct(model_sdpa, monkeypatch, capsys,
+                                             ["--compression-ratio", "0.5", "--window", "8"],
+                                             kvcert.PoissonPress(compression_ratio=0.5, window=8))
     assert data["text"] == direct.text and data["token_ids"] == direct.token_ids
     assert data["prompt_tokens"] == direct.prompt_tokens and data["generated_tokens"] == 3
     assert len(data["per_layer"]) == 30 and len(data["per_step_mean_relative_radius"]) == 3
@@ -176,20 +181,13 @@ def test_generate_on_the_model_json_and_table(model_sdpa, monkeypatch, capsys):
     assert len(table_rows) == 30
 
 
+@pytest.mark.model
 def test_generate_with_a_sketch_reports_its_memory(model_sdpa, monkeypatch, capsys):
-    model, tok = model_sdpa
-    import kvcert.models
-
-    monkeypatch.setattr(kvcert.models, "load_model", lambda *a, **k: (model, tok))
-    argv = ["generate", "--prompt", long_prompt(400), "--compression-ratio", "0.5", "--sketch", "tilted",
-            "--max-new-tokens", "3", "--json", "--no-progress"]
-    rc, out, _ = run(argv, capsys)
-    assert rc == 0
-    data = json.loads(out)
-    direct = kvcert.generate(model, tok, long_prompt(400), max_new_tokens=3,
-                             press=kvcert.PoissonPress(compression_ratio=0.5, sketch="tilted"))
+    argv, data, direct = _json_beside_direct(model_sdpa, monkeypatch, capsys,
+                                             ["--compression-ratio", "0.5", "--sketch", "tilted"],
+                                             kvcert.PoissonPress(compression_ratio=0.5, sketch="tilted"))
     assert data["token_ids"] == direct.token_ids
-    cfg = model.config
+    cfg = model_sdpa[0].config
     d = cfg.head_dim if getattr(cfg, "head_dim", None) else cfg.hidden_size // cfg.num_attention_heads
     held = kvcert.presses.SKETCHES["tilted"].elements(d, d) / (2 * d + 1)
     cert = data["certificate"]
