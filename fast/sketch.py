@@ -142,6 +142,11 @@ class ClusterDesign:
             return self.clusters * (4 * d + TILTED_SCALARS) + d + dv + HEAD_SCALARS
         return self.clusters * (2 * d + CLUSTER_SCALARS) + dv + HEAD_SCALARS
 
+    def tokens(self, d: int, dv: int) -> float:
+        """:meth:`elements` in kept-token units of d + dv + 1 elements (key, value, log pi): what the
+        sketch takes off the sampled budget, and what the certificate record counts beside the kept tokens."""
+        return self.elements(d, dv) / (d + dv + 1)
+
 
 def _as_design(design) -> ClusterDesign:
     """None -> ClusterDesign(); a ClusterDesign as is; any object with the four fields (and ``tilt``,
@@ -204,10 +209,19 @@ class ClusterSketch:
         return self.mean.shape[-2]
 
     @property
+    def design(self) -> ClusterDesign:
+        """A design of this sketch's C and tilt (the memory count's; rule and multiplier are the sketch's own)."""
+        return ClusterDesign(clusters=self.clusters, tilt=self.tilt is not None)
+
+    @property
     def elements(self) -> int:
         """Elements this sketch holds per head: :meth:`ClusterDesign.elements` of its C, d, dv and tilt."""
-        return ClusterDesign(clusters=self.clusters, tilt=self.tilt is not None).elements(self.mean.shape[-1],
-                                                                                         self.mu.shape[-1])
+        return self.design.elements(self.mean.shape[-1], self.mu.shape[-1])
+
+    @property
+    def tokens(self) -> float:
+        """The same in kept-token units (:meth:`ClusterDesign.tokens`)."""
+        return self.design.tokens(self.mean.shape[-1], self.mu.shape[-1])
 
     def map(self, fn) -> "ClusterSketch":
         """The same sketch with ``fn`` applied to each of its six tensors (e.g. a batch selection

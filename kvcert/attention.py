@@ -391,7 +391,7 @@ class Session:
 
         q_len = query.shape[2]
         kw = dict(scale=scale, delta=self.press.delta, validate=False, trace=False)  # V_cl is the certificate
-        held = layer.sketch.elements / (layer.keys.shape[-1] + layer.values.shape[-1] + 1)  # kept-token units
+        held = layer.sketch.tokens  # its memory in kept-token units, as the press sized the budget
         outs = []
         for j in range(q_len):
             if q_len == 1:

@@ -853,12 +853,13 @@ class PoissonPress(BasePress):
 
     def _sampled_budget(self, n: int, layer) -> float:
         r"""The budget B, less the sketch's memory in kept tokens,
-        :math:`(C(2d+3)+d_v)/(d+d_v+1)` (a kept token holds its key, value and log pi)."""
+        ``ClusterDesign.tokens``: :math:`(C(2d+3)+d_v+1)/(d+d_v+1)`, tilted :math:`(C(4d+4)+d+d_v+1)/(d+d_v+1)`
+        (a kept token holds its key, value and log pi)."""
         budget = self._budget(n)
         if self.sketch is None or budget >= n:
             return budget
         d, dv = layer.keys.shape[-1], layer.values.shape[-1]
-        held = self.sketch.elements(d, dv) / (d + dv + 1)
+        held = self.sketch.tokens(d, dv)
         if budget - held < 1.0:
             raise ValueError(f"sketch: {self.sketch.clusters} clusters hold {held:.1f} tokens' worth of memory per "
                              f"head (d = {d}, dv = {dv}), which leaves less than one token of the budget "

@@ -542,7 +542,7 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
         b_design = sketch_budget(budget, n, d, dv, pages=reserved)
         what = f"its sketch ({reserved} pages of page_size={spec.page_size})"
     elif isinstance(spec, ClusterDesign):
-        b_design = budget - spec.elements(d, dv) / float(d + dv + TOKEN_SCALARS)
+        b_design = budget - spec.tokens(d, dv)
         what = f"its sketch ({spec.clusters} clusters, {spec.elements(d, dv)} elements)"
     else:
         b_design = code_budget(budget, n, d, dv, spec)
@@ -884,6 +884,10 @@ class ClusterDesign:
         if self.tilt:
             return self.clusters * (4 * d + TILTED_SCALARS) + d + dv + HEAD_SCALARS
         return self.clusters * (2 * d + CLUSTER_SCALARS) + dv + HEAD_SCALARS
+
+    def tokens(self, d: int, dv: int) -> float:
+        """:meth:`elements` in kept-token units of d + dv + 1 elements (key, value, log pi)."""
+        return self.elements(d, dv) / float(d + dv + TOKEN_SCALARS)
 
 
 #: per-cluster scalars beside the 2 d moments (W_c, Y_c, N_c)
