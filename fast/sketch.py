@@ -43,6 +43,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import weakref
 from dataclasses import dataclass, fields, replace
 from statistics import NormalDist
 
@@ -604,10 +605,29 @@ def _radius(variance: torch.Tensor, delta: float, rule: str, multiplier: float, 
     return (variance.clamp(min=0.0) if clamp else variance).sqrt().mul_(factor)
 
 
+#: per-sketch state of the decode step, by id(sketch): the layout it was checked for and its decode form
+#: (a ClusterSketch is frozen, and ``ClusterSketch(**sketch.__dict__)`` must keep working, so the state is
+#: kept here, not on the object; an entry goes when its sketch is collected)
+_STATE: dict[int, dict] = {}
+
+
+def _state(sketch: ClusterSketch) -> dict:
+    """The decode step's state kept for ``sketch`` (made empty on first use)."""
+    entry = _STATE.get(id(sketch))
+    if entry is None or entry["ref"]() is not sketch:
+        entry = _STATE[id(sketch)] = {"ref": weakref.ref(sketch)}
+        weakref.finalize(sketch, _STATE.pop, id(sketch), None)
+    return entry
+
+
 def _check_sketch(sketch, L: _Layout) -> None:
     """``sketch`` must be a ClusterSketch of the KV heads of these keys and values (shapes, device)."""
     if not isinstance(sketch, ClusterSketch):
         raise TypeError(f"sketch must be a ClusterSketch (kvcert.fast.cluster_sketch), got {type(sketch).__name__}")
+    layout = (L.b, L.h_kv, L.d, L.dv, L.q.device)
+    state = _state(sketch)
+    if state.get("checked") == layout:  # a frozen sketch passed for this layout before
+        return
     C = sketch.mean.shape[-2] if isinstance(sketch.mean, torch.Tensor) and sketch.mean.ndim == 4 else "C"
     want = {"mean": ("(b, h_kv, C, d)", (L.b, L.h_kv, C, L.d)), "var": ("(b, h_kv, C, d)", (L.b, L.h_kv, C, L.d)),
             "weight": ("(b, h_kv, C)", (L.b, L.h_kv, C)), "wnorm": ("(b, h_kv, C)", (L.b, L.h_kv, C)),
@@ -624,6 +644,7 @@ def _check_sketch(sketch, L: _Layout) -> None:
             raise ValueError(f"sketch.{name} must have shape {text} = {shape} for these keys and values, got {got}")
         if x.device != L.q.device:
             raise ValueError(f"sketch.{name} must be on the device of q ({L.q.device}), got {x.device}")
+    state["checked"] = layout
 
 
 def _probs(L: _Layout, C) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -683,41 +704,104 @@ def _centred(t, cv, sc, o, mu):
     return _centred_sum(t.view(B, K, G), cv.view(B, K, G, dv), sc.view(B, K, G, 1), dm, mu.view(B, 1, 1, dv))
 
 
+#: the tensor fields of a ClusterSketch (the decode form is rebuilt when the sum of their version counters moves)
+_SKETCH_TENSORS = ("mean", "var", "weight", "wnorm", "count", "mu", "tilt", "zmean", "zvar", "shift", "reach")
+
+
+@dataclass(frozen=True)
+class _DecodeForm:
+    r"""A sketch's per-step constants for one compute dtype and score scale :math:`\tau`, B = b h_kv rows
+    (:func:`_decode_form`).
+
+    ``W`` (B, 2d, 2C) :math:`= \begin{bmatrix} 2\tau m_c & \tau m'_c \\ 2\tau^2\sigma^2_c &
+    \tau^2\sigma'^2_c/2\end{bmatrix}` (columns c; :math:`m' = m`, :math:`\sigma'^2 = \sigma^2` without a
+    tilt) and ``bias`` (B, 1, 2C) :math:`= [2h_c \mid \log N_c + h_c]` (h = 0 without a tilt), so that one
+    ``baddbmm`` of :math:`[r;\ r^2]` gives, per cluster, :math:`2(\tau r\cdot m_c + \tau^2 r^2\cdot\sigma^2_c)
+    + 2h_c` (the numerator's exponent, before :math:`\log(Y_c + W_c a^2)`) and :math:`\log N_c + h_c +
+    \tau r\cdot m'_c + \tau^2 r^2\cdot\sigma'^2_c/2` (Z~'s term). ``weight``, ``wnorm`` (B, 1, C);
+    ``tilt`` (B, 1, d) or None; ``mu`` (B, 1, dv); ``reach`` (B, 1) or None; ``kept`` = (2, 1), the
+    powers of :math:`\hat Z` in the kept sums. Working memory of the decode (4 d C + 4 C + d + dv + 3
+    elements per head), not part of the design's memory count: the sketch's own tensors are."""
+
+    W: torch.Tensor
+    bias: torch.Tensor
+    weight: torch.Tensor
+    wnorm: torch.Tensor
+    tilt: torch.Tensor | None
+    mu: torch.Tensor
+    reach: torch.Tensor | None
+    kept: torch.Tensor
+
+
+def _version(tensors) -> int | None:
+    """The sum of the version counters of ``tensors``: every in-place change moves it up (None when one of
+    them is an inference tensor, which keeps no counter)."""
+    try:
+        return sum(x._version for x in tensors)
+    except RuntimeError:  # inference tensors (torch.inference_mode) have no version counter
+        return None
+
+
+def _decode_form(sketch: ClusterSketch, dt: torch.dtype, scale: float) -> _DecodeForm:
+    """The sketch's per-step constants (:class:`_DecodeForm`) in ``dt`` for the score scale ``scale``: built
+    at the first decode step and kept for the sketch (:data:`_STATE`), so that later steps read them as they are;
+    rebuilt for another dtype or scale, or when a tensor of the sketch was changed in place (the sum of
+    their version counters moved; inference tensors keep none, so a sketch of them must not be changed
+    in place, as no ClusterSketch should be: ``map`` and ``dataclasses.replace`` make new ones)."""
+    state = _state(sketch)
+    cached = state.get("form")
+    if cached is not None and cached[0] == (dt, scale) and cached[1] == _version(cached[2]):
+        return cached[3]
+    tensors = [x for name in _SKETCH_TENSORS if (x := getattr(sketch, name)) is not None]
+    mean, var = sketch.mean, sketch.var
+    b, h, C, d = mean.shape
+    B = b * h
+    col = lambda x: _cast(x, dt).reshape(B, C, d).transpose(1, 2)  # noqa: E731  (B, d, C)
+    zmean, zvar = (mean, var) if sketch.zmean is None else (sketch.zmean, sketch.zvar)
+    t1, t2 = float(scale), float(scale) ** 2
+    W = torch.cat((torch.cat((col(mean) * (2.0 * t1), col(zmean) * t1), dim=-1),
+                   torch.cat((col(var) * (2.0 * t2), col(zvar) * (0.5 * t2)), dim=-1)), dim=1).contiguous()
+    row = lambda x: _cast(x, dt).reshape(B, 1, -1)  # noqa: E731
+    log_count = torch.log(row(sketch.count))
+    if sketch.shift is None:
+        bias = torch.cat((torch.zeros_like(log_count), log_count), dim=-1)
+    else:  # the masses are held scaled by e^{-h_c} and e^{-2 h_c}
+        h = row(sketch.shift)
+        bias = torch.cat((2.0 * h, log_count + h), dim=-1)
+    form = _DecodeForm(W=W, bias=bias, weight=row(sketch.weight).clone(), wnorm=row(sketch.wnorm).clone(),
+                       tilt=None if sketch.tilt is None else row(sketch.tilt).clone(), mu=row(sketch.mu).clone(),
+                       reach=None if sketch.reach is None else _cast(sketch.reach, dt).reshape(B, 1).clone(),
+                       kept=torch.tensor([2.0, 1.0], dtype=dt, device=mean.device))
+    state["form"] = ((dt, scale), _version(tensors), tensors, form)
+    return form
+
+
 def _log_variance(L: _Layout, sketch: ClusterSketch, o, lse, kappa, t_kept):
     r"""log of V_cl's numerator and of Z~ from the kept pieces and the sketch, (B, G) each.
 
     Kept part: :math:`\sum_S \frac{1-\pi_i}{\pi_i} e^{2 s_i}\lVert v_i - \hat o\rVert^2 = \hat Z^2 T'`
     with :math:`T' = \sum_S (1-\pi_i)\pi_i a_i^2 \lVert v_i-\hat o\rVert^2`, and
-    :math:`\sum_S e^{s_i} = \hat Z \kappa`, :math:`\log\hat Z` = lse. A row without a kept token
-    (lse = -inf, kappa = T' = 0) has no kept part (-inf + -inf = -inf, never NaN); slots with
-    count 0 / weight 0 give log 0 = -inf: absent.
+    :math:`\sum_S e^{s_i} = \hat Z \kappa`, :math:`\log\hat Z` = lse. Evicted part: one ``baddbmm`` of
+    :math:`[r;\ r^2]` (:math:`r = q`, or :math:`q - q_0` for a tilted sketch) with the sketch's
+    :class:`_DecodeForm` gives both Gaussian steps of every cluster, then one logsumexp over the
+    clusters and one logaddexp with the kept part, for the numerator and Z~ at once. A row without a
+    kept token (lse = -inf, kappa = T' = 0) has no kept part (-inf + -inf = -inf, never NaN); slots
+    with count 0 / weight 0 give log 0 = -inf: absent.
     """
-    dt, B = L.dtype, L.B
-    C = sketch.mean.shape[-2]
-    qs = _cast(L.q, dt).reshape(B, L.G, L.d)
-    if sketch.tilt is not None:                                                           # r = q - q0
-        qs = qs - _cast(sketch.tilt, dt).view(B, 1, L.d)
-    qs = qs * L.scale
-    q2 = qs * qs
-
-    def step(mean, var):  # (tau r.m_c, tau^2 r^2.sigma^2_c), (B, G, C) each
-        lin = torch.bmm(qs, _cast(mean, dt).view(B, C, L.d).transpose(1, 2))
-        return lin, torch.bmm(q2, _cast(var, dt).view(B, C, L.d).transpose(1, 2))
-
-    lin, quad = step(sketch.mean, sketch.var)
-    zlin, zquad = (lin, quad) if sketch.zmean is None else step(sketch.zmean, sketch.zvar)
-    dmu = _cast(sketch.mu, dt).view(B, 1, L.dv) - o
+    dt, B, G = L.dtype, L.B, L.G
+    f = _decode_form(sketch, dt, L.scale)
+    C = f.weight.shape[-1]
+    r = _cast(L.q, dt).reshape(B, G, L.d)
+    if f.tilt is not None:                                                                # r = q - q0
+        r = r - f.tilt
+    x = torch.baddbmm(f.bias, torch.cat((r, r * r), dim=-1), f.W)                         # (B, G, 2C)
+    dmu = f.mu - o
     a2 = torch.linalg.vecdot(dmu, dmu).unsqueeze_(-1)                                     # ||mu - o||^2
-    ev = torch.addcmul(_cast(sketch.wnorm, dt).view(B, 1, C), _cast(sketch.weight, dt).view(B, 1, C), a2)
-    log_count, log_ev = torch.log(_cast(sketch.count, dt).view(B, 1, C)), ev.log_()
-    if sketch.shift is not None:  # the masses are held scaled by e^{-h_c} and e^{-2 h_c}
-        h = _cast(sketch.shift, dt).view(B, 1, C)
-        log_count, log_ev = log_count + h, log_ev + 2.0 * h
-    log_zu = torch.logsumexp(torch.add(zlin, zquad, alpha=0.5).add_(log_count), dim=-1)
-    log_nu = torch.logsumexp(lin.add_(quad).mul_(2.0).add_(log_ev), dim=-1)
-    log_z = torch.logaddexp(torch.log(kappa).add_(lse), log_zu)
-    log_num = torch.logaddexp(torch.log(t_kept).add_(lse, alpha=2.0), log_nu)
-    return log_num, log_z
+    x[..., :C] += torch.addcmul(f.wnorm, f.weight, a2).log_()
+    evicted = torch.logsumexp(x.view(B, G, 2, C), dim=-1)                                 # [log nu, log Z_U]
+    kept = torch.stack((t_kept, kappa), dim=-1).log_().addcmul_(lse.unsqueeze(-1), f.kept)  # [log T' + 2 lse, log kappa + lse]
+    both = torch.logaddexp(kept, evicted)
+    return both[..., 0], both[..., 1]
 
 
 def _empty_kept(L: _Layout, K: int = 2):
@@ -939,14 +1023,14 @@ def _cluster_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier
     variance = unrow(variance)
     radius = _radius(variance, delta, rule, multiplier, clamp=False)
     bound = None
-    if sketch.reach is not None:  # the hull bound (reference.sketch.hull_bound); an empty row keeps +inf
-        mus = _cast(sketch.mu, dt).reshape(L.B, 1, L.dv)
+    form = _decode_form(sketch, dt, L.scale)
+    if form.reach is not None:  # the hull bound (reference.sketch.hull_bound); an empty row keeps +inf
         if L.n == 0:
             inside = torch.zeros(L.B, 1, dtype=dt, device=o.device)
         else:  # value_sqdist is 0 on padding (value_moments); other values there only loosen the bound
             inside = _cast(r2, dt).reshape(L.B, L.n).amax(-1, keepdim=True).sqrt_()
-            inside += torch.linalg.vector_norm(mu - mus, dim=-1)
-        far = torch.maximum(_cast(sketch.reach, dt).reshape(L.B, 1), inside)            # (B, 1)
-        bound = unrow(torch.linalg.vector_norm(o - mus, dim=-1).add_(far).masked_fill_(empty[:, 0], float("inf")))
+            inside += torch.linalg.vector_norm(mu - form.mu, dim=-1)
+        far = torch.maximum(form.reach, inside)                                            # (B, 1)
+        bound = unrow(torch.linalg.vector_norm(o - form.mu, dim=-1).add_(far).masked_fill_(empty[:, 0], float("inf")))
         radius = torch.fmin(radius, bound.to(radius.dtype))                            # a NaN bound: no cap
     return ClusterEstimate(estimate=est, variance=variance, radius=radius, rule=rule, delta=delta, bound=bound)

@@ -349,3 +349,34 @@ def test_without_the_trace_the_step_is_the_same_but_for_the_trace(n):
         assert torch.allclose(x, y, rtol=1e-12, atol=0.0, equal_nan=True)
     if n == 0:  # nothing kept: the empty-sample convention either way
         assert bool(torch.isinf(b.variance).all()) and bool((b.output == 0).all())
+
+
+def test_the_cached_decode_form_follows_the_sketch():
+    """The decode step keeps each sketch's per-step constants (``_decode_form``) between calls: a second
+    call, another scale, another dtype and an in-place change of a sketch tensor all give what a fresh
+    copy of the sketch gives (the cache is rebuilt, never read stale); ``ClusterSketch(**sketch.__dict__)``
+    still rebuilds a sketch after a decode step (the state is kept beside the object, not in it)."""
+    k, v, pi, keep, sk, q, K, V, P = _small()
+
+    def fresh(sketch, **kw):  # the same numbers in new tensors: no state kept for them
+        return FS.cluster_hajek_attention(q, K, V, P, sketch.map(torch.clone), **kw)
+
+    def same(a, b):
+        for x, y in ((a.output, b.output), (a.variance, b.variance), (a.radius, b.radius)):
+            assert torch.equal(x, y)
+
+    first = FS.cluster_hajek_attention(q, K, V, P, sk)
+    same(FS.cluster_hajek_attention(q, K, V, P, sk), first)
+    with torch.no_grad():
+        sk.mean.mul_(1.5)           # an in-place change: the cached constants must not be read
+        sk.wnorm.add_(1.0)
+    moved = FS.cluster_hajek_attention(q, K, V, P, sk)
+    same(moved, fresh(sk))
+    assert not torch.equal(moved.variance, first.variance)
+    same(FS.cluster_hajek_attention(q, K, V, P, sk, scale=0.3), fresh(sk, scale=0.3))
+    q32, K32, V32, P32 = q.float(), K.float(), V.float(), P.float()
+    a = FS.cluster_hajek_attention(q32, K32, V32, P32, sk)   # float32 inputs read the float64 sketch as float32
+    assert a.variance.dtype == torch.float32
+    same(a, FS.cluster_hajek_attention(q32, K32, V32, P32, sk.map(torch.clone)))
+    rebuilt = FS.ClusterSketch(**sk.__dict__)
+    same(FS.cluster_hajek_attention(q, K, V, P, rebuilt), moved)
