@@ -720,8 +720,8 @@ class _DecodeForm:
     + 2h_c` (the numerator's exponent, before :math:`\log(Y_c + W_c a^2)`) and :math:`\log N_c + h_c +
     \tau r\cdot m'_c + \tau^2 r^2\cdot\sigma'^2_c/2` (Z~'s term). ``weight``, ``wnorm`` (B, 1, C);
     ``tilt`` (B, 1, d) or None; ``mu`` (B, 1, dv); ``reach`` (B, 1) or None; ``kept`` = (2, 1), the
-    powers of :math:`\hat Z` in the kept sums. Working memory of the decode (4 d C + 4 C + d + dv + 3
-    elements per head), not part of the design's memory count: the sketch's own tensors are."""
+    powers of :math:`\hat Z` in the kept sums. Working memory of the decode (4 d C + 4 C + dv + 1
+    elements per head, + d with a tilt), not part of the design's memory count: the sketch's own tensors are."""
 
     W: torch.Tensor
     bias: torch.Tensor
@@ -900,8 +900,9 @@ def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     :math:`r_i` = ``value_sqdist``), then :math:`V_{\mathrm{cl}}` as :func:`cluster_variance` with
     :math:`\hat o` as the plug-in, and the radius of :func:`cluster_radius`. K and V are read once
     (one score matmul, one [a; c; c'] x V matmul: one more row per query than the trace-only
-    ``hajek_attention`` path); the sketch adds two (C x d) x (d x g t) matmuls and O(C) work per
-    query. No causal mask: every query sees every kept token.
+    ``hajek_attention`` path); the sketch adds one (g t x 2d)(2d x 2C) matmul and O(C) work per
+    query, with its per-step constants built at the first call and kept for the sketch. No causal
+    mask: every query sees every kept token.
 
     Parameters
     ----------
