@@ -720,8 +720,9 @@ class _DecodeForm:
     + 2h_c` (the numerator's exponent, before :math:`\log(Y_c + W_c a^2)`) and :math:`\log N_c + h_c +
     \tau r\cdot m'_c + \tau^2 r^2\cdot\sigma'^2_c/2` (Z~'s term). ``weight``, ``wnorm`` (B, 1, C);
     ``tilt`` (B, 1, d) or None; ``mu`` (B, 1, dv); ``reach`` (B, 1) or None; ``kept`` = (2, 1), the
-    powers of :math:`\hat Z` in the kept sums. Working memory of the decode (4 d C + 4 C + dv + 1
-    elements per head, + d with a tilt), not part of the design's memory count: the sketch's own tensors are."""
+    powers of :math:`\hat Z` in the kept sums. ``W`` and ``bias`` are working memory of the decode (4 d C + 2 C
+    elements per head), not part of the design's memory count; the other fields are views of the sketch's
+    own tensors (copies only when the compute dtype differs from the sketch's)."""
 
     W: torch.Tensor
     bias: torch.Tensor
@@ -768,15 +769,15 @@ def _decode_form(sketch: ClusterSketch, dt: torch.dtype, scale: float) -> _Decod
     else:  # the masses are held scaled by e^{-h_c} and e^{-2 h_c}
         h = row(sketch.shift)
         bias = torch.cat((2.0 * h, log_count + h), dim=-1)
-    form = _DecodeForm(W=W, bias=bias, weight=row(sketch.weight).clone(), wnorm=row(sketch.wnorm).clone(),
-                       tilt=None if sketch.tilt is None else row(sketch.tilt).clone(), mu=row(sketch.mu).clone(),
-                       reach=None if sketch.reach is None else _cast(sketch.reach, dt).reshape(B, 1).clone(),
+    form = _DecodeForm(W=W, bias=bias, weight=row(sketch.weight), wnorm=row(sketch.wnorm),
+                       tilt=None if sketch.tilt is None else row(sketch.tilt), mu=row(sketch.mu),
+                       reach=None if sketch.reach is None else _cast(sketch.reach, dt).reshape(B, 1),
                        kept=torch.tensor([2.0, 1.0], dtype=dt, device=mean.device))
     state["form"] = ((dt, scale), _version(tensors), tensors, form)
     return form
 
 
-def _log_variance(L: _Layout, sketch: ClusterSketch, o, lse, kappa, t_kept):
+def _log_variance(L: _Layout, sketch: ClusterSketch, o, lse, kappa, t_kept, form: _DecodeForm | None = None):
     r"""log of V_cl's numerator and of Z~ from the kept pieces and the sketch, (B, G) each.
 
     Kept part: :math:`\sum_S \frac{1-\pi_i}{\pi_i} e^{2 s_i}\lVert v_i - \hat o\rVert^2 = \hat Z^2 T'`
@@ -786,10 +787,11 @@ def _log_variance(L: _Layout, sketch: ClusterSketch, o, lse, kappa, t_kept):
     :class:`_DecodeForm` gives both Gaussian steps of every cluster, then one logsumexp over the
     clusters and one logaddexp with the kept part, for the numerator and Z~ at once. A row without a
     kept token (lse = -inf, kappa = T' = 0) has no kept part (-inf + -inf = -inf, never NaN); slots
-    with count 0 / weight 0 give log 0 = -inf: absent.
+    with count 0 / weight 0 give log 0 = -inf: absent. ``form``: the sketch's :func:`_decode_form` when the
+    caller holds it already.
     """
     dt, B, G = L.dtype, L.B, L.G
-    f = _decode_form(sketch, dt, L.scale)
+    f = _decode_form(sketch, dt, L.scale) if form is None else form
     C = f.weight.shape[-1]
     r = _cast(L.q, dt).reshape(B, G, L.d)
     if f.tilt is not None:                                                                # r = q - q0
@@ -1010,7 +1012,8 @@ def _cluster_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier
         mu = _cast(mu, dt).reshape(L.B, 1, L.dv)
         o, cv, t, sc, kappa, lse = kept_pass(L, lp, omp, pf, mu, _cast(r2, dt).reshape(L.B, L.n))
     both = _centred(t, cv, sc, o, mu)                          # (B, K, G): [trace,] T'
-    log_num, log_z = _log_variance(L, sketch, o, lse, kappa, both[:, -1])
+    form = _decode_form(sketch, dt, L.scale)
+    log_num, log_z = _log_variance(L, sketch, o, lse, kappa, both[:, -1], form)
     variance = torch.add(log_num, log_z, alpha=-2.0).exp_()
     # an empty row (nothing kept): trace, V_cl and the radius +inf, the Estimate convention
     empty = (lse == float("-inf")).unsqueeze_(1)
@@ -1024,7 +1027,6 @@ def _cluster_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier
     variance = unrow(variance)
     radius = _radius(variance, delta, rule, multiplier, clamp=False)
     bound = None
-    form = _decode_form(sketch, dt, L.scale)
     if form.reach is not None:  # the hull bound (reference.sketch.hull_bound); an empty row keeps +inf
         if L.n == 0:
             inside = torch.zeros(L.B, 1, dtype=dt, device=o.device)

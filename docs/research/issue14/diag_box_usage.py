@@ -71,10 +71,10 @@ def spy_attention(q, keys, values, pi, sketch, **kw):
     return ce
 
 
-def capped_log_variance(L, sketch, o, lse, kappa, t_kept):
+def capped_log_variance(L, sketch, o, lse, kappa, t_kept, form=None):
     """``kvcert.fast.sketch._log_variance`` with each cluster's tilted step capped at the key box."""
     if not STATE["cap"] or sketch.tilt is None:
-        return ORIGINAL_LOG_VARIANCE(L, sketch, o, lse, kappa, t_kept)
+        return ORIGINAL_LOG_VARIANCE(L, sketch, o, lse, kappa, t_kept, form)
     dt, B = L.dtype, L.B
     C = sketch.mean.shape[-2]
     lo, hi, W, Y, N = BOXES[STATE["layer"]]
