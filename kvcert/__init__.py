@@ -43,7 +43,6 @@ _LAZY = {
     "Press": "kvcert.presses",
     "DecodingPress": "kvcert.presses",
     "PRESSES": "kvcert.presses",
-    "PRESS_CASES": "kvcert.presses",
     "Certificates": "kvcert.records",
     "KVCertCache": "kvcert.cache",
     "generate": "kvcert.generation",

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from model_fixtures import SHORT_PROMPT, long_prompt, topics, model_sdpa, smollm2, smollm2_float64, spy_hajek, reference_certificate  # noqa: F401
+from press_cases import PRESS_CASES
 
 import kvcert
 import kvcert.dispatch
@@ -382,8 +383,8 @@ def _case_presses():
     import copy
 
     out = []
-    for name in sorted(kvcert.PRESS_CASES):
-        for which, kwargs in zip(("easy", "hard"), kvcert.PRESS_CASES[name]):
+    for name in sorted(PRESS_CASES):
+        for which, kwargs in zip(("easy", "hard"), PRESS_CASES[name]):
             for decoding in (False, True) if which == "easy" else (False,):
                 out.append(pytest.param(name, copy.deepcopy(kwargs), decoding,
                                         id=f"{name}-{which}{'-decoding' if decoding else ''}"))

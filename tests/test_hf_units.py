@@ -20,6 +20,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from model_fixtures import _cache_kw, _cache_of, forced_logits, reference_certificate, spy_hajek, tiny_model
+from press_cases import PRESS_CASES
 from transformers import DynamicCache, StaticCache
 
 import kvcert
@@ -151,7 +152,7 @@ def test_every_press_validates_common_fields(name, kwargs, exc, match):
 @pytest.mark.parametrize("which", ["easy", "hard"])
 def test_every_press_builds_from_its_registry_cases(name, which):
     """PRESS_CASES holds an easy and a hard keyword set for every press; both validate and round-trip."""
-    easy, hard = kvcert.PRESS_CASES[name]
+    easy, hard = PRESS_CASES[name]
     kwargs = easy if which == "easy" else hard
     p = kvcert.PRESSES[name](**kwargs)
     for k, v in kwargs.items():

@@ -1,0 +1,532 @@
+"""What every press shares: the ``with press(model):`` context, :class:`Press`, the eviction engine
+:class:`BasePress`, the hyperparameter checks and kvpress's field names.
+
+A press is a dataclass of hyperparameters (validated in ``__post_init__``);
+``press(model)`` is the context manager that switches the model to kvcert
+attention and a compressible cache (:class:`_PressContext`). The session
+(:class:`kvcert.attention.Session`) calls the press at its events
+(``prefill_event``, ``decode_event``); :class:`BasePress` implements the
+token designs' event once (per batch row: score, size the certainty set,
+evict), so a press says only how it scores (``_score``) and evicts
+(``_evict``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from ..fast import KINDS, SCORERS, ClusterSketch, design_sizes
+from ..fast.scorers import HEAD_POOLINGS, SNAPKV_POOLINGS, queries_needed, queries_read
+
+
+# ---------------------------------------------------------------------------------------------
+# validation helpers
+# ---------------------------------------------------------------------------------------------
+def _int(name: str, value, *, low: int = 0, optional: bool = False):
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int{' or None' if optional else ''}, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return int(value)
+
+
+def _real(name: str, value, lo: float, hi: float, *, lo_open=False, hi_open=False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    value = float(value)
+    ok_lo = value > lo if lo_open else value >= lo
+    ok_hi = value < hi if hi_open else value <= hi
+    if not (ok_lo and ok_hi and math.isfinite(value)):
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        raise ValueError(f"{name} must be in {interval}, got {value}")
+    return value
+
+
+def _kernel_size(value) -> int:
+    value = _int("kernel_size", value, low=1)
+    if value % 2 == 0:
+        raise ValueError(f"kernel_size must be odd, got {value}")
+    return value
+
+
+#: scorer hyperparameters with a rule of their own: name -> (default, validator); any other
+#: registered hyperparameter is an int >= 1
+SCORER_PARAMS = {
+    "observation_window": (32, lambda v: _int("observation_window", v, low=1)),
+    "kernel_size": (7, _kernel_size),
+    "seed": (0, lambda v: _int("seed", v)),
+    "pooling": ("replicate", lambda v: _choice("pooling", v, SNAPKV_POOLINGS)),
+    "head_pooling": ("group", lambda v: _choice("head_pooling", v, HEAD_POOLINGS)),
+}
+
+
+def _choice(name: str, value, choices: tuple) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def _validate_params(press) -> None:
+    names = set(SCORER_PARAMS).union(*(s.params for s in SCORERS.values()))
+    own = {f.name for f in dataclasses.fields(press)}  # fields only: not a kvpress-name property
+    for name in sorted(names & own):
+        check = SCORER_PARAMS.get(name, (None, lambda v, n=name: _int(n, v, low=1)))[1]
+        setattr(press, name, check(getattr(press, name)))
+
+
+#: kvpress's names of kvcert press fields that mean the same (DESIGN.md section 9): kvpress's
+#: ``window_size`` (SnapKV) is the *observation* window, kvcert's ``window`` the recent tokens kept
+#: with certainty; kvpress's ``n_sink`` (StreamingLLM, ExpectedAttention) is kvcert's ``sinks``
+KVPRESS_NAMES = {"window_size": "observation_window", "n_sink": "sinks"}
+
+
+def _accept_kvpress_names(cls):
+    """Let ``cls(...)`` take kvpress's names (:data:`KVPRESS_NAMES`) of the fields it has, as
+    keyword aliases, and read them back as properties; the fields keep kvcert's names (repr,
+    ``dataclasses.fields``, ``dataclasses.replace``). A name that is a field of its own (LagKV's
+    ``n_sink``) stays that field."""
+    own = {f.name for f in dataclasses.fields(cls)}
+    aliases = {a: n for a, n in KVPRESS_NAMES.items() if n in own and a not in own}
+    if not aliases:
+        return cls
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        for alias, name in aliases.items():
+            if alias in kwargs:
+                if name in kwargs:
+                    raise TypeError(f"give {name} or its kvpress name {alias}, not both (got {name}="
+                                    f"{kwargs[name]!r}, {alias}={kwargs[alias]!r})")
+                kwargs[name] = kwargs.pop(alias)
+        init(self, *args, **kwargs)
+
+    sig = inspect.signature(init)
+    extra = [inspect.Parameter(a, inspect.Parameter.KEYWORD_ONLY, default=None) for a in aliases]
+    __init__.__signature__ = sig.replace(parameters=[*sig.parameters.values(), *extra])
+    __init__.__doc__, __init__.__qualname__ = init.__doc__, f"{cls.__qualname__}.__init__"
+    cls.__init__ = __init__
+    for alias, name in aliases.items():
+        setattr(cls, alias, property(lambda self, n=name: getattr(self, n),
+                                     lambda self, value, n=name: setattr(self, n, value),
+                                     doc=f"kvpress's name of ``{name}``."))
+    return cls
+
+
+# ---------------------------------------------------------------------------------------------
+# the context manager and the result every press shares
+# ---------------------------------------------------------------------------------------------
+class _PressContext:
+    """``with press(model):`` -- switch the model to kvcert attention and a compressible cache.
+
+    The forward pre-hook sits on the decoder model (``model.base_model``, e.g.
+    ``LlamaModel``), which every path calls with the cache: the causal LM's
+    forward, ``model.generate``, and kvpress's pipeline, which prefills the
+    context through ``model.model(...)`` without the LM head. On exit, a cache
+    that holds tokens stays decodable with the Hajek estimate outside the
+    context (:class:`kvcert.attention.Carrier`, in :attr:`carrier`): the
+    query-agnostic protocol (kvpress's pipeline, :func:`kvcert.answer`)
+    decodes the questions there.
+    """
+
+    def __init__(self, press, model):
+        if not hasattr(model, "config") or not hasattr(model, "set_attn_implementation"):
+            raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+        self.press, self.model = press, model
+        self._hook = None
+        self._previous = None
+        self._session = None
+        #: the :class:`kvcert.attention.Carrier` of the compressed cache after exit, or None
+        self.carrier = None
+
+    def _decoder(self):
+        """The module that receives the cache: the decoder model inside a causal LM (or the model)."""
+        base = getattr(self.model, "base_model", None)
+        return base if isinstance(base, torch.nn.Module) else self.model
+
+    def __enter__(self):
+        from .. import attention as A
+        from ..cache import _check_full_attention
+
+        model, config = self.model, self.model.config
+        _check_full_attention(config)
+        self._previous = config._attn_implementation
+        decoder = self._decoder()
+        params = inspect.signature(decoder.forward).parameters
+        session = A.Session(self.press, A.resolve_base(self._previous), config,
+                            "cache" if "cache" in params else "past_key_values")
+        A.activate(session)
+        self._session = self.press._session = session
+
+        def pre_hook(module, args, kwargs):
+            session.begin_forward(args, kwargs)
+            return args, kwargs
+
+        self._hook = decoder.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        try:
+            model.set_attn_implementation(A.ATTENTION_NAME)
+        except Exception:
+            self.__exit__(None, None, None)
+            raise
+        return model
+
+    def __exit__(self, *exc):
+        from .. import attention as A
+
+        model = self.model
+        config = model.config
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if config._attn_implementation == A.ATTENTION_NAME and self._previous != A.ATTENTION_NAME:
+            try:
+                model.set_attn_implementation(self._previous)
+            except Exception:  # e.g. a FlashAttention model on a machine without it
+                config._attn_implementation_internal = self._previous
+        if self._session is not None:
+            if exc[0] is None:  # the compressed cache stays decodable outside the context
+                self.carrier = A.carry(self._session, self._decoder())
+            A.deactivate(self._session)
+        return False
+
+
+class Press:
+    """What every press shares: ``with press(model):`` and the certificates of the last run.
+
+    The base of every kvcert press (:class:`BasePress`, :class:`DecodingPress`); the
+    session (:class:`kvcert.attention.Session`) calls a press at its events through
+    ``prefill_event``, ``decode_event``, ``queries_needed``, ``kind`` and ``delta``."""
+
+    _session = None
+
+    def __call__(self, model):
+        """Context manager: ``with press(model): model.generate(...)``."""
+        return _PressContext(self, model)
+
+    @property
+    def certificates(self):
+        """Certificates recorded by the last sequence run under this press
+        (:class:`kvcert.records.Certificates`, batched: (b, steps, layers, heads)),
+        or None before any run."""
+        return None if self._session is None else self._session.certificates
+
+    def _compress_prefilled(self, cache, *, query_window) -> None:
+        """The prefill event on a cache filled by :func:`kvcert.prefill` (inside this press's context)."""
+        if self._session is None:
+            raise RuntimeError("_compress_prefilled runs inside the press's context (with press(model))")
+        self._session.prefill_recorded(cache, query_window)
+
+
+# ---------------------------------------------------------------------------------------------
+# the compression engine
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class BasePress(Press):
+    r"""Common fields and the compression engine of every press that evicts.
+
+    A subclass says how it scores (:meth:`_score`, :meth:`queries_needed`;
+    called per row on its real tokens) and how it evicts a stack of rows,
+    each as if alone (:meth:`_evict`); the engine handles the batch rows,
+    padding, budgets and the cache.
+
+    Parameters
+    ----------
+    compression_ratio : float in [0, 1)
+        Fraction of the tokens removed at an event (kvpress's convention);
+        the budget is :math:`B = n\,(1 - \text{ratio})`. 0 (default) keeps
+        everything (the model then decodes through the Hajek estimator with
+        pi = 1, i.e. exact attention, with zero certificates).
+    target_size : int >= 1, optional
+        A fixed budget instead of the ratio: the number of tokens per head
+        kept after an event (``min(target_size, n)``). Give one of the two.
+    sinks : int >= 0
+        First tokens always kept (attention sinks).
+    window : int >= 0
+        Most recent tokens always kept (kvpress's SnapKV ``window_size`` is
+        the *observation* window, ``observation_window`` here).
+    delta : float in (0, 1)
+        Miscoverage of the recorded certificates.
+    kind : str
+        Certificate kind recorded per step, layer and head, one of
+        ``kvcert.fast.KINDS`` (default ``chebyshev``; ``chebyshev_ucb`` is the
+        strict kind, a chi-square upper bound on the variance then
+        Chebyshev, at the cost of a second pass over the kept tokens; see
+        docs/theory.md).
+
+    Notes
+    -----
+    When the budget is too small for the certainty set, the recent window
+    shrinks first, then the sinks (:func:`kvcert.fast.design_sizes`).
+    """
+
+    compression_ratio: float = 0.0
+    target_size: int | None = None
+    sinks: int = 4
+    window: int = 32
+    delta: float = 0.05
+    kind: str = "chebyshev"
+
+    #: Poisson design (expected budget, top slice) or deterministic top-k (exact budget)
+    _randomized = False
+
+    def __post_init__(self):
+        self.compression_ratio = _real("compression_ratio", self.compression_ratio, 0.0, 1.0, hi_open=True)
+        self.target_size = _int("target_size", self.target_size, low=1, optional=True)
+        if self.target_size is not None and self.compression_ratio > 0:
+            raise ValueError(
+                f"give compression_ratio or target_size, not both (got compression_ratio="
+                f"{self.compression_ratio}, target_size={self.target_size})"
+            )
+        self.sinks = _int("sinks", self.sinks)
+        self.window = _int("window", self.window)
+        self.delta = _real("delta", self.delta, 0.0, 1.0, lo_open=True, hi_open=True)
+        if not isinstance(self.kind, str) or self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        _validate_params(self)
+
+    @property
+    def compresses(self) -> bool:
+        """Whether this press removes anything at the prefill event."""
+        return self.compression_ratio > 0 or self.target_size is not None
+
+    # -- what a subclass provides ----------------------------------------------------------------
+    def _score(self, queries, keys, values, *, scale: float, layer: int, event: int) -> torch.Tensor:
+        """(1, h_kv, n) importance of one row's tokens (all valid)."""
+        raise NotImplementedError
+
+    def _query_need(self) -> str:
+        """Which prefill queries the scorer reads (``kvcert.fast.scorers.QUERY_NEEDS``)."""
+        return "none"
+
+    def queries_needed(self, n: int) -> int:
+        """Prefill queries the scorer reads at the prefill event of n tokens."""
+        return queries_needed(self._query_need(), n, self._observation_window())
+
+    def _observation_window(self) -> int:
+        return getattr(self, "observation_window", self.window) or 1
+
+    def _evict(self, keys, values, importance, budget, *, sinks, window, top, valid, log_weights, positions,
+               layer_idx, event, tilt=None, scale=None):
+        """The eviction of R batch rows at once -> a ``kvcert.fast.CompressedCache``.
+
+        keys/values (R, h_kv, m, d), importance (R, h_kv, m) (0 on padding), budget (R, h_kv)
+        float64 expected kept counts, sinks/window ints, top (R, 1) int64 (each row's
+        :func:`kvcert.fast.design_sizes` top), valid/log_weights/positions (R, h_kv, m) of the
+        layer; tilt (R, h_kv, d) the tilt points of a tilted sketch (:meth:`_tilt`, else None) and
+        scale the attention's. Row i must be evicted as if alone (a sequence's sample does not
+        depend on its batch).
+        """
+        raise NotImplementedError
+
+    def _tilt(self, queries: torch.Tensor, h_kv: int):
+        """The tilt points (1, h_kv, d) of one row's tilted sketch from its prefill queries, or None (no
+        tilted sketch: every press but a ``PoissonPress(sketch="tilted")``)."""
+        return None
+
+    # -- the events (called by the session) ------------------------------------------------------
+    def prefill_event(self, layer, layer_idx: int, queries: torch.Tensor, scale: float) -> None:
+        self._compress(layer, layer_idx, queries, scale, prefill=True)
+
+    def decode_event(self, layer, layer_idx: int, queries: torch.Tensor, scale: float) -> None:
+        """Nothing: decode-time compression is :class:`DecodingPress`'s."""
+
+    # -- budgets --------------------------------------------------------------------------------
+    def _budget(self, n: int) -> float:
+        """Budget for n tokens: target_size (capped at n) or n (1 - ratio)."""
+        if self.target_size is not None:
+            return float(min(self.target_size, n))
+        b = n * (1.0 - self.compression_ratio)
+        return b if self._randomized else float(max(int(b), 1))
+
+    def _sampled_budget(self, n: int, layer) -> float:
+        """The expected kept count of a prefill event over n tokens: the budget (:meth:`_budget`), less
+        the memory of a sketch of the evicted tokens where the design keeps one (:class:`PoissonPress`)."""
+        return self._budget(n)
+
+    def design_sizes(self, n: int):
+        """The budget and certainty set of this press's prefill event over n tokens
+        (:func:`kvcert.fast.design_sizes`)."""
+        return self._sizes(self._budget(n))
+
+    def _sizes(self, budget: float):
+        return design_sizes(budget, sinks=self.sinks, window=self.window,
+                            top_fraction=getattr(self, "top_fraction", 0.0), randomized=self._randomized)
+
+    def _window_queries(self, queries: torch.Tensor, n: int) -> torch.Tensor:
+        """The queries the scorer reads, of those given (every one for an all-query scorer
+        at a prefill event, else the last ``observation_window``)."""
+        return queries[:, :, -queries_read(self._query_need(), queries.shape[2], n, self._observation_window()):]
+
+    def _prefill_importance(self, queries, keys, values, *, scale, layer_idx, event, row, tokens) -> torch.Tensor:
+        """Importance (1, h_kv, n) of batch row ``row`` at a prefill event: keys/values are its n
+        real tokens (``tokens``: their slots in the layer, None when the row has no padding)."""
+        return self._score(self._window_queries(queries, keys.shape[2]), keys, values, scale=scale,
+                           layer=layer_idx, event=event)
+
+    def _row_importance(self, queries, keys, values, valid, scale, *, layer_idx, event) -> torch.Tensor:
+        """Importance (1, h_kv, m) of one row of a cache with per-head padding (0 on padding)."""
+        h_kv = keys.shape[1]
+        g = queries.shape[1] // h_kv
+        dtype = torch.float64 if keys.dtype == torch.float64 else torch.float32
+        u = torch.zeros(valid.shape, dtype=dtype, device=keys.device)
+        for h in range(h_kv):
+            idx = valid[0, h].nonzero().squeeze(-1)
+            if idx.numel() == 0:
+                continue
+            qh = self._window_queries(queries[:, h * g:(h + 1) * g], idx.numel())
+            uh = self._score(qh, keys[:, h:h + 1, idx], values[:, h:h + 1, idx], scale=scale,
+                             layer=layer_idx, event=event)
+            u[0, h, idx] = uh[0, 0].to(dtype)
+        return u
+
+    def _compress(self, layer, layer_idx: int, queries, scale: float, *, prefill: bool,
+                  target: float | None = None) -> None:
+        """One eviction event on every row of a layer (rows are independent designs).
+
+        A prefill event compresses to this press's budget; a decode-time event
+        (``prefill=False``) compresses back to ``target``, or to the row's
+        prefill budget when ``target`` is None.
+
+        Each row is scored on its own tokens (its padding dropped), then the
+        rows that evict are evicted together, one :meth:`_evict` call per
+        certainty-set shape (sinks, window), with per-row budgets and top
+        counts: the same design per row as one call per row would give, in
+        a few batched calls (issue 15).
+        """
+        if not prefill and getattr(self, "sketch", None) is not None:
+            raise ValueError("sketch: a sketched PoissonPress evicts once per layer, at the prefill event; "
+                             "decode-time compression (DecodingPress, streaming) would need the sketches of "
+                             "several events merged, which kvcert does not do: use sketch=None there")
+        event = layer.events
+        layer.events += 1
+        layer.tokens_since_event = 0
+        if prefill and not self.compresses:
+            return
+        b = layer.keys.shape[0]
+        valid_all = layer.valid
+        n_slots = valid_all.shape[-1]
+        h_kv = valid_all.shape[1]
+        if prefill:
+            layer.budgets = torch.full((b,), math.nan, dtype=torch.float64)
+        plans = {}  # row -> (importance (1, h_kv, slots), budget (h_kv,), DesignSizes)
+        rows = {}  # row -> its (keys, values, log_weights, positions) after the event
+        sketches = {}  # row -> its ClusterSketch (1, h_kv, ...) when the design keeps one
+        for r in range(b):
+            sl = slice(r, r + 1)
+            valid = valid_all[sl]
+            if prefill:
+                # every head holds the same tokens: score the row's real tokens in one scorer call
+                idx = None if bool(valid.all()) else valid[0, 0].nonzero().squeeze(-1)
+                n = n_slots if idx is None else idx.numel()
+                budget = self._sampled_budget(n, layer) if n else 0.0
+                layer.budgets[r] = budget
+                if n == 0 or budget >= n:
+                    rows[r] = _row_slots(layer, r, idx)
+                    continue
+                k, v, q_r = layer.keys[sl], layer.values[sl], queries[sl]
+                if idx is not None:
+                    k, v = k[:, :, idx], v[:, :, idx]
+                    # the queries may be the last few of the prefill only (a shared kvcert.prefill)
+                    offset = n_slots - queries.shape[2]
+                    q_r = q_r[:, :, idx[idx >= offset] - offset]
+                u = self._prefill_importance(q_r, k, v, scale=scale, layer_idx=layer_idx, event=event, row=r,
+                                             tokens=idx)
+                if idx is not None:  # back onto the layer's slots (0 on padding)
+                    u = u.new_zeros((1, h_kv, n_slots)).index_copy_(-1, idx, u)
+                plans[r] = (u, torch.full((h_kv,), float(budget), dtype=torch.float64), self._sizes(budget),
+                            self._tilt(q_r, h_kv))
+            else:
+                row_target = target
+                if row_target is None and layer.budgets is not None and not math.isnan(float(layer.budgets[r])):
+                    row_target = float(layer.budgets[r])
+                n_h = valid.sum(-1)  # (1, h)
+                if row_target is None or int(n_h.max()) <= row_target:
+                    rows[r] = _row_slots(layer, r, None)
+                    continue
+                budget = torch.clamp(n_h[0].to(torch.float64), max=float(row_target))
+                seen = min(queries.shape[2], int(layer.next_position[r]))  # no left-padding queries
+                u = self._row_importance(queries[sl][:, :, -seen:], layer.keys[sl], layer.values[sl], valid, scale,
+                                         layer_idx=layer_idx, event=event)
+                plans[r] = (u, budget, self._sizes(float(budget.max())), None)
+        if not plans:
+            return
+        groups = {}
+        for r, (_, _, sz, _) in plans.items():
+            groups.setdefault((sz.sinks, sz.window), []).append(r)
+        for (sinks, window), members in groups.items():
+            sel = None if len(members) == b else torch.tensor(members, device=layer.keys.device)
+
+            def pick(x, sel=sel):
+                return x if sel is None else x.index_select(0, sel)
+
+            u = torch.cat([plans[r][0] for r in members]).to(layer.keys.device)
+            budget = torch.stack([plans[r][1] for r in members]).to(layer.keys.device)
+            top = torch.tensor([[plans[r][2].top] for r in members], device=layer.keys.device)
+            tilt = None if plans[members[0]][3] is None else torch.cat([plans[r][3] for r in members])
+            cc = self._evict(pick(layer.keys), pick(layer.values), u, budget, sinks=sinks, window=window, top=top,
+                             valid=pick(valid_all), log_weights=pick(layer.log_weights),
+                             positions=pick(layer.positions), layer_idx=layer_idx, event=event, tilt=tilt,
+                             scale=scale)
+            if sel is None and len(groups) == 1:
+                layer.replace(cc.keys, cc.values, torch.log(cc.pi), cc.positions, cc.sketch)
+                return
+            for i, r in enumerate(members):
+                rows[r] = (cc.keys[i:i + 1], cc.values[i:i + 1], torch.log(cc.pi[i:i + 1]), cc.positions[i:i + 1])
+                if cc.sketch is not None:
+                    sketches[r] = cc.sketch.map(lambda x, i=i: x[i:i + 1])
+        sketch = None
+        if sketches:  # a row that evicted nothing has an empty sketch (count 0: no term)
+            blank = next(iter(sketches.values())).map(torch.zeros_like)
+            sketch = ClusterSketch.cat([sketches.get(r, blank) for r in range(b)])
+        layer.replace(*_pad_rows([rows[r] for r in range(b)]), sketch)
+
+
+def _row_slots(layer, r: int, idx):
+    """Row r of a layer as (keys, values, log_weights, positions), its slots ``idx`` only if given."""
+    out = (layer.keys[r:r + 1], layer.values[r:r + 1], layer.log_weights[r:r + 1], layer.positions[r:r + 1])
+    return out if idx is None else tuple(x[:, :, idx] for x in out)
+
+
+def _pad_rows(rows):
+    """Stack per-row (keys, values, log_weights, positions) padded to a common length."""
+    m = max(r[0].shape[2] for r in rows)
+    out = [[], [], [], []]
+    for k, v, lw, pos in rows:
+        p = m - k.shape[2]
+        if p:
+            k = torch.nn.functional.pad(k, (0, 0, 0, p))
+            v = torch.nn.functional.pad(v, (0, 0, 0, p))
+            lw = torch.nn.functional.pad(lw, (0, p), value=float("-inf"))
+            pos = torch.nn.functional.pad(pos, (0, p), value=-1)
+        for j, x in enumerate((k, v, lw, pos)):
+            out[j].append(x)
+    return tuple(torch.cat(x, dim=0) for x in out)
+
+
+# ---------------------------------------------------------------------------------------------
+# the query recorder of kvcert.prefill
+# ---------------------------------------------------------------------------------------------
+class _QueryRecorder(Press):
+    """Keeps everything and records each layer's last ``query_window`` prefill
+    queries and scale in the cache (``layer.queries``, ``layer.query_scale``)
+    for :func:`kvcert.prefill`. Records no certificate, counts no event."""
+
+    kind = delta = None
+
+    def __init__(self, query_window: int | None = 64):
+        self.query_window = query_window
+
+    def prefill_event(self, layer, layer_idx: int, queries: torch.Tensor, scale: float) -> None:
+        q = queries.detach()
+        layer.queries = q if self.query_window is None else q[:, :, -self.query_window:]
+        layer.query_scale = scale
+
+    def decode_event(self, layer, layer_idx: int, queries: torch.Tensor, scale: float) -> None:
+        raise RuntimeError("kvcert.prefill records a prefill only")

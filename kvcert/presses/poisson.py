@@ -1,0 +1,328 @@
+"""The randomized design of the paper as a press: :class:`PoissonPress` (token design, optional sketch)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..fast import SCORERS, ClusterDesign, window_tilt
+from .base import BasePress, _accept_kvpress_names, _real
+from .kvpress_interop import _is_kvpress_scorer, _KvpressInputs, _row_slice
+from .scorer import ScorerPress, _scorer_params
+
+
+@dataclass
+class PoissonPress(BasePress):
+    r"""Randomized eviction with known inclusion probabilities (the paper's design).
+
+    At each event, per layer, batch row and KV head: the first ``sinks``
+    tokens, the last ``window`` tokens and the ``top`` most important others
+    are kept with certainty (pi = 1), where
+    :math:`\text{top} = \lfloor \text{top\_fraction}\,(B - \text{sinks} - \text{window})\rfloor`
+    (:func:`kvcert.fast.design_sizes`); every other token is kept
+    independently with
+
+    .. math:: \pi_i = \min(1, \lambda u'_i), \qquad
+              u'_i = (1-\alpha)\frac{u_i}{\sum_{T} u_j} + \frac{\alpha}{|T|},
+
+    :math:`\alpha` = ``floor``, :math:`\lambda` solved so that
+    :math:`\sum_i \pi_i = B` (the budget, an expected count). Decoding then
+    uses the Hajek estimate with logit offset :math:`-\log\pi_i` and records
+    its certificate (:mod:`kvcert.attention`). Repeated events compose: a
+    token's pi is the product over the events it survived.
+
+    Parameters
+    ----------
+    compression_ratio, target_size, sinks, window, delta, kind
+        See :class:`BasePress`. Defaults: sinks 4, window 32 (the last 32
+        tokens), delta 0.05, kind ``chebyshev``.
+    top_fraction : float in [0, 1)
+        Share of the free budget B - sinks - window kept deterministically
+        by importance (default 0.5); the rest of the budget is sampled.
+    floor : float in (0, 1]
+        Defensive mixture weight alpha (default 0.1): every tail token has
+        pi >= alpha B_tail / |T| > 0.
+    scorer : str, ScorerPress, kvpress ScorerPress or callable
+        Importance u (default ``"snapkv"``: attention of the last
+        ``observation_window`` prefill queries, GQA-pooled, smoothed with
+        ``kernel_size``). A name of ``kvcert.fast.SCORERS``; or a
+        :class:`ScorerPress` instance (its ``score`` and its own
+        hyperparameters); or any object with kvpress's
+        ``score(module, hidden_states, keys, values, attentions, kwargs)
+        -> (batch, kv_heads, seq)``, e.g. a kvpress ``ScorerPress``
+        (duck-typed: kvcert never imports kvpress; see Notes); or a callable
+        ``fn(queries, keys, values, *, scale, layer, event) -> (b, h_kv, n)``
+        reading the last ``observation_window`` queries. Negative scores
+        (``knorm``, ``keydiff``) are shifted to >= 0 per head; NaN or inf
+        scores raise ``ValueError``.
+    seed : int >= 0
+        Seed of the sampling streams, one per (layer, KV head, event) and
+        indexed by token position (:mod:`kvcert.fast.design`; every batch row
+        draws from the stream of row 0, ``row_streams=False``): the same seed
+        replays the same draws, and a sequence draws the same sample alone or
+        in a batch.
+    observation_window : int >= 1
+        Queries the query-based scorers look at (default 32). kvpress's name
+        ``window_size`` is accepted for it (``PoissonPress(window_size=64)``),
+        and ``n_sink`` for ``sinks`` (docs/kvpress.md).
+    kernel_size : odd int >= 1
+        SnapKV pooling width (default 7).
+    sketch : None, ``"cluster"`` or a ``kvcert.fast.ClusterDesign``
+        Keep a sketch of the evicted tokens (issue 14's cluster design,
+        docs/theory.md section 8): per layer, row and KV head, the
+        w-weighted mean and per-channel variance of the evicted keys in each
+        of C k-means clusters, with :math:`W_c, Y_c, N_c` and the value
+        centre, and the evicted values' largest distance to it (the hull
+        bound's part), C (2d + 3) + dv + 1 elements. **At equal memory**: the event
+        samples :math:`B - (C(2d+3)+d_v+1)/(d+d_v+1)` expected tokens instead
+        of B (the top slice re-sized at that budget), so kept tokens plus
+        sketch hold what the pure design's B tokens hold. Decoding then
+        records Chebyshev on the hybrid variance, capped at the deterministic
+        hull bound H (``kvcert.reference.sketch.hull_bound``):
+        :math:`\lVert\hat o - o\rVert_2 \le \min(\sqrt{V_{\mathrm{cl}}/\delta}, H)`
+        (``Certificates.trace`` holds :math:`\min(V_{\mathrm{cl}}, \delta H^2)`): kept tokens
+        exact, evicted ones through the sketch's Gaussian moments. Opt-in and
+        empirical (it covers on the real model's replay cells but is
+        13-21x the RMS error there; docs/research/issue14/RESULTS_T2.md).
+        ``"cluster"`` is ``ClusterDesign(radius="chebyshev")`` (16 clusters);
+        ``"tilted"`` is ``ClusterDesign(clusters=8, radius="chebyshev",
+        tilt=True)``: the moments are tilted at the mean of the last
+        ``observation_window`` prefill queries of each KV head's query group
+        (:func:`kvcert.fast.window_tilt`), C (4d + 4) + d + dv + 1 elements (2,209
+        at d = dv = 64, the 16-cluster design's 2,161), and the decode's
+        Gaussian step is taken in q - q0 (docs/theory.md section 8, fifth
+        slice). Both need ``kind="chebyshev"``, a design whose ``radius`` is
+        ``"chebyshev"`` and one eviction event per layer (no DecodingPress).
+
+    Notes
+    -----
+    A kvpress scorer is called once per layer, batch row and prefill event,
+    right after the layer's exact prefill, with what kvpress's forward hook
+    gives it: the attention module, the module's input ``hidden_states``
+    (1, n, hidden) and its forward keyword arguments (``position_embeddings``
+    ...), the row's cached keys and values (1, h_kv, n, d), and
+    ``attentions=None`` (the scorer recomputes what it needs, as kvpress
+    does under sdpa). A padded row passes its n real tokens only (the
+    hidden states and position embeddings sliced alike, ``attention_mask``
+    None). Inside ``with press(model):`` the press hooks each attention
+    module's forward to see those inputs; like kvpress it sets the module's
+    ``rotary_emb`` when missing and calls the scorer's
+    ``post_init_from_model(model)`` if it has one. The scorer's own
+    ``compression_ratio`` is not used (the budget is this press's), except
+    by a ``score`` that reads it (kvpress's ``StreamingLLMPress``). A
+    kvpress scorer scores prefills only: not under :class:`DecodingPress`,
+    nor from a shared :func:`kvcert.prefill` (neither keeps the hidden
+    states).
+
+    Examples
+    --------
+    >>> import kvcert
+    >>> press = kvcert.PoissonPress(compression_ratio=0.5, seed=0)
+    >>> press.kind, press.window, press.top_fraction
+    ('chebyshev', 32, 0.5)
+    """
+
+    top_fraction: float = 0.5
+    floor: float = 0.1
+    scorer: object = "snapkv"
+    seed: int = 0
+    observation_window: int = 32
+    kernel_size: int = 7
+    sketch: object = None
+
+    _randomized = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.top_fraction = _real("top_fraction", self.top_fraction, 0.0, 1.0, hi_open=True)
+        self.floor = _real("floor", self.floor, 0.0, 1.0, lo_open=True)
+        s = self.scorer
+        if isinstance(s, str):
+            if s not in SCORERS:
+                raise ValueError(f"scorer must be one of {tuple(SCORERS)}, a ScorerPress or a callable, got {s!r}")
+        elif not isinstance(s, ScorerPress) and not _is_kvpress_scorer(s) and not callable(s):
+            raise TypeError(f"scorer must be a registry name {tuple(SCORERS)}, a ScorerPress instance (kvcert's, "
+                            f"or kvpress's: an object with score(module, hidden_states, keys, values, attentions, "
+                            f"kwargs)) or a callable, got {type(s).__name__}")
+        self._layer_inputs = {}  # layer -> (attention module, its forward kwargs) of the forward under way
+        self.sketch = _sketch_design(self.sketch, self.kind)
+
+    @property
+    def _external(self) -> bool:
+        """The importance comes from a kvpress-style ``score(module, hidden_states, ...)``."""
+        return not isinstance(self.scorer, (str, ScorerPress)) and _is_kvpress_scorer(self.scorer)
+
+    def __call__(self, model):
+        """Context manager: ``with press(model):``; with a kvpress scorer it also hooks the
+        attention modules to hand their inputs (module, hidden states, kwargs) to ``score``."""
+        context = super().__call__(model)
+        return _KvpressInputs(self, model, context) if self._external else context
+
+    def _query_need(self) -> str:
+        s = self.scorer
+        if isinstance(s, str):
+            return SCORERS[s].queries
+        if isinstance(s, ScorerPress):
+            return s.query_need
+        return "none" if self._external else "window"  # a kvpress scorer makes its own queries
+
+    def _observation_window(self) -> int:
+        s = self.scorer
+        return s._observation_window() if isinstance(s, ScorerPress) else self.observation_window
+
+    def _score(self, queries, keys, values, *, scale, layer, event):
+        s = self.scorer
+        if isinstance(s, str):
+            return SCORERS[s](queries, keys, values, scale=scale, layer=layer, event=event,
+                              **_scorer_params(self, SCORERS[s]))
+        if isinstance(s, ScorerPress):
+            return s.score(queries, keys, values, scale=scale, layer=layer, event=event)
+        if self._external:
+            raise ValueError(f"scorer: {type(s).__name__}.score(module, hidden_states, keys, values, attentions, "
+                             "kwargs) reads a layer's hidden states, which only a prefill event under "
+                             "`with press(model):` gives (not a decode-time event)")
+        u = s(queries, keys, values, scale=scale, layer=layer, event=event)
+        return _checked_scores(u, keys, "scorer(queries, keys, values, *, scale, layer, event)", layer)
+
+    def _prefill_importance(self, queries, keys, values, *, scale, layer_idx, event, row, tokens):
+        if not self._external:
+            return super()._prefill_importance(queries, keys, values, scale=scale, layer_idx=layer_idx,
+                                               event=event, row=row, tokens=tokens)
+        s = self.scorer
+        name = f"{type(s).__name__}.score(module, hidden_states, keys, values, attentions, kwargs)"
+        entry = self._layer_inputs.get(layer_idx)
+        if entry is None:
+            raise ValueError(
+                f"scorer: {name} needs layer {layer_idx}'s attention inputs (module, hidden_states, kwargs), "
+                "which only a prefill forward under `with press(model):` gives; a cache filled by "
+                "kvcert.prefill does not keep them: call generate without prefilled="
+            )
+        module, kwargs = entry
+        kw = dict(kwargs)
+        kw["hidden_states"] = _row_slice(kwargs["hidden_states"], row, tokens)
+        pe = kwargs.get("position_embeddings")
+        if isinstance(pe, (tuple, list)):
+            kw["position_embeddings"] = tuple(_row_slice(t, row, tokens) for t in pe)
+        if tokens is not None:
+            kw["attention_mask"] = None  # the padding is gone; the row is one causal sequence
+        hidden = kw["hidden_states"]
+        if hidden.shape[1] != keys.shape[2]:
+            raise ValueError(f"scorer: layer {layer_idx}'s hidden_states hold {hidden.shape[1]} tokens but its cache "
+                             f"{keys.shape[2]}: a kvpress scorer needs the whole sequence in one prefill forward")
+        u = s.score(module, hidden, keys, values, None, kw)
+        return _checked_scores(u, keys, name, layer_idx)
+
+    def inclusion_probabilities(self, importance: torch.Tensor, n: int | None = None) -> torch.Tensor:
+        """pi (..., n) this press's prefill event gives to tokens of this importance
+        (every slot valid): :func:`kvcert.fast.inclusion_probabilities` with the
+        press's budget and :func:`kvcert.fast.design_sizes`."""
+        from .. import fast
+
+        sizes = self.design_sizes(importance.shape[-1] if n is None else n)
+        return fast.inclusion_probabilities(_shifted(importance.to(torch.float64)), sizes.budget,
+                                            sinks=sizes.sinks, window=sizes.window, top=sizes.top,
+                                            floor=self.floor)
+
+    def _sampled_budget(self, n: int, layer) -> float:
+        r"""The budget B, less the sketch's memory in kept tokens,
+        ``ClusterDesign.tokens``: :math:`(C(2d+3)+d_v+1)/(d+d_v+1)`, tilted :math:`(C(4d+4)+d+d_v+1)/(d+d_v+1)`
+        (a kept token holds its key, value and log pi)."""
+        budget = self._budget(n)
+        if self.sketch is None or budget >= n:
+            return budget
+        d, dv = layer.keys.shape[-1], layer.values.shape[-1]
+        held = self.sketch.tokens(d, dv)
+        if budget - held < 1.0:
+            raise ValueError(f"sketch: {self.sketch.clusters} clusters hold {held:.1f} tokens' worth of memory per "
+                             f"head (d = {d}, dv = {dv}), which leaves less than one token of the budget "
+                             f"{budget:.1f} of this {n}-token prefill; use fewer clusters or a larger budget")
+        return budget - held
+
+    def _evict(self, keys, values, importance, budget, *, sinks, window, top, valid, log_weights, positions,
+               layer_idx, event, tilt=None, scale=None):
+        from .. import fast
+
+        u = _shifted(importance.to(torch.float64), valid)
+        return fast.evict(keys, values, u, budget, sinks=sinks, window=window, top=top, floor=self.floor,
+                          seed=self.seed, layer=layer_idx, event=event, pi=log_weights.exp(), positions=positions,
+                          row_streams=False, sketch=self.sketch, tilt=tilt, scale=scale)
+
+    def _tilt(self, queries: torch.Tensor, h_kv: int):
+        """A tilted sketch's tilt points: the mean of the last ``observation_window`` prefill queries
+        over each KV head's query group (:func:`kvcert.fast.window_tilt`)."""
+        if self.sketch is None or not self.sketch.tilt:
+            return None
+        if queries.shape[2] == 0:
+            raise ValueError("sketch: a tilted sketch needs the prefill's observation-window queries, and this "
+                             "prefill kept none (a shared kvcert.prefill made for a scorer that reads no query)")
+        return window_tilt(queries, h_kv, window=self._observation_window())
+
+    def queries_needed(self, n: int) -> int:
+        """Prefill queries the scorer reads, and at least the observation window with a tilted sketch."""
+        need = super().queries_needed(n)
+        if self.sketch is not None and self.sketch.tilt:
+            need = max(need, min(self._observation_window(), n))
+        return need
+
+
+#: ``PoissonPress(sketch=name)``: ``"cluster"`` (16 clusters, moments at q = 0) and ``"tilted"`` (8 clusters,
+#: moments tilted at the observation window's mean query; about the same memory), both recorded as Chebyshev
+SKETCHES = {"cluster": ClusterDesign(radius="chebyshev"),
+            "tilted": ClusterDesign(clusters=8, radius="chebyshev", tilt=True)}
+
+
+def _sketch_design(sketch, kind: str):
+    """PoissonPress's ``sketch=``: None, a name of :data:`SKETCHES` or a ClusterDesign-like object -> None or a
+    ``kvcert.fast.ClusterDesign`` whose radius rule is the recorded kind's (Chebyshev)."""
+    from ..fast.sketch import _as_design
+
+    if sketch is None:
+        return None
+    if isinstance(sketch, str):
+        if sketch not in SKETCHES:
+            raise ValueError(f"sketch must be None, one of {tuple(SKETCHES)} or a kvcert.fast.ClusterDesign, "
+                             f"got {sketch!r}")
+        sketch = SKETCHES[sketch]
+    elif isinstance(sketch, bool) or not hasattr(sketch, "clusters"):
+        raise TypeError(f"sketch must be None, one of {tuple(SKETCHES)} or a kvcert.fast.ClusterDesign, "
+                        f"got {type(sketch).__name__}")
+    design = _as_design(sketch)
+    if kind != "chebyshev" or design.radius != "chebyshev":
+        raise ValueError(f"sketch: a sketched PoissonPress records Chebyshev on the hybrid variance, "
+                         f"sqrt(V_cl / delta); it needs kind='chebyshev' and a design with radius='chebyshev' "
+                         f"(got kind={kind!r}, radius={design.radius!r})")
+    return design
+
+
+_accept_kvpress_names(PoissonPress)
+
+
+def _shifted(u: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Importance >= 0 on the valid slots (0 on the others): a head with a negative
+    score (e.g. knorm's -||k||) is shifted by its minimum; other heads are left as they are."""
+    if valid is None:
+        valid = torch.ones_like(u, dtype=torch.bool)
+    u = u.masked_fill(~valid, 0.0)
+    low = u.masked_fill(~valid, math.inf).amin(-1, keepdim=True)
+    neg = low < 0
+    if bool(neg.any()):
+        u = torch.where(neg, u - low, u).masked_fill(~valid, 0.0)
+    return u
+
+
+def _checked_scores(u, keys: torch.Tensor, name: str, layer: int) -> torch.Tensor:
+    """The scores of a user scorer, checked: a tensor of the keys' (batch, kv_heads, seq), finite."""
+    want = tuple(keys.shape[:3])
+    if not isinstance(u, torch.Tensor) or tuple(u.shape) != want:
+        got = tuple(u.shape) if isinstance(u, torch.Tensor) else type(u).__name__
+        raise ValueError(f"scorer must return a tensor of shape (b, h_kv, n) = (batch, kv_heads, seq) = {want}: "
+                         f"{name} returned {got}")
+    if not u.is_floating_point():
+        u = u.to(torch.float32)
+    if not bool(torch.isfinite(u).all()):
+        bad = int((~torch.isfinite(u)).sum())
+        raise ValueError(f"scorer: {name} returned {bad} NaN or inf scores of {u.numel()} at layer {layer} "
+                         f"(shape (batch, kv_heads, seq) = {want}); scores must be finite")
+    return u
