@@ -10,6 +10,9 @@ from . import scorers
 from .estimators import attention, clear_workspace, hajek_attention, value_moments
 from .blocks import (
     BLOCK_REDUCTIONS,
+    REDUCTIONS,
+    BlockDecision,
+    BlockDesign,
     block_compact,
     block_count,
     block_evict,
@@ -26,6 +29,7 @@ from .blocks import (
 from .certificates import (
     CERTIFICATE_KINDS,
     KINDS,
+    SERVED_KINDS,
     CertificateKind,
     certificate,
     certificate_moments,
@@ -41,8 +45,11 @@ from .design import (
     design_uniforms,
     edge_mask,
     inclusion_probabilities,
+    nonnegative_importance,
     poisson_sample,
     splitmix64,
+    TokenDecision,
+    TokenDesign,
 )
 from .eviction import compact, evict, topk_evict
 from .scorers import (
@@ -59,6 +66,8 @@ from .scorers import (
 )
 from .sketch import (
     CLUSTER_RADII,
+    RADIUS_RULES,
+    RadiusRule,
     ClusterDesign,
     ClusterEstimate,
     ClusterSketch,
@@ -74,16 +83,17 @@ from .types import Certificate, CompressedCache, Estimate
 __all__ = [
     "Estimate", "Certificate", "CompressedCache",
     "attention", "hajek_attention", "value_moments", "clear_workspace",
-    "BLOCK_REDUCTIONS", "block_compact", "block_count", "block_evict", "block_hajek_attention", "block_importance",
+    "BLOCK_REDUCTIONS", "REDUCTIONS", "BlockDecision", "BlockDesign", "block_compact", "block_count", "block_evict", "block_hajek_attention", "block_importance",
     "block_inclusion_probabilities", "block_keep", "block_budget", "block_sample", "block_uniforms", "expand_blocks",
     "prompt_event",
-    "CERTIFICATE_KINDS", "CertificateKind", "KINDS", "certificate", "certificate_moments", "estimate_options",
+    "CERTIFICATE_KINDS", "CertificateKind", "KINDS", "SERVED_KINDS", "certificate", "certificate_moments", "estimate_options",
     "radius_from_moments", "radius_from_statistics",
     "budget_from_fraction", "certainty_mask", "DesignSizes", "design_sizes", "design_uniforms", "edge_mask",
-    "inclusion_probabilities", "poisson_sample", "splitmix64",
+    "inclusion_probabilities", "poisson_sample", "splitmix64", "nonnegative_importance", "TokenDecision",
+    "TokenDesign",
     "compact", "evict", "topk_evict",
     "scorers", "SCORERS", "Scorer", "register_scorer", "expected_attention_scores", "h2o_scores", "knorm_scores", "random_scores", "snapkv_scores",
     "streaming_llm_scores", "tova_scores",
-    "CLUSTER_RADII", "ClusterDesign", "ClusterEstimate", "ClusterSketch", "cluster_hajek_attention", "cluster_radius",
+    "CLUSTER_RADII", "RADIUS_RULES", "RadiusRule", "ClusterDesign", "ClusterEstimate", "ClusterSketch", "cluster_hajek_attention", "cluster_radius",
     "cluster_sketch", "cluster_variance", "kmeans_assign", "window_tilt",
 ]

@@ -38,18 +38,24 @@ from __future__ import annotations
 
 import hashlib
 import numbers
+from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 import torch
 
 from ._checks import check_nonneg_int, check_probabilities, check_tensor, stat_dtype
-from .design import inclusion_probabilities, splitmix64
+from .design import (_certificate_kind, _int, _kernel_size, _real, _registered_scorer, _scorer_params, _set,
+                     inclusion_probabilities, nonnegative_importance, splitmix64)
 from .estimators import hajek_attention
 from .eviction import compact
 from .types import CompressedCache, Estimate
 
 __all__ = [
     "BLOCK_REDUCTIONS",
+    "REDUCTIONS",
+    "BlockDecision",
+    "BlockDesign",
     "block_count",
     "block_uniforms",
     "block_importance",
@@ -64,8 +70,15 @@ __all__ = [
     "block_hajek_attention",
 ]
 
-#: how :func:`block_importance` combines the per-head block totals (see its docstring)
-BLOCK_REDUCTIONS = ("mean", "max")
+#: name -> how :func:`block_importance` combines the per-head block shares (b, heads, n_blocks) -> (b, n_blocks):
+#: ``"mean"`` targets the average head, ``"max"`` protects the blocks any single head needs (the reasons are in
+#: ``kvcert.reference.block_importance``); the one list of reductions (the presses and the vLLM plugin read it)
+REDUCTIONS = MappingProxyType({
+    "mean": lambda shares: shares.mean(1),
+    "max": lambda shares: shares.amax(1),
+})
+#: the names of :data:`REDUCTIONS`, in its order
+BLOCK_REDUCTIONS = tuple(REDUCTIONS)
 
 _MASK64 = (1 << 64) - 1
 
@@ -239,7 +252,7 @@ def block_importance(importance: torch.Tensor, block_size: int, *, reduce: str =
     if importance.ndim < 2 or importance.shape[-1] == 0:
         raise ValueError(f"importance must have shape (b, n) or (b, ..., n) with n >= 1, "
                          f"got shape {tuple(importance.shape)}")
-    if reduce not in BLOCK_REDUCTIONS:
+    if not isinstance(reduce, str) or reduce not in REDUCTIONS:
         raise ValueError(f"reduce must be one of {BLOCK_REDUCTIONS}, got {reduce!r}")
     bs = _check_block_size(block_size)
     b, n = importance.shape[0], importance.shape[-1]
@@ -257,8 +270,7 @@ def block_importance(importance: torch.Tensor, block_size: int, *, reduce: str =
     if normalize:
         mass = tot.sum(-1, keepdim=True)
         tot = torch.where(mass > 0, tot / torch.where(mass > 0, mass, 1.0), 0.0)
-    out = tot.mean(1) if reduce == "mean" else tot.amax(1)
-    return out.to(stat_dtype(importance))
+    return REDUCTIONS[reduce](tot).to(stat_dtype(importance))
 
 
 #: the token solver's words -> the block design's (its error messages, reworded)
@@ -426,6 +438,250 @@ def block_evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tens
                                          reduce=reduce, normalize=normalize, lengths=lengths)
     keep_b = block_sample(pi_b, seed=None if uniforms is not None else seed, event=event, uniforms=uniforms)
     return block_compact(keep_b, pi_b, keys, values, block_size=block_size, lengths=lengths)
+
+
+# ----------------------------------------------------------------------------- the design as one object
+
+
+@dataclass
+class BlockDecision:
+    """The block sample of one sequence (:meth:`BlockDesign.decide`).
+
+    Attributes
+    ----------
+    n_tokens : int
+        Prompt tokens of the sequence (padding excluded).
+    importance : tensor (n_blocks,) float64
+        Block importance u_b (:meth:`BlockDesign.block_importance` over every layer and KV head).
+    pi : tensor (n_blocks,) float64
+        Inclusion probabilities pi_b (1 on the certainty set).
+    kept : bool tensor (n_blocks,)
+        The sample: block b is kept iff U_b < pi_b, U from the block stream keyed by (seed, event).
+    event : int
+        :func:`prompt_event` of the prompt's token ids.
+    """
+
+    n_tokens: int
+    importance: torch.Tensor
+    pi: torch.Tensor
+    kept: torch.Tensor
+    event: int
+
+    @property
+    def evicted(self) -> list[int]:
+        """Indices of the evicted blocks, ascending."""
+        return [int(j) for j in torch.nonzero(~self.kept).flatten()]
+
+    @property
+    def log_pi(self) -> torch.Tensor:
+        """(n_blocks,) log pi_b on the kept blocks, -inf on the evicted ones (the attention offset's negative)."""
+        return torch.where(self.kept, torch.log(self.pi), torch.full_like(self.pi, float("-inf")))
+
+
+@dataclass(frozen=True)
+class BlockDesign:
+    r"""The block (cluster) design (DESIGN.md section 7) as one object: fields and checks, budget, decision.
+
+    A paged engine frees whole blocks, and one block table serves every layer:
+    the prompt's tokens are grouped into blocks of ``block_size`` positions
+    (from position 0; the last block may be partial) and one Poisson sample
+    of blocks is drawn per sequence, for every layer and KV head:
+
+    1. token scores per layer and KV head from the registered scorer
+       ``scorer`` (:meth:`score`, ``kvcert.fast.SCORERS``; the last
+       :meth:`queries_read` prompt queries);
+    2. block importance (:meth:`block_importance`): negative scores shifted
+       per head (:func:`kvcert.fast.nonnegative_importance`), block totals
+       normalized per (layer, KV head), then the ``reduce`` of
+       :data:`REDUCTIONS` over them;
+    3. :math:`\pi_b` (:func:`block_inclusion_probabilities` on the block
+       importance) with :math:`\sum_b \pi_b` = :meth:`budget` expected kept
+       blocks and the certainty set ``sink_blocks`` + ``recent_blocks`` +
+       ``top_blocks``;
+    4. the sample :func:`block_sample` keyed by ``seed`` and the prompt's
+       :func:`prompt_event`: the same prompt and seed keep the same blocks
+       alone or in any batch, in the Hugging Face press and in the vLLM plugin.
+
+    Parameters
+    ----------
+    compression_ratio : float in [0, 1)
+        Fraction of the prompt's blocks evicted in expectation; 0 evicts nothing.
+    block_size : int >= 1, or None
+        Tokens per block; None: the paged engine's (given to :meth:`block_importance`).
+    seed : int >= 0
+        Key of the block stream (:func:`block_uniforms`) and of the ``random`` scorer.
+    sink_blocks : int >= 0
+        First blocks kept with certainty.
+    recent_blocks : int >= 1
+        Last blocks kept with certainty (the last, partial block, where decoding continues, is one).
+    top_blocks : int >= 0
+        Most important other blocks kept with certainty.
+    floor : float in (0, 1]
+        Defensive mixture weight.
+    observation_window : int >= 1
+        Prompt queries a window scorer reads.
+    reduce : str
+        A key of :data:`REDUCTIONS`.
+    scorer : str
+        A key of ``kvcert.fast.SCORERS`` (default ``"snapkv"``); its ``event`` is 0 (one decision per sequence).
+    kernel_size : odd int >= 1
+        The scorer's pooling width where it has one (default 1: no pooling).
+    delta : float in (0, 1)
+        Miscoverage of the certificates.
+    kind : str
+        Certificate kind, a key of ``kvcert.fast.CERTIFICATE_KINDS``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kvcert.fast import BlockDesign
+    >>> design = BlockDesign(compression_ratio=0.5, block_size=32, seed=0)
+    >>> design.budget(8), design.budget(2)
+    (4.0, None)
+    >>> d = design.decide(torch.rand(8, dtype=torch.float64), event=7)
+    >>> d.kept.shape, bool(d.kept[0] and d.kept[-1])
+    (torch.Size([8]), True)
+    """
+
+    compression_ratio: float = 0.0
+    block_size: int | None = 16
+    seed: int = 0
+    sink_blocks: int = 1
+    recent_blocks: int = 1
+    top_blocks: int = 0
+    floor: float = 0.1
+    observation_window: int = 16
+    reduce: str = "mean"
+    scorer: str = "snapkv"
+    kernel_size: int = 1
+    delta: float = 0.05
+    kind: str = "chebyshev"
+
+    def __post_init__(self):
+        if not isinstance(self.reduce, str) or self.reduce not in REDUCTIONS:
+            raise ValueError(f"reduce must be one of {BLOCK_REDUCTIONS}, got {self.reduce!r}")
+        _set(self, compression_ratio=_real("compression_ratio", self.compression_ratio, 0.0, 1.0, hi_open=True),
+             block_size=_int("block_size", self.block_size, low=1, optional=True), seed=_int("seed", self.seed),
+             sink_blocks=_int("sink_blocks", self.sink_blocks),
+             recent_blocks=_int("recent_blocks", self.recent_blocks, low=1),
+             top_blocks=_int("top_blocks", self.top_blocks), floor=_real("floor", self.floor, 0.0, 1.0, lo_open=True),
+             observation_window=_int("observation_window", self.observation_window, low=1),
+             scorer=_registered_scorer(self.scorer), kernel_size=_kernel_size(self.kernel_size),
+             delta=_real("delta", self.delta, 0.0, 1.0, lo_open=True, hi_open=True),
+             kind=_certificate_kind(self.kind))
+
+    # -- the budget -----------------------------------------------------------------------------
+    @property
+    def compresses(self) -> bool:
+        """Whether anything is ever evicted (ratio > 0)."""
+        return self.compression_ratio > 0
+
+    def _block_size(self, block_size) -> int:
+        bs = self.block_size if block_size is None else block_size
+        if bs is None:
+            raise ValueError("block_size: this design takes the engine's block size; pass block_size=")
+        return _check_block_size(bs)
+
+    def n_blocks(self, n_tokens: int, block_size: int | None = None) -> int:
+        """Blocks ``ceil(n_tokens / block_size)`` of a prompt (``block_size`` default: the design's)."""
+        return block_count(n_tokens, self._block_size(block_size))
+
+    def budget(self, n_blocks: int) -> float | None:
+        """Expected kept blocks of a prompt of ``n_blocks`` blocks, or None when nothing is evicted (ratio 0, or
+        the certainty set ``sink_blocks + recent_blocks + top_blocks`` fills the budget): :func:`block_budget`."""
+        n_blocks = _int("n_blocks", n_blocks)
+        return block_budget(n_blocks, self.compression_ratio, self.sink_blocks + self.recent_blocks + self.top_blocks)
+
+    # -- the importance -------------------------------------------------------------------------
+    @property
+    def query_need(self) -> str:
+        """Which prompt queries the scorer reads: ``"window"``, ``"all"`` or ``"none"``."""
+        from .scorers import SCORERS
+
+        return SCORERS[self.scorer].queries
+
+    def queries_read(self, available: int, n: int) -> int:
+        """How many of the last ``available`` prompt queries the scorer is given for a prompt of n tokens:
+        the observation window, or all n for a scorer of every query when all n are available
+        (``kvcert.fast.scorers.queries_read``)."""
+        from .scorers import queries_read
+
+        return queries_read(self.query_need, available, n, self.observation_window)
+
+    def queries_needed(self, n: int) -> int:
+        """Prompt queries the scorer reads for a prompt of n tokens."""
+        from .scorers import queries_needed
+
+        return queries_needed(self.query_need, n, self.observation_window)
+
+    @property
+    def scorer_params(self) -> dict:
+        """The scorer's hyperparameters this design sets (``kernel_size``, ``seed``); the others keep their
+        registry defaults."""
+        from .scorers import SCORERS
+
+        return _scorer_params(self, SCORERS[self.scorer])
+
+    def score(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None, *,
+              scale: float | None = None, layer: int = 0) -> torch.Tensor:
+        """One layer's token scores (b, h_kv, n): the scorer on keys/values (b, h_kv, n, d) and the last
+        :meth:`queries_read` of the queries (b, h_q, w, d) given."""
+        from .scorers import SCORERS
+
+        queries = check_tensor("queries", queries, ndim=(4,), floating=True)
+        keys = check_tensor("keys", keys, ndim=(4,), floating=True)
+        w = self.queries_read(queries.shape[2], keys.shape[2])
+        return SCORERS[self.scorer](queries[:, :, -w:], keys, values, scale=scale, layer=layer, event=0,
+                                    **self.scorer_params)
+
+    def block_importance(self, scores: torch.Tensor, *, block_size: int | None = None) -> torch.Tensor:
+        """Block importance (b, n_blocks) float64 of token scores (b, ..., n) stacked over the layers and KV
+        heads that share the block table: :func:`nonnegative_importance` per head, then :func:`block_importance`
+        with this design's ``reduce``."""
+        scores = check_tensor("scores", scores, floating=True)
+        u = nonnegative_importance(scores.to(torch.float64))
+        return block_importance(u, self._block_size(block_size), reduce=self.reduce)
+
+    # -- the decision ---------------------------------------------------------------------------
+    def decide(self, importance: torch.Tensor, *, event: int, n_tokens: int | None = None) -> BlockDecision | None:
+        """Block importance -> pi_b -> sample for one sequence; None when nothing is evicted (:meth:`budget`).
+
+        Parameters
+        ----------
+        importance : floating tensor (n_blocks,)
+            Block importance (:meth:`block_importance`), finite and >= 0 (checked whatever the budget).
+        event : int >= 0
+            The prompt's :func:`prompt_event`.
+        n_tokens : int, optional
+            The prompt's tokens (recorded in the decision; default ``n_blocks * block_size``).
+
+        Returns
+        -------
+        BlockDecision or None
+            pi_b = :func:`block_inclusion_probabilities` (blocks as units, ``block_size=1``) at
+            :meth:`budget`, kept = :func:`block_sample` with ``seed`` and ``event``.
+        """
+        ub = check_tensor("importance", importance, ndim=(1,), floating=True)
+        if ub.shape[0] == 0:
+            raise ValueError("importance must have shape (n_blocks,) with n_blocks >= 1, got shape (0,)")
+        if not bool(torch.isfinite(ub).all()):
+            raise ValueError("importance must be finite (found NaN or inf)")
+        if bool((ub < 0).any()):
+            raise ValueError(f"importance must be >= 0, found min {float(ub.min()):.3g}")
+        event = check_nonneg_int("event", event)
+        nb = ub.shape[0]
+        if n_tokens is None:
+            if self.block_size is None:
+                raise ValueError("n_tokens: give the prompt's token count (this design has no block_size of its own)")
+            n_tokens = nb * self.block_size
+        budget = self.budget(nb)
+        if budget is None:
+            return None
+        pi = block_inclusion_probabilities(ub[None], budget, block_size=1, sink_blocks=self.sink_blocks,
+                                           recent_blocks=self.recent_blocks, top_blocks=self.top_blocks,
+                                           floor=self.floor)[0]
+        kept = block_sample(pi, seed=self.seed, event=event)
+        return BlockDecision(int(n_tokens), ub, pi, kept, event)
 
 
 # ----------------------------------------------------------------------------- the estimator

@@ -29,7 +29,8 @@ from scipy import special
 
 from .types import Certificate, Estimate
 
-__all__ = ["CERTIFICATE_KINDS", "CertificateKind", "KINDS", "NU_MIN", "certificate", "certificate_moments",
+__all__ = ["CERTIFICATE_KINDS", "CertificateKind", "KINDS", "NU_MIN", "SERVED_KINDS",
+           "certificate", "certificate_moments",
            "estimate_options", "radius_from_moments", "radius_from_statistics"]
 
 #: lower clip of the Satterthwaite degrees of freedom of ``chebyshev_ucb`` (nu >= 2 holds exactly)
@@ -192,6 +193,11 @@ class CertificateKind:
         shape (...,).
     summary : str
         The formula in one line, for CLI help and docs.
+    served : bool
+        True when a paged serving engine can report it per decode step
+        (``kvcert.vllm``): a norm bound whose statistics the block estimator
+        gives in its one pass over the kept blocks. ``wald`` (per coordinate)
+        and ``chebyshev_ucb`` (strict, a second pass) are not served.
     """
 
     name: str
@@ -199,6 +205,7 @@ class CertificateKind:
     radius: Callable[..., torch.Tensor]
     per_coordinate: bool
     summary: str
+    served: bool = False
 
     def __post_init__(self):
         unknown = [s for s in self.needs if s not in _OPTIONS or s not in _MOMENTS]
@@ -219,14 +226,15 @@ CERTIFICATE_KINDS = _registry(
         summary="per coordinate |o_hat_d - o_d| <= z_{1-delta/2} sqrt(variance_d)"),
     CertificateKind(
         name="chebyshev", needs=(), radius=_chebyshev_radius, per_coordinate=False,
-        summary="||o_hat - o||_2 <= sqrt(trace / delta)"),
+        summary="||o_hat - o||_2 <= sqrt(trace / delta)", served=True),
     CertificateKind(
         name="chi2", needs=("covariance",), radius=_chi2_radius, per_coordinate=False,
         summary="||o_hat - o||_2^2 <= g chi2_{h, 1-delta}, g = sum l^2 / sum l, h = (sum l)^2 / sum l^2 "
-                "over the eigenvalues l of Sigma_hat"),
+                "over the eigenvalues l of Sigma_hat", served=True),
     CertificateKind(
         name="bernstein", needs=("max_term",), radius=_bernstein_radius, per_coordinate=False,
-        summary="||o_hat - o||_2 <= B L / 3 + sqrt((B L / 3)^2 + 2 trace L), L = log(2 / delta), B = max_term"),
+        summary="||o_hat - o||_2 <= B L / 3 + sqrt((B L / 3)^2 + 2 trace L), L = log(2 / delta), B = max_term",
+        served=True),
     CertificateKind(
         name="chebyshev_ucb", needs=("tail_moment",), radius=_chebyshev_ucb_radius, per_coordinate=False,
         summary="||o_hat - o||_2^2 <= 2 trace nu / (delta chi2_{nu; delta/2}), "
@@ -236,6 +244,9 @@ CERTIFICATE_KINDS = _registry(
 #: certificate kinds, in registry order (that of ``kvcert.reference.KINDS``); the strict opt-in
 #: ``chebyshev_ucb`` needs ``hajek_attention(..., return_tail_moment=True)``
 KINDS = tuple(CERTIFICATE_KINDS)
+
+#: the kinds a paged serving engine reports (``CertificateKind.served``), in registry order
+SERVED_KINDS = tuple(name for name, spec in CERTIFICATE_KINDS.items() if spec.served)
 
 
 def _kind(kind) -> CertificateKind:

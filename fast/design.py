@@ -32,8 +32,10 @@ reference pass its uniforms (``uniforms=reference.design_uniforms(...)``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -50,6 +52,9 @@ __all__ = [
     "design_uniforms",
     "poisson_sample",
     "splitmix64",
+    "nonnegative_importance",
+    "TokenDecision",
+    "TokenDesign",
 ]
 
 _MASK64 = (1 << 64) - 1
@@ -274,13 +279,23 @@ def certainty_mask(importance: torch.Tensor, *, sinks: int = 4, window: int = 32
     C is the first ``sinks`` and last ``window`` (valid) tokens plus the ``top``
     highest-importance tokens among the others, ties to the lower index (the
     reference's stable order), so it equals ``reference.certainty_mask`` on
-    every (valid part of a) slice.
+    every (valid part of a) slice. The importance must be finite and >= 0 on
+    the valid slots (ValueError otherwise, as the reference's).
     """
     importance = check_tensor("importance", importance, floating=True)
     u, shape = _as_rows("importance", importance)
     top = check_nonneg_int("top", top)
     vr = _valid_rows(valid, shape, u.device)
+    _check_importance(u if vr is None else u.masked_fill(~vr, 0.0))
     return _certainty_rows(u, sinks, window, top, vr).reshape(shape)
+
+
+def _check_importance(u: torch.Tensor) -> None:
+    """Finite and >= 0 (the valid slots of ``u``; padding already zeroed)."""
+    if not bool(torch.isfinite(u).all()):
+        raise ValueError("importance must be finite (found NaN or inf)")
+    if bool((u < 0).any()):
+        raise ValueError(f"importance must be >= 0, found min {float(u.min()):.3g}")
 
 
 def _certainty_rows(u: torch.Tensor, sinks: int, window: int, top, vr: torch.Tensor | None) -> torch.Tensor:
@@ -434,10 +449,7 @@ def inclusion_probabilities(importance: torch.Tensor, budget, *, sinks: int = 4,
     vr = _valid_rows(valid, shape, u.device)
     top = _count_rows("top", top, rows, lead, u.device)
     uv = u if vr is None else u.masked_fill(~vr, 0.0)
-    if not bool(torch.isfinite(uv).all()):
-        raise ValueError("importance must be finite (found NaN or inf)")
-    if bool((uv < 0).any()):
-        raise ValueError(f"importance must be >= 0, found min {float(uv.min()):.3g}")
+    _check_importance(uv)
     bud = _budget_rows(budget, rows, lead, u.device)
     if not bool(torch.isfinite(bud).all()):
         raise ValueError("budget must be finite")
@@ -629,3 +641,372 @@ def design_sizes(budget: float, *, sinks: int = 4, window: int = 32, top_fractio
     if randomized:
         top = max(min(int(math.floor(top_fraction * (budget - sinks - window))), cap - sinks - window), 0)
     return DesignSizes(budget, sinks, window, top)
+
+
+# ---------------------------------------------------------------------------
+# the token design as one object
+# ---------------------------------------------------------------------------
+
+
+def _int(name: str, value, *, low: int = 0, optional: bool = False):
+    """An int >= ``low`` (bool refused), or None when ``optional``."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int{' or None' if optional else ''}, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return int(value)
+
+
+def _real(name: str, value, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> float:
+    """A finite float in the interval [lo, hi] (open ends as asked; bool refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    value = float(value)
+    ok_lo = value > lo if lo_open else value >= lo
+    ok_hi = value < hi if hi_open else value <= hi
+    if not (ok_lo and ok_hi and math.isfinite(value)):
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        raise ValueError(f"{name} must be in {interval}, got {value}")
+    return value
+
+
+def _kernel_size(value) -> int:
+    value = _int("kernel_size", value, low=1)
+    if value % 2 == 0:
+        raise ValueError(f"kernel_size must be odd, got {value}")
+    return value
+
+
+def _registered_scorer(value) -> str:
+    from .scorers import SCORERS
+
+    if not isinstance(value, str) or value not in SCORERS:
+        raise ValueError(f"scorer must be one of {tuple(SCORERS)}, got {value!r}")
+    return value
+
+
+def _certificate_kind(value, kinds=None) -> str:
+    from .certificates import KINDS
+
+    kinds = KINDS if kinds is None else kinds
+    if not isinstance(value, str) or value not in kinds:
+        raise ValueError(f"kind must be one of {kinds}, got {value!r}")
+    return value
+
+
+def _set(obj, **values) -> None:
+    """Normalized values into a frozen dataclass (its ``__post_init__``)."""
+    for name, value in values.items():
+        object.__setattr__(obj, name, value)
+
+
+def _scorer_params(design, scorer) -> dict:
+    """The registered scorer's hyperparameters that ``design`` sets: its fields of the same name."""
+    own = {f.name for f in dataclasses.fields(design)}
+    return {p: getattr(design, p) for p in scorer.params if p in own}
+
+
+def nonnegative_importance(scores: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    r"""Scores -> importance >= 0 per head (0 on padding): a head with a negative score is shifted by its minimum.
+
+    .. math:: u_{hi} = s_{hi} - \min(0, \min_{j\,\text{valid}} s_{hj}) \quad (i\ \text{valid}), \qquad u_{hi} = 0
+              \ \text{(padding)},
+
+    so a scorer whose score is negative (``knorm``: :math:`-\lVert k\rVert`, ``keydiff``) ranks the tokens as
+    it does, and heads whose scores are all >= 0 are left as they are (bit for bit).
+
+    Parameters
+    ----------
+    scores : floating tensor (..., n), finite on the valid slots
+    valid : bool tensor of the same shape, optional (default: every slot valid)
+
+    Returns
+    -------
+    tensor of ``scores``' shape and dtype
+
+    Raises
+    ------
+    ValueError
+        A NaN or infinite score on a valid slot.
+    """
+    scores = check_tensor("scores", scores, floating=True)
+    if valid is None:
+        valid = torch.ones_like(scores, dtype=torch.bool)
+    u = scores.masked_fill(~valid, 0.0)
+    if u.numel() and not bool(torch.isfinite(u).all()):
+        raise ValueError("scores must be finite on the valid slots (found NaN or inf)")
+    low = u.masked_fill(~valid, math.inf).amin(-1, keepdim=True)
+    neg = low < 0
+    if bool(neg.any()):
+        u = torch.where(neg, u - low, u).masked_fill(~valid, 0.0)
+    return u
+
+
+@dataclass
+class TokenDecision:
+    """One eviction decision of the token design over n tokens (:meth:`TokenDesign.decide`).
+
+    Attributes
+    ----------
+    budget : float
+        Expected kept count per head (:meth:`TokenDesign.budget`); ``>= n``: nothing is evicted.
+    sizes : DesignSizes or None
+        The certainty set (:func:`design_sizes`); None when nothing is evicted.
+    importance : float64 tensor (..., h_kv, n)
+        The importance the probabilities were solved on (>= 0, :func:`nonnegative_importance`).
+    pi : float64 tensor (..., h_kv, n)
+        Inclusion probabilities (1 on the certainty set; all 1 when nothing is evicted).
+    keep : bool tensor (..., h_kv, n)
+        The sample, :math:`I_i = [U_i < \\pi_i]` with U from :func:`design_uniforms` (``row_streams=False``).
+    layer, event : int
+        Stream coordinates of the draw.
+    """
+
+    budget: float
+    sizes: DesignSizes | None
+    importance: torch.Tensor
+    pi: torch.Tensor
+    keep: torch.Tensor
+    layer: int
+    event: int
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """Kept tokens per head (..., h_kv), int64."""
+        return self.keep.sum(-1)
+
+    @property
+    def evicts(self) -> bool:
+        """Whether any token is evicted."""
+        return not bool(self.keep.all())
+
+
+@dataclass(frozen=True)
+class TokenDesign:
+    r"""The token design (DESIGN.md section 2): its fields and checks, budget, decision and memory, in one object.
+
+    Per (layer, KV head) of a sequence, at an eviction event over n tokens:
+    the first ``sinks``, the last ``window`` and the ``top`` most important
+    other tokens are kept with certainty (:func:`design_sizes` at the budget
+    :math:`B`), every other token independently with
+
+    .. math:: \pi_i = \min(1, \lambda u'_i), \qquad
+              u'_i = (1-\alpha)\frac{u_i}{\sum_{T} u_j} + \frac{\alpha}{|T|}, \qquad \sum_i \pi_i = B,
+
+    (:func:`inclusion_probabilities`, :math:`\alpha` = ``floor``), the
+    importance u from the registered scorer ``scorer``
+    (``kvcert.fast.SCORERS``; negative scores shifted per head,
+    :func:`nonnegative_importance`), the sample :math:`I_i = [U_i < \pi_i]`
+    from the counter-based stream keyed by (seed, layer, KV head, event)
+    and indexed by token position, the same for every batch row
+    (:func:`design_uniforms`, ``row_streams=False``): a sequence draws the
+    same tokens alone or in any batch, in any engine.
+
+    Parameters
+    ----------
+    compression_ratio : float in [0, 1)
+        Fraction removed: :math:`B = n (1 - \text{ratio})` expected kept tokens (kvpress's convention).
+    target_size : int >= 1, optional
+        A fixed budget instead, :math:`B = \min(\text{target\_size}, n)`; give one of the two.
+    seed : int >= 0
+        Key of the sampling stream (and of the ``random`` scorer).
+    sinks, window : int >= 0
+        First and last tokens kept with certainty (shrunk to fit the budget, :func:`design_sizes`).
+    top_fraction : float in [0, 1)
+        Share of the free budget :math:`B - \text{sinks} - \text{window}` kept by importance with certainty.
+    floor : float in (0, 1]
+        Defensive mixture weight :math:`\alpha`: every tail token has :math:`\pi_i > 0`.
+    observation_window : int >= 1
+        Queries a window scorer reads (the last ones before the event).
+    scorer : str
+        A key of ``kvcert.fast.SCORERS`` (default ``"snapkv"``).
+    kernel_size : odd int >= 1
+        The scorer's pooling width where it has one (SnapKV, expected attention).
+    delta : float in (0, 1)
+        Miscoverage of the certificates.
+    kind : str
+        Certificate kind, a key of ``kvcert.fast.CERTIFICATE_KINDS``.
+
+    Notes
+    -----
+    Memory: a kept token holds its key, value and log pi; :attr:`TokenDecision.kept`
+    counts them per head (:meth:`memory`). When :math:`B \ge n` nothing is
+    evicted (every pi is 1). Errors name the argument, as the presses' do.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kvcert.fast import TokenDesign
+    >>> design = TokenDesign(compression_ratio=0.5, seed=0)
+    >>> design.budget(200), design.sizes(200)
+    (100.0, DesignSizes(budget=100.0, sinks=4, window=32, top=32))
+    >>> d = design.decide(torch.rand(3, 200), layer=0)
+    >>> d.keep.shape, bool((d.pi[:, :4] == 1).all())
+    (torch.Size([3, 200]), True)
+    """
+
+    compression_ratio: float = 0.0
+    target_size: int | None = None
+    seed: int = 0
+    sinks: int = 4
+    window: int = 32
+    top_fraction: float = 0.5
+    floor: float = 0.1
+    observation_window: int = 32
+    scorer: str = "snapkv"
+    kernel_size: int = 7
+    delta: float = 0.05
+    kind: str = "chebyshev"
+
+    def __post_init__(self):
+        ratio = _real("compression_ratio", self.compression_ratio, 0.0, 1.0, hi_open=True)
+        target = _int("target_size", self.target_size, low=1, optional=True)
+        if target is not None and ratio > 0:
+            raise ValueError(f"give compression_ratio or target_size, not both (got compression_ratio={ratio}, "
+                             f"target_size={target})")
+        _set(self, compression_ratio=ratio, target_size=target, seed=_int("seed", self.seed),
+             sinks=_int("sinks", self.sinks), window=_int("window", self.window),
+             top_fraction=_real("top_fraction", self.top_fraction, 0.0, 1.0, hi_open=True),
+             floor=_real("floor", self.floor, 0.0, 1.0, lo_open=True),
+             observation_window=_int("observation_window", self.observation_window, low=1),
+             scorer=_registered_scorer(self.scorer), kernel_size=_kernel_size(self.kernel_size),
+             delta=_real("delta", self.delta, 0.0, 1.0, lo_open=True, hi_open=True),
+             kind=_certificate_kind(self.kind))
+
+    # -- the budget -----------------------------------------------------------------------------
+    @property
+    def compresses(self) -> bool:
+        """Whether an event evicts anything (a ratio > 0 or a target size)."""
+        return self.compression_ratio > 0 or self.target_size is not None
+
+    def budget(self, n: int) -> float:
+        r"""Expected kept tokens per head of an event over n tokens: :math:`\min(\text{target\_size}, n)` or
+        :math:`n (1 - \text{compression\_ratio})`."""
+        n = _int("n", n)
+        if self.target_size is not None:
+            return float(min(self.target_size, n))
+        return n * (1.0 - self.compression_ratio)
+
+    def sizes(self, n: int, *, budget: float | None = None) -> DesignSizes:
+        """The budget and certainty set of an event over n tokens (:func:`design_sizes`); ``budget`` replaces
+        :meth:`budget` (a design that keeps a sketch of the evicted tokens samples a smaller one)."""
+        b = self.budget(n) if budget is None else budget
+        return design_sizes(b, sinks=self.sinks, window=self.window, top_fraction=self.top_fraction,
+                            randomized=True)
+
+    # -- the importance -------------------------------------------------------------------------
+    @property
+    def query_need(self) -> str:
+        """Which queries the scorer reads: ``"window"``, ``"all"`` or ``"none"`` (``Scorer.queries``)."""
+        from .scorers import SCORERS
+
+        return SCORERS[self.scorer].queries
+
+    def queries_needed(self, n: int) -> int:
+        """Prefill queries the scorer reads at an event over n tokens."""
+        from .scorers import queries_needed
+
+        return queries_needed(self.query_need, n, self.observation_window)
+
+    def queries_read(self, available: int, n: int) -> int:
+        """How many of the last ``available`` queries :meth:`score` passes to the scorer at an event over n
+        tokens (``kvcert.fast.scorers.queries_read``)."""
+        from .scorers import queries_read
+
+        return queries_read(self.query_need, available, n, self.observation_window)
+
+    @property
+    def scorer_params(self) -> dict:
+        """The scorer's hyperparameters this design sets (fields of the same name: ``kernel_size``, ``seed``);
+        the others keep their registry defaults."""
+        from .scorers import SCORERS
+
+        return _scorer_params(self, SCORERS[self.scorer])
+
+    def score(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None, *,
+              scale: float | None = None, layer: int = 0, event: int = 0) -> torch.Tensor:
+        """The scorer's (b, h_kv, n) scores of keys/values (b, h_kv, n, d) from the last queries
+        (b, h_q, w, d) given (:meth:`queries_read` of them are read)."""
+        from .scorers import SCORERS
+
+        queries = check_tensor("queries", queries, ndim=(4,), floating=True)
+        keys = check_tensor("keys", keys, ndim=(4,), floating=True)
+        w = self.queries_read(queries.shape[2], keys.shape[2])
+        return SCORERS[self.scorer](queries[:, :, -w:], keys, values, scale=scale, layer=layer, event=event,
+                                    **self.scorer_params)
+
+    # -- the decision ---------------------------------------------------------------------------
+    def decide(self, scores: torch.Tensor, *, layer: int = 0, event: int = 0,
+               budget: float | None = None) -> TokenDecision:
+        r"""Importance -> pi -> sample for one sequence's tokens at one event.
+
+        Parameters
+        ----------
+        scores : floating tensor (h_kv, n) or (b, h_kv, n)
+            The scorer's scores (:meth:`score`) of n tokens, none of them padding (b rows of the same n draw
+            from the same streams, as one sequence would). Negative scores are shifted per head.
+        layer, event : int >= 0
+            Stream coordinates (the layer index and the layer's eviction event).
+        budget : float, optional
+            Expected kept count instead of :meth:`budget` (n).
+
+        Returns
+        -------
+        TokenDecision
+            ``pi`` (:func:`inclusion_probabilities` at :meth:`sizes`) and ``keep``
+            (:func:`design_uniforms` with ``row_streams=False``, counter = token position); nothing
+            evicted (pi = 1, keep all) when the budget is >= n.
+
+        Raises
+        ------
+        ValueError
+            Scores of the wrong shape, NaN or infinite (checked whatever the budget), a budget not above the
+            certainty set.
+        """
+        scores = check_tensor("scores", scores, ndim=(2, 3), floating=True)
+        layer = check_nonneg_int("layer", layer)
+        event = check_nonneg_int("event", event)
+        n = scores.shape[-1]
+        if n == 0:
+            raise ValueError(f"scores must have shape (h_kv, n) or (b, h_kv, n) with n >= 1, "
+                             f"got shape {tuple(scores.shape)}")
+        valid = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
+        u = nonnegative_importance(scores.to(torch.float64), valid)
+        b = self.budget(n) if budget is None else _real("budget", budget, 0.0, math.inf, lo_open=True)
+        if b >= n:
+            one = torch.ones_like(u)
+            return TokenDecision(float(b), None, u, one, valid, layer, event)
+        sz = self.sizes(n, budget=b)
+        lead = tuple(scores.shape[:-1])
+        top = torch.full(lead, sz.top, dtype=torch.int64, device=scores.device)
+        pi = inclusion_probabilities(u, b, sinks=sz.sinks, window=sz.window, top=top, floor=self.floor, valid=valid)
+        uni = design_uniforms(tuple(pi.shape), self.seed, layer=layer, event=event, device=pi.device,
+                              row_streams=False)
+        return TokenDecision(float(b), sz, u, pi, uni < pi, layer, event)
+
+    def evict(self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor, budget, *, sinks: int,
+              window: int, top, layer: int, event: int, valid: torch.Tensor | None = None,
+              pi: torch.Tensor | None = None, positions: torch.Tensor | None = None, sketch=None,
+              tilt: torch.Tensor | None = None, scale: float | None = None):
+        """The decision on a batch of padded rows, compacted (:func:`kvcert.fast.evict`): what a press calls.
+
+        ``scores`` (b, h_kv, n) are shifted per head on the ``valid`` slots (:func:`nonnegative_importance`),
+        then :func:`kvcert.fast.evict` runs with this design's ``floor`` and ``seed``, ``row_streams=False``;
+        ``budget`` (per row and head), ``sinks``/``window`` and ``top`` (per row) are the rows'
+        :meth:`sizes`, ``pi``/``positions`` the cache's (padding pi = 0 / position -1). Each row draws what
+        :meth:`decide` draws on its own tokens.
+        """
+        from .eviction import evict
+
+        u = nonnegative_importance(scores.to(torch.float64), valid)
+        return evict(keys, values, u, budget, sinks=sinks, window=window, top=top, floor=self.floor, seed=self.seed,
+                     layer=layer, event=event, pi=pi, positions=positions, row_streams=False, sketch=sketch,
+                     tilt=tilt, scale=scale)
+
+    # -- the memory -----------------------------------------------------------------------------
+    @staticmethod
+    def memory(decision: TokenDecision) -> torch.Tensor:
+        """Kept tokens per head (..., h_kv) int64 of a decision: each holds its key, value and log pi."""
+        return decision.kept

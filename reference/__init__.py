@@ -19,6 +19,7 @@ from .baselines import (
 )
 from .blocks import (
     BLOCK_REDUCTIONS,
+    REDUCTIONS,
     block_count,
     block_hajek_attention,
     block_importance,
@@ -52,16 +53,9 @@ from .design import (
 )
 from .sketch import (
     ClusterDesign,
-    CodeDesign,
     EvictionResult,
-    PageSketch,
-    SketchDesign,
     evict_and_certify,
     memory_fraction,
-    page_score_bounds,
-    page_sketch,
-    sketch_budget,
-    variance_bound,
 )
 from .estimators import (
     Estimate,
@@ -75,7 +69,8 @@ from .estimators import (
 
 __all__ = [
     "AdversarialCache", "adversarial_cache",
-    "BLOCK_REDUCTIONS", "block_count", "block_hajek_attention", "block_importance", "block_inclusion_probabilities",
+    "BLOCK_REDUCTIONS", "REDUCTIONS",
+    "block_count", "block_hajek_attention", "block_importance", "block_inclusion_probabilities",
     "block_keep", "block_labels", "block_linearized_variance", "block_linearized_variance_ht", "block_sample",
     "block_stream_key", "block_uniforms", "expand_blocks",
     "SCORERS", "deterministic_keep", "expected_attention_scores", "h2o_scores", "knorm_scores", "random_scores",
@@ -85,6 +80,5 @@ __all__ = [
     "edge_mask", "inclusion_probabilities", "poisson_sample",
     "Estimate", "attention", "hajek_attention", "horvitz_thompson_totals",
     "linearized_variance", "linearized_variance_ht", "scores",
-    "EvictionResult", "PageSketch", "SketchDesign", "evict_and_certify", "memory_fraction", "page_score_bounds",
-    "page_sketch", "sketch_budget", "variance_bound", "ClusterDesign", "CodeDesign",
+    "EvictionResult", "evict_and_certify", "memory_fraction", "ClusterDesign",
 ]

@@ -31,6 +31,8 @@ With ``block_size = 1`` (and one head) everything reduces to the token design.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import numpy as np
 from scipy.special import logsumexp
 
@@ -39,6 +41,7 @@ from .estimators import Estimate, _as_qkv, _check_vector, scores
 
 __all__ = [
     "BLOCK_REDUCTIONS",
+    "REDUCTIONS",
     "block_count",
     "block_stream_key",
     "expand_blocks",
@@ -53,9 +56,14 @@ __all__ = [
     "block_linearized_variance_ht",
 ]
 
-#: how :func:`block_importance` combines the per-head block totals over the heads and layers that
-#: share a block table
-BLOCK_REDUCTIONS = ("mean", "max")
+#: name -> how :func:`block_importance` combines the per-head block shares (heads, n_blocks) -> (n_blocks,) over
+#: the heads and layers that share a block table; the float64 twin of ``kvcert.fast.REDUCTIONS`` (same names)
+REDUCTIONS = MappingProxyType({
+    "mean": lambda shares: shares.mean(axis=0),
+    "max": lambda shares: shares.max(axis=0),
+})
+#: the names of :data:`REDUCTIONS`, in its order
+BLOCK_REDUCTIONS = tuple(REDUCTIONS)
 
 # ----------------------------------------------------------------------------- the block stream
 # SplitMix64 (Steele, Lea & Flood 2014) on 64-bit words, as kvcert.fast.design; written with Python
@@ -224,7 +232,7 @@ def block_importance(importance, block_size: int, *, reduce: str = "mean", norma
         raise ValueError("importance must be finite (found NaN or inf)")
     if np.any(u < 0):
         raise ValueError(f"importance must be >= 0, found min {u.min():.3g}")
-    if reduce not in BLOCK_REDUCTIONS:
+    if not isinstance(reduce, str) or reduce not in REDUCTIONS:
         raise ValueError(f"reduce must be one of {BLOCK_REDUCTIONS}, got {reduce!r}")
     bs = _check_block_size(block_size)
     n = u.shape[-1]
@@ -236,7 +244,7 @@ def block_importance(importance, block_size: int, *, reduce: str = "mean", norma
     if normalize:
         mass = tot.sum(axis=1, keepdims=True)
         tot = np.divide(tot, mass, out=np.zeros_like(tot), where=mass > 0)
-    return tot.mean(axis=0) if reduce == "mean" else tot.max(axis=0)
+    return REDUCTIONS[reduce](tot)
 
 
 def block_inclusion_probabilities(

@@ -378,3 +378,60 @@ def test_inclusion_probabilities_fallback_path(monkeypatch):
         for j in range(4):
             want = R.inclusion_probabilities(u[i, j], 120.0, sinks=2, window=4, top=3)
             assert_close("pi", pi[i, j].numpy(), want, 1e-12)
+
+
+# every path of the solver checks the importance: the early returns (budget == n, every token certain)
+# and the refusals (budget > n, budget <= |C|) name it first, as the sampling path does
+_PATHS = [  # (n, budget, sinks, window): the path taken with a valid importance
+    (10, 10.0, 2, 2),  # budget == n: everything kept
+    (10, 10.0, 6, 6),  # every token in the certainty set, budget == n
+    (10, 7.5, 2, 2),  # sampling
+    (10, 11.0, 2, 2),  # budget > n: refused
+    (10, 4.0, 2, 2),  # budget <= |C|: refused
+]
+
+
+@pytest.mark.parametrize("n, budget, sinks, window", _PATHS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_inclusion_probabilities_checks_importance_on_every_path(n, budget, sinks, window, bad):
+    u = torch.rand(2, n, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+    u[1, 3] = bad
+    with pytest.raises(ValueError, match="importance must be"):
+        F.inclusion_probabilities(u, budget, sinks=sinks, window=window)
+    valid = torch.ones(2, n, dtype=torch.bool)
+    with pytest.raises(ValueError, match="importance must be"):
+        F.inclusion_probabilities(u, budget, sinks=sinks, window=window, valid=valid)
+    valid[1, 3] = False  # on padding the value is ignored (a compressed cache's padding holds anything)
+    budget = min(budget, n - 1.0) if budget >= n else budget
+    try:
+        pi = F.inclusion_probabilities(u, budget, sinks=sinks, window=window, valid=valid)
+    except ValueError as err:  # a refused budget, but not for the importance
+        assert "importance" not in str(err)
+    else:
+        assert float(pi[1, 3]) == 0.0 and bool(torch.isfinite(pi).all())
+
+
+@pytest.mark.parametrize("n, budget, sinks, window", _PATHS)
+def test_block_inclusion_probabilities_checks_importance_on_every_path(n, budget, sinks, window):
+    u = torch.rand(1, 3, 4 * n, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+    u[0, 2, 5] = float("nan")
+    with pytest.raises(ValueError, match="importance must be finite"):
+        F.block_inclusion_probabilities(u, budget, block_size=4, sink_blocks=sinks, recent_blocks=window)
+    u[0, 2, 5] = -0.5
+    with pytest.raises(ValueError, match="importance must be >= 0"):
+        F.block_inclusion_probabilities(u, budget, block_size=4, sink_blocks=sinks, recent_blocks=window)
+
+
+@pytest.mark.parametrize("top", [0, 2])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_certainty_mask_checks_importance_as_the_reference(top, bad):
+    u = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]], dtype=torch.float64)
+    u[0, 2] = bad
+    with pytest.raises(ValueError, match="importance must be") as ref:
+        R.certainty_mask(u[0].numpy(), sinks=1, window=1, top=top)
+    with pytest.raises(ValueError, match="importance must be") as fast:
+        F.certainty_mask(u, sinks=1, window=1, top=top)
+    assert str(fast.value) == str(ref.value)
+    valid = torch.ones_like(u, dtype=torch.bool)
+    valid[0, 2] = False  # padding: ignored
+    assert not bool(F.certainty_mask(u, sinks=1, window=1, top=top, valid=valid)[0, 2])

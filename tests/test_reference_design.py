@@ -171,3 +171,26 @@ def test_poisson_sample_bad_pi():
         R.poisson_sample(np.array([0.5, np.nan]), seed=0)
     with pytest.raises(ValueError, match="seed"):
         R.design_generator(-1)
+
+
+# every path of the solver checks the importance: the early returns (budget == n, every token certain)
+# and the refusals (budget > n, budget <= |C|) name it first, as the sampling path does
+_PATHS = [  # (n, budget, sinks, window): the path taken with a valid importance
+    (10, 10.0, 2, 2),  # budget == n: everything kept
+    (10, 10.0, 6, 6),  # every token in the certainty set, budget == n
+    (10, 7.5, 2, 2),  # sampling
+    (10, 11.0, 2, 2),  # budget > n: refused
+    (10, 4.0, 2, 2),  # budget <= |C|: refused
+]
+
+
+@pytest.mark.parametrize("n, budget, sinks, window", _PATHS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_inclusion_probabilities_checks_importance_on_every_path(n, budget, sinks, window, bad):
+    u = np.random.default_rng(n).random(n)
+    u[3] = bad
+    with pytest.raises(ValueError, match="importance must be"):
+        R.inclusion_probabilities(u, budget, sinks=sinks, window=window)
+    with pytest.raises(ValueError, match="importance must be"):
+        R.block_inclusion_probabilities(np.repeat(u, 4), budget, block_size=4, sink_blocks=sinks,
+                                        recent_blocks=window)

@@ -95,7 +95,7 @@ def _refuse_kwargs(kwargs: dict) -> None:
 
 
 def engine_kwargs(compression_ratio: float = 0.5, seed: int = 0, *, kvcert: dict | None = None,
-                  **llm_kwargs) -> dict:
+                  scorer: str | None = None, **llm_kwargs) -> dict:
     """The ``vllm.LLM`` keyword arguments of a certified engine (what :func:`certified_llm` passes).
 
     For users who build the engine themselves (``vllm.LLM(**engine_kwargs(...))``,
@@ -103,7 +103,12 @@ def engine_kwargs(compression_ratio: float = 0.5, seed: int = 0, *, kvcert: dict
     ``--additional-config '{"kvcert": {...}}'``, ``--no-enable-prefix-caching``,
     ``--no-async-scheduling``).
     """
-    cfg = KVCertConfig(compression_ratio=compression_ratio, seed=seed, **(kvcert or {}))
+    options = dict(kvcert or {})
+    if scorer is not None:
+        if "scorer" in options and options["scorer"] != scorer:
+            raise ValueError(f"scorer: given twice, scorer={scorer!r} and kvcert={{'scorer': {options['scorer']!r}}}")
+        options["scorer"] = scorer
+    cfg = KVCertConfig(compression_ratio=compression_ratio, seed=seed, **options)
     _refuse_kwargs(llm_kwargs)
     kw = dict(llm_kwargs)
     extra = dict(kw.pop("additional_config", None) or {})
@@ -116,7 +121,7 @@ def engine_kwargs(compression_ratio: float = 0.5, seed: int = 0, *, kvcert: dict
 
 
 def certified_llm(model_path: str | None = None, compression_ratio: float = 0.5, seed: int = 0, *,
-                  kvcert: dict | None = None, **llm_kwargs):
+                  kvcert: dict | None = None, scorer: str | None = None, **llm_kwargs):
     """A ``vllm.LLM`` with the plugin configured (the engine starts here).
 
     Parameters
@@ -132,7 +137,10 @@ def certified_llm(model_path: str | None = None, compression_ratio: float = 0.5,
     kvcert : dict, optional
         The other :class:`KVCertConfig` fields (sink_blocks, recent_blocks,
         top_blocks, floor, observation_window, reduce, delta, kind,
-        free_blocks, track_reuse).
+        free_blocks, track_reuse, scorer).
+    scorer : str, optional
+        Token importance of the block design, a key of ``kvcert.fast.SCORERS``
+        (default ``"snapkv"``; the same as ``kvcert={"scorer": ...}``).
     **llm_kwargs
         Passed to ``vllm.LLM`` (e.g. ``max_model_len``, ``block_size``,
         ``max_num_seqs``, ``num_gpu_blocks_override``). Defaults added:
@@ -150,7 +158,7 @@ def certified_llm(model_path: str | None = None, compression_ratio: float = 0.5,
         groups). Checked here on the resolved engine configuration before the
         engine starts, and again inside the engine.
     """
-    kw = engine_kwargs(compression_ratio, seed, kvcert=kvcert, **llm_kwargs)
+    kw = engine_kwargs(compression_ratio, seed, kvcert=kvcert, scorer=scorer, **llm_kwargs)
     register()
     model = model_path if model_path is not None else default_model_path()
     from vllm import LLM
@@ -167,8 +175,8 @@ def certified_llm(model_path: str | None = None, compression_ratio: float = 0.5,
 def certificate_report(output) -> dict | None:
     """Everything the plugin reported for a finished request (``RequestOutput``), or None.
 
-    Keys: ``certificates`` (per generated token), ``pi`` and ``kept`` (per
-    prompt block), ``evicted`` (block indices), ``blocks_freed``,
+    Keys: ``certificates`` (per generated token), ``importance``, ``pi`` and
+    ``kept`` (per prompt block), ``evicted`` (block indices), ``blocks_freed``,
     ``free_before``/``free_after`` (the pool's free blocks around the
     eviction), ``preempted``. Carried in ``output.kv_transfer_params["kvcert"]``.
     """

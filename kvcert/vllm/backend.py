@@ -18,10 +18,13 @@ which :func:`kvcert.fast.certificate_moments` and
 head. Evicted blocks must be masked: the worker never learns that a block was
 freed, and its old id may already hold another request's keys.
 
-On the prompt's last chunk the backend also gathers the block importance: the
-SnapKV attention (:func:`kvcert.fast.snapkv_scores`, no pooling) of the
-prompt's last ``observation_window`` queries over all its keys, per layer and
-KV head; the worker aggregates it with :func:`kvcert.fast.block_importance`.
+On the prompt's last chunk the backend also gathers the token scores of the
+configured scorer (``KVCertConfig.scorer``, a key of ``kvcert.fast.SCORERS``,
+through :meth:`kvcert.fast.BlockDesign.score`; default SnapKV without pooling)
+on the prompt's keys and values and the last queries of the chunk it reads
+(the observation window, every query when the prompt is one chunk, or none),
+per layer and KV head; the worker aggregates them with
+:meth:`kvcert.fast.BlockDesign.block_importance`.
 
 Cache layout read here (ISA ``vec``: float caches, block_size a multiple of
 32, no AMX/bf16): the ``[num_blocks, h_kv, block_size, 2 * head_size]`` cache
@@ -41,16 +44,10 @@ from vllm import envs
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from kvcert.fast import (
-    block_hajek_attention,
-    certificate_moments,
-    estimate_options,
-    radius_from_statistics,
-    snapkv_scores,
-)
+from kvcert.fast import block_hajek_attention, certificate_moments, estimate_options, radius_from_statistics
 
-__all__ = ["CertifiedCPUAttentionBackend", "CertifiedCPUAttentionImpl", "STEP", "gather_blocks", "masked_chunks",
-           "masked_decode"]
+__all__ = ["CertifiedCPUAttentionBackend", "CertifiedCPUAttentionImpl", "STEP", "gather_blocks", "layer_index",
+           "masked_chunks", "masked_decode"]
 
 #: most bytes of K/V that :func:`masked_decode` gathers at once: rows are processed in chunks
 #: within it, so the copy is still in cache (here a 32 MiB L3) when the two matrix products read it.
@@ -62,6 +59,14 @@ GATHER_BYTES = 8 << 20
 
 #: per-thread pointer to the running step's context (set by the plugin's worker around execute_model)
 STEP = threading.local()
+
+
+def layer_index(layer) -> int:
+    """The index of an attention layer in its model (from vLLM's ``layer_name``, e.g.
+    ``model.layers.3.self_attn.attn`` -> 3), or 0 when it has none; the ``layer`` key of a scorer's stream."""
+    name = getattr(layer, "layer_name", None)
+    ints = [int(part) for part in name.split(".") if part.isdigit()] if isinstance(name, str) else []
+    return ints[0] if len(ints) == 1 else 0
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,7 +256,7 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
                 _, _, rel = radius_from_statistics(cfg.kind, cfg.delta, trace=trace,
                                                    output_norm=torch.linalg.vector_norm(o.float(), dim=-1))
                 step.add_certificates([row.req_id for row in plan.masked], rel)
-                return self._importance(step, plan, query, kv_cache, output)
+                return self._importance(step, plan, layer, query, kv_cache, output)
             opts = estimate_options(cfg.kind)
             for row in plan.masked:
                 k, v = gather_blocks(kv_cache, row.block_ids)
@@ -263,16 +268,22 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
                 stats = certificate_moments(est, cfg.kind)
                 _, _, rel = radius_from_statistics(cfg.kind, cfg.delta, **stats)
                 step.add_certificates([row.req_id], rel)
-        return self._importance(step, plan, query, kv_cache, output)
+        return self._importance(step, plan, layer, query, kv_cache, output)
 
-    def _importance(self, step, plan, query, kv_cache, output):
+    def _importance(self, step, plan, layer, query, kv_cache, output):
+        """The token scores of the rows that finish their prompt in this step: the configured scorer
+        (``BlockDesign.score``) on the prompt's keys and values and its last queries of this chunk."""
+        if not plan.importance:
+            return output
+        design = step.config.design
+        index = layer_index(layer)
         for row in plan.importance:
             nbt = -(-row.seq_len // kv_cache.shape[2])
-            k, _ = gather_blocks(kv_cache, row.all_block_ids[:nbt])
-            k = k[:, : row.seq_len]
-            w = min(step.config.observation_window, row.q_len)
+            k, v = gather_blocks(kv_cache, row.all_block_ids[:nbt])
+            k, v = k[:, : row.seq_len], v[:, : row.seq_len]
+            w = design.queries_read(row.q_len, row.seq_len)
             q = query[row.q_end - w : row.q_end].permute(1, 0, 2)[None]  # (1, h_q, w, d)
-            u = snapkv_scores(q, k[None], scale=self.scale, kernel_size=1)
+            u = design.score(q, k[None], v[None], scale=self.scale, layer=index)
             step.add_importance(row.req_id, u[0])
         return output
 

@@ -10,8 +10,11 @@ cannot serve correctly, naming the option.
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvcert.fast import BlockDesign
 
 __all__ = ["KVCertConfig", "check_vllm_config", "CONFIG_KEY", "SUPPORTED_VLLM"]
 
@@ -19,12 +22,17 @@ __all__ = ["KVCertConfig", "check_vllm_config", "CONFIG_KEY", "SUPPORTED_VLLM"]
 CONFIG_KEY = "kvcert"
 #: the vLLM release the plugin is written and tested against
 SUPPORTED_VLLM = "0.32.0"
-
+#: the plugin's own fields of :class:`KVCertConfig` (the others are :class:`kvcert.fast.BlockDesign`'s)
+_ENGINE_FIELDS = ("free_blocks", "track_reuse")
 
 
 @dataclass(frozen=True)
 class KVCertConfig:
     """Block design, certificate and engine knobs of the plugin (numpy/kvpress-style dataclass).
+
+    The design fields are those of :class:`kvcert.fast.BlockDesign`, which
+    checks them and which the scheduler and worker run (:attr:`design`); the
+    engine fields (``free_blocks``, ``track_reuse``) are the plugin's own.
 
     Parameters
     ----------
@@ -44,16 +52,16 @@ class KVCertConfig:
     floor : float in (0, 1]
         Defensive mixture weight of the design.
     observation_window : int >= 1
-        Block importance = SnapKV attention of the last ``observation_window``
-        prompt queries (per layer and KV head, gathered in the attention
-        backend during the prompt's last chunk), block totals normalized per
-        (layer, head) and averaged (``kvcert.fast.block_importance``, reduce).
-    reduce : {"mean", "max"}
+        Prompt queries a window scorer reads (the last ones of the prompt,
+        gathered in the attention backend during the prompt's last chunk).
+    reduce : str
+        How the per-(layer, KV head) block shares are combined, a key of
+        ``kvcert.fast.REDUCTIONS`` (``"mean"``, ``"max"``).
     delta : float in (0, 1)
         Nominal miscoverage of the certificates.
     kind : str
-        Certificate kind (``kvcert.fast.CERTIFICATE_KINDS``); the norm kinds
-        ``chebyshev`` (default) and ``chi2``/``bernstein`` are served.
+        Certificate kind, one the engine serves (``kvcert.fast.SERVED_KINDS``:
+        ``chebyshev`` (default), ``chi2``, ``bernstein``).
     free_blocks : bool
         Return evicted blocks to vLLM's pool (default). False = the mask-only
         mode: the same design, bias and mask, nothing freed (for tests and
@@ -61,6 +69,13 @@ class KVCertConfig:
     track_reuse : bool
         Count how often a freed block is handed to another request while its
         former owner still runs (diagnostic; :func:`kvcert.vllm.stats`).
+    scorer : str
+        Token importance, a key of ``kvcert.fast.SCORERS`` (default
+        ``"snapkv"``, without pooling): computed per layer and KV head on the
+        prompt's keys and values and its last queries (the scorer's
+        ``queries``: the observation window, every query when the prompt is
+        one chunk, or none), then aggregated into block importance
+        (``kvcert.fast.BlockDesign.block_importance``).
     """
 
     compression_ratio: float = 0.5
@@ -75,30 +90,28 @@ class KVCertConfig:
     kind: str = "chebyshev"
     free_blocks: bool = True
     track_reuse: bool = True
+    scorer: str = "snapkv"
 
     def __post_init__(self):
-        r = self.compression_ratio
-        if isinstance(r, bool) or not isinstance(r, numbers.Real) or not (0.0 <= float(r) < 1.0):
-            raise ValueError(f"compression_ratio must be a float in [0, 1), got {r!r}")
-        for name, lo in (("seed", 0), ("sink_blocks", 0), ("recent_blocks", 1), ("top_blocks", 0),
-                         ("observation_window", 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
-                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
-        f = self.floor
-        if isinstance(f, bool) or not isinstance(f, numbers.Real) or not (0.0 < float(f) <= 1.0):
-            raise ValueError(f"floor must be a float in (0, 1], got {f!r}")
-        d = self.delta
-        if isinstance(d, bool) or not isinstance(d, numbers.Real) or not (0.0 < float(d) < 1.0):
-            raise ValueError(f"delta must be a float in (0, 1), got {d!r}")
-        if self.reduce not in ("mean", "max"):
-            raise ValueError(f"reduce must be 'mean' or 'max', got {self.reduce!r}")
-        if self.kind not in ("chebyshev", "chi2", "bernstein"):
-            raise ValueError(f"kind must be one of 'chebyshev', 'chi2', 'bernstein' (the norm certificates "
-                             f"the plugin serves), got {self.kind!r}")
-        for name in ("free_blocks", "track_reuse"):
+        from kvcert.fast import SERVED_KINDS, BlockDesign
+
+        if not isinstance(self.kind, str) or self.kind not in SERVED_KINDS:
+            raise ValueError(f"kind must be one of {SERVED_KINDS} (the norm certificates the plugin serves), "
+                             f"got {self.kind!r}")
+        names = [f.name for f in fields(self) if f.name not in _ENGINE_FIELDS]
+        design = BlockDesign(block_size=None, **{name: getattr(self, name) for name in names})
+        for name in names:  # the checked values (floats as floats)
+            object.__setattr__(self, name, getattr(design, name))
+        for name in _ENGINE_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        object.__setattr__(self, "_design", design)
+
+    @property
+    def design(self) -> "BlockDesign":
+        """The block design these settings describe (``block_size=None``: the engine's cache block size is
+        given to the methods that group tokens)."""
+        return self._design
 
     @property
     def enabled(self) -> bool:
@@ -110,10 +123,9 @@ class KVCertConfig:
 
         None when the certainty set (sinks + recent [+ top]) already fills the
         budget: every block is kept with certainty (no eviction, no certificate).
+        :meth:`kvcert.fast.BlockDesign.budget`.
         """
-        from kvcert.fast import block_budget
-
-        return block_budget(n_blocks, self.compression_ratio, self.sink_blocks + self.recent_blocks + self.top_blocks)
+        return self.design.budget(n_blocks)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -174,18 +186,19 @@ def check_vllm_config(vllm_config) -> None:
         _refuse(f"kv_cache_dtype={cache.cache_dtype!r}", "the torch fallback reads float caches only")
     model = vllm_config.model_config
     if model is not None:
+        # the model's own attention first (a sliding window or softcap is refused whatever the runner)
         if getattr(model, "is_encoder_decoder", False):
             _refuse(f"model {model.model!r} (encoder-decoder)", "only decoder-only models are supported")
-        if getattr(model, "runner_type", "generate") != "generate":
-            _refuse(f"runner={model.runner_type!r}", "only generation is supported")
-        if getattr(model, "uses_mrope", False):
-            _refuse(f"model {model.model!r} (M-RoPE)", "only plain decoder models are supported")
         hf = getattr(model, "hf_text_config", None)
         window = getattr(hf, "sliding_window", None) if hf is not None else None
         if window not in (None, 0) and getattr(hf, "use_sliding_window", True):
             _refuse(f"model {model.model!r} (sliding_window={window})", "only full-attention models are supported")
         if getattr(hf, "attn_logit_softcapping", None):
             _refuse(f"model {model.model!r} (attn_logit_softcapping)", "the fallback has no softcap")
+        if getattr(model, "runner_type", "generate") != "generate":
+            _refuse(f"runner={model.runner_type!r}", "only generation is supported")
+        if getattr(model, "uses_mrope", False):
+            _refuse(f"model {model.model!r} (M-RoPE)", "only plain decoder models are supported")
         import torch
 
         if model.dtype not in (torch.float32, torch.float16, torch.bfloat16):

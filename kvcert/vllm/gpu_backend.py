@@ -16,9 +16,9 @@ It mirrors :mod:`kvcert.vllm.backend` (the CPU route):
   offset -log pi_b and returns the cluster-sampling trace in the same pass;
   the relative Chebyshev radius follows from
   :func:`kvcert.fast.radius_from_statistics`;
-- on a prompt's last chunk, rows flagged for importance get the SnapKV
-  scores of their last ``observation_window`` queries over the prompt keys
-  gathered from the paged cache (as on CPU).
+- on a prompt's last chunk, rows flagged for importance get the configured
+  scorer's token scores (``kvcert.fast.BlockDesign.score``) on the prompt's
+  keys and values gathered from the paged cache and its last queries (as on CPU).
 
 Cache layout: vLLM 0.32 allocates the FlashAttention cache as
 (num_blocks, h_kv, block_size, 2 * head_size) and reads it as
@@ -68,7 +68,7 @@ class RowState:
 
     ``log_pi``: (n_prompt_blocks,) log pi_b of the request's prompt blocks
     (-inf = evicted, 0 = certain), or None (no eviction decision: stock path).
-    ``importance``: gather the SnapKV block importance of this row (its prompt's last chunk).
+    ``importance``: gather the configured scorer's token scores of this row (its prompt's last chunk).
     """
 
     req_id: str | None = None
@@ -224,21 +224,26 @@ def _certify(ctx, plan, o, trace):
     ctx.add_certificates(plan.masked_req_ids, rel)
 
 
-def _importance(ctx, plan, md, query, kv_cache, head_size, scale):
-    from kvcert.fast import snapkv_scores
+def _importance(ctx, plan, md, query, kv_cache, head_size, scale, layer=None):
+    """The configured scorer's token scores (``BlockDesign.score``) of the rows that finish their prompt."""
     from kvcert.kernels import kv_cache_views
 
-    key_cache, _ = kv_cache_views(kv_cache, head_size)
+    from .backend import layer_index
+
+    key_cache, value_cache = kv_cache_views(kv_cache, head_size)
     bs = key_cache.shape[1]
     qsl = md.query_start_loc.tolist()
     lens = md.seq_lens.tolist()
+    design = ctx.config.design
+    index = layer_index(layer)
     for r, rid in plan.importance_rows:
         seq_len = lens[r]
         ids = md.block_table[r, : -(-seq_len // bs)].to(torch.int64)
         k = key_cache.index_select(0, ids).reshape(-1, key_cache.shape[2], head_size)[:seq_len]  # (n, h_kv, d)
-        w = min(ctx.config.observation_window, qsl[r + 1] - qsl[r])
+        v = value_cache.index_select(0, ids).reshape(-1, value_cache.shape[2], head_size)[:seq_len]
+        w = design.queries_read(qsl[r + 1] - qsl[r], seq_len)
         q = query[qsl[r + 1] - w: qsl[r + 1]].permute(1, 0, 2)[None]  # (1, h_q, w, d)
-        u = snapkv_scores(q, k.permute(1, 0, 2)[None], scale=scale, kernel_size=1)
+        u = design.score(q, k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None], scale=scale, layer=index)
         ctx.add_importance(rid, u[0])
 
 
@@ -289,7 +294,7 @@ def _build_classes():
                 output.index_copy_(0, plan.masked_tokens, o.reshape(o.shape[0], *output.shape[1:]).to(output.dtype))
                 _certify(ctx, plan, o, trace)
             if plan.importance_rows:
-                _importance(ctx, plan, attn_metadata, query, kv_cache, self.head_size, self.scale)
+                _importance(ctx, plan, attn_metadata, query, kv_cache, self.head_size, self.scale, layer)
             return output
 
     class CertifiedFlashAttentionBackend(FlashAttentionBackend):

@@ -5,13 +5,14 @@ synchronous ``Scheduler`` plus three duties:
 
 1. **Decide.** The worker returns, on the step that processes the last chunk
    of a prompt, the prompt's block importance (``ModelRunnerOutput``
-   attribute ``kvcert_importance``). The scheduler turns it into inclusion
-   probabilities pi_b (``kvcert.fast.block_inclusion_probabilities``, budget
-   ``(1 - compression_ratio) * n_blocks``) and draws the sample with the
-   counter-based stream ``kvcert.fast.block_sample(seed=seed, event=prompt_event(prompt))``
-   indexed by the block's position in the prompt (:func:`prompt_event` hashes
-   the prompt's token ids), so the same prompt and seed keep the same blocks
-   whatever the batch and call order.
+   attribute ``kvcert_importance``). The configuration's block design
+   (``KVCertConfig.design``, a :class:`kvcert.fast.BlockDesign`) turns it
+   into a decision, :meth:`~kvcert.fast.BlockDesign.decide`: inclusion
+   probabilities pi_b at the budget ``(1 - compression_ratio) * n_blocks``
+   and the sample from the counter-based block stream keyed by the seed and
+   :func:`prompt_event` (a hash of the prompt's token ids), indexed by the
+   block's position in the prompt, so the same prompt and seed keep the same
+   blocks whatever the batch and call order.
 2. **Free.** Evicted blocks are swapped for vLLM's ``null_block`` in the
    request's block table and returned to the pool (``BlockPool.free_blocks``),
    as vLLM's ``RSWAManager._remove_blocks_in_range`` does for a skipped
@@ -31,14 +32,13 @@ tokens after the resumption, flagged ``preempted`` in the report).
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 import numpy as np
 import torch
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from kvcert.fast import block_inclusion_probabilities, block_sample, prompt_event
+from kvcert.fast import prompt_event
 
 from .config import KVCertConfig, check_vllm_config
 
@@ -63,6 +63,7 @@ class CertifiedScheduler(Scheduler):
                              f"MLA models are unsupported)")
         self._manager = self.kv_cache_manager.coordinator.single_type_managers[0]
         self._bs = int(groups[0].kv_cache_spec.block_size)
+        self._design = self.kvcert.design  # kvcert.fast.BlockDesign: budget, pi, sample
         self._pending: dict[str, dict] = {}  # decisions for the next SchedulerOutput
         self._clear: set[str] = set()  # requests whose mask the worker must drop
         self._records: dict[str, dict] = {}  # per evicted request: decision, certificates, pool counts
@@ -78,18 +79,15 @@ class CertifiedScheduler(Scheduler):
         cfg = self.kvcert
         n_prompt = request.num_prompt_tokens
         nb = -(-n_prompt // self._bs)
+        # block importance per block (already aggregated over layers and heads by the worker)
         ub = torch.as_tensor(np.asarray(importance, dtype=np.float64))
-        budget = cfg.budget(nb)
-        if budget is None or ub.shape != (nb,):
+        decision = None
+        if ub.shape == (nb,):
+            decision = self._design.decide(ub, event=prompt_event(request.prompt_token_ids), n_tokens=n_prompt)
+        if decision is None:  # the certainty set fills the budget, or the importance is not the prompt's
             self.kvcert_stats["requests_not_evicted"] += 1
             return
-        # block importance per block (already aggregated over layers and heads by the worker):
-        # the block design's solver on "blocks of one unit"
-        pi = block_inclusion_probabilities(ub[None], budget, block_size=1, sink_blocks=cfg.sink_blocks,
-                                           recent_blocks=cfg.recent_blocks, top_blocks=cfg.top_blocks,
-                                           floor=cfg.floor)[0]
-        keep = block_sample(pi, seed=cfg.seed, event=prompt_event(request.prompt_token_ids))
-        evicted = [int(j) for j in torch.nonzero(~keep).flatten()]
+        pi, keep, evicted = decision.pi, decision.kept, decision.evicted
         blocks = self._manager.req_to_blocks.get(req_id)
         pool = self._manager.block_pool
         free_before = pool.get_num_free_blocks()
@@ -109,10 +107,9 @@ class CertifiedScheduler(Scheduler):
                 pool.free_blocks(out)
                 freed = len(out)
         free_after = pool.get_num_free_blocks()
-        log_pi = torch.where(keep, torch.log(pi), torch.full_like(pi, -math.inf))
-        self._pending[req_id] = {"n_prompt_tokens": n_prompt, "log_pi": log_pi.tolist()}
+        self._pending[req_id] = {"n_prompt_tokens": n_prompt, "log_pi": decision.log_pi.tolist()}
         self._records[req_id] = {
-            "pi": pi.tolist(), "kept": [bool(k) for k in keep.tolist()], "evicted": evicted,
+            "importance": ub.tolist(), "pi": pi.tolist(), "kept": [bool(k) for k in keep.tolist()], "evicted": evicted,
             "blocks_freed": freed, "free_before": free_before, "free_after": free_after,
             "certificates": [0.0] * request.num_output_tokens,  # tokens sampled from the full cache
             "preempted": False,

@@ -8,10 +8,11 @@ plus a per-step context (:class:`Step`) that the attention backend reads:
   ``clear`` and finished requests drop theirs;
 - during the step (in the backend): rows with a state take the masked,
   bias-corrected torch path and add their relative radii; rows that finish
-  their prompt add their SnapKV importance;
+  their prompt add their token scores (the configured scorer, per layer and
+  KV head: ``kvcert.fast.BlockDesign.score``);
 - after the step: ``ModelRunnerOutput.kvcert_certs`` = {request: mean relative
   radius over layers and query heads} and ``kvcert_importance`` =
-  {request: block importance (n_blocks,)} (``kvcert.fast.block_importance``
+  {request: block importance (n_blocks,)} (``kvcert.fast.BlockDesign.block_importance``
   over the stacked (layer, KV head) scores, normalized per head, ``reduce``
   over them), read by :class:`kvcert.vllm.scheduler.CertifiedScheduler`.
 
@@ -31,8 +32,6 @@ from dataclasses import dataclass, field
 import torch
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker as GPUWorker  # CPUWorker's own base class
-
-from kvcert.fast import block_importance
 
 from . import backend as _backend
 from . import gpu_backend as _gpu_backend
@@ -210,7 +209,7 @@ class Step:
         imp = {}
         for r, us in self.importance.items():
             u = torch.stack(us)[None]  # (1, layers, h_kv, n)
-            imp[r] = block_importance(u, block_size, reduce=self.config.reduce)[0].tolist()
+            imp[r] = self.config.design.block_importance(u, block_size=block_size)[0].tolist()
         return certs, imp
 
 

@@ -238,3 +238,53 @@ def test_step_sums_certificates_over_layers_per_request():
     assert certs == pytest.approx({"a": (0.2 + 0.5) / 2, "b": (1.5 + 4.0 + 9.0) / 3, "c": 0.5}, rel=1e-6)  # float32 radii
     assert imp == {}
     assert step.results(16)[0] == certs  # summing twice adds nothing
+
+
+@pytest.mark.parametrize("scorer", ["snapkv", "tova", "h2o", "knorm", "lagkv", "random"])
+def test_prompt_importance_is_the_configured_registry_scorer(monkeypatch, scorer):
+    """The backend scores a finishing prompt with ``KVCertConfig.scorer`` (``kvcert.fast.SCORERS``): the
+    queries the scorer reads (the last observation_window, all of a one-chunk prompt, or none), the keys and
+    values gathered from the paged cache, the layer index from the layer's name (the random scorer's stream)."""
+    from types import SimpleNamespace
+
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends import cpu_attn
+
+    from kvcert import fast as F
+    from kvcert.vllm import KVCertConfig, backend, worker
+
+    monkeypatch.setattr(cpu_attn, "get_current_vllm_config",
+                        lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32)))
+    torch.manual_seed(2)
+    h_q, h, d, bs, Q = 6, 2, 64, 32, 150
+    scale = d ** -0.5
+    impl = backend.CertifiedCPUAttentionImpl(num_heads=h_q, head_size=d, scale=scale, num_kv_heads=h,
+                                             alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+    cache = torch.zeros(6, h, bs, 2 * d)
+    key_cache, value_cache = cache.view(6, h, 2 * bs, d).chunk(2, dim=2)
+    table = torch.tensor([[4, 0, 5, 2, 1]])
+    k, v = torch.randn(Q, h, d), torch.randn(Q, h, d)
+    slots = table[0][torch.arange(Q) // bs] * bs + torch.arange(Q) % bs
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, "vec", k_scale=1.0, v_scale=1.0,
+                                   kv_cache_dtype="auto")
+    cfg = KVCertConfig(compression_ratio=0.5, observation_window=8, scorer=scorer)
+    fake = SimpleNamespace(kvcert=cfg, kvcert_states={}, kvcert_prompt_len={"b": Q},
+                           model_runner=SimpleNamespace(input_batch=SimpleNamespace(req_ids=["b"])))
+    md = SimpleNamespace(query_start_loc=torch.tensor([0, Q], dtype=torch.int32),
+                         seq_lens=torch.tensor([Q], dtype=torch.int32), block_table=table.to(torch.int32))
+    step = worker.Step(fake)
+    plan = step.plan(md, bs)
+    assert [row.req_id for row in plan.importance] == ["b"] and not plan.masked
+    query = torch.randn(Q, h_q, d)
+    impl._importance(step, plan, SimpleNamespace(layer_name="model.layers.5.self_attn.attn"), query, cache, None)
+    spec = F.SCORERS[scorer]
+    w = Q if spec.queries == "all" else 8  # a one-chunk prompt gives an all-query scorer every query
+    params = {p: value for p, value in (("kernel_size", 1), ("seed", 0)) if p in spec.params}
+    expected = spec(query[-w:].permute(1, 0, 2)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                    scale=scale, layer=5, event=0, **params)
+    # the same function on the same float32 values, gathered in another memory layout (the first test's tolerance)
+    got = step.importance["b"][0].to(expected.dtype)
+    torch.testing.assert_close(got, expected[0], rtol=1e-5, atol=1e-7)
+    _, imp = step.results(bs)
+    ub = F.block_importance(F.nonnegative_importance(step.importance["b"][0][None].double()), bs)
+    assert imp["b"] == ub[0].tolist() and len(imp["b"]) == 5

@@ -183,12 +183,12 @@ def compare_with_cpu_path():
     # the importance pass of a prompt row (row 0: 5 tokens, block 9) against the CPU backend's
     from types import SimpleNamespace
 
-    from kvcert.vllm import gpu_backend
+    from kvcert.vllm import KVCertConfig, gpu_backend
     from kvcert.vllm.backend import CertifiedCPUAttentionImpl
     from kvcert.vllm.worker import _Importance
 
     class Ctx:
-        config = SimpleNamespace(observation_window=3)
+        config = KVCertConfig(observation_window=3)
 
         def __init__(self):
             self.u = {}
@@ -201,7 +201,7 @@ def compare_with_cpu_path():
     gpu_backend._importance(gpu, plan, md, query, flash, d, 0.25)
     cpu_plan = SimpleNamespace(importance=[_Importance("a", 5, 5, 5, table[0, :1].long())])
     CertifiedCPUAttentionImpl._importance(SimpleNamespace(scale=0.25), SimpleNamespace(config=Ctx.config, **{
-        "add_importance": cpu.add_importance}), cpu_plan, query, vec, None)
+        "add_importance": cpu.add_importance}), cpu_plan, None, query, vec, None)
     assert set(gpu.u) == set(cpu.u) == {"a"}
     torch.testing.assert_close(gpu.u["a"], cpu.u["a"], rtol=1e-6, atol=1e-7)
     print("importance ok")
@@ -264,8 +264,10 @@ def exercise_forward():
     impl = object.__new__(gb.CertifiedFlashAttentionImpl)
     impl.attn_type, impl.scale, impl.head_size, impl.kv_cache_dtype = AttentionType.DECODER, 0.25, d, "auto"
 
+    from kvcert.vllm import KVCertConfig
+
     class Ctx:
-        config = SimpleNamespace(kind="chebyshev", delta=0.05, observation_window=3)
+        config = KVCertConfig(kind="chebyshev", delta=0.05, observation_window=3)
 
         def __init__(self):
             self.certs, self.imp, self.n_plans = {}, {}, 0
@@ -308,7 +310,7 @@ def exercise_forward():
     assert set(ctx.imp) == {"a"} and ctx.imp["a"].shape == (h, 5)
     # a certificate kind the kernel cannot serve is refused
     ctx = Ctx()
-    ctx.config = SimpleNamespace(kind="chi2", delta=0.05, observation_window=3)
+    ctx.config = KVCertConfig(kind="chi2", delta=0.05, observation_window=3)
     gb.STEP.ctx = ctx
     try:
         impl.forward(None, query, key, value, flash, md, torch.zeros(8, h * g, d))

@@ -45,6 +45,10 @@ def test_refused_engine_options_name_the_option(kwargs, option):
     ({"kvcert": {"delta": 1.5}}, "delta"),
     ({"kvcert": {"kind": "wald"}}, "kind"),
     ({"kvcert": {"window": 3}}, "window"),
+    ({"kvcert": {"kind": "chebyshev_ucb"}}, "kind"),
+    ({"kvcert": {"scorer": "nope"}}, "scorer"),
+    ({"scorer": "nope"}, "scorer"),
+    ({"kvcert": {"reduce": "min"}}, "reduce"),
 ])
 def test_bad_plugin_settings_are_refused(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -74,3 +78,28 @@ def test_engine_kwargs_route_and_config_roundtrip():
     # budget: None when the certainty set fills it (short prompts are not evicted)
     assert cfg.budget(3) is None and cfg.budget(10) == pytest.approx(7.5)
     assert KVCertConfig(compression_ratio=0.0).budget(100) is None
+
+
+def test_kinds_reductions_and_scorers_are_read_from_the_registries():
+    from kvcert import fast as F
+
+    for name in F.KINDS:  # the served kinds are the registry's flags, no list of the plugin's own
+        if F.CERTIFICATE_KINDS[name].served:
+            assert KVCertConfig(kind=name).design.kind == name
+        else:
+            with pytest.raises(ValueError, match="kind must be one of"):
+                KVCertConfig(kind=name)
+    for name in F.REDUCTIONS:
+        assert KVCertConfig(reduce=name).design.reduce == name
+    for name in F.SCORERS:  # any registered scorer, by configuration
+        kw = engine_kwargs(0.5, 0, scorer=name)
+        cfg = KVCertConfig.from_dict(kw["additional_config"]["kvcert"])
+        assert cfg.scorer == cfg.design.scorer == name and cfg.to_dict()["scorer"] == name
+        same = engine_kwargs(0.5, 0, kvcert={"scorer": name})["additional_config"]["kvcert"]
+        assert KVCertConfig.from_dict(same) == cfg
+    assert KVCertConfig().scorer == "snapkv" and KVCertConfig().design.kernel_size == 1  # SnapKV without pooling
+    with pytest.raises(ValueError, match="scorer: given twice"):
+        engine_kwargs(0.5, 0, scorer="tova", kvcert={"scorer": "knorm"})
+    design = KVCertConfig(compression_ratio=0.25, top_blocks=1).design
+    assert design.block_size is None
+    assert design.budget(10) == KVCertConfig(compression_ratio=0.25, top_blocks=1).budget(10) == 7.5

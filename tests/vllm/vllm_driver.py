@@ -6,7 +6,8 @@ Not a test module: tests/vllm/vllm_support.py launches it, one engine per
 process, so every engine is torn down completely and the stock engine can run
 without the plugin (``VLLM_PLUGINS=""`` set by the launcher). SPEC keys:
 ``plugin`` (bool), ``model``, ``compression_ratio``, ``seed``, ``kvcert``
-(dict), ``llm_kwargs`` (dict), ``prompts`` (token-id lists), ``runs``
+(dict), ``scorer`` (optional, ``certified_llm``'s keyword), ``llm_kwargs`` (dict),
+``prompts`` (token-id lists), ``runs``
 (list of {"order": [prompt indices], "max_tokens": int}, generated one
 ``generate`` call each, greedy).
 """
@@ -28,7 +29,7 @@ def main(spec_path: str, out_path: str) -> None:
         from kvcert.vllm import certified_llm
 
         llm = certified_llm(spec["model"], compression_ratio=spec["compression_ratio"], seed=spec["seed"],
-                            kvcert=spec.get("kvcert") or None, **spec["llm_kwargs"])
+                            kvcert=spec.get("kvcert") or None, scorer=spec.get("scorer"), **spec["llm_kwargs"])
     else:
         llm = LLM(model=spec["model"], **spec["llm_kwargs"])
     result = {"start_s": time.perf_counter() - t0, "runs": []}

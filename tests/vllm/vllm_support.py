@@ -59,7 +59,8 @@ def prompts() -> tuple[tuple[int, ...], ...]:
 
 
 def run_engine(*, plugin: bool, runs: list[dict], compression_ratio: float = 0.0, seed: int = 0,
-               kvcert: dict | None = None, timeout: float = 420.0, **llm_kwargs) -> dict:
+               kvcert: dict | None = None, scorer: str | None = None, timeout: float = 420.0,
+               **llm_kwargs) -> dict:
     """Start one engine in a fresh process (the stock one without any plugin), generate, return the JSON."""
     kw = dict(ENGINE)
     kw.update(llm_kwargs)
@@ -67,14 +68,17 @@ def run_engine(*, plugin: bool, runs: list[dict], compression_ratio: float = 0.0
         for name in ("enable_prefix_caching",):
             kw.pop(name, None)
     spec = {"plugin": plugin, "model": model_path(), "compression_ratio": compression_ratio, "seed": seed,
-            "kvcert": kvcert or {}, "llm_kwargs": kw, "prompts": [list(p) for p in prompts()], "runs": runs}
+            "kvcert": kvcert or {}, "scorer": scorer, "llm_kwargs": kw, "prompts": [list(p) for p in prompts()],
+            "runs": runs}
     env = vllm_env()
     if not plugin:
         env["VLLM_PLUGINS"] = ""  # no general plugin at all: the stock engine
     with tempfile.TemporaryDirectory(dir=str(CACHE)) as tmp:
         sp, op = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         sp.write_text(json.dumps(spec))
-        proc = subprocess.run([sys.executable, str(DRIVER), str(sp), str(op)], env=env, cwd=str(ROOT),
+        # run outside the repository root: no top-level folder of the repository (kernels/) shadows an
+        # installed package in the engine's processes
+        proc = subprocess.run([sys.executable, str(DRIVER), str(sp), str(op)], env=env, cwd=tmp,
                               capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not op.exists():
             tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
