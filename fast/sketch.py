@@ -1,9 +1,9 @@
-r"""The cluster design of issue 14, batched (torch): Gaussian moments of the evicted keys per cluster.
+r"""The cluster design, batched (torch): Gaussian moments of the evicted keys per cluster.
 
 Torch twin of the cluster design of ``kvcert.reference.sketch`` (docs/theory.md
 section 8, "Second slice"): same math, batched over (b, h_kv) heads, grouped-query
 attention (h_q = g * h_kv) and several queries, float32 or float64. Never imports
-``kvcert.reference`` (DESIGN.md section 3); the reference checks it
+``kvcert.reference`` (docs/design.md section 3); the reference checks it
 (tests/test_fast_sketch.py).
 
 - :class:`ClusterDesign`: the design's fields (``clusters``, ``iterations``,
@@ -43,9 +43,10 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import weakref
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from statistics import NormalDist
+from types import MappingProxyType
+from typing import Callable
 
 import numpy as np
 import torch
@@ -58,6 +59,8 @@ from .types import Estimate
 
 __all__ = [
     "CLUSTER_RADII",
+    "RADIUS_RULES",
+    "RadiusRule",
     "ClusterDesign",
     "ClusterEstimate",
     "ClusterSketch",
@@ -69,9 +72,38 @@ __all__ = [
     "window_tilt",
 ]
 
-#: radius rules: ``chebyshev`` sqrt(V / delta); ``gaussian`` z_{1-delta/2} sqrt(V); ``fixed`` c sqrt(V)
-#: (the reference's ``CODE_RADII``)
-CLUSTER_RADII = ("chebyshev", "gaussian", "fixed")
+@dataclass(frozen=True)
+class RadiusRule:
+    r"""One radius rule of the sketched designs: a radius on :math:`\lVert\hat o - o\rVert` from a variance V.
+
+    Attributes
+    ----------
+    name : str
+        The ``radius`` field of :class:`ClusterDesign` and the ``rule`` argument of :func:`cluster_radius`.
+    factor : callable
+        ``factor(delta, multiplier) -> float``, the c of the radius :math:`c\sqrt V`; ``delta`` already
+        checked to lie in (0, 1) and ``multiplier`` to be a finite number > 0.
+    summary : str
+        The formula in one line.
+    """
+
+    name: str
+    factor: Callable[[float, float], float]
+    summary: str
+
+
+#: name -> :class:`RadiusRule`, read-only: the radius rules of the sketched designs (twin of
+#: ``kvcert.reference.sketch.RADIUS_RULES``, same names and order)
+RADIUS_RULES = MappingProxyType({rule.name: rule for rule in (
+    RadiusRule("chebyshev", lambda delta, multiplier: math.sqrt(1.0 / delta),
+               "sqrt(V / delta): Markov's inequality on the squared error"),
+    RadiusRule("gaussian", lambda delta, multiplier: NormalDist().inv_cdf(1.0 - delta / 2.0),
+               "z_{1-delta/2} sqrt(V): a Gaussian limit of the error"),
+    RadiusRule("fixed", lambda delta, multiplier: multiplier,
+               "c sqrt(V), c = the design's multiplier"),
+)})
+#: the names of :data:`RADIUS_RULES`, in registry order
+CLUSTER_RADII = tuple(RADIUS_RULES)
 #: per-cluster scalars beside the 2 d moments (W_c, Y_c, N_c)
 CLUSTER_SCALARS = 3
 #: per-cluster scalars of the tilted design beside its 4 d moments (S_c, Y_c, N_c, h_c)
@@ -87,8 +119,8 @@ def _check_int(name: str, x, low: int) -> int:
 
 
 def _check_rule(rule) -> str:
-    if rule not in CLUSTER_RADII:
-        raise ValueError(f"rule must be one of {CLUSTER_RADII}, got {rule!r}")
+    if not isinstance(rule, str) or rule not in RADIUS_RULES:
+        raise ValueError(f"rule must be one of {tuple(RADIUS_RULES)}, got {rule!r}")
     return rule
 
 
@@ -113,7 +145,7 @@ class ClusterDesign:
         Clusters per head (k-means of the head's keys); the sketch holds this many slots.
     iterations : int >= 0
         Lloyd iterations.
-    radius : one of :data:`CLUSTER_RADII`
+    radius : a name of :data:`RADIUS_RULES`
     multiplier : float > 0, the ``fixed`` rule's c in c sqrt(V_cl)
     tilt : bool
         The tilted design (docs/theory.md section 8, fifth slice): the moments are taken at a
@@ -130,8 +162,8 @@ class ClusterDesign:
     def __post_init__(self):
         _check_int("clusters", self.clusters, 1)
         _check_int("iterations", self.iterations, 0)
-        if self.radius not in CLUSTER_RADII:
-            raise ValueError(f"radius must be one of {CLUSTER_RADII}, got {self.radius!r}")
+        if not isinstance(self.radius, str) or self.radius not in RADIUS_RULES:
+            raise ValueError(f"radius must be one of {tuple(RADIUS_RULES)}, got {self.radius!r}")
         _check_multiplier(self.multiplier)
         if not isinstance(self.tilt, bool):
             raise ValueError(f"tilt must be a bool, got {self.tilt!r}")
@@ -188,6 +220,12 @@ class ClusterSketch:
     A slot whose cluster has no evicted token holds count 0, weight 0, wnorm 0, mean 0 and var 0
     (and shift 0) and takes no part in :func:`cluster_variance`. Float32 for float32 inputs
     (float64 for float64).
+
+    The decode step keeps the sketch's per-step constants on the sketch itself (a private field,
+    not an argument, not compared, not shown): built at the first step for a compute dtype, score scale
+    and head layout, rebuilt when one of them differs or when a tensor of the sketch was changed in place
+    (the sum of their version counters moved). ``map``, ``cat`` and ``dataclasses.replace`` make new
+    sketches, which start without it.
     """
 
     mean: torch.Tensor
@@ -203,6 +241,7 @@ class ClusterSketch:
     zvar: torch.Tensor | None = None
     shift: torch.Tensor | None = None
     reach: torch.Tensor | None = None
+    _form: "_DecodeForm | None" = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def clusters(self) -> int:
@@ -578,7 +617,7 @@ def window_tilt(queries: torch.Tensor, h_kv: int, window: int | None = None) -> 
 def cluster_radius(variance: torch.Tensor, *, delta: float, rule: str, multiplier: float = 3.0) -> torch.Tensor:
     r"""Radius from a variance, elementwise: ``chebyshev`` :math:`\sqrt{V/\delta}`, ``gaussian``
     :math:`z_{1-\delta/2}\sqrt V`, ``fixed`` :math:`c\sqrt V` (c = ``multiplier``); negative V
-    counts as 0, +inf stays +inf. As ``kvcert.reference.radius_from_variance``.
+    counts as 0, +inf stays +inf (:data:`RADIUS_RULES`). As ``kvcert.reference.sketch.radius_from_variance``.
 
     Raises
     ------
@@ -596,38 +635,12 @@ def cluster_radius(variance: torch.Tensor, *, delta: float, rule: str, multiplie
 
 
 def _radius(variance: torch.Tensor, delta: float, rule: str, multiplier: float, clamp: bool = True) -> torch.Tensor:
-    if rule == "chebyshev":
-        factor = math.sqrt(1.0 / delta)
-    elif rule == "gaussian":
-        factor = NormalDist().inv_cdf(1.0 - delta / 2.0)
-    else:
-        factor = multiplier
+    factor = RADIUS_RULES[rule].factor(delta, multiplier)
     return (variance.clamp(min=0.0) if clamp else variance).sqrt().mul_(factor)
 
 
-#: per-sketch state of the decode step, by id(sketch): the layout it was checked for and its decode form
-#: (a ClusterSketch is frozen, and ``ClusterSketch(**sketch.__dict__)`` must keep working, so the state is
-#: kept here, not on the object; an entry goes when its sketch is collected)
-_STATE: dict[int, dict] = {}
-
-
-def _state(sketch: ClusterSketch) -> dict:
-    """The decode step's state kept for ``sketch`` (made empty on first use)."""
-    entry = _STATE.get(id(sketch))
-    if entry is None or entry["ref"]() is not sketch:
-        entry = _STATE[id(sketch)] = {"ref": weakref.ref(sketch)}
-        weakref.finalize(sketch, _STATE.pop, id(sketch), None)
-    return entry
-
-
-def _check_sketch(sketch, L: _Layout) -> None:
-    """``sketch`` must be a ClusterSketch of the KV heads of these keys and values (shapes, device)."""
-    if not isinstance(sketch, ClusterSketch):
-        raise TypeError(f"sketch must be a ClusterSketch (kvcert.fast.cluster_sketch), got {type(sketch).__name__}")
-    layout = (L.b, L.h_kv, L.d, L.dv, L.q.device)
-    state = _state(sketch)
-    if state.get("checked") == layout:  # a frozen sketch passed for this layout before
-        return
+def _check_sketch(sketch: ClusterSketch, L: _Layout) -> None:
+    """The tensors of ``sketch`` must be those of the KV heads of these keys and values (shapes, device)."""
     C = sketch.mean.shape[-2] if isinstance(sketch.mean, torch.Tensor) and sketch.mean.ndim == 4 else "C"
     want = {"mean": ("(b, h_kv, C, d)", (L.b, L.h_kv, C, L.d)), "var": ("(b, h_kv, C, d)", (L.b, L.h_kv, C, L.d)),
             "weight": ("(b, h_kv, C)", (L.b, L.h_kv, C)), "wnorm": ("(b, h_kv, C)", (L.b, L.h_kv, C)),
@@ -644,7 +657,6 @@ def _check_sketch(sketch, L: _Layout) -> None:
             raise ValueError(f"sketch.{name} must have shape {text} = {shape} for these keys and values, got {got}")
         if x.device != L.q.device:
             raise ValueError(f"sketch.{name} must be on the device of q ({L.q.device}), got {x.device}")
-    state["checked"] = layout
 
 
 def _probs(L: _Layout, C) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -710,8 +722,8 @@ _SKETCH_TENSORS = ("mean", "var", "weight", "wnorm", "count", "mu", "tilt", "zme
 
 @dataclass(frozen=True)
 class _DecodeForm:
-    r"""A sketch's per-step constants for one compute dtype and score scale :math:`\tau`, B = b h_kv rows
-    (:func:`_decode_form`).
+    r"""A sketch's per-step constants for one compute dtype, score scale :math:`\tau` and head layout,
+    B = b h_kv rows (:func:`_decode_form`).
 
     ``W`` (B, 2d, 2C) :math:`= \begin{bmatrix} 2\tau m_c & \tau m'_c \\ 2\tau^2\sigma^2_c &
     \tau^2\sigma'^2_c/2\end{bmatrix}` (columns c; :math:`m' = m`, :math:`\sigma'^2 = \sigma^2` without a
@@ -722,7 +734,9 @@ class _DecodeForm:
     ``tilt`` (B, 1, d) or None; ``mu`` (B, 1, dv); ``reach`` (B, 1) or None; ``kept`` = (2, 1), the
     powers of :math:`\hat Z` in the kept sums. ``W`` and ``bias`` are working memory of the decode (4 d C + 2 C
     elements per head), not part of the design's memory count; the other fields are views of the sketch's
-    own tensors (copies only when the compute dtype differs from the sketch's)."""
+    own tensors (copies only when the compute dtype differs from the sketch's). ``key`` is what the form
+    was built for: (dtype, scale, b, h_kv, d, dv, device); ``version`` the sum of the sketch tensors'
+    version counters then (:func:`_version`)."""
 
     W: torch.Tensor
     bias: torch.Tensor
@@ -732,34 +746,42 @@ class _DecodeForm:
     mu: torch.Tensor
     reach: torch.Tensor | None
     kept: torch.Tensor
+    key: tuple
+    version: int | None
 
 
-def _version(tensors) -> int | None:
-    """The sum of the version counters of ``tensors``: every in-place change moves it up (None when one of
-    them is an inference tensor, which keeps no counter)."""
+def _version(sketch: ClusterSketch) -> int | None:
+    """The sum of the version counters of the sketch's tensors: every in-place change moves it up (None when
+    one of them is an inference tensor, which keeps no counter)."""
     try:
-        return sum(x._version for x in tensors)
+        return sum(x._version for name in _SKETCH_TENSORS if (x := getattr(sketch, name)) is not None)
     except RuntimeError:  # inference tensors (torch.inference_mode) have no version counter
         return None
 
 
-def _decode_form(sketch: ClusterSketch, dt: torch.dtype, scale: float) -> _DecodeForm:
-    """The sketch's per-step constants (:class:`_DecodeForm`) in ``dt`` for the score scale ``scale``: built
-    at the first decode step and kept for the sketch (:data:`_STATE`), so that later steps read them as they are;
-    rebuilt for another dtype or scale, or when a tensor of the sketch was changed in place (the sum of
-    their version counters moved; inference tensors keep none, so a sketch of them must not be changed
-    in place, as no ClusterSketch should be: ``map`` and ``dataclasses.replace`` make new ones)."""
-    state = _state(sketch)
-    cached = state.get("form")
-    if cached is not None and cached[0] == (dt, scale) and cached[1] == _version(cached[2]):
-        return cached[3]
-    tensors = [x for name in _SKETCH_TENSORS if (x := getattr(sketch, name)) is not None]
+def _decode_form(sketch, L: _Layout) -> _DecodeForm:
+    """The per-step constants (:class:`_DecodeForm`) of ``sketch`` for the layout ``L`` (compute dtype, score
+    scale, heads, device), kept on the sketch (its ``_form`` field) so that later steps read them as they are.
+
+    Rebuilt, with the sketch's shape check, for another dtype, scale or layout, or when a tensor of the
+    sketch was changed in place (the sum of their version counters moved; inference tensors keep none, so a
+    sketch of them must not be changed in place, as no ClusterSketch should be: ``map`` and
+    ``dataclasses.replace`` make new ones). TypeError when ``sketch`` is not a :class:`ClusterSketch`."""
+    if not isinstance(sketch, ClusterSketch):
+        raise TypeError(f"sketch must be a ClusterSketch (kvcert.fast.cluster_sketch), got {type(sketch).__name__}")
+    dt = L.dtype
+    key = (dt, float(L.scale), L.b, L.h_kv, L.d, L.dv, L.q.device)
+    version = _version(sketch)
+    form = sketch._form
+    if form is not None and form.key == key and form.version == version:
+        return form
+    _check_sketch(sketch, L)
     mean, var = sketch.mean, sketch.var
     b, h, C, d = mean.shape
     B = b * h
     col = lambda x: _cast(x, dt).reshape(B, C, d).transpose(1, 2)  # noqa: E731  (B, d, C)
     zmean, zvar = (mean, var) if sketch.zmean is None else (sketch.zmean, sketch.zvar)
-    t1, t2 = float(scale), float(scale) ** 2
+    t1, t2 = float(L.scale), float(L.scale) ** 2
     W = torch.cat((torch.cat((col(mean) * (2.0 * t1), col(zmean) * t1), dim=-1),
                    torch.cat((col(var) * (2.0 * t2), col(zvar) * (0.5 * t2)), dim=-1)), dim=1).contiguous()
     row = lambda x: _cast(x, dt).reshape(B, 1, -1)  # noqa: E731
@@ -772,12 +794,12 @@ def _decode_form(sketch: ClusterSketch, dt: torch.dtype, scale: float) -> _Decod
     form = _DecodeForm(W=W, bias=bias, weight=row(sketch.weight), wnorm=row(sketch.wnorm),
                        tilt=None if sketch.tilt is None else row(sketch.tilt), mu=row(sketch.mu),
                        reach=None if sketch.reach is None else _cast(sketch.reach, dt).reshape(B, 1),
-                       kept=torch.tensor([2.0, 1.0], dtype=dt, device=mean.device))
-    state["form"] = ((dt, scale), _version(tensors), tensors, form)
+                       kept=torch.tensor([2.0, 1.0], dtype=dt, device=mean.device), key=key, version=version)
+    object.__setattr__(sketch, "_form", form)  # a cache on a frozen dataclass: not a field anyone sets
     return form
 
 
-def _log_variance(L: _Layout, sketch: ClusterSketch, o, lse, kappa, t_kept, form: _DecodeForm | None = None):
+def _log_variance(L: _Layout, f: _DecodeForm, o, lse, kappa, t_kept):
     r"""log of V_cl's numerator and of Z~ from the kept pieces and the sketch, (B, G) each.
 
     Kept part: :math:`\sum_S \frac{1-\pi_i}{\pi_i} e^{2 s_i}\lVert v_i - \hat o\rVert^2 = \hat Z^2 T'`
@@ -787,11 +809,9 @@ def _log_variance(L: _Layout, sketch: ClusterSketch, o, lse, kappa, t_kept, form
     :class:`_DecodeForm` gives both Gaussian steps of every cluster, then one logsumexp over the
     clusters and one logaddexp with the kept part, for the numerator and Z~ at once. A row without a
     kept token (lse = -inf, kappa = T' = 0) has no kept part (-inf + -inf = -inf, never NaN); slots
-    with count 0 / weight 0 give log 0 = -inf: absent. ``form``: the sketch's :func:`_decode_form` when the
-    caller holds it already.
+    with count 0 / weight 0 give log 0 = -inf: absent. ``f``: the sketch's :func:`_decode_form` for ``L``.
     """
     dt, B, G = L.dtype, L.B, L.G
-    f = _decode_form(sketch, dt, L.scale) if form is None else form
     C = f.weight.shape[-1]
     r = _cast(L.q, dt).reshape(B, G, L.d)
     if f.tilt is not None:                                                                # r = q - q0
@@ -831,7 +851,7 @@ def cluster_variance(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     an approximation otherwise (heavy tails: too small; correlated channels: either way), and
     :math:`\nu_i^2 + \lVert\mu-\hat o\rVert^2` stands for :math:`\lVert v_i - \hat o\rVert^2`
     (exact on average when :math:`v_i - \mu` is uncorrelated with :math:`\mu - \hat o`).
-    Same target as the reference's ``hybrid_variance``: the design variance V itself. A tilted
+    Its target is the design variance V itself. A tilted
     sketch (``sketch.tilt`` set) takes the step in :math:`r = q - q_0` with its tilted moments:
     :math:`(Y_c + S_c\lVert\mu-\hat o\rVert^2) e^{2\tau r\cdot\tilde m_c + 2\tau^2\sum_j r_j^2
     \tilde\sigma^2_{cj}}` and :math:`N_c e^{\tau r\cdot m'_c + \tau^2\sum_j r_j^2\sigma'^2_{cj}/2}`
@@ -857,7 +877,7 @@ def cluster_variance(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     """
     C = check_attention_inputs(q, keys, values, pi, scale=scale, validate=True)
     L = _Layout(C, q, keys, values)
-    _check_sketch(sketch, L)
+    form = _decode_form(sketch, L)
     output = check_tensor("output", output, floating=True)
     want = (L.b, L.h_q, L.dv) if L.decode else (L.b, L.h_q, L.t, L.dv)
     if tuple(output.shape) != want:
@@ -872,7 +892,7 @@ def cluster_variance(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         mu = mu.reshape(L.B, 1, L.dv)
         _, cv, t, sc, kappa, lse = _kept_pass(L, lp, omp, pf, mu, r2.reshape(L.B, L.n))
     t_kept = _centred(t, cv, sc, o, mu)[:, 1]
-    log_num, log_z = _log_variance(L, sketch, o, lse, kappa, t_kept)
+    log_num, log_z = _log_variance(L, form, o, lse, kappa, t_kept)
     # no term at all (no kept token and an empty sketch): 0, the reference's convention, not exp(-inf + inf)
     variance = torch.where(log_num == float("-inf"), 0.0, torch.exp(log_num - 2.0 * log_z))
     return L.unrows(variance[..., None]).squeeze(-1)
@@ -914,7 +934,7 @@ def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     sketch : ClusterSketch of the evicted tokens, per KV head
     scale : float, default 1/sqrt(d)
     delta : float in (0, 1)
-    rule : one of :data:`CLUSTER_RADII`, default the sketch's (its design's ``radius``)
+    rule : a name of :data:`RADIUS_RULES`, default the sketch's (its design's ``radius``)
     multiplier : float > 0, the ``fixed`` rule's c, default the sketch's
     log_pi : (b, h_kv, n), log pi instead of pi (-inf = padding), as the Hugging Face cache holds it
     value_center, value_sqdist : (b, h_kv, dv), (b, h_kv, n), optional
@@ -986,7 +1006,7 @@ def _cluster_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier
     value moments and the O(C d) epilogue are shared."""
     C = check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale)
     L = _Layout(C, q, keys, values)
-    _check_sketch(sketch, L)
+    form = _decode_form(sketch, L)
     delta = _check_delta(delta)
     rule = _check_rule(sketch.rule if rule is None else rule)
     multiplier = _check_multiplier(sketch.multiplier if multiplier is None else multiplier)
@@ -1012,8 +1032,7 @@ def _cluster_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier
         mu = _cast(mu, dt).reshape(L.B, 1, L.dv)
         o, cv, t, sc, kappa, lse = kept_pass(L, lp, omp, pf, mu, _cast(r2, dt).reshape(L.B, L.n))
     both = _centred(t, cv, sc, o, mu)                          # (B, K, G): [trace,] T'
-    form = _decode_form(sketch, dt, L.scale)
-    log_num, log_z = _log_variance(L, sketch, o, lse, kappa, both[:, -1], form)
+    log_num, log_z = _log_variance(L, form, o, lse, kappa, both[:, -1])
     variance = torch.add(log_num, log_z, alpha=-2.0).exp_()
     # an empty row (nothing kept): trace, V_cl and the radius +inf, the Estimate convention
     empty = (lse == float("-inf")).unsqueeze_(1)

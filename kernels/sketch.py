@@ -1,4 +1,4 @@
-r"""The cluster design's decode step in Triton: one pass over the kept K and V (issue 14).
+r"""The cluster design's decode step in Triton: one pass over the kept K and V.
 
 The kept pass of :func:`kvcert.fast.cluster_hajek_attention` fused into one kernel:
 one program per (batch row, KV head) streams the kept tokens once, with every query

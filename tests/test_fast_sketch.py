@@ -25,6 +25,7 @@ on well separated clusters, and the float32 sketch is built from the float64 lab
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -288,7 +289,7 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="multiplier must be a finite number > 0"):
         FS.cluster_hajek_attention(q, K, V, P, sk, multiplier=-1.0)
     with pytest.raises(ValueError, match=r"sketch.mean must have shape \(b, h_kv, C, d\) = \(1, 2, 3, 4\)"):
-        FS.cluster_hajek_attention(q, K, V, P, FS.ClusterSketch(**{**sk.__dict__, "mean": sk.mean[..., :2]}))
+        FS.cluster_hajek_attention(q, K, V, P, dataclasses.replace(sk, mean=sk.mean[..., :2]))
     with pytest.raises(ValueError, match=r"sketch.mu must have shape \(b, h_kv, dv\)"):
         FS.cluster_variance(q, K, V[..., :2], P, sk, output=torch.zeros(1, 4, 2))
     with pytest.raises(TypeError, match="sketch must be a ClusterSketch"):
@@ -352,10 +353,10 @@ def test_without_the_trace_the_step_is_the_same_but_for_the_trace(n):
 
 
 def test_the_cached_decode_form_follows_the_sketch():
-    """The decode step keeps each sketch's per-step constants (``_decode_form``) between calls: a second
+    """The decode step keeps each sketch's per-step constants on the sketch between calls: a second
     call, another scale, another dtype and an in-place change of a sketch tensor all give what a fresh
-    copy of the sketch gives (the cache is rebuilt, never read stale); ``ClusterSketch(**sketch.__dict__)``
-    still rebuilds a sketch after a decode step (the state is kept beside the object, not in it)."""
+    copy of the sketch gives (the cache is rebuilt, never read stale); ``dataclasses.replace`` makes a
+    sketch that starts without the constants and decodes the same."""
     k, v, pi, keep, sk, q, K, V, P = _small()
 
     def fresh(sketch, **kw):  # the same numbers in new tensors: no state kept for them
@@ -378,5 +379,9 @@ def test_the_cached_decode_form_follows_the_sketch():
     a = FS.cluster_hajek_attention(q32, K32, V32, P32, sk)   # float32 inputs read the float64 sketch as float32
     assert a.variance.dtype == torch.float32
     same(a, FS.cluster_hajek_attention(q32, K32, V32, P32, sk.map(torch.clone)))
-    rebuilt = FS.ClusterSketch(**sk.__dict__)
+    rebuilt = dataclasses.replace(sk)
     same(FS.cluster_hajek_attention(q, K, V, P, rebuilt), moved)
+    # the constants follow the heads too: the same sketch read for a batch of other heads is refused, after
+    # a step that built them for these heads
+    with pytest.raises(ValueError, match=r"sketch.mean must have shape \(b, h_kv, C, d\)"):
+        FS.cluster_hajek_attention(q.repeat(2, 1, 1), K.repeat(2, 1, 1, 1), V.repeat(2, 1, 1, 1), P.repeat(2, 1, 1), sk)

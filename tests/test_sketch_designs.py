@@ -1,9 +1,8 @@
-"""kvcert.reference.sketch, second slice of issue 14: the cluster and code designs.
+"""kvcert.reference.sketch: the cluster design (k-means, sketch, V_cl) and the radius-rule registry.
 
-Exact properties only (accounting, limits, bounds, reproducibility); tolerances are
-float64 rounding of sums of at most a few hundred exponentials (1e-12 relative), not
-tuned constants. The designs' coverage is measured on the real model, not here
-(docs/research/issue14/RESULTS_T2.md).
+Exact properties only (accounting, limits, reproducibility); tolerances are float64 rounding
+of sums of at most a few hundred exponentials (1e-12 relative), not tuned constants. The
+design's coverage is measured on the real model, not here (docs/theory.md section 8).
 """
 
 import numpy as np
@@ -14,21 +13,16 @@ from kvcert.reference import (
     attention,
     hajek_attention,
     inclusion_probabilities,
-    linearized_variance,
     poisson_sample,
     scores,
 )
 from kvcert.reference import sketch as sk
 from kvcert.reference.sketch import (
+    RADIUS_RULES,
     ClusterDesign,
-    CodeDesign,
     cluster_sketch,
     cluster_variance,
-    code_budget,
-    code_scores,
-    code_sketch,
     evict_and_certify,
-    hybrid_variance,
     kmeans_assign,
     memory_fraction,
     radius_from_variance,
@@ -45,31 +39,19 @@ def _head(rng, n=200, d=8, dv=5, heavy=False):
     return q, k, v, imp
 
 
-def _true_v(q, k, v, pi, o):
-    """V = sum_i (1 - pi_i)/pi_i w_i^2 ||v_i - o||^2 / Z^2 over all tokens (the design variance's trace)."""
-    s = scores(q, k)
-    w = np.exp(s - s.max())
-    return float(np.sum((1 - pi) / pi * w ** 2 * np.sum((v - o) ** 2, axis=1)) / w.sum() ** 2)
-
-
-@pytest.mark.parametrize("design", [ClusterDesign(clusters=5), CodeDesign(rank=3, bits=4),
-                                    CodeDesign(rank=2, bits=2, score="plain")])
+@pytest.mark.parametrize("design", [ClusterDesign(clusters=5), ClusterDesign(clusters=3, tilt=True)])
 def test_memory_is_the_formula(design):
     rng = np.random.default_rng(1)
     q, k, v, imp = _head(rng, n=400)
     n, d = k.shape
     dv = v.shape[1]
-    r = evict_and_certify(q, k, v, imp, 150.0, seed=3, design=design)
-    if isinstance(design, ClusterDesign):
-        extra = design.clusters * (2 * d + 3) + dv + 1     # + reach (the hull bound)
-        b = 150.0 - extra / (d + dv + 1)
+    tilt = rng.normal(size=(4, d)) if design.tilt else None
+    r = evict_and_certify(q, k, v, imp, 150.0, seed=3, design=design, tilt=tilt)
+    if design.tilt:
+        extra = design.clusters * (4 * d + 4) + d + dv + 1   # + q0 and reach
     else:
-        scalars = 2 + (design.score != "plain")
-        c = (design.rank * design.bits + 16 * scalars) / 16.0
-        h = design.rank * d + d + 2 * design.rank + dv
-        extra = (n - r.kept) * c + h
-        b = (150.0 * (d + dv + 1) - c * n - h) / (d + dv + 1 - c)
-        assert design.token_bits(dv) == 16 * c
+        extra = design.clusters * (2 * d + 3) + dv + 1       # + reach (the hull bound)
+    b = 150.0 - extra / (d + dv + 1)
     assert r.budget == pytest.approx(b, rel=1e-14)
     pi = inclusion_probabilities(imp, r.budget)
     assert r.kept == poisson_sample(pi, seed=3).sum()
@@ -78,16 +60,7 @@ def test_memory_is_the_formula(design):
     assert r.memory == memory_fraction(n, d, dv, kept=r.kept, extra=extra)
 
 
-def test_code_budget_gives_equal_expected_memory():
-    n, d, dv, B = 1000, 64, 64, 300.0
-    design = CodeDesign(rank=4, bits=4)
-    b = code_budget(B, n, d, dv, design)
-    c = design.token_bits(dv) / 16.0
-    assert b * (d + dv + 1) + (n - b) * c + design.head_elements(d, dv) == pytest.approx(B * (d + dv + 1), rel=1e-14)
-
-
-@pytest.mark.parametrize("design", ["cluster", "code", ClusterDesign(clusters=3, radius="chebyshev"),
-                                    CodeDesign(score="bound", value="triangle", radius="gaussian")])
+@pytest.mark.parametrize("design", ["cluster", ClusterDesign(clusters=3, radius="chebyshev")])
 @pytest.mark.parametrize("budget", [300, 1e9])
 def test_nothing_evicted_gives_radius_zero_and_the_exact_output(design, budget):
     rng = np.random.default_rng(9)
@@ -105,10 +78,9 @@ def test_all_pi_one_gives_zero_variance():
     keep = np.ones(50, bool)
     o = attention(q, k, v)
     assert cluster_variance(q, k, v, pi, cluster_sketch(k, v, pi, keep, ClusterDesign(clusters=4)), output=o) == 0.0
-    assert hybrid_variance(q, k, v, pi, code_sketch(k, v, pi, keep, CodeDesign()), output=o) == 0.0
 
 
-@pytest.mark.parametrize("design", ["cluster", "code", CodeDesign(rank=8, bits=None, score="bound", value="triangle")])
+@pytest.mark.parametrize("design", ["cluster", ClusterDesign(clusters=4, radius="fixed", multiplier=2.0)])
 def test_seeds_reproduce(design):
     rng = np.random.default_rng(4)
     q, k, v, imp = _head(rng, n=300, d=32, dv=32)
@@ -117,53 +89,6 @@ def test_seeds_reproduce(design):
     c = evict_and_certify(q, k, v, imp, 120.0, seed=8, design=design)
     assert np.array_equal(a.output, b.output) and a.radius == b.radius and a.memory == b.memory
     assert not np.array_equal(a.output, c.output)
-
-
-def test_hybrid_variance_is_v_when_the_sketch_is_lossless():
-    """r = d, unquantized codes, exact values, true o: V_hybrid = V for every sample (the target is V itself)."""
-    rng = np.random.default_rng(5)
-    q, k, v, imp = _head(rng, n=150, heavy=True)
-    pi = inclusion_probabilities(imp, 40.0)
-    o = attention(q, k, v)
-    V = _true_v(q, k, v, pi, o)
-    assert V == pytest.approx(np.trace(linearized_variance(q, k, v, pi)), rel=1e-10)
-    design = CodeDesign(rank=k.shape[1], bits=None, score="plain", value="exact")
-    for seed in range(20):
-        keep = poisson_sample(pi, seed=seed)
-        sketch = code_sketch(k, v, pi, keep, design)
-        np.testing.assert_allclose(code_scores(q, sketch)["shat"], scores(q, k[~keep]), rtol=1e-10, atol=1e-12)
-        vh = hybrid_variance(q, k[keep], v[keep], pi[keep], sketch, output=o)
-        assert vh == pytest.approx(V, rel=1e-9), (seed, vh, V)
-
-
-@pytest.mark.parametrize("rank, bits", [(1, 2), (3, 4), (8, 16), (8, None)])
-def test_bound_rule_dominates_v_for_every_sample(rank, bits):
-    """score = bound, value = triangle, true o: V_hybrid >= V for every sample (proven, as variance_bound)."""
-    rng = np.random.default_rng(6)
-    q, k, v, imp = _head(rng, n=150, heavy=True)
-    pi = inclusion_probabilities(imp, 40.0)
-    o = attention(q, k, v)
-    V = _true_v(q, k, v, pi, o)
-    design = CodeDesign(rank=rank, bits=bits, score="bound", value="triangle")
-    for seed in range(30):
-        keep = poisson_sample(pi, seed=seed)
-        sketch = code_sketch(k, v, pi, keep, design)
-        sc = code_scores(q, sketch)
-        s = scores(q, k[~keep])
-        assert np.all(sc["first"] <= s + RTOL * np.abs(s)) and np.all(s <= sc["square"] + RTOL * np.abs(s))
-        assert hybrid_variance(q, k[keep], v[keep], pi[keep], sketch, output=o) >= V * (1 - RTOL)
-
-
-def test_code_quantization_error_is_within_half_a_step():
-    rng = np.random.default_rng(7)
-    _, k, v, _ = _head(rng, n=239, d=16)
-    pi = np.full(239, 0.3)
-    keep = np.zeros(239, bool)
-    for bits in (1, 3, 8):
-        sketch = code_sketch(k, v, pi, keep, CodeDesign(rank=5, bits=bits))
-        c = (k - sketch.mean_key) @ sketch.basis
-        assert np.all(np.abs(c - sketch.codes) <= sketch.step / 2 * (1 + 1e-12) + 1e-12)
-        np.testing.assert_allclose(sketch.basis.T @ sketch.basis, np.eye(5), atol=1e-12)
 
 
 def test_cluster_sketch_holds_the_weighted_sums_of_the_evicted_tokens():
@@ -225,17 +150,35 @@ def test_evict_and_certify_cluster_is_the_composition():
 
 
 def test_radius_rules():
+    assert tuple(RADIUS_RULES) == ("chebyshev", "gaussian", "fixed")
     assert radius_from_variance(4.0, delta=0.05, rule="chebyshev") == pytest.approx(np.sqrt(80.0), rel=1e-15)
     assert radius_from_variance(4.0, delta=0.05, rule="gaussian") == pytest.approx(2 * 1.959963984540054, rel=1e-12)
     assert radius_from_variance(4.0, delta=0.05, rule="fixed", multiplier=3.0) == 6.0
+    assert radius_from_variance(-1.0, delta=0.05, rule="chebyshev") == 0.0
     with pytest.raises(ValueError, match="rule must be one of"):
         radius_from_variance(1.0, delta=0.05, rule="bernstein")
 
 
+def test_the_radius_rules_are_one_registry_in_both_backends():
+    """The design's ``radius`` field is validated against the registry, and the batched backend's registry has
+    the same names in the same order, with the same radius (its factor times sqrt(V))."""
+    import torch
+
+    from kvcert import fast
+
+    assert tuple(fast.RADIUS_RULES) == tuple(RADIUS_RULES) == fast.CLUSTER_RADII
+    for name in RADIUS_RULES:
+        ClusterDesign(radius=name)
+        want = radius_from_variance(4.0, delta=0.1, rule=name, multiplier=2.5)
+        got = fast.cluster_radius(torch.tensor(4.0, dtype=torch.float64), delta=0.1, rule=name, multiplier=2.5)
+        assert float(got) == pytest.approx(want, rel=1e-15)
+
+
 def test_recommended_stays_paper():
-    """No sketched design meets every goal line on the real cells (RESULTS_T2.md): None is the paper design."""
+    """No sketched design meets every goal line on the real cells (docs/theory.md section 8): None is the paper
+    design."""
     assert sk.RECOMMENDED == "paper"
-    assert set(sk.DESIGNS) == {"paper", "page", "cluster", "tilted", "code"}
+    assert set(sk.DESIGNS) == {"paper", "cluster", "tilted"}
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -247,19 +190,10 @@ def test_cluster_design_validates(kwargs, match):
         ClusterDesign(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(rank=0), "rank must be"), (dict(bits=17), "bits must be"), (dict(bits=True), "bits must be"),
-    (dict(score="max"), "score must be one of"), (dict(value="l1"), "value must be one of"),
-    (dict(radius="wald"), "radius must be one of"),
-])
-def test_code_design_validates(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        CodeDesign(**kwargs)
-
-
-@pytest.mark.parametrize("design", ["cluster", "code"])
+@pytest.mark.parametrize("design", ["cluster", "tilted"])
 def test_too_small_a_budget_names_the_design(design):
     rng = np.random.default_rng(0)
     q, k, v, imp = _head(rng, n=50)
+    tilt = rng.normal(size=(3, k.shape[1])) if design == "tilted" else None
     with pytest.raises(ValueError, match=f"too small for the {design} design"):
-        evict_and_certify(q, k, v, imp, 40.0, seed=0, design=design)
+        evict_and_certify(q, k, v, imp, 40.0, seed=0, design=design, tilt=tilt)

@@ -18,6 +18,7 @@ where e^{2 tau q0.k} overflows float32 unless the masses are held scaled by e^{-
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -274,7 +275,7 @@ def test_fast_tilt_errors():
     with pytest.raises(ValueError, match="must share the heads, C, d, rule, multiplier, tilt and reach"):
         FS.ClusterSketch.cat([a, b])
     K, V, P = _compact(k, v, pi, keep)
-    bad = FS.ClusterSketch(**{**a.__dict__, "zmean": a.zmean[..., :2]})
+    bad = dataclasses.replace(a, zmean=a.zmean[..., :2])
     with pytest.raises(ValueError, match=r"sketch.zmean must have shape \(b, h_kv, C, d\) = \(1, 2, 3, 4\)"):
         FS.cluster_hajek_attention(T(np.ones((1, 2, 4))), T(K), T(V), T(P), bad)
 

@@ -1,19 +1,18 @@
 """Issue 14, T2 diagnostic: the error cost of a sketch = the sampled budget it takes.
 
 Every 5th layer, 64 draws per KV head: mean relative error of the paper design at budget B - loss
-over that at B, with the top slice kept (fixtop) or re-sized at B - loss (retop). Run from the
-repository root:
+over that at B, with the top slice kept (fixtop) or re-sized at B - loss (retop). Run from the repository root (the optional argument is evaluate_t2.py's capture cache,
+default as there; made by the first run, see README.md):
 
     OMP_NUM_THREADS=1 .venv/bin/python docs/research/issue14/diag_budget_loss_t2.py
 """
 import sys, numpy as np
-sys.path.insert(0, "docs/research/issue14"); sys.path.insert(0, ".")
 import evaluate_t2 as E
 from pathlib import Path
 from kvcert import reference as R
 from kvcert.fast import design_sizes
-from kvcert.reference.design import design_uniforms
-cap = E.load_capture(Path("/tmp/kvcert_issue14_capture.pt"))
+from kvcert.reference import design_uniforms
+cap = E.load_capture(Path(sys.argv[1]) if len(sys.argv) > 1 else E.default_cache())  # [capture cache]
 tau = cap["scaling"]; L=E.PREFIX; T=L+E.FUTURE; d=dv=64; D=64
 out = {}
 for layer in range(0, 30, 5):

@@ -2,19 +2,19 @@
 
 M = 0.15, layers 1, 5, ..., 29, 16 draws per KV head; moments diagonal, full, rank-2 + diagonal, and the
 oracle cluster maximum (W_c e^{2 max s}). Not memory-feasible variants (full covariance) are included as
-ceilings of the Gaussian step. Run from the repository root:
+ceilings of the Gaussian step. Run from the repository root (the optional argument is evaluate_t2.py's capture cache,
+default as there; made by the first run, see README.md):
 
     OMP_NUM_THREADS=1 .venv/bin/python docs/research/issue14/diag_cluster_moments_t2.py
 """
 import sys, numpy as np
-sys.path.insert(0, "docs/research/issue14"); sys.path.insert(0, ".")
 import evaluate_t2 as E
 from pathlib import Path
 from kvcert import reference as R
 from kvcert.reference import sketch as SK
 from kvcert.fast import design_sizes
-from kvcert.reference.design import design_uniforms
-cap = E.load_capture(Path("/tmp/kvcert_issue14_capture.pt"))
+from kvcert.reference import design_uniforms
+cap = E.load_capture(Path(sys.argv[1]) if len(sys.argv) > 1 else E.default_cache())  # [capture cache]
 tau = cap["scaling"]; L=E.PREFIX; T=L+E.FUTURE; d=dv=64; D=16
 out = {}
 for layer in range(1, 30, 4):

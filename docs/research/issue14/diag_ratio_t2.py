@@ -1,19 +1,19 @@
 """Issue 14, T2 diagnostic: V_sketch / V on the paper design's sample at M = 0.15 (cluster moments, value rule).
 
 Every 3rd layer, 32 draws per KV head. Quantiles over (draw, query) of the ratio to the oracle V
-(plug-in o_hat, exact Z). Run from the repository root:
+(plug-in o_hat, exact Z). Run from the repository root (the optional argument is evaluate_t2.py's capture cache,
+default as there; made by the first run, see README.md):
 
     OMP_NUM_THREADS=1 .venv/bin/python docs/research/issue14/diag_ratio_t2.py
 """
 import sys, numpy as np
-sys.path.insert(0, "docs/research/issue14"); sys.path.insert(0, ".")
 import evaluate_t2 as E
 from pathlib import Path
 from kvcert import reference as R
 from kvcert.reference import sketch as SK
 from kvcert.fast import design_sizes
-from kvcert.reference.design import design_uniforms
-cap = E.load_capture(Path("/tmp/kvcert_issue14_capture.pt"))
+from kvcert.reference import design_uniforms
+cap = E.load_capture(Path(sys.argv[1]) if len(sys.argv) > 1 else E.default_cache())  # [capture cache]
 tau = cap["scaling"]; L=E.PREFIX; T=L+E.FUTURE; d=dv=64; D=32
 out = {}
 for layer in range(0, 30, 3):

@@ -3,15 +3,15 @@
 Even layers, all KV heads, the 12 future queries per head; tail = positions 4 .. L - 33 (sinks and
 window are kept with certainty). pca: principal directions of the prefix keys; qpca: principal
 directions in the metric of the observation window's query second moment (the last 32 prefix
-queries of the group). Unquantized codes. Run from the repository root:
+queries of the group). Unquantized codes. Run from the repository root (the optional argument is evaluate_t2.py's capture cache,
+default as there; made by the first run, see README.md):
 
     OMP_NUM_THREADS=1 .venv/bin/python docs/research/issue14/diag_score_rank_t2.py
 """
 import sys, numpy as np
-sys.path.insert(0, "docs/research/issue14"); sys.path.insert(0, ".")
 import evaluate_t2 as E
 from pathlib import Path
-cap = E.load_capture(Path("/tmp/kvcert_issue14_capture.pt"))
+cap = E.load_capture(Path(sys.argv[1]) if len(sys.argv) > 1 else E.default_cache())  # [capture cache]
 tau = cap["scaling"]; L=E.PREFIX; T=L+E.FUTURE; d=64
 res = {}
 for layer in range(0, 30, 2):

@@ -22,12 +22,11 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import evaluate_t2 as E  # noqa: E402
+import evaluate_t2 as E  # this folder
 
-from kvcert import reference as R  # noqa: E402
-from kvcert.fast import design_sizes  # noqa: E402
-from kvcert.reference.design import design_uniforms  # noqa: E402
+from kvcert import reference as R
+from kvcert.fast import design_sizes
+from kvcert.reference import design_uniforms
 
 
 def sigma_stats(W, v, oh):
@@ -56,8 +55,9 @@ def main(argv=None):
     p.add_argument("--layer-step", type=int, default=3)
     p.add_argument("--draws", type=int, default=64)
     p.add_argument("--mults", type=float, nargs="*", default=[1.0, 1.2, 1.4, 1.6, 1.7, 1.8])
+    p.add_argument("--cache", type=Path, default=E.default_cache(), help="evaluate_t2.py's capture cache")
     a = p.parse_args(argv)
-    cap = E.load_capture(Path("/tmp/kvcert_issue14_capture.pt"))
+    cap = E.load_capture(a.cache)
     tau = float(cap["scaling"])
     h_kv = cap["k"][0].shape[0]
     g = cap["q"][0].shape[0] // h_kv

@@ -2,8 +2,8 @@
 
 Research script (not library code). Every cell is one synthetic KV head with a
 fixed population (keys, values, importance, one future query); each design is
-drawn ``--draws`` times per cell (seeds 0..draws-1) through the contract call
-``kvcert.reference.evict_and_certify``. Memory M is the paper design's expected
+drawn ``--draws`` times per cell (seeds 0..draws-1) through ``evict_and_certify`` (the
+library's, extended to the page design by ``page_code_designs.py`` in this folder). Memory M is the paper design's expected
 memory: budget = M n (d + dv) / (d + dv + 1); the page design spends part of it
 on its sketch (``sketch_budget``).
 
@@ -23,17 +23,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 from scipy import stats
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from kvcert.reference import attention, inclusion_probabilities, poisson_sample, scores  # noqa: E402
-from kvcert.reference.sketch import (SketchDesign, evict_and_certify, page_score_bounds,  # noqa: E402
-                                     page_sketch)
+from page_code_designs import (SketchDesign, evict_and_certify, page_score_bounds,  # this folder
+                               page_sketch)
+
+from kvcert.reference import attention, inclusion_probabilities, poisson_sample, scores
 
 DELTA = 0.05
 MEMORIES = (0.15, 0.3, 0.55)

@@ -6,7 +6,7 @@ sizes: SmolLM2-135M-Instruct reads 1792 + 32 tokens of pydoc text once
 of the 30 x 3 KV heads is evicted; the 32 future tokens enter with pi = 1; a cell is
 (layer, query head, future query at prefix + {0, 10, 20, 31}): 30 x 9 x 4 = 1080 cells per
 (M, design). Importance: SnapKV from the last 32 prefix queries of the head's query group
-(``paper_repro.replay._layer_importance("snapkv", ...)``, the "paper" design of T2).
+(``kvcert.fast.SCORERS["snapkv"]`` as paper_repro's replay calls it, the "paper" design of T2).
 Design: sinks 4, window 32, top slice = half the free budget (``kvcert.fast.design_sizes``
 with top_fraction 0.5), floor 0.1. The paper and page designs use the top slice of the paper
 budget (the page design as ``evict_and_certify`` does); the cluster and code designs re-size
@@ -22,14 +22,14 @@ head c are ``design_uniforms(L, seed=c * draws + s)`` so ``poisson_sample(pi, se
 replays them. All designs of a KV head use the same uniforms (common random numbers).
 
 Every row is a (sample design, variance, radius rule). Variances:
-- ``trace``: the paper design's HT trace (DESIGN.md section 2);
+- ``trace``: the paper design's HT trace (docs/design.md section 2);
 - ``oracle``: the true design variance V of the linearized Hajek error with the plug-in
   o_hat and the exact Z, on that row's own sample (needs the full cache: a ceiling, not a design);
-- ``page``: V_bar of the page16 design (``kvcert.reference.sketch.variance_bound``);
+- ``page``: V_bar of the page16 design (``page_code_designs.variance_bound``, this folder);
 - ``cluster``: V_cl of a cluster design, ``--clusters C`` or ``C:theta`` (theta scales the
   Gaussian variance term; 1 = ``kvcert.reference.sketch.cluster_variance``);
 - ``hybrid``: V_hybrid of a code design, ``--codes r8b4-lognormal-orthogonal``
-  (``kvcert.reference.sketch.hybrid_variance``).
+  (``page_code_designs.hybrid_variance``, this folder).
 Research rows ``--diffs C`` / ``C:tilt``: the difference estimator with a tilted C-cluster model
 (:func:`difference_estimate`; variances ``ht``, ``oracle`` and, with ``:tilt``, ``tilted``); ``--check``
 also checks that it is exact at q = q0.
@@ -44,14 +44,16 @@ Radius rules (``--rules``): ``chebyshev`` sqrt(V / delta), ``gaussian`` z_{1-del
         > docs/research/issue14/table_t2.md
     OMP_NUM_THREADS=1 .venv/bin/python docs/research/issue14/evaluate_t2.py --check   # vectorized == reference
 
-The capture is cached in ``--cache`` (default /tmp/kvcert_issue14_capture.pt; ``--text-seed S``
-captures another pydoc order, cached with a ``_seedS`` suffix).
+The capture is cached in ``--cache`` (default ``kvcert_issue14_capture.pt`` in the system's temporary
+folder, ``tempfile.gettempdir()``; ``--text-seed S`` captures another pydoc order, cached with a ``_seedS``
+suffix, ``--full-size`` with ``_full``).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,12 +61,13 @@ import numpy as np
 import torch
 from scipy import stats
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT))
-from kvcert import reference as R  # noqa: E402
-from kvcert.fast import design_sizes  # noqa: E402
-from kvcert.reference import sketch as SK  # noqa: E402
-from kvcert.reference.design import certainty_mask, design_uniforms  # noqa: E402
+import page_code_designs as PC  # this folder: the page and code designs (research code)
+
+import kvcert.fast as F
+from kvcert import reference as R
+from kvcert.fast import design_sizes
+from kvcert.reference import certainty_mask, design_uniforms
+from kvcert.reference import sketch as SK
 
 DELTA = 0.05
 MEMORIES = (0.15, 0.3, 0.55)
@@ -88,11 +91,23 @@ def load_capture(path: Path, text_seed: int = 0):
     return data
 
 
-def importance_of_layer(cap, layer):
-    from paper_repro.replay import _layer_importance
+def default_cache(text_seed: int = 0, full_size: bool = False) -> Path:
+    """Where the capture is cached by default: the system's temporary folder."""
+    tail = "" if text_seed == 0 else f"_seed{text_seed}"
+    return Path(tempfile.gettempdir()) / f"kvcert_issue14_capture{'_full' if full_size else ''}{tail}.pt"
 
-    return _layer_importance("snapkv", cap["q"][layer], cap["k"][layer], cap["v"][layer], PREFIX,
-                             cap["scaling"], seed=layer)
+
+def importance_of_layer(cap, layer, window: int = WINDOW):
+    """SnapKV importance (h_kv, PREFIX) over the prefix of one layer, float64: the registered scorer
+    (``kvcert.fast.SCORERS["snapkv"]``, float32) on the prefix queries it reads (the last ``window``), as
+    paper_repro's replay computes the "paper" design's importance."""
+    q, k, v = cap["q"][layer], cap["k"][layer], cap["v"][layer]
+    scorer = F.SCORERS["snapkv"]
+    need = scorer.queries_read(PREFIX, PREFIX, window)
+    params = {"seed": layer} if "seed" in scorer.params else {}
+    u = scorer(q[None, :, PREFIX - need:PREFIX], k[None, :, :PREFIX], v[None, :, :PREFIX], scale=cap["scaling"],
+               **params)
+    return u[0].double().numpy()
 
 
 # ----------------------------------------------------------------------------- one KV head, vectorized
@@ -183,7 +198,7 @@ def hybrid_variance(head, pi, keep, kf, oh, sk):
     sketched evicted terms; Z = kept exact + evicted sketched. ``sk`` sketches every prefix token
     (the codes do not depend on the sample); the draw's mask picks the evicted ones."""
     pif = np.concatenate([pi, np.ones(FUTURE)])
-    sc = SK.code_scores(head.q, sk, scale=head.tau)                   # (m, L)
+    sc = PC.code_scores(head.q, sk, scale=head.tau)                   # (m, L)
     Ehat2 = np.exp(2 * (sc["square"] - head.smax))
     Ehat1 = np.exp(sc["first"] - head.smax)
     gone = ~keep
@@ -461,12 +476,12 @@ def parse_code(name):
     """``r8b4-lognormal-orthogonal`` -> CodeDesign(rank=8, bits=4, score=..., value=...)."""
     rb, score, value = name.split("-")
     r, b = rb[1:].split("b")
-    return SK.CodeDesign(rank=int(r), bits=int(b), score=score, value=value)
+    return PC.CodeDesign(rank=int(r), bits=int(b), score=score, value=value)
 
 
 def code_budget(B, n, d, dv, design):
-    """Expected kept count at equal expected memory (``reference.sketch.code_budget``)."""
-    return SK.code_budget(B, n, d, dv, design)
+    """Expected kept count at equal expected memory (``page_code_designs.code_budget``)."""
+    return PC.code_budget(B, n, d, dv, design)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -520,13 +535,13 @@ def run(args):
                 add("paper", "trace", trace_variance(head, pif, A, oh), keep, lambda kp: 0.0)
                 add("paper", "oracle", oracle_variance(head, pif, oh), keep, lambda kp: 0.0)
                 if args.page:
-                    pages = SK.sketch_pages(certain, 16)
-                    pi = R.inclusion_probabilities(u, SK.sketch_budget(B, L, d, dv, pages=pages), **kw)
+                    pages = PC.sketch_pages(certain, 16)
+                    pi = R.inclusion_probabilities(u, PC.sketch_budget(B, L, d, dv, pages=pages), **kw)
                     keep, pif, kf, A, oh = head.sample(pi, U)
                     err = np.linalg.norm(oh - head.o, axis=-1)
                     Vb, G = page_variance(head, pi, keep, kf, oh, P=16)
                     add("page16", "page", Vb, keep,
-                        lambda kp, G=G: G * (2 * d + SK.PAGE_SCALARS) + dv * (G > 0))
+                        lambda kp, G=G: G * (2 * d + PC.PAGE_SCALARS) + dv * (G > 0))
                 for spec in args.clusters:
                     C, theta = (int(spec.split(":")[0]), spec.split(":")[1]) if ":" in spec else (int(spec), 1.0)
                     theta = ("cal", float(theta[3:])) if isinstance(theta, str) and theta.startswith("cal") \
@@ -619,7 +634,7 @@ def run(args):
                     pi = R.inclusion_probabilities(u, b, **kw2)
                     keep, pif, kf, A, oh = head.sample(pi, U)
                     err = np.linalg.norm(oh - head.o, axis=-1)
-                    sk = SK.code_sketch(k[:L], v[:L], pi, np.zeros(L, bool), cd)
+                    sk = PC.code_sketch(k[:L], v[:L], pi, np.zeros(L, bool), cd)
                     c_tok, c_head = cd.token_bits(dv) / 16.0, cd.head_elements(d, dv)
                     xm = (lambda kp, c_tok=c_tok, c_head=c_head: (L - kp.sum(1)) * c_tok + c_head)
                     add(name, "hybrid", hybrid_variance(head, pi, keep, kf, oh, sk), keep, xm)
@@ -653,8 +668,8 @@ def check_against_reference(args, draws=3):
     cl = SK.ClusterDesign(clusters=8)
     lab = SK.kmeans_assign(k[:L], 8)
     Vc = cluster_variance(head, pi, keep, kf, oh, lab, 8)
-    cd = SK.CodeDesign(rank=8, bits=4)
-    sk_all = SK.code_sketch(k[:L], v[:L], pi, np.zeros(L, bool), cd)
+    cd = PC.CodeDesign(rank=8, bits=4)
+    sk_all = PC.code_sketch(k[:L], v[:L], pi, np.zeros(L, bool), cd)
     Vh = hybrid_variance(head, pi, keep, kf, oh, sk_all)
     Vb, _ = page_variance(head, pi, keep, kf, oh, P=16)
     qw = cap["q"][layer][h * g:(h + 1) * g][:, L - 32:L].double().numpy().reshape(-1, d)
@@ -666,8 +681,8 @@ def check_against_reference(args, draws=3):
         assert np.array_equal(keep[s], R.poisson_sample(pi, seed=s))
         csk = SK.cluster_sketch(k[:L], v[:L], pi, keep[s], cl)
         tsk = SK.cluster_sketch(k[:L], v[:L], pi, keep[s], tl, tilt=qw, scale=tau)
-        hsk = SK.code_sketch(k[:L], v[:L], pi, keep[s], cd)
-        psk = SK.page_sketch(k[:L], v[:L], pi, keep[s], page_size=16)
+        hsk = PC.code_sketch(k[:L], v[:L], pi, keep[s], cd)
+        psk = PC.page_sketch(k[:L], v[:L], pi, keep[s], page_size=16)
         for j in range(q.shape[0]):
             lim = L + OFFSETS[j % len(OFFSETS)] + 1
             sel = np.concatenate([np.flatnonzero(keep[s]), np.arange(L, lim)])
@@ -675,8 +690,8 @@ def check_against_reference(args, draws=3):
             est = R.hajek_attention(*args_, scale=tau)
             assert np.allclose(est.output, oh[s, j], rtol=1e-9, atol=1e-12)
             ref = (SK.cluster_variance(*args_, csk, output=oh[s, j], scale=tau),
-                   SK.hybrid_variance(*args_, hsk, output=oh[s, j], scale=tau),
-                   SK.variance_bound(*args_, psk, output=oh[s, j], scale=tau),
+                   PC.hybrid_variance(*args_, hsk, output=oh[s, j], scale=tau),
+                   PC.variance_bound(*args_, psk, output=oh[s, j], scale=tau),
                    SK.cluster_variance(*args_, tsk, output=oh[s, j], scale=tau))
             ref = ref + (SK.hull_bound(v[sel], pif[sel], tsk, output=oh[s, j]),)
             for a, b in zip(ref, (Vc[s, j], Vh[s, j], Vb[s, j], Vt[s, j], H[s, j])):
@@ -739,7 +754,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--draws", type=int, default=256)
     p.add_argument("--layer-step", type=int, default=1, help="every k-th layer (1 = all 30)")
-    p.add_argument("--cache", default=None, help="capture cache (default /tmp/kvcert_issue14_capture[_seedS].pt)")
+    p.add_argument("--cache", default=None,
+                   help="capture cache (default kvcert_issue14_capture[_full][_seedS].pt in the temporary folder)")
     p.add_argument("--text-seed", type=int, default=0, help="seed of the pydoc haystack order (0 = T2's text)")
     p.add_argument("--codes", nargs="*", default=[])
     p.add_argument("--clusters", nargs="*", default=["16"],
@@ -750,7 +766,7 @@ def main(argv=None):
     p.add_argument("--diffs", nargs="*", default=[],
                    help="C or C:tilt: the difference estimator with a tilted C-cluster model (research)")
     p.add_argument("--no-hull", dest="hull", action="store_false",
-                   help="cluster / tilted rows without the hull bound cap (the radius before 2026-12-04)")
+                   help="cluster / tilted rows without the hull bound cap (the radius of the earlier runs)")
     p.add_argument("--no-page", dest="page", action="store_false")
     p.add_argument("--oracle-all", action="store_true", help="also the oracle V on each code design's sample")
     p.add_argument("--check", action="store_true", help="only check the vectorized code against the reference")
@@ -762,9 +778,7 @@ def main(argv=None):
     if args.full_size:
         PREFIX, FUTURE, OFFSETS = 4096, 64, (0, 7, 15, 31, 47, 63)
     if args.cache is None:
-        tail = "" if args.text_seed == 0 else f"_seed{args.text_seed}"
-        size = "_full" if args.full_size else ""
-        args.cache = f"/tmp/kvcert_issue14_capture{size}{tail}.pt"
+        args.cache = default_cache(args.text_seed, args.full_size)
     RULES.clear()
     for r in args.rules:
         RULES[r] = {"chebyshev": 1 / np.sqrt(DELTA), "gaussian": Z}.get(r) or float(r[1:])

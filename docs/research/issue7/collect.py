@@ -5,16 +5,19 @@ Same cells and same random stream as replay.run(Config()) (rng = default_rng([0,
 (M, L) uniform block per (layer, kv head, budget)), so the baseline chebyshev row must
 reproduce Table 2. Float64 throughout (replay uses float32 torch kernels).
 
-usage: python collect.py OUT.npz [design]   design in {paper, floor05}
+usage: python collect.py OUT.npz [design] [--capture CAPTURE.pkl]   design in {paper, floor05}
+
+The real-model capture (paper_repro.realmodel.capture of 1824 pydoc tokens) is read from CAPTURE.pkl,
+default ``cap1824.pkl`` beside OUT.npz, and made there first if it is missing (loads the model).
 """
+import argparse
 import pickle
-import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, "/work/main")
 import kvcert.fast as F
 from kvcert import reference as R
 
@@ -34,8 +37,23 @@ def design_kwargs(u, fraction, design):
     return budget, kw
 
 
-def main(out, design="paper"):
-    cap = pickle.load(open("/tmp/cap1824.pkl", "rb"))
+def load_capture(path) -> object:
+    """The captured q, k, v of every layer over 1824 pydoc tokens (``paper_repro.realmodel.Captured``),
+    read from ``path``, or captured (the model's one forward pass) and written there first."""
+    path = Path(path)
+    if not path.exists():
+        import kvcert
+        from paper_repro.realmodel import capture, haystack_ids
+
+        model, tok = kvcert.load_model()
+        with open(path, "wb") as f:
+            pickle.dump(capture(model, haystack_ids(tok, L + FUT)), f)
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def main(out, design="paper", capture=None):
+    cap = load_capture(Path(out).with_name("cap1824.pkl") if capture is None else capture)
     scale, g = cap.scaling, cap.group
     h_kv = cap.keys[0].shape[0]
     T = L + FUT
@@ -166,4 +184,9 @@ def main(out, design="paper"):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *(sys.argv[2:3]))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", help="the .npz of per-draw statistics to write")
+    ap.add_argument("design", nargs="?", default="paper", choices=("paper", "floor05"))
+    ap.add_argument("--capture", default=None, help="capture pickle (default cap1824.pkl beside OUT)")
+    a = ap.parse_args()
+    main(a.out, a.design, a.capture)

@@ -1,14 +1,16 @@
 """Population view of each cell (no sampling): the tail token carrying the largest term of the true
 linearized variance V -- its inclusion probability, its share of V, its future attention w_i,
-and the attention the scorer's observation window and the held-out queries gave it."""
-import pickle, sys
+and the attention the scorer's observation window and the held-out queries gave it.
+
+usage: python diag_pop.py [design] [capture.pkl]   (design paper or floor05; the capture of collect.py,
+default cap1824.pkl in the current folder); writes pop_<design>.npy in the current folder."""
+import sys
 import numpy as np
 import torch
-sys.path.insert(0, "/work/main")
 import kvcert.fast as F
 from kvcert import reference as R
-from collect import L, FUT, OFFS, WINDOW, BUDGETS, design_kwargs
-cap = pickle.load(open("/tmp/cap1824.pkl", "rb"))
+from collect import L, FUT, OFFS, WINDOW, BUDGETS, design_kwargs, load_capture
+cap = load_capture(sys.argv[2] if len(sys.argv) > 2 else "cap1824.pkl")
 scale, g, T = cap.scaling, cap.group, L + FUT
 qpos = np.array([L + o for o in OFFS]); causal = torch.from_numpy(np.arange(T)[None, :] <= qpos[:, None])
 rows = []
