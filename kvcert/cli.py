@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import fields
 
@@ -95,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="streaming: feed the prompt in chunks of N tokens (with --target-size and "
                         "--compression-interval the cache is compressed as the chunks arrive)")
     g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (with --sample; default 1.0; the sampling seed is --seed)")
+    g.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature, a finite number > 0 (with --sample; default 1.0; the sampling seed "
+                        "is --seed)")
     g.add_argument("--no-chat-template", action="store_true", help="feed the prompt as is (no chat template)")
     g.add_argument("--system", default=None, help="system message for the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, certificates)")
@@ -119,7 +122,8 @@ def _read_prompt(args) -> str:
         except OSError as e:
             raise UsageError(f"--prompt-file: cannot read {args.prompt_file!r}: {e.strerror}") from None
     if not text.strip():
-        raise UsageError("the prompt is empty")
+        source = "--prompt" if args.prompt is not None else f"--prompt-file {args.prompt_file}"
+        raise UsageError(f"the prompt is empty or whitespace only ({source}); give it some text")
     return text
 
 
@@ -135,6 +139,8 @@ def make_press(args):
         if value is None:
             continue
         if name not in names:
+            if name == "seed" and args.sample:
+                continue  # a deterministic press: --seed seeds the sampling only
             raise UsageError(f"--{name.replace('_', '-')} does not apply to --press {args.press}")
         kwargs[name] = value
     if "compression_ratio" not in kwargs and "target_size" not in kwargs:
@@ -155,6 +161,10 @@ def _generate(args) -> int:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise UsageError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise UsageError(f"--temperature must be a finite number > 0, got {args.temperature}")
+    if args.system is not None and args.no_chat_template:
+        raise UsageError("--system needs the chat template: drop --no-chat-template")
     if args.full and not args.json:
         raise UsageError("--full needs --json")
     progress = sys.stderr.isatty() if args.progress is None else args.progress
@@ -167,12 +177,15 @@ def _generate(args) -> int:
     except (ImportError, ValueError, OSError) as e:
         print(f"kvcert: error: {' '.join(str(e).split())}", file=sys.stderr)  # one line
         return 1
-    result = generation.generate(
-        model, tokenizer, prompt, press=press, max_new_tokens=args.max_new_tokens,
-        do_sample=args.sample, temperature=args.temperature, sample_seed=0 if args.seed is None else args.seed,
-        chat_template=False if args.no_chat_template else None, system_prompt=args.system,
-        progress=progress, prefill_chunk=args.prefill_chunk,
-    )
+    try:
+        result = generation.generate(
+            model, tokenizer, prompt, press=press, max_new_tokens=args.max_new_tokens,
+            do_sample=args.sample, temperature=args.temperature, sample_seed=0 if args.seed is None else args.seed,
+            chat_template=False if args.no_chat_template else None, system_prompt=args.system,
+            progress=progress, prefill_chunk=args.prefill_chunk,
+        )
+    except ValueError as e:  # an argument generate refuses (e.g. a prompt the tokenizer encodes to no token)
+        raise UsageError(" ".join(str(e).split())) from None
     if args.json:
         print(json.dumps(render_json(result, full=args.full)))
     else:

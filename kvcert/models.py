@@ -261,8 +261,42 @@ def load_model(
     >>> model.config.num_hidden_layers                     # doctest: +SKIP
     30
     """
+    name = _check_load_args(name_or_path, attn_implementation, device)
+    check_transformers_version()
+    import torch
+
+    if dtype is None:
+        dtype = torch.float32
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+    load_kwargs = dict(kwargs)
+    folder = _resolve_source(name, load_kwargs)
+    return _load_pretrained(folder, dtype, attn_implementation, device, load_kwargs)
+
+
+def _check_load_args(name_or_path, attn_implementation, device) -> str:
+    """The checks of :func:`load_model` that need no import: the name as a str, the attention
+    implementation kvcert can run (:func:`_check_attention`), a device torch can parse."""
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"name_or_path must be a str or path, got {type(name_or_path).__name__}")
+    name = os.fspath(name_or_path)
+    if not name.strip():
+        raise ValueError("name_or_path is empty: give 'smollm2' (the default), a .gguf file, a model folder "
+                         "or a hub name")
+    _check_attention(attn_implementation)
+    if device is not None:
+        import torch
+
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device must name a torch device ('cpu', 'cuda', 'cuda:0', ...), got {device!r}") \
+                from exc
+    return name
+
+
+def _check_attention(attn_implementation) -> None:
+    """The exact attention under the press must take an additive bias: ``sdpa`` or ``eager``."""
     if not isinstance(attn_implementation, str):
         raise TypeError(f"attn_implementation must be a str, got {type(attn_implementation).__name__}")
     if attn_implementation.startswith("flash_attention"):
@@ -273,40 +307,45 @@ def load_model(
         )
     if attn_implementation not in SUPPORTED_ATTENTION:
         raise ValueError(f"attn_implementation must be one of {SUPPORTED_ATTENTION}, got {attn_implementation!r}")
-    check_transformers_version()
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if dtype is None:
-        dtype = torch.float32
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-
-    name = os.fspath(name_or_path)
-    load_kwargs = dict(kwargs)
+def _resolve_source(name: str, load_kwargs: dict) -> str:
+    """The folder (or hub name) ``from_pretrained`` reads for ``name``; sets ``load_kwargs["gguf_file"]``
+    where it reads a GGUF file directly."""
     if name.lower() in _DEFAULT_ALIASES:
-        gguf = default_gguf_path()
-        try:  # converted once into kvcert's cache, then about 1 s per load
-            folder = str(convert_gguf(gguf, default_model_folder(gguf)))
-        except OSError as exc:
-            warnings.warn(f"could not keep the converted default model in {default_model_folder(gguf)} ({exc}); "
-                          f"loading the GGUF file instead (about 25 s; set {CACHE_ENV} to a writable folder)",
-                          stacklevel=2)
-            folder, load_kwargs["gguf_file"] = str(gguf.parent), gguf.name
-    elif name.endswith(".gguf"):
+        return _default_source(load_kwargs)
+    if name.endswith(".gguf"):
         gguf = Path(name)
         if not gguf.is_file():
             raise ValueError(f"name_or_path: no GGUF file at {name}")
-        folder, load_kwargs["gguf_file"] = str(gguf.parent), gguf.name
-    else:
-        local = Path(name).expanduser()
-        if local.exists():
-            folder = str(local)
-        elif name.startswith((".", "/", "~")):
-            raise ValueError(f"name_or_path: no model folder at {name}")
-        else:
-            folder = name  # a hub name: from the local HF cache when HF_HUB_OFFLINE=1
+        load_kwargs["gguf_file"] = gguf.name
+        return str(gguf.parent)
+    local = Path(name).expanduser()
+    if local.exists():
+        return str(local)
+    if name.startswith((".", "/", "~")):
+        raise ValueError(f"name_or_path: no model folder at {name}")
+    return name  # a hub name: from the local HF cache when HF_HUB_OFFLINE=1
+
+
+def _default_source(load_kwargs: dict) -> str:
+    """The default model's folder: its GGUF file converted once into kvcert's cache
+    (:func:`convert_gguf`); where that folder cannot be written, the GGUF file itself, with a warning."""
+    gguf = default_gguf_path()
+    try:  # converted once into kvcert's cache, then about 1 s per load
+        return str(convert_gguf(gguf, default_model_folder(gguf)))
+    except OSError as exc:
+        warnings.warn(f"could not keep the converted default model in {default_model_folder(gguf)} ({exc}); "
+                      f"loading the GGUF file instead (about 25 s; set {CACHE_ENV} to a writable folder)",
+                      stacklevel=4)
+        load_kwargs["gguf_file"] = gguf.name
+        return str(gguf.parent)
+
+
+def _load_pretrained(folder: str, dtype, attn_implementation: str, device, load_kwargs: dict):
+    """``(model, tokenizer)`` from ``folder``: the model with ``attn_implementation`` as its exact
+    attention, on ``device``, in eval mode; the tokenizer with a pad token (EOS when it has none)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok_kwargs = {k: v for k, v in load_kwargs.items() if k in ("gguf_file", "revision", "trust_remote_code")}
     tokenizer = AutoTokenizer.from_pretrained(folder, **tok_kwargs)

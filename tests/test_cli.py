@@ -57,6 +57,8 @@ def test_help(capsys):
     (["generate", "--prompt", "hi", "--full"], "--full needs --json"),
     (["generate", "--prompt", "hi", "--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
     (["generate", "--prompt", "   "], "the prompt is empty"),
+    (["generate", "--prompt", "hi", "--sample", "--temperature=inf"], "--temperature must be a finite number > 0"),
+    (["generate", "--prompt", "hi", "--system", "s", "--no-chat-template"], "--system needs the chat template"),
     (["generate", "--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file: cannot read"),
     (["generate", "--prompt", "hi", "--bogus"], "unrecognized arguments: --bogus"),
     (["frobnicate"], "invalid choice"),
@@ -134,6 +136,14 @@ def test_repro_console_script(capsys):
     assert e.value.code == 0 and "--quick" in capsys.readouterr().out
     assert repro_main(["--tables", "NOPE"]) == 2  # an int exit status, before any table runs
     assert "unknown table" in capsys.readouterr().err
+
+
+def test_seed_of_a_deterministic_press_seeds_the_sampling():
+    parse = cli.build_parser().parse_args
+    press = cli.make_press(parse(["generate", "--prompt", "hi", "--press", "snapkv", "--sample", "--seed", "3"]))
+    assert isinstance(press, kvcert.SnapKVPress)
+    with pytest.raises(cli.UsageError, match="--seed does not apply to --press snapkv"):  # greedy: no use for it
+        cli.make_press(parse(["generate", "--prompt", "hi", "--press", "snapkv", "--seed", "3"]))
 
 
 def test_prompt_file_and_stdin(tmp_path, monkeypatch):
