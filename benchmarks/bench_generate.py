@@ -12,7 +12,9 @@ of ``--new-tokens`` tokens by:
 - ``generate``: ``kvcert.generate`` without a press;
 - per ratio r in ``--ratios``: ``kvcert.generate`` with
   ``PoissonPress(compression_ratio=r)`` (the certified path, default
-  certificate kind) and with ``SnapKVPress(compression_ratio=r)``;
+  certificate kind) and with ``SnapKVPress(compression_ratio=r)``; in the
+  paired comparison also ``poisson_torch``, the same certified decode with
+  ``KVCERT_CPU_OP=0`` (kvcert.fast instead of the compiled CPU op);
 - per ratio, the baseline at equal kept counts: kvpress's SnapKV when
   ``import kvpress`` works, else (``baseline = "sdpa_truncated"``) the
   plain prefill under kvcert's deterministic ``SnapKVPress`` (which keeps
@@ -411,11 +413,21 @@ def _decode_one(model, v: _Variant) -> None:
 
     kw = _cache_keyword(model)
     ctx = v.context(model) if v.context is not None else contextlib.nullcontext()
-    with torch.no_grad(), ctx:
-        t0 = time.perf_counter()
-        out = model(input_ids=v.tok[:, None], position_ids=torch.tensor([[v.pos]]), use_cache=True,
-                    logits_to_keep=1, **{kw: v.cache})
-        v.ms.append((time.perf_counter() - t0) * 1e3)
+    env = getattr(v, "env", {})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        with torch.no_grad(), ctx:
+            t0 = time.perf_counter()
+            out = model(input_ids=v.tok[:, None], position_ids=torch.tensor([[v.pos]]), use_cache=True,
+                        logits_to_keep=1, **{kw: v.cache})
+            v.ms.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        for k, old in saved.items():
+            if old is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = old
     v.cache = getattr(out, kw)
     v.tok = out.logits[:, -1].argmax(-1)
     v.ids.append(int(v.tok))
@@ -432,6 +444,10 @@ def interleaved(model, tok, n_tokens: int, ratios, rounds: int, baseline: str) -
     variants = [_prefill_variant(model, ids, "bare", None)]
     for r in ratios:
         variants.append(_prefill_variant(model, ids, "poisson", r, press=kvcert.PoissonPress(compression_ratio=r)))
+        # the same certified decode on the torch path (KVCERT_CPU_OP=0 around its forwards)
+        variants.append(_prefill_variant(model, ids, "poisson_torch", r,
+                                         press=kvcert.PoissonPress(compression_ratio=r)))
+        variants[-1].env = {"KVCERT_CPU_OP": "0"}
         variants.append(_prefill_variant(model, ids, "snapkv", r, press=kvcert.SnapKVPress(compression_ratio=r)))
         variants.append(_prefill_variant(model, ids, "truncated", r, press=kvcert.SnapKVPress(compression_ratio=r),
                                          truncate=True))
@@ -458,6 +474,8 @@ def interleaved(model, tok, n_tokens: int, ratios, rounds: int, baseline: str) -
         for goal, num, den in (("certified_vs_baseline", ("poisson", r), base),
                                ("certified_vs_truncated", ("poisson", r), ("truncated", r)),
                                ("certified_vs_bare", ("poisson", r), ("bare", None)),
+                               ("cpu_op_vs_torch_path", ("poisson", r), ("poisson_torch", r)),
+                               ("torch_path_vs_baseline", ("poisson_torch", r), base),
                                ("snapkv_vs_truncated", ("snapkv", r), ("truncated", r))):
             x = paired(num, den)
             if x is not None and not (goal == "certified_vs_truncated" and base == den):
@@ -503,7 +521,7 @@ def _named_functions() -> dict:
     import kvcert.cache as C
     import kvcert.dispatch as D
     import kvcert.fast as F
-    import kvcert.generation as G
+    import kvcert.generation.common as G
     import kvcert.records as R
     import transformers.models.llama.modeling_llama as L
     from kvcert.fast import contract

@@ -7,15 +7,24 @@
   automatically for CUDA tensors of dtype float16 / bfloat16 / float32 when
   Triton is importable.
 - ``"fast"``: :func:`kvcert.fast.hajek_attention`, batched PyTorch (CPU or
-  GPU). Chosen automatically otherwise.
+  GPU). Chosen automatically otherwise. On CPU tensors, a trace-only call
+  (``per_coordinate=False``: what the norm certificates and the Hugging Face
+  decode ask for) with K/V in float32 or bfloat16 and no option the op
+  lacks (bias, causal positions, weights, max_term, covariance,
+  tail_moment) runs :func:`kvcert.kernels.cpu.hajek_attention` instead: the
+  same estimate from one fused C++ pass over K and V, built on first use.
+  If that op cannot be built (no compiler, no ninja, a failed build), one
+  warning names the cause and kvcert.fast runs. ``KVCERT_CPU_OP=0`` keeps
+  every call on kvcert.fast.
 - ``"reference"``: loops over the (batch, query head[, query]) slices calling
   the float64 NumPy oracle :func:`kvcert.reference.hajek_attention` and packs
   a torch :class:`~kvcert.fast.types.Estimate`. Slow; for debugging.
 
 The environment variable ``KVCERT_BACKEND`` (``reference``, ``fast`` or
 ``triton``; empty or ``auto`` for automatic) or the ``backend=`` argument
-forces one. :func:`last_backend` tells which backend ran last and
-:func:`select_backend` which one would run.
+forces one. :func:`last_backend` tells which backend ran last,
+:func:`last_route` which code (``"cpu_op"`` or ``"torch"`` for "fast"), and
+:func:`select_backend` which backend would run.
 """
 
 from __future__ import annotations
@@ -31,10 +40,13 @@ from kvcert.fast.types import Estimate
 
 __all__ = [
     "BACKENDS",
+    "CPU_OP_ENV_VAR",
     "ENV_VAR",
     "BackendUnavailableError",
+    "cpu_op_available",
     "hajek_attention",
     "last_backend",
+    "last_route",
     "select_backend",
     "triton_available",
 ]
@@ -54,7 +66,16 @@ _FAST_ONLY = ("bias", "positions", "query_positions", "offset", "return_weights"
 # (``return_tail_moment``, for the chebyshev_ucb certificate, is implemented by every backend: it is
 # passed through and does not route the call away from the kernel)
 
+#: environment variable: 0 (false/no/off) keeps the "fast" backend on kvcert.fast for CPU tensors
+CPU_OP_ENV_VAR = "KVCERT_CPU_OP"
+#: options of a "fast" call the compiled CPU op honours (value_sqdist, chunk_bytes and
+#: query_chunk_bytes are accepted and have no effect: the op computes the distances in its pass)
+_CPU_OP_KW = frozenset({"value_center", "value_sqdist", "validate", "chunk_bytes", "query_chunk_bytes"})
+_CPU_OP_DTYPES = (torch.float32, torch.bfloat16)
+
 _last: str | None = None
+_last_route: str | None = None
+_cpu_module: dict = {}  # "module": kvcert.kernels.cpu once imported, "error": why it could not be
 
 
 class BackendUnavailableError(RuntimeError):
@@ -64,6 +85,50 @@ class BackendUnavailableError(RuntimeError):
 def last_backend() -> str | None:
     """Name of the backend that ran the last :func:`hajek_attention` call (None before any)."""
     return _last
+
+
+def last_route() -> str | None:
+    """The code that ran the last :func:`hajek_attention` call: ``"cpu_op"`` (the compiled CPU op of the
+    "fast" backend), ``"torch"`` (kvcert.fast), ``"triton"`` or ``"reference"``; None before any call."""
+    return _last_route
+
+
+def _cpu_op_module():
+    """kvcert.kernels.cpu, or None (with one warning naming the cause) when it cannot be imported."""
+    if "module" not in _cpu_module and "error" not in _cpu_module:
+        try:
+            _cpu_module["module"] = importlib.import_module("kvcert.kernels.cpu")
+        except ImportError as e:  # kvcert.kernels imports Triton
+            _cpu_module["error"] = e
+            import warnings
+
+            warnings.warn(f"kvcert: the compiled CPU decode op is unavailable: kvcert.kernels could not be imported "
+                          f"({e}); decoding uses the torch path (kvcert.fast). Set {CPU_OP_ENV_VAR}=0 to choose "
+                          "the torch path explicitly.", RuntimeWarning, stacklevel=4)
+    return _cpu_module.get("module")
+
+
+def cpu_op_available() -> bool:
+    """Whether CPU calls of the "fast" backend run the compiled op: ``KVCERT_CPU_OP`` is not 0 and
+    :mod:`kvcert.kernels.cpu` builds and loads (the first call may build it; a failure warns once)."""
+    if os.environ.get(CPU_OP_ENV_VAR, "").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    mod = _cpu_op_module()
+    return mod is not None and mod.available(warn=True)
+
+
+def _cpu_op_fits(q, keys, values, kw: dict) -> bool:
+    """Whether the compiled CPU op computes this trace-only "fast" call: CPU tensors, K and V both float32
+    or both bfloat16, and no option it lacks (bias, positions, weights, max_term, covariance, tail_moment)."""
+    if not (isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)):
+        return False
+    if q.device.type != "cpu" or keys.device.type != "cpu" or values.device.type != "cpu":
+        return False
+    if keys.dtype not in _CPU_OP_DTYPES or values.dtype != keys.dtype:
+        return False
+    if any(k not in _CPU_OP_KW for k, v in kw.items() if v is not None and v is not False):
+        return False
+    return cpu_op_available()
 
 
 def triton_available() -> bool:
@@ -170,7 +235,9 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
         and compute only ``trace``.
     backend : {"reference", "fast", "triton"}, optional
         Force a backend; default ``KVCERT_BACKEND`` or the automatic choice
-        of :func:`select_backend`.
+        of :func:`select_backend`. On CPU tensors "fast" runs the compiled op
+        (:mod:`kvcert.kernels.cpu`) for a trace-only call it covers (module
+        docstring; ``KVCERT_CPU_OP=0`` keeps kvcert.fast), see :func:`last_route`.
     **kw
         Passed to the backend. The Triton tuning arguments (``block_n``,
         ``num_splits``, ``num_warps``, ``num_stages``, ``certify``,
@@ -217,10 +284,17 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
     >>> last_backend(), float(est.trace.abs().max())
     ('reference', 0.0)
     """
-    global _last
+    global _last, _last_route
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     name = select_backend(q, backend=backend, **kw)
+    out, route = _run(name, q, keys, values, pi, log_pi, scale, per_coordinate, kw)
+    _last, _last_route = name, route
+    return out
+
+
+def _run(name: str, q, keys, values, pi, log_pi, scale, per_coordinate, kw: dict) -> tuple[Estimate, str]:
+    """Run backend ``name``; returns the estimate and the route (see :func:`last_route`)."""
     if name == "triton":
         _check_triton_runnable(q)
         unsupported = _fast_only(kw)
@@ -229,22 +303,21 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
                             "(use backend='fast', or leave the backend automatic)")
         from kvcert import kernels
 
-        out = kernels.hajek_attention(q, keys, values, pi, log_pi=log_pi, scale=scale,
-                                      per_coordinate=per_coordinate, **kw)
-    else:
-        kw = {k: v for k, v in kw.items() if k not in _TRITON_ONLY}
-        if name == "fast":
-            fast = importlib.import_module("kvcert.fast")
-            fn = getattr(fast, "hajek_attention", None)
-            if fn is None:
-                raise BackendUnavailableError("kvcert.fast.hajek_attention is not available yet "
-                                              "(use backend='reference')")
-            out = fn(q, keys, values, pi, log_pi=log_pi, scale=scale, per_coordinate=per_coordinate, **kw)
-        else:
-            out = _reference(q, keys, values, pi, log_pi=log_pi, scale=scale,
-                             per_coordinate=per_coordinate, **kw)
-    _last = name
-    return out
+        return kernels.hajek_attention(q, keys, values, pi, log_pi=log_pi, scale=scale,
+                                       per_coordinate=per_coordinate, **kw), "triton"
+    kw = {k: v for k, v in kw.items() if k not in _TRITON_ONLY}
+    if name == "reference":
+        return _reference(q, keys, values, pi, log_pi=log_pi, scale=scale, per_coordinate=per_coordinate,
+                          **kw), "reference"
+    if not per_coordinate and _cpu_op_fits(q, keys, values, kw):
+        op = _cpu_module["module"].hajek_attention
+        return op(q, keys, values, pi, log_pi=log_pi, scale=scale, per_coordinate=per_coordinate,
+                  value_center=kw.get("value_center"), validate=kw.get("validate", True)), "cpu_op"
+    fast = importlib.import_module("kvcert.fast")
+    fn = getattr(fast, "hajek_attention", None)
+    if fn is None:
+        raise BackendUnavailableError("kvcert.fast.hajek_attention is not available yet (use backend='reference')")
+    return fn(q, keys, values, pi, log_pi=log_pi, scale=scale, per_coordinate=per_coordinate, **kw), "torch"
 
 
 _REFERENCE_KW = frozenset(_FAST_ONLY) | {"validate"}

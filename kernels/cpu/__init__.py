@@ -1,0 +1,315 @@
+r"""kvcert.kernels.cpu: the compiled CPU decode op (C++ through ``torch.utils.cpp_extension``).
+
+:func:`hajek_attention` is the fused Hajek decode over a compressed cache on
+CPU tensors. For each (batch, KV head) it reads the kept K and V once and
+returns, for every query head of the GQA group and every query row,
+
+.. math::
+
+    \hat o = \sum_{i\in S} a_i v_i, \quad a_i = \operatorname{softmax}_S(\tau q\cdot k_i - \log\pi_i),
+    \quad \log\hat Z = \operatorname{logsumexp}_S(\tau q\cdot k_i - \log\pi_i),
+
+    \mathrm{trace} = \sum_{i\in S} c_i \lVert v_i - \hat o\rVert^2, \quad c_i = (1-\pi_i) a_i^2,
+    \quad n_\mathrm{eff} = 1 / \textstyle\sum_S a_i^2
+
+(and, with ``per_coordinate=True``, the variance per output coordinate).
+Padding and evicted slots (pi = 0, log pi = -inf) are skipped without
+reading their K and V. The trace is accumulated in the centred form of the
+cheap certificate, around a per-range centre mu (the caller's
+``value_center``, else the first kept value of the range):
+
+.. math::
+
+    \mathrm{trace} = \sum_S c_i\lVert v_i-\mu\rVert^2 - 2(\hat o-\mu)\cdot\sum_S c_i(v_i-\mu)
+                     + \lVert\hat o-\mu\rVert^2\sum_S c_i .
+
+The slots of a head are cut into ranges (split-K, so that a few heads keep
+every thread busy), each with its online-softmax sums; a merge rescales them
+to the common maximum. Threads: ``at::parallel_for``, i.e. torch's intra-op
+pool (``torch.get_num_threads()``); vector code from ``#pragma omp simd`` and
+``-march=native``. K and V in float32 or bfloat16 (any strides with a unit
+last stride, so the cache's views are read in place); every sum in float32.
+
+Built on first use (``torch.utils.cpp_extension.load``, which needs ``ninja``
+and a C++ compiler) into ``<cache>/torch_extensions/<name>``, ``<cache>`` =
+``$KVCERT_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvcert``, else
+``~/.cache/kvcert``; the name hashes the source, the flags, the torch and
+Python versions and the CPU's instruction-set flags, so a cache directory
+shared by different machines never loads a binary built for another CPU.
+:func:`available` builds it once per process and says whether it loaded;
+:func:`unavailable_reason` says why not. ``kvcert.dispatch`` routes CPU
+decodes here and falls back to ``kvcert.fast`` (with one warning) when the
+op cannot be built; ``KVCERT_CPU_OP=0`` forces that torch path.
+
+References
+----------
+Hajek (1971); Sarndal, Swensson & Wretman (1992), sec. 5.6-5.7; Dao et al.,
+"Flash-Decoding for long-context inference" (2023), for the split-K merge;
+arXiv 2607.21475.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from kvcert.fast._checks import check_scale
+from kvcert.fast.contract import check_attention_inputs, check_attention_values
+from kvcert.fast.types import Estimate
+
+__all__ = ["ENV_VAR", "SOURCE", "SUPPORTED_DTYPES", "CPUOpUnavailable", "available", "build_directory",
+           "enabled", "hajek_attention", "load", "unavailable_reason"]
+
+#: environment variable: ``0`` (or false/no/off) keeps every call on the torch path
+ENV_VAR = "KVCERT_CPU_OP"
+#: the C++ source, shipped in the package
+SOURCE = Path(__file__).with_name("hajek_decode.cpp")
+#: dtypes of K and V the op reads (both the same)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+_CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno")
+_CACHE_ENV = "KVCERT_CACHE_DIR"  # the rule of kvcert.models: $KVCERT_CACHE_DIR, $XDG_CACHE_HOME/kvcert, ~/.cache/kvcert
+_OFF = ("0", "false", "no", "off")
+
+_lock = threading.Lock()
+_state: dict = {"ops": None, "reason": None, "warned": False}
+
+
+class CPUOpUnavailable(RuntimeError):
+    """The compiled CPU op cannot be built or loaded here (no compiler, no ninja, a failed build)."""
+
+
+def enabled() -> bool:
+    """False when ``KVCERT_CPU_OP`` is 0 / false / no / off (the torch path is forced)."""
+    return os.environ.get(ENV_VAR, "").strip().lower() not in _OFF
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get(_CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvcert"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _name() -> str:
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(_CFLAGS).encode(), torch.__version__.encode(),
+                 sys.version.encode(), _cpu_flags().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return f"kvcert_cpu_{h.hexdigest()[:16]}"
+
+
+def build_directory() -> Path:
+    """Where the op is built: ``<cache>/torch_extensions/<name>`` (see the module docstring)."""
+    return _cache_dir() / "torch_extensions" / _name()
+
+
+def _ninja_on_path() -> str | None:
+    """Make ``ninja`` findable (the pip package installs it next to the interpreter, which need not be
+    on PATH when a venv is not activated); returns the PATH to restore, or None."""
+    if shutil.which("ninja"):
+        return None
+    candidates = [Path(sys.executable).parent]
+    try:
+        import ninja  # the PyPI package: its binary directory
+
+        candidates.insert(0, Path(ninja.BIN_DIR))
+    except (ImportError, AttributeError):
+        pass
+    for folder in candidates:
+        if (folder / "ninja").exists():
+            old = os.environ.get("PATH", "")
+            os.environ["PATH"] = f"{folder}{os.pathsep}{old}"
+            return old
+    raise CPUOpUnavailable("ninja is not installed (pip install ninja)")
+
+
+def _build(verbose: bool):
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise CPUOpUnavailable(f"no C++ compiler found ({cxx!r} is not on PATH; set CXX)")
+    old_path = _ninja_on_path()
+    try:
+        folder = build_directory()
+        folder.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(name=folder.name, sources=[str(SOURCE)], extra_cflags=list(_CFLAGS),
+                           build_directory=str(folder), is_python_module=False, verbose=verbose)
+    except CPUOpUnavailable:
+        raise
+    except Exception as e:  # a compiler error, a linker error, an unwritable cache directory
+        lines = [s for s in str(e).strip().splitlines() if s.strip()]
+        detail = lines[0] if lines else type(e).__name__
+        errors = [s.strip() for s in lines if "error" in s.lower()][:2]
+        if errors and errors[0] != detail:
+            detail = f"{detail} ({'; '.join(errors)})"
+        raise CPUOpUnavailable(f"the build failed: {type(e).__name__}: {detail}") from e
+    finally:
+        if old_path is not None:
+            os.environ["PATH"] = old_path
+    return torch.ops.kvcert_cpu
+
+
+def load(verbose: bool = False):
+    """Build (first call; cached on disk) and load the op; returns ``torch.ops.kvcert_cpu``.
+
+    Raises
+    ------
+    CPUOpUnavailable
+        No C++ compiler, no ninja, or a failed build (the message names the
+        cause; ``verbose=True`` prints the compiler's output).
+    """
+    with _lock:
+        if _state["ops"] is not None:
+            return _state["ops"]
+        try:
+            _state["ops"] = _build(verbose)
+        except CPUOpUnavailable as e:
+            _state["reason"] = str(e)
+            raise
+        _state["reason"] = None
+        return _state["ops"]
+
+
+def available(warn: bool = False) -> bool:
+    """Whether the op is built and loaded (builds it on the first call of the process).
+
+    A failed build is not retried in the same process. With ``warn=True`` the
+    first failure emits one ``RuntimeWarning`` naming the cause.
+    """
+    if _state["ops"] is not None:
+        return True
+    if _state["reason"] is None:
+        try:
+            load()
+            return True
+        except CPUOpUnavailable:
+            pass
+    if warn and not _state["warned"]:
+        _state["warned"] = True
+        warnings.warn(f"kvcert: the compiled CPU decode op is unavailable: {_state['reason']}; decoding uses "
+                      f"the torch path (kvcert.fast). Set {ENV_VAR}=0 to choose the torch path explicitly.",
+                      RuntimeWarning, stacklevel=3)
+    return False
+
+
+def unavailable_reason() -> str | None:
+    """Why the last build or load failed (None if it has not failed)."""
+    return _state["reason"]
+
+
+def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor | None = None,
+                    *, log_pi: torch.Tensor | None = None, scale: float | None = None,
+                    per_coordinate: bool = True, value_center: torch.Tensor | None = None, splits: int = 0,
+                    validate: bool = True) -> Estimate:
+    r"""Hajek attention over a compressed cache with its certificate statistics: the compiled op.
+
+    Same contract as :func:`kvcert.fast.hajek_attention` (docs/design.md) for what it computes;
+    see the module docstring for the math and the one pass.
+
+    Parameters
+    ----------
+    q : (b, h_q, d) or (b, h_q, t, d), CPU, floating
+        Query rows; all g * t rows of a GQA group share the pass over their KV head.
+    keys, values : (b, h_kv, n, d), (b, h_kv, n, dv), CPU, both float32 or both bfloat16
+        The kept tokens, padding slots with pi = 0. Any strides (a last
+        stride other than 1 costs a copy).
+    pi, log_pi : (b, h_kv, n)
+        Exactly one: inclusion probabilities in [0, 1] or their logarithm
+        (-inf on padding). 1 - pi is evaluated as ``-expm1(log pi)``.
+    scale : float, default 1/sqrt(d)
+    per_coordinate : bool
+        Also return ``variance`` (b, h_q, [t,] dv); the trace is then its sum.
+    value_center : (b, h_kv, dv), optional
+        The centre mu of the trace's centred form (e.g. the mean kept value,
+        :func:`kvcert.fast.value_moments`); default: the first kept value of
+        each range. Any centre gives the same trace in exact arithmetic.
+    splits : int
+        Slot ranges per head (0: automatic, enough tasks for 8 per thread and
+        ranges of at least 256 slots).
+    validate : bool
+        Check pi / log_pi values and refuse a NaN output (two host reads).
+
+    Returns
+    -------
+    Estimate
+        ``output`` in the dtype of ``values``; ``trace``, ``lse``, ``n_eff``
+        (and ``variance``) in float32; ``weights``, ``max_term``,
+        ``covariance``, ``tail_moment`` None. Empty rows (every slot padding):
+        output 0, lse -inf, trace and variance +inf, n_eff 0, with or
+        without ``validate``. Rows whose kept slots all have pi = 1: trace
+        exactly 0.
+
+    Raises
+    ------
+    CPUOpUnavailable
+        The op cannot be built here.
+    TypeError, ValueError
+        Arguments outside the contract, tensors not on the CPU, K/V dtypes
+        other than float32 / bfloat16.
+    """
+    if validate:  # shapes, then the values of pi / log_pi (one host read)
+        check_attention_values(check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale))
+    try:  # the per-step path: the op checks the shapes itself, in C++
+        return _call(q, keys, values, pi, log_pi, scale, per_coordinate, value_center, splits, validate)
+    except (RuntimeError, AttributeError, IndexError, TypeError, ValueError, ZeroDivisionError):
+        check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale)  # the contract's error, if any
+        raise
+
+
+def _call(q, keys, values, pi, log_pi, scale, per_coordinate, value_center, splits, validate) -> Estimate:
+    """The op's call, with the checks it cannot do (which of pi / log_pi, the GQA grouping, the scale,
+    CPU tensors, the dtypes, the options); shapes otherwise checked by the op."""
+    if (pi is None) == (log_pi is None):
+        raise TypeError("give exactly one of pi and log_pi, each of shape (b, h_kv, n)")
+    if q.device.type != "cpu" or keys.device.type != "cpu" or values.device.type != "cpu":
+        raise ValueError(f"kvcert.kernels.cpu needs CPU tensors, got q on {q.device}, keys on {keys.device}")
+    if keys.dtype not in SUPPORTED_DTYPES or values.dtype != keys.dtype:
+        raise TypeError(f"keys and values must both be float32 or both bfloat16, got {keys.dtype} and {values.dtype}")
+    if isinstance(splits, bool) or not isinstance(splits, int) or splits < 0:
+        raise ValueError(f"splits must be an int >= 0, got {splits!r}")
+    b, h_q, h_kv, d, dv = q.shape[0], q.shape[1], keys.shape[1], q.shape[-1], values.shape[-1]
+    if q.dim() not in (3, 4) or h_q % h_kv:
+        raise ValueError("q must be (b, h_q, d) or (b, h_q, t, d) with h_q a multiple of h_kv")
+    decode = q.dim() == 3
+    lp = log_pi if pi is None else pi.log()
+    if lp.dtype != torch.float32:
+        lp = lp.to(torch.float32)
+    if keys.stride(-1) != 1:
+        keys = keys.contiguous()
+    if values.stride(-1) != 1:
+        values = values.contiguous()
+    if value_center is not None and (not isinstance(value_center, torch.Tensor)
+                                     or tuple(value_center.shape) != (b, h_kv, dv)):
+        raise ValueError(f"value_center must be a tensor of shape (b, h_kv, dv) = ({b}, {h_kv}, {dv}), "
+                         f"got {getattr(value_center, 'shape', type(value_center).__name__)}")
+    ops = _state["ops"] if _state["ops"] is not None else load()
+    out, lse, n_eff, trace, var = ops.hajek_decode(q.reshape(b, h_kv, -1, d), keys, values, lp, value_center,
+                                                   check_scale(scale, d), bool(per_coordinate), splits)
+    lead = (b, h_q) if decode else (b, h_q, q.shape[2])
+    output = out.view(*lead, dv)
+    if validate and bool(torch.isnan(output).any()):
+        raise ValueError("hajek_attention produced NaN: q, keys and values must be finite")
+    return Estimate(output=output, weights=None, variance=var.view(*lead, dv) if per_coordinate else None,
+                    trace=trace.view(lead), lse=lse.view(lead), n_eff=n_eff.view(lead))

@@ -1,0 +1,582 @@
+// Fused Hajek decode over a compressed KV cache, CPU (see kvcert/kernels/cpu/__init__.py).
+//
+// For one (batch, KV head) the G = g * t query rows of the group share one read of K and V:
+//
+//   s_ir  = tau q_r . k_i - log pi_i              (-inf on padding: the slot is skipped)
+//   a_ir  = softmax_i(s_ir),  lse_r = logsumexp_i s_ir,  o_r = sum_i a_ir v_i
+//   c_ir  = (1 - pi_i) a_ir^2
+//   trace_r = sum_i c_ir ||v_i - o_r||^2
+//           = sum_i c_ir ||v_i - mu||^2 - 2 (o_r - mu) . sum_i c_ir (v_i - mu) + ||o_r - mu||^2 sum_i c_ir
+//
+// The slots are cut into `splits` ranges per head (flash-decoding's split-K, so that a few heads fill
+// every thread). Each range keeps, per row, online-softmax sums relative to its running max m:
+// l = sum p, o = sum p v, P2 = sum p^2, C = sum w, S = sum w (v - mu), R = sum w ||v - mu||^2 (and
+// per coordinate sum w (v - mu)^2), with p = e^{s - m}, w = (1 - pi) p^2 and mu the range's centre
+// (the caller's value centre, else the range's first kept value). The merge rescales the
+// ranges to the global max and evaluates the centred form above once o is known: K and V are read
+// from memory once, and the centring keeps the fp32 expansion well conditioned.
+//
+// Threads: at::parallel_for over (head, range) tasks, then over rows for the merge, so the op runs
+// on torch's intra-op pool (at::get_num_threads()). Vector code: register-blocked micro-kernels on
+// 16-float vector types for head dimensions 64 and 128 (scores: a few query rows against each key
+// row; values: [p; w] times the tile's value rows, the accumulators in registers), `#pragma omp simd`
+// loops otherwise (-fopenmp-simd, no OpenMP runtime of its own), -march=native.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kTile = 64;     // slots per score tile (scores and weights stay in L1)
+constexpr int64_t kHead = 8;      // scalars at the head of a partial row: m, l, C, R, P2 (padded)
+constexpr int64_t kMinSplit = 256;  // slots per range at least
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// A row of `len` values as float: the row itself for float32, converted into `buf` for bfloat16.
+inline const float* as_float(const float* src, int64_t, float*) { return src; }
+inline const float* as_float(const c10::BFloat16* src, int64_t len, float* buf) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t x = 0; x < len; ++x) buf[x] = bf16_to_float(s[x]);
+  return buf;
+}
+
+// e^x for x <= 0 (x = -inf gives 0): Cephes' single-precision expf (x = n ln2 + r, |r| <= ln2 / 2,
+// degree-6 polynomial in r, about 1 ulp), branch-free so that the loops calling it vectorize.
+// Below -87 (e^x < 1.7e-38, about FLT_MIN) the result is 0.
+inline float exp_nonpos(float x) {
+  const float xc = x < -87.0f ? -87.0f : x;
+  const float fn = std::floor(xc * 1.44269504088896341f + 0.5f);  // 1 / ln 2
+  float r = xc - fn * 0.693359375f;                                 // ln 2, high part (exact product)
+  r = r - fn * -2.12194440e-4f;                                     // ln 2, low part
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(fn) + 127) << 23;  // 2^n
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return x < -87.0f ? 0.0f : p * two_n;
+}
+
+// 1 - e^x = -expm1(x) for x <= 0 (x = -inf gives 1), to a few ulp relative: the Taylor series of
+// expm1 to x^9 / 9! above -0.5 (no cancellation as x -> 0, i.e. pi -> 1), 1 - e^x below. Branch-free.
+inline float one_minus_exp(float x) {
+  float p = 1.0f / 362880.0f;
+  p = p * x + 1.0f / 40320.0f;
+  p = p * x + 1.0f / 5040.0f;
+  p = p * x + 1.0f / 720.0f;
+  p = p * x + 1.0f / 120.0f;
+  p = p * x + 1.0f / 24.0f;
+  p = p * x + 1.0f / 6.0f;
+  p = p * x + 0.5f;
+  p = p * x + 1.0f;
+  const float small = 0.0f - p * (x > -0.5f ? x : -0.5f);
+  return x > -0.5f ? small : 1.0f - exp_nonpos(x);
+}
+
+struct Shape {
+  int64_t H, h_kv, G, n, d, dv, splits, stride;
+  bool per_coord;
+};
+
+// Strided views of the inputs: head (b, h) starts at base + b * sb + h * sh; slot i at + i * sn.
+template <typename T>
+struct Heads {
+  const T* base;
+  int64_t sb, sh, sn;
+  const T* head(int64_t bh, int64_t h_kv) const { return base + (bh / h_kv) * sb + (bh % h_kv) * sh; }
+};
+
+template <typename T>
+Heads<T> heads(const at::Tensor& x) {
+  return {x.data_ptr<T>(), x.stride(0), x.stride(1), x.stride(2)};
+}
+
+// ---------------------------------------------------------------------------------------------
+// 16-float vectors (GCC/Clang vector extensions): one zmm register with AVX-512, two ymm with AVX2,
+// four q registers with NEON. The micro-kernels keep their accumulators in these.
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+constexpr int64_t kW = 16;
+
+inline vf vload(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void vstore(float* p, const vf& v) { std::memcpy(p, &v, sizeof v); }
+#if defined(__clang__)
+#define KVCERT_SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define KVCERT_SHUFFLE(v, ...) __builtin_shuffle(v, vi{__VA_ARGS__})
+#endif
+inline float hsum(vf v) {  // the 16 lanes' sum by a shuffle tree
+  v += KVCERT_SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += KVCERT_SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += KVCERT_SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += KVCERT_SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
+// One tile of `cnt` kept slots as float rows (krow[j], vrow[j]), its offsets -log pi and 1 - pi.
+struct Tile {
+  int64_t cnt;
+  const float* const* krow;
+  const float* const* vrow;
+  const float* off;
+  const float* omp;
+};
+
+// Scores sc[r * kTile + j] = q_r . k_j + off_j for rows r0 .. r0 + RB - 1 (q already scaled).
+template <int64_t D, int RB>
+void scores_block(const float* q, const Tile& t, float* sc) {
+  constexpr int64_t NV = D / kW;
+  vf qv[RB][NV];
+  for (int r = 0; r < RB; ++r)
+    for (int64_t u = 0; u < NV; ++u) qv[r][u] = vload(q + r * D + u * kW);
+  for (int64_t j = 0; j < t.cnt; ++j) {
+    const float* k = t.krow[j];
+    vf kv[NV];
+    for (int64_t u = 0; u < NV; ++u) kv[u] = vload(k + u * kW);
+    for (int r = 0; r < RB; ++r) {
+      vf a = qv[r][0] * kv[0], b = vf{} ;
+      for (int64_t u = 1; u < NV; ++u) (u & 1 ? b : a) += qv[r][u] * kv[u];
+      sc[r * kTile + j] = hsum(a + b) + t.off[j];
+    }
+  }
+}
+
+template <int64_t D>
+void scores_fixed(const float* q, int64_t G, const Tile& t, float* sc) {
+  constexpr int RBMAX = D <= 64 ? 4 : 2;  // the query rows held in registers
+  for (int64_t r0 = 0; r0 < G; r0 += RBMAX) {
+    const float* qr = q + r0 * D;
+    float* s = sc + r0 * kTile;
+    switch (std::min<int64_t>(RBMAX, G - r0)) {
+      case 4: scores_block<D, 4>(qr, t, s); break;
+      case 3: scores_block<D, 3>(qr, t, s); break;
+      case 2: scores_block<D, 2>(qr, t, s); break;
+      default: scores_block<D, 1>(qr, t, s); break;
+    }
+  }
+}
+
+void scores_generic(const float* q, int64_t G, int64_t d, const Tile& t, float* sc) {
+  for (int64_t j = 0; j < t.cnt; ++j) {
+    const float* k = t.krow[j];
+    for (int64_t r = 0; r < G; ++r) {
+      const float* qr = q + r * d;
+      float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t x = 0; x < d; ++x) acc += qr[x] * k[x];
+      sc[r * kTile + j] = acc + t.off[j];
+    }
+  }
+}
+
+// Values for rows r0 .. r0 + RB - 1: o += p v and S += w (v - mu) (and, per coordinate,
+// Rd += w (v - mu)^2) accumulated over the tile in registers, then added to the partial rows.
+template <int64_t DV, int RB, bool PER_COORD>
+void values_block(const Tile& t, const float* p, const float* w, const float* ref, float* part, int64_t stride) {
+  constexpr int64_t NV = DV / kW;
+  vf o[RB][NV], s[RB][NV], rd[PER_COORD ? RB : 1][NV];
+  for (int r = 0; r < RB; ++r)
+    for (int64_t u = 0; u < NV; ++u) o[r][u] = s[r][u] = rd[PER_COORD ? r : 0][u] = vf{};
+  for (int64_t j = 0; j < t.cnt; ++j) {
+    const float* v = t.vrow[j];
+    float pj[RB], wj[RB];
+    for (int r = 0; r < RB; ++r) {
+      pj[r] = p[r * kTile + j];
+      wj[r] = w[r * kTile + j];
+    }
+    for (int64_t u = 0; u < NV; ++u) {
+      const vf vv = vload(v + u * kW);
+      const vf c = vv - vload(ref + u * kW);  // centred in the sum itself: no S - mu C cancellation
+      for (int r = 0; r < RB; ++r) {
+        o[r][u] += pj[r] * vv;
+        s[r][u] += wj[r] * c;
+        if (PER_COORD) rd[r][u] += wj[r] * (c * c);
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    float* P = part + r * stride + kHead;
+    for (int64_t u = 0; u < NV; ++u) {
+      vstore(P + u * kW, vload(P + u * kW) + o[r][u]);
+      vstore(P + DV + u * kW, vload(P + DV + u * kW) + s[r][u]);
+      if (PER_COORD) vstore(P + 2 * DV + u * kW, vload(P + 2 * DV + u * kW) + rd[r][u]);
+    }
+  }
+}
+
+template <int64_t DV, bool PER_COORD>
+void values_fixed(int64_t G, const Tile& t, const float* p, const float* w, const float* ref, float* part,
+                  int64_t stride) {
+  // rows whose o, S (and Rd) fit in about 24 registers beside the value row
+  constexpr int RBMAX = std::max<int>(1, std::min<int>(3, 24 / ((PER_COORD ? 3 : 2) * (DV / kW))));
+  for (int64_t r0 = 0; r0 < G; r0 += RBMAX) {
+    const int64_t o = r0 * kTile;
+    float* P = part + r0 * stride;
+    switch (std::min<int64_t>(RBMAX, G - r0)) {
+      case 3: values_block<DV, 3, PER_COORD>(t, p + o, w + o, ref, P, stride); break;
+      case 2: values_block<DV, 2, PER_COORD>(t, p + o, w + o, ref, P, stride); break;
+      default: values_block<DV, 1, PER_COORD>(t, p + o, w + o, ref, P, stride); break;
+    }
+  }
+}
+
+template <bool PER_COORD>
+void values_generic(int64_t G, int64_t dv, const Tile& t, const float* p, const float* w, const float* ref,
+                    float* part, int64_t stride) {
+  for (int64_t j = 0; j < t.cnt; ++j) {
+    const float* v = t.vrow[j];
+    for (int64_t r = 0; r < G; ++r) {
+      const float pj = p[r * kTile + j], wj = w[r * kTile + j];
+      float* o = part + r * stride + kHead;
+      float* s = o + dv;
+#pragma omp simd
+      for (int64_t x = 0; x < dv; ++x) {
+        o[x] += pj * v[x];
+        s[x] += wj * (v[x] - ref[x]);
+      }
+      if (PER_COORD) {
+        float* rd = s + dv;
+#pragma omp simd
+        for (int64_t x = 0; x < dv; ++x) rd[x] += wj * (v[x] - ref[x]) * (v[x] - ref[x]);
+      }
+    }
+  }
+}
+
+// r2_j = ||v_j - mu||^2 for the tile's value rows.
+template <int64_t DV>
+void sqdist_fixed(const Tile& t, const float* ref, float* r2) {
+  constexpr int64_t NV = DV / kW;
+  vf mu[NV];
+  for (int64_t u = 0; u < NV; ++u) mu[u] = vload(ref + u * kW);
+  for (int64_t j = 0; j < t.cnt; ++j) {
+    vf a = vf{}, b = vf{};
+    for (int64_t u = 0; u < NV; ++u) {
+      const vf c = vload(t.vrow[j] + u * kW) - mu[u];
+      (u & 1 ? b : a) += c * c;
+    }
+    r2[j] = hsum(a + b);
+  }
+}
+
+struct Scratch {
+  std::vector<float> q, s, w, kt, vt, off, omp, r2, lt, od;
+  std::vector<const float*> krow, vrow;
+  Scratch(const Shape& S)
+      : q(S.G * S.d), s(S.G * kTile), w(S.G * kTile), kt(kTile * S.d), vt(kTile * S.dv), off(kTile), omp(kTile),
+        r2(kTile), lt(kTile), od(kTile), krow(kTile), vrow(kTile) {}
+};
+
+inline const float* row_ptr(const float* base, int64_t, float*) { return base; }
+inline const float* row_ptr(const c10::BFloat16* base, int64_t len, float* buf) { return as_float(base, len, buf); }
+
+// One (head, slot range) task: fills the G partial rows `part` and the range's centre `ref`.
+template <typename T, bool PER_COORD>
+void range_task(const Shape& S, const T* K, int64_t ksn, const T* V, int64_t vsn, const float* lp, int64_t lsn,
+                const float* q, float scale, const float* center, int64_t n0, int64_t n1, float* part, float* ref,
+                Scratch& w) {
+  const int64_t G = S.G, d = S.d, dv = S.dv, stride = S.stride;
+  for (int64_t r = 0; r < G; ++r) {
+    float* P = part + r * stride;
+    std::fill(P, P + stride, 0.0f);
+    P[0] = kNegInf;
+  }
+  int64_t first = n0;
+  while (first < n1 && !(lp[first * lsn] > kNegInf)) ++first;
+  if (center != nullptr) {
+    std::copy(center, center + dv, ref);
+  } else if (first < n1) {
+    const float* v = as_float(V + first * vsn, dv, w.vt.data());
+    std::copy(v, v + dv, ref);
+  } else {
+    std::fill(ref, ref + dv, 0.0f);
+  }
+  if (first == n1) return;  // nothing kept in this range
+  float* qs = w.q.data();
+  for (int64_t x = 0; x < G * d; ++x) qs[x] = q[x] * scale;
+  float* sc = w.s.data();
+  float* wt = w.w.data();
+  const float* omp = w.omp.data();
+  const Tile tile_view{0, w.krow.data(), w.vrow.data(), w.off.data(), w.omp.data()};
+  for (int64_t t0 = first; t0 < n1; t0 += kTile) {
+    const int64_t t1 = std::min(n1, t0 + kTile);
+    const int64_t nt = t1 - t0;
+    float* lt = w.lt.data();
+    float* od = w.od.data();
+    for (int64_t i = 0; i < nt; ++i) lt[i] = lp[(t0 + i) * lsn];
+#pragma omp simd
+    for (int64_t i = 0; i < nt; ++i) od[i] = one_minus_exp(lt[i]);  // 1 - pi
+    int64_t cnt = 0;
+    for (int64_t i = 0; i < nt; ++i) {
+      if (lt[i] > kNegInf) {  // kept: offset -log pi >= 0 (pi = 0 slots are never read)
+        w.krow[cnt] = row_ptr(K + (t0 + i) * ksn, d, w.kt.data() + cnt * d);
+        w.vrow[cnt] = row_ptr(V + (t0 + i) * vsn, dv, w.vt.data() + cnt * dv);
+        w.off[cnt] = -lt[i];
+        w.omp[cnt] = od[i];
+        ++cnt;
+      }
+    }
+    if (cnt == 0) continue;
+    Tile t = tile_view;
+    t.cnt = cnt;
+    if (d == 64) scores_fixed<64>(qs, G, t, sc);
+    else if (d == 128) scores_fixed<128>(qs, G, t, sc);
+    else scores_generic(qs, G, d, t, sc);
+    for (int64_t r = 0; r < G; ++r) {  // online softmax: rescale to the new max, then p and w
+      float* P = part + r * stride;
+      float* s = sc + r * kTile;
+      float* wr = wt + r * kTile;
+      float mt = kNegInf;
+      for (int64_t j = 0; j < cnt; ++j) mt = (s[j] > mt || s[j] != s[j]) ? s[j] : mt;  // NaN sticks
+      if (mt > P[0] || mt != mt) {  // a NaN score (NaN in q or k) makes the row NaN
+        const float f = exp_nonpos(P[0] - mt), f2 = f * f;
+        P[1] *= f;
+        P[2] *= f2;
+        P[3] *= f2;
+        P[4] *= f2;
+        float* o = P + kHead;
+#pragma omp simd
+        for (int64_t x = 0; x < dv; ++x) o[x] *= f;
+        float* rest = o + dv;
+        const int64_t m = (PER_COORD ? 2 : 1) * dv;
+#pragma omp simd
+        for (int64_t x = 0; x < m; ++x) rest[x] *= f2;
+        P[0] = mt;
+      }
+      const float m = P[0];
+      float l = 0.0f, p2 = 0.0f, c = 0.0f;
+#pragma omp simd reduction(+ : l, p2, c)
+      for (int64_t j = 0; j < cnt; ++j) {
+        const float p = exp_nonpos(s[j] - m);
+        const float pw = omp[j] * p * p;
+        s[j] = p;
+        wr[j] = pw;
+        l += p;
+        p2 += p * p;
+        c += pw;
+      }
+      P[1] += l;
+      P[2] += c;
+      P[4] += p2;
+    }
+    float* r2 = w.r2.data();  // ||v_j - mu||^2, shared by the rows
+    if (dv == 64) sqdist_fixed<64>(t, ref, r2);
+    else if (dv == 128) sqdist_fixed<128>(t, ref, r2);
+    else
+      for (int64_t j = 0; j < cnt; ++j) {
+        const float* v = w.vrow[j];
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t x = 0; x < dv; ++x) acc += (v[x] - ref[x]) * (v[x] - ref[x]);
+        r2[j] = acc;
+      }
+    for (int64_t r = 0; r < G; ++r) {
+      const float* wr = wt + r * kTile;
+      float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t j = 0; j < cnt; ++j) acc += wr[j] * r2[j];
+      part[r * stride + 3] += acc;
+    }
+    if (dv == 64) values_fixed<64, PER_COORD>(G, t, sc, wt, ref, part, stride);
+    else if (dv == 128) values_fixed<128, PER_COORD>(G, t, sc, wt, ref, part, stride);
+    else values_generic<PER_COORD>(G, dv, t, sc, wt, ref, part, stride);
+  }
+}
+
+// Merge the ranges of one row: output, lse, n_eff, trace (and the per-coordinate variance).
+template <typename TO>
+void merge_row(const Shape& S, const float* part, const float* refs, int64_t row, TO* out, float* lse, float* neff,
+               float* trace, float* var, std::vector<float>& o) {
+  const int64_t G = S.G, dv = S.dv, stride = S.stride, splits = S.splits;
+  const int64_t bh = row / G, r = row % G;
+  auto P = [&](int64_t s) { return part + ((bh * splits + s) * G + r) * stride; };
+  float M = kNegInf;
+  bool nan = false;
+  for (int64_t s = 0; s < splits; ++s) {
+    M = std::max(M, P(s)[0]);
+    nan = nan || P(s)[0] != P(s)[0];
+  }
+  TO* orow = out + row * dv;
+  float* vrow = S.per_coord ? var + row * dv : nullptr;
+  if (nan) {  // NaN in q or k: every field NaN (the caller's finite check sees it)
+    const float q_nan = std::numeric_limits<float>::quiet_NaN();
+    for (int64_t x = 0; x < dv; ++x) orow[x] = static_cast<TO>(q_nan);
+    lse[row] = neff[row] = trace[row] = q_nan;
+    if (vrow) std::fill(vrow, vrow + dv, q_nan);
+    return;
+  }
+  if (!(M > kNegInf)) {  // empty row: the reference's convention
+    for (int64_t x = 0; x < dv; ++x) orow[x] = static_cast<TO>(0.0f);
+    lse[row] = kNegInf;
+    neff[row] = 0.0f;
+    trace[row] = kInf;
+    if (vrow) std::fill(vrow, vrow + dv, kInf);
+    return;
+  }
+  float l = 0.0f, p2 = 0.0f;
+  std::fill(o.begin(), o.end(), 0.0f);
+  for (int64_t s = 0; s < splits; ++s) {
+    const float* p = P(s);
+    if (!(p[0] > kNegInf)) continue;
+    const float f = exp_nonpos(p[0] - M);
+    l += f * p[1];
+    p2 += f * f * p[4];
+    for (int64_t x = 0; x < dv; ++x) o[x] += f * p[kHead + x];
+  }
+  for (int64_t x = 0; x < dv; ++x) o[x] /= l;
+  if (vrow) std::fill(vrow, vrow + dv, 0.0f);
+  double tr = 0.0;  // a handful of terms per row: summed in double
+  for (int64_t s = 0; s < splits; ++s) {
+    const float* p = P(s);
+    if (!(p[0] > kNegInf) || p[2] == 0.0f) continue;  // no kept slot, or every kept slot certain
+    const float f = exp_nonpos(p[0] - M), f2 = f * f;
+    const float* ref = refs + (bh * splits + s) * dv;
+    const float* Sv = p + kHead + dv;  // S = sum w (v - mu), then per coordinate sum w (v - mu)^2
+    float dot = 0.0f, dd = 0.0f;
+    for (int64_t x = 0; x < dv; ++x) {
+      const float dm = o[x] - ref[x];
+      dot += dm * Sv[x];
+      dd += dm * dm;
+      if (vrow) vrow[x] += f2 * (Sv[dv + x] - 2.0f * dm * Sv[x] + p[2] * dm * dm);
+    }
+    tr += static_cast<double>(f2) * (p[3] - 2.0f * dot + p[2] * dd);
+  }
+  const float inv_l2 = 1.0f / (l * l);
+  if (vrow) {
+    double sum = 0.0;
+    for (int64_t x = 0; x < dv; ++x) {
+      vrow[x] = std::max(vrow[x] * inv_l2, 0.0f);
+      sum += vrow[x];
+    }
+    trace[row] = static_cast<float>(sum);
+  } else {
+    trace[row] = std::max(static_cast<float>(tr) * inv_l2, 0.0f);
+  }
+  for (int64_t x = 0; x < dv; ++x) orow[x] = static_cast<TO>(o[x]);
+  lse[row] = M + std::log(l);
+  neff[row] = l * l / p2;
+}
+
+template <typename T, bool PER_COORD>
+void run(const Shape& S, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lp,
+         const float* center, float scale, at::Tensor& out, at::Tensor& lse, at::Tensor& neff, at::Tensor& trace,
+         at::Tensor& var) {
+  const int64_t tasks = S.H * S.splits;
+  std::vector<float> part(static_cast<size_t>(tasks * S.G * S.stride));
+  std::vector<float> refs(static_cast<size_t>(tasks * S.dv));
+  const Heads<T> K = heads<T>(k), V = heads<T>(v);
+  const Heads<float> L = heads<float>(lp);
+  const float* qp = q.data_ptr<float>();
+  const int64_t chunk = (S.n + S.splits - 1) / S.splits;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    Scratch w(S);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t bh = t / S.splits, s = t % S.splits;
+      const int64_t n0 = std::min(S.n, s * chunk), n1 = std::min(S.n, n0 + chunk);
+      range_task<T, PER_COORD>(S, K.head(bh, S.h_kv), K.sn, V.head(bh, S.h_kv), V.sn, L.head(bh, S.h_kv), L.sn,
+                               qp + bh * S.G * S.d, scale, center ? center + bh * S.dv : nullptr, n0, n1,
+                               part.data() + t * S.G * S.stride, refs.data() + t * S.dv, w);
+    }
+  });
+  float* var_p = S.per_coord ? var.data_ptr<float>() : nullptr;
+  at::parallel_for(0, S.H * S.G, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(S.dv);
+    for (int64_t row = begin; row < end; ++row) {
+      if (out.scalar_type() == at::kBFloat16) {
+        merge_row(S, part.data(), refs.data(), row, out.data_ptr<c10::BFloat16>(), lse.data_ptr<float>(),
+                  neff.data_ptr<float>(), trace.data_ptr<float>(), var_p, o);
+      } else {
+        merge_row(S, part.data(), refs.data(), row, out.data_ptr<float>(), lse.data_ptr<float>(),
+                  neff.data_ptr<float>(), trace.data_ptr<float>(), var_p, o);
+      }
+    }
+  });
+}
+
+int64_t auto_splits(int64_t H, int64_t n) {
+  // enough (head, range) tasks for 8 per thread, each range at least kMinSplit slots
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t want = (8 * threads + H - 1) / H;
+  const int64_t most = std::max<int64_t>(1, (n + kMinSplit - 1) / kMinSplit);
+  return std::max<int64_t>(1, std::min(want, most));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_decode(
+    const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& log_pi,
+    const std::optional<at::Tensor>& center, double scale, bool per_coordinate, int64_t splits) {
+  // q (b, h_kv, G, d) float32; keys (b, h_kv, n, d), values (b, h_kv, n, dv) float32 or bfloat16 with unit
+  // stride in the last dimension; log_pi (b, h_kv, n) float32; center (b, h_kv, dv) float32 or None.
+  TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && log_pi.dim() == 3,
+              "hajek_decode: q, keys, values must be 4-d and log_pi 3-d");
+  TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu() && log_pi.device().is_cpu(),
+              "hajek_decode: CPU tensors only");
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type() &&
+                  (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16),
+              "hajek_decode: keys and values must both be float32 or both bfloat16");
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "hajek_decode: keys and values need unit last stride");
+  TORCH_CHECK(log_pi.scalar_type() == at::kFloat, "hajek_decode: log_pi must be float32");
+  const int64_t b = keys.size(0), h_kv = keys.size(1), n = keys.size(2), d = keys.size(3), dv = values.size(3);
+  TORCH_CHECK(q.size(0) == b && q.size(1) == h_kv && q.size(3) == d, "hajek_decode: q must be (b, h_kv, G, d)");
+  TORCH_CHECK(values.size(0) == b && values.size(1) == h_kv && values.size(2) == n, "hajek_decode: values shape");
+  TORCH_CHECK(log_pi.size(0) == b && log_pi.size(1) == h_kv && log_pi.size(2) == n, "hajek_decode: log_pi shape");
+  const at::Tensor qc = q.to(at::kFloat).contiguous();
+  at::Tensor cc;
+  if (center.has_value()) {
+    cc = center->to(at::kFloat).contiguous();
+    TORCH_CHECK(cc.numel() == b * h_kv * dv, "hajek_decode: center must be (b, h_kv, dv)");
+  }
+  const int64_t G = q.size(2), H = b * h_kv;
+  Shape S{H, h_kv, G, n, d, dv, 1, kHead + (per_coordinate ? 3 : 2) * dv, per_coordinate};
+  S.splits = splits > 0 ? std::min(splits, std::max<int64_t>(1, n)) : auto_splits(H, n);
+  auto f32 = values.options().dtype(at::kFloat);
+  at::Tensor out = at::empty({b, h_kv, G, dv}, values.options());
+  at::Tensor lse = at::empty({b, h_kv, G}, f32), neff = at::empty({b, h_kv, G}, f32);
+  at::Tensor trace = at::empty({b, h_kv, G}, f32);
+  at::Tensor var = per_coordinate ? at::empty({b, h_kv, G, dv}, f32) : at::empty({0}, f32);
+  const float* cp = center.has_value() ? cc.data_ptr<float>() : nullptr;
+  const float sc = static_cast<float>(scale);
+  if (keys.scalar_type() == at::kBFloat16) {
+    if (per_coordinate) run<c10::BFloat16, true>(S, qc, keys, values, log_pi, cp, sc, out, lse, neff, trace, var);
+    else run<c10::BFloat16, false>(S, qc, keys, values, log_pi, cp, sc, out, lse, neff, trace, var);
+  } else {
+    if (per_coordinate) run<float, true>(S, qc, keys, values, log_pi, cp, sc, out, lse, neff, trace, var);
+    else run<float, false>(S, qc, keys, values, log_pi, cp, sc, out, lse, neff, trace, var);
+  }
+  return {out, lse, neff, trace, var};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvcert_cpu, m) {
+  m.def("hajek_decode(Tensor q, Tensor keys, Tensor values, Tensor log_pi, Tensor? center, float scale, "
+        "bool per_coordinate, int splits) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(kvcert_cpu, CPU, m) { m.impl("hajek_decode", &hajek_decode); }

@@ -1,0 +1,357 @@
+"""The compiled CPU decode op (kvcert.kernels.cpu) against the float64 oracle and kvcert.fast.
+
+Tolerances (flash-attention's rule): per field and query head,
+|op - ref64| <= 2 |fast - ref64| + rounding, with kvcert.fast (float32 compute, the torch path at
+the input dtype) as the low-precision mirror and ``rounding`` a first-order bound of the op's own
+arithmetic (:func:`_gamma`, :func:`_tolerances`). The op is built on first use; without a
+compiler these tests skip, except the fallback test, which needs none.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import kvcert.dispatch as D
+from kvcert import fast as F
+from model_fixtures import SHORT_PROMPT, model_sdpa, reference_certificate, smollm2  # noqa: F401
+from support import EPS, assert_close, make_case, reference_heads
+
+cpu = pytest.importorskip("kvcert.kernels.cpu")
+
+TILE = 64  # slots per tile of the op (kTile in hajek_decode.cpp)
+LENGTHS = [1, 3, 113, 239, 1023, 1024]
+
+
+@pytest.fixture(scope="module")
+def op():
+    if not cpu.available():
+        pytest.skip(f"the compiled CPU op cannot be built here: {cpu.unavailable_reason()}")
+    return cpu
+
+
+@pytest.fixture(autouse=True)
+def _default_routes(monkeypatch):
+    monkeypatch.delenv(D.ENV_VAR, raising=False)
+    monkeypatch.delenv(D.CPU_OP_ENV_VAR, raising=False)
+
+
+def _gamma(n: int, splits: int) -> float:
+    """Relative rounding of the op's float32 sums over n slots: Higham's first-order bound for a
+    sequential sum inside a tile (TILE terms), one rounding per tile merge (with its rescale) and per
+    range merge, plus the exponential's polynomial (2 ulp) and the finalization (3)."""
+    return EPS[torch.float32] * (TILE + 2 * math.ceil(max(n, 1) / TILE) + 2 * splits + 5)
+
+
+def _oracle(q, k, v, pi, scale=None):
+    """float64 fields per (b, h_q) and the scales of the rounding bound, numpy arrays."""
+    heads = reference_heads(q, k, v, pi, scale)
+    b, h_q = q.shape[:2]
+    keys = ("output", "lse", "trace", "n_eff", "variance", "vmax", "c_sum", "c_dev", "diam", "range")
+    res = {f: [] for f in keys}
+    for (bi, h), (e, vv, p) in heads.items():
+        live = p > 0
+        for f in ("output", "lse", "trace", "n_eff", "variance"):
+            res[f].append(getattr(e, f))
+        c = (1.0 - p) * e.weights ** 2
+        vl = vv[live] if live.any() else np.zeros((1, vv.shape[1]))
+        res["vmax"].append(np.abs(vl).max())
+        res["c_sum"].append(c.sum())
+        res["c_dev"].append((c[:, None] * np.abs(vv - e.output)).sum(0) if live.any() else np.zeros(vv.shape[1]))
+        res["diam"].append(2.0 * np.linalg.norm(vl - vl.mean(0), axis=1).max())  # >= the kept values' diameter
+        res["range"].append(vl.max(0) - vl.min(0))
+    return {f: np.asarray(x, dtype=np.float64).reshape((b, h_q) + np.shape(x[0])) for f, x in res.items()}
+
+
+def _tolerances(ref, dtype, n, splits):
+    """Rounding of each field, from the op's arithmetic.
+
+    output: the weighted sum of v, gamma max|v|, plus the cast to the input dtype.
+    lse: gamma (relative error of Z) plus eps |lse|. n_eff = l^2 / sum p^2: 3 gamma relative.
+    trace: the centred form R - 2 (o - mu).S + |o - mu|^2 C around a kept value or the mean kept value
+    mu, each term at most C diam^2, so 4 gamma C diam^2; and the output's error delta <= gamma max|v|
+    moves sum c |v - o|^2 by 2 delta sum c |v - o|. variance: the same per coordinate, with the range.
+    """
+    g = _gamma(n, splits)
+    eps_out = EPS[dtype] if dtype != torch.float32 else 0.0
+    shift = g * ref["vmax"]
+    return {
+        "output": shift[..., None] + eps_out * np.abs(ref["output"]),
+        "lse": g + EPS[torch.float32] * np.abs(np.where(np.isfinite(ref["lse"]), ref["lse"], 0.0)),
+        "n_eff": 3 * g * ref["n_eff"],
+        "trace": 4 * g * ref["c_sum"] * ref["diam"] ** 2 + 2 * shift * ref["c_dev"].sum(-1),
+        "variance": 4 * g * ref["c_sum"][..., None] * ref["range"] ** 2 + 2 * shift[..., None] * ref["c_dev"],
+    }
+
+
+def _check(est, q, k, v, pi, *, per_coordinate, splits=0, fields=None, scale=None, value_center=None):
+    """The op's estimate against ref64 within 2 |fast - ref64| + rounding."""
+    ref = _oracle(q, k, v, pi, scale)
+    fst = F.hajek_attention(q, k, v, pi, per_coordinate=per_coordinate, scale=scale)
+    n = k.shape[2]
+    tol = _tolerances(ref, k.dtype, n, splits if splits else max(1, math.ceil(n / 256)))
+    fields = fields or (("output", "lse", "trace", "n_eff") + (("variance",) if per_coordinate else ()))
+    for f in fields:
+        got = getattr(est, f).double().numpy()
+        with np.errstate(invalid="ignore"):  # inf - inf on empty rows
+            mirror = np.abs(getattr(fst, f).double().numpy() - ref[f])
+        mirror = np.where(np.isfinite(mirror), mirror, 0.0)  # both inf (empty rows): compared exactly
+        assert_close(f, got, ref[f], 2 * mirror + tol[f])
+
+
+def _case(n, dtype, g, *, seed=0, d=64, dv=64, pad="ragged", pi_kind="interior", regime="typical", t=None):
+    return make_case(seed, 2, 2, g, n, d, dv, dtype, regime=regime, pad=pad, pi_kind=pi_kind, t=t)
+
+
+# ----------------------------------------------------------------------------- correctness
+@pytest.mark.parametrize("g", [1, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", LENGTHS)
+def test_op_matches_reference_and_fast(op, n, dtype, g):
+    """Lengths that break the 64-slot tiles and the 256-slot ranges, GQA groups 1, 3, 4, ragged
+    padding (with loud garbage in the padding slots), the automatic and a forced range split."""
+    q, k, v, pi = _case(n, dtype, g, seed=n + g)
+    for splits in (0, 5):
+        est = op.hajek_attention(q, k, v, pi, per_coordinate=False, splits=splits)
+        assert est.variance is None and est.output.dtype == dtype and est.trace.dtype == torch.float32
+        _check(est, q, k, v, pi, per_coordinate=False, splits=splits)
+
+
+@pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (32, 16), (8, 5), (64, 128)])
+@pytest.mark.parametrize("n", [113, 239])
+def test_head_dimensions_and_per_coordinate_variance(op, d, dv, n):
+    """The register-blocked micro-kernels (64, 128) and the generic loops (others), with the
+    per-coordinate variance; tiny pi (1e-6, a +13.8 offset) mixed in."""
+    q, k, v, pi = _case(n, torch.float32, 3, d=d, dv=dv, pi_kind="mixed", seed=d + dv)
+    for per_coordinate in (False, True):
+        est = op.hajek_attention(q, k, v, pi, per_coordinate=per_coordinate, splits=2)
+        _check(est, q, k, v, pi, per_coordinate=per_coordinate, splits=2)
+        if per_coordinate:  # the trace is then the sum of the variance
+            torch.testing.assert_close(est.trace, est.variance.sum(-1), rtol=4 * EPS[torch.float32] * dv, atol=0)
+
+
+def test_several_query_rows(op):
+    """q (b, h_q, t, d): all g * t rows of a KV head share the pass; each row is its own estimate."""
+    q, k, v, pi = _case(239, torch.float32, 3, t=2)
+    est = op.hajek_attention(q, k, v, log_pi=pi.log(), per_coordinate=False)
+    assert est.output.shape == (2, 6, 2, 64) and est.trace.shape == (2, 6, 2)
+    for j in range(2):
+        part = type(est)(output=est.output[:, :, j], weights=None, variance=None, trace=est.trace[:, :, j],
+                         lse=est.lse[:, :, j], n_eff=est.n_eff[:, :, j])
+        _check(part, q[:, :, j].contiguous(), k, v, pi, per_coordinate=False)
+
+
+def test_offset_values_stay_well_conditioned(op):
+    """Values sharing a large offset (1e4, spread 1): the centred form keeps the trace accurate both
+    around the first kept value and around a given centre (the mean kept value)."""
+    q, k, v, pi = _case(1023, torch.float32, 3, regime="offset")
+    mu, _ = F.value_moments(v, pi)
+    for center in (None, mu):
+        est = op.hajek_attention(q, k, v, pi, per_coordinate=True, value_center=center)
+        _check(est, q, k, v, pi, per_coordinate=True, fields=("trace", "variance"))
+
+
+def test_empty_rows(op):
+    """A KV head whose every slot is padding: output 0, lse -inf, trace and variance +inf, n_eff 0
+    (the reference's convention), with or without validation; the other heads are unaffected."""
+    q, k, v, pi = _case(113, torch.float32, 3, pad="empty_head")
+    for validate in (True, False):
+        est = op.hajek_attention(q, k, v, pi, per_coordinate=True, validate=validate)
+        e = est.output[0, -3:]
+        assert bool((e == 0).all()) and bool((est.lse[0, -3:] == -math.inf).all())
+        assert bool((est.trace[0, -3:] == math.inf).all()) and bool((est.variance[0, -3:] == math.inf).all())
+        assert bool((est.n_eff[0, -3:] == 0).all())
+        _check(est, q, k, v, pi, per_coordinate=True)
+
+
+def test_all_certain_rows_have_trace_exactly_zero(op):
+    """pi = 1 everywhere: every c_i = (1 - pi_i) a_i^2 is exactly 0, so trace and variance are exactly
+    0, and the output is exact attention."""
+    q, k, v, pi = _case(239, torch.float32, 3, pi_kind="ones", pad="none")
+    est = op.hajek_attention(q, k, v, pi, per_coordinate=True, splits=3)
+    assert bool((est.trace == 0).all()) and bool((est.variance == 0).all())
+    _check(est, q, k, v, pi, per_coordinate=True, splits=3, fields=("output", "lse", "n_eff"))
+
+
+def test_padding_slots_are_never_read(op):
+    """NaN and inf in the K and V of pi = 0 slots change nothing (those slots are skipped, not masked)."""
+    q, k, v, pi = _case(239, torch.float32, 3)
+    clean = op.hajek_attention(q, k, v, pi, per_coordinate=False)
+    pad = (pi == 0)[..., None]
+    k2, v2 = k.masked_fill(pad, float("nan")), v.masked_fill(pad, float("inf"))
+    dirty = op.hajek_attention(q, k2, v2, pi, per_coordinate=False)
+    for f in ("output", "trace", "lse", "n_eff"):
+        assert torch.equal(getattr(clean, f), getattr(dirty, f)), f
+
+
+def test_strided_cache_views_are_read_in_place(op):
+    """The cache's tensors are views of larger buffers (spare slots after each head): the same result
+    as contiguous copies, bit for bit."""
+    q, k, v, pi = _case(113, torch.bfloat16, 3)
+    big_k = torch.zeros(2, 2, 150, 64, dtype=k.dtype)
+    big_v = torch.zeros(2, 2, 150, 64, dtype=v.dtype)
+    big_p = torch.zeros(2, 2, 150)
+    big_k[:, :, :113], big_v[:, :, :113], big_p[:, :, :113] = k, v, pi.log()
+    a = op.hajek_attention(q, big_k[:, :, :113], big_v[:, :, :113], log_pi=big_p[:, :, :113], per_coordinate=False)
+    b = op.hajek_attention(q, k, v, log_pi=pi.log(), per_coordinate=False)
+    for f in ("output", "trace", "lse", "n_eff"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+
+
+def test_negative_control_a_perturbed_offset_fails(op):
+    """The comparison detects a 1 % error in the offsets -log pi (it is not vacuous)."""
+    q, k, v, pi = _case(239, torch.float32, 3)
+    bad = op.hajek_attention(q, k, v, log_pi=pi.log() * 1.01, per_coordinate=False)
+    with pytest.raises(AssertionError, match="output"):
+        _check(bad, q, k, v, pi, per_coordinate=False, fields=("output",))
+    with pytest.raises(AssertionError, match="trace"):
+        _check(bad, q, k, v, pi, per_coordinate=False, fields=("trace",))
+
+
+def test_bad_inputs(op):
+    q, k, v, pi = _case(3, torch.float32, 1)
+    with pytest.raises(TypeError, match="float32 or both bfloat16"):
+        op.hajek_attention(q, k.half(), v.half(), pi)
+    with pytest.raises(ValueError, match="splits"):
+        op.hajek_attention(q, k, v, pi, splits=-1)
+    with pytest.raises(ValueError, match="value_center"):
+        op.hajek_attention(q, k, v, pi, value_center=torch.zeros(2, 2, 3))
+    with pytest.raises(ValueError, match="pi must lie"):
+        op.hajek_attention(q, k, v, pi * 2)
+    for bad_q, bad_v in ((q.masked_fill(q > 1, float("nan")), v), (q, v.masked_fill(v > 1, float("nan")))):
+        with pytest.raises(ValueError, match="NaN"):
+            op.hajek_attention(bad_q, k, bad_v, pi, splits=2)
+    q, k, v, pi = _case(3, torch.float32, 1, pad="none")
+    one = q.clone()
+    one[0, 0, 5] = float("nan")  # one NaN coordinate of one query: that row is NaN, without validation too
+    est = op.hajek_attention(one, k, v, pi, validate=False, per_coordinate=True)
+    assert bool(torch.isfinite(est.output[1]).all())
+    for f in ("output", "trace", "lse", "variance"):
+        assert bool(torch.isnan(getattr(est, f)[0, 0]).all()), f
+    with pytest.raises(ValueError, match="keys must have shape"):
+        op.hajek_attention(q, k[..., :4], v, pi)
+
+
+# ----------------------------------------------------------------------------- the dispatch switch
+def test_dispatch_routes_cpu_decodes_to_the_op_and_the_switch_forces_torch(op, monkeypatch):
+    q, k, v, pi = _case(239, torch.float32, 3)
+    mu, r2 = F.value_moments(v, pi)
+    kw = dict(log_pi=pi.log(), per_coordinate=False, value_center=mu, value_sqdist=r2, validate=False)
+    a = D.hajek_attention(q, k, v, **kw)
+    assert (D.last_backend(), D.last_route()) == ("fast", "cpu_op")
+    b = D.hajek_attention(q, k, v, backend="fast", **kw)  # the HF session forces "fast": still the op
+    assert D.last_route() == "cpu_op" and torch.equal(a.output, b.output)
+    _check(a, q, k, v, pi, per_coordinate=False)
+    monkeypatch.setenv(D.CPU_OP_ENV_VAR, "0")
+    t = D.hajek_attention(q, k, v, **kw)
+    assert (D.last_backend(), D.last_route()) == ("fast", "torch")
+    assert t.n_eff is None  # kvcert.fast's one-pass path: not the op
+    _check(a, q, k, v, pi, per_coordinate=False, fields=("output", "lse", "trace"))
+
+
+@pytest.mark.parametrize("extra", [dict(per_coordinate=True), dict(return_tail_moment=True),
+                                   dict(return_max_term=True), dict(bias=torch.zeros(1, 1, 1)),
+                                   dict(dtype=torch.float64)])
+def test_dispatch_keeps_torch_for_what_the_op_lacks(op, extra):
+    q, k, v, pi = _case(113, torch.float32, 3)
+    extra = dict(extra)
+    if extra.pop("dtype", None) is not None:
+        q, k, v = q.double(), k.double(), v.double()
+    extra.setdefault("per_coordinate", False)
+    D.hajek_attention(q, k, v, pi, **extra)
+    assert (D.last_backend(), D.last_route()) == ("fast", "torch")
+
+
+def test_failed_build_warns_once_and_runs_torch(monkeypatch):
+    """No compiler: one RuntimeWarning naming the cause, then every call on kvcert.fast."""
+    monkeypatch.setitem(cpu._state, "ops", None)
+    monkeypatch.setitem(cpu._state, "reason", None)
+    monkeypatch.setitem(cpu._state, "warned", False)
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    q, k, v, pi = _case(3, torch.float32, 1)
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler found"):
+        D.hajek_attention(q, k, v, pi, per_coordinate=False)
+    assert D.last_route() == "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second call is silent
+        D.hajek_attention(q, k, v, pi, per_coordinate=False)
+    assert D.last_route() == "torch" and "compiler" in cpu.unavailable_reason()
+
+
+# ----------------------------------------------------------------------------- the real model
+def _trace_rounding(call, head: int) -> float:
+    """Rounding bound of a decode trace computed in float32 in the centred form around the mean kept
+    value mu (what the Hugging Face decode hands both paths): each of its three sums carries a relative
+    error of at most gamma, so |error| <= gamma (R + 2 |(o - mu).S| + C |o - mu|^2) with
+    R = sum c |v - mu|^2, S = sum c (v - mu), C = sum c (float64 from the captured inputs), plus the
+    output's rounding delta <= gamma max|v| moving it by 2 delta sum c |v - o|. R, S and C can exceed
+    the trace by orders of magnitude when one token dominates (o far from mu): this is the bound's
+    point, not a margin."""
+    g = call["q"].shape[1] // call["keys"].shape[1]
+    lp = call["log_pi"][0, head // g].double()
+    live = torch.isfinite(lp)
+    k, v = call["keys"][0, head // g].double()[live], call["values"][0, head // g].double()[live]
+    s = call["scale"] * (k @ call["q"][0, head].double()) - lp[live]
+    a = torch.softmax(s, 0)
+    c = -torch.expm1(lp[live]) * a * a
+    o, mu = a @ v, v.mean(0)
+    dm = o - mu
+    cond = float(c @ ((v - mu) ** 2).sum(1) + 2 * (dm @ (c @ (v - mu))).abs() + c.sum() * (dm @ dm))
+    n = int(live.sum())
+    gamma = _gamma(n, math.ceil(n / 256))
+    return gamma * cond + 2 * gamma * float(v.abs().max()) * float(c @ (v - o).norm(dim=1))
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_recorded_certificates_unchanged_between_op_and_torch(op, model_sdpa, monkeypatch):
+    """kvcert.generate with PoissonPress(0.5, seed=0) on the op path (A) and the torch path (B): the
+    same text and kept counts, and per step, layer and head the recorded trace and radius agree
+    within |A - ref64(A)| + |ref64(A) - ref64(B)| + |ref64(B) - B|: the triangle through the float64
+    oracle on each run's own decode inputs (they differ by the rounding of the earlier layers), the
+    outer terms bounded by :func:`_trace_rounding` (the radius sqrt(trace / delta) moves by half the
+    trace's relative error)."""
+    import kvcert
+
+    model, tok = model_sdpa
+    runs = {}
+    for route in ("cpu_op", "torch"):
+        if route == "torch":
+            monkeypatch.setenv(D.CPU_OP_ENV_VAR, "0")
+        calls, original = [], D.hajek_attention
+
+        def spy(q, keys, values, pi=None, _calls=calls, **kw):
+            out = original(q, keys, values, pi, **kw)
+            _calls.append({"q": q.clone(), "keys": keys.clone(), "values": values.clone(),
+                           "log_pi": kw["log_pi"].clone(), "scale": kw["scale"], "route": D.last_route()})
+            return out
+
+        monkeypatch.setattr(D, "hajek_attention", spy)
+        press = kvcert.PoissonPress(compression_ratio=0.5, seed=0)
+        runs[route] = (kvcert.generate(model, tok, SHORT_PROMPT, press=press, max_new_tokens=4), calls)
+        monkeypatch.setattr(D, "hajek_attention", original)
+    (ra, ca), (rb, cb) = runs["cpu_op"], runs["torch"]
+    assert {c["route"] for c in ca} == {"cpu_op"} and {c["route"] for c in cb} == {"torch"}
+    assert ra.text == rb.text and torch.equal(ra.certificates.kept, rb.certificates.kept)
+    n_layers, h_q = ra.certificates.trace.shape[1:]
+    assert len(ca) == len(cb) == n_layers * (ra.certificates.trace.shape[0] - 1)
+    compressed = 0
+    for i, (a, b) in enumerate(zip(ca, cb)):
+        step, layer = 1 + i // n_layers, i % n_layers
+        for head in range(h_q):
+            est_a, rad_a, _, _ = reference_certificate(a, head, delta=press.delta, kind=press.kind)
+            est_b, rad_b, _, _ = reference_certificate(b, head, delta=press.delta, kind=press.kind)
+            tol_a, tol_b = _trace_rounding(a, head), _trace_rounding(b, head)
+            compressed += est_a.trace > 0
+            t_a, t_b = (float(x.certificates.trace[step, layer, head]) for x in (ra, rb))
+            assert abs(t_a - t_b) <= tol_a + tol_b + abs(est_a.trace - est_b.trace), (
+                "trace", step, layer, head, t_a, t_b, est_a.trace, est_b.trace)
+            r_a, r_b = (float(x.certificates.radius[step, layer, head]) for x in (ra, rb))
+            rel = 0.5 * (tol_a / est_a.trace if est_a.trace > 0 else 0.0) * rad_a
+            rel += 0.5 * (tol_b / est_b.trace if est_b.trace > 0 else 0.0) * rad_b
+            assert abs(r_a - r_b) <= rel + abs(rad_a - rad_b), ("radius", step, layer, head, r_a, r_b, rad_a, rad_b)
+    assert compressed > 0, "some heads carry a certificate"
