@@ -35,10 +35,32 @@ The mask function returns the base implementation's mask for a prefill and
 ``None`` afterwards: layers hold different physical lengths after eviction,
 so no single mask fits them all, and a one-token decode needs no causal mask
 among cached tokens (padding is carried by the -inf bias).
+
+Models with sliding-window layers beside global ones (Gemma 2 and 3): only
+the full-attention layers are compressed and certified
+(:func:`kvcert.cache.attention_layout`); a sliding-window layer
+(:class:`kvcert.cache.SlidingWindowLayer`) is attended exactly as the stock
+model attends it, by the model's own attention function with the stock
+sliding-window mask (the mask function always returns that one), at every
+step. The recorded certificates have one layer entry per compressed layer,
+in order (:func:`kvcert.cache.compressed_layers` gives their model
+indices), so summaries over layers (``Certificates.per_step``,
+``per_layer``) run over the compressed layers only. Attention logit
+softcapping (Gemma 2's ``attn_logit_softcapping``, passed to the attention
+function as ``softcap``) is applied exactly: scores
+:math:`s_i = c\\tanh(\\tau q\\cdot k_i / c)` before the :math:`-\\log\\pi_i`
+offset, so the estimate and its certificate refer to the softcapped
+attention, the model's own. Scalings and norms applied to queries and keys
+before the attention function (Gemma's ``query_pre_attn_scalar``, QK norms)
+reach kvcert through the query, the keys and ``scaling``. Features that
+change the attention in a way the estimator does not model are refused by
+name: attention sinks, additive position biases (ALiBi), non-causal
+attention.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 
@@ -49,7 +71,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from . import dispatch
-from .cache import KVCertCache, KVCertLayer, as_kvcert_cache
+from .cache import KVCertCache, KVCertLayer, as_kvcert_cache, attention_layout
 from .fast import certificate_moments
 from .records import Certificates, Recorder
 
@@ -63,6 +85,7 @@ __all__ = [
     "active_session",
     "carry",
     "deactivate",
+    "exact_attention",
     "kvcert_attention_forward",
     "kvcert_mask",
 ]
@@ -96,6 +119,50 @@ def resolve_base(implementation: str | None) -> str:
     return _DEFAULT_BASE
 
 
+_MODULE_EAGER: dict[type, object] = {}
+
+
+def exact_attention(module, base: str):
+    """The exact attention function the stock model calls for implementation ``base``.
+
+    For ``eager``, the model's own ``eager_attention_forward`` (the one its
+    modeling module defines, which the model falls back to: Gemma's applies
+    the logit softcap), else Llama's; for ``sdpa``, transformers'
+    ``sdpa_attention_forward``.
+    """
+    if base != "eager":
+        return BASE_ATTENTION[base]
+    cls = type(module)
+    if cls not in _MODULE_EAGER:
+        fn = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
+        _MODULE_EAGER[cls] = fn if callable(fn) else BASE_ATTENTION["eager"]
+    return _MODULE_EAGER[cls]
+
+
+def _refuse_unsupported(module, kwargs: dict) -> None:
+    """Refuse, by name, attention features the Hajek estimate does not model."""
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("kvcert: attention sinks (learned per-head sink logits, s_aux) are not supported")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError("kvcert: an additive position bias in the attention scores (ALiBi, relative position "
+                         "bias) is not supported")
+    if getattr(module, "is_causal", True) is False:
+        raise ValueError("kvcert: non-causal attention (bidirectional or cross-attention) is not supported")
+
+
+def _softcap_bias(query: torch.Tensor, keys: torch.Tensor, scale: float, cap: float) -> torch.Tensor:
+    r"""The additive bias that turns the scores :math:`s = \tau q\cdot k` into softcapped ones:
+    :math:`c\tanh(s/c) - s`, (b, h_q, n) for a query (b, h_q, 1, d), (b, h_q, t, n) for t > 1
+    (query head j reads KV head j // g), in float32 (float64 for a float64 model)."""
+    b, h_q, t, d = query.shape
+    h_kv, n = keys.shape[1], keys.shape[2]
+    dt = torch.float64 if keys.dtype == torch.float64 else torch.float32
+    q = query.to(dt).reshape(b, h_kv, (h_q // h_kv) * t, d)
+    s = torch.matmul(q, keys.to(dt).transpose(-1, -2)).mul_(scale)
+    bias = (torch.tanh(s / cap) * cap).sub_(s).reshape(b, h_q, t, n)
+    return bias[:, :, 0] if t == 1 else bias
+
+
 # ---------------------------------------------------------------------------------------------
 # the session: what a press context owns and the attention function calls
 # ---------------------------------------------------------------------------------------------
@@ -122,6 +189,15 @@ class Session:
         self.kind, self.delta = press.kind, press.delta
         self.options = estimate_options(self.kind) if self.kind is not None else {"per_coordinate": False}
         self.n_layers = config.get_text_config(decoder=True).num_hidden_layers
+        layout = attention_layout(config)
+        #: model indices of the layers the press compresses (full attention): the certificates' layer axis
+        self.compressed = tuple(i for i, w in enumerate(layout) if w is None)
+        if len(self.compressed) < len(layout):
+            from .presses import BlockPoissonPress
+
+            if isinstance(press, BlockPoissonPress):
+                raise ValueError("BlockPoissonPress decides for every layer at once; models with sliding-window "
+                                 "layers (left uncompressed) are not supported by it: use PoissonPress")
         self.cache = None
         self.mask2d: torch.Tensor | None = None
         self.input_ids: torch.Tensor | None = None
@@ -182,7 +258,7 @@ class Session:
             cache = KVCertCache(self.config)
             kwargs[self.cache_keyword] = cache
         elif cache is not None:
-            as_kvcert_cache(cache)
+            as_kvcert_cache(cache, self.config)
         if cache is not None and cache.get_seq_length() == 0:
             self.recorder = self._new_recorder()  # a new sequence
         self.cache = cache
@@ -241,6 +317,8 @@ class Session:
         """The prefill event on a cache filled by ``kvcert.prefill`` (queries recorded in its layers)."""
         self.cache = cache  # the press context's carrier (query-agnostic protocol) carries this cache
         for idx, layer in enumerate(cache.layers):
+            if not layer.compressible:  # a sliding-window layer: never compressed
+                continue
             queries, scale = layer.queries, getattr(layer, "query_scale", None)
             layer.queries = None
             if queries is None or scale is None:
@@ -255,11 +333,21 @@ class Session:
             self.prefill(layer, idx, queries, scale)
 
     def attend(self, module, query, key, value, attention_mask, scaling, dropout, **kwargs):
-        """The attention of one layer under the press: exact prefill, or the Hajek decode."""
-        if kwargs.get("sliding_window") is not None:
-            raise ValueError("kvcert: sliding-window attention layers are not supported")
+        """The attention of one layer under the press: exact prefill, or the Hajek decode; a
+        sliding-window layer exactly as the stock model attends it."""
+        _refuse_unsupported(module, kwargs)
         layer_idx = module.layer_idx
         layer = self.layer(layer_idx)
+        if not layer.compressible:
+            real = self._real_new(query.shape[2])
+            if real is not None:
+                layer.mark_padding(real)
+            return exact_attention(module, self.base)(module, query, key, value, attention_mask, scaling=scaling,
+                                                      dropout=dropout, **kwargs)
+        if kwargs.get("sliding_window") is not None:
+            raise ValueError(f"kvcert: layer {layer_idx} attends with a sliding window but the config makes it a "
+                             "full-attention layer; pass the model's config to KVCertCache / as_kvcert_cache")
+        softcap = kwargs.get("softcap")
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         q_len = query.shape[2]
@@ -271,13 +359,13 @@ class Session:
                 layer.mark_padding(real)
             ids = self.input_ids
             layer.token_ids = ids if ids is not None and tuple(ids.shape) == (key.shape[0], key.shape[-2]) else None
-            out, weights = BASE_ATTENTION[self.base](module, query, key, value, attention_mask, scaling=scaling,
-                                                     dropout=dropout, **kwargs)
+            out, weights = exact_attention(module, self.base)(module, query, key, value, attention_mask,
+                                                              scaling=scaling, dropout=dropout, **kwargs)
             self.prefill(layer, layer_idx, query, scaling)
             return out, weights
         if real is not None:
             layer.mark_padding(real)
-        out = self._decode(layer, layer_idx, query, scaling)
+        out = self._decode(layer, layer_idx, query, scaling, softcap)
         if not self.carried:  # the query-agnostic protocol compresses the context only
             self.press.decode_event(layer, layer_idx, query, scaling)
         elif self._question_tokens is None and self.answers:  # the question's forward: note its length
@@ -285,8 +373,14 @@ class Session:
             self.answers[-1] = (q_len, self.answers[-1][1])
         return out.to(query.dtype).contiguous(), None
 
-    def _decode(self, layer: KVCertLayer, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:
-        """Hajek attention over the held slots and its certificate statistics; returns (b, q, h_q, dv).
+    def _decode(self, layer: KVCertLayer, layer_idx: int, query: torch.Tensor, scale: float,
+                softcap: float | None = None) -> torch.Tensor:
+        r"""Hajek attention over the held slots and its certificate statistics; returns (b, q, h_q, dv).
+
+        With a logit softcap c the scores are :math:`c\tanh(\tau q\cdot k_i/c)`
+        (the model's eager attention's), passed to the estimator as the
+        additive bias :math:`c\tanh(s_i/c) - s_i` (:func:`_softcap_bias`):
+        the estimate and its certificate refer to the softcapped attention.
 
         The per-step path has no host synchronisation: the estimate runs
         with ``validate=False`` (log pi was checked when the eviction event
@@ -298,13 +392,22 @@ class Session:
         takes no pass over V of its own.
         """
         q_len = query.shape[2]
+        if softcap is not None and (layer.block_size is not None or layer.sketch is not None):
+            raise ValueError("kvcert: attention logit softcapping (the model's softcap) is supported on the token "
+                             "design only, not with block eviction (BlockPoissonPress) or a sketch "
+                             "(PoissonPress(sketch=...))")
         if layer.block_size is not None:  # a block eviction: the cluster-sampling certificate
             return self._decode_blocks(layer, layer_idx, query, scale)
         if layer.sketch is not None:  # a sketched eviction: the hybrid variance of the cluster design
             return self._decode_sketch(layer, layer_idx, query, scale)
-        if self._backend is None:
-            self._backend = dispatch.select_backend(query[:, :, 0], **self.options)
-        kw = dict(self.options, log_pi=layer.log_weights, scale=scale, validate=False, backend=self._backend)
+        if softcap is not None:
+            bias = _softcap_bias(query, layer.keys, scale, float(softcap))
+            backend = dispatch.select_backend(query[:, :, 0], bias=bias, **self.options)
+            kw = dict(self.options, log_pi=layer.log_weights, scale=scale, validate=False, backend=backend, bias=bias)
+        else:
+            if self._backend is None:
+                self._backend = dispatch.select_backend(query[:, :, 0], **self.options)
+            kw = dict(self.options, log_pi=layer.log_weights, scale=scale, validate=False, backend=self._backend)
         qpos = None
         if q_len == 1:
             if self._backend == "fast" and not self.options.get("per_coordinate"):
@@ -414,7 +517,7 @@ class Session:
     def _check_finite(self, layer_idx: int, output: torch.Tensor, norms: torch.Tensor | None = None) -> None:
         """Collect each layer's output norms; at the last layer, one check for NaN over all of them."""
         self._norms.append(torch.linalg.vector_norm(output.detach(), dim=-1) if norms is None else norms)
-        if layer_idx == self.n_layers - 1 or layer_idx + 1 >= len(self.cache.layers):
+        if layer_idx >= self.compressed[-1] or layer_idx + 1 >= len(self.cache.layers):
             norms, self._norms = torch.cat([x.flatten() for x in self._norms]), []
             if bool(torch.isnan(norms).any()):
                 raise ValueError("kvcert: the Hajek attention output is NaN at this decoding step: the model's "
@@ -576,11 +679,14 @@ def _exact_estimate(b: int, h_q: int, dv: int, device):
 # the registered functions
 # ---------------------------------------------------------------------------------------------
 def kvcert_mask(*args, **kwargs):
-    """Mask function registered as ``"kvcert"``: the base mask for a prefill, else None."""
+    """Mask function registered as ``"kvcert"``: the base mask for a prefill, else None; the
+    sliding-window mask (``local_size`` given) always the base one (those layers attend exactly)."""
     session = active_session(kwargs.get("config"))
+    base = session.base if session is not None else _DEFAULT_BASE
+    if kwargs.get("local_size") is not None:
+        return ALL_MASK_ATTENTION_FUNCTIONS[base](*args, **kwargs)
     if session is not None and session.cache is not None and session.cache.get_seq_length() > 0:
         return None
-    base = session.base if session is not None else _DEFAULT_BASE
     return ALL_MASK_ATTENTION_FUNCTIONS[base](*args, **kwargs)
 
 
@@ -616,7 +722,7 @@ def kvcert_attention_forward(module, query, key, value, attention_mask, dropout=
     """
     session = active_session(getattr(module, "config", None))
     if session is None or session.cache is None:
-        base = BASE_ATTENTION[session.base if session is not None else _DEFAULT_BASE]
+        base = exact_attention(module, session.base if session is not None else _DEFAULT_BASE)
         return base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     return session.attend(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 

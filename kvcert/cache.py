@@ -24,14 +24,25 @@ reports two lengths, as the transformers mask code expects:
 the 2-D attention mask, what ``generate`` and the default position ids
 count), :meth:`get_mask_sizes` the *physical* one (slots held, what a mask
 over the keys must cover). Layers may hold different physical lengths.
+
+Models that mix layer types (Gemma 2 and 3: sliding-window layers beside
+global ones) get one layer class per type, read off the config by
+:func:`attention_layout`: full-attention layers are :class:`KVCertLayer` and
+are compressed; sliding-window layers are :class:`SlidingWindowLayer`, never
+compressed, holding what transformers' ``DynamicSlidingWindowLayer`` holds
+(the last ``sliding_window - 1`` tokens) and attended exactly as the stock
+model attends them (its sliding-window mask). Layer types kvcert cannot
+treat correctly (chunked, linear or bidirectional attention) are refused
+by name.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-__all__ = ["KVCertLayer", "KVCertCache", "as_kvcert_cache"]
+__all__ = ["KVCertLayer", "KVCertCache", "SlidingWindowLayer", "as_kvcert_cache", "attention_layout",
+           "compressed_layers"]
 
 
 class KVCertLayer(DynamicLayer):
@@ -44,6 +55,8 @@ class KVCertLayer(DynamicLayer):
     """
 
     is_croppable = True
+    #: whether eviction events apply to this layer (False for :class:`SlidingWindowLayer`)
+    compressible = True
 
     def __init__(self, **kwargs):
         super().__init__()
@@ -399,8 +412,110 @@ class KVCertLayer(DynamicLayer):
                 self.value_sqdist = self.value_sqdist[..., :m]
 
 
+class SlidingWindowLayer(KVCertLayer):
+    """A sliding-window attention layer under a press: never compressed, attended exactly.
+
+    It holds what transformers' ``DynamicSlidingWindowLayer`` holds, the last
+    ``sliding_window - 1`` tokens (an update returns those and the new ones,
+    then forgets the oldest), and reports the same mask sizes, so the stock
+    sliding-window mask fits it and the model attends over it exactly as
+    without kvcert. Every slot has pi = 1 (``log_weights`` 0, -inf on
+    padding), eviction events never apply (:attr:`compressible` is False)
+    and no certificate is recorded for it. The per-slot bookkeeping of
+    :class:`KVCertLayer` (positions, padding, :meth:`mark` /
+    :meth:`restore_mark`, batch operations) is kept, so code that walks a
+    cache's layers treats both kinds alike.
+
+    Parameters
+    ----------
+    sliding_window : int >= 1
+        The model's window: a query at position p attends the keys at
+        positions p - sliding_window < j <= p.
+    """
+
+    is_sliding = True
+    is_croppable = False
+    compressible = False
+
+    def __init__(self, sliding_window: int, **kwargs):
+        super().__init__()
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(f"sliding_window must be an int >= 1, got {sliding_window!r}")
+        self.sliding_window = int(sliding_window)
+        #: tokens appended by the last :meth:`update`
+        self.last_update_length = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append the new tokens; return the held and the new ones; keep the last ``sliding_window - 1``."""
+        keys, values = super().update(key_states, value_states)
+        self.last_update_length = key_states.shape[-2]
+        self._keep_last(self.sliding_window - 1)
+        return keys, values
+
+    def _keep_last(self, keep: int) -> None:
+        m = self.physical_length
+        if m <= keep:
+            return
+        start = m - keep
+        self.keys, self.values = self.keys[:, :, start:], self.values[:, :, start:]
+        self.log_weights, self.positions = self.log_weights[..., start:], self.positions[..., start:]
+        self._invalidate()
+
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        """(kv_length, kv_offset) as ``DynamicSlidingWindowLayer`` reports them."""
+        if isinstance(query_length, torch.Tensor):  # transformers < 5.3 passes cache_position
+            query_length = query_length.shape[-1]
+        q, w, seen = int(query_length), self.sliding_window, self.cumulative_length
+        kv_offset = max(seen - w + 1, 0)
+        return (w - 1 + q if seen >= w else seen + q), kv_offset
+
+    def get_max_length(self) -> int:
+        return self.sliding_window
+
+    def mark_padding(self, real: torch.Tensor) -> None:
+        """Mark which of the tokens of the last :meth:`update` are real (``real`` (b, q) bool), as
+        :meth:`KVCertLayer.mark_padding` does, on the new tokens the window still holds. Keys and
+        values are left as the model wrote them: the stock mask excludes padding."""
+        q = self.last_update_length
+        b = self.keys.shape[0]
+        if real.dim() != 2 or real.shape[0] != b or real.shape[1] != q:
+            raise ValueError(f"real must have shape (b, q) = ({b}, {q}), got {tuple(real.shape)}")
+        real = real.to(device=self.device, dtype=torch.bool)
+        if bool(real.all()):
+            return
+        start = self.next_position - q
+        new_pos = (start[:, None] + real.long().cumsum(-1) - 1).masked_fill(~real, -1)
+        held = min(q, self.physical_length)  # the new tokens still in the window: the last ones
+        if held > 0:
+            positions = self.positions.clone()
+            positions[..., -held:] = new_pos[:, None, -held:]
+            self.positions = positions
+            pad = torch.zeros(b, self.physical_length, dtype=torch.bool, device=self.device)
+            pad[:, -held:] = ~real[:, -held:]
+            self.log_weights = self.log_weights.masked_fill(pad[:, None, :], float("-inf"))
+        self.next_position = start + real.sum(-1)
+        self._invalidate()
+
+    def replace(self, *args, **kwargs) -> None:
+        raise RuntimeError("kvcert: a sliding-window layer is never compressed (SlidingWindowLayer.replace)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """As :meth:`KVCertLayer.crop` while the layer still holds every token it has seen; once the
+        window has dropped tokens a crop cannot bring them back (as ``DynamicSlidingWindowLayer``)."""
+        if tokens_to_remove < 0 and self.cumulative_length >= self.sliding_window:
+            raise RuntimeError(
+                f"cannot crop a sliding-window layer that has seen {self.cumulative_length} tokens, more than its "
+                f"window of {self.sliding_window}: the tokens before the window are gone"
+            )
+        super().crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        super().reset()
+        self.last_update_length = 0
+
+
 class KVCertCache(DynamicCache):
-    """A ``DynamicCache`` whose layers are :class:`KVCertLayer`.
+    """A ``DynamicCache`` whose layers are :class:`KVCertLayer` (and :class:`SlidingWindowLayer`).
 
     Pass it as ``cache=`` (``past_key_values=``) to a model or to ``generate``;
     the presses also convert a fresh ``DynamicCache`` in place
@@ -409,55 +524,115 @@ class KVCertCache(DynamicCache):
     Parameters
     ----------
     config : transformers.PretrainedConfig, optional
-        If given, one layer per decoder layer is created up front (and
-        sliding-window or linear-attention configs are refused); otherwise
-        layers are added lazily.
+        If given, one layer per decoder layer is created up front, by
+        :func:`attention_layout`: a :class:`KVCertLayer` for each
+        full-attention layer, a :class:`SlidingWindowLayer` for each
+        sliding-window layer (configs with other layer types are refused);
+        otherwise :class:`KVCertLayer` layers are added lazily.
     """
 
     def __init__(self, config=None):
         if config is None:
             Cache.__init__(self, layer_class_to_replicate=KVCertLayer)
             return
-        _check_full_attention(config)
-        n = config.get_text_config(decoder=True).num_hidden_layers
-        Cache.__init__(self, layers=[KVCertLayer() for _ in range(n)])
+        Cache.__init__(self, layers=[_new_layer(w) for w in attention_layout(config)])
+
+
+def _new_layer(window: int | None) -> KVCertLayer:
+    return KVCertLayer() if window is None else SlidingWindowLayer(window)
+
+
+#: layer types of ``config.layer_types`` that kvcert runs: compressed, and left exact
+_SUPPORTED_TYPES = ("full_attention", "sliding_attention")
+
+
+def attention_layout(config) -> list[int | None]:
+    """Per decoder layer of a model: None for a full-attention layer (compressed under a press), or
+    the window of a sliding-window layer (left exact).
+
+    Read off ``layer_types`` of the text config, or, without it, off
+    ``sliding_window`` / ``use_sliding_window`` (every layer sliding when a
+    window is set). A press compresses the full-attention layers only, so
+    its certificates cover those (``Certificates`` has one layer entry per
+    compressed layer, in order: :func:`compressed_layers`).
+
+    Raises
+    ------
+    ValueError
+        A layer type other than full and sliding-window attention (chunked,
+        linear, ...), bidirectional attention, or no full-attention layer at
+        all: each named in the message.
+    """
+    text = config.get_text_config(decoder=True)
+    n = int(text.num_hidden_layers)
+    if getattr(text, "use_bidirectional_attention", False) or getattr(text, "is_causal", True) is False:
+        raise ValueError("kvcert: this model uses bidirectional attention; kvcert certifies causal decoding only")
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if not types:
+        if window is not None and getattr(text, "use_sliding_window", True):
+            types = ["sliding_attention"] * n
+        elif getattr(text, "attention_chunk_size", None) is not None:
+            types = ["chunked_attention"] * n
+        else:
+            types = ["full_attention"] * n
+    types = list(types)[:n]
+    other = sorted({t for t in types if t not in _SUPPORTED_TYPES})
+    if other or len(types) < n:
+        raise ValueError(
+            f"kvcert compresses full-attention layers only and leaves sliding-window layers exact; this model has "
+            f"layer types {other or sorted(set(types))} (chunked, linear or other attention layers are not "
+            "supported)"
+        )
+    if "sliding_attention" in types and not window:
+        raise ValueError("kvcert: the config has sliding_attention layers but no sliding_window")
+    if "full_attention" not in types:
+        raise ValueError(
+            f"kvcert compresses full-attention layers only; every layer of this model is a sliding-window layer "
+            f"(sliding_window={window}), so a press would remove nothing (a model whose window exceeds every "
+            "sequence it runs can set config.sliding_window = None)"
+        )
+    return [None if t == "full_attention" else int(window) for t in types]
+
+
+def compressed_layers(config) -> tuple[int, ...]:
+    """Indices of the decoder layers a press compresses (the full-attention layers, in order): the
+    model layer of each entry of the layer axis of recorded ``Certificates``."""
+    return tuple(i for i, w in enumerate(attention_layout(config)) if w is None)
 
 
 def _check_full_attention(config) -> None:
-    text = config.get_text_config(decoder=True)
-    types = getattr(text, "layer_types", None)
-    if types:
-        other = sorted({t for t in types if t != "full_attention"})
-    else:
-        sliding = getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True)
-        other = ["sliding_attention"] if sliding else []
-    if other:
-        raise ValueError(
-            f"kvcert compresses full-attention layers only; this model has layer types {other} "
-            "(sliding-window, chunked or linear attention layers are not supported)"
-        )
+    """Refuse a model whose layer types kvcert cannot run correctly (:func:`attention_layout`)."""
+    attention_layout(config)
 
 
-def as_kvcert_cache(cache: Cache) -> Cache:
-    """Make every layer of ``cache`` a :class:`KVCertLayer`, in place.
+def as_kvcert_cache(cache: Cache, config=None) -> Cache:
+    """Make every layer of ``cache`` a :class:`KVCertLayer` (or :class:`SlidingWindowLayer`), in place.
 
     Fresh ``DynamicLayer`` layers are replaced; layers that already hold
     tokens are converted with pi = 1 for every token (no padding known).
-    The same object is returned, so a caller that holds it (``generate``)
-    keeps a valid reference.
+    With ``config``, each layer takes the type :func:`attention_layout`
+    gives (a lazily filled cache gets all its layers at once), so the
+    sliding-window layers of a model stay exact even in a cache made without
+    the config; without it, transformers' ``DynamicSlidingWindowLayer`` layers
+    become :class:`SlidingWindowLayer` and every other layer a
+    :class:`KVCertLayer`. The same object is returned, so a caller that holds
+    it (``generate``) keeps a valid reference.
 
     Raises
     ------
     TypeError
         ``cache`` is not a ``transformers.Cache``.
     ValueError
-        A layer is not a plain dynamic full-attention layer (static,
-        sliding-window, quantized, offloaded, linear attention).
+        A layer is not a plain dynamic full-attention or sliding-window layer
+        (static, quantized, offloaded, linear attention), or a layer holding
+        tokens has another type than the config gives it.
     """
     if not isinstance(cache, Cache):
         raise TypeError(f"cache must be a transformers Cache, got {type(cache).__name__}")
     if getattr(cache, "offloading", False):
         raise ValueError("cache: offloaded caches are not supported by kvcert (use offloading=False)")
+    layout = None if config is None else attention_layout(config)
     if cache.layer_class_to_replicate is not None and cache.layer_class_to_replicate is not KVCertLayer:
         if cache.layer_class_to_replicate is not DynamicLayer:
             raise ValueError(
@@ -465,16 +640,41 @@ def as_kvcert_cache(cache: Cache) -> Cache:
                 "probabilities; use a DynamicCache or kvcert.cache.KVCertCache"
             )
         cache.layer_class_to_replicate = KVCertLayer
+    if layout is not None and cache.layer_class_to_replicate is not None:
+        while len(cache.layers) < len(layout):  # every layer now, each of its own type
+            cache.layers.append(_new_layer(layout[len(cache.layers)]))
     for i, layer in enumerate(cache.layers):
+        want = layout[i] if layout is not None and i < len(layout) else None
+        held = layer.is_initialized and layer.get_seq_length() > 0
         if isinstance(layer, KVCertLayer):
+            if layout is None or (want is None) == layer.compressible:
+                continue
+            if held:
+                kinds = ("full-attention", "sliding-window")
+                raise ValueError(
+                    f"cache: layer {i} holds tokens as a {kinds[not layer.compressible]} layer but the model's layer "
+                    f"{i} is a {kinds[want is not None]} layer"
+                )
+            cache.layers[i] = _new_layer(want)
             continue
-        if type(layer) is not DynamicLayer:
+        if type(layer) is DynamicSlidingWindowLayer:
+            if layout is not None and want is None:
+                raise ValueError(f"cache: layer {i} is a sliding-window layer but the model's layer {i} is "
+                                 "full attention")
+            new = SlidingWindowLayer(int(layer.sliding_window))
+        elif type(layer) is DynamicLayer:
+            new = _new_layer(want)
+        else:
             raise ValueError(
-                f"cache: layer {i} is a {type(layer).__name__}; kvcert supports dynamic full-attention layers "
-                "only (DynamicCache or kvcert.cache.KVCertCache)"
+                f"cache: layer {i} is a {type(layer).__name__}; kvcert supports dynamic full-attention and "
+                "sliding-window layers only (DynamicCache or kvcert.cache.KVCertCache)"
             )
-        new = KVCertLayer()
-        if layer.get_seq_length() > 0:
+        if held:
             new.update(layer.keys, layer.values)
+            shift = layer.get_seq_length() - new.cumulative_length  # tokens a sliding window already dropped
+            if shift:
+                new.positions = new.positions + shift
+                new.next_position = new.next_position + shift
+                new.cumulative_length += shift
         cache.layers[i] = new
     return cache

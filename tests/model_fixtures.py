@@ -88,8 +88,9 @@ def spy_hajek(monkeypatch):
     return calls
 
 
-def reference_certificate(call, head: int, *, delta: float, kind: str, row: int = 0):
-    """float64 oracle for one (batch row, query head) of a captured decode call."""
+def reference_certificate(call, head: int, *, delta: float, kind: str, row: int = 0, softcap: float | None = None):
+    """float64 oracle for one (batch row, query head) of a captured decode call; with ``softcap`` c the
+    scores are c tanh(s / c) (attention logit softcapping), passed as the bias c tanh(s / c) - s."""
     import numpy as np
 
     from kvcert import reference as R
@@ -98,9 +99,13 @@ def reference_certificate(call, head: int, *, delta: float, kind: str, row: int 
     kv = head // g
     lp = call["log_pi"][row, kv].double().numpy()
     valid = np.isfinite(lp)
-    est = R.hajek_attention(call["q"][row, head].double().numpy(), call["keys"][row, kv].double().numpy()[valid],
-                            call["values"][row, kv].double().numpy()[valid], np.exp(lp[valid]),
-                            scale=call["scale"])
+    q, k = call["q"][row, head].double().numpy(), call["keys"][row, kv].double().numpy()[valid]
+    bias = None
+    if softcap is not None:
+        s = call["scale"] * (k @ q)
+        bias = softcap * np.tanh(s / softcap) - s
+    est = R.hajek_attention(q, k, call["values"][row, kv].double().numpy()[valid], np.exp(lp[valid]),
+                            scale=call["scale"], bias=bias)
     cert = R.certificate(est, delta=delta, kind=kind)
     radius = float(np.linalg.norm(cert.radius)) if np.ndim(cert.radius) else float(cert.radius)
     return est, radius, float(cert.relative_radius), int(valid.sum())
@@ -121,6 +126,46 @@ def tiny_model(family: str = "llama", seed: int = 0):
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=0, **extra)
     torch.manual_seed(seed)
     return model_cls(cfg).eval()
+
+
+#: the model families of the architecture matrix (``AutoConfig.for_model`` names; ``gemma3_text`` is
+#: Gemma 3's text-only ``Gemma3ForCausalLM``)
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", "gpt_neox")
+
+
+def tiny_family_model(family: str, seed: int = 0):
+    """A tiny random-weight float32 model of ``family`` built offline from its config (no download).
+
+    Hidden size 64, head dim 16, 4 query heads over 2 KV heads (GPT-NeoX: 4 heads, no GQA), vocabulary
+    256 (ids 0-2 are pad, BOS, EOS). Gemma 2 and 3 get 4 layers with a sliding window of 24 tokens
+    beside full-attention layers (Gemma 2 alternating, its logit softcap lowered to 2 so that it bends
+    the scores of a random model; Gemma 3 one global layer in four, its last layer sliding) and a
+    query pre-attention scalar of 24 (scale 24^-1/2, not 16^-1/2); the others 2 layers. Weights are
+    drawn with std 0.1 (the families' default 0.02 leaves a random model's attention nearly uniform).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2, initializer_range=0.1, tie_word_embeddings=False)
+    if family == "mistral":
+        kw["sliding_window"] = None  # Mistral 7B v0.2 and later: full attention
+    elif family == "phi3":
+        del kw["head_dim"]  # hidden_size / heads = 16
+    elif family == "gpt_neox":
+        del kw["num_key_value_heads"], kw["head_dim"]
+        kw["rotary_pct"] = 0.25
+    elif family in ("gemma2", "gemma3_text"):
+        s, f = "sliding_attention", "full_attention"
+        kw.update(num_hidden_layers=4, sliding_window=24, query_pre_attn_scalar=24,
+                  layer_types=[s, f, s, f] if family == "gemma2" else [s, f, s, s])
+        if family == "gemma2":
+            kw["attn_logit_softcapping"] = 2.0
+    cfg = AutoConfig.for_model(family, **kw)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
 def _cache_kw(model) -> str:
