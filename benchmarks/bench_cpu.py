@@ -5,7 +5,7 @@ Run (about 3-4 minutes on 2 cores):
     python -m pytest benchmarks/bench_cpu.py --benchmark-only -p no:randomly \
         --benchmark-json=benchmarks/cpu.json
 
-Setups (DESIGN.md section 6, issue 3):
+Setups (docs/design.md section 6, issue 3):
 
 - decode: b=4, h_q=32, h_kv=8, d=dv=128, fp32, kept n in {1k, 4k, 16k}; pi with
   4 sinks and 32 recent tokens certain, the rest in [0.05, 1). Baseline: torch

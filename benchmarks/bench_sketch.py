@@ -29,7 +29,7 @@ Timed per decode step (``validate=False``, the per-step path of kvcert/attention
   beforehand like the other sketch), ``trace=False``: the step in q - q0 reads two moment pairs per
   cluster instead of one;
 - ``sdpa``: torch SDPA with ``enable_gqa=True`` and the bias -log pi as a float mask (the
-  output alone; context, DESIGN.md section 6's baseline).
+  output alone; context, docs/design.md section 6's baseline).
 
 The variants run round-robin (the order rotated every round) after a warm-up, so machine noise
 hits them alike; per variant the median and 20/80 % quantiles of the per-call time, and the

@@ -1,4 +1,4 @@
-"""kvcert.fast: batched PyTorch backend (CPU/GPU). See DESIGN.md section 3.
+"""kvcert.fast: batched PyTorch backend (CPU/GPU). See docs/design.md section 3.
 
 Same contract names as ``kvcert.reference`` for batched tensors: q (b, h_q, d)
 or (b, h_q, t, d), keys/values (b, h_kv, n, d), pi (b, h_kv, n) with 0 on

@@ -1,6 +1,6 @@
 """The block-level (cluster) design, batched (torch): whole blocks of ``block_size`` tokens are sampled.
 
-Torch twin of ``kvcert.reference.blocks`` (DESIGN.md section 7, derivation in
+Torch twin of ``kvcert.reference.blocks`` (docs/design.md section 7, derivation in
 docs/theory.md section 7). A paged engine stores K/V in blocks that hold every
 head of a layer, and one block table serves all layers, so the block choice
 is one per *sequence*: shapes are (b, n_blocks) for the design, and the same
@@ -480,7 +480,7 @@ class BlockDecision:
 
 @dataclass(frozen=True)
 class BlockDesign:
-    r"""The block (cluster) design (DESIGN.md section 7) as one object: fields and checks, budget, decision.
+    r"""The block (cluster) design (docs/design.md section 7) as one object: fields and checks, budget, decision.
 
     A paged engine frees whole blocks, and one block table serves every layer:
     the prompt's tokens are grouped into blocks of ``block_size`` positions

@@ -3,7 +3,7 @@
 :func:`check_attention_inputs` is the one place where the arguments shared by
 :func:`kvcert.fast.hajek_attention`, :func:`kvcert.kernels.hajek_attention`
 and the reference loop of :func:`kvcert.dispatch.hajek_attention` are checked
-(DESIGN.md section 3): q (b, h_q, d) or (b, h_q, t, d); keys (b, h_kv, n, d);
+(docs/design.md section 3): q (b, h_q, d) or (b, h_q, t, d); keys (b, h_kv, n, d);
 values (b, h_kv, n, dv); exactly one of pi / log_pi (b, h_kv, n); GQA
 h_q = g * h_kv; a finite positive scale (default 1/sqrt(d)); and, for the
 backends that take them, bias, positions, query_positions and offset. Bad input

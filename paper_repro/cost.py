@@ -7,7 +7,7 @@ decode attention (Hajek output + trace + Chebyshev certificate,
 ``kvcert.fast``) against torch SDPA on the same compressed cache with the
 bias -log pi as a float mask and ``enable_gqa=True`` (output only). Shapes:
 the default model's decode (b = 1, 9 query / 3 KV heads, d = 64) and the
-DESIGN.md benchmark shape (b = 4, 32 / 8 heads, d = 128). GPU figures live in
+the standard benchmark shape (b = 4, 32 / 8 heads, d = 128). GPU figures live in
 docs/performance.md when a GPU run was made.
 """
 
@@ -92,7 +92,7 @@ def run(cfg: Config) -> Table:
         "certified_decode_path_ms: the call the model's decode step makes (the value moments mu and "
         "||v_i - mu||^2 cached with the cache at eviction, `validate=False` because the session checks log pi "
         "once per eviction event and the outputs once per forward); decode_path_ratio is its ratio to SDPA.",
-        "Targets (DESIGN.md section 6): evict_ratio <= 1.5, decode_ratio <= 1.3. Timings on a shared "
+        "Targets (docs/design.md section 6): evict_ratio <= 1.5, decode_ratio <= 1.3. Timings on a shared "
         "2-core machine are noisy; benchmarks/bench_cpu.py (pytest-benchmark) has the fuller CPU study and "
         "docs/performance.md the GPU one.",
     ]

@@ -1,7 +1,7 @@
 """kvcert.reference: the exact float64 NumPy/SciPy oracle.
 
 One query head, one KV head, no batching, no tricks: every estimator of
-DESIGN.md section 2 written to be read beside the paper (arXiv 2607.21475).
+docs/design.md section 2 written to be read beside the paper (arXiv 2607.21475).
 Shapes: q (d,), keys (n, d), values (n, dv), pi (n,).
 """
 

@@ -127,7 +127,7 @@ def _mix(mix) -> float:
 
 
 def expected_attention_scores(queries, keys, *, scale=None, kernel_size: int = 7, mix: float = 0.5) -> np.ndarray:
-    r"""SnapKV importance mixed with an expected-attention importance (issue 7).
+    r"""SnapKV importance mixed with an expected-attention importance.
 
     The m = g w query vectors of the observation window (the last w queries
     of the g query heads of the KV group) are summarized by a Gaussian fit,

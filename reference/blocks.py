@@ -4,7 +4,7 @@ Paged serving engines (vLLM, SGLang, FlashInfer) store K/V in blocks of
 ``block_size`` consecutive tokens that hold every head of a layer, and one
 block table serves all layers of a KV-cache group: only whole blocks can be
 freed. This module is the float64 NumPy oracle of the block design of
-DESIGN.md section 7 (derivation: docs/theory.md section 7), one query head at a
+docs/design.md section 7 (derivation: docs/theory.md section 7), one query head at a
 time, written to be read beside the token design of :mod:`.design` and
 :mod:`.estimators`:
 

@@ -1,7 +1,7 @@
 """The sampling design: inclusion probabilities and Poisson sampling.
 
 Everything here is plain float64 NumPy, one KV head at a time, written to be
-read beside DESIGN.md section 2 and the paper (arXiv 2607.21475).
+read beside docs/design.md section 2 and the paper (arXiv 2607.21475).
 """
 
 from __future__ import annotations

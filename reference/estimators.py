@@ -1,7 +1,7 @@
 """Exact attention, the Hajek estimator and its survey-sampling variance.
 
 One query head at a time, float64 NumPy, no tricks: the oracle the torch and
-Triton backends are checked against. Notation of DESIGN.md section 2.
+Triton backends are checked against. Notation of docs/design.md section 2.
 """
 
 from __future__ import annotations

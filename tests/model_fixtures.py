@@ -18,7 +18,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-#: real text for prompts (ships with CPython), as DESIGN.md section 4 suggests
+#: real text for prompts (ships with CPython), as docs/design.md section 4 suggests
 from pydoc_data.topics import topics  # noqa: E402
 
 SHORT_PROMPT = "What does the assert statement do in Python? Answer in one sentence."

@@ -9,7 +9,7 @@
     blocks_freed(llm)       # KV blocks freed by eviction since the engine started
 
 After a prompt is processed, whole KV blocks of it are sampled with known
-inclusion probabilities pi_b (the block design of DESIGN.md section 7, from
+inclusion probabilities pi_b (the block design of docs/design.md section 7, from
 ``kvcert.fast``), the evicted ones are returned to vLLM's block pool, and
 decoding attends over the kept blocks with the Hajek offset -log pi_b and a
 cluster-sampling certificate per step, layer and query head. Pieces:

