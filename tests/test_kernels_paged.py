@@ -17,6 +17,7 @@ for the P V product, as in flash attention).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -39,6 +40,18 @@ pytestmark = pytest.mark.skipif(
 kernels = pytest.importorskip("kvcert.kernels")
 DEV = "cpu" if kernels.INTERPRETED else "cuda"
 NEG_INF = float("-inf")
+
+
+def paged(*args, **kwargs):
+    """``kernels.paged_hajek_attention`` on DEV (CUDA when compiled, the CPU under the interpreter), its
+    estimate brought back to the CPU beside the oracle (the cases are built on the CPU)."""
+    to = lambda x: x.to(DEV) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    est = kernels.paged_hajek_attention(*map(to, args), **{k: to(v) for k, v in kwargs.items()})
+    if DEV == "cpu":
+        return est
+    back = {f.name: getattr(est, f.name).cpu() for f in dataclasses.fields(est)
+            if isinstance(getattr(est, f.name), torch.Tensor)}
+    return dataclasses.replace(est, **back)
 EPS = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
 
 
@@ -179,7 +192,7 @@ def test_matches_block_estimator_float32(bs, block_t, h_kv, g, splits):
     # lengths break the tiling: a full block, partial last blocks, a single token, a short one
     case = make_case(seq_lens=[3 * bs, 2 * bs + 5, 1, bs - 3, 5 * bs + 1], h_kv=h_kv, g=g, d=16, bs=bs,
                      seed=bs + 7 * h_kv + 13 * g + splits)
-    est = kernels.paged_hajek_attention(case["q"], case["key_cache"], case["value_cache"], case["block_table"],
+    est = paged(case["q"], case["key_cache"], case["value_cache"], case["block_table"],
                                         case["seq_lens"], case["log_pi_blocks"], per_coordinate=True,
                                         num_splits=splits, block_t=block_t)
     errs = check_against_fast(case, est)
@@ -190,7 +203,7 @@ def test_matches_block_estimator_float32(bs, block_t, h_kv, g, splits):
 
 def test_matches_numpy_reference():
     case = make_case(seq_lens=[40, 17], h_kv=2, g=2, d=8, dv=24, bs=16, seed=3, evict=0.3)
-    est = kernels.paged_hajek_attention(case["q"], case["key_cache"], case["value_cache"], case["block_table"],
+    est = paged(case["q"], case["key_cache"], case["value_cache"], case["block_table"],
                                         case["seq_lens"], case["log_pi_blocks"], per_coordinate=True,
                                         num_splits=2, scale=0.3)
     for s in range(2):
@@ -217,7 +230,7 @@ def test_poison_does_not_change_the_result():
     kw = dict(seq_lens=[70, 33, 64], h_kv=2, g=2, d=16, bs=16, seed=11, evict=0.5)
     clean = make_case(poison=False, **kw)
     dirty = make_case(poison=True, **kw)
-    run = lambda c: kernels.paged_hajek_attention(c["q"], c["key_cache"], c["value_cache"], c["block_table"],  # noqa: E731
+    run = lambda c: paged(c["q"], c["key_cache"], c["value_cache"], c["block_table"],  # noqa: E731
                                                   c["seq_lens"], c["log_pi_blocks"], per_coordinate=True)
     a, b = run(clean), run(dirty)
     for f in ("output", "lse", "trace", "variance", "n_eff"):
@@ -232,7 +245,7 @@ def test_poison_does_not_change_the_result():
     lp[s, j] = 0.0
     tab = dirty["block_table"].clone()
     tab[s, j] = int(torch.nonzero(torch.isnan(dirty["value_cache"][:, 0, 0, 0]))[0])
-    bad = kernels.paged_hajek_attention(dirty["q"], dirty["key_cache"], dirty["value_cache"], tab,
+    bad = paged(dirty["q"], dirty["key_cache"], dirty["value_cache"], tab,
                                         dirty["seq_lens"], lp)
     assert bool(torch.isnan(bad.output[s]).any())
 
@@ -240,7 +253,7 @@ def test_poison_does_not_change_the_result():
 def test_all_certain_is_exact_attention_with_zero_trace():
     case = make_case(seq_lens=[50, 16, 7], h_kv=2, g=2, d=16, bs=16, seed=5, evict=0.0, certain=1.0, poison=False)
     lp = torch.where(case["log_pi_blocks"] > NEG_INF, 0.0, NEG_INF)
-    est = kernels.paged_hajek_attention(case["q"], case["key_cache"], case["value_cache"], case["block_table"],
+    est = paged(case["q"], case["key_cache"], case["value_cache"], case["block_table"],
                                         case["seq_lens"], lp, per_coordinate=True, num_splits=2)
     for s in range(3):
         L = int(case["seq_lens"][s])
@@ -258,7 +271,7 @@ def test_all_certain_is_exact_attention_with_zero_trace():
 def test_empty_sequences():
     case = make_case(seq_lens=[0, 20, 33], h_kv=1, g=2, d=16, bs=16, seed=2, poison=False)
     case["log_pi_blocks"][1] = NEG_INF  # every block evicted
-    est = kernels.paged_hajek_attention(case["q"], case["key_cache"], case["value_cache"], case["block_table"],
+    est = paged(case["q"], case["key_cache"], case["value_cache"], case["block_table"],
                                         case["seq_lens"], case["log_pi_blocks"], num_splits=2)
     for s in (0, 1):
         assert bool((est.output[s] == 0).all()) and bool(torch.isneginf(est.lse[s]).all())
@@ -269,7 +282,7 @@ def test_empty_sequences():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_inputs(dtype):
     case = make_case(seq_lens=[75, 16], h_kv=2, g=2, d=16, bs=32, seed=9, dtype=dtype)
-    est = kernels.paged_hajek_attention(case["q"], case["key_cache"], case["value_cache"], case["block_table"],
+    est = paged(case["q"], case["key_cache"], case["value_cache"], case["block_table"],
                                         case["seq_lens"], case["log_pi_blocks"], per_coordinate=True,
                                         num_splits=2, block_t=16)
     assert est.output.dtype == dtype
@@ -281,7 +294,7 @@ def test_value_offset_no_cancellation():
     (the raw expansion sum ||S_b||^2 - 2 o.S_b A_b + ||o||^2 A_b^2 would lose about log10(offset^2) digits)."""
     case = make_case(seq_lens=[64, 40], h_kv=1, g=2, d=16, bs=16, seed=4, value_offset=100.0, evict=0.3,
                      certain=0.0, poison=False)
-    est = kernels.paged_hajek_attention(case["q"], case["key_cache"], case["value_cache"], case["block_table"],
+    est = paged(case["q"], case["key_cache"], case["value_cache"], case["block_table"],
                                         case["seq_lens"], case["log_pi_blocks"])
     for s in range(2):
         e64, _ = oracle(case, s)
@@ -301,8 +314,8 @@ def test_kv_cache_views_read_vllm_flash_layout():
     table = torch.tensor([[2, 0, 3]], dtype=torch.int32)
     lp = torch.tensor([[0.0, NEG_INF, math.log(0.5)]])
     q = torch.randn(1, 4, d)
-    a = kernels.paged_hajek_attention(q, k, v, table, torch.tensor([40], dtype=torch.int32), lp)
-    b = kernels.paged_hajek_attention(q, k.contiguous(), v.contiguous(), table, torch.tensor([40], dtype=torch.int32),
+    a = paged(q, k, v, table, torch.tensor([40], dtype=torch.int32), lp)
+    b = paged(q, k.contiguous(), v.contiguous(), table, torch.tensor([40], dtype=torch.int32),
                                       lp)
     torch.testing.assert_close(a.output, b.output, rtol=0, atol=0)
     torch.testing.assert_close(a.trace, b.trace, rtol=0, atol=0)
@@ -311,7 +324,7 @@ def test_kv_cache_views_read_vllm_flash_layout():
 def test_refuses_bad_inputs():
     case = make_case(seq_lens=[20], h_kv=2, g=1, d=16, bs=16, seed=1, poison=False)
     args = [case[k] for k in ("q", "key_cache", "value_cache", "block_table", "seq_lens", "log_pi_blocks")]
-    f = kernels.paged_hajek_attention
+    f = paged
     with pytest.raises(ValueError, match="log_pi_blocks"):
         f(*args[:5], args[5].double())
     with pytest.raises(ValueError, match="seq_lens must lie"):
@@ -336,7 +349,7 @@ def test_refuses_bad_inputs():
        splits=st.sampled_from([1, 2, 5]), block_t=st.sampled_from([None, 16]), seed=st.integers(0, 2 ** 16))
 def test_hypothesis_random_tables(bs, h_kv, g, lens, evict, splits, block_t, seed):
     case = make_case(seq_lens=lens, h_kv=h_kv, g=g, d=16, bs=bs, evict=evict, seed=seed)
-    est = kernels.paged_hajek_attention(case["q"], case["key_cache"], case["value_cache"], case["block_table"],
+    est = paged(case["q"], case["key_cache"], case["value_cache"], case["block_table"],
                                         case["seq_lens"], case["log_pi_blocks"], per_coordinate=True,
                                         num_splits=splits, block_t=block_t)
     check_against_fast(case, est)
