@@ -144,11 +144,19 @@ def test_ratio_zero_is_the_token_path_bit_for_bit():
     assert torch.count_nonzero(press.certificates.radius) == 0
 
 
-class _KeepAll(kvcert.BlockPoissonPress):
-    """Budget = every block: pi_b = 1 everywhere, but through the block machinery (compaction, block decode)."""
+class _KeepAllDesign(kvcert.fast.BlockDesign):
+    """Budget = every block: pi_b = 1 everywhere."""
 
     def budget(self, n_blocks):
         return float(n_blocks)
+
+
+class _KeepAll(kvcert.BlockPoissonPress):
+    """Budget = every block: pi_b = 1 everywhere, but through the block machinery (compaction, block decode).
+    The budget is the design's (the press holds a ``kvcert.fast.BlockDesign``), so the design is swapped."""
+
+    def _make_design(self):
+        return _KeepAllDesign(**{name: getattr(self, name) for name in self._design_fields})
 
 
 def test_all_pi_one_gives_the_full_cache_output():

@@ -185,6 +185,74 @@ def test_block_design_decides_what_block_poisson_press_decides(monkeypatch):
     assert torch.equal(d.log_pi[d.kept], torch.log(d.pi[d.kept])) and bool((d.log_pi[~d.kept] == -math.inf).all())
 
 
+def _block_press_run(monkeypatch, press, ids, cont):
+    """Run ``press`` on a tiny model; -> (its first row's decision, each layer's full prompt (q, k, v, scale))."""
+    seen = {}
+    original = press.prefill_event
+
+    def spy(layer, layer_idx, queries, scale):  # each layer's full prompt, before the decision compacts it
+        seen[layer_idx] = (queries.clone(), layer.keys.clone(), layer.values.clone(), scale)
+        return original(layer, layer_idx, queries, scale)
+
+    monkeypatch.setattr(press, "prefill_event", spy)
+    forced_logits(tiny_model(), ids, cont, press)
+    return press.decisions[0], seen
+
+
+def test_block_press_with_another_scorer_keeps_what_its_design_keeps(monkeypatch):
+    """A scorer other than SnapKV drives the Hugging Face block press by configuration alone (``scorer=``):
+    the press decides what ``BlockDesign(scorer=...).decide`` decides, and not what SnapKV decides."""
+    kw = dict(compression_ratio=0.5, block_size=8, seed=4, sink_blocks=1, recent_blocks=2, observation_window=6)
+    differs = []
+    for seed in (11, 12, 13):
+        gen = torch.Generator().manual_seed(seed)
+        ids, cont = torch.randint(1, 96, (1, 203), generator=gen), torch.randint(1, 96, (2,), generator=gen)
+        press = kvcert.BlockPoissonPress(scorer="knorm", **kw)
+        assert press.design == F.BlockDesign(scorer="knorm", **kw)
+        expected, seen = _block_press_run(monkeypatch, press, ids, cont)
+        design = F.BlockDesign(scorer="knorm", **kw)
+        scores = torch.stack([design.score(q, k, v, scale=s, layer=i)[0] for i, (q, k, v, s) in sorted(seen.items())])
+        d = design.decide(design.block_importance(scores[None])[0], event=F.prompt_event(ids[0].tolist()),
+                          n_tokens=203)
+        assert torch.equal(d.importance, expected.importance) and torch.equal(d.pi, expected.pi)
+        assert torch.equal(d.kept, expected.kept) and d.event == expected.event
+        snap, _ = _block_press_run(monkeypatch, kvcert.BlockPoissonPress(**kw), ids, cont)  # negative control
+        assert not torch.equal(snap.importance, expected.importance) and not torch.equal(snap.pi, expected.pi)
+        differs.append(not torch.equal(snap.kept, expected.kept))
+    assert any(differs), "knorm and snapkv kept the same blocks on every prompt"
+
+
+BAD_BLOCK = [
+    ("compression_ratio", 1.0, ValueError), ("block_size", 0, ValueError), ("seed", -1, ValueError),
+    ("sink_blocks", 1.5, TypeError), ("recent_blocks", 0, ValueError), ("top_blocks", -1, ValueError),
+    ("floor", 0.0, ValueError), ("observation_window", 0, ValueError), ("reduce", "sum", ValueError),
+    ("scorer", "nope", ValueError), ("delta", 1.0, ValueError), ("kind", "hoeffding", ValueError),
+]
+
+
+@pytest.mark.parametrize("name, value, error", BAD_BLOCK, ids=[f"{b[0]}={b[1]!r}" for b in BAD_BLOCK])
+def test_block_design_refuses_what_the_block_press_refuses_with_the_same_message(name, value, error):
+    with pytest.raises(error) as press_err:
+        kvcert.BlockPoissonPress(**{name: value})
+    with pytest.raises(error, match=name) as design_err:
+        F.BlockDesign(**{name: value})
+    assert str(design_err.value) == str(press_err.value)
+
+
+@pytest.mark.parametrize("make", [lambda: kvcert.PoissonPress(compression_ratio=0.5),
+                                  lambda: kvcert.BlockPoissonPress(compression_ratio=0.5)], ids=["token", "block"])
+def test_a_reassigned_press_field_rebuilds_and_rechecks_the_design(make):
+    press = make()
+    first = press.design
+    assert press.design is first  # held, not rebuilt per call
+    press.compression_ratio = 0.25
+    assert press.design.compression_ratio == 0.25 and press.design is not first
+    assert press.design.budget(8) == type(first)(compression_ratio=0.25).budget(8)
+    press.floor = 0.0
+    with pytest.raises(ValueError, match="floor must be in"):
+        press.design
+
+
 def test_block_design_budget_is_the_press_s_and_none_decides_nothing():
     for ratio in (0.0, 0.3, 0.5, 0.9):
         for sinks, recent, top in ((1, 1, 0), (0, 1, 0), (2, 3, 1)):

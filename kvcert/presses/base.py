@@ -21,40 +21,29 @@ from dataclasses import dataclass
 
 import torch
 
-from ..fast import KINDS, SCORERS, ClusterSketch, design_sizes
+from ..fast import SCORERS, ClusterSketch, TokenDesign, design_sizes
+from ..fast.design import _int, _kernel_size
 from ..fast.scorers import HEAD_POOLINGS, SNAPKV_POOLINGS, queries_needed, queries_read
 
 
 # ---------------------------------------------------------------------------------------------
 # validation helpers
 # ---------------------------------------------------------------------------------------------
-def _int(name: str, value, *, low: int = 0, optional: bool = False):
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int{' or None' if optional else ''}, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return int(value)
-
-
-def _real(name: str, value, lo: float, hi: float, *, lo_open=False, hi_open=False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    value = float(value)
-    ok_lo = value > lo if lo_open else value >= lo
-    ok_hi = value < hi if hi_open else value <= hi
-    if not (ok_lo and ok_hi and math.isfinite(value)):
-        interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-        raise ValueError(f"{name} must be in {interval}, got {value}")
-    return value
-
-
-def _kernel_size(value) -> int:
-    value = _int("kernel_size", value, low=1)
-    if value % 2 == 0:
-        raise ValueError(f"kernel_size must be odd, got {value}")
-    return value
+# the checks (_int, _kernel_size) are the design objects', kvcert.fast.design's
+def _held_design(press):
+    """The design object ``press`` holds: ``press._make_design()`` of its fields ``press._design_fields``,
+    built (and so checked) again when one of them was reassigned. The press's fields take the design's
+    checked values, so the checks live in the design only."""
+    key = tuple(getattr(press, name) for name in press._design_fields)
+    held = press.__dict__.get("_held_design")
+    if held is not None and held[0] == key:
+        return held[1]
+    design = press._make_design()
+    for name in press._design_fields:
+        if isinstance(getattr(press, name), (str, numbers.Real, type(None))):  # not a scorer object
+            setattr(press, name, getattr(design, name))
+    press.__dict__["_held_design"] = (tuple(getattr(press, name) for name in press._design_fields), design)
+    return design
 
 
 #: scorer hyperparameters with a rule of their own: name -> (default, validator); any other
@@ -82,7 +71,7 @@ def _validate_params(press) -> None:
         setattr(press, name, check(getattr(press, name)))
 
 
-#: kvpress's names of kvcert press fields that mean the same (DESIGN.md section 9): kvpress's
+#: kvpress's names of kvcert press fields that mean the same (docs/design.md section 10): kvpress's
 #: ``window_size`` (SnapKV) is the *observation* window, kvcert's ``window`` the recent tokens kept
 #: with certainty; kvpress's ``n_sink`` (StreamingLLM, ExpectedAttention) is kvcert's ``sinks``
 KVPRESS_NAMES = {"window_size": "observation_window", "n_sink": "sinks"}
@@ -277,18 +266,10 @@ class BasePress(Press):
     _randomized = False
 
     def __post_init__(self):
-        self.compression_ratio = _real("compression_ratio", self.compression_ratio, 0.0, 1.0, hi_open=True)
-        self.target_size = _int("target_size", self.target_size, low=1, optional=True)
-        if self.target_size is not None and self.compression_ratio > 0:
-            raise ValueError(
-                f"give compression_ratio or target_size, not both (got compression_ratio="
-                f"{self.compression_ratio}, target_size={self.target_size})"
-            )
-        self.sinks = _int("sinks", self.sinks)
-        self.window = _int("window", self.window)
-        self.delta = _real("delta", self.delta, 0.0, 1.0, lo_open=True, hi_open=True)
-        if not isinstance(self.kind, str) or self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        # the checks are the token design's (a deterministic press keeps its certainty set and budget rule)
+        checked = TokenDesign(**{name: getattr(self, name) for name in _BASE_FIELDS})
+        for name in _BASE_FIELDS:
+            setattr(self, name, getattr(checked, name))
         _validate_params(self)
 
     @property
@@ -398,7 +379,7 @@ class BasePress(Press):
         rows that evict are evicted together, one :meth:`_evict` call per
         certainty-set shape (sinks, window), with per-row budgets and top
         counts: the same design per row as one call per row would give, in
-        a few batched calls (issue 15).
+        a few batched calls.
         """
         if not prefill and getattr(self, "sketch", None) is not None:
             raise ValueError("sketch: a sketched PoissonPress evicts once per layer, at the prefill event; "
@@ -486,6 +467,10 @@ class BasePress(Press):
             blank = next(iter(sketches.values())).map(torch.zeros_like)
             sketch = ClusterSketch.cat([sketches.get(r, blank) for r in range(b)])
         layer.replace(*_pad_rows([rows[r] for r in range(b)]), sketch)
+
+
+#: the fields every press shares with :class:`kvcert.fast.TokenDesign`, which checks them
+_BASE_FIELDS = ("compression_ratio", "target_size", "sinks", "window", "delta", "kind")
 
 
 def _row_slots(layer, r: int, idx):

@@ -8,33 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..fast import KINDS
-from .base import Press, _int, _pad_rows, _real
+from ..fast import BlockDecision, BlockDesign
+from .base import Press, _held_design, _pad_rows
 
-
-@dataclass
-class BlockDecision:
-    """The block sample of one batch row (:attr:`BlockPoissonPress.decisions`).
-
-    Attributes
-    ----------
-    n_tokens : int
-        Prompt tokens of the row (padding excluded).
-    importance : tensor (n_blocks,) float64
-        Block importance u_b (:func:`kvcert.fast.block_importance` over every layer and KV head).
-    pi : tensor (n_blocks,) float64
-        Inclusion probabilities pi_b (1 on the certainty set).
-    kept : bool tensor (n_blocks,)
-        The sample: block b is kept iff U_b < pi_b, U from the block stream keyed by (seed, event).
-    event : int
-        ``kvcert.fast.prompt_event`` of the row's prompt token ids.
-    """
-
-    n_tokens: int
-    importance: torch.Tensor
-    pi: torch.Tensor
-    kept: torch.Tensor
-    event: int
+__all__ = ["BlockDecision", "BlockPoissonPress"]  # BlockDecision: kvcert.fast's, re-exported
 
 
 @dataclass
@@ -47,7 +24,7 @@ class BlockPoissonPress(Press):
     inclusion probabilities pi_b is drawn per batch row and applied to every
     layer and KV head; every token of a kept block carries the offset
     :math:`-\log\pi_b`, and decoding reports the cluster-sampling certificate
-    (DESIGN.md section 7, docs/theory.md section 7):
+    (docs/design.md section 7, docs/theory.md section 7):
 
     .. math::
 
@@ -55,14 +32,17 @@ class BlockPoissonPress(Press):
         \qquad
         \mathrm{trace} = \sum_{b\in S} (1-\pi_b)\,\Big\lVert \sum_{i\in b} a_i (v_i - \hat o)\Big\rVert^2 .
 
-    The decision is the plugin's (:mod:`kvcert.vllm.scheduler`), computed by
-    the same :mod:`kvcert.fast` functions:
+    The decision is the plugin's (:mod:`kvcert.vllm.scheduler`): both hold a
+    :class:`kvcert.fast.BlockDesign` (:attr:`design`, built from the press's
+    fields, which it checks):
 
-    1. token importance per layer and KV head: SnapKV attention
-       (:func:`kvcert.fast.snapkv_scores`, ``kernel_size=1``, no pooling) of
-       the prompt's last ``observation_window`` queries over all its keys;
-    2. block importance (:func:`kvcert.fast.block_importance`): block totals
-       normalized per (layer, KV head), then ``reduce`` (mean or max) over them;
+    1. token scores per layer and KV head from the registered scorer
+       ``scorer`` (``kvcert.fast.SCORERS``; default SnapKV attention without
+       pooling, ``kernel_size=1``, of the prompt's last ``observation_window``
+       queries over all its keys): :meth:`kvcert.fast.BlockDesign.score`;
+    2. block importance (:meth:`kvcert.fast.BlockDesign.block_importance`):
+       negative scores shifted per head, block totals normalized per
+       (layer, KV head), then ``reduce`` (mean or max) over them;
     3. pi_b = :func:`kvcert.fast.block_inclusion_probabilities` on the block
        importance (``block_size=1``: blocks are the units) with budget
        ``(1 - compression_ratio) * n_blocks`` expected kept blocks and the
@@ -76,8 +56,8 @@ class BlockPoissonPress(Press):
 
     Why a press of its own rather than ``PoissonPress(granularity="block")``:
     the knobs differ (the certainty set is counted in blocks; no
-    ``top_fraction``, ``target_size`` or pluggable scorer; the budget counts
-    blocks), and so does the event: :class:`PoissonPress` compresses each
+    ``top_fraction`` or ``target_size``; the budget counts blocks), and
+    so does the event: :class:`PoissonPress` compresses each
     layer when its own prefill ends (one independent design per layer and KV
     head), while the block design needs every layer's importance before it
     can decide once for all of them. It collects the per-layer importance at
@@ -105,7 +85,7 @@ class BlockPoissonPress(Press):
     floor : float in (0, 1]
         Defensive mixture weight of the design (default 0.1).
     observation_window : int >= 1
-        Prompt queries the SnapKV importance reads (default 16).
+        Prompt queries a window scorer (SnapKV) reads (default 16).
     reduce : {"mean", "max"}
         How block shares are combined over layers and KV heads.
     delta : float in (0, 1)
@@ -113,6 +93,10 @@ class BlockPoissonPress(Press):
     kind : str
         Certificate kind (``kvcert.fast.KINDS``, default ``chebyshev``; the
         vLLM plugin serves ``chebyshev``, ``chi2`` and ``bernstein``).
+    scorer : str
+        Token importance, a key of ``kvcert.fast.SCORERS`` (default
+        ``"snapkv"``): ``BlockPoissonPress(scorer="knorm")`` decides what the
+        vLLM plugin with ``scorer="knorm"`` decides.
 
     Attributes
     ----------
@@ -152,42 +136,42 @@ class BlockPoissonPress(Press):
     reduce: str = "mean"
     delta: float = 0.05
     kind: str = "chebyshev"
+    scorer: str = "snapkv"
+
+    #: the press fields the :class:`kvcert.fast.BlockDesign` holds (and checks)
+    _design_fields = ("compression_ratio", "block_size", "seed", "sink_blocks", "recent_blocks", "top_blocks",
+                      "floor", "observation_window", "reduce", "scorer", "delta", "kind")
 
     def __post_init__(self):
-        from ..fast import BLOCK_REDUCTIONS
-
-        self.compression_ratio = _real("compression_ratio", self.compression_ratio, 0.0, 1.0, hi_open=True)
-        self.block_size = _int("block_size", self.block_size, low=1)
-        self.seed = _int("seed", self.seed)
-        self.sink_blocks = _int("sink_blocks", self.sink_blocks)
-        self.recent_blocks = _int("recent_blocks", self.recent_blocks, low=1)
-        self.top_blocks = _int("top_blocks", self.top_blocks)
-        self.floor = _real("floor", self.floor, 0.0, 1.0, lo_open=True)
-        self.observation_window = _int("observation_window", self.observation_window, low=1)
-        if not isinstance(self.reduce, str) or self.reduce not in BLOCK_REDUCTIONS:
-            raise ValueError(f"reduce must be one of {BLOCK_REDUCTIONS}, got {self.reduce!r}")
-        self.delta = _real("delta", self.delta, 0.0, 1.0, lo_open=True, hi_open=True)
-        if not isinstance(self.kind, str) or self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.block_size is None:  # the design's "engine's block size" has no meaning in the press
+            raise TypeError("block_size must be an int, got NoneType")
+        _held_design(self)  # the fields' checks are the design's
         self.decisions: list = []
         self._pending: dict = {}  # layer -> (layer, per-row importance) of the prefill under way
+
+    def _make_design(self) -> BlockDesign:
+        return BlockDesign(**{name: getattr(self, name) for name in self._design_fields})
+
+    @property
+    def design(self) -> BlockDesign:
+        """The :class:`kvcert.fast.BlockDesign` of the press's fields (budget, scorer, block importance,
+        decision), the one the vLLM plugin holds; rebuilt, and so checked, when a field is reassigned."""
+        return _held_design(self)
 
     @property
     def compresses(self) -> bool:
         """Whether this press evicts anything at the prefill event."""
-        return self.compression_ratio > 0
+        return self.design.compresses
 
     def budget(self, n_blocks: int) -> float | None:
         """Expected kept blocks of a prompt of ``n_blocks`` blocks, or None when nothing is evicted
         (ratio 0, or the certainty set ``sink_blocks + recent_blocks + top_blocks`` fills the budget):
-        ``kvcert.vllm.KVCertConfig.budget``'s rule."""
-        from ..fast import block_budget
-
-        return block_budget(n_blocks, self.compression_ratio, self.sink_blocks + self.recent_blocks + self.top_blocks)
+        :meth:`kvcert.fast.BlockDesign.budget`, as ``kvcert.vllm.KVCertConfig.budget``."""
+        return self.design.budget(n_blocks)
 
     def queries_needed(self, n: int) -> int:
-        """Prefill queries the importance reads at a prefill of n tokens (the observation window)."""
-        return min(self.observation_window, n)
+        """Prefill queries the scorer reads at a prefill of n tokens (the observation window for SnapKV)."""
+        return self.design.queries_needed(n)
 
     def decode_event(self, layer, layer_idx: int, queries: torch.Tensor, scale: float) -> None:
         """Nothing: the block design decides once, after the prefill."""
@@ -217,31 +201,31 @@ class BlockPoissonPress(Press):
         return [valid[r].nonzero().squeeze(-1) for r in range(valid.shape[0])]
 
     def _layer_importance(self, layer, layer_idx: int, queries: torch.Tensor, scale: float) -> list:
-        """(h_kv, n_r) float64 SnapKV importance of each row's tokens (None for rows that evict nothing)."""
-        from ..fast import snapkv_scores
-
+        """(h_kv, n_r) float64 token scores of each row (the design's scorer; None for rows that evict nothing)."""
+        design = self.design
         out = []
         slots = layer.physical_length
         offset = slots - queries.shape[2]  # the queries may be the last few only (kvcert.prefill)
         for r, idx in enumerate(self._rows(layer)):
             n = idx.numel()
-            if n == 0 or self.budget(-(-n // self.block_size)) is None:
+            if n == 0 or self.budget(design.n_blocks(n)) is None:
                 out.append(None)
                 continue
-            w = min(self.observation_window, n)
+            w = design.queries_needed(n)
             qi = idx[idx >= offset] - offset
             if qi.numel() < w:
                 raise ValueError(f"BlockPoissonPress: layer {layer_idx} row {r} has {qi.numel()} prefill queries, "
-                                 f"the observation window needs {w}")
-            q = queries[r:r + 1][:, :, qi[-w:]]
-            k = layer.keys[r:r + 1][:, :, idx]
-            out.append(snapkv_scores(q, k, scale=scale, kernel_size=1)[0].to(torch.float64))
+                                 f"its scorer ({design.scorer!r}) reads {w}")
+            q = queries[r:r + 1][:, :, qi]  # the design reads the last design.queries_read(...) of them
+            k, v = layer.keys[r:r + 1][:, :, idx], layer.values[r:r + 1][:, :, idx]
+            out.append(design.score(q, k, v, scale=scale, layer=layer_idx)[0].to(torch.float64))
         return out
 
     def _decide(self, pending: list) -> None:
-        """One block sample per row from every layer's importance, then compact every layer."""
-        from ..fast import block_compact, block_importance, block_inclusion_probabilities, block_sample, prompt_event
+        """One block sample per row from every layer's scores, then compact every layer."""
+        from ..fast import block_compact, prompt_event
 
+        design = self.design
         first = pending[0][0]
         rows = self._rows(first)
         bs = self.block_size
@@ -253,16 +237,10 @@ class BlockPoissonPress(Press):
             if first.token_ids is None:
                 raise ValueError("BlockPoissonPress keys its block stream by the prompt's token ids (as the vLLM "
                                  "plugin does): call the model with input_ids, not inputs_embeds")
-            n = idx.numel()
             u = torch.stack([imp[r] for _, imp in pending])[None]  # (1, layers, h_kv, n)
-            ub = block_importance(u, bs, reduce=self.reduce)[0]  # (n_blocks,) float64
-            nb = ub.shape[0]
-            pi = block_inclusion_probabilities(ub[None], self.budget(nb), block_size=1, sink_blocks=self.sink_blocks,
-                                               recent_blocks=self.recent_blocks, top_blocks=self.top_blocks,
-                                               floor=self.floor)[0]
+            ub = design.block_importance(u)[0]  # (n_blocks,) float64
             event = prompt_event(first.token_ids[r, idx.to(first.token_ids.device)].tolist())
-            kept = block_sample(pi, seed=self.seed, event=event)
-            decisions.append(BlockDecision(n, ub, pi, kept, event))
+            decisions.append(design.decide(ub, event=event, n_tokens=idx.numel()))
         self.decisions = decisions
         if all(d is None for d in decisions):
             return

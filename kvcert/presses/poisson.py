@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from ..fast import SCORERS, ClusterDesign, window_tilt
-from .base import BasePress, _accept_kvpress_names, _real
+from ..fast import SCORERS, ClusterDesign, TokenDesign, nonnegative_importance, window_tilt
+from .base import BasePress, _accept_kvpress_names, _held_design
 from .kvpress_interop import _is_kvpress_scorer, _KvpressInputs, _row_slice
-from .scorer import ScorerPress, _scorer_params
+from .scorer import ScorerPress
 
 
 @dataclass
@@ -70,7 +69,7 @@ class PoissonPress(BasePress):
     kernel_size : odd int >= 1
         SnapKV pooling width (default 7).
     sketch : None, ``"cluster"`` or a ``kvcert.fast.ClusterDesign``
-        Keep a sketch of the evicted tokens (issue 14's cluster design,
+        Keep a sketch of the evicted tokens (the cluster design,
         docs/theory.md section 8): per layer, row and KV head, the
         w-weighted mean and per-channel variance of the evicted keys in each
         of C k-means clusters, with :math:`W_c, Y_c, N_c` and the value
@@ -134,20 +133,32 @@ class PoissonPress(BasePress):
 
     _randomized = True
 
+    #: the press fields the :class:`kvcert.fast.TokenDesign` holds (and checks)
+    _design_fields = ("compression_ratio", "target_size", "seed", "sinks", "window", "top_fraction", "floor",
+                      "observation_window", "scorer", "kernel_size", "delta", "kind")
+
     def __post_init__(self):
-        super().__post_init__()
-        self.top_fraction = _real("top_fraction", self.top_fraction, 0.0, 1.0, hi_open=True)
-        self.floor = _real("floor", self.floor, 0.0, 1.0, lo_open=True)
         s = self.scorer
-        if isinstance(s, str):
-            if s not in SCORERS:
-                raise ValueError(f"scorer must be one of {tuple(SCORERS)}, a ScorerPress or a callable, got {s!r}")
-        elif not isinstance(s, ScorerPress) and not _is_kvpress_scorer(s) and not callable(s):
+        if not isinstance(s, str) and not isinstance(s, ScorerPress) and not _is_kvpress_scorer(s) \
+                and not callable(s):
             raise TypeError(f"scorer must be a registry name {tuple(SCORERS)}, a ScorerPress instance (kvcert's, "
                             f"or kvpress's: an object with score(module, hidden_states, keys, values, attentions, "
                             f"kwargs)) or a callable, got {type(s).__name__}")
+        _held_design(self)  # the fields' checks are the design's
         self._layer_inputs = {}  # layer -> (attention module, its forward kwargs) of the forward under way
         self.sketch = _sketch_design(self.sketch, self.kind)
+
+    def _make_design(self) -> TokenDesign:
+        fields = {name: getattr(self, name) for name in self._design_fields}
+        if not isinstance(self.scorer, str):  # a ScorerPress, kvpress scorer or callable scores here
+            fields["scorer"] = "snapkv"
+        return TokenDesign(**fields)
+
+    @property
+    def design(self) -> TokenDesign:
+        """The :class:`kvcert.fast.TokenDesign` of the press's fields (its budget, certainty set, scorer and
+        decision); rebuilt, and so checked, when a field is reassigned."""
+        return _held_design(self)
 
     @property
     def _external(self) -> bool:
@@ -175,8 +186,7 @@ class PoissonPress(BasePress):
     def _score(self, queries, keys, values, *, scale, layer, event):
         s = self.scorer
         if isinstance(s, str):
-            return SCORERS[s](queries, keys, values, scale=scale, layer=layer, event=event,
-                              **_scorer_params(self, SCORERS[s]))
+            return self.design.score(queries, keys, values, scale=scale, layer=layer, event=event)
         if isinstance(s, ScorerPress):
             return s.score(queries, keys, values, scale=scale, layer=layer, event=event)
         if self._external:
@@ -221,7 +231,7 @@ class PoissonPress(BasePress):
         from .. import fast
 
         sizes = self.design_sizes(importance.shape[-1] if n is None else n)
-        return fast.inclusion_probabilities(_shifted(importance.to(torch.float64)), sizes.budget,
+        return fast.inclusion_probabilities(nonnegative_importance(importance.to(torch.float64)), sizes.budget,
                                             sinks=sizes.sinks, window=sizes.window, top=sizes.top,
                                             floor=self.floor)
 
@@ -240,14 +250,21 @@ class PoissonPress(BasePress):
                              f"{budget:.1f} of this {n}-token prefill; use fewer clusters or a larger budget")
         return budget - held
 
+    def _budget(self, n: int) -> float:
+        return self.design.budget(n)
+
+    def design_sizes(self, n: int):
+        """The budget and certainty set of this press's prefill event over n tokens (``design.sizes``)."""
+        return self.design.sizes(n)
+
+    def _sizes(self, budget: float):
+        return self.design.sizes(0, budget=budget)  # n is not read when the budget is given
+
     def _evict(self, keys, values, importance, budget, *, sinks, window, top, valid, log_weights, positions,
                layer_idx, event, tilt=None, scale=None):
-        from .. import fast
-
-        u = _shifted(importance.to(torch.float64), valid)
-        return fast.evict(keys, values, u, budget, sinks=sinks, window=window, top=top, floor=self.floor,
-                          seed=self.seed, layer=layer_idx, event=event, pi=log_weights.exp(), positions=positions,
-                          row_streams=False, sketch=self.sketch, tilt=tilt, scale=scale)
+        return self.design.evict(keys, values, importance, budget, sinks=sinks, window=window, top=top, valid=valid,
+                                 pi=log_weights.exp(), positions=positions, layer=layer_idx, event=event,
+                                 sketch=self.sketch, tilt=tilt, scale=scale)
 
     def _tilt(self, queries: torch.Tensor, h_kv: int):
         """A tilted sketch's tilt points: the mean of the last ``observation_window`` prefill queries
@@ -297,19 +314,6 @@ def _sketch_design(sketch, kind: str):
 
 
 _accept_kvpress_names(PoissonPress)
-
-
-def _shifted(u: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Importance >= 0 on the valid slots (0 on the others): a head with a negative
-    score (e.g. knorm's -||k||) is shifted by its minimum; other heads are left as they are."""
-    if valid is None:
-        valid = torch.ones_like(u, dtype=torch.bool)
-    u = u.masked_fill(~valid, 0.0)
-    low = u.masked_fill(~valid, math.inf).amin(-1, keepdim=True)
-    neg = low < 0
-    if bool(neg.any()):
-        u = torch.where(neg, u - low, u).masked_fill(~valid, 0.0)
-    return u
 
 
 def _checked_scores(u, keys: torch.Tensor, name: str, layer: int) -> torch.Tensor:
