@@ -51,6 +51,7 @@ from .design import (
     TokenDecision,
     TokenDesign,
 )
+from .compaction import Compaction, compact_slots
 from .eviction import compact, evict, topk_evict
 from .scorers import (
     SCORERS,
@@ -91,7 +92,7 @@ __all__ = [
     "budget_from_fraction", "certainty_mask", "DesignSizes", "design_sizes", "design_uniforms", "edge_mask",
     "inclusion_probabilities", "poisson_sample", "splitmix64", "nonnegative_importance", "TokenDecision",
     "TokenDesign",
-    "compact", "evict", "topk_evict",
+    "Compaction", "compact_slots", "compact", "evict", "topk_evict",
     "scorers", "SCORERS", "Scorer", "register_scorer", "expected_attention_scores", "h2o_scores", "knorm_scores", "random_scores", "snapkv_scores",
     "streaming_llm_scores", "tova_scores",
     "CLUSTER_RADII", "RADIUS_RULES", "RadiusRule", "ClusterDesign", "ClusterEstimate", "ClusterSketch", "cluster_hajek_attention", "cluster_radius",

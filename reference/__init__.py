@@ -45,6 +45,7 @@ from .certificates import (
 from .design import (
     budget_from_fraction,
     certainty_mask,
+    compact_slots,
     design_generator,
     design_uniforms,
     edge_mask,
@@ -77,7 +78,7 @@ __all__ = [
     "snapkv_scores", "streaming_llm_scores", "tova_scores",
     "CERTIFICATE_KINDS", "CertificateKind", "KINDS", "Certificate", "certificate", "covers", "radius_from_moments",
     "budget_from_fraction", "certainty_mask", "design_generator", "design_uniforms",
-    "edge_mask", "inclusion_probabilities", "poisson_sample",
+    "edge_mask", "inclusion_probabilities", "poisson_sample", "compact_slots",
     "Estimate", "attention", "hajek_attention", "horvitz_thompson_totals",
     "linearized_variance", "linearized_variance_ht", "scores",
     "EvictionResult", "evict_and_certify", "memory_fraction", "ClusterDesign",

@@ -16,6 +16,7 @@ __all__ = [
     "design_generator",
     "design_uniforms",
     "poisson_sample",
+    "compact_slots",
 ]
 
 
@@ -282,3 +283,39 @@ def poisson_sample(pi, *, seed: int | None = None, generator: np.random.Generato
     else:
         u = design_generator(seed).random(p.size)
     return u < p
+
+
+def compact_slots(keep, pi, block_size: int) -> dict:
+    """The compacted layout of one KV head's token-design sample in a paged cache (docs/design.md section 7).
+
+    The kept tokens, in position order, fill slots 0 .. C - 1 (C = number kept); ``slots`` slots in all,
+    a multiple of ``block_size`` at least C (``slots = ceil(C / block_size) * block_size``); the rest are
+    padding. Oracle of ``kvcert.fast.compact_slots`` (which pads every head to the largest count).
+
+    Parameters
+    ----------
+    keep : (n,) bool   pi : (n,) inclusion probabilities, in (0, 1] where kept   block_size : int >= 1
+
+    Returns
+    -------
+    dict with ``count`` (C), ``positions`` (slots,) int64 (-1 = padding) and ``log_pi`` (slots,) float64
+    (-inf = padding).
+    """
+    keep = np.asarray(keep)
+    pi = np.asarray(pi, dtype=np.float64)
+    if keep.dtype != bool or keep.ndim != 1:
+        raise ValueError(f"keep must be a 1-d bool array (n,), got {keep.dtype} of shape {keep.shape}")
+    if pi.shape != keep.shape:
+        raise ValueError(f"pi must have keep's shape {keep.shape}, got {pi.shape}")
+    block_size = _check_nonneg_int("block_size", block_size)
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    if np.any((pi[keep] <= 0) | (pi[keep] > 1)):
+        raise ValueError("pi must lie in (0, 1] on every kept token")
+    kept = np.flatnonzero(keep)
+    slots = -(-kept.size // block_size) * block_size
+    positions = np.full(slots, -1, dtype=np.int64)
+    log_pi = np.full(slots, -np.inf)
+    positions[: kept.size] = kept
+    log_pi[: kept.size] = np.log(pi[kept])
+    return {"count": int(kept.size), "positions": positions, "log_pi": log_pi}
