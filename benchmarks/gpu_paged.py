@@ -26,8 +26,20 @@ Ready, not yet run: written on a machine without a GPU. On one CUDA GPU it write
      memory), when importable,
    each with GB/s and the HBM roofline fraction, counting the kept K and V
    bytes (+ log pi and block table for the paged kernel).
+   With the compacted token-slot kernel (``paged_hajek_attention_compacted``,
+   skipped with ``--no-compacted``) each timing row also holds, at the same
+   total length and compression (prompt = length - ``--tail`` tokens, a
+   Poisson sample per KV head compacted to slots 0 .. C_h - 1, the tail
+   certain): ``paged_compacted``, ``paged_compacted_nocert`` and
+   ``sdpa_compacted_gathered[<backend>]`` (SDPA with the per-token bias over
+   the same kept tokens gathered per head, gather not timed), and
+   ``compacted`` (Cmax, kept tokens, padding fraction); its correctness rows
+   (``"kernel": "compacted"``) compare with ``kvcert.fast.hajek_attention``
+   in float64 over the gathered kept tokens.
 3. ``summary``: per (block size, seq len), paged_hajek / fastest baseline
-   time ratios and the certificate overhead.
+   time ratios and the certificate overhead; under ``compacted`` the
+   compacted kernel's time vs the block kernel and vs the fastest SDPA over
+   its gathered tokens.
 
 Usage::
 
@@ -65,6 +77,9 @@ def parse_args(argv=None):
     p.add_argument("--compression", type=float, default=0.5, help="expected fraction of tail blocks evicted")
     p.add_argument("--budget-s", type=float, default=240.0, help="stop starting new work after this many seconds")
     p.add_argument("--no-correctness", action="store_true")
+    p.add_argument("--no-compacted", action="store_true",
+                   help="skip the compacted token-slot kernel (paged_hajek_attention_compacted)")
+    p.add_argument("--tail", type=int, default=None, help="decode tail of the compacted case in tokens (default 128)")
     return p.parse_args(argv)
 
 
@@ -94,7 +109,7 @@ def main(argv=None):
                                                                                  [4096, 8192, 16384, 32768]),
                block_sizes=args.block_sizes or ([16, 32] if dry else [16, 128]),
                h_q=4 if dry else 32, h_kv=2 if dry else 8, d=16 if dry else 128, dtype="bfloat16",
-               compression=args.compression, warmup_ms=5.0 if dry else 25.0, rep_ms=10.0 if dry else 100.0,
+               compression=args.compression, tail=args.tail or (16 if dry else 128), warmup_ms=5.0 if dry else 25.0, rep_ms=10.0 if dry else 100.0,
                peak_gbps=args.peak_gbps)
     out_dir = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "benchmarks")
     out_path = out_dir / ("gpu_paged_dry.json" if dry else "gpu_paged.json")
@@ -111,6 +126,9 @@ def main(argv=None):
     if not args.no_correctness:
         run_correctness(report, torch, KN, dev, dry)
         _write(report, out_path)
+        if not args.no_compacted:
+            run_compacted_correctness(report, torch, KN, dev, dry)
+            _write(report, out_path)
     bench = _timer(torch, triton, args.device, cfg["warmup_ms"], cfg["rep_ms"])
     flash = _vllm_flash()
     report["vllm_flash"] = flash[1]
@@ -120,7 +138,12 @@ def main(argv=None):
                 report["skipped"].append({"block_size": bs, "seq_len": n, "why": "time budget"})
                 continue
             try:
-                report["timings"].append(time_case(torch, KN, dev, cfg, bs, n, bench, flash[0]))
+                row = time_case(torch, KN, dev, cfg, bs, n, bench, flash[0])
+                if not args.no_compacted:
+                    err = _guard(lambda: time_compacted(torch, KN, dev, cfg, bs, n, bench, row))
+                    if err:
+                        row["compacted_error"] = err["error"]
+                report["timings"].append(row)
             except Exception as e:  # record and go on (an OOM at the largest size must not lose the rest)
                 report["timings"].append({"block_size": bs, "seq_len": n, "error": f"{type(e).__name__}: {e}"[:800]})
             _write(report, out_path)
@@ -218,6 +241,142 @@ def run_correctness(report, torch, KN, dev, dry):
                         ok &= e_k <= 2 * e_t + 32 * eps * scl
                 row["ok"] = bool(ok)
                 report["correctness"].append(row)
+
+
+# ----------------------------------------------------------------------------- compacted token slots
+
+def make_compacted_paged(torch, *, batch, prompt_len, tail_len, bs, h_kv, g, d, dtype, device, compression, seed=0):
+    """A paged cache after the token design's compaction (docs/design.md section 7): per (sequence, KV head)
+    a Poisson sample of the prompt with pi = 1 - compression (the first 4 tokens certain), copied to slots
+    0 .. C_h - 1 (log pi per slot, -inf padding up to Cmax = max C_h); the tail of ``tail_len`` tokens at
+    positions [prompt_len, prompt_len + tail_len). Logical blocks that hold neither get stale ids."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    L = prompt_len + tail_len
+    nbt = -(-L // bs)
+    nb = batch * nbt + 1
+    kc = torch.randn(nb, bs, h_kv, d, generator=gen).to(device=device, dtype=dtype)
+    vc = torch.randn(nb, bs, h_kv, d, generator=gen).to(device=device, dtype=dtype)
+    table = torch.randperm(nb, generator=gen)[: batch * nbt].view(batch, nbt).to(torch.int32)
+    pi = 1.0 - compression
+    keep = torch.rand(batch, h_kv, prompt_len, generator=gen) < pi
+    keep[..., :4] = True
+    counts = keep.sum(-1)  # (b, h_kv)
+    cmax = max(1, int(counts.max()))
+    lp_tok = torch.where(torch.arange(prompt_len) < 4, 0.0, math.log(pi)).expand(batch, h_kv, -1)
+    order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :cmax]  # kept tokens first
+    lp = torch.gather(lp_tok, -1, order)
+    lp = torch.where(torch.arange(cmax)[None, None] < counts[..., None], lp, float("-inf"))
+    m = -(-cmax // bs)
+    stale = (torch.arange(nbt)[None] >= m) & (torch.arange(nbt)[None] < prompt_len // bs)
+    table = torch.where(stale, -1, table)  # the freed prompt blocks
+    q = torch.randn(batch, h_kv * g, d, generator=gen).to(device=device, dtype=dtype)
+    return dict(q=q, key_cache=kc, value_cache=vc, block_table=table.to(device),
+                seq_lens=torch.full((batch,), L, dtype=torch.int32, device=device),
+                prompt_lens=torch.full((batch,), prompt_len, dtype=torch.int32, device=device),
+                log_pi_slots=lp.to(device=device, dtype=torch.float32), bs=bs, cmax=cmax,
+                kept_tokens=int(counts.sum()) + batch * h_kv * tail_len)
+
+
+def gather_compacted(torch, c):
+    """The compacted slots then the tail, gathered per KV head: K, V (b, h_kv, Cmax + T, d) and log pi
+    (b, h_kv, Cmax + T) (-inf on padding, 0 on the tail); the sequences share P and L here."""
+    bs = c["bs"]
+    lp = c["log_pi_slots"]
+    b, h_kv, cmax = lp.shape
+    dev = lp.device
+    P, L = int(c["prompt_lens"][0]), int(c["seq_lens"][0])
+    tab = c["block_table"].long().clamp_min(0)
+    j = torch.arange(cmax, device=dev)
+    heads = torch.arange(h_kv, device=dev)[None, :, None]
+    phys = tab[:, j // bs][:, None, :]  # (b, 1, Cmax)
+    k_c = c["key_cache"][phys, (j % bs)[None, None], heads]  # (b, h_kv, Cmax, d)
+    v_c = c["value_cache"][phys, (j % bs)[None, None], heads]
+    pos = torch.arange(P, L, device=dev)
+    pt = tab[:, pos // bs]  # (b, T)
+    k_t = c["key_cache"][pt, pos % bs].transpose(1, 2)  # (b, h_kv, T, d)
+    v_t = c["value_cache"][pt, pos % bs].transpose(1, 2)
+    pad = torch.isneginf(lp)[..., None]
+    k = torch.cat([k_c.masked_fill(pad, 0), k_t], 2)
+    v = torch.cat([v_c.masked_fill(pad, 0), v_t], 2)
+    lpt = torch.cat([lp, torch.zeros(b, h_kv, L - P, device=dev)], 2)
+    return k, v, lpt
+
+
+def _compacted_kernel():
+    from kvcert.kernels.paged import paged_hajek_attention_compacted
+
+    return paged_hajek_attention_compacted
+
+
+def run_compacted_correctness(report, torch, KN, dev, dry):
+    """``paged_hajek_attention_compacted`` against kvcert.fast.hajek_attention in float64 over the gathered
+    kept tokens: max errors and ``ok`` = kernel error <= 2 x the float32 torch error + 32 eps x scale."""
+    from kvcert import fast
+
+    for bs in (16, 32) if dry else (16, 128):
+        for dtype in (torch.float32, torch.bfloat16):
+            for splits in (1, 3):
+                c = make_compacted_paged(torch, batch=2, prompt_len=bs * 5 + 3, tail_len=bs + 5, bs=bs, h_kv=2,
+                                         g=2, d=16 if dry else 32, dtype=dtype, device=dev, compression=0.5,
+                                         seed=bs + splits)
+                est = _compacted_kernel()(c["q"], c["key_cache"], c["value_cache"], c["block_table"],
+                                                         c["seq_lens"], c["prompt_lens"], c["log_pi_slots"],
+                                                         num_splits=splits)
+                k, v, lpt = gather_compacted(torch, c)
+                res = {name: fast.hajek_attention(c["q"].to(dt), k.to(dt), v.to(dt), log_pi=lpt.to(dt))
+                       for name, dt in (("f64", torch.float64), ("f32", torch.float32))}
+                eps = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7}[dtype]
+                vmax = float(v.float().abs().max())
+                row = {"kernel": "compacted", "block_size": bs, "dtype": str(dtype).split(".")[-1], "splits": splits,
+                       "cmax": c["cmax"]}
+                ok = True
+                for fld, scl in (("output", vmax), ("lse", float(res["f64"].lse.abs().max()) + 1),
+                                 ("trace", vmax * vmax)):
+                    ref = getattr(res["f64"], fld).double()
+                    e_k = float((getattr(est, fld).double() - ref).abs().max())
+                    e_t = float((getattr(res["f32"], fld).double() - ref).abs().max())
+                    row[f"{fld}_err"], row[f"{fld}_err_torch32"] = e_k, e_t
+                    ok &= e_k <= 2 * e_t + 32 * eps * scl
+                row["ok"] = bool(ok)
+                report["correctness"].append(row)
+
+
+def time_compacted(torch, KN, dev, cfg, bs, n, bench, row):
+    """Adds to ``row`` the compacted kernel at the same total length (prompt n - tail, tail ``cfg["tail"]``
+    tokens) and compression: ``paged_compacted`` (certify), ``paged_compacted_nocert`` and
+    ``sdpa_compacted_gathered[<backend>]`` (SDPA with the per-token bias -log pi over the same kept tokens
+    gathered per head, the gather not timed), bytes = kept K + V (+ log pi slots and block table)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    g = cfg["h_q"] // cfg["h_kv"]
+    tail = min(cfg["tail"], n - 1)
+    c = make_compacted_paged(torch, batch=cfg["batch"], prompt_len=n - tail, tail_len=tail, bs=bs, h_kv=cfg["h_kv"],
+                             g=g, d=cfg["d"], dtype=getattr(torch, cfg["dtype"]), device=dev,
+                             compression=cfg["compression"])
+    el = c["key_cache"].element_size()
+    kv_bytes = 2 * c["kept_tokens"] * cfg["d"] * el
+    meta = c["log_pi_slots"].numel() * 4 + c["block_table"].numel() * 4
+    slots = cfg["batch"] * cfg["h_kv"] * (c["cmax"] + tail)
+    row["compacted"] = {"prompt_len": n - tail, "tail_len": tail, "cmax": c["cmax"], "kept_tokens": c["kept_tokens"],
+                        "padding_fraction": 1 - c["kept_tokens"] / slots}
+    peak = cfg["peak_gbps"]
+    args = (c["q"], c["key_cache"], c["value_cache"], c["block_table"], c["seq_lens"], c["prompt_lens"],
+            c["log_pi_slots"])
+    for name, certify in (("paged_compacted", True), ("paged_compacted_nocert", False)):
+        fn = lambda certify=certify: _compacted_kernel()(  # noqa: E731
+            *args, certify=certify, validate=False, max_tail_len=tail)
+        row["variants"][name] = _guard(lambda fn=fn: _record_bytes(bench, fn, kv_bytes + meta, peak))
+    k, v, lpt = gather_compacted(torch, c)
+    bias = (-lpt).repeat_interleave(g, dim=1)[:, :, None, :].to(k.dtype)  # (b, h_q, 1, n); -log 0 = +inf -> mask
+    bias = bias.masked_fill(torch.isinf(bias), float("-inf"))
+    q4 = c["q"][:, :, None, :]
+    for be_name, be in _sdpa_backends_safe(torch, dev):
+        def sdpa(be=be):
+            with sdpa_kernel([be]):
+                return F.scaled_dot_product_attention(q4, k, v, attn_mask=bias, enable_gqa=True)
+        row["variants"][f"sdpa_compacted_gathered[{be_name}]"] = _guard(
+            lambda f=sdpa: _record_bytes(bench, f, kv_bytes, peak))
 
 
 # ----------------------------------------------------------------------------- timings
@@ -318,6 +477,17 @@ def _summary(report):
                     "time_vs_gather_sdpa": t["paged_hajek"] / t["gather+sdpa"] if "gather+sdpa" in t else None,
                     "certificate_overhead": (t["paged_hajek"] / t["paged_hajek_nocert"] - 1
                                              if "paged_hajek_nocert" in t else None)})
+        if "paged_compacted" in t:
+            cb = {k: x for k, x in t.items() if k.startswith("sdpa_compacted_gathered")}
+            cf = min(cb, key=cb.get) if cb else None
+            out[-1]["compacted"] = {
+                "paged_compacted_ms": t["paged_compacted"],
+                "roofline": var["paged_compacted"].get("roofline"),
+                "time_vs_block_kernel": t["paged_compacted"] / t["paged_hajek"],
+                "fastest_sdpa_compacted": cf,
+                "time_vs_fastest_sdpa_compacted": t["paged_compacted"] / cb[cf] if cf else None,
+                "certificate_overhead": (t["paged_compacted"] / t["paged_compacted_nocert"] - 1
+                                         if "paged_compacted_nocert" in t else None)}
     ok = [r["ok"] for r in report.get("correctness", [])]
     return {"correctness_ok": all(ok) if ok else None, "cases": out}
 

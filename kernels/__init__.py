@@ -104,7 +104,7 @@ else:
     _TRITON_NAMES = {
         "INTERPRETED": ".hajek", "SUPPORTED_DTYPES": ".hajek", "default_config": ".hajek",
         "default_moments": ".hajek", "hajek_attention": ".hajek",
-        "kv_cache_views": ".paged", "paged_hajek_attention": ".paged",
+        "kv_cache_views": ".paged", "paged_hajek_attention": ".paged", "paged_hajek_attention_compacted": ".paged",
         "cluster_hajek_attention": ".sketch",
     }
     __all__ = sorted(_TRITON_NAMES)

@@ -23,6 +23,11 @@ needs anyway); the certificate state is the weighted mean and centred
 second moment of the block means S_b / A_b under the weights (1 - pi_b) A_b^2,
 merged block by block (and split by split, by the same merge kernel as
 :mod:`kvcert.kernels.hajek`) with Chan's formula; docs/gpu.md derives it.
+
+:func:`paged_hajek_attention_compacted` serves the token design by compaction
+(docs/design.md section 7): each KV head's kept prompt tokens in logical slots
+0 .. C_h - 1 with a per-slot log pi, the later tokens certain at their
+positions; its variance is the same state with every token its own unit.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from .hajek import (
     default_config,
 )
 
-__all__ = ["paged_hajek_attention", "kv_cache_views", "default_block_t"]
+__all__ = ["paged_hajek_attention", "paged_hajek_attention_compacted", "kv_cache_views", "default_block_t"]
 
 
 @triton.jit
@@ -397,11 +402,401 @@ def paged_hajek_attention(q, key_cache, value_cache, block_table, seq_lens, log_
     return Estimate(output=out, weights=None, variance=var, trace=trace, lse=lse, n_eff=neff, max_term=None)
 
 
+# ----------------------------------------------------------------------------- compacted token slots
+
+@triton.jit
+def _exact_tile_moments(w, vf, r, R_PAD: tl.constexpr, DV_PAD: tl.constexpr, G_BLOCK: tl.constexpr):
+    """A tile's weighted mean and centred second moment of v under w (R_PAD, T), per query head, in two
+    passes over the tile held in registers (the contiguous kernel's "exact" tile moments)."""
+    t_mean = tl.zeros([R_PAD, DV_PAD], tl.float32)
+    t_M2 = tl.zeros([R_PAD, DV_PAD], tl.float32)
+    for j in tl.static_range(G_BLOCK):
+        sel = r == j
+        wj = tl.sum(tl.where(sel[:, None], w, 0.0), axis=0)
+        Wj = tl.sum(wj, axis=0)
+        mj = tl.sum(wj[:, None] * vf, axis=0) / tl.where(Wj > 0.0, Wj, 1.0)
+        cj = vf - mj[None, :]
+        M2j = tl.sum(wj[:, None] * cj * cj, axis=0)
+        t_mean = tl.where(sel[:, None], mj[None, :], t_mean)
+        t_M2 = tl.where(sel[:, None], M2j[None, :], t_M2)
+    return t_mean, t_M2
+
+
+@triton.jit
+def _token_step(m, l, l_o, acc, W, mean, M2, Q2, v, logits, one_minus, r,
+                SAMPLED: tl.constexpr, CERTIFY: tl.constexpr, DOT_F32: tl.constexpr, ROUND_P: tl.constexpr,
+                R_PAD: tl.constexpr, DV_PAD: tl.constexpr, G_BLOCK: tl.constexpr):
+    """One tile of tokens, each its own sampling unit: the online softmax, P V, and (SAMPLED) the Chan merge
+    of the tile's (1 - pi_i) p_i^2 weighted moments of v_i; a certain tile (pi = 1) only rescales them."""
+    m_new, alpha, p = _online_step(m, logits)
+    l = l * alpha + tl.sum(p, axis=1)
+    p_lo = p.to(v.dtype)
+    if ROUND_P:
+        l_o = l_o * alpha + tl.sum(p_lo.to(tl.float32), axis=1)
+    if DOT_F32:
+        pv = tl.dot(p_lo.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p_lo, v)
+    acc = acc * alpha[:, None] + pv
+    if CERTIFY:
+        a2 = alpha * alpha  # the state is quadratic in p: rescale by e^{2 dm}
+        pp = p * p
+        Q2 = Q2 * a2 + tl.sum(pp, axis=1)
+        if SAMPLED:
+            w = one_minus[None, :] * pp  # block size 1: w_i = (1 - pi_i) A_i^2 with A_i = p_i, vbar_i = v_i
+            t_mean, t_M2 = _exact_tile_moments(w, v.to(tl.float32), r, R_PAD, DV_PAD, G_BLOCK)
+            W, mean, M2 = _chan_merge(W * a2, mean, M2 * a2[:, None], tl.sum(w, axis=1), t_mean, t_M2)
+        else:  # pi = 1: w_i = 0, no unit joins the variance state
+            W = W * a2
+            M2 = M2 * a2[:, None]
+    return m_new, l, l_o, acc, W, mean, M2, Q2
+
+
+@triton.jit
+def _paged_compacted_kernel(
+    Q, KC, VC, BT, SL, PL, LPS, Out, Lse, Var, Tr, Neff, PartS, PartV,
+    stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_bs, stride_bm, stride_ls, stride_lh, stride_lj,
+    H_KV, H_Q, CMAX, NC, CHUNK_U, BH, scale,
+    BS: tl.constexpr, BS_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    G: tl.constexpr, G_BLOCK: tl.constexpr, N_RB: tl.constexpr, R_PAD: tl.constexpr,
+    CERTIFY: tl.constexpr, PER_COORD: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+    ROUND_P: tl.constexpr,
+):
+    """One (sequence, KV head, query-head block, split of the units): online softmax of
+    tau q.k_i - log pi_i over the head's compacted slots (log pi_i > -inf) and the certain tail
+    [P_s, L_s), with the Chan-merged (1 - pi_i) p_i^2 weighted mean / second moment of v_i."""
+    pid = tl.program_id(0)
+    sid = tl.program_id(1)
+    rb = pid % N_RB
+    bk = pid // N_RB
+    kvh = (bk % H_KV).to(tl.int64)
+    si = (bk // H_KV).to(tl.int64)
+
+    r = tl.arange(0, R_PAD)
+    g_idx = rb * G_BLOCK + r
+    rmask = (r < G_BLOCK) & (g_idx < G)
+    head = kvh * G + g_idx
+    rows = si * H_Q + head
+    offs_d = tl.arange(0, D_PAD)
+    offs_v = tl.arange(0, DV_PAD)
+    dmask = offs_d < D
+    vmask = offs_v < DV
+
+    q = tl.load(Q + si * stride_qs + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    m = tl.full([R_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([R_PAD], tl.float32)
+    l_o = tl.zeros([R_PAD], tl.float32)
+    acc = tl.zeros([R_PAD, DV_PAD], tl.float32)
+    W = tl.zeros([R_PAD], tl.float32)
+    mean = tl.zeros([R_PAD, DV_PAD], tl.float32)
+    M2 = tl.zeros([R_PAD, DV_PAD], tl.float32)
+    Q2 = tl.zeros([R_PAD], tl.float32)
+
+    seq_len = tl.load(SL + si).to(tl.int64)
+    p_len = tl.load(PL + si).to(tl.int64)
+    c_end = tl.minimum(p_len, CMAX)  # slots at or past the prompt length are never compacted slots
+    u0 = sid * CHUNK_U
+    u1 = u0 + CHUNK_U
+    # units 0 .. NC-1: the logical blocks of the compacted slots (slot j: block j // BS, offset j % BS)
+    lp_head = LPS + si * stride_ls + kvh * stride_lh
+    for j in range(u0, tl.minimum(u1, (c_end + BS - 1) // BS)):
+        phys = tl.load(BT + si * stride_bs + j * stride_bm).to(tl.int64)
+        k_blk = KC + phys * stride_kb + kvh * stride_kh
+        v_blk = VC + phys * stride_vb + kvh * stride_vh
+        for t0 in range(0, BS_PAD, BLOCK_T):
+            offs_t = t0 + tl.arange(0, BLOCK_T)
+            slot = j * BS + offs_t
+            inside = (offs_t < BS) & (slot < c_end)
+            lp = tl.load(lp_head + slot * stride_lj, mask=inside, other=float("-inf"))
+            kept = lp > float("-inf")  # padding slots: neither K nor V is read
+            if tl.max(kept.to(tl.int32), axis=0) > 0:
+                v, logits, one_minus, _ = _tile(q, k_blk, v_blk, lp_head + j * BS * stride_lj, offs_t, kept,
+                                                offs_d, dmask, offs_v, vmask, stride_kt, stride_kd, stride_vt,
+                                                stride_vd, stride_lj, scale, True, DOT_F32)
+                m, l, l_o, acc, W, mean, M2, Q2 = _token_step(m, l, l_o, acc, W, mean, M2, Q2, v, logits,
+                                                              one_minus, r, True, CERTIFY, DOT_F32, ROUND_P,
+                                                              R_PAD, DV_PAD, G_BLOCK)
+    # units NC, NC+1, ...: the tail's logical blocks P_s // BS, ... (positions [P_s, L_s), log pi = 0)
+    t_first = p_len // BS
+    n_tail = tl.where(seq_len > p_len, (seq_len + BS - 1) // BS - t_first, 0)
+    for u in range(tl.maximum(u0, NC), tl.minimum(u1, NC + n_tail)):
+        j = t_first + (u - NC)
+        phys = tl.load(BT + si * stride_bs + j * stride_bm).to(tl.int64)
+        k_blk = KC + phys * stride_kb + kvh * stride_kh
+        v_blk = VC + phys * stride_vb + kvh * stride_vh
+        for t0 in range(0, BS_PAD, BLOCK_T):
+            offs_t = t0 + tl.arange(0, BLOCK_T)
+            pos = j * BS + offs_t
+            nmask = (offs_t < BS) & (pos >= p_len) & (pos < seq_len)
+            k = tl.load(k_blk + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd,
+                        mask=nmask[:, None] & dmask[None, :], other=0.0)
+            v = tl.load(v_blk + offs_t[:, None] * stride_vt + offs_v[None, :] * stride_vd,
+                        mask=nmask[:, None] & vmask[None, :], other=0.0)
+            if DOT_F32:
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            logits = tl.where(nmask[None, :], s * scale, float("-inf"))
+            m, l, l_o, acc, W, mean, M2, Q2 = _token_step(m, l, l_o, acc, W, mean, M2, Q2, v, logits, logits,
+                                                          r, False, CERTIFY, DOT_F32, ROUND_P,
+                                                          R_PAD, DV_PAD, G_BLOCK)
+
+    if SPLIT:
+        _store_split(PartS, PartV, sid * BH + rows, rmask, offs_v, m, l, l_o, acc, W, mean, M2, Q2,
+                     DV_PAD, CERTIFY, ROUND_P)
+    else:
+        if not ROUND_P:
+            l_o = l
+        _finalize(rows, rmask, offs_v, vmask, m, l, l_o, acc, W, mean, M2, Q2,
+                  Out, Lse, Var, Tr, Neff, DV, CERTIFY, PER_COORD)
+
+
+def _check_compacted(q, key_cache, value_cache, block_table, seq_lens, prompt_lens, log_pi_slots, scale, validate):
+    """The block kernel's checks (shapes, dtypes, scale, ``seq_lens`` within the table) and what the
+    compacted slots add: ``prompt_lens`` in [0, seq_lens], ``log_pi_slots`` (S, h_kv, Cmax) float32 in
+    [-inf, 0] and -inf at every slot j >= prompt_lens, and valid block ids wherever a slot is read."""
+    for name, x in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache), ("block_table", block_table),
+                    ("seq_lens", seq_lens), ("prompt_lens", prompt_lens), ("log_pi_slots", log_pi_slots)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    S, M = (q.shape[0] if q.dim() else 0), (block_table.shape[1] if block_table.dim() == 2 else 0)
+    # the block kernel's checks, with an all-certain block table standing in for log_pi_blocks
+    scale = _check(q, key_cache, value_cache, block_table, seq_lens,
+                   torch.zeros((S, M), dtype=torch.float32, device=block_table.device), scale, False)
+    nb, bs, h_kv, _ = key_cache.shape
+    if tuple(prompt_lens.shape) != (S,) or prompt_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"prompt_lens must be an int32 tensor of shape (num_seqs,) = ({S},), got "
+                         f"{prompt_lens.dtype} of shape {tuple(prompt_lens.shape)}")
+    if log_pi_slots.dim() != 3 or tuple(log_pi_slots.shape[:2]) != (S, h_kv) or log_pi_slots.dtype != torch.float32:
+        raise ValueError(f"log_pi_slots must be a float32 tensor of shape (num_seqs, h_kv, Cmax) = ({S}, {h_kv}, C), "
+                         f"got {log_pi_slots.dtype} of shape {tuple(log_pi_slots.shape)}")
+    if validate and S:
+        if not bool(torch.isfinite(q).all()):
+            raise ValueError("q must be finite (found NaN or inf)")
+        lens = seq_lens.to(torch.int64)
+        plen = prompt_lens.to(torch.int64)
+        if bool((lens < 0).any()) or bool((lens > M * bs).any()):
+            raise ValueError(f"seq_lens must lie in [0, max_blocks * block_size] = [0, {M * bs}], "
+                             f"got {lens.tolist()}")
+        if bool((plen < 0).any()) or bool((plen > lens).any()):
+            raise ValueError(f"prompt_lens must lie in [0, seq_lens] per sequence, got prompt_lens "
+                             f"{plen.tolist()} and seq_lens {lens.tolist()}")
+        lp = log_pi_slots
+        if bool(torch.isnan(lp).any()) or bool((lp > 0).any()):
+            raise ValueError("log_pi_slots must lie in [-inf, 0] (-inf = padding slot, 0 = certain), found NaN or > 0")
+        C = lp.shape[2]
+        kept = lp > float("-inf")  # (S, h_kv, C)
+        past = torch.arange(C, device=lp.device)[None, :] >= plen[:, None]  # (S, C)
+        if bool((kept & past[:, None, :]).any()):
+            raise ValueError("log_pi_slots must be -inf at every slot j >= prompt_lens (a head keeps at most "
+                             "prompt_lens tokens, compacted into slots 0 .. C_h - 1; later positions are the "
+                             "certain tail)")
+        # logical blocks read: those holding a kept slot of any head, and the tail's blocks
+        used = torch.zeros((S, M), dtype=torch.bool, device=lp.device)
+        if C:
+            cb = torch.arange(C, device=lp.device) // bs
+            anyk = kept.any(1) & (cb[None, :] < M)
+            rows = torch.arange(S, device=lp.device)[:, None].expand(S, C)
+            used[rows[anyk], cb[None, :].expand(S, C)[anyk]] = True
+        jj = torch.arange(M, device=lp.device)[None, :]
+        used |= (jj >= (plen // bs)[:, None]) & (jj < (-(-lens // bs))[:, None]) & (lens > plen)[:, None]
+        ids = block_table.to(torch.int64)
+        if bool((used & ((ids < 0) | (ids >= nb))).any()):
+            raise ValueError(f"block_table must hold physical block ids in [0, num_blocks) = [0, {nb}) on every "
+                             f"block holding a kept slot or a tail token")
+    return scale
+
+
+def paged_hajek_attention_compacted(q, key_cache, value_cache, block_table, seq_lens, prompt_lens, log_pi_slots, *,
+                                    scale=None, per_coordinate=False, certify=True, num_splits=None,
+                                    max_tail_len=None, block_t=None, num_warps=None, num_stages=None,
+                                    validate=True) -> Estimate:
+    r"""Hajek decode attention over a paged cache whose prompt was compacted per KV head (the token design).
+
+    After a prompt's prefill each KV head h of sequence s keeps a Poisson sample of the prompt's tokens,
+    copied to the logical slots 0 .. C_h - 1 of the sequence's block table (slot j in physical block
+    ``block_table[s, j // block_size]`` at offset ``j % block_size``) with log pi_j in ``log_pi_slots``
+    (-inf = padding, j >= C_h); tokens generated after the prompt stay at their logical positions
+    p in [P_s, L_s) and are certain (docs/design.md section 7). With S_h the kept slots of head h and
+    T the tail,
+
+    .. math::
+
+        \ell_i = \tau\, q\cdot k_i - \log\pi_i \ (i \in S_h), \qquad \ell_i = \tau\, q\cdot k_i \ (i \in T),
+
+        \hat o = \sum_{i\in S_h\cup T} a_i v_i, \quad a_i = e^{\ell_i}/\textstyle\sum_j e^{\ell_j},
+        \qquad \log\hat Z = \log \textstyle\sum_i e^{\ell_i},
+
+        \hat\Sigma = \sum_{i\in S_h} (1-\pi_i)\, a_i^2 (v_i - \hat o)(v_i - \hat o)^\top
+        \quad (\text{tail: } \pi_i = 1, \text{ no term}),
+
+    the token design's variance. It is the block kernel's cluster variance with block size 1 (every
+    token its own unit: A_i = a_i, vbar_i = v_i, w_i = (1 - pi_i) a_i^2), so the state is the block
+    kernel's (W, mean, M2) with tokens as points: each tile's weighted moments of v_i under
+    :math:`w_i = (1-\pi_i) e^{2(\ell_i - m)}` (two exact passes over the tile in registers) join the
+    running state by Chan's merge after rescaling W and M2 by :math:`e^{2(m_{old} - m_{new})}`, and
+    :math:`\mathrm{trace} = [M_2 + W \lVert\bar w - \hat o\rVert^2] / l^2` at the end (docs/gpu.md).
+
+    Parameters
+    ----------
+    q : (num_seqs, h_q, d), float16, bfloat16 or float32
+        One decode query per sequence.
+    key_cache, value_cache : (num_blocks, block_size, h_kv, d | dv), q's dtype, any strides
+        As for :func:`paged_hajek_attention` (:func:`kv_cache_views`). h_q = g * h_kv.
+    block_table : (num_seqs, max_blocks) int32 (or int64)
+        Physical block ids; only blocks holding a kept slot of some head or a tail token are read.
+    seq_lens : (num_seqs,) int32 (or int64)
+        L_s, the tokens of the sequence (the current decode token included).
+    prompt_lens : (num_seqs,) int32 (or int64)
+        P_s in [0, L_s]: the compacted prompt's length; positions [P_s, L_s) are the certain tail.
+    log_pi_slots : (num_seqs, h_kv, Cmax) float32
+        log pi of compacted slot j of KV head h; -inf = padding (never read). Slots j >= P_s must be
+        -inf (C_h <= P_s: the compacted slots and the tail never overlap). Cmax is free (need not be
+        a multiple of block_size).
+    scale : float, default 1/sqrt(d)
+    per_coordinate : bool, default False
+        Also return diag(Sigma_hat) (num_seqs, h_q, dv).
+    certify : bool, default True
+        False skips the variance state (a benchmarking baseline).
+    num_splits : int, optional
+        Split the units (the ceil(Cmax / block_size) compacted blocks, then the tail's blocks) into this
+        many chunks merged by :mod:`kvcert.kernels.hajek`'s merge kernel. Default as the block kernel.
+    max_tail_len : int, optional
+        Upper bound of L_s - P_s, for sizing the splits (default: computed, a device sync). Checked
+        with ``validate``: tail blocks past it would not be visited.
+    block_t : int, optional
+        Tokens per sub-tile (power of two >= 16), default :func:`default_block_t`.
+    num_warps, num_stages : int, optional
+        Triton launch parameters (ignored by the interpreter).
+    validate : bool, default True
+        Check q finite, ``log_pi_slots`` in [-inf, 0] and -inf past ``prompt_lens``, 0 <= P_s <= L_s
+        <= max_blocks * block_size, and block ids within the cache wherever a slot is read (device
+        syncs; pass False in timed or graph-captured loops).
+
+    Returns
+    -------
+    kvcert.fast.types.Estimate
+        As :func:`paged_hajek_attention`: ``output`` (num_seqs, h_q, dv) in the input dtype; ``lse``,
+        ``trace``, ``n_eff`` (num_seqs, h_q) float32 (n_eff = 1 / sum_i a_i^2, every token a unit);
+        ``variance`` or None; ``weights``, ``max_term``, ``tail_moment`` None.
+
+    Notes
+    -----
+    - pi = 1 slots and the tail contribute to the output, lse and n_eff but not to the variance; all
+      certain: exact attention over the kept tokens, trace 0.
+    - An empty head (C_h = 0 and no tail): output 0, lse -inf, trace and variance +inf, n_eff 0.
+    - The K/V of padding slots are never loaded (masked per slot), so they may hold stale values.
+    - float32 accumulation; half inputs round p for the P V product as in :func:`paged_hajek_attention`.
+
+    References
+    ----------
+    Hajek (1971); Sarndal, Swensson & Wretman (1992), sec. 5.7; Chan, Golub & LeVeque (1979);
+    arXiv 2607.21475.
+    """
+    scale = _check_compacted(q, key_cache, value_cache, block_table, seq_lens, prompt_lens, log_pi_slots, scale,
+                             validate)
+    if not INTERPRETED and not q.is_cuda:
+        raise ValueError(f"q is on {q.device}: the Triton kernel needs CUDA tensors, or TRITON_INTERPRET=1 set "
+                         "before kvcert.kernels is imported (CPU interpreter)")
+    S, h_q, d = q.shape
+    nb, bs, h_kv, _ = key_cache.shape
+    dv = value_cache.shape[-1]
+    g = h_q // h_kv
+    M = block_table.shape[1]
+    C = log_pi_slots.shape[2]
+    g_block = min(g, _MAX_ROWS)
+    n_rb = math.ceil(g / g_block)
+    r_pad = max(16, _pow2(g_block))
+    programs = S * h_kv * n_rb
+    nc = min(M, -(-C // bs))  # compacted units (logical blocks 0 .. nc - 1)
+    if max_tail_len is None:
+        nt = int(((seq_lens.to(torch.int64) + bs - 1) // bs - prompt_lens.to(torch.int64) // bs).max()) if S else 0
+    else:
+        if isinstance(max_tail_len, bool) or not isinstance(max_tail_len, int) or max_tail_len < 0:
+            raise ValueError(f"max_tail_len must be a non-negative int, got {max_tail_len!r}")
+        if validate and S and int((seq_lens.to(torch.int64) - prompt_lens.to(torch.int64)).max()) > max_tail_len:
+            raise ValueError(f"max_tail_len = {max_tail_len} is below the longest tail (seq_lens - prompt_lens = "
+                             f"{int((seq_lens.to(torch.int64) - prompt_lens.to(torch.int64)).max())})")
+        nt = -(-max_tail_len // bs) + 1  # a tail of t tokens spans at most ceil(t / bs) + 1 blocks
+    nt = max(0, min(M, nt))
+    units = max(1, nc + nt)
+    cfg = default_config(units * bs, d, programs, q.device, bs, value_cache.dtype)
+    if num_splits is not None:
+        if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+            raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+        cfg["num_splits"] = num_splits
+    chunk_u = max(1, math.ceil(units / cfg["num_splits"]))
+    splits = max(1, math.ceil(units / chunk_u))
+
+    bs_pad = max(16, _pow2(bs))
+    if block_t is None:
+        block_t = default_block_t(bs, d, value_cache.dtype)
+    if isinstance(block_t, bool) or not isinstance(block_t, int) or block_t < 16 or block_t & (block_t - 1):
+        raise ValueError(f"block_t must be a power of two >= 16, got {block_t!r}")
+    bt = min(block_t, bs_pad)
+
+    dev = q.device
+    out = torch.empty((S, h_q, dv), device=dev, dtype=value_cache.dtype)
+    lse = torch.empty((S, h_q), device=dev, dtype=torch.float32)
+    var = torch.empty((S, h_q, dv), device=dev, dtype=torch.float32) if certify and per_coordinate else None
+    trace = torch.empty((S, h_q), device=dev, dtype=torch.float32) if certify else None
+    neff = torch.empty((S, h_q), device=dev, dtype=torch.float32) if certify else None
+    dummy = lse
+    dv_pad = max(16, _pow2(dv))
+    d_pad = max(16, _pow2(d))
+    bh = S * h_q
+    split = splits > 1
+    if split:
+        part_s = torch.empty((splits, bh, 5), device=dev, dtype=torch.float32)
+        part_v = torch.empty((splits, bh, 3, dv_pad), device=dev, dtype=torch.float32)
+    else:
+        part_s = part_v = dummy
+    dot_f32 = value_cache.dtype == torch.float32 or INTERPRETED
+    round_p = value_cache.dtype != torch.float32
+    launch = {} if INTERPRETED else {"num_warps": int(num_warps or cfg["num_warps"]),
+                                     "num_stages": int(num_stages or cfg["num_stages"])}
+    lps = log_pi_slots if C else torch.full((S, h_kv, 1), float("-inf"), device=dev, dtype=torch.float32)
+    if programs > 0:
+        _paged_compacted_kernel[(programs, splits)](
+            q, key_cache, value_cache, block_table, seq_lens, prompt_lens, lps, out, lse,
+            var if var is not None else dummy, trace if trace is not None else dummy,
+            neff if neff is not None else dummy, part_s, part_v,
+            q.stride(0), q.stride(1), q.stride(2),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
+            block_table.stride(0), block_table.stride(1), lps.stride(0), lps.stride(1), lps.stride(2),
+            h_kv, h_q, C, nc, chunk_u, bh, scale,
+            BS=bs, BS_PAD=bs_pad, BLOCK_T=bt, D=d, DV=dv, D_PAD=d_pad, DV_PAD=dv_pad,
+            G=g, G_BLOCK=g_block, N_RB=n_rb, R_PAD=r_pad,
+            CERTIFY=bool(certify), PER_COORD=var is not None, SPLIT=split, DOT_F32=dot_f32, ROUND_P=round_p,
+            **launch,
+        )
+        if split:
+            block_r = 16
+            _hajek_merge_kernel[(math.ceil(bh / block_r),)](
+                part_s, part_v, out, lse,
+                var if var is not None else dummy, trace if trace is not None else dummy,
+                neff if neff is not None else dummy, bh, splits,
+                DV=dv, DV_PAD=dv_pad, BLOCK_R=block_r, CERTIFY=bool(certify), PER_COORD=var is not None,
+                ROUND_P=round_p, **({} if INTERPRETED else {"num_warps": 4}),
+            )
+    return Estimate(output=out, weights=None, variance=var, trace=trace, lse=lse, n_eff=neff, max_term=None)
+
+
 def compile_paged(*, arch: int = 90, dtype: str = "bf16", d: int = 128, dv: int | None = None, g: int = 4,
                   block_size: int = 16, block_t: int | None = None, num_warps: int = 8, num_stages: int = 2, certify: bool = True,
-                  per_coordinate: bool = False, split: bool = True) -> dict:
-    """Lower the paged decode kernel to a ``sm_<arch>`` cubin without a GPU (Triton's bundled ptxas) and
-    return its resource usage (:func:`kvcert.kernels.aot.resource_usage`: registers, spills, shared memory).
+                  per_coordinate: bool = False, split: bool = True, compacted: bool = False) -> dict:
+    """Lower the paged decode kernel (``compacted=True``: the compacted token-slot kernel of
+    :func:`paged_hajek_attention_compacted`) to a ``sm_<arch>`` cubin without a GPU (Triton's bundled ptxas)
+    and return its resource usage (:func:`kvcert.kernels.aot.resource_usage`: registers, spills, shared memory).
 
     Static evidence only, like ``python -m kvcert.kernels.aot`` for the contiguous kernel; run it
     without ``TRITON_INTERPRET``.
@@ -420,10 +815,12 @@ def compile_paged(*, arch: int = 90, dtype: str = "bf16", d: int = 128, dv: int 
     const = dict(BS=block_size, BS_PAD=aot._pow2(block_size), BLOCK_T=bt, D=d, DV=dv, D_PAD=aot._pow2(d), DV_PAD=aot._pow2(dv),
                  G=g, G_BLOCK=g_block, N_RB=-(-g // g_block), R_PAD=aot._pow2(g_block), CERTIFY=certify,
                  PER_COORD=per_coordinate, SPLIT=split, DOT_F32=dt == "fp32", ROUND_P=dt != "fp32")
-    ptr = {"Q": dt, "KC": dt, "VC": dt, "Out": dt, "BT": "i32", "SL": "i32", "LP": "fp32",
+    ptr = {"Q": dt, "KC": dt, "VC": dt, "Out": dt, "BT": "i32", "SL": "i32", "PL": "i32", "LP": "fp32", "LPS": "fp32",
            **{name: "fp32" for name in ("Lse", "Var", "Tr", "Neff", "PartS", "PartV")}}
-    src = ASTSource(_paged_decode_kernel, aot._signature(_paged_decode_kernel, const, ptr), constexprs=const)
+    kern = _paged_compacted_kernel if compacted else _paged_decode_kernel
+    src = ASTSource(kern, aot._signature(kern, const, ptr), constexprs=const)
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps,
                                                                          "num_stages": num_stages})
-    return dict(kernel="paged_decode", arch=f"sm_{arch}", dtype=dt, d=d, g=g, block_size=block_size, block_t=bt,
+    return dict(kernel="paged_compacted" if compacted else "paged_decode", arch=f"sm_{arch}", dtype=dt, d=d, g=g,
+                block_size=block_size, block_t=bt,
                 num_warps=num_warps, certify=certify, split=split, **aot.resource_usage(k))

@@ -377,3 +377,324 @@ def test_compiles_for_sm90_without_a_gpu():
     assert len(rows) == 4 and all(r["arch"] == "sm_90" for r in rows)
     counted = [r for r in rows if r["stack_bytes"] is not None]
     assert all(r["stack_bytes"] == 0 for r in counted), counted  # default sub-tiles: no register spills (docs/gpu.md)
+
+
+# ----------------------------------------------------------------------------- compacted token slots
+#
+# kernels.paged.paged_hajek_attention_compacted: the token design served by compaction (docs/design.md
+# section 7). Each KV head's kept prompt tokens sit in logical slots 0 .. C_h - 1 of the block table with
+# a per-slot log pi; the tail [P_s, L_s) stays in place, certain. Oracle: the kept tokens gathered per
+# (sequence, KV head) by hand and kvcert.fast.hajek_attention in float64 (and kvcert.reference on one
+# case). Tolerances as above: |kernel - f64| <= 2 |fast_f32 - f64| + 32 eps32 scale, scale = 2 max|v|
+# (output), |lse| + 1 (lse), W max ||v||^2 + trace (trace, variance; W = sum_i (1 - pi_i) a_i^2 <= 1, the
+# float32 rounding bound of the Chan form with tokens as units), n_eff (n_eff); half inputs: 8 eps_dtype.
+
+
+def paged_compacted(*args, **kwargs):
+    """``paged_hajek_attention_compacted`` on DEV, brought back to the CPU (as :func:`paged`)."""
+    from kvcert.kernels.paged import paged_hajek_attention_compacted
+
+    to = lambda x: x.to(DEV) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    est = paged_hajek_attention_compacted(*map(to, args), **{k: to(v) for k, v in kwargs.items()})
+    if DEV == "cpu":
+        return est
+    back = {f.name: getattr(est, f.name).cpu() for f in dataclasses.fields(est)
+            if isinstance(getattr(est, f.name), torch.Tensor)}
+    return dataclasses.replace(est, **back)
+
+
+def make_compacted(*, seqs, h_kv, g, d, bs, cmax, dtype=torch.float32, seed=0, certain=0.2, holes=0.1,
+                   poison=True, value_offset=0.0):
+    """A paged cache after compaction. ``seqs``: (P_s, L_s, counts) with counts[h] = C_h <= min(P_s, cmax)
+    (None: random). Slots j < C_h of head h hold a kept token with log pi in [log .05, log .95] (a fraction
+    ``certain`` at 0, a fraction ``holes`` of -inf inside), the tail [P_s, L_s) stays at its positions.
+
+    ``poison``: NaN in every (slot, head) the kernel must not read (padding slots, the prompt's leftovers
+    in a partly compacted block, slots past L_s, the freed blocks) and garbage table entries for the
+    logical blocks that hold neither a kept slot nor a tail token (freed blocks)."""
+    gen = torch.Generator().manual_seed(seed)
+    S = len(seqs)
+    counts = []
+    for P, L, c in seqs:
+        assert 0 <= P <= L
+        if c is None:
+            c = [int(torch.randint(0, min(P, cmax) + 1, (1,), generator=gen)) for _ in range(h_kv)]
+        assert len(c) == h_kv and all(0 <= x <= min(P, cmax) for x in c)
+        counts.append(c)
+    nbt = [-(-L // bs) for _, L, _ in seqs]
+    M = max(max(nbt), 1) + 1
+    nb = sum(nbt) + 2
+    kc = torch.randn(nb, bs, h_kv, d, generator=gen)
+    vc = torch.randn(nb, bs, h_kv, d, generator=gen) + value_offset
+    ids = torch.randperm(nb, generator=gen)
+    table = torch.full((S, M), nb + 7, dtype=torch.int32)
+    lp = torch.full((S, h_kv, cmax), NEG_INF)
+    read = torch.zeros(nb, bs, h_kv, dtype=torch.bool)  # what the kernel may read
+    c0 = 0
+    for s, ((P, L, _), n) in enumerate(zip(seqs, nbt)):
+        table[s, :n] = ids[c0:c0 + n].to(torch.int32)
+        c0 += n
+        for h in range(h_kv):
+            C = counts[s][h]
+            x = torch.log(torch.rand(C, generator=gen) * 0.9 + 0.05)
+            u = torch.rand(C, generator=gen)
+            x = torch.where(u < certain, 0.0, x)
+            x = torch.where(u > 1 - holes, NEG_INF, x)
+            lp[s, h, :C] = x
+            for j in range(C):
+                if x[j] > NEG_INF:
+                    read[table[s, j // bs].long(), j % bs, h] = True
+        for p in range(P, L):
+            read[table[s, p // bs].long(), p % bs, :] = True
+    if poison:
+        kc[~read] = float("nan")
+        vc[~read] = float("nan")
+        for s, n in enumerate(nbt):
+            for j in range(n):
+                if not bool(read[table[s, j].long()].any()):
+                    table[s, j] = -1 if j % 2 else nb + 3  # a freed block: its id is stale
+    q = torch.randn(S, h_kv * g, d, generator=gen)
+    return dict(q=q.to(dtype), key_cache=kc.to(dtype), value_cache=vc.to(dtype), block_table=table,
+                seq_lens=torch.tensor([L for _, L, _ in seqs], dtype=torch.int32),
+                prompt_lens=torch.tensor([P for P, _, _ in seqs], dtype=torch.int32),
+                log_pi_slots=lp.to(torch.float32), bs=bs, counts=counts)
+
+
+CARGS = ("q", "key_cache", "value_cache", "block_table", "seq_lens", "prompt_lens", "log_pi_slots")
+
+
+def run_compacted(case, **kw):
+    return paged_compacted(*(case[k] for k in CARGS), **kw)
+
+
+def gathered_tokens(case, s):
+    """Sequence s's kept tokens per KV head, padded across heads with log pi = -inf (K, V = 0):
+    K (1, h_kv, n, d), V (1, h_kv, n, dv) float64, log pi (1, h_kv, n) float64."""
+    bs, P, L = case["bs"], int(case["prompt_lens"][s]), int(case["seq_lens"][s])
+    kc, vc, tab, lp = case["key_cache"], case["value_cache"], case["block_table"][s].long(), case["log_pi_slots"][s]
+    h_kv = kc.shape[2]
+    per = []
+    for h in range(h_kv):
+        slots = [j for j in range(lp.shape[1]) if lp[h, j] > NEG_INF]
+        ks = [kc[tab[j // bs], j % bs, h] for j in slots] + [kc[tab[p // bs], p % bs, h] for p in range(P, L)]
+        vs = [vc[tab[j // bs], j % bs, h] for j in slots] + [vc[tab[p // bs], p % bs, h] for p in range(P, L)]
+        lps = [float(lp[h, j]) for j in slots] + [0.0] * (L - P)
+        per.append((ks, vs, lps))
+    n = max(len(x[2]) for x in per)
+    d, dv = kc.shape[3], vc.shape[3]
+    K = torch.zeros(1, h_kv, n, d, dtype=torch.float64)
+    V = torch.zeros(1, h_kv, n, dv, dtype=torch.float64)
+    LP = torch.full((1, h_kv, n), NEG_INF, dtype=torch.float64)
+    for h, (ks, vs, lps) in enumerate(per):
+        if lps:
+            K[0, h, :len(lps)] = torch.stack(ks).double()
+            V[0, h, :len(lps)] = torch.stack(vs).double()
+            LP[0, h, :len(lps)] = torch.tensor(lps, dtype=torch.float64)
+    return K, V, LP
+
+
+def check_compacted(case, est):
+    """Every field of the estimate against the float64 token oracle (per sequence), empty heads by convention.
+    Returns the max error per field."""
+    dt = case["q"].dtype
+    half = dt != torch.float32
+    eps = EPS[dt]
+    g = case["q"].shape[1] // case["key_cache"].shape[2]
+    errs = {}
+    for s in range(case["q"].shape[0]):
+        K, V, LP = gathered_tokens(case, s)
+        q = case["q"][s:s + 1]
+        e64 = fast.hajek_attention(q.double(), K, V, log_pi=LP, return_weights=True)
+        e32 = None if half else fast.hajek_attention(q.float(), K.float(), V.float(), log_pi=LP.float())
+        empty = torch.isneginf(e64.lse[0])  # (h_q,)
+        if bool(empty.any()):
+            assert bool((est.output[s][empty] == 0).all()) and bool(torch.isneginf(est.lse[s][empty]).all())
+            assert bool(torch.isposinf(est.trace[s][empty]).all()) and bool((est.n_eff[s][empty] == 0).all())
+        if bool(empty.all()):
+            continue
+        full = ~empty
+        Vh = V[0].repeat_interleave(g, 0)  # (h_q, n, dv): the KV head of each query head
+        present = torch.isfinite(LP[0]).repeat_interleave(g, 0)
+        vmax = Vh.abs().amax((-1, -2))  # per query head
+        v2max = torch.where(present, (Vh * Vh).sum(-1), 0.0).amax(-1)
+        omp = torch.where(present, -torch.expm1(LP[0].repeat_interleave(g, 0)), 0.0)
+        W = (omp * e64.weights[0] ** 2).sum(-1)  # sum_i (1 - pi_i) a_i^2
+
+        def tol(fld, scl):
+            base = 2 * (getattr(e32, fld)[0].double() - getattr(e64, fld)[0]).abs() if e32 is not None else 0.0
+            return base + (8 if half else 32) * eps * scl + 1e-30
+
+        for fld, scl in (("output", (2 * vmax)[:, None]), ("lse", e64.lse[0].abs() + 1),
+                         ("trace", W * v2max + e64.trace[0].abs()),
+                         ("variance", (W * v2max)[:, None] + e64.variance[0].abs()), ("n_eff", e64.n_eff[0])):
+            got = getattr(est, fld)
+            if got is None:
+                continue
+            t = torch.as_tensor(tol(fld, scl)).expand_as(getattr(e64, fld)[0])
+            errs[fld] = max(errs.get(fld, 0.0), _report(f"seq {s} {fld}", got[s][full], getattr(e64, fld)[0][full],
+                                                        t[full]))
+    return errs
+
+
+def compacted_seqs(bs, cmax, h_kv):
+    """P_s, L_s, C_h: a tail across a block edge with one head empty (C_h = 0) and one full (C_h = Cmax),
+    a sequence with no tail, a short prompt with a long tail, and random counts."""
+    P0 = 2 * bs + 5
+    return [(P0, P0 + 9, [cmax] + [0] * (h_kv - 1) if h_kv > 1 else [0]),
+            (bs + 9, bs + 9, None),
+            (3, 3 + bs + 2, None),
+            (cmax + 4, cmax + 4 + bs, None)]
+
+
+@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("h_kv,g", [(2, 1), (1, 4), (2, 3)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_compacted_matches_token_estimator_float32(bs, h_kv, g, splits):
+    cmax = bs + 7  # not a multiple of the block size
+    case = make_compacted(seqs=compacted_seqs(bs, cmax, h_kv), h_kv=h_kv, g=g, d=16, bs=bs, cmax=cmax,
+                          seed=bs + 7 * h_kv + 13 * g + splits)
+    est = run_compacted(case, per_coordinate=True, num_splits=splits, block_t=16 if bs == 32 else None)
+    errs = check_compacted(case, est)
+    assert set(errs) == {"output", "lse", "trace", "variance", "n_eff"}
+    for x in (est.output, est.lse, est.trace, est.variance, est.n_eff):
+        assert not bool(torch.isnan(x).any())  # the NaN in padding slots and freed blocks is never read
+    # the one-head-empty sequence: a C_h = 0 head sees only its (certain) tail, trace 0
+    if h_kv > 1:
+        assert bool((est.trace[0, g:2 * g] == 0).all()) and bool(torch.isfinite(est.lse[0]).all())
+
+
+def test_compacted_matches_numpy_reference():
+    """kvcert.reference.hajek_attention (plain float64 NumPy) with pi per token, one query head at a time."""
+    bs, cmax = 16, 20
+    case = make_compacted(seqs=[(30, 41, [20, 13]), (18, 18, [5, 0])], h_kv=2, g=2, d=8, bs=bs, cmax=cmax, seed=3)
+    est = run_compacted(case, per_coordinate=True, num_splits=2, scale=0.3)
+    for s in range(2):
+        K, V, LP = gathered_tokens(case, s)
+        for h in range(4):
+            kh = h // 2
+            keep = torch.isfinite(LP[0, kh])
+            if not bool(keep.any()):
+                assert float(est.output[s, h].abs().max()) == 0 and math.isinf(float(est.trace[s, h]))
+                continue
+            r = ref.hajek_attention(case["q"][s, h].double().numpy(), K[0, kh][keep].numpy(), V[0, kh][keep].numpy(),
+                                    torch.exp(LP[0, kh][keep]).numpy(), scale=0.3)
+            scl = float(V[0, kh][keep].abs().max())
+            atol = 64 * EPS[torch.float32]  # float32 rounding of a handful of terms, with margin
+            np.testing.assert_allclose(est.output[s, h].double().numpy(), r.output, rtol=0, atol=atol * scl)
+            np.testing.assert_allclose(float(est.lse[s, h]), r.lse, rtol=0, atol=atol * (abs(r.lse) + 1))
+            np.testing.assert_allclose(float(est.trace[s, h]), r.trace, rtol=0, atol=atol * (scl * scl * 8 + r.trace))
+            np.testing.assert_allclose(est.variance[s, h].double().numpy(), r.variance, rtol=0, atol=atol * scl * scl)
+
+
+def test_compacted_negative_controls():
+    """A padding slot's key and value (finite garbage) leave the result bit-identical; changing a kept
+    slot's key changes it (so the comparison can fail)."""
+    bs = 16
+    case = make_compacted(seqs=[(40, 50, [25, 10])], h_kv=2, g=2, d=16, bs=bs, cmax=30, seed=8, poison=False,
+                          holes=0.0)
+    base = run_compacted(case, per_coordinate=True)
+    tab = case["block_table"][0].long()
+    pad = 12  # slot 12 of head 1 is padding (C_1 = 10); slot 5 of head 1 is kept
+    assert case["log_pi_slots"][0, 1, pad] == NEG_INF and case["log_pi_slots"][0, 1, 5] > NEG_INF
+    kc = case["key_cache"].clone()
+    vc = case["value_cache"].clone()
+    kc[tab[pad // bs], pad % bs, 1] = 1e4
+    vc[tab[pad // bs], pad % bs, 1] = -1e4
+    other = run_compacted({**case, "key_cache": kc, "value_cache": vc}, per_coordinate=True)
+    for f in ("output", "lse", "trace", "variance", "n_eff"):
+        assert torch.equal(getattr(base, f), getattr(other, f)), f
+    kc = case["key_cache"].clone()
+    kc[tab[5 // bs], 5 % bs, 1] += 3.0
+    moved = run_compacted({**case, "key_cache": kc}, per_coordinate=True)
+    assert not torch.equal(base.output[0, 2:], moved.output[0, 2:])  # head 1's query heads see the change
+    assert torch.equal(base.output[0, :2], moved.output[0, :2])  # head 0's do not
+    # and a NaN in the slot that padding covers is never read (poisoned cases compare to the oracle above)
+    kc = case["key_cache"].clone()
+    kc[tab[pad // bs], pad % bs, 1] = float("nan")
+    assert torch.equal(run_compacted({**case, "key_cache": kc}).output, base.output)
+
+
+def test_compacted_all_certain_is_exact_attention_and_empty_sequences():
+    case = make_compacted(seqs=[(35, 47, [35, 20]), (0, 0, [0, 0]), (5, 5, [0, 0]), (0, 9, [0, 0])], h_kv=2, g=2,
+                          d=16, bs=16, cmax=35, seed=5, certain=1.0, holes=0.0)
+    est = run_compacted(case, per_coordinate=True, num_splits=2)
+    check_compacted(case, est)
+    assert bool((est.trace[[0, 3]] == 0).all()) and bool((est.variance[[0, 3]] == 0).all())
+    for s in (1, 2):  # nothing kept: output 0, lse -inf, trace +inf, n_eff 0
+        assert bool((est.output[s] == 0).all()) and bool(torch.isneginf(est.lse[s]).all())
+        assert bool(torch.isposinf(est.trace[s]).all()) and bool((est.n_eff[s] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_compacted_half_inputs(dtype):
+    case = make_compacted(seqs=[(50, 61, None), (20, 37, None)], h_kv=2, g=2, d=16, bs=32, cmax=45, seed=9,
+                          dtype=dtype)
+    est = run_compacted(case, per_coordinate=True, num_splits=2, block_t=16)
+    assert est.output.dtype == dtype
+    check_compacted(case, est)
+
+
+def test_compacted_value_offset_no_cancellation():
+    """A common value offset of 100: tokens as Chan units keep the trace at float32 resolution of the
+    residuals (offset^2 / trace ~ 1e5, so a raw sum-of-squares form would keep about 2 digits)."""
+    case = make_compacted(seqs=[(60, 70, [40, 31])], h_kv=2, g=1, d=16, bs=16, cmax=40, seed=4, certain=0.0,
+                          value_offset=100.0, poison=False, holes=0.0)
+    est = run_compacted(case)
+    K, V, LP = gathered_tokens(case, 0)
+    e64 = fast.hajek_attention(case["q"][:1].double(), K, V, log_pi=LP)
+    rel = (est.trace[0].double() - e64.trace[0]).abs() / e64.trace[0]
+    assert float(rel.max()) < 1e-2, rel
+
+
+def test_compacted_refuses_bad_inputs():
+    case = make_compacted(seqs=[(20, 25, [10, 4])], h_kv=2, g=1, d=16, bs=16, cmax=12, seed=1, poison=False)
+    a = [case[k] for k in CARGS]
+    f = paged_compacted
+    with pytest.raises(ValueError, match="log_pi_slots must be a float32 tensor of shape"):
+        f(*a[:6], a[6].double())
+    with pytest.raises(ValueError, match="log_pi_slots must be a float32 tensor of shape"):
+        f(*a[:6], a[6][:, :1])  # h_kv = 2 heads expected
+    with pytest.raises(ValueError, match="prompt_lens must be an int32 tensor of shape"):
+        f(*a[:5], a[5].repeat(2), a[6])
+    with pytest.raises(ValueError, match="prompt_lens must lie in"):
+        f(*a[:5], torch.tensor([30], dtype=torch.int32), a[6])  # P_s > L_s
+    with pytest.raises(ValueError, match="log_pi_slots must lie in"):
+        f(*a[:6], a[6].abs())
+    with pytest.raises(ValueError, match=r"-inf at every slot j >= prompt_lens"):
+        f(*a[:5], torch.tensor([8], dtype=torch.int32), a[6])  # head 0 keeps 10 > P_s slots
+    with pytest.raises(ValueError, match="seq_lens must lie"):
+        f(*a[:4], torch.tensor([1000], dtype=torch.int32), *a[5:])
+    with pytest.raises(ValueError, match="physical block ids"):
+        f(*a[:3], torch.full_like(a[3], 10 ** 6), *a[4:])
+    with pytest.raises(ValueError, match="GQA"):
+        f(torch.randn(1, 3, 16), *a[1:])
+    with pytest.raises(ValueError, match="max_tail_len"):
+        f(*a, max_tail_len=2)  # the tail has 5 tokens
+    with pytest.raises(TypeError, match="prompt_lens must be a torch.Tensor"):
+        f(*a[:5], [20], a[6])
+    with pytest.raises(TypeError, match="share one dtype"):
+        f(a[0].half(), *a[1:])
+
+
+def test_compacted_compiles_for_sm90_without_a_gpu():
+    """The compiled compacted kernel lowers to sm_90 cubins (bf16 split at blocks of 16 and 128, fp32 unsplit
+    at 16; d = 128, g = 4, default sub-tiles) without register spills: the interpreter cannot catch type or
+    layout errors of the compiled path (the scalar branch on a tile's kept count, the two unit loops)."""
+    import json
+    import subprocess
+    import sys
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this triton wheel ships no ptxas")
+    code = ("import json\n"
+            "from kvcert.kernels.paged import compile_paged\n"
+            "rows = [compile_paged(dtype=dt, block_size=bs, split=sp, compacted=True)"
+            " for dt, bs, sp in (('bf16', 16, True), ('bf16', 128, True), ('fp32', 16, False))]\n"
+            "print(json.dumps(rows))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 3 and all(r["arch"] == "sm_90" and r["kernel"] == "paged_compacted" for r in rows)
+    counted = [r for r in rows if r["stack_bytes"] is not None]
+    assert all(r["stack_bytes"] == 0 for r in counted), counted
