@@ -39,6 +39,11 @@ not interleaved with prefill chunks) and the same workload, greedy with
   the preemptions (``num_preemptions``), i.e. how many concurrent requests
   the pool admits.
 
+``--granularity`` picks the plugin's design (the token design by compaction,
+the default, or ``block``); ``freed_over_expected`` compares the blocks freed
+with the design's expected saving (ratio x prompt tokens / block size), i.e.
+what the padding of compaction costs.
+
 Results: JSON (``--out``) and a table on stdout, copied into docs/serving.md.
 No timing assertion anywhere (STYLE.md rule 5).
 """
@@ -116,6 +121,11 @@ def _phase(llm, spec: dict, phase: dict) -> dict:
             "preemptions": m.num_preemptions,
             "decode_s_per_token": (m.last_token_ts - m.first_token_ts) / max(n - 1, 1),
             "prompt_blocks": n_blocks, "blocks_freed": 0 if rep is None else rep["blocks_freed"],
+            # the design's expected saving in blocks, ratio x prompt tokens / block size: what compaction would free
+            # without padding (the token design pads every head of every layer to the largest kept count)
+            "expected_freed_blocks": 0.0 if spec["ratio"] is None
+            else spec["ratio"] * len(o.prompt_token_ids) / spec["engine"]["block_size"],
+            "compacted_blocks": None if not rep else rep.get("m"),
             "mean_certificate": None if not rep or not rep["evicted"]
             else statistics.fmean(rep["certificates"][1:] or [0.0]),
         })
@@ -134,7 +144,8 @@ def _child(spec_path: str, res_fd: str) -> None:
     else:
         from kvcert.vllm import certified_llm
 
-        llm = certified_llm(spec["model"], compression_ratio=spec["ratio"], seed=0, **spec["engine"])
+        llm = certified_llm(spec["model"], compression_ratio=spec["ratio"], seed=0,
+                            granularity=spec.get("granularity", "token"), **spec["engine"])
     out.write(json.dumps({"start_s": time.perf_counter() - t0}) + "\n")
     out.flush()
     for line in sys.stdin:
@@ -152,13 +163,14 @@ def _child(spec_path: str, res_fd: str) -> None:
 class _Engine:
     """The parent's handle on one engine process (stock: ``VLLM_PLUGINS=""``, i.e. without the plugin)."""
 
-    def __init__(self, name: str, model: str, ratio, engine: dict, tmp: Path, timeout: float):
+    def __init__(self, name: str, model: str, ratio, engine: dict, tmp: Path, timeout: float,
+                 granularity: str = "token"):
         self.name, self.timeout = name, timeout
         env = _env()
         if ratio is None:
             env["VLLM_PLUGINS"] = ""
         spec = tmp / f"{name}.json"
-        spec.write_text(json.dumps({"model": model, "ratio": ratio, "engine": engine}))
+        spec.write_text(json.dumps({"model": model, "ratio": ratio, "engine": engine, "granularity": granularity}))
         self.log_path = tmp / f"{name}.log"
         self._log = open(self.log_path, "w")
         r, w = os.pipe()
@@ -229,6 +241,8 @@ def _latency_summary(ph: dict) -> dict:
         "decode_tok_s_batch": sum(r["tokens"] - 1 for r in reqs) / span if span > 0 else None,
         "kv_blocks_prompt": sum(r["prompt_blocks"] for r in reqs),
         "kv_blocks_in_use_after_eviction": sum(r["prompt_blocks"] - r["blocks_freed"] for r in reqs),
+        "freed_over_expected": (sum(r["blocks_freed"] for r in reqs) / sum(r["expected_freed_blocks"] for r in reqs)
+                                if any(r["expected_freed_blocks"] for r in reqs) else None),
         "mean_relative_radius": statistics.fmean(certs) if certs else None,
         "preemptions": sum(r["preemptions"] for r in reqs),
     }
@@ -253,6 +267,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3,
                     help="latency phases per engine and length, the engines interleaved in a rotating order")
     ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--granularity", choices=("token", "block"), default="token",
+                    help="the plugin's design: the token design by compaction (default) or whole blocks")
     ap.add_argument("--pool-blocks", type=int, default=140, help="num_gpu_blocks_override of every engine")
     ap.add_argument("--admission-requests", type=int, default=24,
                     help="more than the pool can hold at once even at ratio 0.5, so the pool is the limit")
@@ -293,7 +309,7 @@ def main(argv=None) -> None:
                 eng = dict(engine)
                 if ratio is not None:
                     eng.pop("enable_prefix_caching")
-                engines[name] = _Engine(name, model, ratio, eng, Path(tmp), args.timeout)
+                engines[name] = _Engine(name, model, ratio, eng, Path(tmp), args.timeout, args.granularity)
                 raw[name]["start_s"] = engines[name].recv()["start_s"]
                 print(f"{name}: engine up in {raw[name]['start_s']:.1f} s", flush=True)
             # a warm-up phase shaped like the first latency phase, not reported: in the plugin's engine the decode
@@ -365,6 +381,9 @@ def _print_table(results: dict, names: list[str], lengths: list[int]) -> None:
         print(f"| {n}: decode ratio to stock, median of repeats (range) | " + " | ".join(cells) + " |")
         blocks = [runs[m]["summary"][f"latency_{n}"][0]["kv_blocks_in_use_after_eviction"] for m in names]
         print(f"| {n}: KV blocks in use after prefill (first repeat) | " + " | ".join(map(str, blocks)) + " |")
+        freed = [runs[m]["summary"][f"latency_{n}"][0]["freed_over_expected"] for m in names[1:]]
+        print(f"| {n}: blocks freed / the design's expected saving (first repeat) | - | "
+              + " | ".join("-" if f is None else f"{f:.2f}" for f in freed) + " |")
     adm = [runs[m]["summary"]["admission"]["max_concurrent"] for m in names]
     print("| admission: most requests running at once | " + " | ".join(map(str, adm)) + " |")
 

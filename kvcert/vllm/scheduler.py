@@ -1,33 +1,37 @@
-"""The plugin's scheduler: decides the block sample after a prompt, frees evicted blocks, reports.
+"""The plugin's scheduler: frees a prompt's evicted blocks after its prefill, reports.
 
 ``CertifiedScheduler`` (engine argument ``scheduler_cls``) is vLLM's
-synchronous ``Scheduler`` plus three duties:
+synchronous ``Scheduler`` plus these duties:
 
-1. **Decide.** The worker returns, on the step that processes the last chunk
-   of a prompt, the prompt's block importance (``ModelRunnerOutput``
-   attribute ``kvcert_importance``). The configuration's block design
-   (``KVCertConfig.design``, a :class:`kvcert.fast.BlockDesign`) turns it
-   into a decision, :meth:`~kvcert.fast.BlockDesign.decide`: inclusion
-   probabilities pi_b at the budget ``(1 - compression_ratio) * n_blocks``
-   and the sample from the counter-based block stream keyed by the seed and
-   :func:`prompt_event` (a hash of the prompt's token ids), indexed by the
-   block's position in the prompt, so the same prompt and seed keep the same
-   blocks whatever the batch and call order.
-2. **Free.** Evicted blocks are swapped for vLLM's ``null_block`` in the
-   request's block table and returned to the pool (``BlockPool.free_blocks``),
-   as vLLM's ``RSWAManager._remove_blocks_in_range`` does for a skipped
-   range; other requests may then be given them while the owner still decodes.
-3. **Tell and report.** The decision rides to the worker on the next
-   ``SchedulerOutput`` (attribute ``kvcert``); the worker masks evicted
-   blocks and adds -log pi_b to the sampled kept ones. Per-token certificates
-   come back on ``ModelRunnerOutput.kvcert_certs`` and leave with the finished
-   request in ``RequestOutput.kv_transfer_params["kvcert"]``
-   (docs/serving.md, "The certificate channel").
+1. **Free, token design** (``granularity="token"``, the default). The worker
+   draws the token design and compacts the kept tokens of every (layer, KV
+   head) into the request's first m blocks on the step that processes the
+   prompt's last chunk (:mod:`kvcert.vllm.worker`), and returns
+   ``ModelRunnerOutput.kvcert_compacted`` = {request: {m, n_prompt, counts}}.
+   The prompt's full blocks m .. floor(n_prompt / block_size) - 1 are swapped
+   for vLLM's ``null_block`` in the request's block table and returned to the
+   pool (``BlockPool.free_blocks``), as vLLM's
+   ``RSWAManager._remove_blocks_in_range`` does for a skipped range. The copy
+   happened inside that step, before its output reached this scheduler, so
+   before any freed block can be scheduled for another request's writes.
+2. **Decide and free, block design** (``granularity="block"``). The worker
+   returns the prompt's block importance (``kvcert_importance``); the
+   configuration's :class:`kvcert.fast.BlockDesign` turns it into a decision
+   (:meth:`~kvcert.fast.BlockDesign.decide`: pi_b at the budget
+   ``(1 - compression_ratio) * n_blocks`` and the sample from the block stream
+   keyed by the seed and :func:`prompt_event`, a hash of the prompt's token
+   ids), the evicted blocks are freed as above, and the decision rides to the
+   worker on the next ``SchedulerOutput`` (attribute ``kvcert``): the worker
+   masks evicted blocks and adds -log pi_b to the sampled kept ones.
+3. **Report.** Per-token certificates come back on
+   ``ModelRunnerOutput.kvcert_certs`` and leave with the finished request in
+   ``RequestOutput.kv_transfer_params["kvcert"]`` (docs/serving.md, "The
+   certificate channel").
 
-Preemption of a request whose blocks were evicted: vLLM recomputes it from its
-tokens, which restores the full cache; the worker is told to drop the mask
-(``clear``) and the request continues without eviction (certificate 0 for the
-tokens after the resumption, flagged ``preempted`` in the report).
+Preemption of a request that evicted: vLLM recomputes it from its tokens,
+which restores the full cache; the worker is told to drop its state
+(``clear``) and the request continues without eviction (certificate 0 for
+the tokens after the resumption, flagged ``preempted`` in the report).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ class CertifiedScheduler(Scheduler):
                              f"MLA models are unsupported)")
         self._manager = self.kv_cache_manager.coordinator.single_type_managers[0]
         self._bs = int(groups[0].kv_cache_spec.block_size)
-        self._design = self.kvcert.design  # kvcert.fast.BlockDesign: budget, pi, sample
+        self._design = self.kvcert.design  # kvcert.fast.TokenDesign or BlockDesign
         self._pending: dict[str, dict] = {}  # decisions for the next SchedulerOutput
         self._clear: set[str] = set()  # requests whose mask the worker must drop
         self._records: dict[str, dict] = {}  # per evicted request: decision, certificates, pool counts
@@ -73,10 +77,53 @@ class CertifiedScheduler(Scheduler):
 
     # ------------------------------------------------------------------ decide and free
 
+    def _free(self, req_id: str, indices) -> tuple[int, int, int]:
+        """Return the request's logical blocks ``indices`` to the pool (tail first, as
+        ``_remove_blocks_in_range``), swapped for ``null_block``; (freed, free before, free after)."""
+        blocks = self._manager.req_to_blocks.get(req_id)
+        pool = self._manager.block_pool
+        free_before = pool.get_num_free_blocks()
+        freed = 0
+        if indices and self.kvcert.free_blocks and blocks is not None:
+            null = self._manager._null_block
+            out = []
+            for j in sorted(indices, reverse=True):
+                blk = blocks[j]
+                if blk is null or blk.is_null:
+                    continue
+                out.append(blk)
+                blocks[j] = null
+                if self.kvcert.track_reuse:
+                    self._freed_owner[blk.block_id] = req_id
+            if out:
+                pool.free_blocks(out)
+                freed = len(out)
+        return freed, free_before, pool.get_num_free_blocks()
+
+    def _compacted(self, request, info: dict) -> None:
+        """Token design: free the full prompt blocks past the compacted ones and open the request's record."""
+        req_id = request.request_id
+        self._decided.add(req_id)
+        n_prompt, m = int(info["n_prompt"]), int(info["m"])
+        freed, free_before, free_after = self._free(req_id, list(range(m, n_prompt // self._bs)))
+        counts = info["counts"]
+        evicted = sum(n_prompt - c for layer in counts for c in layer)
+        self._records[req_id] = {
+            "granularity": "token", "n_prompt_tokens": n_prompt, "m": m, "kept_counts": counts,
+            "evicted": evicted, "blocks_freed": freed, "free_before": free_before, "free_after": free_after,
+            "certificates": [0.0] * request.num_output_tokens,  # tokens sampled from the full cache
+            "preempted": False,
+        }
+        if "kept_positions" in info:
+            self._records[req_id]["kept_positions"] = info["kept_positions"]
+        self.kvcert_stats["requests_decided"] += 1
+        self.kvcert_stats["requests_evicted"] += 1 if evicted else 0
+        self.kvcert_stats["tokens_evicted"] += evicted
+        self.kvcert_stats["blocks_freed"] += freed
+
     def _decide(self, request, importance) -> None:
         req_id = request.request_id
         self._decided.add(req_id)
-        cfg = self.kvcert
         n_prompt = request.num_prompt_tokens
         nb = -(-n_prompt // self._bs)
         # block importance per block (already aggregated over layers and heads by the worker)
@@ -88,25 +135,7 @@ class CertifiedScheduler(Scheduler):
             self.kvcert_stats["requests_not_evicted"] += 1
             return
         pi, keep, evicted = decision.pi, decision.kept, decision.evicted
-        blocks = self._manager.req_to_blocks.get(req_id)
-        pool = self._manager.block_pool
-        free_before = pool.get_num_free_blocks()
-        freed = 0
-        if evicted and cfg.free_blocks and blocks is not None:
-            null = self._manager._null_block
-            out = []
-            for j in reversed(evicted):  # tail first, as _remove_blocks_in_range
-                blk = blocks[j]
-                if blk is null or blk.is_null:
-                    continue
-                out.append(blk)
-                blocks[j] = null
-                if cfg.track_reuse:
-                    self._freed_owner[blk.block_id] = req_id
-            if out:
-                pool.free_blocks(out)
-                freed = len(out)
-        free_after = pool.get_num_free_blocks()
+        freed, free_before, free_after = self._free(req_id, evicted)
         self._pending[req_id] = {"n_prompt_tokens": n_prompt, "log_pi": decision.log_pi.tolist()}
         self._records[req_id] = {
             "importance": ub.tolist(), "pi": pi.tolist(), "kept": [bool(k) for k in keep.tolist()], "evicted": evicted,
@@ -155,6 +184,10 @@ class CertifiedScheduler(Scheduler):
             if i is not None and sampled and len(sampled[i]) > 0 and req_id in scheduler_output.num_scheduled_tokens:
                 rec["certificates"].extend([float(certs.get(req_id, 0.0))] * len(sampled[i]))
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        for req_id, info in (getattr(model_runner_output, "kvcert_compacted", None) or {}).items():
+            request = self.requests.get(req_id)
+            if request is not None and not request.is_finished() and req_id not in self._decided:
+                self._compacted(request, info)
         importance = getattr(model_runner_output, "kvcert_importance", None) or {}
         for req_id, imp in importance.items():
             request = self.requests.get(req_id)

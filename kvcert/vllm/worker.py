@@ -1,7 +1,19 @@
 """The plugin's worker: holds the eviction decisions, runs each step with them, reports back.
 
 ``CertifiedCPUWorker`` (engine argument ``worker_cls``) is vLLM's ``CPUWorker``
-plus a per-step context (:class:`Step`) that the attention backend reads:
+plus a per-step context (:class:`Step`) that the attention backend reads.
+
+Token design (``granularity="token"``, the default): the worker decides. On the
+step that processes a prompt's last chunk, every layer of the backend draws
+the token design and compacts the kept tokens into the request's first blocks
+(:mod:`kvcert.vllm.backend`); after the step the worker holds the request's
+:class:`Compacted` state (log pi per layer, KV head and slot) and reports
+``ModelRunnerOutput.kvcert_compacted`` = {request: {m, n_prompt, counts, ...}},
+from which the scheduler frees the prompt's full blocks past the first m. The
+copy is done within that step, before the step's output reaches the
+scheduler, so before any freed block can be handed to another request.
+
+Block design:
 
 - before the step: the decisions that came on ``SchedulerOutput.kvcert``
   (log pi_b per prompt block, -inf = evicted) become per-request states;
@@ -37,7 +49,7 @@ from . import backend as _backend
 from . import gpu_backend as _gpu_backend
 from .config import KVCertConfig, check_vllm_config
 
-__all__ = ["CertifiedCPUWorker", "CertifiedGPUWorker", "Step"]
+__all__ = ["CertifiedCPUWorker", "CertifiedGPUWorker", "Compacted", "Step"]
 
 
 @dataclass
@@ -47,6 +59,28 @@ class _Masked:
     block_ids: torch.Tensor  # physical ids of the kept blocks (m,)
     pi: torch.Tensor  # (1, 1, m * bs) pi_b per token, 0 past seq_len
     positions: torch.Tensor  # (1, 1, m * bs) token positions, -1 past seq_len
+
+
+@dataclass
+class Compacted:
+    """A request whose prompt was compacted (token design): what its decode rows read.
+
+    ``log_pi`` (layers, h_kv, m * bs) float32: log pi of compacted slot j of each layer and KV head, -inf on
+    padding; the prompt's n_prompt tokens are represented only there, the later tokens sit at their own
+    positions (>= n_prompt) with pi = 1."""
+
+    n_prompt: int
+    m: int
+    log_pi: torch.Tensor
+
+
+@dataclass
+class _CompactedRow:
+    req_id: str
+    token: int  # index of the row's query token in the step's tokens
+    block_ids: torch.Tensor  # (m + t,) compacted blocks, then the blocks of positions n_prompt .. seq_len - 1
+    tail_log_pi: torch.Tensor  # (t * bs,) 0 on positions n_prompt .. seq_len - 1, -inf elsewhere
+    state: Compacted
 
 
 @dataclass
@@ -74,10 +108,31 @@ class _Plan:
     masked_block_ids: torch.Tensor | None = None  # (E, M) kept physical blocks, padded
     masked_log_pi: torch.Tensor | None = None  # (E, M, bs) log pi per slot, -inf = padding / past the end
     masked_chunks: list | None = None  # backend.masked_chunks, set by the first layer of the step
+    compacted: list = field(default_factory=list)
+    compacted_tokens: torch.Tensor | None = None  # (E,) query token of each compacted row
+    compacted_block_ids: torch.Tensor | None = None  # (E, M) blocks read per row, padded
     importance: list = field(default_factory=list)
     stock_rows: list = field(default_factory=list)
     metadata: object = None
+    block_size: int = 0
     _sub: _SubBatch | None = None
+    _compacted_log_pi: dict = field(default_factory=dict)
+
+    def compacted_inputs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block ids (E, M) and log pi (E, h_kv, M * bs) of the compacted rows at one layer (-inf = not a token:
+        padding slots, padding blocks, positions before the prompt's end in the tail blocks or past seq_len)."""
+        lp = self._compacted_log_pi.get(layer)
+        if lp is None:
+            E, M = self.compacted_block_ids.shape
+            h = self.compacted[0].state.log_pi.shape[1]
+            lp = torch.full((E, h, M * self.block_size), float("-inf"))
+            for j, row in enumerate(self.compacted):
+                head = row.state.log_pi[layer]  # (h, m * bs)
+                c = head.shape[1]
+                lp[j, :, :c] = head
+                lp[j, :, c : c + row.tail_log_pi.numel()] = row.tail_log_pi
+            self._compacted_log_pi[layer] = lp
+        return self.compacted_block_ids, lp
 
     def stock_metadata(self, impl) -> _SubBatch:
         if self._sub is None:
@@ -110,12 +165,13 @@ class Step:
         self.cert_n: dict[str, int] = {}
         self._certs: list[tuple[tuple, torch.Tensor]] = []
         self.importance: dict[str, list] = {}
+        self.compactions: dict[str, dict] = {}
 
     def plan(self, md, block_size: int) -> _Plan:
         if self._plan is not None:
             return self._plan
         w = self.worker
-        plan = _Plan(metadata=md)
+        plan = _Plan(metadata=md, block_size=block_size)
         row_log_pi = []
         qsl = md.query_start_loc.tolist()
         seq_lens = md.seq_lens.tolist()
@@ -127,7 +183,10 @@ class Step:
                 continue
             seq_len = seq_lens[r]
             state = w.kvcert_states.get(rid) if rid is not None else None
-            if state is not None and q_len == 1:
+            if isinstance(state, Compacted) and q_len == 1:
+                plan.compacted.append(self._compacted_row(rid, qsl[r], md.block_table[r], seq_len, state,
+                                                          block_size))
+            elif state is not None and q_len == 1:
                 nbt = -(-seq_len // block_size)
                 log_pi = state  # (nb_prompt,) float64, -inf = evicted
                 nbp = log_pi.shape[0]
@@ -152,6 +211,11 @@ class Step:
                     nbt = -(-seq_len // block_size)
                     plan.importance.append(_Importance(rid, q_len, qsl[r + 1], seq_len,
                                                        md.block_table[r, :nbt].to(torch.int64)))
+        if plan.compacted:
+            E, M = len(plan.compacted), max(len(c.block_ids) for c in plan.compacted)
+            plan.compacted_tokens = torch.tensor([c.token for c in plan.compacted], dtype=torch.int64)
+            plan.compacted_block_ids = torch.stack([torch.cat([c.block_ids, c.block_ids[:1].expand(M - len(c.block_ids))])
+                                                    for c in plan.compacted])
         if plan.masked:
             E, M = len(plan.masked), max(len(m.block_ids) for m in plan.masked)
             plan.masked_tokens = torch.tensor([m.token for m in plan.masked], dtype=torch.int64)
@@ -163,16 +227,30 @@ class Step:
         self._plan = plan
         return plan
 
+    @staticmethod
+    def _compacted_row(rid, token: int, table: torch.Tensor, seq_len: int, state: Compacted,
+                       block_size: int) -> _CompactedRow:
+        """The blocks a compacted request's decode row reads: its first m (the compacted prompt), then those of
+        positions n_prompt .. seq_len - 1 (the last prompt block, partly filled, and the decode blocks)."""
+        first, last = state.n_prompt // block_size, -(-seq_len // block_size)
+        ids = torch.cat([table[: state.m], table[first:last]]).to(torch.int64)
+        pos = torch.arange(first * block_size, last * block_size)
+        tail = torch.where((pos >= state.n_prompt) & (pos < seq_len), 0.0, float("-inf"))
+        return _CompactedRow(rid, token, ids, tail, state)
+
     def _wants_importance(self, rid, seq_len: int, block_size: int) -> bool:
         """True on the step that processes the last chunk of a prompt that has not been decided and is long
         enough to evict anything (else its importance is not even computed)."""
         w = self.worker
         return (rid is not None and w.kvcert_prompt_len.get(rid) == seq_len and rid not in w.kvcert_states
-                and self.config.budget(-(-seq_len // block_size)) is not None)
+                and rid not in w.kvcert_decided and self.config.evicts(seq_len, block_size))
 
     def row_states(self, md) -> list:
         """The CUDA backend's view of the step (:mod:`kvcert.vllm.gpu_backend`): one ``RowState`` per row."""
         w = self.worker
+        if self.config.tokens:
+            raise NotImplementedError("kvcert.vllm: the CUDA backend serves granularity='block' only; the token "
+                                      "design's paged kernel is kvcert.kernels.paged (not wired to the CUDA backend)")
         req_ids = w.model_runner.input_batch.req_ids
         out = []
         for r, seq_len in enumerate(md.seq_lens.tolist()):
@@ -203,14 +281,42 @@ class Step:
     def add_importance(self, req_id: str, u: torch.Tensor) -> None:
         self.importance.setdefault(req_id, []).append(u.detach().to(torch.float64))
 
-    def results(self, block_size: int) -> tuple[dict, dict]:
+    def add_compaction(self, req_id: str, layer: int, layout) -> None:
+        """One layer's compacted layout (:class:`kvcert.fast.Compaction`, leading dim h_kv) of a request."""
+        self.compactions.setdefault(req_id, {})[layer] = layout
+
+    def _compacted(self) -> dict:
+        """Each compacted request's state (installed in the worker) and its report for the scheduler."""
+        out = {}
+        for rid, layers in self.compactions.items():
+            n_layers = max(layers) + 1
+            if sorted(layers) != list(range(n_layers)):
+                raise RuntimeError(f"kvcert.vllm: request {rid} was compacted in layers {sorted(layers)}, not in "
+                                   f"every layer 0..{n_layers - 1}")
+            first = layers[0]
+            bs, n = first.block_size, first.n_tokens
+            m = max(layout.m for layout in layers.values())
+            h = first.counts.shape[0]
+            log_pi = torch.full((n_layers, h, m * bs), float("-inf"))
+            for idx, layout in layers.items():
+                log_pi[idx, :, : layout.log_pi.shape[-1]] = layout.log_pi.float()
+            self.worker.kvcert_states[rid] = Compacted(n, m, log_pi)
+            counts = torch.stack([layers[i].counts for i in range(n_layers)])
+            report = {"m": m, "n_prompt": n, "counts": counts.tolist()}
+            if self.config.report_kept:
+                report["kept_positions"] = [[p[p >= 0].tolist() for p in layers[i].positions]
+                                            for i in range(n_layers)]
+            out[rid] = report
+        return out
+
+    def results(self, block_size: int) -> tuple[dict, dict, dict]:
         self._sum_certificates()
         certs = {r: self.cert_sum[r] / self.cert_n[r] for r in self.cert_sum}
         imp = {}
         for r, us in self.importance.items():
             u = torch.stack(us)[None]  # (1, layers, h_kv, n)
             imp[r] = self.config.design.block_importance(u, block_size=block_size)[0].tolist()
-        return certs, imp
+        return certs, imp, self._compacted()
 
 
 class _CertifiedWorker:
@@ -226,11 +332,12 @@ class _CertifiedWorker:
         check_vllm_config(vllm_config)
         super().__init__(vllm_config, *args, **kwargs)
         self.kvcert = KVCertConfig.from_vllm_config(vllm_config) or KVCertConfig(compression_ratio=0.0)
-        self.kvcert_states: dict[str, torch.Tensor] = {}
+        self.kvcert_states: dict[str, torch.Tensor | Compacted] = {}
+        self.kvcert_decided: set[str] = set()  # token design: requests already compacted (never twice)
         self.kvcert_prompt_len: dict[str, int] = {}
         self.kvcert_last_stats: dict = {}
         self.kvcert_block_size = int(vllm_config.cache_config.block_size)
-        self._kvcert_pending: tuple[dict, dict] | None = None
+        self._kvcert_pending: tuple[dict, dict, dict] | None = None
 
     def _kvcert_layers(self, impl_cls) -> dict:
         """The model's attention layers, refusing any whose implementation is not ``impl_cls``."""
@@ -271,6 +378,7 @@ class _CertifiedWorker:
         for rid in scheduler_output.finished_req_ids:
             self.kvcert_states.pop(rid, None)
             self.kvcert_prompt_len.pop(rid, None)
+            self.kvcert_decided.discard(rid)
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         self._kvcert_before(scheduler_output)
@@ -281,6 +389,7 @@ class _CertifiedWorker:
         finally:
             self._kvcert_slot.ctx = None
         self._kvcert_pending = step.results(self.kvcert_block_size)
+        self.kvcert_decided.update(self._kvcert_pending[2])
         if out is not None:
             self._kvcert_attach(out)
         return out
@@ -288,11 +397,12 @@ class _CertifiedWorker:
     def _kvcert_attach(self, out) -> None:
         if self._kvcert_pending is None:
             return
-        certs, imp = self._kvcert_pending
+        certs, imp, compacted = self._kvcert_pending
         self._kvcert_pending = None
         try:
             out.kvcert_certs = certs
             out.kvcert_importance = imp
+            out.kvcert_compacted = compacted
         except AttributeError:  # an output type without a __dict__ (not expected with the sync scheduler)
             raise RuntimeError("kvcert.vllm: cannot attach certificates to the model runner's output "
                                f"({type(out).__name__}); is async scheduling on?") from None

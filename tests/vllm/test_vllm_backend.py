@@ -117,8 +117,8 @@ def test_masked_forward_matches_the_block_estimator_on_a_compact_cache(monkeypat
     keep = torch.tensor([True, False, True, True, True])
     log_pi = torch.where(keep, pi_blocks.log(), torch.tensor(float("-inf"), dtype=torch.float64))
     # "b" (2 blocks) is long enough to be evicted only with a small certainty set and ratio: budget 1.5 > 1
-    cfg = KVCertConfig(compression_ratio=0.25, sink_blocks=0, recent_blocks=1, observation_window=8)
-    fake = SimpleNamespace(kvcert=cfg, kvcert_states={"a": log_pi}, kvcert_prompt_len={"a": 150, "b": Q},
+    cfg = KVCertConfig(compression_ratio=0.25, granularity="block", sink_blocks=0, recent_blocks=1, observation_window=8)
+    fake = SimpleNamespace(kvcert=cfg, kvcert_states={"a": log_pi}, kvcert_decided=set(), kvcert_prompt_len={"a": 150, "b": Q},
                            model_runner=SimpleNamespace(input_batch=SimpleNamespace(req_ids=["b", "a"])))
     qb, qa = torch.randn(Q, h_q, d), torch.randn(1, h_q, d)
     query = torch.cat([qb, qa])
@@ -144,7 +144,7 @@ def test_masked_forward_matches_the_block_estimator_on_a_compact_cache(monkeypat
                                 per_coordinate=False)
     torch.testing.assert_close(out[Q:], est.output, rtol=1e-5, atol=1e-6)
     _, _, rel = radius_from_statistics("chebyshev", 0.05, **certificate_moments(est, "chebyshev"))
-    certs, imp = step.results(bs)
+    certs, imp, _ = step.results(bs)
     assert certs["a"] == pytest.approx(float(rel.double().mean()), rel=1e-5)
     assert certs["a"] > 0
     # the importance of the prompt that finished in this step: SnapKV of its last 8 queries, per KV head
@@ -152,7 +152,7 @@ def test_masked_forward_matches_the_block_estimator_on_a_compact_cache(monkeypat
     torch.testing.assert_close(step.importance["b"][0].float(), u[0], rtol=1e-5, atol=1e-7)
     assert len(imp["b"]) == 2 and "a" not in imp
     # with the default design the 2-block prompt cannot be evicted: its importance is not even computed
-    fake.kvcert = KVCertConfig(compression_ratio=0.5)
+    fake.kvcert = KVCertConfig(compression_ratio=0.5, granularity="block")
     step = worker.Step(fake)
     backend.STEP.ctx = step
     try:
@@ -228,13 +228,13 @@ def test_step_sums_certificates_over_layers_per_request():
 
     from kvcert.vllm import KVCertConfig, worker
 
-    step = worker.Step(SimpleNamespace(kvcert=KVCertConfig(compression_ratio=0.5)))
+    step = worker.Step(SimpleNamespace(kvcert=KVCertConfig(compression_ratio=0.5, granularity="block")))
     rel = [torch.tensor([[0.1, 0.3], [1.0, 2.0]]), torch.tensor([[0.5, 0.5], [3.0, 5.0]])]
     for r in rel:
         step.add_certificates(["a", "b"], r)
     step.add_certificates(["c"], torch.tensor([[0.25, 0.75]]))
     step.add_certificates(["b"], torch.tensor([[8.0, 10.0]]))
-    certs, imp = step.results(16)
+    certs, imp, _ = step.results(16)
     assert certs == pytest.approx({"a": (0.2 + 0.5) / 2, "b": (1.5 + 4.0 + 9.0) / 3, "c": 0.5}, rel=1e-6)  # float32 radii
     assert imp == {}
     assert step.results(16)[0] == certs  # summing twice adds nothing
@@ -267,8 +267,8 @@ def test_prompt_importance_is_the_configured_registry_scorer(monkeypatch, scorer
     slots = table[0][torch.arange(Q) // bs] * bs + torch.arange(Q) % bs
     ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, "vec", k_scale=1.0, v_scale=1.0,
                                    kv_cache_dtype="auto")
-    cfg = KVCertConfig(compression_ratio=0.5, observation_window=8, scorer=scorer)
-    fake = SimpleNamespace(kvcert=cfg, kvcert_states={}, kvcert_prompt_len={"b": Q},
+    cfg = KVCertConfig(compression_ratio=0.5, granularity="block", observation_window=8, scorer=scorer)
+    fake = SimpleNamespace(kvcert=cfg, kvcert_states={}, kvcert_decided=set(), kvcert_prompt_len={"b": Q},
                            model_runner=SimpleNamespace(input_batch=SimpleNamespace(req_ids=["b"])))
     md = SimpleNamespace(query_start_loc=torch.tensor([0, Q], dtype=torch.int32),
                          seq_lens=torch.tensor([Q], dtype=torch.int32), block_table=table.to(torch.int32))
@@ -285,6 +285,7 @@ def test_prompt_importance_is_the_configured_registry_scorer(monkeypatch, scorer
     # the same function on the same float32 values, gathered in another memory layout (the first test's tolerance)
     got = step.importance["b"][0].to(expected.dtype)
     torch.testing.assert_close(got, expected[0], rtol=1e-5, atol=1e-7)
-    _, imp = step.results(bs)
+    _, imp, compacted = step.results(bs)
+    assert compacted == {}  # the block design compacts nothing
     ub = F.block_importance(F.nonnegative_importance(step.importance["b"][0][None].double()), bs)
     assert imp["b"] == ub[0].tolist() and len(imp["b"]) == 5

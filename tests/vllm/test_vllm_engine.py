@@ -24,7 +24,7 @@ N = len(PROMPT_BLOCKS)
 ALL = list(range(N))
 #: the pool of the eviction runs: two prompts fit, a third only with freed blocks
 POOL = 20
-DESIGN = {"sink_blocks": 1, "recent_blocks": 1}
+DESIGN = {"granularity": "block", "sink_blocks": 1, "recent_blocks": 1}
 
 
 @pytest.fixture(scope="module")

@@ -188,7 +188,7 @@ def compare_with_cpu_path():
     from kvcert.vllm.worker import _Importance
 
     class Ctx:
-        config = KVCertConfig(observation_window=3)
+        config = KVCertConfig(granularity="block", observation_window=3)
 
         def __init__(self):
             self.u = {}
@@ -267,7 +267,7 @@ def exercise_forward():
     from kvcert.vllm import KVCertConfig
 
     class Ctx:
-        config = KVCertConfig(kind="chebyshev", delta=0.05, observation_window=3)
+        config = KVCertConfig(granularity="block", kind="chebyshev", delta=0.05, observation_window=3)
 
         def __init__(self):
             self.certs, self.imp, self.n_plans = {}, {}, 0
@@ -310,7 +310,7 @@ def exercise_forward():
     assert set(ctx.imp) == {"a"} and ctx.imp["a"].shape == (h, 5)
     # a certificate kind the kernel cannot serve is refused
     ctx = Ctx()
-    ctx.config = KVCertConfig(kind="chi2", delta=0.05, observation_window=3)
+    ctx.config = KVCertConfig(granularity="block", kind="chi2", delta=0.05, observation_window=3)
     gb.STEP.ctx = ctx
     try:
         impl.forward(None, query, key, value, flash, md, torch.zeros(8, h * g, d))
@@ -340,7 +340,7 @@ def test_step_row_states_feed_the_cuda_backend(monkeypatch):
     from kvcert.vllm import KVCertConfig, backend, gpu_backend, worker
 
     lp = torch.tensor([0.0, NEG_INF, math.log(0.4), 0.0, 0.0, 0.0], dtype=torch.float64)
-    fake = SimpleNamespace(kvcert=KVCertConfig(compression_ratio=0.5), kvcert_states={"b": lp}, kvcert_block_size=16,
+    fake = SimpleNamespace(kvcert=KVCertConfig(compression_ratio=0.5, granularity="block"), kvcert_states={"b": lp}, kvcert_decided=set(), kvcert_block_size=16,
                            kvcert_prompt_len={"a": 90, "b": 90, "c": 20, "e": 200, "f": 30},
                            model_runner=SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a", "b", "c", "e", "f"])))
     # a: last chunk of a 6-block prompt (scored); b: decided; c: decoding, undecided; e: a middle chunk;

@@ -54,7 +54,7 @@ PI_RTOL = 1e-3
 
 @pytest.fixture(scope="module")
 def engine():
-    return run_engine(plugin=True, compression_ratio=RATIO, seed=SEED, kvcert=DESIGN,
+    return run_engine(plugin=True, compression_ratio=RATIO, seed=SEED, kvcert={"granularity": "block", **DESIGN},
                       runs=[{"order": PROMPTS, "max_tokens": MAX_TOKENS}])
 
 

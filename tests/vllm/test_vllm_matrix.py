@@ -110,7 +110,7 @@ def _engine(folder: Path, mode: str, prompts: list) -> dict:
     if not plugin:
         kw["enable_prefix_caching"] = False
     spec = {"plugin": plugin, "model": str(folder), "compression_ratio": 0.5 if mode == "half" else 0.0, "seed": 0,
-            "kvcert": {"sink_blocks": 1, "recent_blocks": 1}, "scorer": None, "llm_kwargs": kw, "prompts": prompts,
+            "kvcert": {"granularity": "block", "sink_blocks": 1, "recent_blocks": 1}, "scorer": None, "llm_kwargs": kw, "prompts": prompts,
             "runs": [{"order": list(range(len(prompts))), "max_tokens": 8}]}
     env = vllm_env()
     if not plugin:

@@ -40,15 +40,19 @@ def test_refused_engine_options_name_the_option(kwargs, option):
     ({"compression_ratio": 1.0}, "compression_ratio"),
     ({"compression_ratio": -0.1}, "compression_ratio"),
     ({"seed": -1}, "seed"),
-    ({"kvcert": {"recent_blocks": 0}}, "recent_blocks"),
+    ({"kvcert": {"granularity": "block", "recent_blocks": 0}}, "recent_blocks"),
+    ({"kvcert": {"recent_blocks": 1}}, "recent_blocks: option\\(s\\) of the block design"),
+    ({"kvcert": {"granularity": "block", "sinks": 2}}, "sinks: option\\(s\\) of the token design"),
+    ({"granularity": "page"}, "granularity must be one of"),
     ({"kvcert": {"floor": 0.0}}, "floor"),
     ({"kvcert": {"delta": 1.5}}, "delta"),
     ({"kvcert": {"kind": "wald"}}, "kind"),
-    ({"kvcert": {"window": 3}}, "window"),
+    ({"kvcert": {"granularity": "block", "window": 3}}, "window"),
+    ({"kvcert": {"window": -1}}, "window"),
     ({"kvcert": {"kind": "chebyshev_ucb"}}, "kind"),
     ({"kvcert": {"scorer": "nope"}}, "scorer"),
     ({"scorer": "nope"}, "scorer"),
-    ({"kvcert": {"reduce": "min"}}, "reduce"),
+    ({"kvcert": {"granularity": "block", "reduce": "min"}}, "reduce"),
 ])
 def test_bad_plugin_settings_are_refused(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -68,16 +72,22 @@ def test_unsupported_model_is_refused(tmp_path):
 
 
 def test_engine_kwargs_route_and_config_roundtrip():
-    kw = engine_kwargs(0.25, 7, kvcert={"top_blocks": 1}, max_model_len=256)
+    kw = engine_kwargs(0.25, 7, kvcert={"top_blocks": 1}, granularity="block", max_model_len=256)
     assert kw["scheduler_cls"] == "kvcert.vllm.scheduler.CertifiedScheduler"
     assert kw["worker_cls"] == "kvcert.vllm.worker.CertifiedCPUWorker"
     assert kw["enable_prefix_caching"] is False and kw["async_scheduling"] is False
     assert kw["max_model_len"] == 256
     cfg = KVCertConfig.from_dict(kw["additional_config"]["kvcert"])
-    assert cfg == KVCertConfig(compression_ratio=0.25, seed=7, top_blocks=1)
+    assert cfg == KVCertConfig(compression_ratio=0.25, seed=7, granularity="block", top_blocks=1)
     # budget: None when the certainty set fills it (short prompts are not evicted)
     assert cfg.budget(3) is None and cfg.budget(10) == pytest.approx(7.5)
-    assert KVCertConfig(compression_ratio=0.0).budget(100) is None
+    assert KVCertConfig(compression_ratio=0.0, granularity="block").budget(100) is None
+    # the token design: the press's, sampled whenever its budget is below the prompt
+    token = KVCertConfig.from_dict(engine_kwargs(0.25, 7)["additional_config"]["kvcert"])
+    assert token.granularity == "token" and token.evicts(3, 32) and not KVCertConfig(compression_ratio=0.0).evicts(100, 32)
+    from kvcert.fast import TokenDesign
+
+    assert token.design == TokenDesign(compression_ratio=0.25, seed=7)  # the PoissonPress defaults
 
 
 def test_kinds_reductions_and_scorers_are_read_from_the_registries():
@@ -90,16 +100,17 @@ def test_kinds_reductions_and_scorers_are_read_from_the_registries():
             with pytest.raises(ValueError, match="kind must be one of"):
                 KVCertConfig(kind=name)
     for name in F.REDUCTIONS:
-        assert KVCertConfig(reduce=name).design.reduce == name
+        assert KVCertConfig(granularity="block", reduce=name).design.reduce == name
     for name in F.SCORERS:  # any registered scorer, by configuration
         kw = engine_kwargs(0.5, 0, scorer=name)
         cfg = KVCertConfig.from_dict(kw["additional_config"]["kvcert"])
         assert cfg.scorer == cfg.design.scorer == name and cfg.to_dict()["scorer"] == name
         same = engine_kwargs(0.5, 0, kvcert={"scorer": name})["additional_config"]["kvcert"]
         assert KVCertConfig.from_dict(same) == cfg
-    assert KVCertConfig().scorer == "snapkv" and KVCertConfig().design.kernel_size == 1  # SnapKV without pooling
+    assert KVCertConfig(granularity="block").design.kernel_size == 1  # the block design: SnapKV without pooling
+    assert KVCertConfig().scorer == "snapkv" and KVCertConfig().design.kernel_size == 7  # the press's SnapKV
     with pytest.raises(ValueError, match="scorer: given twice"):
         engine_kwargs(0.5, 0, scorer="tova", kvcert={"scorer": "knorm"})
-    design = KVCertConfig(compression_ratio=0.25, top_blocks=1).design
+    design = KVCertConfig(compression_ratio=0.25, granularity="block", top_blocks=1).design
     assert design.block_size is None
-    assert design.budget(10) == KVCertConfig(compression_ratio=0.25, top_blocks=1).budget(10) == 7.5
+    assert design.budget(10) == KVCertConfig(compression_ratio=0.25, granularity="block", top_blocks=1).budget(10) == 7.5

@@ -39,7 +39,7 @@ POOL = 20
 
 @pytest.fixture(scope="module")
 def engine():
-    return run_engine(plugin=True, compression_ratio=RATIO, seed=SEED, scorer=SCORER,
+    return run_engine(plugin=True, compression_ratio=RATIO, seed=SEED, scorer=SCORER, kvcert={"granularity": "block"},
                       runs=[{"order": PROMPTS, "max_tokens": MAX_TOKENS}], num_gpu_blocks_override=POOL)
 
 
@@ -77,8 +77,8 @@ def test_configured_scorer_drives_the_served_decision(engine, keys):
     from kvcert.fast import prompt_event
     from kvcert.vllm import KVCertConfig
 
-    design = KVCertConfig(compression_ratio=RATIO, seed=SEED, scorer=SCORER).design
-    other = KVCertConfig(compression_ratio=RATIO, seed=SEED, scorer="keydiff").design
+    design = KVCertConfig(compression_ratio=RATIO, seed=SEED, granularity="block", scorer=SCORER).design
+    other = KVCertConfig(compression_ratio=RATIO, seed=SEED, granularity="block", scorer="keydiff").design
     evicted = 0
     for i in PROMPTS:
         rep = engine["runs"][0]["outputs"][str(i)]["report"]

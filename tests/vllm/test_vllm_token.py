@@ -1,0 +1,185 @@
+"""The token design served in vLLM by compaction equals the Hugging Face PoissonPress (docs/design.md section 7).
+
+One plugin engine for the module (default granularity, the token design; greedy; prompts of 32 k + 1
+tokens; ``report_kept=True``), and the Hugging Face side in this process on the same float32 weights:
+``kvcert.generate(model, tokenizer, prompt, press=kvcert.PoissonPress(compression_ratio=..., seed=...),
+chat_template=False)`` on the prompt's text (it tokenizes back to the same ids, checked), and the press's
+cache after the prompt for the kept tokens.
+
+What must agree, and how closely:
+
+- the kept prompt positions of every (layer, KV head): exactly (both draw ``TokenDesign.decide`` with
+  the stream (seed, layer, KV head, event 0) indexed by position; the inclusion probabilities come from
+  each engine's own float32 forward, so a token whose uniform falls within float32 rounding of its pi
+  could in principle flip: a loud failure, not a silent one);
+- greedy tokens: identical (a near tie in the two engines' float32 logits would show here);
+- the per-token certificates (mean relative radius over layers and query heads; the same definition in
+  ``kvcert.vllm.certificates`` and ``Certificates.per_step``) within :data:`CERT_RTOL`.
+
+The tolerance: each engine computes every layer in float32 with its own kernels (vLLM's CPU attention and
+fused ops, torch sdpa/matmuls here; both decode through ``kvcert.dispatch.hajek_attention``), so hidden
+states differ by accumulated float32 rounding: per reduction of length k about eps32 sqrt(k) (k = 576:
+3e-6), about ten reductions per layer over 30 layers compound to at most about 1e-3 (linear growth); the
+relative radius is a smooth ratio of these quantities. CERT_RTOL = 1e-3 is that bound; the measured gap is
+printed with -s (2026-12-04: see the closing note of the serving issue).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_support import BLOCK, PROMPT_BLOCKS, prompts, run_engine
+
+pytestmark = [pytest.mark.slow, pytest.mark.model]
+
+SEED = 3
+RATIO = 0.5
+PROMPTS = [0, 1, 6]  # 193, 225 and 289 tokens
+MAX_TOKENS = 6
+#: relative tolerance of the per-token certificates (module docstring)
+CERT_RTOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return run_engine(plugin=True, compression_ratio=RATIO, seed=SEED, kvcert={"report_kept": True},
+                      runs=[{"order": PROMPTS, "max_tokens": MAX_TOKENS}])
+
+
+#: the pool of the freeing runs: one or two prompts fit, more only with freed blocks; decoding 100 tokens
+#: (three blocks past the prompt) preempts requests (3 of 8 on 2026-12-04)
+POOL = 16
+LONG = 100
+ALL = list(range(len(PROMPT_BLOCKS)))
+
+
+@pytest.fixture(scope="module")
+def freeing():
+    """All prompts through a 16-block pool (freed blocks go to other running requests); run 1 decodes past the
+    prompt's last block, so running requests need new blocks and some are preempted (run 0 decodes 12 tokens,
+    which stay in the prompt's last block: no preemption)."""
+    return run_engine(plugin=True, compression_ratio=RATIO, seed=SEED, num_gpu_blocks_override=POOL,
+                      runs=[{"order": ALL, "max_tokens": 12}, {"order": ALL, "max_tokens": LONG}])
+
+
+@pytest.fixture(scope="module")
+def kept_only():
+    """The same design, nothing freed."""
+    return run_engine(plugin=True, compression_ratio=RATIO, seed=SEED, num_gpu_blocks_override=POOL,
+                      kvcert={"free_blocks": False}, runs=[{"order": ALL, "max_tokens": 12}])
+
+
+@pytest.fixture(scope="module")
+def hf():
+    """Per prompt: kvcert.generate's tokens and certificates, and the press's kept prompt positions."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import kvcert
+    from vllm_support import model_path
+
+    tok = AutoTokenizer.from_pretrained(model_path())
+    model = AutoModelForCausalLM.from_pretrained(model_path(), dtype=torch.float32).eval()
+    model.set_attn_implementation("sdpa")
+    import inspect
+
+    ckw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    res = {}
+    for i in PROMPTS:
+        ids = list(prompts()[i])
+        text = tok.decode(ids)
+        assert tok(text)["input_ids"] == ids, f"prompt {i} does not tokenize back to its ids"
+        result = kvcert.generate(model, tok, text, press=kvcert.PoissonPress(compression_ratio=RATIO, seed=SEED),
+                                 chat_template=False, max_new_tokens=MAX_TOKENS, stop_at_eos=False)
+        press = kvcert.PoissonPress(compression_ratio=RATIO, seed=SEED)
+        with torch.no_grad(), press(model):
+            cache = model(input_ids=torch.tensor([ids]), use_cache=True)[ckw]
+        kept = []
+        for layer in cache.layers:
+            pos = layer.positions[0]  # (h_kv, slots), -1 = padding
+            kept.append([sorted(p[p >= 0].tolist()) for p in pos])
+        res[i] = {"tokens": result.token_ids,
+                  "certs": result.certificates.per_step().double().numpy(), "kept": kept}
+    return res
+
+
+def _out(engine, i):
+    return engine["runs"][0]["outputs"][str(i)]
+
+
+def test_same_kept_tokens_in_every_layer_and_head(engine, hf):
+    for i in PROMPTS:
+        rep = _out(engine, i)["report"]
+        assert rep is not None and rep["granularity"] == "token", f"prompt {i} was not sampled"
+        kept = rep["kept_positions"]
+        assert len(kept) == len(hf[i]["kept"]) == 30
+        for layer, (a, b) in enumerate(zip(kept, hf[i]["kept"])):
+            assert a == b, f"prompt {i} layer {layer}: kept positions differ"
+        assert rep["kept_counts"] == [[len(p) for p in layer] for layer in kept]
+        n = len(prompts()[i])
+        assert rep["n_prompt_tokens"] == n and 0 < rep["evicted"] < 30 * 3 * n
+
+
+def test_greedy_tokens_identical(engine, hf):
+    for i in PROMPTS:
+        tokens = _out(engine, i)["token_ids"]
+        assert len(tokens) == MAX_TOKENS
+        assert list(hf[i]["tokens"])[:MAX_TOKENS] == tokens, f"prompt {i}: HF {hf[i]['tokens']} vs vLLM {tokens}"
+
+
+def test_certificates_agree(engine, hf):
+    worst = 0.0
+    for i in PROMPTS:
+        v = np.asarray(_out(engine, i)["certificates"], dtype=np.float64)
+        h = hf[i]["certs"]
+        assert v.shape == h.shape == (MAX_TOKENS,)
+        assert v[0] == 0.0 and h[0] == 0.0  # the first token comes from the full prompt cache
+        assert (v[1:] > 0).all() and (h[1:] > 0).all()
+        rel = np.abs(h[1:] / v[1:] - 1)
+        worst = max(worst, float(rel.max()))
+        print(f"prompt {i}: certificates vLLM {v.tolist()}\n{'':10}HF   {h.tolist()}")
+        np.testing.assert_allclose(h, v, rtol=CERT_RTOL, atol=0)
+    print(f"worst relative certificate difference: {worst:.2e} (tolerance {CERT_RTOL:g})")
+
+
+def test_pool_gains_exactly_the_freed_blocks(engine):
+    total = 0
+    for i in PROMPTS:
+        rep = _out(engine, i)["report"]
+        n = len(prompts()[i])
+        cmax = max(max(layer) for layer in rep["kept_counts"])
+        assert rep["m"] == math.ceil(cmax / BLOCK)
+        # the full prompt blocks past the compacted ones, never the partly filled last block
+        assert rep["blocks_freed"] == max(0, n // BLOCK - rep["m"]) > 0
+        assert rep["free_after"] - rep["free_before"] == rep["blocks_freed"]
+        total += rep["blocks_freed"]
+    assert engine["blocks_freed"] == total == engine["stats"]["blocks_freed"]
+
+
+def test_freed_blocks_handed_to_running_requests_change_no_output(freeing, kept_only):
+    # the unit-level negative controls (no copy, no mask: wrong outputs) are in test_vllm_compaction.py
+    assert freeing["stats"]["blocks_reused_while_owner_runs"] > 0
+    a, b = freeing["runs"][0]["outputs"], kept_only["runs"][0]["outputs"]
+    assert not any(o["report"]["preempted"] for o in list(a.values()) + list(b.values()))
+    for i in a:
+        assert a[i]["token_ids"] == b[i]["token_ids"], f"prompt {i}"
+        np.testing.assert_allclose(a[i]["certificates"], b[i]["certificates"], rtol=1e-6, atol=0)
+        assert a[i]["report"]["kept_counts"] == b[i]["report"]["kept_counts"]
+        assert b[i]["report"]["blocks_freed"] == 0 and a[i]["report"]["blocks_freed"] > 0
+    assert kept_only["blocks_freed"] == 0
+
+
+def test_preempted_requests_continue_without_eviction(freeing):
+    outs = freeing["runs"][1]["outputs"]
+    pre = [i for i, o in outs.items() if o["report"]["preempted"]]
+    print(f"preempted: {pre}; counter {freeing['stats'].get('evicted_requests_preempted', 0)}")
+    assert freeing["stats"].get("evicted_requests_preempted", 0) == len(pre) > 0
+    for i in pre:  # recomputed from its tokens (the full cache): certificates 0 from the resumption on
+        c = np.asarray(outs[i]["certificates"])
+        assert len(outs[i]["token_ids"]) == LONG and c.shape == (LONG,) and c[-1] == 0.0
