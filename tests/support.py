@@ -447,3 +447,15 @@ def assert_certificate_matches_reference(cert, q, k, v, pi, *, delta, kind):
             assert_close(f"{kind} lower", cert.lower[bi, hq].numpy(), want.lower, tol + 1e-12)
             assert_close(f"{kind} upper", cert.upper[bi, hq].numpy(), want.upper, tol + 1e-12)
 
+
+
+# every path of the inclusion-probability solver checks the importance: the early returns (budget == n, every
+# token certain) and the refusals (budget > n, budget <= |C|) name it first, as the sampling path does; shared by
+# the torch and NumPy tests of the solver
+SOLVER_PATHS = [  # (n, budget, sinks, window): the path taken with a valid importance
+    (10, 10.0, 2, 2),  # budget == n: everything kept
+    (10, 10.0, 6, 6),  # every token in the certainty set, budget == n
+    (10, 7.5, 2, 2),  # sampling
+    (10, 11.0, 2, 2),  # budget > n: refused
+    (10, 4.0, 2, 2),  # budget <= |C|: refused
+]

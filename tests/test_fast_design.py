@@ -11,7 +11,7 @@ from scipy import stats
 
 import kvcert.fast as F
 import kvcert.reference as R
-from support import TILE_N, assert_close
+from support import SOLVER_PATHS, TILE_N, assert_close
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -380,15 +380,8 @@ def test_inclusion_probabilities_fallback_path(monkeypatch):
             assert_close("pi", pi[i, j].numpy(), want, 1e-12)
 
 
-# every path of the solver checks the importance: the early returns (budget == n, every token certain)
-# and the refusals (budget > n, budget <= |C|) name it first, as the sampling path does
-_PATHS = [  # (n, budget, sinks, window): the path taken with a valid importance
-    (10, 10.0, 2, 2),  # budget == n: everything kept
-    (10, 10.0, 6, 6),  # every token in the certainty set, budget == n
-    (10, 7.5, 2, 2),  # sampling
-    (10, 11.0, 2, 2),  # budget > n: refused
-    (10, 4.0, 2, 2),  # budget <= |C|: refused
-]
+# every path of the solver checks the importance (tests/support.py: SOLVER_PATHS)
+_PATHS = SOLVER_PATHS
 
 
 @pytest.mark.parametrize("n, budget, sinks, window", _PATHS)

@@ -6,6 +6,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from kvcert import reference as R
+from support import SOLVER_PATHS
 
 
 @st.composite
@@ -173,15 +174,8 @@ def test_poisson_sample_bad_pi():
         R.design_generator(-1)
 
 
-# every path of the solver checks the importance: the early returns (budget == n, every token certain)
-# and the refusals (budget > n, budget <= |C|) name it first, as the sampling path does
-_PATHS = [  # (n, budget, sinks, window): the path taken with a valid importance
-    (10, 10.0, 2, 2),  # budget == n: everything kept
-    (10, 10.0, 6, 6),  # every token in the certainty set, budget == n
-    (10, 7.5, 2, 2),  # sampling
-    (10, 11.0, 2, 2),  # budget > n: refused
-    (10, 4.0, 2, 2),  # budget <= |C|: refused
-]
+# every path of the solver checks the importance (tests/support.py: SOLVER_PATHS)
+_PATHS = SOLVER_PATHS
 
 
 @pytest.mark.parametrize("n, budget, sinks, window", _PATHS)
