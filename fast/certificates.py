@@ -148,6 +148,26 @@ def _chebyshev_ucb_radius(delta: float, trace: torch.Tensor, *, tail_moment=None
     return _ucb_radius(delta, trace, tail_moment)
 
 
+#: the calibrated multiplier of ``tilted_hull`` (``kvcert.reference.certificates.TILTED_HULL_MULTIPLIER``)
+TILTED_HULL_MULTIPLIER = 3.0
+
+
+def _tilted_hull_radius(delta: float, trace: torch.Tensor, *, bound=None, **_) -> torch.Tensor:
+    r""":math:`\min(c\sqrt V, H)`, :math:`c` = ``TILTED_HULL_MULTIPLIER``, :math:`V` = ``trace``, :math:`H` = ``bound``.
+
+    ``bound`` (same shape as ``trace``): a deterministic bound on the error, the cluster sketch's hull bound
+    (``ClusterEstimate.bound``); None: no cap, as for an estimate without a sketch.
+    """
+    r = TILTED_HULL_MULTIPLIER * trace.clamp(min=0.0).sqrt()
+    if bound is None:
+        return r
+    if not isinstance(bound, torch.Tensor):
+        raise TypeError(f"bound must be a torch.Tensor, got {type(bound).__name__}")
+    if bound.shape != trace.shape:
+        raise ValueError(f"bound must have the shape of trace {tuple(trace.shape)}, got {tuple(bound.shape)}")
+    return torch.minimum(r, bound.to(r.dtype))
+
+
 def _sum_sq_eigenvalues(estimate: Estimate, dt: torch.dtype) -> dict:
     """sum l^2 = ||Sigma_hat||_F^2 from the covariance (+inf where it is not finite; None without it)."""
     if estimate.covariance is None:
@@ -236,6 +256,10 @@ CERTIFICATE_KINDS = _registry(
         summary="||o_hat - o||_2 <= B L / 3 + sqrt((B L / 3)^2 + 2 trace L), L = log(2 / delta), B = max_term",
         served=True),
     CertificateKind(
+        name="tilted_hull", needs=(), radius=_tilted_hull_radius, per_coordinate=False,
+        summary="||o_hat - o||_2 <= min(3 sqrt(trace), H): trace = the tilted sketch's V_cl, H = the hull bound "
+                "(3 calibrated at delta = 0.05)"),
+    CertificateKind(
         name="chebyshev_ucb", needs=("tail_moment",), radius=_chebyshev_ucb_radius, per_coordinate=False,
         summary="||o_hat - o||_2^2 <= 2 trace nu / (delta chi2_{nu; delta/2}), "
                 "nu = max(2 trace^2 / tail_moment, 2)"),
@@ -299,7 +323,7 @@ def estimate_options(kinds: str | Iterable[str]) -> dict:
 def radius_from_moments(kind: str, delta: float, *, trace: torch.Tensor, variance: torch.Tensor | None = None,
                         sum_sq_eigenvalues: torch.Tensor | None = None,
                         max_term: torch.Tensor | None = None,
-                        tail_moment: torch.Tensor | None = None) -> torch.Tensor:
+                        tail_moment: torch.Tensor | None = None, bound: torch.Tensor | None = None) -> torch.Tensor:
     r"""Certificate radius from the variance summaries, batched.
 
     - ``wald``: :math:`z_{1-\delta/2}\sqrt{\hat\sigma^2_d}` per coordinate.
@@ -324,6 +348,11 @@ def radius_from_moments(kind: str, delta: float, *, trace: torch.Tensor, varianc
       \mathrm{tr}` gives the limit :math:`\sqrt{2\,\mathrm{tr}/\delta}`.
       The quantile :math:`\chi^2_{\nu;p} = 2\,\mathrm{gammaincinv}(\nu/2, p)`
       runs in SciPy on the CPU (one host transfer per call), in float64.
+    - ``tilted_hull`` (the recommended design's rule): :math:`\min(3\sqrt V, H)`,
+      :math:`V` = ``trace`` the tilted cluster sketch's variance, :math:`H` =
+      ``bound`` its hull bound (None: no cap); the multiplier 3 is calibrated
+      at :math:`\delta = 0.05` and does not scale with ``delta``
+      (``kvcert.reference.radius_from_moments`` has the full account).
 
     Parameters
     ----------
@@ -335,6 +364,7 @@ def radius_from_moments(kind: str, delta: float, *, trace: torch.Tensor, varianc
     sum_sq_eigenvalues : (...,) tensor, for ``chi2``
     max_term : (...,) tensor, for ``bernstein``
     tail_moment : (...,) tensor, for ``chebyshev_ucb``
+    bound : (...,) tensor, optional, for ``tilted_hull``
 
     Returns
     -------
@@ -344,7 +374,7 @@ def radius_from_moments(kind: str, delta: float, *, trace: torch.Tensor, varianc
     if not isinstance(trace, torch.Tensor):
         raise TypeError(f"trace must be a torch.Tensor, got {type(trace).__name__}")
     return _kind(kind).radius(delta, trace, variance=variance, sum_sq_eigenvalues=sum_sq_eigenvalues,
-                              max_term=max_term, tail_moment=tail_moment)
+                              max_term=max_term, tail_moment=tail_moment, bound=bound)
 
 
 def certificate(estimate: Estimate, *, delta: float = 0.05, kind: str = "chebyshev") -> Certificate:

@@ -61,6 +61,9 @@ KIND_REPORT = {
     "chi2": KindReport(decode_cost="covariance: dv x dv per head"),
     "bernstein": KindReport(decode_cost="trace + max term (second pass)"),
     "chebyshev_ucb": KindReport(decode_cost="trace + tail moment (second pass)", failure_map=True),
+    # on the paper design's sample (no sketch, no hull cap) this kind is 3 sqrt(trace); the recommended design it
+    # belongs to samples fewer tokens and certifies with the tilted sketch's V_cl (docs/theory.md section 8)
+    "tilted_hull": KindReport(decode_cost="trace (paper sample); the tilted sketch's V_cl + hull bound in its design"),
 }
 
 

@@ -25,8 +25,8 @@ from scipy import stats
 
 from .estimators import Estimate
 
-__all__ = ["CERTIFICATE_KINDS", "Certificate", "CertificateKind", "KINDS", "NU_MIN", "certificate", "covers",
-           "radius_from_moments"]
+__all__ = ["CERTIFICATE_KINDS", "Certificate", "CertificateKind", "KINDS", "NU_MIN", "TILTED_HULL_MULTIPLIER",
+           "certificate", "covers", "radius_from_moments"]
 
 #: lower end of the Satterthwaite degrees of freedom of ``chebyshev_ucb``: nu = 2 tr^2 / s2 >= 2
 #: holds exactly for every estimate (s2 <= tr^2), so the clip only absorbs rounding
@@ -136,6 +136,21 @@ def _chebyshev_ucb_radius(delta: float, trace: float, *, tail_moment: float | No
     return float(np.sqrt(2.0 * trace * _ucb_ratio(nu, delta) / delta))
 
 
+#: the calibrated multiplier of ``tilted_hull``: c in c sqrt(V), picked on the real model's replay cells at
+#: delta = 0.05 and checked on a held-out split (docs/theory.md section 8); it does not scale with delta
+TILTED_HULL_MULTIPLIER = 3.0
+
+
+def _tilted_hull_radius(delta: float, trace: float, *, bound: float | None = None, **_) -> float:
+    r""":math:`\min(c\sqrt V, H)`, :math:`c` = ``TILTED_HULL_MULTIPLIER``, :math:`V` = ``trace``, :math:`H` = ``bound``.
+
+    ``bound`` is the deterministic hull bound of ``kvcert.reference.sketch.hull_bound`` (None: no cap,
+    as for an estimate without a sketch); +inf if the trace is not finite and no bound is given.
+    """
+    r = float(TILTED_HULL_MULTIPLIER * np.sqrt(max(trace, 0.0)))
+    return r if bound is None else min(r, float(bound))
+
+
 def _eigenvalues(estimate: Estimate) -> dict:
     """The eigenvalues of Sigma_hat (one +inf when it is not finite)."""
     cov = estimate.covariance
@@ -211,6 +226,10 @@ CERTIFICATE_KINDS = _registry(
         name="bernstein", needs=("max_term",), radius=_bernstein_radius, per_coordinate=False,
         summary="||o_hat - o||_2 <= B L / 3 + sqrt((B L / 3)^2 + 2 trace L), L = log(2 / delta), B = max_term"),
     CertificateKind(
+        name="tilted_hull", needs=(), radius=_tilted_hull_radius, per_coordinate=False,
+        summary="||o_hat - o||_2 <= min(3 sqrt(trace), H): trace = the tilted sketch's V_cl, H = the hull bound "
+                "(3 calibrated at delta = 0.05)"),
+    CertificateKind(
         name="chebyshev_ucb", needs=("tail_moment",), radius=_chebyshev_ucb_radius, per_coordinate=False,
         summary="||o_hat - o||_2^2 <= 2 trace nu / (delta chi2_{nu; delta/2}), "
                 "nu = max(2 trace^2 / tail_moment, 2)"),
@@ -228,7 +247,7 @@ def _kind(kind) -> CertificateKind:
 
 
 def radius_from_moments(kind: str, delta: float, *, trace: float, variance=None, eigenvalues=None,
-                        max_term: float = 0.0, tail_moment: float | None = None):
+                        max_term: float = 0.0, tail_moment: float | None = None, bound: float | None = None):
     r"""Certificate radius from the variance summaries (shared by all kinds).
 
     - ``wald``: :math:`z_{1-\delta/2}\sqrt{\hat\sigma^2_d}` per coordinate
@@ -275,6 +294,16 @@ def radius_from_moments(kind: str, delta: float, *, trace: float, variance=None,
       :math:`\nu\to\infty` (used when :math:`s_2 = 0`), so it is always
       more than :math:`\sqrt 2` times the ``chebyshev`` radius. tr = 0 gives
       0, tr = +inf (empty sample) or :math:`s_2` = +inf gives +inf.
+    - ``tilted_hull`` (the recommended design's rule, ``evict_and_certify(design=None)``):
+      :math:`\min(c\sqrt V, H)` with :math:`V` = ``trace`` the tilted cluster
+      sketch's variance :math:`V_{\mathrm{cl}}` (``kvcert.reference.sketch.cluster_variance``),
+      :math:`H` = ``bound`` the hull bound (``hull_bound``; None: no cap) and
+      :math:`c` = ``TILTED_HULL_MULTIPLIER`` = 3. The cap is proven (it holds on
+      every draw, so it changes no coverage); :math:`c` is calibrated at
+      :math:`\delta = 0.05` on a real model's attention and does not scale with
+      ``delta`` (docs/theory.md section 8). On an estimate without a sketch
+      (``certificate(estimate, kind="tilted_hull")``) it is :math:`3\sqrt{\mathrm{tr}\hat\Sigma}`,
+      which misses the unseen tail like the other kinds.
 
     Parameters
     ----------
@@ -287,6 +316,7 @@ def radius_from_moments(kind: str, delta: float, *, trace: float, variance=None,
     eigenvalues : array of the eigenvalues of :math:`\hat\Sigma`, for ``chi2``
     max_term : float, default 0, for ``bernstein``
     tail_moment : float, for ``chebyshev_ucb``
+    bound : float, optional, for ``tilted_hull``: a deterministic bound on the error (the hull bound)
 
     Returns
     -------
@@ -301,7 +331,7 @@ def radius_from_moments(kind: str, delta: float, *, trace: float, variance=None,
     delta = _check_delta(delta)
     trace = float(trace)
     return _kind(kind).radius(delta, trace, variance=variance, eigenvalues=eigenvalues, max_term=max_term,
-                              tail_moment=tail_moment)
+                              tail_moment=tail_moment, bound=bound)
 
 
 def certificate(estimate: Estimate, *, delta: float = 0.05, kind: str = "chebyshev") -> Certificate:

@@ -174,11 +174,60 @@ def test_the_radius_rules_are_one_registry_in_both_backends():
         assert float(got) == pytest.approx(want, rel=1e-15)
 
 
-def test_recommended_stays_paper():
-    """No sketched design meets every goal line on the real cells (docs/theory.md section 8): None is the paper
-    design."""
-    assert sk.RECOMMENDED == "paper"
+def test_recommended_is_the_tilted_design_with_its_registered_kind():
+    """The tilted design met every goal line on the replay cells and the held-out split (docs/theory.md
+    section 8): None selects it, and its radius is the kind registered in both backends."""
+    import torch
+
+    from kvcert import fast
+    from kvcert import reference as R
+
+    assert sk.RECOMMENDED == "tilted" and sk.RECOMMENDED_KIND == "tilted_hull"
     assert set(sk.DESIGNS) == {"paper", "cluster", "tilted"}
+    assert sk.RECOMMENDED_KIND in R.CERTIFICATE_KINDS and sk.RECOMMENDED_KIND in fast.CERTIFICATE_KINDS
+    assert sk.TILTED.radius == "fixed" and sk.TILTED.multiplier == R.certificates.TILTED_HULL_MULTIPLIER == 3.0
+    # the kind is the design's rule, min(3 sqrt(V), H), in both backends; a negative V counts as 0
+    for v, h, want in ((4.0, None, 6.0), (4.0, 5.0, 5.0), (4.0, 7.0, 6.0), (-1.0, None, 0.0), (np.inf, 2.0, 2.0)):
+        got = R.radius_from_moments("tilted_hull", 0.05, trace=v, bound=h)
+        assert got == want
+        assert got == min(radius_from_variance(v, delta=0.05, rule="fixed", multiplier=3.0),
+                          np.inf if h is None else h)
+        ft = fast.radius_from_moments("tilted_hull", 0.05, trace=torch.tensor([v], dtype=torch.float64),
+                                      bound=None if h is None else torch.tensor([h], dtype=torch.float64))
+        assert float(ft[0]) == want
+    # calibrated at delta = 0.05: the multiplier does not move with delta
+    assert R.radius_from_moments("tilted_hull", 0.01, trace=4.0) == R.radius_from_moments("tilted_hull", 0.2, trace=4.0)
+    with pytest.raises(ValueError, match=r"bound must have the shape of trace \(1,\)"):
+        fast.radius_from_moments("tilted_hull", 0.05, trace=torch.ones(1), bound=torch.ones(2))
+
+
+def test_the_tilted_radius_is_the_registered_kind_with_the_hull_cap():
+    """evict_and_certify(design=None) = the tilted design, its radius = radius_from_moments("tilted_hull",
+    trace=V_cl, bound=hull_bound) composed by hand; the cap binds (radius < 3 sqrt(V)) on a head whose values
+    sit on a small sphere and whose evicted keys make the Gaussian step explode, and never exceeds the bound."""
+    from kvcert import reference as R
+
+    rng = np.random.default_rng(12)
+    n, d, dv = 400, 16, 8
+    k = rng.standard_t(2, size=(n, d)) * 3.0
+    v = rng.normal(size=(n, dv))
+    v /= np.linalg.norm(v, axis=1, keepdims=True)
+    u = rng.random(n) ** 3
+    window = rng.normal(size=(6, d))
+    bound_hit = 0
+    for seed in range(6):
+        q = 4.0 * rng.normal(size=d)
+        r = evict_and_certify(q, k, v, u, 150.0, seed=seed, tilt=window)
+        assert r.design == "tilted"
+        pi = inclusion_probabilities(u, r.budget)
+        keep = poisson_sample(pi, seed=seed)
+        est = hajek_attention(q, k[keep], v[keep], pi[keep])
+        skt = sk.cluster_sketch(k, v, pi, keep, sk.TILTED, tilt=window)
+        cap = sk.hull_bound(v[keep], pi[keep], skt, output=est.output)
+        assert r.radius == R.radius_from_moments("tilted_hull", 0.05, trace=r.variance, bound=cap)
+        assert r.radius == min(3.0 * np.sqrt(r.variance), cap) and r.radius <= cap
+        bound_hit += r.radius < 3.0 * np.sqrt(r.variance)
+    assert bound_hit >= 1, "the hull cap never bound: the test does not exercise it"
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -77,10 +77,21 @@ def test_paper_design_is_the_composition_of_the_reference_functions():
 def test_design_none_is_the_documented_recommendation():
     rng = np.random.default_rng(8)
     q, k, v, imp = _head(rng, n=300)
-    a = evict_and_certify(q, k, v, imp, 90.0, seed=4)
-    b = evict_and_certify(q, k, v, imp, 90.0, seed=4, design=sk.RECOMMENDED)
+    window = rng.normal(size=(5, k.shape[1]))
+    a = evict_and_certify(q, k, v, imp, 90.0, seed=4, tilt=window)
+    b = evict_and_certify(q, k, v, imp, 90.0, seed=4, design=sk.RECOMMENDED, tilt=window)
     assert np.array_equal(a.output, b.output) and a.radius == b.radius and a.memory == b.memory
-    assert a.design == sk.RECOMMENDED
+    assert a.design == sk.RECOMMENDED == "tilted"
+    # the paper's design stays available by name, and differs (it samples more tokens, no sketch)
+    p = evict_and_certify(q, k, v, imp, 90.0, seed=4, design="paper", tilt=window)
+    assert p.design == "paper" and p.budget == 90.0 > a.budget
+    # None without the tilt point tilts at the certified query itself; the tilted design named explicitly needs one
+    c = evict_and_certify(q, k, v, imp, 90.0, seed=4)
+    d = evict_and_certify(q, k, v, imp, 90.0, seed=4, tilt=q)
+    assert c.design == "tilted" and np.array_equal(c.output, d.output) and c.radius == d.radius
+    assert c.memory == a.memory and c.radius != a.radius  # same memory, another tilt point
+    with pytest.raises(ValueError, match=r"tilt is required by a tilted design"):
+        evict_and_certify(q, k, v, imp, 90.0, seed=4, design="tilted")
 
 
 @pytest.mark.parametrize("design", ["paper", "cluster", ClusterDesign(clusters=4, radius="chebyshev")])

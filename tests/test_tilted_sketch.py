@@ -253,8 +253,24 @@ def test_evict_and_certify_tilted():
         RS.evict_and_certify(window[-1], k, v, u, 120.0, seed=3, design="tilted")
     with pytest.raises(ValueError, match=r"tilt must be a finite \(d,\) = \(16,\) point"):
         RS.evict_and_certify(window[-1], k, v, u, 120.0, seed=3, design="tilted", tilt=window[:, :3])
-    with pytest.raises(ValueError, match="tilt is for a tilted design"):
-        RS.evict_and_certify(window[-1], k, v, u, 120.0, seed=3, design="cluster", tilt=window)
+
+
+@pytest.mark.parametrize("design", ["paper", "cluster", RS.ClusterDesign(clusters=4, radius="chebyshev")])
+def test_designs_that_do_not_tilt_ignore_tilt(design):
+    """``tilt=`` is accepted by every design (a caller passes the same arguments whatever ``design=None``
+    selects): a design that does not tilt gives the bit-identical result with or without it, for the window
+    queries (w, d) and their mean (d,); a wrong shape is still refused by name."""
+    rng = np.random.default_rng(5)
+    n, d, dv = 300, 16, 8
+    k, v, u = rng.normal(size=(n, d)), rng.normal(size=(n, dv)), rng.random(n)
+    window = rng.normal(size=(6, d))
+    plain = RS.evict_and_certify(window[-1], k, v, u, 120.0, seed=2, design=design)
+    for tilt in (window, window.mean(0)):
+        got = RS.evict_and_certify(window[-1], k, v, u, 120.0, seed=2, design=design, tilt=tilt)
+        assert np.array_equal(got.output, plain.output) and got.radius == plain.radius
+        assert got.memory == plain.memory and got.kept == plain.kept and got.design == plain.design
+    with pytest.raises(ValueError, match=r"tilt must be a finite \(d,\) = \(16,\) point"):
+        RS.evict_and_certify(window[-1], k, v, u, 120.0, seed=2, design=design, tilt=window[:, :3])
 
 
 def test_fast_tilt_errors():
