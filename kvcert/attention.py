@@ -72,7 +72,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from . import dispatch
 from .cache import KVCertCache, KVCertLayer, as_kvcert_cache, attention_layout
-from .fast import certificate_moments
+from .fast import certificate_moments, radius_from_moments
 from .records import Certificates, Recorder
 
 __all__ = [
@@ -480,10 +480,10 @@ class Session:
                   e^{2\tau q\cdot m_c + 2\tau^2 \sum_j q_j^2\sigma^2_{cj}}\Big],
 
         (a tilted sketch takes the Gaussian step in :math:`q - q_0` with its tilted moments),
-        recorded as the step's ``trace`` (the press's kind, Chebyshev, turns it into
-        :math:`\sqrt{V_{\mathrm{cl}}/\delta}`), clipped at :math:`\delta H^2` with :math:`H` the
-        deterministic hull bound (``ClusterEstimate.bound``), so the radius is
-        :math:`\min(\sqrt{V_{\mathrm{cl}}/\delta}, H)`. A chunk of several queries runs one query at a
+        recorded as the step's ``trace`` (the press's kind turns it into :math:`c\sqrt{V_{\mathrm{cl}}}`:
+        Chebyshev :math:`c = 1/\sqrt\delta`, ``tilted_hull`` :math:`c = 3`), clipped at :math:`(H/c)^2` with
+        :math:`H` the deterministic hull bound (``ClusterEstimate.bound``), so the radius is
+        :math:`\min(c\sqrt{V_{\mathrm{cl}}}, H)`. A chunk of several queries runs one query at a
         time, each over the slots at or before its position (the function has no causal mask).
         Torch on every device (the Triton twin, ``kvcert.kernels.cluster_hajek_attention``, is not
         wired here).
@@ -494,6 +494,7 @@ class Session:
 
         q_len = query.shape[2]
         kw = dict(scale=scale, delta=self.press.delta, validate=False, trace=False)  # V_cl is the certificate
+        factor = float(radius_from_moments(self.kind, self.press.delta, trace=torch.ones((), dtype=torch.float64)))
         held = layer.sketch.tokens  # its memory in kept-token units, as the press sized the budget
         outs = []
         for j in range(q_len):
@@ -505,8 +506,9 @@ class Session:
                 log_pi = layer.log_weights.masked_fill(layer.positions > qpos[:, None, None], float("-inf"))
             ce = cluster_hajek_attention(query[:, :, j], layer.keys, layer.values, None, layer.sketch,
                                          log_pi=log_pi, **kw)
-            # V_cl, clipped at delta H^2 (H the hull bound): the recorded Chebyshev radius is min(sqrt(V_cl / delta), H)
-            var = ce.variance if ce.bound is None else torch.minimum(ce.variance, ce.delta * ce.bound.square())
+            # V_cl, clipped at (H / c)^2 (H the hull bound, c the kind's factor: 1/sqrt(delta) for chebyshev, 3 for
+            # tilted_hull): the recorded radius c sqrt(trace) is min(c sqrt(V_cl), H)
+            var = ce.variance if ce.bound is None else torch.minimum(ce.variance, (ce.bound / factor).square())
             est = dataclasses.replace(ce.estimate, trace=var)
             norms = self._record(layer_idx, est, (log_pi > float("-inf")).sum(-1), held)
             outs.append(est.output)

@@ -186,6 +186,8 @@ def test_a_sequence_gets_the_same_certificates_alone_or_in_a_padded_batch(design
     ({"sketch": True}, TypeError, "sketch must be"),
     ({"sketch": F.ClusterDesign()}, ValueError, "radius='chebyshev'"),
     ({"sketch": "cluster", "kind": "bernstein"}, ValueError, "kind='chebyshev'"),
+    ({"sketch": "cluster", "kind": "tilted_hull"}, ValueError, "kind='tilted_hull'"),
+    ({"kind": "tilted_hull"}, ValueError, "sketch='tilted', kind='tilted_hull'"),
     ({"sketch": SimpleNamespace(clusters=0, iterations=10, radius="chebyshev", multiplier=3.0)}, ValueError,
      "clusters must be an int >= 1"),
 ])
@@ -236,3 +238,29 @@ def test_sketch_defaults_and_refusals_at_run_time():
     tiny_budget = kvcert.PoissonPress(target_size=12, sinks=2, window=4, sketch="cluster")  # 16 clusters: 17.5 tokens
     with pytest.raises(ValueError, match="sketch: 16 clusters hold"):
         forced_logits(model, ids, [], tiny_budget)
+
+
+def test_the_recommended_rule_is_recorded_with_the_tilted_sketch(monkeypatch):
+    """PoissonPress(sketch="tilted", kind="tilted_hull") records min(3 sqrt(V_cl), H): the radius of the
+    registered kind on the tilted sketch's hybrid variance, capped at the hull bound (the reference design's)."""
+    model = tiny_model()
+    n, steps = 120, 2
+    ids = torch.randint(1, 96, (1, n), generator=torch.Generator().manual_seed(3))
+    cont = [torch.tensor([[7 + t]]) for t in range(steps)]
+    press = kvcert.PoissonPress(compression_ratio=0.6, seed=4, sinks=2, window=8, sketch="tilted", kind="tilted_hull")
+    assert press.sketch.radius == "fixed" and press.sketch.multiplier == 3.0 and press.sketch.tilt
+    calls = _spy(monkeypatch)
+    forced_logits(model, ids, cont, press)
+    certs = press.certificates[0]
+    assert certs.kind == "tilted_hull" and len(calls) == 2 * steps
+    capped = 0
+    for i, c in enumerate(calls):
+        s, li = divmod(i, 2)
+        want = F.cluster_variance(c["q"], c["keys"], c["values"], c["log_pi"].exp(), c["sketch"],
+                                  output=c["ce"].output, scale=c["scale"]).double()
+        hull = c["ce"].bound.double()
+        radius = torch.minimum(3.0 * want.sqrt(), hull)
+        assert torch.allclose(certs.radius[s + 1, li].double(), radius, rtol=1e-5), (s, li)
+        capped += int((hull < 3.0 * want.sqrt()).sum())
+    # Chebyshev on the same variance would be sqrt(1/delta) / 3 = 1.49x looser wherever the cap does not bind
+    print(f"hull cap binding in {capped} of {certs.radius[1:].numel()} (step, layer, head) radii")

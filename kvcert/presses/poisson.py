@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..fast import SCORERS, ClusterDesign, TokenDesign, nonnegative_importance, window_tilt
+from ..fast.certificates import TILTED_HULL_MULTIPLIER
 from .base import BasePress, _accept_kvpress_names, _held_design
 from .kvpress_interop import _is_kvpress_scorer, _KvpressInputs, _row_slice
 from .scorer import ScorerPress
@@ -92,8 +93,11 @@ class PoissonPress(BasePress):
         (:func:`kvcert.fast.window_tilt`), C (4d + 4) + d + dv + 1 elements (2,209
         at d = dv = 64, the 16-cluster design's 2,161), and the decode's
         Gaussian step is taken in q - q0 (docs/theory.md section 8, fifth
-        slice). Both need ``kind="chebyshev"``, a design whose ``radius`` is
-        ``"chebyshev"`` and one eviction event per layer (no DecodingPress).
+        slice). Both record ``kind="chebyshev"`` (a design whose ``radius`` is
+        ``"chebyshev"``); ``sketch="tilted", kind="tilted_hull"`` records the
+        recommended design's rule instead, :math:`\min(3\sqrt{V_{\mathrm{cl}}}, H)`
+        (the design of ``kvcert.reference.evict_and_certify(design=None)``,
+        docs/theory.md section 8). One eviction event per layer (no DecodingPress).
 
     Notes
     -----
@@ -290,26 +294,44 @@ SKETCHES = {"cluster": ClusterDesign(radius="chebyshev"),
             "tilted": ClusterDesign(clusters=8, radius="chebyshev", tilt=True)}
 
 
+#: the recorded kind of a sketched press -> the radius rule (and multiplier) its ClusterDesign must carry:
+#: ``chebyshev`` = sqrt(V_cl / delta); ``tilted_hull`` (the recommended design's kind, with ``sketch="tilted"``)
+#: = 3 sqrt(V_cl) (``kvcert.fast.certificates.TILTED_HULL_MULTIPLIER``); both capped at the hull bound
+SKETCH_KINDS = {"chebyshev": ("chebyshev", None), "tilted_hull": ("fixed", TILTED_HULL_MULTIPLIER)}
+
+
 def _sketch_design(sketch, kind: str):
     """PoissonPress's ``sketch=``: None, a name of :data:`SKETCHES` or a ClusterDesign-like object -> None or a
-    ``kvcert.fast.ClusterDesign`` whose radius rule is the recorded kind's (Chebyshev)."""
+    ``kvcert.fast.ClusterDesign`` whose radius rule is the recorded kind's (:data:`SKETCH_KINDS`)."""
+    import dataclasses
+
     from ..fast.sketch import _as_design
 
     if sketch is None:
+        if kind == "tilted_hull":
+            raise ValueError("kind='tilted_hull' is the tilted sketch's radius, min(3 sqrt(V_cl), H): use "
+                             "PoissonPress(sketch='tilted', kind='tilted_hull'); without a sketch it is "
+                             "uncalibrated (use kind='chebyshev')")
         return None
     if isinstance(sketch, str):
         if sketch not in SKETCHES:
             raise ValueError(f"sketch must be None, one of {tuple(SKETCHES)} or a kvcert.fast.ClusterDesign, "
                              f"got {sketch!r}")
-        sketch = SKETCHES[sketch]
+        named = SKETCHES[sketch]
+        if kind == "tilted_hull" and named.tilt:  # the recommended design: the rule of its kind
+            named = dataclasses.replace(named, radius="fixed", multiplier=TILTED_HULL_MULTIPLIER)
+        sketch = named
     elif isinstance(sketch, bool) or not hasattr(sketch, "clusters"):
         raise TypeError(f"sketch must be None, one of {tuple(SKETCHES)} or a kvcert.fast.ClusterDesign, "
                         f"got {type(sketch).__name__}")
     design = _as_design(sketch)
-    if kind != "chebyshev" or design.radius != "chebyshev":
-        raise ValueError(f"sketch: a sketched PoissonPress records Chebyshev on the hybrid variance, "
-                         f"sqrt(V_cl / delta); it needs kind='chebyshev' and a design with radius='chebyshev' "
-                         f"(got kind={kind!r}, radius={design.radius!r})")
+    rule = SKETCH_KINDS.get(kind)
+    if rule is None or design.radius != rule[0] or (rule[1] is not None and design.multiplier != rule[1]) \
+            or (kind == "tilted_hull" and not design.tilt):
+        raise ValueError(f"sketch: a sketched PoissonPress records kind='chebyshev' (a design with "
+                         f"radius='chebyshev': sqrt(V_cl / delta)) or kind='tilted_hull' (sketch='tilted': "
+                         f"3 sqrt(V_cl)), capped at the hull bound (got kind={kind!r}, radius={design.radius!r}, "
+                         f"multiplier={design.multiplier!r}, tilt={design.tilt!r})")
     return design
 
 
