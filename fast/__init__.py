@@ -29,6 +29,7 @@ from .blocks import (
 from .certificates import (
     CERTIFICATE_KINDS,
     KINDS,
+    PLAIN_KINDS,
     SERVED_KINDS,
     CertificateKind,
     certificate,
@@ -87,7 +88,7 @@ __all__ = [
     "BLOCK_REDUCTIONS", "REDUCTIONS", "BlockDecision", "BlockDesign", "block_compact", "block_count", "block_evict", "block_hajek_attention", "block_importance",
     "block_inclusion_probabilities", "block_keep", "block_budget", "block_sample", "block_uniforms", "expand_blocks",
     "prompt_event",
-    "CERTIFICATE_KINDS", "CertificateKind", "KINDS", "SERVED_KINDS", "certificate", "certificate_moments", "estimate_options",
+    "CERTIFICATE_KINDS", "CertificateKind", "KINDS", "PLAIN_KINDS", "SERVED_KINDS", "certificate", "certificate_moments", "estimate_options",
     "radius_from_moments", "radius_from_statistics",
     "budget_from_fraction", "certainty_mask", "DesignSizes", "design_sizes", "design_uniforms", "edge_mask",
     "inclusion_probabilities", "poisson_sample", "splitmix64", "nonnegative_importance", "TokenDecision",

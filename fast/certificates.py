@@ -29,7 +29,7 @@ from scipy import special
 
 from .types import Certificate, Estimate
 
-__all__ = ["CERTIFICATE_KINDS", "CertificateKind", "KINDS", "NU_MIN", "SERVED_KINDS",
+__all__ = ["CERTIFICATE_KINDS", "CertificateKind", "KINDS", "NU_MIN", "PLAIN_KINDS", "SERVED_KINDS",
            "certificate", "certificate_moments",
            "estimate_options", "radius_from_moments", "radius_from_statistics"]
 
@@ -218,6 +218,9 @@ class CertificateKind:
         (``kvcert.vllm``): a norm bound whose statistics the block estimator
         gives in its one pass over the kept blocks. ``wald`` (per coordinate)
         and ``chebyshev_ucb`` (strict, a second pass) are not served.
+    sketch : bool
+        True for the radius of a sketched design (``tilted_hull``): calibrated on a sketch's hybrid variance
+        and capped at its hull bound, not on a plain estimate's trace (:data:`PLAIN_KINDS` are the others).
     """
 
     name: str
@@ -226,6 +229,7 @@ class CertificateKind:
     per_coordinate: bool
     summary: str
     served: bool = False
+    sketch: bool = False
 
     def __post_init__(self):
         unknown = [s for s in self.needs if s not in _OPTIONS or s not in _MOMENTS]
@@ -258,7 +262,7 @@ CERTIFICATE_KINDS = _registry(
     CertificateKind(
         name="tilted_hull", needs=(), radius=_tilted_hull_radius, per_coordinate=False,
         summary="||o_hat - o||_2 <= min(3 sqrt(trace), H): trace = the tilted sketch's V_cl, H = the hull bound "
-                "(3 calibrated at delta = 0.05)"),
+                "(3 calibrated at delta = 0.05)", sketch=True),
     CertificateKind(
         name="chebyshev_ucb", needs=("tail_moment",), radius=_chebyshev_ucb_radius, per_coordinate=False,
         summary="||o_hat - o||_2^2 <= 2 trace nu / (delta chi2_{nu; delta/2}), "
@@ -271,6 +275,8 @@ KINDS = tuple(CERTIFICATE_KINDS)
 
 #: the kinds a paged serving engine reports (``CertificateKind.served``), in registry order
 SERVED_KINDS = tuple(name for name, spec in CERTIFICATE_KINDS.items() if spec.served)
+#: the kinds of a plain estimate (every kind but the sketched designs' radii, ``CertificateKind.sketch``)
+PLAIN_KINDS = tuple(name for name, spec in CERTIFICATE_KINDS.items() if not spec.sketch)
 
 
 def _kind(kind) -> CertificateKind:

@@ -163,7 +163,7 @@ def test_nan_in_the_cache_is_refused_at_the_step():
             model(input_ids=ids[:, -1:], use_cache=True, **{kw: cache})
 
 
-@pytest.mark.parametrize("kind", list(F.KINDS))
+@pytest.mark.parametrize("kind", list(F.PLAIN_KINDS))
 def test_deferred_certificates_equal_certificate_of_each_step(monkeypatch, kind):
     """The recorder keeps statistics and computes the radii at the end: the same numbers as
     kvcert.fast.certificate on each step's estimate."""

@@ -328,6 +328,16 @@ def test_served_kinds_come_from_the_registry():
         assert not F.CERTIFICATE_KINDS[name].per_coordinate
 
 
+def test_sketched_kinds_are_refused_where_there_is_no_sketch():
+    assert F.PLAIN_KINDS == tuple(k for k, spec in F.CERTIFICATE_KINDS.items() if not spec.sketch)
+    sketched = [k for k in F.KINDS if k not in F.PLAIN_KINDS]
+    assert sketched == ["tilted_hull"]  # the recommended design's radius (docs/theory.md section 8)
+    for name in sketched:
+        assert name not in F.SERVED_KINDS
+        with pytest.raises(ValueError, match="sketch='tilted'"):
+            kvcert.PoissonPress(compression_ratio=0.5, kind=name)
+
+
 def test_reference_reductions_are_the_fast_registry_s_twin():
     assert tuple(R.REDUCTIONS) == tuple(F.REDUCTIONS)
     u = torch.rand(3, 4, 40, dtype=torch.float64, generator=torch.Generator().manual_seed(2))

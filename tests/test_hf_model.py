@@ -105,7 +105,7 @@ def test_ratio_zero_equals_plain_model(model_sdpa, smollm2_float64, impl):
     assert all(isinstance(layer, KVCertLayer) and layer.get_seq_length() == n + len(cont) for layer in cache.layers)
 
 
-@pytest.mark.parametrize("kind", list(kvcert.fast.KINDS))
+@pytest.mark.parametrize("kind", list(kvcert.fast.PLAIN_KINDS))
 def test_recorded_certificate_equals_reference(model_sdpa, monkeypatch, kind):
     model, tok = model_sdpa
     calls = spy_hajek(monkeypatch)
