@@ -355,3 +355,80 @@ def test_recorded_certificates_unchanged_between_op_and_torch(op, model_sdpa, mo
             rel += 0.5 * (tol_b / est_b.trace if est_b.trace > 0 else 0.0) * rad_b
             assert abs(r_a - r_b) <= rel + abs(rad_a - rad_b), ("radius", step, layer, head, r_a, r_b, rad_a, rad_b)
     assert compressed > 0, "some heads carry a certificate"
+
+
+# ----------------------------------------------------------------------------- the paged route (vLLM's CPU layout)
+def _paged(k, v, pi, bs, *, seed=0, extra_blocks=3):
+    """k, v (E, h, n, d) and pi (E, h, n) written into a ``vec`` cache (num_blocks, h, bs, 2 d) at scattered
+    physical blocks: per (block, head) the keys transposed [d, bs], then the values [bs, d]; unused slots hold
+    garbage. Returns the cache, block ids (E, M) and log pi (E, h, M * bs) (-inf past n and on pi = 0)."""
+    E, h, n, d = k.shape
+    M = -(-n // bs)
+    g = torch.Generator().manual_seed(seed)
+    nb = E * M + extra_blocks
+    cache = 1e3 * torch.randn(nb, h, bs, 2 * d, generator=g).to(k.dtype)  # garbage wherever no token is written
+    ids = torch.randperm(nb, generator=g)[: E * M].view(E, M)
+    pad = M * bs - n
+    kp = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(E, h, M, bs, d)
+    vp = torch.nn.functional.pad(v, (0, 0, 0, pad)).view(E, h, M, bs, d)
+    flat = cache.view(nb, h, bs * 2 * d)
+    for e in range(E):
+        for j in range(M):
+            blk = int(ids[e, j])
+            flat[blk, :, : bs * d] = kp[e, :, j].transpose(-1, -2).reshape(h, d * bs)  # keys [d, bs]
+            flat[blk, :, bs * d:] = vp[e, :, j].reshape(h, bs * d)  # values [bs, d]
+    lp = torch.nn.functional.pad(torch.log(pi.double()), (0, pad), value=float("-inf")).float()
+    return cache, ids, lp
+
+
+@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("n", [1, 113, 1024])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("g", [1, 3])
+def test_paged_route_matches_reference_and_fast(op, bs, n, dtype, g):
+    q, k, v, pi = _case(n, dtype, g, seed=n + bs)
+    cache, ids, lp = _paged(k, v, pi, bs, seed=n)
+    est = op.paged_hajek_attention(q, cache, ids, lp)
+    assert est.output.dtype == dtype and est.trace.shape == q.shape[:2]
+    _check(est, q, k, v, pi, per_coordinate=False, fields=("output", "lse", "trace", "n_eff"))
+
+
+def test_paged_route_reads_only_the_slots_it_is_given(op):
+    q, k, v, pi = _case(239, torch.float32, 3, seed=5)
+    cache, ids, lp = _paged(k, v, pi, 32, seed=2)
+    a = op.paged_hajek_attention(q, cache, ids, lp)
+    # garbage in every slot marked -inf (padding past n, pi = 0) and in blocks no row reads: the same result
+    poisoned = cache.clone()
+    flat = poisoned.view(cache.shape[0], cache.shape[1], -1)  # per (block, head): keys [d, bs], values [bs, d]
+    bs, d = 32, 64
+    unread = torch.isneginf(lp)
+    for e in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            blk = int(ids[e, j])
+            for h, o in (unread[e, :, j * bs:(j + 1) * bs]).nonzero().tolist():
+                flat[blk, h, o: bs * d: bs] = float("nan")  # the slot's key
+                flat[blk, h, bs * d + o * d: bs * d + (o + 1) * d] = float("nan")  # its value
+    spare = sorted(set(range(cache.shape[0])) - set(ids.flatten().tolist()))
+    poisoned[spare] = float("nan")
+    b = op.paged_hajek_attention(q, poisoned, ids, lp)
+    assert torch.equal(a.output, b.output) and torch.equal(a.trace, b.trace)
+    # negative control: one read slot changed changes the output
+    live = int((~unread[0, 0]).nonzero()[0, 0])
+    flat[int(ids[0, live // bs]), 0, bs * d + (live % bs) * d: bs * d + (live % bs + 1) * d] += 100.0
+    c = op.paged_hajek_attention(q, poisoned, ids, lp)
+    assert not torch.allclose(a.output, c.output)
+
+
+def test_paged_route_refuses_by_name(op):
+    q, k, v, pi = _case(64, torch.float32, 1, seed=1)
+    cache, ids, lp = _paged(k, v, pi, 32)
+    with pytest.raises(RuntimeError, match=r"block_ids must lie in \[0, "):
+        op.paged_hajek_attention(q, cache, ids + cache.shape[0], lp)
+    with pytest.raises(ValueError, match="log_pi must be"):
+        op.paged_hajek_attention(q, cache, ids, lp[:, :, :-1])
+    with pytest.raises(ValueError, match=r"log_pi must lie in \[-inf, 0\]"):
+        op.paged_hajek_attention(q, cache, ids, lp.abs())
+    with pytest.raises(ValueError, match="block_ids must be an int64"):
+        op.paged_hajek_attention(q, cache, ids.int(), lp)
+    with pytest.raises(ValueError, match=r"q must be \(E, h_q, d\)"):
+        op.paged_hajek_attention(q[:1], cache, ids, lp)

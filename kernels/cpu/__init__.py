@@ -65,7 +65,7 @@ from kvcert.fast._checks import check_scale
 from kvcert.fast.contract import check_attention_inputs, check_attention_values
 from kvcert.fast.types import Estimate
 
-__all__ = ["ENV_VAR", "SOURCE", "SUPPORTED_DTYPES", "CPUOpUnavailable", "available", "build_directory",
+__all__ = ["ENV_VAR", "SOURCE", "SUPPORTED_DTYPES", "CPUOpUnavailable", "available", "paged_hajek_attention", "build_directory",
            "enabled", "hajek_attention", "load", "unavailable_reason"]
 
 #: environment variable: ``0`` (or false/no/off) keeps every call on the torch path
@@ -313,3 +313,65 @@ def _call(q, keys, values, pi, log_pi, scale, per_coordinate, value_center, spli
         raise ValueError("hajek_attention produced NaN: q, keys and values must be finite")
     return Estimate(output=output, weights=None, variance=var.view(*lead, dv) if per_coordinate else None,
                     trace=trace.view(lead), lse=lse.view(lead), n_eff=n_eff.view(lead))
+
+
+def paged_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
+                          *, scale: float | None = None, splits: int = 0, validate: bool = True) -> Estimate:
+    r"""The same decode and trace (module docstring), read straight from a paged cache in vLLM's CPU layout.
+
+    Slot i of row e lies in physical block ``block_ids[e, i // bs]`` at offset ``i % bs`` of
+    ``kv_cache`` (num_blocks, h_kv, bs, 2 d), which holds per (block, KV head) the keys transposed
+    ``[d, bs]`` and then the values ``[bs, d]`` (vLLM's ``vec`` CPU layout): the vLLM plugin's decode of a
+    compacted token design (``kvcert.vllm.backend.compacted_decode``) without gathering K and V first.
+
+    Parameters
+    ----------
+    q : (E, h_q, d), one decode query per row
+    kv_cache : (num_blocks, h_kv, bs, 2 d), float32 or bfloat16, contiguous
+    block_ids : int64 (E, M), the blocks each row reads (any valid id where log pi is -inf throughout)
+    log_pi : (E, h_kv, M * bs) float32: log pi of the slot's token, -inf where the slot holds none (never read)
+    scale : float, default 1/sqrt(d)
+    splits : int, slot ranges per head (0: automatic)
+    validate : bool
+        Check the shapes, that log_pi lies in [-inf, 0] (one host read) and refuse a NaN output.
+
+    Returns
+    -------
+    Estimate
+        ``output`` (E, h_q, d) in the cache's dtype; ``trace``, ``lse``, ``n_eff`` (E, h_q) float32.
+
+    Raises
+    ------
+    CPUOpUnavailable
+        The op cannot be built here.
+    ValueError
+        Shapes or values outside the contract (naming the argument); block ids outside the cache (always checked).
+    """
+    if not all(isinstance(x, torch.Tensor) for x in (q, kv_cache, block_ids, log_pi)):
+        raise TypeError("q, kv_cache, block_ids and log_pi must be torch tensors")
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
+        raise ValueError(f"kv_cache must be (num_blocks, h_kv, bs, 2 d), got shape {tuple(kv_cache.shape)}")
+    nb, h_kv, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    if block_ids.dim() != 2 or block_ids.dtype != torch.int64:
+        raise ValueError(f"block_ids must be an int64 tensor (E, M), got {block_ids.dtype} of shape "
+                         f"{tuple(block_ids.shape)}")
+    E, M = block_ids.shape
+    if q.dim() != 3 or q.shape[0] != E or q.shape[2] != d or q.shape[1] % h_kv:
+        raise ValueError(f"q must be (E, h_q, d) = ({E}, a multiple of {h_kv}, {d}), got shape {tuple(q.shape)}")
+    if tuple(log_pi.shape) != (E, h_kv, M * bs):
+        raise ValueError(f"log_pi must be (E, h_kv, M * bs) = ({E}, {h_kv}, {M * bs}), got {tuple(log_pi.shape)}")
+    if kv_cache.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"kv_cache must be float32 or bfloat16, got {kv_cache.dtype}")
+    lp = log_pi.to(torch.float32).contiguous()
+    if validate and bool(((lp > 0) | torch.isnan(lp)).any()):
+        raise ValueError("log_pi must lie in [-inf, 0] (-inf: the slot holds no token), found NaN or > 0")
+    ops = _state["ops"] if _state["ops"] is not None else load()
+    out, lse, n_eff, trace = ops.hajek_decode_paged(q.reshape(E, h_kv, -1, d), kv_cache.contiguous(),
+                                                    block_ids.contiguous(), lp, check_scale(scale, d), splits)
+    h_q = q.shape[1]
+    output = out.view(E, h_q, d)
+    if validate and bool(torch.isnan(output).any()):
+        raise ValueError("paged_hajek_attention produced NaN: q and the cache must be finite")
+    return Estimate(output=output, weights=None, variance=None, trace=trace.view(E, h_q), lse=lse.view(E, h_q),
+                    n_eff=n_eff.view(E, h_q))

@@ -296,10 +296,41 @@ struct Scratch {
 
 inline const float* row_ptr(const float* base, int64_t, float*) { return base; }
 inline const float* row_ptr(const c10::BFloat16* base, int64_t len, float* buf) { return as_float(base, len, buf); }
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 v) { return bf16_to_float(v.x); }
+
+// Where slot i of one head's K and V lives. Dense: strided rows (the compressed cache's views).
+template <typename T>
+struct DenseKV {
+  const T* K;
+  int64_t ksn;
+  const T* V;
+  int64_t vsn;
+  const float* key(int64_t i, int64_t d, float* buf) const { return row_ptr(K + i * ksn, d, buf); }
+  const float* value(int64_t i, int64_t dv, float* buf) const { return row_ptr(V + i * vsn, dv, buf); }
+};
+
+// Paged (vLLM's CPU "vec" layout, kv_cache (num_blocks, h_kv, bs, 2 d)): slot i of a row lies in physical block
+// ids[i / bs] at offset i % bs; per (block, KV head) the keys transposed [d, bs], then the values [bs, d].
+// A key is gathered with stride bs into the tile's buffer; a value row is read in place.
+template <typename T>
+struct PagedKV {
+  const T* cache;
+  int64_t sblk, head_off, bs, d;
+  const int64_t* ids;
+  const float* key(int64_t i, int64_t, float* buf) const {
+    const T* base = cache + ids[i / bs] * sblk + head_off + (i % bs);
+    for (int64_t x = 0; x < d; ++x) buf[x] = to_float(base[x * bs]);
+    return buf;
+  }
+  const float* value(int64_t i, int64_t dv, float* buf) const {
+    return row_ptr(cache + ids[i / bs] * sblk + head_off + bs * d + (i % bs) * dv, dv, buf);
+  }
+};
 
 // One (head, slot range) task: fills the G partial rows `part` and the range's centre `ref`.
-template <typename T, bool PER_COORD>
-void range_task(const Shape& S, const T* K, int64_t ksn, const T* V, int64_t vsn, const float* lp, int64_t lsn,
+template <typename KV, bool PER_COORD>
+void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
                 const float* q, float scale, const float* center, int64_t n0, int64_t n1, float* part, float* ref,
                 Scratch& w) {
   const int64_t G = S.G, d = S.d, dv = S.dv, stride = S.stride;
@@ -313,7 +344,7 @@ void range_task(const Shape& S, const T* K, int64_t ksn, const T* V, int64_t vsn
   if (center != nullptr) {
     std::copy(center, center + dv, ref);
   } else if (first < n1) {
-    const float* v = as_float(V + first * vsn, dv, w.vt.data());
+    const float* v = kv.value(first, dv, w.vt.data());
     std::copy(v, v + dv, ref);
   } else {
     std::fill(ref, ref + dv, 0.0f);
@@ -336,8 +367,8 @@ void range_task(const Shape& S, const T* K, int64_t ksn, const T* V, int64_t vsn
     int64_t cnt = 0;
     for (int64_t i = 0; i < nt; ++i) {
       if (lt[i] > kNegInf) {  // kept: offset -log pi >= 0 (pi = 0 slots are never read)
-        w.krow[cnt] = row_ptr(K + (t0 + i) * ksn, d, w.kt.data() + cnt * d);
-        w.vrow[cnt] = row_ptr(V + (t0 + i) * vsn, dv, w.vt.data() + cnt * dv);
+        w.krow[cnt] = kv.key(t0 + i, d, w.kt.data() + cnt * d);
+        w.vrow[cnt] = kv.value(t0 + i, dv, w.vt.data() + cnt * dv);
         w.off[cnt] = -lt[i];
         w.omp[cnt] = od[i];
         ++cnt;
@@ -484,14 +515,13 @@ void merge_row(const Shape& S, const float* part, const float* refs, int64_t row
   neff[row] = l * l / p2;
 }
 
-template <typename T, bool PER_COORD>
-void run(const Shape& S, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lp,
-         const float* center, float scale, at::Tensor& out, at::Tensor& lse, at::Tensor& neff, at::Tensor& trace,
-         at::Tensor& var) {
+// Every (head, range) task, then the merge; `make(bh)` gives head bh's K/V accessor.
+template <bool PER_COORD, typename Make>
+void run_with(const Shape& S, const at::Tensor& q, const at::Tensor& lp, Make make, const float* center, float scale,
+              at::Tensor& out, at::Tensor& lse, at::Tensor& neff, at::Tensor& trace, at::Tensor& var) {
   const int64_t tasks = S.H * S.splits;
   std::vector<float> part(static_cast<size_t>(tasks * S.G * S.stride));
   std::vector<float> refs(static_cast<size_t>(tasks * S.dv));
-  const Heads<T> K = heads<T>(k), V = heads<T>(v);
   const Heads<float> L = heads<float>(lp);
   const float* qp = q.data_ptr<float>();
   const int64_t chunk = (S.n + S.splits - 1) / S.splits;
@@ -500,9 +530,9 @@ void run(const Shape& S, const at::Tensor& q, const at::Tensor& k, const at::Ten
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / S.splits, s = t % S.splits;
       const int64_t n0 = std::min(S.n, s * chunk), n1 = std::min(S.n, n0 + chunk);
-      range_task<T, PER_COORD>(S, K.head(bh, S.h_kv), K.sn, V.head(bh, S.h_kv), V.sn, L.head(bh, S.h_kv), L.sn,
-                               qp + bh * S.G * S.d, scale, center ? center + bh * S.dv : nullptr, n0, n1,
-                               part.data() + t * S.G * S.stride, refs.data() + t * S.dv, w);
+      range_task<decltype(make(bh)), PER_COORD>(S, make(bh), L.head(bh, S.h_kv), L.sn, qp + bh * S.G * S.d, scale,
+                                                center ? center + bh * S.dv : nullptr, n0, n1,
+                                                part.data() + t * S.G * S.stride, refs.data() + t * S.dv, w);
     }
   });
   float* var_p = S.per_coord ? var.data_ptr<float>() : nullptr;
@@ -518,6 +548,28 @@ void run(const Shape& S, const at::Tensor& q, const at::Tensor& k, const at::Ten
       }
     }
   });
+}
+
+template <typename T, bool PER_COORD>
+void run(const Shape& S, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lp,
+         const float* center, float scale, at::Tensor& out, at::Tensor& lse, at::Tensor& neff, at::Tensor& trace,
+         at::Tensor& var) {
+  const Heads<T> K = heads<T>(k), V = heads<T>(v);
+  run_with<PER_COORD>(S, q, lp, [&](int64_t bh) {
+    return DenseKV<T>{K.head(bh, S.h_kv), K.sn, V.head(bh, S.h_kv), V.sn};
+  }, center, scale, out, lse, neff, trace, var);
+}
+
+template <typename T>
+void run_paged(const Shape& S, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& ids,
+               const at::Tensor& lp, float scale, at::Tensor& out, at::Tensor& lse, at::Tensor& neff,
+               at::Tensor& trace, at::Tensor& var) {
+  const T* cache = kv_cache.data_ptr<T>();
+  const int64_t bs = kv_cache.size(2), sblk = kv_cache.stride(0), sh = kv_cache.stride(1), M = ids.size(1);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  run_with<false>(S, q, lp, [&](int64_t bh) {
+    return PagedKV<T>{cache, sblk, (bh % S.h_kv) * sh, bs, S.d, ip + (bh / S.h_kv) * M};
+  }, nullptr, scale, out, lse, neff, trace, var);
 }
 
 int64_t auto_splits(int64_t H, int64_t n) {
@@ -572,11 +624,60 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_dec
   return {out, lse, neff, trace, var};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_decode_paged(
+    const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_ids, const at::Tensor& log_pi,
+    double scale, int64_t splits) {
+  // q (E, h_kv, G, d) float32; kv_cache (num_blocks, h_kv, bs, 2 d) float32 or bfloat16, contiguous (vLLM's CPU
+  // "vec" layout); block_ids (E, M) int64 in [0, num_blocks); log_pi (E, h_kv, M * bs) float32, -inf = not read.
+  TORCH_CHECK(q.dim() == 4 && kv_cache.dim() == 4 && block_ids.dim() == 2 && log_pi.dim() == 3,
+              "hajek_decode_paged: q (E, h_kv, G, d), kv_cache (num_blocks, h_kv, bs, 2 d), block_ids (E, M), "
+              "log_pi (E, h_kv, M * bs)");
+  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu() && block_ids.device().is_cpu() &&
+                  log_pi.device().is_cpu(), "hajek_decode_paged: CPU tensors only");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16,
+              "hajek_decode_paged: kv_cache must be float32 or bfloat16");
+  TORCH_CHECK(kv_cache.is_contiguous(), "hajek_decode_paged: kv_cache must be contiguous");
+  TORCH_CHECK(block_ids.scalar_type() == at::kLong && block_ids.is_contiguous(),
+              "hajek_decode_paged: block_ids must be contiguous int64");
+  TORCH_CHECK(log_pi.scalar_type() == at::kFloat && log_pi.is_contiguous(),
+              "hajek_decode_paged: log_pi must be contiguous float32");
+  const int64_t nb = kv_cache.size(0), h_kv = kv_cache.size(1), bs = kv_cache.size(2), d = kv_cache.size(3) / 2;
+  const int64_t E = block_ids.size(0), M = block_ids.size(1), n = M * bs;
+  TORCH_CHECK(kv_cache.size(3) == 2 * d, "hajek_decode_paged: kv_cache's last dimension must be 2 d");
+  TORCH_CHECK(q.size(0) == E && q.size(1) == h_kv && q.size(3) == d, "hajek_decode_paged: q must be (E, h_kv, G, d)");
+  TORCH_CHECK(log_pi.size(0) == E && log_pi.size(1) == h_kv && log_pi.size(2) == n,
+              "hajek_decode_paged: log_pi must be (E, h_kv, M * bs)");
+  if (block_ids.numel() > 0) {  // memory safety: every id a block of the cache
+    const int64_t lo = block_ids.min().item<int64_t>(), hi = block_ids.max().item<int64_t>();
+    TORCH_CHECK(lo >= 0 && hi < nb, "hajek_decode_paged: block_ids must lie in [0, ", nb, "), got [", lo, ", ",
+                hi, "]");
+  }
+  const at::Tensor qc = q.to(at::kFloat).contiguous();
+  const int64_t G = q.size(2), H = E * h_kv;
+  Shape S{H, h_kv, G, n, d, d, 1, kHead + 2 * d, false};
+  S.splits = splits > 0 ? std::min(splits, std::max<int64_t>(1, n)) : auto_splits(H, n);
+  auto f32 = kv_cache.options().dtype(at::kFloat);
+  at::Tensor out = at::empty({E, h_kv, G, d}, kv_cache.options());
+  at::Tensor lse = at::empty({E, h_kv, G}, f32), neff = at::empty({E, h_kv, G}, f32);
+  at::Tensor trace = at::empty({E, h_kv, G}, f32), var = at::empty({0}, f32);
+  const float sc = static_cast<float>(scale);
+  if (kv_cache.scalar_type() == at::kBFloat16)
+    run_paged<c10::BFloat16>(S, qc, kv_cache, block_ids, log_pi, sc, out, lse, neff, trace, var);
+  else
+    run_paged<float>(S, qc, kv_cache, block_ids, log_pi, sc, out, lse, neff, trace, var);
+  return {out, lse, neff, trace};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvcert_cpu, m) {
   m.def("hajek_decode(Tensor q, Tensor keys, Tensor values, Tensor log_pi, Tensor? center, float scale, "
         "bool per_coordinate, int splits) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("hajek_decode_paged(Tensor q, Tensor kv_cache, Tensor block_ids, Tensor log_pi, float scale, int splits) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(kvcert_cpu, CPU, m) { m.impl("hajek_decode", &hajek_decode); }
+TORCH_LIBRARY_IMPL(kvcert_cpu, CPU, m) {
+  m.impl("hajek_decode", &hajek_decode);
+  m.impl("hajek_decode_paged", &hajek_decode_paged);
+}

@@ -19,6 +19,9 @@ gathered by :func:`gather_rows`, through the estimator the Hugging Face path
 uses (:func:`kvcert.dispatch.hajek_attention`: the compiled CPU op or
 kvcert.fast) and its certificate (:func:`compacted_decode`).
 
+Per request (token design): a row is sampled with its request's design and certified with its request's
+kind and delta (:meth:`kvcert.vllm.worker.Step.config_of`); decode rows are grouped by (kind, delta).
+
 Block design: for a request with an eviction decision (a decode row: one query token), the
 C++ op cannot be used (it takes no additive bias and returns no
 log-sum-exp), so the row's kept blocks are gathered from the paged cache and
@@ -282,6 +285,10 @@ def gather_rows(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.
     return k, v
 
 
+#: the route :func:`compacted_decode` took last: ``"paged_cpu_op"`` or ``"gather"``
+LAST_ROUTE = [None]
+
+
 def compacted_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
                      scale: float, kind: str, delta: float):
     r"""Hajek decode attention of rows whose prompt was compacted, and their relative radii.
@@ -304,10 +311,26 @@ def compacted_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: tor
     Returns
     -------
     output (E, h_q, d) in the query's dtype, relative radius (E, h_q) float32
+
+    Notes
+    -----
+    A trace-only kind (Chebyshev) reads the slots straight from the paged cache through the compiled CPU op's
+    paged route (:func:`kvcert.kernels.cpu.paged_hajek_attention`: the same one-pass estimate as the Hugging
+    Face decode's op, without gathering K and V first); the other kinds, ``KVCERT_CPU_OP=0`` and a machine
+    where the op cannot be built gather the blocks (:func:`gather_rows`) and call
+    :func:`kvcert.dispatch.hajek_attention`. :data:`LAST_ROUTE` says which ran.
     """
-    k, v = gather_rows(kv_cache, block_ids)
-    est = dispatch.hajek_attention(query, k, v, log_pi=log_pi.to(torch.float32), scale=scale, validate=False,
-                                   **estimate_options(kind))
+    opts = estimate_options(kind)
+    lp = log_pi.to(torch.float32)
+    if not any(opts.values()) and query.device.type == "cpu" and dispatch.cpu_op_available():
+        from kvcert.kernels import cpu
+
+        est = cpu.paged_hajek_attention(query, kv_cache, block_ids, lp, scale=scale, validate=False)
+        LAST_ROUTE[0] = "paged_cpu_op"
+    else:
+        k, v = gather_rows(kv_cache, block_ids)
+        est = dispatch.hajek_attention(query, k, v, log_pi=lp, scale=scale, validate=False, **opts)
+        LAST_ROUTE[0] = "gather"
     stats = certificate_moments(est, kind)
     _, _, rel = radius_from_statistics(kind, delta, **stats)
     return est.output.to(query.dtype), rel
@@ -331,13 +354,21 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
             raise RuntimeError(f"kvcert.vllm reads the 'vec' cache layout; this layer uses {layer.isa!r}")
         if plan.stock_rows:
             self._stock_rows(plan, layer, query, kv_cache, attn_metadata, output)
-        cfg = step.config
         if plan.compacted:  # the token design: compacted prompt slots + the tokens after the prompt
             ids, log_pi = plan.compacted_inputs(layer_index(layer))
-            o, rel = compacted_decode(query.index_select(0, plan.compacted_tokens), kv_cache, ids, log_pi,
-                                      self.scale, cfg.kind, cfg.delta)
-            output.index_copy_(0, plan.compacted_tokens, o.to(output.dtype))
-            step.add_certificates([row.req_id for row in plan.compacted], rel)
+            groups: dict[tuple, list] = {}  # rows by their request's (kind, delta)
+            for j, row in enumerate(plan.compacted):
+                groups.setdefault(row.certificate or (step.config.kind, step.config.delta), []).append(j)
+            for (kind, delta), rows in groups.items():
+                if len(groups) == 1:
+                    tokens, g_ids, g_log_pi = plan.compacted_tokens, ids, log_pi
+                else:
+                    sel = torch.tensor(rows, dtype=torch.int64)
+                    tokens, g_ids, g_log_pi = plan.compacted_tokens[sel], ids[sel], log_pi[sel]
+                o, rel = compacted_decode(query.index_select(0, tokens), kv_cache, g_ids, g_log_pi, self.scale,
+                                          kind, delta)
+                output.index_copy_(0, tokens, o.to(output.dtype))
+                step.add_certificates([plan.compacted[j].req_id for j in rows], rel)
         if plan.masked:
             self._masked_rows(step, plan, query, kv_cache, output)
         return self._importance(step, plan, layer, query, kv_cache, output)
@@ -394,11 +425,11 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
         the chunk. Block design: the scores, aggregated over layers by the worker."""
         if not plan.importance:
             return output
-        cfg = step.config
-        design = cfg.design
         index = layer_index(layer)
         bs = kv_cache.shape[2]
         for row in plan.importance:
+            cfg = row.config if row.config is not None else step.config  # the request's settings
+            design = cfg.design
             nbt = -(-row.seq_len // bs)
             k, v = gather_blocks(kv_cache, row.all_block_ids[:nbt])
             k, v = k[:, : row.seq_len], v[:, : row.seq_len]

@@ -118,9 +118,19 @@ def test_prefill_compacts_and_decode_equals_the_estimator_after_the_freed_blocks
     torch.testing.assert_close(out.double(), est.output, rtol=1e-5, atol=1e-6)
     _, _, rel = F.radius_from_statistics("chebyshev", 0.05, **F.certificate_moments(est, "chebyshev"))
     assert certs["a"] == pytest.approx(float(rel.mean()), rel=1e-5) and certs["a"] > 0
-    # negative control 1: without the copy (the prompt where it was) the same state reads the wrong tokens
+    # the two routes of the decode (the compiled op's paged route, and gather + kvcert.dispatch) agree
     plan = step.plan(md, BS)
     ids, lp = plan.compacted_inputs(0)
+    first, rel1 = backend.compacted_decode(qd, cache, ids, lp, scale, "chebyshev", 0.05)
+    route = backend.LAST_ROUTE[0]
+    monkeypatch.setenv("KVCERT_CPU_OP", "0")
+    other, rel2 = backend.compacted_decode(qd, cache, ids, lp, scale, "chebyshev", 0.05)
+    assert backend.LAST_ROUTE[0] == "gather" and route in ("paged_cpu_op", "gather")
+    print(f"route {route}: max |paged - gather| = {(first - other).abs().max():.2e}")
+    torch.testing.assert_close(first, other, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rel1, rel2, rtol=1e-4, atol=0)
+    monkeypatch.delenv("KVCERT_CPU_OP")
+    # negative control 1: without the copy (the prompt where it was) the same state reads the wrong tokens
     no_copy, _ = backend.compacted_decode(qd, original, ids, lp, scale, "chebyshev", 0.05)
     assert (no_copy.double() - est.output).abs().max() > 1e-2
     # negative control 2: without the padding mask the padding slots and the reused blocks' slots count
