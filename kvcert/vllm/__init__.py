@@ -17,7 +17,11 @@ other full blocks are returned to vLLM's block pool (compaction, docs/design.md
 section 7); decoding attends over them with the Hajek offset -log pi_i and the
 press's certificate per step, layer and query head. ``granularity="block"``
 serves the block design instead (whole blocks sampled with pi_b, the same for
-every layer and head, a cluster-sampling certificate). Pieces:
+every layer and head, a cluster-sampling certificate). With the token design a
+request may carry its own settings (``SamplingParams(extra_args={"kvcert_compression_ratio": 0.5,
+"kvcert_seed": 3})``; keys ``kvcert.vllm.config.REQUEST_KEYS``): one engine
+serves certified and plain requests side by side, and a request with a bad
+value fails alone (``certificate_report(output) == {"error": ...}``). Pieces:
 :mod:`.config` (settings, start-up refusals), :mod:`.scheduler` (decide,
 free), :mod:`.worker` (step context), :mod:`.backend` (attention),
 :mod:`.model` (the default model as a Hugging Face folder). docs/serving.md
@@ -196,8 +200,10 @@ def certificate_report(output) -> dict | None:
     the compacted prompt), ``kept_counts`` (per layer and KV head), ``evicted``
     (evicted (layer, head, token) triples), ``kept_positions`` (per layer and
     KV head, with ``report_kept=True``). Block design: ``importance``, ``pi``
-    and ``kept`` (per prompt block), ``evicted`` (block indices). Carried in
-    ``output.kv_transfer_params["kvcert"]``.
+    and ``kept`` (per prompt block), ``evicted`` (block indices). A request
+    refused for a bad per-request option (``kvcert_*`` key of
+    ``SamplingParams.extra_args``) has only ``error`` (the message, naming the
+    key). Carried in ``output.kv_transfer_params["kvcert"]``.
     """
     params = getattr(output, "kv_transfer_params", None) or {}
     return params.get(CONFIG_KEY)
@@ -222,7 +228,8 @@ def certificates(output) -> np.ndarray | None:
 
 def stats(llm) -> dict:
     """The scheduler's counters (blocks_freed, requests_decided, requests_evicted, tokens_evicted (token
-    design), blocks_evicted (block design), blocks_reused_while_owner_runs, evicted_requests_preempted), as of
+    design), blocks_evicted (block design), blocks_reused_while_owner_runs, evicted_requests_preempted,
+    requests_refused (bad per-request options)), as of
     the engine's last step."""
     out = llm.collective_rpc("kvcert_stats")
     return dict(out[0]) if out else {}

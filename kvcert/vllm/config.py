@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvcert.fast import BlockDesign, TokenDesign
 
-__all__ = ["KVCertConfig", "check_vllm_config", "CONFIG_KEY", "SUPPORTED_VLLM", "GRANULARITIES"]
+__all__ = ["KVCertConfig", "check_vllm_config", "request_options", "CONFIG_KEY", "SUPPORTED_VLLM", "GRANULARITIES",
+           "REQUEST_KEYS"]
 
 #: the key of ``additional_config`` that holds the plugin settings
 CONFIG_KEY = "kvcert"
@@ -28,6 +29,9 @@ GRANULARITIES = ("token", "block")
 #: the plugin's own fields of :class:`KVCertConfig` (the others are the design's)
 _ENGINE_FIELDS = ("granularity", "free_blocks", "track_reuse", "report_kept")
 #: design fields of one granularity only (the shared ones: floor, observation_window, scorer, delta, kind)
+#: the per-request keys of ``SamplingParams.extra_args`` (token design): key -> :class:`KVCertConfig` field
+REQUEST_KEYS = {"kvcert_compression_ratio": "compression_ratio", "kvcert_seed": "seed", "kvcert_delta": "delta",
+                "kvcert_kind": "kind"}
 _ONLY = {"token": ("sinks", "window", "top_fraction", "kernel_size"),
          "block": ("sink_blocks", "recent_blocks", "top_blocks", "reduce")}
 
@@ -185,6 +189,43 @@ class KVCertConfig:
         if CONFIG_KEY not in extra:
             return None
         return cls.from_dict(extra[CONFIG_KEY])
+
+
+def request_options(config: KVCertConfig, extra_args: dict | None) -> dict | None:
+    """A request's own design settings, from the ``kvcert_*`` keys of its ``SamplingParams.extra_args``.
+
+    Returns None when the request has no ``kvcert_*`` key (it follows the engine's ``config``), else the
+    overrides ``{field: checked value}`` (fields of :data:`REQUEST_KEYS`) that, applied to ``config``
+    (``dataclasses.replace(config, **overrides)``), give the request's :class:`KVCertConfig`;
+    ``kvcert_compression_ratio: 0`` turns eviction off for the request. Token design only.
+
+    Raises
+    ------
+    ValueError
+        Naming the key: an unknown ``kvcert_*`` key, a value :class:`KVCertConfig` refuses (e.g.
+        ``kvcert_compression_ratio`` outside [0, 1), ``kvcert_kind`` not in ``kvcert.fast.SERVED_KINDS``),
+        or any ``kvcert_*`` key on an engine with ``granularity="block"``.
+    """
+    given = {k: v for k, v in (extra_args or {}).items() if isinstance(k, str) and k.startswith("kvcert_")}
+    if not given:
+        return None
+    unknown = sorted(set(given) - set(REQUEST_KEYS))
+    if unknown:
+        raise ValueError(f"unknown per-request kvcert option(s) {unknown}; known: {sorted(REQUEST_KEYS)}")
+    if not config.tokens:
+        raise ValueError(f"{', '.join(sorted(given))}: per-request options need the token design; this engine "
+                         f"serves granularity={config.granularity!r}")
+    from dataclasses import replace
+
+    out = {}
+    for key in sorted(given):  # one at a time, so the error names the key at fault
+        name = REQUEST_KEYS[key]
+        try:
+            checked = replace(config, **{name: given[key]})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{key}={given[key]!r}: {e}") from None
+        out[name] = getattr(checked, name)
+    return out
 
 
 def _refuse(option: str, why: str):

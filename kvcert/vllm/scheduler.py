@@ -28,6 +28,15 @@ synchronous ``Scheduler`` plus these duties:
    ``RequestOutput.kv_transfer_params["kvcert"]`` (docs/serving.md, "The
    certificate channel").
 
+4. **Per-request options** (token design). A request's ``kvcert_*`` keys of
+   ``SamplingParams.extra_args`` (:func:`kvcert.vllm.config.request_options`)
+   are resolved when it is added and ride to the worker on the
+   ``SchedulerOutput`` that first schedules it (``kvcert["options"]``); a
+   request without them follows the engine's configuration. A request with a
+   bad value is never scheduled: it finishes as aborted, with
+   ``kv_transfer_params["kvcert"] = {"error": message naming the key}``, and
+   the engine serves the others.
+
 Preemption of a request that evicted: vLLM recomputes it from its tokens,
 which restores the full cache; the worker is told to drop its state
 (``clear``) and the request continues without eviction (certificate 0 for
@@ -44,7 +53,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvcert.fast import prompt_event
 
-from .config import KVCertConfig, check_vllm_config
+from .config import KVCertConfig, check_vllm_config, request_options
 
 __all__ = ["CertifiedScheduler", "prompt_event"]
 
@@ -73,6 +82,8 @@ class CertifiedScheduler(Scheduler):
         self._records: dict[str, dict] = {}  # per evicted request: decision, certificates, pool counts
         self._decided: set[str] = set()  # requests already decided (never twice)
         self._freed_owner: dict[int, str] = {}  # freed block id -> former owner (while it runs)
+        self._options: dict[str, dict] = {}  # per request with kvcert_* keys: its overrides of self.kvcert
+        self._errors: dict[str, tuple[int, str]] = {}  # refused requests: (client index, message), not yet reported
         self.kvcert_stats = defaultdict(int)
 
     # ------------------------------------------------------------------ decide and free
@@ -166,12 +177,29 @@ class CertifiedScheduler(Scheduler):
 
     # ------------------------------------------------------------------ engine hooks
 
+    def add_request(self, request) -> None:
+        if request.request_id not in self.requests:
+            params = request.sampling_params
+            try:
+                options = request_options(self.kvcert, getattr(params, "extra_args", None) if params else None)
+            except ValueError as e:  # this request only: never scheduled, reported in update_from_output
+                self._errors[request.request_id] = (request.client_index, str(e))
+                self.kvcert_stats["requests_refused"] += 1
+                return
+            if options is not None:
+                self._options[request.request_id] = options
+        super().add_request(request)
+
+    def has_requests(self) -> bool:
+        return bool(self._errors) or super().has_requests()
+
     def schedule(self, *args, **kwargs):
         out = super().schedule(*args, **kwargs)
         if self.kvcert.track_reuse:
             self._check_reuse(out)
+        options = {r.req_id: self._options[r.req_id] for r in out.scheduled_new_reqs if r.req_id in self._options}
         out.kvcert = {"decisions": self._pending, "clear": sorted(self._clear), "stats": dict(self.kvcert_stats),
-                      "block_size": self._bs}
+                      "block_size": self._bs, "options": options}
         self._pending, self._clear = {}, set()
         return out
 
@@ -196,7 +224,22 @@ class CertifiedScheduler(Scheduler):
             if request.num_computed_tokens < request.num_prompt_tokens:
                 continue
             self._decide(request, imp)
+        if self._errors:
+            self._report_errors(outputs)
         return outputs
+
+    def _report_errors(self, outputs: dict) -> None:
+        """Finish the refused requests (:meth:`add_request`) as aborted, with the message in their
+        ``kv_transfer_params["kvcert"]["error"]``."""
+        from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+        for req_id, (client, message) in self._errors.items():
+            eco = outputs.get(client)
+            if eco is None:
+                eco = outputs[client] = EngineCoreOutputs(outputs=[])
+            eco.outputs.append(EngineCoreOutput(request_id=req_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
+                                                kv_transfer_params={"kvcert": {"error": message}}))
+        self._errors = {}
 
     def _preempt_request(self, request, *args, **kwargs):
         req_id = request.request_id
@@ -212,6 +255,7 @@ class CertifiedScheduler(Scheduler):
         kv_params, ec_params = super()._free_request(request, *args, **kwargs)
         req_id = request.request_id
         rec = self._records.pop(req_id, None)
+        self._options.pop(req_id, None)
         self._decided.discard(req_id)
         self._pending.pop(req_id, None)
         if rec is not None:

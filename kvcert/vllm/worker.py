@@ -28,6 +28,12 @@ Block design:
   over the stacked (layer, KV head) scores, normalized per head, ``reduce``
   over them), read by :class:`kvcert.vllm.scheduler.CertifiedScheduler`.
 
+Per-request options (token design): a request whose ``SamplingParams.extra_args``
+carry ``kvcert_*`` keys arrives with its overrides on ``SchedulerOutput.kvcert["options"]``
+(:func:`kvcert.vllm.config.request_options`); the worker keeps the request's
+:class:`KVCertConfig` (:meth:`Step.config_of`), whose design decides whether
+and how its prompt is sampled and whose kind and delta certify its decode rows.
+
 The rows of a step are matched to requests through the model runner's
 ``input_batch.req_ids`` (the order the attention metadata is built in).
 
@@ -39,7 +45,7 @@ refusal of :func:`kvcert.vllm.config.check_vllm_config` keeps it from starting).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from vllm.v1.worker.cpu_worker import CPUWorker
@@ -81,6 +87,7 @@ class _CompactedRow:
     block_ids: torch.Tensor  # (m + t,) compacted blocks, then the blocks of positions n_prompt .. seq_len - 1
     tail_log_pi: torch.Tensor  # (t * bs,) 0 on positions n_prompt .. seq_len - 1, -inf elsewhere
     state: Compacted
+    certificate: tuple | None = None  # (kind, delta) of the request's certificate; None = the engine's
 
 
 @dataclass
@@ -90,6 +97,7 @@ class _Importance:
     q_end: int
     seq_len: int
     all_block_ids: torch.Tensor
+    config: KVCertConfig | None = None  # the request's settings (its design samples the prompt)
 
 
 @dataclass
@@ -184,8 +192,10 @@ class Step:
             seq_len = seq_lens[r]
             state = w.kvcert_states.get(rid) if rid is not None else None
             if isinstance(state, Compacted) and q_len == 1:
-                plan.compacted.append(self._compacted_row(rid, qsl[r], md.block_table[r], seq_len, state,
-                                                          block_size))
+                row = self._compacted_row(rid, qsl[r], md.block_table[r], seq_len, state, block_size)
+                cfg = self.config_of(rid)
+                row.certificate = (cfg.kind, cfg.delta)
+                plan.compacted.append(row)
             elif state is not None and q_len == 1:
                 nbt = -(-seq_len // block_size)
                 log_pi = state  # (nb_prompt,) float64, -inf = evicted
@@ -210,7 +220,7 @@ class Step:
                 if self._wants_importance(rid, seq_len, block_size):
                     nbt = -(-seq_len // block_size)
                     plan.importance.append(_Importance(rid, q_len, qsl[r + 1], seq_len,
-                                                       md.block_table[r, :nbt].to(torch.int64)))
+                                                       md.block_table[r, :nbt].to(torch.int64), self.config_of(rid)))
         if plan.compacted:
             E, M = len(plan.compacted), max(len(c.block_ids) for c in plan.compacted)
             plan.compacted_tokens = torch.tensor([c.token for c in plan.compacted], dtype=torch.int64)
@@ -238,12 +248,16 @@ class Step:
         tail = torch.where((pos >= state.n_prompt) & (pos < seq_len), 0.0, float("-inf"))
         return _CompactedRow(rid, token, ids, tail, state)
 
+    def config_of(self, rid) -> KVCertConfig:
+        """The settings of request ``rid``: its per-request options over the engine's, or the engine's."""
+        return getattr(self.worker, "kvcert_request", {}).get(rid, self.config)
+
     def _wants_importance(self, rid, seq_len: int, block_size: int) -> bool:
         """True on the step that processes the last chunk of a prompt that has not been decided and is long
-        enough to evict anything (else its importance is not even computed)."""
+        enough for the request's settings to evict anything (else its importance is not even computed)."""
         w = self.worker
         return (rid is not None and w.kvcert_prompt_len.get(rid) == seq_len and rid not in w.kvcert_states
-                and rid not in w.kvcert_decided and self.config.evicts(seq_len, block_size))
+                and rid not in w.kvcert_decided and self.config_of(rid).evicts(seq_len, block_size))
 
     def row_states(self, md) -> list:
         """The CUDA backend's view of the step (:mod:`kvcert.vllm.gpu_backend`): one ``RowState`` per row."""
@@ -335,6 +349,7 @@ class _CertifiedWorker:
         self.kvcert_states: dict[str, torch.Tensor | Compacted] = {}
         self.kvcert_decided: set[str] = set()  # token design: requests already compacted (never twice)
         self.kvcert_prompt_len: dict[str, int] = {}
+        self.kvcert_request: dict[str, KVCertConfig] = {}  # requests with per-request options: their settings
         self.kvcert_last_stats: dict = {}
         self.kvcert_block_size = int(vllm_config.cache_config.block_size)
         self._kvcert_pending: tuple[dict, dict, dict] | None = None
@@ -371,6 +386,8 @@ class _CertifiedWorker:
         info = getattr(scheduler_output, "kvcert", None) or {}
         for rid in info.get("clear", ()):
             self.kvcert_states.pop(rid, None)
+        for rid, overrides in info.get("options", {}).items():
+            self.kvcert_request[rid] = replace(self.kvcert, **overrides)
         for rid, d in info.get("decisions", {}).items():
             self.kvcert_states[rid] = torch.tensor(d["log_pi"], dtype=torch.float64)
         if "stats" in info:
@@ -379,6 +396,7 @@ class _CertifiedWorker:
             self.kvcert_states.pop(rid, None)
             self.kvcert_prompt_len.pop(rid, None)
             self.kvcert_decided.discard(rid)
+            self.kvcert_request.pop(rid, None)
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         self._kvcert_before(scheduler_output)

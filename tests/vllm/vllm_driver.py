@@ -9,7 +9,11 @@ without the plugin (``VLLM_PLUGINS=""`` set by the launcher). SPEC keys:
 (dict), ``scorer`` (optional, ``certified_llm``'s keyword), ``llm_kwargs`` (dict),
 ``prompts`` (token-id lists), ``runs``
 (list of {"order": [prompt indices], "max_tokens": int}, generated one
-``generate`` call each, greedy).
+``generate`` call each, greedy; optional ``"extra_args"``: a list parallel to
+``order`` of ``SamplingParams.extra_args`` dicts or None, e.g.
+``{"kvcert_compression_ratio": 0.5}``; a prompt index at most once per run).
+Each output records ``token_ids`` and ``finish_reason``, and with the plugin
+``certificates`` and ``report``.
 """
 
 from __future__ import annotations
@@ -35,14 +39,16 @@ def main(spec_path: str, out_path: str) -> None:
     result = {"start_s": time.perf_counter() - t0, "runs": []}
     prompts = spec["prompts"]
     for run in spec["runs"]:
-        sp = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], ignore_eos=True)
         order = run["order"]
+        extra = run.get("extra_args") or [None] * len(order)
+        sp = [SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], ignore_eos=True, extra_args=e)
+              for e in extra]
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in order], sp, use_tqdm=False)
         gen_s = time.perf_counter() - t
         per = {}
         for i, o in zip(order, outs):
-            item = {"token_ids": list(o.outputs[0].token_ids)}
+            item = {"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason}
             if spec["plugin"]:
                 from kvcert.vllm import certificate_report, certificates
 
