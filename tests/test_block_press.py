@@ -96,11 +96,17 @@ def test_bad_arguments_raise_naming_them(name, value, error, match):
 def test_defaults_mirror_the_vllm_config():
     from kvcert.vllm.config import KVCertConfig
 
-    press, cfg = kvcert.BlockPoissonPress(), KVCertConfig()
+    press, cfg = kvcert.BlockPoissonPress(), KVCertConfig(granularity="block")
     for name in ("seed", "sink_blocks", "recent_blocks", "top_blocks", "floor", "observation_window", "reduce",
                  "delta", "kind"):
         assert getattr(press, name) == getattr(cfg, name), name
     assert press.compression_ratio == 0.0 and press.block_size == 16  # kvpress's convention: nothing by default
+    # the plugin's default design is the token design, with PoissonPress's defaults
+    token, default = kvcert.PoissonPress(), KVCertConfig()
+    assert default.granularity == "token"
+    for name in ("seed", "sinks", "window", "top_fraction", "floor", "observation_window", "scorer", "kernel_size",
+                 "delta", "kind"):
+        assert getattr(token, name) == getattr(default, name), name
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.1, 0.5, 0.75, 0.9])
@@ -110,7 +116,8 @@ def test_budget_is_the_vllm_config_budget(ratio):
     for sinks, recent, top in ((1, 1, 0), (0, 1, 0), (2, 3, 1)):
         press = kvcert.BlockPoissonPress(compression_ratio=ratio, sink_blocks=sinks, recent_blocks=recent,
                                          top_blocks=top)
-        cfg = KVCertConfig(compression_ratio=ratio, sink_blocks=sinks, recent_blocks=recent, top_blocks=top)
+        cfg = KVCertConfig(compression_ratio=ratio, granularity="block", sink_blocks=sinks, recent_blocks=recent,
+                           top_blocks=top)
         for nb in range(1, 40):
             assert press.budget(nb) == cfg.budget(nb), (ratio, sinks, recent, top, nb)
 
