@@ -33,6 +33,7 @@ positions; its variance is the same state with every token its own unit.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -56,6 +57,95 @@ from .hajek import (
 )
 
 __all__ = ["paged_hajek_attention", "paged_hajek_attention_compacted", "kv_cache_views", "default_block_t"]
+
+
+@dataclass
+class _LaunchPlan:
+    """What the paged kernels share around their launch (:func:`_launch_plan`): the split-K plan over ``units``
+    blocks per head, the tile sizes and the output and partial buffers."""
+
+    splits: int
+    chunk: int
+    bh: int
+    out: torch.Tensor
+    lse: torch.Tensor
+    var: torch.Tensor | None
+    trace: torch.Tensor | None
+    neff: torch.Tensor | None
+    part_s: torch.Tensor
+    part_v: torch.Tensor
+    constexprs: dict
+    launch: dict
+
+    @property
+    def split(self) -> bool:
+        return self.splits > 1
+
+    def outputs(self) -> tuple:
+        """The kernel's output arguments: out, lse, var, trace, n_eff (lse stands in for the absent ones) and
+        the split partials."""
+        dummy = self.lse
+        return (self.out, self.lse, dummy if self.var is None else self.var, dummy if self.trace is None else self.trace,
+                dummy if self.neff is None else self.neff, self.part_s, self.part_v)
+
+    def meta(self, certify: bool) -> dict:
+        """The kernel's shared constexprs and launch options."""
+        return dict(self.constexprs, CERTIFY=bool(certify), PER_COORD=self.var is not None, SPLIT=self.split,
+                    **self.launch)
+
+    def estimate(self) -> Estimate:
+        return Estimate(output=self.out, weights=None, variance=self.var, trace=self.trace, lse=self.lse,
+                        n_eff=self.neff, max_term=None)
+
+
+def _launch_plan(q, value_cache, S, h_q, d, dv, bs, units, programs, certify, per_coordinate, num_splits, block_t,
+                 num_warps, num_stages) -> _LaunchPlan:
+    """The split-K plan (``default_config`` over ``units`` blocks of ``bs`` tokens, or ``num_splits``), the
+    block's tile (``block_t``), the outputs and the split partials of one launch of a paged kernel."""
+    cfg = default_config(units * bs, d, programs, q.device, bs, value_cache.dtype)
+    if num_splits is not None:
+        if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+            raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+        cfg["num_splits"] = num_splits
+    chunk = max(1, math.ceil(units / cfg["num_splits"]))
+    splits = max(1, math.ceil(units / chunk))
+    bs_pad = max(16, _pow2(bs))
+    if block_t is None:
+        block_t = default_block_t(bs, d, value_cache.dtype)
+    if isinstance(block_t, bool) or not isinstance(block_t, int) or block_t < 16 or block_t & (block_t - 1):
+        raise ValueError(f"block_t must be a power of two >= 16, got {block_t!r}")
+    dev = q.device
+    f32 = dict(device=dev, dtype=torch.float32)
+    lse = torch.empty((S, h_q), **f32)
+    dv_pad = max(16, _pow2(dv))
+    bh = S * h_q
+    if splits > 1:
+        part_s, part_v = torch.empty((splits, bh, 5), **f32), torch.empty((splits, bh, 3, dv_pad), **f32)
+    else:
+        part_s = part_v = lse
+    constexprs = dict(BS=bs, BS_PAD=bs_pad, BLOCK_T=min(block_t, bs_pad), D=d, DV=dv, D_PAD=max(16, _pow2(d)),
+                      DV_PAD=dv_pad, DOT_F32=value_cache.dtype == torch.float32 or INTERPRETED,
+                      ROUND_P=value_cache.dtype != torch.float32)
+    launch = {} if INTERPRETED else {"num_warps": int(num_warps or cfg["num_warps"]),
+                                     "num_stages": int(num_stages or cfg["num_stages"])}
+    return _LaunchPlan(
+        splits, chunk, bh, torch.empty((S, h_q, dv), device=dev, dtype=value_cache.dtype), lse,
+        torch.empty((S, h_q, dv), **f32) if certify and per_coordinate else None,
+        torch.empty((S, h_q), **f32) if certify else None, torch.empty((S, h_q), **f32) if certify else None,
+        part_s, part_v, constexprs, launch)
+
+
+def _merge(L: _LaunchPlan, certify: bool) -> None:
+    """The split-K merge of a paged launch (the contiguous kernel's :func:`_hajek_merge_kernel`)."""
+    block_r = 16
+    dummy = L.lse
+    _hajek_merge_kernel[(math.ceil(L.bh / block_r),)](
+        L.part_s, L.part_v, L.out, L.lse,
+        L.var if L.var is not None else dummy, L.trace if L.trace is not None else dummy,
+        L.neff if L.neff is not None else dummy, L.bh, L.splits,
+        DV=L.constexprs["DV"], DV_PAD=L.constexprs["DV_PAD"], BLOCK_R=block_r, CERTIFY=bool(certify),
+        PER_COORD=L.var is not None, ROUND_P=L.constexprs["ROUND_P"], **({} if INTERPRETED else {"num_warps": 4}),
+    )
 
 
 @triton.jit
@@ -340,66 +430,21 @@ def paged_hajek_attention(q, key_cache, value_cache, block_table, seq_lens, log_
     elif validate and S and int(seq_lens.max()) > int(max_seq_len):
         raise ValueError(f"max_seq_len = {max_seq_len} is below the longest sequence ({int(seq_lens.max())})")
     n_blk = max(1, min(M, -(-int(max_seq_len) // bs)))
-    cfg = default_config(n_blk * bs, d, programs, q.device, bs, value_cache.dtype)
-    if num_splits is not None:
-        if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
-            raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-        cfg["num_splits"] = num_splits
-    chunk_b = max(1, math.ceil(n_blk / cfg["num_splits"]))
-    splits = max(1, math.ceil(n_blk / chunk_b))
-
-    bs_pad = max(16, _pow2(bs))
-    if block_t is None:
-        block_t = default_block_t(bs, d, value_cache.dtype)
-    if isinstance(block_t, bool) or not isinstance(block_t, int) or block_t < 16 or block_t & (block_t - 1):
-        raise ValueError(f"block_t must be a power of two >= 16, got {block_t!r}")
-    bt = min(block_t, bs_pad)
-
-    dev = q.device
-    out = torch.empty((S, h_q, dv), device=dev, dtype=value_cache.dtype)
-    lse = torch.empty((S, h_q), device=dev, dtype=torch.float32)
-    var = torch.empty((S, h_q, dv), device=dev, dtype=torch.float32) if certify and per_coordinate else None
-    trace = torch.empty((S, h_q), device=dev, dtype=torch.float32) if certify else None
-    neff = torch.empty((S, h_q), device=dev, dtype=torch.float32) if certify else None
-    dummy = lse
-    dv_pad = max(16, _pow2(dv))
-    d_pad = max(16, _pow2(d))
-    bh = S * h_q
-    split = splits > 1
-    if split:
-        part_s = torch.empty((splits, bh, 5), device=dev, dtype=torch.float32)
-        part_v = torch.empty((splits, bh, 3, dv_pad), device=dev, dtype=torch.float32)
-    else:
-        part_s = part_v = dummy
-    dot_f32 = value_cache.dtype == torch.float32 or INTERPRETED
-    round_p = value_cache.dtype != torch.float32
-    launch = {} if INTERPRETED else {"num_warps": int(num_warps or cfg["num_warps"]),
-                                     "num_stages": int(num_stages or cfg["num_stages"])}
+    L = _launch_plan(q, value_cache, S, h_q, d, dv, bs, n_blk, programs, certify, per_coordinate, num_splits,
+                     block_t, num_warps, num_stages)
     if programs > 0:
-        _paged_decode_kernel[(programs, splits)](
-            q, key_cache, value_cache, block_table, seq_lens, log_pi_blocks, out, lse,
-            var if var is not None else dummy, trace if trace is not None else dummy,
-            neff if neff is not None else dummy, part_s, part_v,
+        _paged_decode_kernel[(programs, L.splits)](
+            q, key_cache, value_cache, block_table, seq_lens, log_pi_blocks, *L.outputs(),
             q.stride(0), q.stride(1), q.stride(2),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
             block_table.stride(0), block_table.stride(1), log_pi_blocks.stride(0), log_pi_blocks.stride(1),
-            h_kv, h_q, chunk_b, bh, scale,
-            BS=bs, BS_PAD=bs_pad, BLOCK_T=bt, D=d, DV=dv, D_PAD=d_pad, DV_PAD=dv_pad,
-            G=g, G_BLOCK=g_block, N_RB=n_rb, R_PAD=r_pad,
-            CERTIFY=bool(certify), PER_COORD=var is not None, SPLIT=split, DOT_F32=dot_f32, ROUND_P=round_p,
-            **launch,
+            h_kv, h_q, L.chunk, L.bh, scale,
+            G=g, G_BLOCK=g_block, N_RB=n_rb, R_PAD=r_pad, **L.meta(certify),
         )
-        if split:
-            block_r = 16
-            _hajek_merge_kernel[(math.ceil(bh / block_r),)](
-                part_s, part_v, out, lse,
-                var if var is not None else dummy, trace if trace is not None else dummy,
-                neff if neff is not None else dummy, bh, splits,
-                DV=dv, DV_PAD=dv_pad, BLOCK_R=block_r, CERTIFY=bool(certify), PER_COORD=var is not None,
-                ROUND_P=round_p, **({} if INTERPRETED else {"num_warps": 4}),
-            )
-    return Estimate(output=out, weights=None, variance=var, trace=trace, lse=lse, n_eff=neff, max_term=None)
+        if L.split:
+            _merge(L, certify)
+    return L.estimate()
 
 
 # ----------------------------------------------------------------------------- compacted token slots
@@ -728,67 +773,22 @@ def paged_hajek_attention_compacted(q, key_cache, value_cache, block_table, seq_
         nt = -(-max_tail_len // bs) + 1  # a tail of t tokens spans at most ceil(t / bs) + 1 blocks
     nt = max(0, min(M, nt))
     units = max(1, nc + nt)
-    cfg = default_config(units * bs, d, programs, q.device, bs, value_cache.dtype)
-    if num_splits is not None:
-        if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
-            raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-        cfg["num_splits"] = num_splits
-    chunk_u = max(1, math.ceil(units / cfg["num_splits"]))
-    splits = max(1, math.ceil(units / chunk_u))
-
-    bs_pad = max(16, _pow2(bs))
-    if block_t is None:
-        block_t = default_block_t(bs, d, value_cache.dtype)
-    if isinstance(block_t, bool) or not isinstance(block_t, int) or block_t < 16 or block_t & (block_t - 1):
-        raise ValueError(f"block_t must be a power of two >= 16, got {block_t!r}")
-    bt = min(block_t, bs_pad)
-
-    dev = q.device
-    out = torch.empty((S, h_q, dv), device=dev, dtype=value_cache.dtype)
-    lse = torch.empty((S, h_q), device=dev, dtype=torch.float32)
-    var = torch.empty((S, h_q, dv), device=dev, dtype=torch.float32) if certify and per_coordinate else None
-    trace = torch.empty((S, h_q), device=dev, dtype=torch.float32) if certify else None
-    neff = torch.empty((S, h_q), device=dev, dtype=torch.float32) if certify else None
-    dummy = lse
-    dv_pad = max(16, _pow2(dv))
-    d_pad = max(16, _pow2(d))
-    bh = S * h_q
-    split = splits > 1
-    if split:
-        part_s = torch.empty((splits, bh, 5), device=dev, dtype=torch.float32)
-        part_v = torch.empty((splits, bh, 3, dv_pad), device=dev, dtype=torch.float32)
-    else:
-        part_s = part_v = dummy
-    dot_f32 = value_cache.dtype == torch.float32 or INTERPRETED
-    round_p = value_cache.dtype != torch.float32
-    launch = {} if INTERPRETED else {"num_warps": int(num_warps or cfg["num_warps"]),
-                                     "num_stages": int(num_stages or cfg["num_stages"])}
-    lps = log_pi_slots if C else torch.full((S, h_kv, 1), float("-inf"), device=dev, dtype=torch.float32)
+    L = _launch_plan(q, value_cache, S, h_q, d, dv, bs, units, programs, certify, per_coordinate, num_splits,
+                     block_t, num_warps, num_stages)
+    lps = log_pi_slots if C else torch.full((S, h_kv, 1), float("-inf"), device=q.device, dtype=torch.float32)
     if programs > 0:
-        _paged_compacted_kernel[(programs, splits)](
-            q, key_cache, value_cache, block_table, seq_lens, prompt_lens, lps, out, lse,
-            var if var is not None else dummy, trace if trace is not None else dummy,
-            neff if neff is not None else dummy, part_s, part_v,
+        _paged_compacted_kernel[(programs, L.splits)](
+            q, key_cache, value_cache, block_table, seq_lens, prompt_lens, lps, *L.outputs(),
             q.stride(0), q.stride(1), q.stride(2),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
             block_table.stride(0), block_table.stride(1), lps.stride(0), lps.stride(1), lps.stride(2),
-            h_kv, h_q, C, nc, chunk_u, bh, scale,
-            BS=bs, BS_PAD=bs_pad, BLOCK_T=bt, D=d, DV=dv, D_PAD=d_pad, DV_PAD=dv_pad,
-            G=g, G_BLOCK=g_block, N_RB=n_rb, R_PAD=r_pad,
-            CERTIFY=bool(certify), PER_COORD=var is not None, SPLIT=split, DOT_F32=dot_f32, ROUND_P=round_p,
-            **launch,
+            h_kv, h_q, C, nc, L.chunk, L.bh, scale,
+            G=g, G_BLOCK=g_block, N_RB=n_rb, R_PAD=r_pad, **L.meta(certify),
         )
-        if split:
-            block_r = 16
-            _hajek_merge_kernel[(math.ceil(bh / block_r),)](
-                part_s, part_v, out, lse,
-                var if var is not None else dummy, trace if trace is not None else dummy,
-                neff if neff is not None else dummy, bh, splits,
-                DV=dv, DV_PAD=dv_pad, BLOCK_R=block_r, CERTIFY=bool(certify), PER_COORD=var is not None,
-                ROUND_P=round_p, **({} if INTERPRETED else {"num_warps": 4}),
-            )
-    return Estimate(output=out, weights=None, variance=var, trace=trace, lse=lse, n_eff=neff, max_term=None)
+        if L.split:
+            _merge(L, certify)
+    return L.estimate()
 
 
 def compile_paged(*, arch: int = 90, dtype: str = "bf16", d: int = 128, dv: int | None = None, g: int = 4,
