@@ -35,6 +35,24 @@ _MIN_TILES_PER_SPLIT = 4  # a split streams at least this many tiles, so merging
 
 
 @triton.jit
+def _exact_tile_moments(w, vf, r, R_PAD: tl.constexpr, DV_PAD: tl.constexpr, G_BLOCK: tl.constexpr):
+    """A tile's weighted mean and centred second moment of v under w (R_PAD, T), per query head, in two
+    passes over the tile held in registers (the "exact" tile moments; the paged compacted kernel's too)."""
+    t_mean = tl.zeros([R_PAD, DV_PAD], tl.float32)
+    t_M2 = tl.zeros([R_PAD, DV_PAD], tl.float32)
+    for j in tl.static_range(G_BLOCK):
+        sel = r == j
+        wj = tl.sum(tl.where(sel[:, None], w, 0.0), axis=0)
+        Wj = tl.sum(wj, axis=0)
+        mj = tl.sum(wj[:, None] * vf, axis=0) / tl.where(Wj > 0.0, Wj, 1.0)
+        cj = vf - mj[None, :]
+        M2j = tl.sum(wj[:, None] * cj * cj, axis=0)
+        t_mean = tl.where(sel[:, None], mj[None, :], t_mean)
+        t_M2 = tl.where(sel[:, None], M2j[None, :], t_M2)
+    return t_mean, t_M2
+
+
+@triton.jit
 def _neg_expm1(x):
     """1 - e^x for x <= 0, accurate to float32 rounding near x = 0 (where 1 - e^x cancels)."""
     # Taylor series of -(e^x - 1) = -x (1 + x/2 + x^2/6 + ... + x^6/5040) for |x| <= 1/4:
@@ -225,17 +243,7 @@ def _hajek_decode_kernel(
             t_W = tl.sum(w, axis=1)
             if EXACT_MOMENTS:
                 # exact two-pass moments of the tile, one query head at a time (V stays in registers)
-                t_mean = tl.zeros([R_PAD, DV_PAD], tl.float32)
-                t_M2 = tl.zeros([R_PAD, DV_PAD], tl.float32)
-                for j in tl.static_range(G_BLOCK):
-                    sel = r == j
-                    wj = tl.sum(tl.where(sel[:, None], w, 0.0), axis=0)
-                    Wj = tl.sum(wj, axis=0)
-                    mj = tl.sum(wj[:, None] * vf, axis=0) / tl.where(Wj > 0.0, Wj, 1.0)
-                    cj = vf - mj[None, :]
-                    M2j = tl.sum(wj[:, None] * cj * cj, axis=0)
-                    t_mean = tl.where(sel[:, None], mj[None, :], t_mean)
-                    t_M2 = tl.where(sel[:, None], M2j[None, :], t_M2)
+                t_mean, t_M2 = _exact_tile_moments(w, vf, r, R_PAD, DV_PAD, G_BLOCK)
             else:
                 # shifted sums on the tensor cores: mu = the tile's mean kept value (shared by the
                 # query heads), S1 = sum w (v - mu), S2 = sum w (v - mu)^2, M2 = S2 - S1^2 / W

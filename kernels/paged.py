@@ -42,6 +42,7 @@ import triton.language as tl
 from kvcert.fast.types import Estimate
 
 from .hajek import (
+    _exact_tile_moments,
     _MAX_ROWS,
     INTERPRETED,
     _chan_merge,
@@ -448,24 +449,6 @@ def paged_hajek_attention(q, key_cache, value_cache, block_table, seq_lens, log_
 
 
 # ----------------------------------------------------------------------------- compacted token slots
-
-@triton.jit
-def _exact_tile_moments(w, vf, r, R_PAD: tl.constexpr, DV_PAD: tl.constexpr, G_BLOCK: tl.constexpr):
-    """A tile's weighted mean and centred second moment of v under w (R_PAD, T), per query head, in two
-    passes over the tile held in registers (the contiguous kernel's "exact" tile moments)."""
-    t_mean = tl.zeros([R_PAD, DV_PAD], tl.float32)
-    t_M2 = tl.zeros([R_PAD, DV_PAD], tl.float32)
-    for j in tl.static_range(G_BLOCK):
-        sel = r == j
-        wj = tl.sum(tl.where(sel[:, None], w, 0.0), axis=0)
-        Wj = tl.sum(wj, axis=0)
-        mj = tl.sum(wj[:, None] * vf, axis=0) / tl.where(Wj > 0.0, Wj, 1.0)
-        cj = vf - mj[None, :]
-        M2j = tl.sum(wj[:, None] * cj * cj, axis=0)
-        t_mean = tl.where(sel[:, None], mj[None, :], t_mean)
-        t_M2 = tl.where(sel[:, None], M2j[None, :], t_M2)
-    return t_mean, t_M2
-
 
 @triton.jit
 def _token_step(m, l, l_o, acc, W, mean, M2, Q2, v, logits, one_minus, r,
