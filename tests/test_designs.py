@@ -159,21 +159,10 @@ def test_token_design_refuses_unregistered_scorers_and_both_budgets():
 # BlockDesign: the decision is BlockPoissonPress's
 # ---------------------------------------------------------------------------------------------
 def test_block_design_decides_what_block_poisson_press_decides(monkeypatch):
-    model = tiny_model()
     ids = torch.randint(1, 96, (1, 203), generator=torch.Generator().manual_seed(9))
     cont = torch.randint(1, 96, (2,), generator=torch.Generator().manual_seed(10))
     kw = dict(compression_ratio=0.5, block_size=8, seed=4, sink_blocks=1, recent_blocks=2, observation_window=6)
-    press = kvcert.BlockPoissonPress(**kw)
-    seen = {}
-    original = press.prefill_event
-
-    def spy(layer, layer_idx, queries, scale):  # each layer's full prompt, before the decision compacts it
-        seen[layer_idx] = (queries.clone(), layer.keys.clone(), layer.values.clone(), scale)
-        return original(layer, layer_idx, queries, scale)
-
-    monkeypatch.setattr(press, "prefill_event", spy)
-    forced_logits(model, ids, cont, press)
-    expected = press.decisions[0]
+    expected, seen = _block_press_run(monkeypatch, kvcert.BlockPoissonPress(**kw), ids, cont)
     design = F.BlockDesign(**kw)
     scores = torch.stack([design.score(q, k, v, scale=s, layer=i)[0] for i, (q, k, v, s) in sorted(seen.items())])
     ub = design.block_importance(scores[None])[0]
