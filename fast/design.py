@@ -41,6 +41,7 @@ from typing import NamedTuple
 import torch
 
 from ._checks import check_nonneg_int, check_probabilities, check_tensor, stat_dtype
+from .sketch import ClusterDesign, _as_design
 
 __all__ = [
     "edge_mask",
@@ -744,6 +745,60 @@ def nonnegative_importance(scores: torch.Tensor, valid: torch.Tensor | None = No
     return u
 
 
+#: ``sketch=`` by name: ``"cluster"`` (16 clusters, moments at q = 0) and ``"tilted"`` (8 clusters, moments
+#: tilted at the observation window's mean query; about the same memory), both recorded as Chebyshev unless
+#: the kind is ``tilted_hull`` (:data:`SKETCH_KINDS`)
+SKETCHES = {"cluster": ClusterDesign(radius="chebyshev"),
+            "tilted": ClusterDesign(clusters=8, radius="chebyshev", tilt=True)}
+
+
+def _sketch_kinds() -> dict:
+    """The recorded kind of a sketched design -> the radius rule (and multiplier) its ClusterDesign carries:
+    ``chebyshev`` = sqrt(V_cl / delta); ``tilted_hull`` (the recommended design's kind, with ``sketch="tilted"``)
+    = c sqrt(V_cl), c = ``TILTED_HULL_MULTIPLIER``; both capped at the hull bound."""
+    from .certificates import TILTED_HULL_MULTIPLIER
+
+    return {"chebyshev": ("chebyshev", None), "tilted_hull": ("fixed", TILTED_HULL_MULTIPLIER)}
+
+
+def resolve_sketch(sketch, kind: str):
+    """A design's ``sketch=``: None, a name of :data:`SKETCHES` or a ClusterDesign-like object -> None or a
+    ``kvcert.fast.ClusterDesign`` whose radius rule is the recorded ``kind``'s: ``chebyshev`` records
+    sqrt(V_cl / delta), ``tilted_hull`` (``sketch="tilted"`` only) 3 sqrt(V_cl); both capped at the hull bound.
+
+    Raises
+    ------
+    ValueError / TypeError
+        An unknown name, a rule that is not the kind's, ``kind="tilted_hull"`` without the tilted sketch.
+    """
+    rules = _sketch_kinds()
+    if sketch is None:
+        if kind == "tilted_hull":
+            raise ValueError("kind='tilted_hull' is the tilted sketch's radius, min(3 sqrt(V_cl), H): use "
+                             "PoissonPress(sketch='tilted', kind='tilted_hull'); without a sketch it is "
+                             "uncalibrated (use kind='chebyshev')")
+        return None
+    if isinstance(sketch, str):
+        if sketch not in SKETCHES:
+            raise ValueError(f"sketch must be None, one of {tuple(SKETCHES)} or a kvcert.fast.ClusterDesign, "
+                             f"got {sketch!r}")
+        sketch = SKETCHES[sketch]
+        if kind == "tilted_hull" and sketch.tilt:  # the recommended design: the rule of its kind
+            sketch = dataclasses.replace(sketch, radius="fixed", multiplier=rules["tilted_hull"][1])
+    elif isinstance(sketch, bool) or not hasattr(sketch, "clusters"):
+        raise TypeError(f"sketch must be None, one of {tuple(SKETCHES)} or a kvcert.fast.ClusterDesign, "
+                        f"got {type(sketch).__name__}")
+    design = _as_design(sketch)
+    rule = rules.get(kind)
+    if rule is None or design.radius != rule[0] or (rule[1] is not None and design.multiplier != rule[1]) \
+            or (kind == "tilted_hull" and not design.tilt):
+        raise ValueError(f"sketch: a sketched PoissonPress records kind='chebyshev' (a design with "
+                         f"radius='chebyshev': sqrt(V_cl / delta)) or kind='tilted_hull' (sketch='tilted': "
+                         f"3 sqrt(V_cl)), capped at the hull bound (got kind={kind!r}, radius={design.radius!r}, "
+                         f"multiplier={design.multiplier!r}, tilt={design.tilt!r})")
+    return design
+
+
 @dataclass
 class TokenDecision:
     """One eviction decision of the token design over n tokens (:meth:`TokenDesign.decide`).
@@ -828,6 +883,11 @@ class TokenDesign:
         Miscoverage of the certificates.
     kind : str
         Certificate kind, a key of ``kvcert.fast.CERTIFICATE_KINDS``.
+    sketch : None, ``"cluster"``, ``"tilted"`` or a ``kvcert.fast.ClusterDesign``
+        Also keep a cluster sketch of each event's evicted tokens (:func:`resolve_sketch`, with the
+        radius rule of ``kind``; docs/theory.md section 8). At equal memory the event samples
+        :meth:`sampled_budget` tokens, the budget less the sketch's memory in kept tokens. After
+        construction the field holds the resolved ``ClusterDesign`` (or None).
 
     Notes
     -----
@@ -859,6 +919,7 @@ class TokenDesign:
     kernel_size: int = 7
     delta: float = 0.05
     kind: str = "chebyshev"
+    sketch: object = None
 
     def __post_init__(self):
         ratio = _real("compression_ratio", self.compression_ratio, 0.0, 1.0, hi_open=True)
@@ -874,6 +935,7 @@ class TokenDesign:
              scorer=_registered_scorer(self.scorer), kernel_size=_kernel_size(self.kernel_size),
              delta=_real("delta", self.delta, 0.0, 1.0, lo_open=True, hi_open=True),
              kind=_certificate_kind(self.kind))
+        _set(self, sketch=resolve_sketch(self.sketch, self.kind))
 
     # -- the budget -----------------------------------------------------------------------------
     @property
@@ -888,6 +950,58 @@ class TokenDesign:
         if self.target_size is not None:
             return float(min(self.target_size, n))
         return n * (1.0 - self.compression_ratio)
+
+    def sampled_budget(self, n: int, d: int, dv: int) -> float:
+        r"""The expected kept count an event over n tokens samples: :meth:`budget`, less the sketch's memory
+        in kept tokens when the design keeps one and evicts anything,
+
+        .. math:: B_{\text{sampled}} = B - \frac{e_{\text{sketch}}(d, d_v)}{d + d_v + 1},
+
+        ``ClusterDesign.tokens(d, dv)``: :math:`(C(2d+3)+d_v+1)/(d+d_v+1)`, tilted
+        :math:`(C(4d+4)+d+d_v+1)/(d+d_v+1)` (a kept token holds its key, value and log pi), so kept
+        tokens plus sketch hold what B tokens hold.
+
+        Raises
+        ------
+        ValueError
+            The sketch leaves less than one token of the budget (name the clusters and the sizes).
+        """
+        budget = self.budget(n)
+        if self.sketch is None or budget >= n:
+            return budget
+        held = self.sketch.tokens(d, dv)
+        if budget - held < 1.0:
+            raise ValueError(f"sketch: {self.sketch.clusters} clusters hold {held:.1f} tokens' worth of memory per "
+                             f"head (d = {d}, dv = {dv}), which leaves less than one token of the budget "
+                             f"{budget:.1f} of this {n}-token prefill; use fewer clusters or a larger budget")
+        return budget - held
+
+    def sketch_of(self, keys: torch.Tensor, values: torch.Tensor, decision: "TokenDecision", *,
+                  queries: torch.Tensor | None = None, scale: float | None = None):
+        """The cluster sketch (:func:`kvcert.fast.cluster_sketch`) of the tokens a decision evicts, or None (no
+        sketch, or nothing evicted).
+
+        Parameters
+        ----------
+        keys, values : (b, h_kv, n, d), (b, h_kv, n, dv), the tokens the decision was taken on
+        decision : :meth:`decide`'s result over them
+        queries : (b, h_q, T, d), the prefill's last queries; a tilted sketch tilts at the mean of the last
+            ``observation_window`` of them over each KV head's group (:func:`kvcert.fast.window_tilt`)
+        scale : float, the score scale (default 1/sqrt(d))
+        """
+        if self.sketch is None or decision.sizes is None:
+            return None
+        from .sketch import cluster_sketch, window_tilt
+
+        tilt = None
+        if self.sketch.tilt:
+            if queries is None or queries.shape[2] == 0:
+                raise ValueError("queries: a tilted sketch needs the prefill's observation-window queries "
+                                 "(b, h_q, T >= 1, d)")
+            tilt = window_tilt(queries, keys.shape[1], window=self.observation_window)
+        lead = tuple(keys.shape[:3])  # a decision on (h_kv, n) scores serves keys (1, h_kv, n, d)
+        return cluster_sketch(keys, values, decision.pi.reshape(lead), decision.keep.reshape(lead), self.sketch,
+                              tilt=tilt, scale=scale)
 
     def sizes(self, n: int, *, budget: float | None = None) -> DesignSizes:
         """The budget and certainty set of an event over n tokens (:func:`design_sizes`); ``budget`` replaces

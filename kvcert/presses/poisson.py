@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..fast import SCORERS, ClusterDesign, TokenDesign, nonnegative_importance, window_tilt
-from ..fast.certificates import TILTED_HULL_MULTIPLIER
+from ..fast import SCORERS, TokenDesign, nonnegative_importance, window_tilt
+from ..fast import design as _fast_design
 from .base import BasePress, _accept_kvpress_names, _held_design
 from .kvpress_interop import _is_kvpress_scorer, _KvpressInputs, _row_slice
 from .scorer import ScorerPress
@@ -139,7 +139,7 @@ class PoissonPress(BasePress):
 
     #: the press fields the :class:`kvcert.fast.TokenDesign` holds (and checks)
     _design_fields = ("compression_ratio", "target_size", "seed", "sinks", "window", "top_fraction", "floor",
-                      "observation_window", "scorer", "kernel_size", "delta", "kind")
+                      "observation_window", "scorer", "kernel_size", "delta", "kind", "sketch")
 
     def __post_init__(self):
         s = self.scorer
@@ -148,9 +148,8 @@ class PoissonPress(BasePress):
             raise TypeError(f"scorer must be a registry name {tuple(SCORERS)}, a ScorerPress instance (kvcert's, "
                             f"or kvpress's: an object with score(module, hidden_states, keys, values, attentions, "
                             f"kwargs)) or a callable, got {type(s).__name__}")
-        _held_design(self)  # the fields' checks are the design's
         self._layer_inputs = {}  # layer -> (attention module, its forward kwargs) of the forward under way
-        self.sketch = _sketch_design(self.sketch, self.kind)
+        self.sketch = _held_design(self).sketch  # the fields' checks are the design's (the sketch resolved)
 
     def _make_design(self) -> TokenDesign:
         fields = {name: getattr(self, name) for name in self._design_fields}
@@ -243,16 +242,7 @@ class PoissonPress(BasePress):
         r"""The budget B, less the sketch's memory in kept tokens,
         ``ClusterDesign.tokens``: :math:`(C(2d+3)+d_v+1)/(d+d_v+1)`, tilted :math:`(C(4d+4)+d+d_v+1)/(d+d_v+1)`
         (a kept token holds its key, value and log pi)."""
-        budget = self._budget(n)
-        if self.sketch is None or budget >= n:
-            return budget
-        d, dv = layer.keys.shape[-1], layer.values.shape[-1]
-        held = self.sketch.tokens(d, dv)
-        if budget - held < 1.0:
-            raise ValueError(f"sketch: {self.sketch.clusters} clusters hold {held:.1f} tokens' worth of memory per "
-                             f"head (d = {d}, dv = {dv}), which leaves less than one token of the budget "
-                             f"{budget:.1f} of this {n}-token prefill; use fewer clusters or a larger budget")
-        return budget - held
+        return self.design.sampled_budget(n, layer.keys.shape[-1], layer.values.shape[-1])
 
     def _budget(self, n: int) -> float:
         return self.design.budget(n)
@@ -288,51 +278,9 @@ class PoissonPress(BasePress):
         return need
 
 
-#: ``PoissonPress(sketch=name)``: ``"cluster"`` (16 clusters, moments at q = 0) and ``"tilted"`` (8 clusters,
-#: moments tilted at the observation window's mean query; about the same memory), both recorded as Chebyshev
-SKETCHES = {"cluster": ClusterDesign(radius="chebyshev"),
-            "tilted": ClusterDesign(clusters=8, radius="chebyshev", tilt=True)}
-
-
-#: the recorded kind of a sketched press -> the radius rule (and multiplier) its ClusterDesign must carry:
-#: ``chebyshev`` = sqrt(V_cl / delta); ``tilted_hull`` (the recommended design's kind, with ``sketch="tilted"``)
-#: = 3 sqrt(V_cl) (``kvcert.fast.certificates.TILTED_HULL_MULTIPLIER``); both capped at the hull bound
-SKETCH_KINDS = {"chebyshev": ("chebyshev", None), "tilted_hull": ("fixed", TILTED_HULL_MULTIPLIER)}
-
-
-def _sketch_design(sketch, kind: str):
-    """PoissonPress's ``sketch=``: None, a name of :data:`SKETCHES` or a ClusterDesign-like object -> None or a
-    ``kvcert.fast.ClusterDesign`` whose radius rule is the recorded kind's (:data:`SKETCH_KINDS`)."""
-    import dataclasses
-
-    from ..fast.sketch import _as_design
-
-    if sketch is None:
-        if kind == "tilted_hull":
-            raise ValueError("kind='tilted_hull' is the tilted sketch's radius, min(3 sqrt(V_cl), H): use "
-                             "PoissonPress(sketch='tilted', kind='tilted_hull'); without a sketch it is "
-                             "uncalibrated (use kind='chebyshev')")
-        return None
-    if isinstance(sketch, str):
-        if sketch not in SKETCHES:
-            raise ValueError(f"sketch must be None, one of {tuple(SKETCHES)} or a kvcert.fast.ClusterDesign, "
-                             f"got {sketch!r}")
-        named = SKETCHES[sketch]
-        if kind == "tilted_hull" and named.tilt:  # the recommended design: the rule of its kind
-            named = dataclasses.replace(named, radius="fixed", multiplier=TILTED_HULL_MULTIPLIER)
-        sketch = named
-    elif isinstance(sketch, bool) or not hasattr(sketch, "clusters"):
-        raise TypeError(f"sketch must be None, one of {tuple(SKETCHES)} or a kvcert.fast.ClusterDesign, "
-                        f"got {type(sketch).__name__}")
-    design = _as_design(sketch)
-    rule = SKETCH_KINDS.get(kind)
-    if rule is None or design.radius != rule[0] or (rule[1] is not None and design.multiplier != rule[1]) \
-            or (kind == "tilted_hull" and not design.tilt):
-        raise ValueError(f"sketch: a sketched PoissonPress records kind='chebyshev' (a design with "
-                         f"radius='chebyshev': sqrt(V_cl / delta)) or kind='tilted_hull' (sketch='tilted': "
-                         f"3 sqrt(V_cl)), capped at the hull bound (got kind={kind!r}, radius={design.radius!r}, "
-                         f"multiplier={design.multiplier!r}, tilt={design.tilt!r})")
-    return design
+#: ``PoissonPress(sketch=name)`` (``kvcert.fast.design.SKETCHES``): ``"cluster"`` (16 clusters, moments at q = 0)
+#: and ``"tilted"`` (8 clusters, moments tilted at the observation window's mean query; about the same memory)
+SKETCHES = _fast_design.SKETCHES
 
 
 _accept_kvpress_names(PoissonPress)

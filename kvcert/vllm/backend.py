@@ -61,15 +61,18 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 
 from kvcert import dispatch
 from kvcert.fast import (
+    ClusterSketch,
     block_hajek_attention,
     certificate_moments,
+    cluster_hajek_attention,
     compact_slots,
     estimate_options,
+    radius_from_moments,
     radius_from_statistics,
 )
 
 __all__ = ["CertifiedCPUAttentionBackend", "CertifiedCPUAttentionImpl", "STEP", "compact_prompt", "compacted_decode",
-           "gather_blocks", "gather_rows", "layer_index", "masked_chunks", "masked_decode"]
+           "gather_blocks", "gather_rows", "layer_index", "masked_chunks", "masked_decode", "sketched_decode"]
 
 #: most bytes of K/V that :func:`masked_decode` gathers at once: rows are processed in chunks
 #: within it, so the copy is still in cache (here a 32 MiB L3) when the two matrix products read it.
@@ -285,7 +288,8 @@ def gather_rows(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.
     return k, v
 
 
-#: the route :func:`compacted_decode` took last: ``"paged_cpu_op"`` or ``"gather"``
+#: the route the last compacted decode took: ``"paged_cpu_op"`` or ``"gather"`` (:func:`compacted_decode`),
+#: ``"sketch_gather"`` (:func:`sketched_decode`)
 LAST_ROUTE = [None]
 
 
@@ -336,6 +340,41 @@ def compacted_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: tor
     return est.output.to(query.dtype), rel
 
 
+def sketched_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
+                    sketch: ClusterSketch, scale: float, kind: str, delta: float):
+    r"""Decode attention of compacted rows whose design keeps a sketch of the evicted tokens, and their radii.
+
+    The Hajek output over the held slots (:func:`compacted_decode`'s) and the sketched design's certificate,
+    :func:`kvcert.fast.cluster_hajek_attention` on the gathered slots (:func:`gather_rows`) and the rows'
+    sketches: the hybrid variance :math:`V_{\mathrm{cl}}` (kept tokens exact, evicted ones through the
+    sketch's Gaussian moments), clipped at :math:`(H/c)^2` with :math:`H` the hull bound and :math:`c` the
+    kind's factor (:math:`1/\sqrt\delta` for ``chebyshev``, 3 for ``tilted_hull``), so the radius is
+    :math:`\min(c\sqrt{V_{\mathrm{cl}}}, H)`: what the Hugging Face decode of ``PoissonPress(sketch=...)``
+    records (``kvcert.attention``).
+
+    Parameters
+    ----------
+    query : (E, h_q, d)   kv_cache : (num_blocks, h_kv, bs, 2 d), ``vec`` layout
+    block_ids : int64 (E, M)   log_pi : (E, h_kv, M * bs), -inf = not a token
+    sketch : ClusterSketch of the E rows (batch E)   scale : float
+    kind : ``"chebyshev"`` or ``"tilted_hull"``   delta : float in (0, 1)
+
+    Returns
+    -------
+    output (E, h_q, d) in the query's dtype, relative radius (E, h_q) float32
+    """
+    k, v = gather_rows(kv_cache, block_ids)
+    lp = log_pi.to(torch.float32)
+    ce = cluster_hajek_attention(query, k, v, None, sketch, log_pi=lp, scale=scale, delta=delta, validate=False,
+                                 trace=False)
+    factor = float(radius_from_moments(kind, delta, trace=torch.ones((), dtype=torch.float64)))
+    var = ce.variance if ce.bound is None else torch.minimum(ce.variance, (ce.bound / factor).square())
+    out = ce.output
+    _, _, rel = radius_from_statistics(kind, delta, trace=var, output_norm=torch.linalg.vector_norm(out.float(), dim=-1))
+    LAST_ROUTE[0] = "sketch_gather"
+    return out.to(query.dtype), rel
+
+
 class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
     """``CPUAttentionBackendImpl`` with the Hajek path for rows that evicted tokens (module docstring)."""
 
@@ -356,17 +395,22 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
             self._stock_rows(plan, layer, query, kv_cache, attn_metadata, output)
         if plan.compacted:  # the token design: compacted prompt slots + the tokens after the prompt
             ids, log_pi = plan.compacted_inputs(layer_index(layer))
-            groups: dict[tuple, list] = {}  # rows by their request's (kind, delta)
+            groups: dict[tuple, list] = {}  # rows by their request's (kind, delta, sketched)
             for j, row in enumerate(plan.compacted):
-                groups.setdefault(row.certificate or (step.config.kind, step.config.delta), []).append(j)
-            for (kind, delta), rows in groups.items():
+                groups.setdefault(row.certificate, []).append(j)
+            index = layer_index(layer)
+            for (kind, delta, sketched), rows in groups.items():
                 if len(groups) == 1:
                     tokens, g_ids, g_log_pi = plan.compacted_tokens, ids, log_pi
                 else:
                     sel = torch.tensor(rows, dtype=torch.int64)
                     tokens, g_ids, g_log_pi = plan.compacted_tokens[sel], ids[sel], log_pi[sel]
-                o, rel = compacted_decode(query.index_select(0, tokens), kv_cache, g_ids, g_log_pi, self.scale,
-                                          kind, delta)
+                q_rows = query.index_select(0, tokens)
+                if sketched:
+                    sketch = ClusterSketch.cat([plan.compacted[j].state.sketches[index] for j in rows])
+                    o, rel = sketched_decode(q_rows, kv_cache, g_ids, g_log_pi, sketch, self.scale, kind, delta)
+                else:
+                    o, rel = compacted_decode(q_rows, kv_cache, g_ids, g_log_pi, self.scale, kind, delta)
                 output.index_copy_(0, tokens, o.to(output.dtype))
                 step.add_certificates([plan.compacted[j].req_id for j in rows], rel)
         if plan.masked:
@@ -439,10 +483,13 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
             if not cfg.tokens:
                 step.add_importance(row.req_id, u[0])
                 continue
-            decision = design.decide(u[0], layer=index, event=0)
+            budget = design.sampled_budget(row.seq_len, k.shape[-1], v.shape[-1])  # less a sketch's memory
+            decision = design.decide(u[0], layer=index, event=0, budget=budget)
+            # the sketch of the evicted tokens (with a sketched design), from the prompt before the copy
+            sketch = design.sketch_of(k[None], v[None], decision, queries=q, scale=self.scale)
             layout = compact_slots(decision.keep, decision.pi, bs)
             compact_prompt(kv_cache, row.all_block_ids, k, v, layout.positions)
-            step.add_compaction(row.req_id, index, layout)
+            step.add_compaction(row.req_id, index, layout, sketch)
         return output
 
 

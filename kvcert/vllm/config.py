@@ -32,13 +32,13 @@ _ENGINE_FIELDS = ("granularity", "free_blocks", "track_reuse", "report_kept")
 #: the per-request keys of ``SamplingParams.extra_args`` (token design): key -> :class:`KVCertConfig` field
 REQUEST_KEYS = {"kvcert_compression_ratio": "compression_ratio", "kvcert_seed": "seed", "kvcert_delta": "delta",
                 "kvcert_kind": "kind"}
-_ONLY = {"token": ("sinks", "window", "top_fraction", "kernel_size"),
+_ONLY = {"token": ("sinks", "window", "top_fraction", "kernel_size", "sketch"),
          "block": ("sink_blocks", "recent_blocks", "top_blocks", "reduce")}
 
 
 @dataclass(frozen=True)
 class KVCertConfig:
-    """Design, certificate and engine knobs of the plugin (numpy/kvpress-style dataclass).
+    r"""Design, certificate and engine knobs of the plugin (numpy/kvpress-style dataclass).
 
     ``granularity="token"`` (the default) serves :class:`kvcert.fast.TokenDesign`,
     the design :class:`kvcert.PoissonPress` ships, by compaction (docs/design.md
@@ -79,7 +79,15 @@ class KVCertConfig:
         Nominal miscoverage of the certificates (default 0.05).
     kind : str
         Certificate kind, one the engine serves (``kvcert.fast.SERVED_KINDS``: ``chebyshev`` (default),
-        ``chi2``, ``bernstein``).
+        ``chi2``, ``bernstein``); with a sketch, ``chebyshev`` or ``tilted_hull`` (``sketch="tilted"``).
+    sketch : {None, "tilted", "cluster"}
+        Token design only: also keep a cluster sketch of each (layer, KV head)'s evicted prompt tokens
+        (:func:`kvcert.fast.resolve_sketch`, as ``PoissonPress(sketch=...)``), held per request in the
+        worker beside the compacted blocks; the design samples :meth:`kvcert.fast.TokenDesign.sampled_budget`
+        (the budget less the sketch's memory in kept tokens) and decode records the sketch's certificate,
+        :math:`\min(c\sqrt{V_{\mathrm{cl}}}, H)`. ``sketch="tilted", kind="tilted_hull"`` is the recommended
+        design (docs/theory.md section 8). A prompt whose budget cannot hold the sketch plus one token is
+        not evicted (:meth:`evicts`).
     free_blocks : bool
         Return freed blocks to vLLM's pool (default). False = the same design, nothing freed (for
         tests and comparisons).
@@ -107,6 +115,7 @@ class KVCertConfig:
     scorer: str | None = None
     delta: float | None = None
     kind: str | None = None
+    sketch: str | None = None
     free_blocks: bool = True
     track_reuse: bool = True
     report_kept: bool = False
@@ -116,9 +125,14 @@ class KVCertConfig:
 
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
-        if self.kind is not None and (not isinstance(self.kind, str) or self.kind not in SERVED_KINDS):
-            raise ValueError(f"kind must be one of {SERVED_KINDS} (the norm certificates the plugin serves), "
-                             f"got {self.kind!r}")
+        from kvcert.fast.design import SKETCHES
+
+        if self.sketch is not None and (not isinstance(self.sketch, str) or self.sketch not in SKETCHES):
+            raise ValueError(f"sketch must be None or one of {tuple(SKETCHES)}, got {self.sketch!r}")
+        kinds = SERVED_KINDS if self.sketch is None else ("chebyshev", "tilted_hull")
+        if self.kind is not None and (not isinstance(self.kind, str) or self.kind not in kinds):
+            raise ValueError(f"kind must be one of {kinds} (the norm certificates the plugin serves"
+                             f"{'' if self.sketch is None else ' with a sketch'}), got {self.kind!r}")
         other = _ONLY["block" if self.granularity == "token" else "token"]
         given = [name for name in other if getattr(self, name) is not None]
         if given:
@@ -130,8 +144,9 @@ class KVCertConfig:
             design = TokenDesign(**values)
         else:
             design = BlockDesign(block_size=None, **values)
-        for name in names:  # the checked values (floats as floats, defaults filled in)
-            object.__setattr__(self, name, getattr(design, name))
+        for name in names:  # the checked values (floats as floats, defaults filled in); the sketch keeps its name
+            if name != "sketch":
+                object.__setattr__(self, name, getattr(design, name))
         for name in _ENGINE_FIELDS[1:]:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -154,12 +169,18 @@ class KVCertConfig:
         """Whether anything is ever evicted."""
         return self.compression_ratio > 0
 
-    def evicts(self, n_tokens: int, block_size: int) -> bool:
+    def evicts(self, n_tokens: int, block_size: int, head_size: int | None = None) -> bool:
         """Whether a prompt of ``n_tokens`` tokens is sampled at all: the token design's budget is below n
-        (:meth:`kvcert.fast.TokenDesign.budget`); the block design's certainty set does not fill its budget
-        (:meth:`kvcert.fast.BlockDesign.budget` is not None)."""
+        (:meth:`kvcert.fast.TokenDesign.budget`) and, with a sketch and the model's ``head_size`` given, it
+        holds the sketch plus at least one token (:meth:`kvcert.fast.TokenDesign.sampled_budget`); the block
+        design's certainty set does not fill its budget (:meth:`kvcert.fast.BlockDesign.budget` is not None)."""
         if self.tokens:
-            return self.enabled and self.design.budget(n_tokens) < n_tokens
+            design = self.design
+            budget = design.budget(n_tokens)
+            if not self.enabled or budget >= n_tokens:
+                return False
+            return design.sketch is None or head_size is None or budget - design.sketch.tokens(head_size,
+                                                                                               head_size) >= 1.0
         return self.design.budget(-(-n_tokens // block_size)) is not None
 
     def budget(self, n_blocks: int) -> float | None:

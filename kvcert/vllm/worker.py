@@ -73,11 +73,23 @@ class Compacted:
 
     ``log_pi`` (layers, h_kv, m * bs) float32: log pi of compacted slot j of each layer and KV head, -inf on
     padding; the prompt's n_prompt tokens are represented only there, the later tokens sit at their own
-    positions (>= n_prompt) with pi = 1."""
+    positions (>= n_prompt) with pi = 1. ``sketches``: with a sketched design (``KVCertConfig(sketch=...)``),
+    each layer's :class:`kvcert.fast.ClusterSketch` (batch 1) of the evicted prompt tokens, held beside the
+    compacted blocks in the worker's memory; else None."""
 
     n_prompt: int
     m: int
     log_pi: torch.Tensor
+    sketches: list | None = None
+
+    @property
+    def sketch_bytes(self) -> int:
+        """Bytes the sketches hold (0 without a sketch): every tensor of every layer's sketch."""
+        if not self.sketches:
+            return 0
+        return sum(t.numel() * t.element_size() for sk in self.sketches for t in
+                   (getattr(sk, f) for f in ("mean", "var", "weight", "wnorm", "count", "mu", "tilt", "zmean",
+                                             "zvar", "shift", "reach")) if t is not None)
 
 
 @dataclass
@@ -87,7 +99,7 @@ class _CompactedRow:
     block_ids: torch.Tensor  # (m + t,) compacted blocks, then the blocks of positions n_prompt .. seq_len - 1
     tail_log_pi: torch.Tensor  # (t * bs,) 0 on positions n_prompt .. seq_len - 1, -inf elsewhere
     state: Compacted
-    certificate: tuple | None = None  # (kind, delta) of the request's certificate; None = the engine's
+    certificate: tuple | None = None  # (kind, delta, sketched) of the request's certificate
 
 
 @dataclass
@@ -194,7 +206,7 @@ class Step:
             if isinstance(state, Compacted) and q_len == 1:
                 row = self._compacted_row(rid, qsl[r], md.block_table[r], seq_len, state, block_size)
                 cfg = self.config_of(rid)
-                row.certificate = (cfg.kind, cfg.delta)
+                row.certificate = (cfg.kind, cfg.delta, state.sketches is not None)
                 plan.compacted.append(row)
             elif state is not None and q_len == 1:
                 nbt = -(-seq_len // block_size)
@@ -257,7 +269,8 @@ class Step:
         enough for the request's settings to evict anything (else its importance is not even computed)."""
         w = self.worker
         return (rid is not None and w.kvcert_prompt_len.get(rid) == seq_len and rid not in w.kvcert_states
-                and rid not in w.kvcert_decided and self.config_of(rid).evicts(seq_len, block_size))
+                and rid not in w.kvcert_decided
+                and self.config_of(rid).evicts(seq_len, block_size, head_size=getattr(w, "kvcert_head_size", None)))
 
     def row_states(self, md) -> list:
         """The CUDA backend's view of the step (:mod:`kvcert.vllm.gpu_backend`): one ``RowState`` per row."""
@@ -295,18 +308,25 @@ class Step:
     def add_importance(self, req_id: str, u: torch.Tensor) -> None:
         self.importance.setdefault(req_id, []).append(u.detach().to(torch.float64))
 
-    def add_compaction(self, req_id: str, layer: int, layout) -> None:
-        """One layer's compacted layout (:class:`kvcert.fast.Compaction`, leading dim h_kv) of a request."""
-        self.compactions.setdefault(req_id, {})[layer] = layout
+    def add_compaction(self, req_id: str, layer: int, layout, sketch=None) -> None:
+        """One layer's compacted layout (:class:`kvcert.fast.Compaction`, leading dim h_kv) of a request, and the
+        sketch of its evicted tokens (:class:`kvcert.fast.ClusterSketch`, batch 1) with a sketched design."""
+        self.compactions.setdefault(req_id, {})[layer] = (layout, sketch)
 
     def _compacted(self) -> dict:
         """Each compacted request's state (installed in the worker) and its report for the scheduler."""
         out = {}
-        for rid, layers in self.compactions.items():
-            n_layers = max(layers) + 1
-            if sorted(layers) != list(range(n_layers)):
-                raise RuntimeError(f"kvcert.vllm: request {rid} was compacted in layers {sorted(layers)}, not in "
+        for rid, entries in self.compactions.items():
+            n_layers = max(entries) + 1
+            if sorted(entries) != list(range(n_layers)):
+                raise RuntimeError(f"kvcert.vllm: request {rid} was compacted in layers {sorted(entries)}, not in "
                                    f"every layer 0..{n_layers - 1}")
+            layers = {i: e[0] for i, e in entries.items()}
+            sketches = [entries[i][1] for i in range(n_layers)]
+            if any(sk is None for sk in sketches):
+                if any(sk is not None for sk in sketches):
+                    raise RuntimeError(f"kvcert.vllm: request {rid} has a sketch in some layers only")
+                sketches = None
             first = layers[0]
             bs, n = first.block_size, first.n_tokens
             m = max(layout.m for layout in layers.values())
@@ -314,9 +334,10 @@ class Step:
             log_pi = torch.full((n_layers, h, m * bs), float("-inf"))
             for idx, layout in layers.items():
                 log_pi[idx, :, : layout.log_pi.shape[-1]] = layout.log_pi.float()
-            self.worker.kvcert_states[rid] = Compacted(n, m, log_pi)
+            state = Compacted(n, m, log_pi, sketches)
+            self.worker.kvcert_states[rid] = state
             counts = torch.stack([layers[i].counts for i in range(n_layers)])
-            report = {"m": m, "n_prompt": n, "counts": counts.tolist()}
+            report = {"m": m, "n_prompt": n, "counts": counts.tolist(), "sketch_bytes": state.sketch_bytes}
             if self.config.report_kept:
                 report["kept_positions"] = [[p[p >= 0].tolist() for p in layers[i].positions]
                                             for i in range(n_layers)]
@@ -352,6 +373,8 @@ class _CertifiedWorker:
         self.kvcert_request: dict[str, KVCertConfig] = {}  # requests with per-request options: their settings
         self.kvcert_last_stats: dict = {}
         self.kvcert_block_size = int(vllm_config.cache_config.block_size)
+        # the head size d = dv, which sizes a sketch's memory in kept tokens (KVCertConfig.evicts)
+        self.kvcert_head_size = int(vllm_config.model_config.get_head_size())
         self._kvcert_pending: tuple[dict, dict, dict] | None = None
 
     def _kvcert_layers(self, impl_cls) -> dict:

@@ -34,7 +34,7 @@ def _write(cache, keys, values, positions):
                                    kv_cache_dtype="auto")
 
 
-def _setup():
+def _setup(**design):
     from kvcert.vllm import KVCertConfig, backend, worker
 
     torch.manual_seed(0)
@@ -44,8 +44,8 @@ def _setup():
     cache = torch.zeros(9, H, BS, 2 * D)
     k, v = torch.randn(Q + T, H, D), torch.randn(Q + T, H, D)
     _write(cache, k[:Q], v[:Q], torch.arange(Q))
-    cfg = KVCertConfig(compression_ratio=0.6, seed=5, observation_window=8)
-    fake = SimpleNamespace(kvcert=cfg, kvcert_states={}, kvcert_decided=set(), kvcert_prompt_len={"a": Q},
+    cfg = KVCertConfig(compression_ratio=0.6, seed=5, observation_window=8, **design)
+    fake = SimpleNamespace(kvcert=cfg, kvcert_states={}, kvcert_decided=set(), kvcert_prompt_len={"a": Q}, kvcert_head_size=D,
                            model_runner=SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a"])))
     layer = SimpleNamespace(isa="vec", _k_scale_float=1.0, _v_scale_float=1.0, layer_name="model.layers.0.self_attn.attn")
     return backend, worker, impl, cache, k, v, cfg, fake, layer, scale
@@ -148,3 +148,64 @@ def test_compacted_rows_read_the_compacted_blocks_then_the_tail():
     assert row.block_ids.tolist() == [4, 0, 1]
     valid = torch.isfinite(row.tail_log_pi).nonzero().flatten() + 4 * BS
     assert valid.tolist() == [150, 151, 152]
+
+
+def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypatch):
+    """``KVCertConfig(sketch="tilted", kind="tilted_hull")``: the prefill samples the budget less the sketch's
+    memory (``TokenDesign.sampled_budget``), keeps the sketch of the evicted tokens in the request's state, and
+    decode records min(3 sqrt(V_cl), H) of ``kvcert.fast.cluster_hajek_attention`` over the kept tokens and the
+    tail with that sketch (float64 here: the same rtol 1e-5 as the estimator above, measured gap printed with
+    -s). Negative control: the same state without its sketch records a different certificate."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    monkeypatch.setattr(cpu_attn, "get_current_vllm_config",
+                        lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32)))
+    backend, worker, impl, cache, k, v, cfg, fake, layer, scale = _setup(sketch="tilted", kind="tilted_hull")
+    qp = torch.randn(Q, H_Q, D)
+    qsl, seq = torch.tensor([0, Q], dtype=torch.int32), torch.tensor([Q], dtype=torch.int32)
+    md = SimpleNamespace(query_start_loc=qsl, seq_lens=seq, block_table=TABLE.to(torch.int32), causal=True,
+                         dynamic_causal=None, num_actual_tokens=Q,
+                         scheduler_metadata=backend.stock_scheduler_metadata(impl, seq, qsl, True, "vec",
+                                                                             torch.float32))
+    step = worker.Step(fake)
+    _forward(backend, impl, step, layer, qp, cache, md)
+    _, _, compacted = step.results(BS)
+    state = fake.kvcert_states["a"]
+    design = cfg.design
+    kk, vv = k[:Q].transpose(0, 1)[None], v[:Q].transpose(0, 1)[None]
+    u = design.score(qp[-8:].permute(1, 0, 2)[None], kk, vv, scale=scale, layer=0)
+    budget = design.sampled_budget(Q, D, D)
+    assert budget == pytest.approx(Q * 0.4 - design.sketch.tokens(D, D))  # 60 - 2209 / 129
+    dec = design.decide(u[0], layer=0, event=0, budget=budget)
+    assert compacted["a"]["counts"] == [dec.kept.tolist()]
+    sketch = design.sketch_of(kk, vv, dec, queries=qp[-8:].permute(1, 0, 2)[None], scale=scale)
+    assert len(state.sketches) == 1 and compacted["a"]["sketch_bytes"] == state.sketch_bytes > 0
+    torch.testing.assert_close(state.sketches[0].mean, sketch.mean, rtol=0, atol=0)
+    # decode after the freed blocks were overwritten by another request
+    freed = TABLE[0, state.m : Q // BS]
+    cache[freed] = 1e4 * torch.randn_like(cache[freed])
+    _write(cache, k[Q:], v[Q:], torch.arange(Q, Q + T))
+    qd = torch.randn(1, H_Q, D)
+    md = SimpleNamespace(query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                         seq_lens=torch.tensor([Q + T], dtype=torch.int32), block_table=TABLE.to(torch.int32),
+                         causal=True, dynamic_causal=None)
+    step = worker.Step(fake)
+    out = _forward(backend, impl, step, layer, qd, cache, md)
+    certs, _, _ = step.results(BS)
+    assert backend.LAST_ROUTE[0] == "sketch_gather"
+    # the sketched estimator over the kept prompt tokens (pi) and the decode tokens (pi = 1), float64
+    pi = torch.cat([torch.where(dec.keep, dec.pi, 0.0), torch.ones(H, T, dtype=torch.float64)], dim=1)
+    ce = F.cluster_hajek_attention(qd.double(), k.transpose(0, 1)[None].double(), v.transpose(0, 1)[None].double(),
+                                   pi[None], sketch.map(lambda t: t.double()), scale=scale, delta=0.05)
+    print(f"max |sketched decode - float64 estimator| = {(out.double() - ce.output).abs().max():.2e}")
+    torch.testing.assert_close(out.double(), ce.output, rtol=1e-5, atol=1e-6)
+    radius = torch.minimum(3.0 * ce.variance.sqrt(), ce.bound)  # min(3 sqrt(V_cl), H)
+    want = float((radius / torch.linalg.vector_norm(ce.output, dim=-1)).mean())
+    print(f"certificate {certs['a']:.6g} vs float64 {want:.6g}")
+    assert certs["a"] == pytest.approx(want, rel=1e-4) and certs["a"] > 0
+    # negative control: the same compacted state read without its sketch records the plain design's certificate
+    fake.kvcert_states["a"] = worker.Compacted(state.n_prompt, state.m, state.log_pi, None)
+    step = worker.Step(fake)
+    _forward(backend, impl, step, layer, qd, cache, md)
+    plain, _, _ = step.results(BS)
+    assert abs(plain["a"] / certs["a"] - 1) > 0.05
