@@ -30,8 +30,9 @@ GRANULARITIES = ("token", "block")
 _ENGINE_FIELDS = ("granularity", "free_blocks", "track_reuse", "report_kept")
 #: design fields of one granularity only (the shared ones: floor, observation_window, scorer, delta, kind)
 #: the per-request keys of ``SamplingParams.extra_args`` (token design): key -> :class:`KVCertConfig` field
+#: (in the order they are applied: a sketch before the kind its radius needs)
 REQUEST_KEYS = {"kvcert_compression_ratio": "compression_ratio", "kvcert_seed": "seed", "kvcert_delta": "delta",
-                "kvcert_kind": "kind"}
+                "kvcert_sketch": "sketch", "kvcert_kind": "kind"}
 _ONLY = {"token": ("sinks", "window", "top_fraction", "kernel_size", "sketch"),
          "block": ("sink_blocks", "recent_blocks", "top_blocks", "reduce")}
 
@@ -218,7 +219,8 @@ def request_options(config: KVCertConfig, extra_args: dict | None) -> dict | Non
     Returns None when the request has no ``kvcert_*`` key (it follows the engine's ``config``), else the
     overrides ``{field: checked value}`` (fields of :data:`REQUEST_KEYS`) that, applied to ``config``
     (``dataclasses.replace(config, **overrides)``), give the request's :class:`KVCertConfig`;
-    ``kvcert_compression_ratio: 0`` turns eviction off for the request. Token design only.
+    ``kvcert_compression_ratio: 0`` turns eviction off for the request; ``kvcert_sketch: "tilted"`` with
+    ``kvcert_kind: "tilted_hull"`` asks for the recommended design (``None`` for no sketch). Token design only.
 
     Raises
     ------
@@ -238,15 +240,21 @@ def request_options(config: KVCertConfig, extra_args: dict | None) -> dict | Non
                          f"serves granularity={config.granularity!r}")
     from dataclasses import replace
 
+    keys = [k for k in REQUEST_KEYS if k in given]
+    try:  # all together (a sketch and the kind its radius needs are checked as a pair)
+        checked = replace(config, **{REQUEST_KEYS[k]: given[k] for k in keys})
+        return {REQUEST_KEYS[k]: getattr(checked, REQUEST_KEYS[k]) for k in keys}
+    except (TypeError, ValueError):
+        pass
     out = {}
-    for key in sorted(given):  # one at a time, so the error names the key at fault
+    for key in keys:  # one more at a time, so the error names the key at fault
         name = REQUEST_KEYS[key]
         try:
-            checked = replace(config, **{name: given[key]})
+            checked = replace(config, **out, **{name: given[key]})
         except (TypeError, ValueError) as e:
             raise ValueError(f"{key}={given[key]!r}: {e}") from None
         out[name] = getattr(checked, name)
-    return out
+    raise AssertionError("unreachable: the options failed together but not one by one")
 
 
 def _refuse(option: str, why: str):

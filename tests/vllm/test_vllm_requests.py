@@ -78,6 +78,17 @@ def test_request_options_name_the_key():
             request_options(engine, bad)
     with pytest.raises(ValueError, match="kvcert_seed.*granularity='block'"):
         request_options(KVCertConfig(granularity="block"), {"kvcert_seed": 1})
+    # the recommended design per request: the sketch is applied before the kind its radius needs
+    assert request_options(engine, {"kvcert_kind": "tilted_hull", "kvcert_sketch": "tilted"}) == {
+        "sketch": "tilted", "kind": "tilted_hull"}
+    with pytest.raises(ValueError, match="kvcert_kind='tilted_hull'"):  # no sketch: not a served kind
+        request_options(engine, {"kvcert_kind": "tilted_hull"})
+    with pytest.raises(ValueError, match="kvcert_sketch='page'"):
+        request_options(engine, {"kvcert_sketch": "page"})
+    sketched = KVCertConfig(compression_ratio=0.5, sketch="tilted", kind="tilted_hull")
+    with pytest.raises(ValueError, match="kvcert_sketch=None"):  # the engine's kind needs its sketch
+        request_options(sketched, {"kvcert_sketch": None})
+    assert request_options(sketched, {"kvcert_sketch": None, "kvcert_kind": "chebyshev"}) is not None
 
 
 def test_plain_requests_beside_certified_ones_are_unchanged(mixed):
