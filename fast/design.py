@@ -959,22 +959,15 @@ class TokenDesign:
 
         ``ClusterDesign.tokens(d, dv)``: :math:`(C(2d+3)+d_v+1)/(d+d_v+1)`, tilted
         :math:`(C(4d+4)+d+d_v+1)/(d+d_v+1)` (a kept token holds its key, value and log pi), so kept
-        tokens plus sketch hold what B tokens hold.
-
-        Raises
-        ------
-        ValueError
-            The sketch leaves less than one token of the budget (name the clusters and the sizes).
+        tokens plus sketch hold what B tokens hold. A budget that cannot hold the sketch and one token
+        returns n: the event evicts nothing (every token kept, exact attention, radius 0), in the press
+        and in the vLLM plugin alike (a short prompt is not an error).
         """
         budget = self.budget(n)
         if self.sketch is None or budget >= n:
             return budget
         held = self.sketch.tokens(d, dv)
-        if budget - held < 1.0:
-            raise ValueError(f"sketch: {self.sketch.clusters} clusters hold {held:.1f} tokens' worth of memory per "
-                             f"head (d = {d}, dv = {dv}), which leaves less than one token of the budget "
-                             f"{budget:.1f} of this {n}-token prefill; use fewer clusters or a larger budget")
-        return budget - held
+        return float(n) if budget - held < 1.0 else budget - held
 
     def sketch_of(self, keys: torch.Tensor, values: torch.Tensor, decision: "TokenDecision", *,
                   queries: torch.Tensor | None = None, scale: float | None = None):

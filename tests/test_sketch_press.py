@@ -235,9 +235,17 @@ def test_sketch_defaults_and_refusals_at_run_time():
         kvcert.DecodingPress(p, compression_interval=8)
     model = tiny_model()
     ids = torch.randint(1, 96, (1, 60), generator=torch.Generator().manual_seed(3))
+    # a budget that cannot hold the sketch and one token evicts nothing (what the vLLM plugin does with such a
+    # prompt), instead of an error: every token kept, no sketch
     tiny_budget = kvcert.PoissonPress(target_size=12, sinks=2, window=4, sketch="cluster")  # 16 clusters: 17.5 tokens
-    with pytest.raises(ValueError, match="sketch: 16 clusters hold"):
-        forced_logits(model, ids, [], tiny_budget)
+    with torch.no_grad(), tiny_budget(model):
+        cache = _cache_of(model(input_ids=ids, use_cache=True))
+    assert all(layer.sketch is None and int(layer.kept.min()) == 60 for layer in cache.layers)
+    assert tiny_budget.design.sampled_budget(60, 8, 8) == 60.0
+    fits = kvcert.PoissonPress(target_size=30, sinks=2, window=4, sketch="cluster")
+    with torch.no_grad(), fits(model):  # negative control: a budget that holds it evicts and sketches
+        cache = _cache_of(model(input_ids=ids, use_cache=True))
+    assert all(layer.sketch is not None and int(layer.kept.max()) < 60 for layer in cache.layers)
 
 
 def test_the_recommended_rule_is_recorded_with_the_tilted_sketch(monkeypatch):

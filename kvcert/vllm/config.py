@@ -88,7 +88,7 @@ class KVCertConfig:
         (the budget less the sketch's memory in kept tokens) and decode records the sketch's certificate,
         :math:`\min(c\sqrt{V_{\mathrm{cl}}}, H)`. ``sketch="tilted", kind="tilted_hull"`` is the recommended
         design (docs/theory.md section 8). A prompt whose budget cannot hold the sketch plus one token is
-        not evicted (:meth:`evicts`).
+        not evicted (:meth:`evicts`), as in the press.
     free_blocks : bool
         Return freed blocks to vLLM's pool (default). False = the same design, nothing freed (for
         tests and comparisons).
@@ -177,11 +177,11 @@ class KVCertConfig:
         design's certainty set does not fill its budget (:meth:`kvcert.fast.BlockDesign.budget` is not None)."""
         if self.tokens:
             design = self.design
-            budget = design.budget(n_tokens)
-            if not self.enabled or budget >= n_tokens:
+            if not self.enabled:
                 return False
-            return design.sketch is None or head_size is None or budget - design.sketch.tokens(head_size,
-                                                                                               head_size) >= 1.0
+            if head_size is None:
+                return design.budget(n_tokens) < n_tokens
+            return design.sampled_budget(n_tokens, head_size, head_size) < n_tokens
         return self.design.budget(-(-n_tokens // block_size)) is not None
 
     def budget(self, n_blocks: int) -> float | None:
