@@ -687,10 +687,12 @@ class BlockDesign:
 # ----------------------------------------------------------------------------- the estimator
 
 
-def _clusters(p: torch.Tensor, omp: torch.Tensor, present: torch.Tensor, labels: torch.Tensor, name: str):
+def _clusters(p: torch.Tensor, omp: torch.Tensor, present: torch.Tensor, labels: torch.Tensor, name: str,
+              validate: bool = True):
     """Dense cluster ids (R, n) in [0, n) (n = padding), and (1 - pi_b), pi_b (log pi_b) per cluster (R, n).
 
     Sort the labels of each row (padding last), number the runs, scatter back: no loop over rows.
+    ``validate`` checks that pi is equal on the sampled tokens of each block (one host read).
     """
     R, n = labels.shape
     big = torch.iinfo(torch.int64).max
@@ -708,7 +710,7 @@ def _clusters(p: torch.Tensor, omp: torch.Tensor, present: torch.Tensor, labels:
     hi.scatter_reduce_(-1, seg, p, "amax")
     lo.scatter_reduce_(-1, seg, p, "amin")
     used = hi[:, :n] > float("-inf")
-    if bool((used & (hi[:, :n] != lo[:, :n])).any()):
+    if validate and bool((used & (hi[:, :n] != lo[:, :n])).any()):
         raise ValueError(f"{name} must be equal on all sampled tokens (pi < 1) of a block (positions // block_size)")
     pib = torch.where(used, hi[:, :n], 0.0 if name == "log_pi" else 1.0)  # unused clusters: pi 1
     ompb = torch.zeros(R, n + 1, dtype=omp.dtype, device=omp.device).scatter_(-1, seg, omp)[:, :n]
@@ -722,7 +724,7 @@ def block_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
                           query_positions: torch.Tensor | None = None, offset: int | None = None,
                           return_weights: bool = False, return_max_term: bool = False,
                           return_covariance: bool = False, return_tail_moment: bool = False,
-                          chunk_bytes: int = 64 << 20) -> Estimate:
+                          chunk_bytes: int = 64 << 20, validate: bool = True) -> Estimate:
     r"""Hajek attention over a block sample and its cluster-sampling variance, batched, GQA.
 
     .. math::
@@ -757,6 +759,13 @@ def block_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
         Which optional fields to fill (as in :func:`kvcert.fast.hajek_attention`).
     chunk_bytes : int
         Memory bound of the per-chunk (rows, g t, n, dv) temporaries of the block sums.
+    validate : bool
+        Check the values: those :func:`kvcert.fast.hajek_attention` checks (pi in [0, 1],
+        no NaN in the output), pi = 0 on the padding slots (positions -1) and pi equal on the
+        sampled tokens of each block. These are the only host reads of a call; ``False`` skips
+        them, for a caller that checked the state when it was installed (a decode step over a
+        cache layer whose eviction event built pi per block, :func:`block_compact`). The
+        estimate is the same either way on valid input.
 
     Returns
     -------
@@ -777,7 +786,7 @@ def block_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     causal = query_positions is not None or offset is not None
     est = hajek_attention(q, keys, values, pi, log_pi=log_pi, scale=scale, per_coordinate=False, bias=bias,
                           positions=positions if causal else None, query_positions=query_positions, offset=offset,
-                          return_weights=True)
+                          return_weights=True, validate=validate)
     b, h_kv, n, dv = values.shape
     h_q = q.shape[1]
     g = h_q // h_kv
@@ -801,9 +810,9 @@ def block_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     else:
         p = log_pi.to(dt).reshape(B, n)
         present, omp, name = p > float("-inf"), -torch.expm1(p), "log_pi"
-    if bool((present & (pos < 0)).any()):
+    if validate and bool((present & (pos < 0)).any()):
         raise ValueError(f"{name} must be 0 (log_pi -inf) on padding slots (positions == -1)")
-    seg, ompb, pib = _clusters(p, omp, present, torch.div(pos, bs, rounding_mode="floor"), name)
+    seg, ompb, pib = _clusters(p, omp, present, torch.div(pos, bs, rounding_mode="floor"), name, validate)
     if pi is None:
         pib = torch.exp(pib)
     o = torch.bmm(a, v)  # o_hat in the compute dtype (est.output is in the dtype of values)

@@ -24,12 +24,14 @@ Inside a press, per layer and per forward call:
   causal/padding mask transformers built, then the press compresses the layer
   (the prefill queries see the full cache; the scorer sees these queries);
 - **decoding** (one new token, or a chunk of several): Hajek-corrected
-  attention over the held slots through :func:`kvcert.hajek_attention`
-  (Triton on CUDA, :mod:`kvcert.fast` on CPU) with the per-slot bias
-  -log pi from :attr:`KVCertLayer.log_weights` (-inf on padding slots); a
-  chunk is causal by the stored token positions. The estimate gives a
-  certificate of the press's ``kind`` and ``delta`` for every query head,
-  recorded per step.
+  attention over the held slots through :func:`kvcert.dispatch.decode`, the
+  one decode entry of every design: it picks the route from what the layer
+  holds (token: :func:`kvcert.hajek_attention`, Triton on CUDA,
+  :mod:`kvcert.fast` on CPU; block: the cluster-sampling trace; sketch: the
+  hybrid variance with the layer's sketch), with the per-slot bias -log pi
+  from :attr:`KVCertLayer.log_weights` (-inf on padding slots); a chunk is
+  causal by the stored token positions. The estimate gives a certificate of
+  the press's ``kind`` and ``delta`` for every query head, recorded per step.
 
 The mask function returns the base implementation's mask for a prefill and
 ``None`` afterwards: layers hold different physical lengths after eviction,
@@ -72,7 +74,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from . import dispatch
 from .cache import KVCertCache, KVCertLayer, as_kvcert_cache, attention_layout
-from .fast import certificate_moments, radius_from_moments
+from .fast import certificate_moments
 from .records import Certificates, Recorder
 
 __all__ = [
@@ -148,19 +150,6 @@ def _refuse_unsupported(module, kwargs: dict) -> None:
                          "bias) is not supported")
     if getattr(module, "is_causal", True) is False:
         raise ValueError("kvcert: non-causal attention (bidirectional or cross-attention) is not supported")
-
-
-def _softcap_bias(query: torch.Tensor, keys: torch.Tensor, scale: float, cap: float) -> torch.Tensor:
-    r"""The additive bias that turns the scores :math:`s = \tau q\cdot k` into softcapped ones:
-    :math:`c\tanh(s/c) - s`, (b, h_q, n) for a query (b, h_q, 1, d), (b, h_q, t, n) for t > 1
-    (query head j reads KV head j // g), in float32 (float64 for a float64 model)."""
-    b, h_q, t, d = query.shape
-    h_kv, n = keys.shape[1], keys.shape[2]
-    dt = torch.float64 if keys.dtype == torch.float64 else torch.float32
-    q = query.to(dt).reshape(b, h_kv, (h_q // h_kv) * t, d)
-    s = torch.matmul(q, keys.to(dt).transpose(-1, -2)).mul_(scale)
-    bias = (torch.tanh(s / cap) * cap).sub_(s).reshape(b, h_q, t, n)
-    return bias[:, :, 0] if t == 1 else bias
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,144 +366,29 @@ class Session:
                 softcap: float | None = None) -> torch.Tensor:
         r"""Hajek attention over the held slots and its certificate statistics; returns (b, q, h_q, dv).
 
-        With a logit softcap c the scores are :math:`c\tanh(\tau q\cdot k_i/c)`
-        (the model's eager attention's), passed to the estimator as the
-        additive bias :math:`c\tanh(s_i/c) - s_i` (:func:`_softcap_bias`):
-        the estimate and its certificate refer to the softcapped attention.
+        One entry for every design: :func:`kvcert.dispatch.decode` picks the route from what the
+        layer holds (token, block or sketch; :func:`kvcert.dispatch.decode_route`) and returns the
+        output and the statistics to record. With a logit softcap c the scores are
+        :math:`c\tanh(\tau q\cdot k_i/c)` (the model's eager attention's; token route only).
 
-        The per-step path has no host synchronisation: the estimate runs
-        with ``validate=False`` (log pi was checked when the eviction event
-        installed it, :meth:`KVCertLayer.replace`), the certificate's radii
-        are computed when the record is read (:class:`Recorder`), and the
-        outputs of all layers are checked for NaN once, at the last layer.
-        On the ``fast`` backend a one-token decode reads the layer's cached
-        value moments (:meth:`KVCertLayer.value_moments`), so the trace
-        takes no pass over V of its own.
+        The per-step path has no host synchronisation per layer: every route runs with
+        ``validate=False`` (log pi was checked when the eviction event installed it,
+        :meth:`KVCertLayer.replace`), the certificate's radii are computed when the record is
+        read (:class:`Recorder`), and the outputs of all layers are checked for NaN once, at the
+        last layer. The token route's backend is resolved once per forward.
         """
-        q_len = query.shape[2]
-        if softcap is not None and (layer.block_size is not None or layer.sketch is not None):
-            raise ValueError("kvcert: attention logit softcapping (the model's softcap) is supported on the token "
-                             "design only, not with block eviction (BlockPoissonPress) or a sketch "
-                             "(PoissonPress(sketch=...))")
-        if layer.block_size is not None:  # a block eviction: the cluster-sampling certificate
-            return self._decode_blocks(layer, layer_idx, query, scale)
-        if layer.sketch is not None:  # a sketched eviction: the hybrid variance of the cluster design
-            return self._decode_sketch(layer, layer_idx, query, scale)
-        if softcap is not None:
-            bias = _softcap_bias(query, layer.keys, scale, float(softcap))
-            backend = dispatch.select_backend(query[:, :, 0], bias=bias, **self.options)
-            kw = dict(self.options, log_pi=layer.log_weights, scale=scale, validate=False, backend=backend, bias=bias)
-        else:
-            if self._backend is None:
-                self._backend = dispatch.select_backend(query[:, :, 0], **self.options)
-            kw = dict(self.options, log_pi=layer.log_weights, scale=scale, validate=False, backend=self._backend)
-        qpos = None
-        if q_len == 1:
-            if self._backend == "fast" and not self.options.get("per_coordinate"):
-                kw["value_center"], kw["value_sqdist"] = layer.value_moments()
-            est = dispatch.hajek_attention(query[:, :, 0], layer.keys, layer.values, **kw)
-        else:  # a chunk: causal by the stored positions
-            qpos = layer.positions[:, 0, -q_len:]
-            est = dispatch.hajek_attention(query, layer.keys, layer.values, positions=layer.positions,
-                                           query_positions=qpos, **kw)
-        return self._finish(layer_idx, layer, est, qpos)
-
-    def _finish(self, layer_idx: int, layer: KVCertLayer, est, qpos: torch.Tensor | None) -> torch.Tensor:
-        """Record a decode estimate's certificates (one query, or a chunk of queries at positions ``qpos``),
-        collect its output norms for the NaN check, and return the output (b, q, h_q, dv)."""
+        dec = dispatch.decode(query, layer, scale=scale, options=self.options, kind=self.kind, delta=self.delta,
+                              softcap=softcap, backend=self._backend)
+        self._backend = dec.backend
         norms = None
         if self.recorder is not None:
-            if qpos is None:
-                norms = self._record(layer_idx, est, layer.kept)
-            else:
-                self._record_chunk(layer_idx, est, layer, qpos)
-        self._check_finite(layer_idx, est.output, norms)
-        return est.output[:, None] if qpos is None else est.output.transpose(1, 2)
-
-    def _record_chunk(self, layer_idx: int, est, layer: KVCertLayer, qpos: torch.Tensor) -> None:
-        """Record a chunk of q queries as q steps, each over the kept tokens up to its own position.
-
-        The statistics of all the chunk's queries come from one call on the (b, h_q, q) estimate and
-        the kept counts from one comparison (b, h_kv, q, n), recorded as q steps by one
-        ``Recorder.add_steps``: the same numbers as one call per query (the statistics are per
-        query), without q x (a dozen small ops) per layer."""
-        stats = certificate_moments(est, self.kind)
-        seen = (layer.valid[:, :, None, :] & (layer.positions[:, :, None, :] <= qpos[:, None, :, None])).sum(-1)
-        self.recorder.add_steps(layer_idx, stats, seen)
-
-    def _decode_blocks(self, layer: KVCertLayer, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:
-        r"""The decode of a block-evicted layer: :func:`kvcert.fast.block_hajek_attention`, (b, q, h_q, dv).
-
-        .. math:: \hat o = \sum_{i\in S} a_i v_i,\quad a = \operatorname{softmax}_S(\tau q\cdot k_i - \log\pi_{b(i)}),
-                  \quad \mathrm{trace} = \sum_{b\in S} (1-\pi_b) \Big\lVert \sum_{i\in b} a_i (v_i - \hat o)\Big\rVert^2,
-
-        with block b(i) = position_i // ``layer.block_size`` for the slots with
-        pi < 1; slots with pi = 1 (certain blocks, decoded tokens) are units of
-        their own and contribute 0. The same function the vLLM plugin's
-        backend uses (its Chebyshev fast path is checked against it), on any
-        device (torch; no Triton block kernel yet). A chunk of several queries
-        is causal by the stored positions.
-        """
-        from .fast import block_hajek_attention
-
-        q_len = query.shape[2]
-        kw = dict(self.options, log_pi=layer.log_weights, block_size=layer.block_size, positions=layer.positions,
-                  scale=scale)
-        qpos = None
-        if q_len == 1:
-            est = block_hajek_attention(query[:, :, 0], layer.keys, layer.values, **kw)
-        else:
-            qpos = layer.positions[:, 0, -q_len:]
-            est = block_hajek_attention(query, layer.keys, layer.values, query_positions=qpos, **kw)
-        return self._finish(layer_idx, layer, est, qpos)
-
-    def _decode_sketch(self, layer: KVCertLayer, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:
-        r"""The decode of a layer evicted with a sketch (``PoissonPress(sketch=...)``), (b, q, h_q, dv).
-
-        :func:`kvcert.fast.cluster_hajek_attention` over the held slots: the Hajek output (the
-        token path's), and the hybrid variance with the kept tokens exact and the evicted ones
-        through the layer's :class:`kvcert.fast.ClusterSketch`,
-
-        .. math:: V_{\mathrm{cl}} = \tilde Z^{-2}\Big[\sum_{i\in S}\tfrac{1-\pi_i}{\pi_i}
-                  e^{2 s_i}\lVert v_i-\hat o\rVert^2 + \sum_c (Y_c + W_c\lVert\mu-\hat o\rVert^2)
-                  e^{2\tau q\cdot m_c + 2\tau^2 \sum_j q_j^2\sigma^2_{cj}}\Big],
-
-        (a tilted sketch takes the Gaussian step in :math:`q - q_0` with its tilted moments),
-        recorded as the step's ``trace`` (the press's kind turns it into :math:`c\sqrt{V_{\mathrm{cl}}}`:
-        Chebyshev :math:`c = 1/\sqrt\delta`, ``tilted_hull`` :math:`c = 3`), clipped at :math:`(H/c)^2` with
-        :math:`H` the deterministic hull bound (``ClusterEstimate.bound``), so the radius is
-        :math:`\min(c\sqrt{V_{\mathrm{cl}}}, H)`. A chunk of several queries runs one query at a
-        time, each over the slots at or before its position (the function has no causal mask).
-        Torch on every device (the Triton twin, ``kvcert.kernels.cluster_hajek_attention``, is not
-        wired here).
-        """
-        import dataclasses
-
-        from .fast import cluster_hajek_attention
-
-        q_len = query.shape[2]
-        kw = dict(scale=scale, delta=self.press.delta, validate=False, trace=False)  # V_cl is the certificate
-        factor = float(radius_from_moments(self.kind, self.press.delta, trace=torch.ones((), dtype=torch.float64)))
-        held = layer.sketch.tokens  # its memory in kept-token units, as the press sized the budget
-        outs = []
-        for j in range(q_len):
-            if q_len == 1:
-                log_pi = layer.log_weights
-                kw["value_center"], kw["value_sqdist"] = layer.value_moments()
-            else:  # causal: the slots after query j's position are not there yet
-                qpos = layer.positions[:, 0, layer.positions.shape[-1] - q_len + j]
-                log_pi = layer.log_weights.masked_fill(layer.positions > qpos[:, None, None], float("-inf"))
-            ce = cluster_hajek_attention(query[:, :, j], layer.keys, layer.values, None, layer.sketch,
-                                         log_pi=log_pi, **kw)
-            # V_cl, clipped at (H / c)^2 (H the hull bound, c the kind's factor: 1/sqrt(delta) for chebyshev, 3 for
-            # tilted_hull): the recorded radius c sqrt(trace) is min(c sqrt(V_cl), H)
-            var = ce.variance if ce.bound is None else torch.minimum(ce.variance, (ce.bound / factor).square())
-            est = dataclasses.replace(ce.estimate, trace=var)
-            norms = self._record(layer_idx, est, (log_pi > float("-inf")).sum(-1), held)
-            outs.append(est.output)
-        out = torch.stack(outs, dim=1)
-        self._check_finite(layer_idx, out, norms if q_len == 1 else None)  # every query's output, not the last's
-        return out
+            for r in dec.records:
+                if r.kept.dim() == 3:  # a chunk of queries: one step each
+                    self.recorder.add_steps(layer_idx, certificate_moments(r.estimate, self.kind), r.kept)
+                else:
+                    norms = self._record(layer_idx, r.estimate, r.kept, r.memory)
+        self._check_finite(layer_idx, dec.output, norms if len(dec.records) == 1 else None)
+        return dec.output
 
     def _check_finite(self, layer_idx: int, output: torch.Tensor, norms: torch.Tensor | None = None) -> None:
         """Collect each layer's output norms; at the last layer, one check for NaN over all of them."""

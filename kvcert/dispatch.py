@@ -20,6 +20,12 @@
   the float64 NumPy oracle :func:`kvcert.reference.hajek_attention` and packs
   a torch :class:`~kvcert.fast.types.Estimate`. Slow; for debugging.
 
+The decode of one cache layer under a press has one entry, :func:`decode`: it picks the
+route from what the layer holds (:func:`decode_route`; ``"token"``, ``"block"`` or
+``"sketch"``, docs/design.md sections 5, 7 and 8) and runs it without host reads (the
+values were checked when the eviction event installed them), so that a decode forward
+reads the device once, for the caller's NaN check.
+
 The environment variable ``KVCERT_BACKEND`` (``reference``, ``fast`` or
 ``triton``; empty or ``auto`` for automatic) or the ``backend=`` argument
 forces one. :func:`last_backend` tells which backend ran last,
@@ -29,9 +35,11 @@ forces one. :func:`last_backend` tells which backend ran last,
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,8 +50,13 @@ __all__ = [
     "BACKENDS",
     "CPU_OP_ENV_VAR",
     "ENV_VAR",
+    "DECODE_ROUTES",
     "BackendUnavailableError",
+    "DecodeRecord",
+    "LayerDecode",
     "cpu_op_available",
+    "decode",
+    "decode_route",
     "hajek_attention",
     "last_backend",
     "last_route",
@@ -401,3 +414,235 @@ def _reference(q, keys, values, pi=None, *, log_pi=None, scale=None, per_coordin
         covariance=pack(cov) if return_covariance else None,
         tail_moment=pack(tail),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# the decode of one cache layer: one entry, one route per design the layer can hold
+# ---------------------------------------------------------------------------------------------
+#: the routes of :func:`decode`, one per design a cache layer can hold (:func:`decode_route`)
+DECODE_ROUTES = ("token", "block", "sketch")
+
+
+def decode_route(layer) -> str:
+    """The route :func:`decode` runs for a cache layer, read from what the layer holds.
+
+    ``"block"`` when ``layer.block_size`` is set (a block eviction: a slot with pi < 1 is
+    sampled with its block ``positions // block_size``), ``"sketch"`` when ``layer.sketch`` is
+    set (a :class:`kvcert.fast.ClusterSketch` of the evicted tokens beside the held ones), else
+    ``"token"`` (independent tokens).
+    """
+    if getattr(layer, "block_size", None) is not None:
+        return "block"
+    if getattr(layer, "sketch", None) is not None:
+        return "sketch"
+    return "token"
+
+
+@dataclass(frozen=True)
+class DecodeRecord:
+    """The certificate statistics of a decode, one record step per query.
+
+    Attributes
+    ----------
+    estimate : kvcert.fast.types.Estimate
+        Leading dimensions (b, h_q) for one query, (b, h_q, t) for t consecutive queries.
+    kept : torch.Tensor, int64
+        The slots each query attended over: (b, h_kv), or (b, h_kv, t) for t queries.
+    memory : float
+        Memory of a sketch read beside the slots, in kept-token units (d + dv + 1 elements); 0 without.
+    """
+
+    estimate: Estimate
+    kept: torch.Tensor
+    memory: float = 0.0
+
+
+@dataclass(frozen=True)
+class LayerDecode:
+    """What :func:`decode` returns for one layer.
+
+    Attributes
+    ----------
+    route : str
+        The route that ran (:data:`DECODE_ROUTES`).
+    output : torch.Tensor, (b, t, h_q, dv)
+        The Hajek estimate of each new token's attention output.
+    records : tuple of DecodeRecord
+        The certificate statistics, in query order.
+    backend : str or None
+        The token route's backend for the forward's other layers (the one passed in, or the one
+        resolved here); None when none was resolved (block and sketch routes, a softcapped call).
+    """
+
+    route: str
+    output: torch.Tensor
+    records: tuple
+    backend: str | None = None
+
+
+def decode(query: torch.Tensor, layer, *, scale: float, options: dict, kind: str | None = None,
+           delta: float = 0.05, softcap: float | None = None, backend: str | None = None) -> LayerDecode:
+    r"""Hajek attention of the new tokens over one cache layer's held slots, by the layer's route.
+
+    .. math::
+
+        \hat o = \sum_{i\in S} a_i v_i, \qquad a_i = \operatorname{softmax}_S(s_i - \log\pi_i),
+        \qquad s_i = \tau\, q\cdot k_i \ \ (c\tanh(\tau\, q\cdot k_i / c) \text{ with a softcap } c),
+
+    and the statistics of the route's certificate (docs/design.md sections 2, 7 and 8):
+
+    - ``"token"``: :func:`hajek_attention` (this module's backend choice), the Taylor trace
+      :math:`\sum_{i\in S} (1-\pi_i) a_i^2 \lVert v_i - \hat o\rVert^2`; a one-token step on the
+      "fast" backend with a trace-only kind reads the layer's cached value moments
+      (``layer.value_moments()``), so the trace takes no pass over V of its own; a softcap enters
+      as the additive bias :math:`c\tanh(s_i/c) - s_i`;
+    - ``"block"``: :func:`kvcert.fast.block_hajek_attention`, the cluster-sampling trace
+      :math:`\sum_{b\in S} (1-\pi_b) \lVert\sum_{i\in b} a_i (v_i - \hat o)\rVert^2` with block
+      b(i) = position_i // ``layer.block_size`` (slots with pi = 1 are units of their own);
+    - ``"sketch"``: :func:`kvcert.fast.cluster_hajek_attention` with the layer's sketch, one query
+      at a time; the recorded trace is the hybrid variance :math:`V_{\mathrm{cl}}` clipped at
+      :math:`(H/c)^2`, with :math:`H` the hull bound and :math:`c` the kind's radius per unit
+      square-root trace (:math:`1/\sqrt\delta` for chebyshev), so the radius
+      :math:`c\sqrt{\mathrm{trace}}` is :math:`\min(c\sqrt{V_{\mathrm{cl}}}, H)`.
+
+    Every route runs with ``validate=False``: no host read (the layer's log pi was checked
+    when the eviction event installed it; the caller checks the outputs for NaN once per
+    forward). A chunk of t > 1 queries is causal by the stored positions: query j sees the
+    slots at or before its own position.
+
+    Parameters
+    ----------
+    query : torch.Tensor, (b, h_q, t, d)
+        The new tokens' queries; h_q = g * h_kv.
+    layer : kvcert.cache.KVCertLayer
+        Or any object with ``keys`` (b, h_kv, n, d), ``values`` (b, h_kv, n, dv),
+        ``log_weights`` (b, h_kv, n) (-inf on padding), ``positions`` (b, h_kv, n) int64,
+        ``valid``, ``kept`` (b, h_kv), ``value_moments()``, ``block_size`` and ``sketch``; its
+        last t slots are the new tokens.
+    scale : float
+        The score scale tau.
+    options : dict
+        The estimate options of the certificate kind (:func:`kvcert.fast.estimate_options`).
+    kind : str, optional
+        The certificate kind (the sketch route's clip needs it).
+    delta : float
+        The certificate level 1 - delta (the sketch route).
+    softcap : float, optional
+        The model's attention logit softcap c (token route only).
+    backend : str, optional
+        The token route's backend if already resolved for this forward; None resolves it
+        (:func:`select_backend`).
+
+    Returns
+    -------
+    LayerDecode
+
+    Raises
+    ------
+    ValueError
+        A softcap with a block or sketch layer.
+    """
+    route = decode_route(layer)
+    if softcap is not None and route != "token":
+        raise ValueError("kvcert: attention logit softcapping (the model's softcap) is supported on the token "
+                         "design only, not with block eviction (BlockPoissonPress) or a sketch "
+                         "(PoissonPress(sketch=...))")
+    return _ROUTES[route](query, layer, scale=scale, options=options, kind=kind, delta=delta, softcap=softcap,
+                          backend=backend)
+
+
+def _softcap_bias(query: torch.Tensor, keys: torch.Tensor, scale: float, cap: float) -> torch.Tensor:
+    r"""The additive bias that turns the scores :math:`s = \tau q\cdot k` into softcapped ones:
+    :math:`c\tanh(s/c) - s`, (b, h_q, n) for a query (b, h_q, 1, d), (b, h_q, t, n) for t > 1
+    (query head j reads KV head j // g), in float32 (float64 for a float64 model)."""
+    b, h_q, t, d = query.shape
+    h_kv, n = keys.shape[1], keys.shape[2]
+    dt = torch.float64 if keys.dtype == torch.float64 else torch.float32
+    q = query.to(dt).reshape(b, h_kv, (h_q // h_kv) * t, d)
+    s = torch.matmul(q, keys.to(dt).transpose(-1, -2)).mul_(scale)
+    bias = (torch.tanh(s / cap) * cap).sub_(s).reshape(b, h_q, t, n)
+    return bias[:, :, 0] if t == 1 else bias
+
+
+def _chunk_positions(layer, q_len: int) -> torch.Tensor:
+    """(b, q_len): the positions of the layer's last q_len slots (the new tokens; same on every KV head)."""
+    return layer.positions[:, 0, -q_len:]
+
+
+def _seen(layer, qpos: torch.Tensor) -> torch.Tensor:
+    """(b, h_kv, t) int64: the held slots at or before each query position ``qpos`` (b, t)."""
+    return (layer.valid[:, :, None, :] & (layer.positions[:, :, None, :] <= qpos[:, None, :, None])).sum(-1)
+
+
+def _decode_token(query, layer, *, scale, options, kind, delta, softcap, backend) -> LayerDecode:
+    """The token route of :func:`decode`: :func:`hajek_attention` over the held slots."""
+    if softcap is not None:
+        bias = _softcap_bias(query, layer.keys, scale, float(softcap))
+        chosen = select_backend(query[:, :, 0], bias=bias, **options)
+        kw = dict(options, log_pi=layer.log_weights, scale=scale, validate=False, backend=chosen, bias=bias)
+        moments = False
+    else:
+        if backend is None:
+            backend = select_backend(query[:, :, 0], **options)
+        kw = dict(options, log_pi=layer.log_weights, scale=scale, validate=False, backend=backend)
+        moments = backend == "fast" and not options.get("per_coordinate")
+    q_len = query.shape[2]
+    if q_len == 1:
+        if moments:
+            kw["value_center"], kw["value_sqdist"] = layer.value_moments()
+        est = hajek_attention(query[:, :, 0], layer.keys, layer.values, **kw)
+        return LayerDecode("token", est.output[:, None], (DecodeRecord(est, layer.kept),), backend)
+    qpos = _chunk_positions(layer, q_len)
+    est = hajek_attention(query, layer.keys, layer.values, positions=layer.positions, query_positions=qpos, **kw)
+    return LayerDecode("token", est.output.transpose(1, 2), (DecodeRecord(est, _seen(layer, qpos)),), backend)
+
+
+def _decode_block(query, layer, *, scale, options, kind, delta, softcap, backend) -> LayerDecode:
+    """The block route of :func:`decode`: :func:`kvcert.fast.block_hajek_attention` (torch, any device)."""
+    fast = importlib.import_module("kvcert.fast")
+    kw = dict(options, log_pi=layer.log_weights, block_size=layer.block_size, positions=layer.positions,
+              scale=scale, validate=False)
+    q_len = query.shape[2]
+    if q_len == 1:
+        est = fast.block_hajek_attention(query[:, :, 0], layer.keys, layer.values, **kw)
+        return LayerDecode("block", est.output[:, None], (DecodeRecord(est, layer.kept),), backend)
+    qpos = _chunk_positions(layer, q_len)
+    est = fast.block_hajek_attention(query, layer.keys, layer.values, query_positions=qpos, **kw)
+    return LayerDecode("block", est.output.transpose(1, 2), (DecodeRecord(est, _seen(layer, qpos)),), backend)
+
+
+@functools.lru_cache(maxsize=64)
+def _radius_per_root_trace(kind: str | None, delta: float) -> float:
+    """c with radius = c sqrt(trace) for a norm kind (its radius at trace 1), computed once per (kind, delta)."""
+    from kvcert.fast import radius_from_moments
+
+    return float(radius_from_moments(kind, delta, trace=torch.ones((), dtype=torch.float64)))
+
+
+def _decode_sketch(query, layer, *, scale, options, kind, delta, softcap, backend) -> LayerDecode:
+    """The sketch route of :func:`decode`: :func:`kvcert.fast.cluster_hajek_attention`, one query at a time
+    (the function has no causal mask: query j reads the slots at or before its position)."""
+    fast = importlib.import_module("kvcert.fast")
+    q_len = query.shape[2]
+    kw = dict(scale=scale, delta=delta, validate=False, trace=False)  # V_cl is the certificate
+    factor = _radius_per_root_trace(kind, delta)
+    held = layer.sketch.tokens  # its memory in kept-token units, as the press sized the budget
+    outs, records = [], []
+    for j in range(q_len):
+        if q_len == 1:
+            log_pi = layer.log_weights
+            kw["value_center"], kw["value_sqdist"] = layer.value_moments()
+        else:  # causal: the slots after query j's position are not there yet
+            qpos = layer.positions[:, 0, layer.positions.shape[-1] - q_len + j]
+            log_pi = layer.log_weights.masked_fill(layer.positions > qpos[:, None, None], float("-inf"))
+        ce = fast.cluster_hajek_attention(query[:, :, j], layer.keys, layer.values, None, layer.sketch,
+                                          log_pi=log_pi, **kw)
+        # V_cl clipped at (H / c)^2: the recorded radius c sqrt(trace) is min(c sqrt(V_cl), H)
+        var = ce.variance if ce.bound is None else torch.minimum(ce.variance, (ce.bound / factor).square())
+        est = replace(ce.estimate, trace=var)
+        records.append(DecodeRecord(est, (log_pi > float("-inf")).sum(-1), held))
+        outs.append(est.output)
+    return LayerDecode("sketch", torch.stack(outs, dim=1), tuple(records), backend)
+
+
+_ROUTES = {"token": _decode_token, "block": _decode_block, "sketch": _decode_sketch}
