@@ -79,6 +79,7 @@ from .sketch import (
     cluster_sketch,
     cluster_variance,
     kmeans_assign,
+    recorded_trace,
     window_tilt,
 )
 from .types import Certificate, CompressedCache, Estimate
@@ -98,5 +99,5 @@ __all__ = [
     "scorers", "SCORERS", "Scorer", "register_scorer", "expected_attention_scores", "h2o_scores", "knorm_scores", "random_scores", "snapkv_scores",
     "streaming_llm_scores", "tova_scores",
     "CLUSTER_RADII", "RADIUS_RULES", "RadiusRule", "ClusterDesign", "ClusterEstimate", "ClusterSketch", "cluster_hajek_attention", "cluster_radius",
-    "cluster_sketch", "cluster_variance", "kmeans_assign", "window_tilt",
+    "cluster_sketch", "cluster_variance", "kmeans_assign", "recorded_trace", "window_tilt",
 ]

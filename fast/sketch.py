@@ -614,6 +614,32 @@ def window_tilt(queries: torch.Tensor, h_kv: int, window: int | None = None) -> 
 # decode time: V_cl, the radius, and the one-pass decode step
 
 
+@functools.lru_cache(maxsize=64)
+def _radius_per_root_trace(kind: str, delta: float) -> float:
+    """c with radius = c sqrt(trace) for a norm kind (its radius at trace 1), once per (kind, delta)."""
+    from .certificates import radius_from_moments
+
+    return float(radius_from_moments(kind, delta, trace=torch.ones((), dtype=torch.float64)))
+
+
+def recorded_trace(ce: "ClusterEstimate", kind: str) -> torch.Tensor:
+    r"""The trace a sketched decode records for certificate ``kind``: :math:`V_{\mathrm{cl}}` clipped at
+    :math:`(H/c)^2`,
+
+    .. math:: \mathrm{trace} = \min\big(V_{\mathrm{cl}},\ (H / c)^2\big), \qquad
+              c\sqrt{\mathrm{trace}} = \min\big(c\sqrt{V_{\mathrm{cl}}},\ H\big),
+
+    with :math:`H` the hull bound (``ce.bound``; no clip without one) and :math:`c` the kind's radius per
+    unit square-root trace at ``ce.delta`` (:math:`1/\sqrt\delta` for ``chebyshev``, 3 for ``tilted_hull``):
+    the kind's radius of the recorded trace is the sketched design's radius. One definition for the Hugging
+    Face decode (``kvcert.dispatch.decode``) and the vLLM plugin (``kvcert.vllm.backend.sketched_decode``).
+    """
+    if ce.bound is None:
+        return ce.variance
+    c = _radius_per_root_trace(kind, float(ce.delta))
+    return torch.minimum(ce.variance, (ce.bound / c).square())
+
+
 def cluster_radius(variance: torch.Tensor, *, delta: float, rule: str, multiplier: float = 3.0) -> torch.Tensor:
     r"""Radius from a variance, elementwise: ``chebyshev`` :math:`\sqrt{V/\delta}`, ``gaussian``
     :math:`z_{1-\delta/2}\sqrt V`, ``fixed`` :math:`c\sqrt V` (c = ``multiplier``); negative V

@@ -35,7 +35,6 @@ forces one. :func:`last_backend` tells which backend ran last,
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import os
@@ -611,21 +610,12 @@ def _decode_block(query, layer, *, scale, options, kind, delta, softcap, backend
     return LayerDecode("block", est.output.transpose(1, 2), (DecodeRecord(est, _seen(layer, qpos)),), backend)
 
 
-@functools.lru_cache(maxsize=64)
-def _radius_per_root_trace(kind: str | None, delta: float) -> float:
-    """c with radius = c sqrt(trace) for a norm kind (its radius at trace 1), computed once per (kind, delta)."""
-    from kvcert.fast import radius_from_moments
-
-    return float(radius_from_moments(kind, delta, trace=torch.ones((), dtype=torch.float64)))
-
-
 def _decode_sketch(query, layer, *, scale, options, kind, delta, softcap, backend) -> LayerDecode:
     """The sketch route of :func:`decode`: :func:`kvcert.fast.cluster_hajek_attention`, one query at a time
     (the function has no causal mask: query j reads the slots at or before its position)."""
     fast = importlib.import_module("kvcert.fast")
     q_len = query.shape[2]
     kw = dict(scale=scale, delta=delta, validate=False, trace=False)  # V_cl is the certificate
-    factor = _radius_per_root_trace(kind, delta)
     held = layer.sketch.tokens  # its memory in kept-token units, as the press sized the budget
     outs, records = [], []
     for j in range(q_len):
@@ -638,8 +628,7 @@ def _decode_sketch(query, layer, *, scale, options, kind, delta, softcap, backen
         ce = fast.cluster_hajek_attention(query[:, :, j], layer.keys, layer.values, None, layer.sketch,
                                           log_pi=log_pi, **kw)
         # V_cl clipped at (H / c)^2: the recorded radius c sqrt(trace) is min(c sqrt(V_cl), H)
-        var = ce.variance if ce.bound is None else torch.minimum(ce.variance, (ce.bound / factor).square())
-        est = replace(ce.estimate, trace=var)
+        est = replace(ce.estimate, trace=fast.recorded_trace(ce, kind))
         records.append(DecodeRecord(est, (log_pi > float("-inf")).sum(-1), held))
         outs.append(est.output)
     return LayerDecode("sketch", torch.stack(outs, dim=1), tuple(records), backend)

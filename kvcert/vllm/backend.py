@@ -67,8 +67,8 @@ from kvcert.fast import (
     cluster_hajek_attention,
     compact_slots,
     estimate_options,
-    radius_from_moments,
     radius_from_statistics,
+    recorded_trace,
 )
 
 __all__ = ["CertifiedCPUAttentionBackend", "CertifiedCPUAttentionImpl", "STEP", "compact_prompt", "compacted_decode",
@@ -367,10 +367,9 @@ def sketched_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torc
     lp = log_pi.to(torch.float32)
     ce = cluster_hajek_attention(query, k, v, None, sketch, log_pi=lp, scale=scale, delta=delta, validate=False,
                                  trace=False)
-    factor = float(radius_from_moments(kind, delta, trace=torch.ones((), dtype=torch.float64)))
-    var = ce.variance if ce.bound is None else torch.minimum(ce.variance, (ce.bound / factor).square())
     out = ce.output
-    _, _, rel = radius_from_statistics(kind, delta, trace=var, output_norm=torch.linalg.vector_norm(out.float(), dim=-1))
+    _, _, rel = radius_from_statistics(kind, delta, trace=recorded_trace(ce, kind),
+                                       output_norm=torch.linalg.vector_norm(out.float(), dim=-1))
     LAST_ROUTE[0] = "sketch_gather"
     return out.to(query.dtype), rel
 
