@@ -229,8 +229,9 @@ def certificates(output) -> np.ndarray | None:
 def stats(llm) -> dict:
     """The scheduler's counters (blocks_freed, requests_decided, requests_evicted, tokens_evicted (token
     design), blocks_evicted (block design), blocks_reused_while_owner_runs, evicted_requests_preempted,
-    requests_refused (bad per-request options)), as of
-    the engine's last step."""
+    requests_refused (bad per-request options), requests_certified (finished requests that carried
+    certificates)), as of the engine's last step; the API server exports them at ``/metrics``
+    (:mod:`kvcert.vllm.metrics`)."""
     out = llm.collective_rpc("kvcert_stats")
     return dict(out[0]) if out else {}
 

@@ -26,7 +26,12 @@ synchronous ``Scheduler`` plus these duties:
 3. **Report.** Per-token certificates come back on
    ``ModelRunnerOutput.kvcert_certs`` and leave with the finished request in
    ``RequestOutput.kv_transfer_params["kvcert"]`` (docs/serving.md, "The
-   certificate channel").
+   certificate channel"). The cumulative counters (``kvcert_stats``, plus
+   ``requests_certified`` and the histogram of the per-request mean relative
+   radius :math:`\bar r = \frac{1}{T} \sum_t r_t` over a finished certified
+   request's T generated tokens) ride in every ``SchedulerStats`` this
+   scheduler makes, for :class:`kvcert.vllm.metrics.CertifiedStatLogger`
+   (``/metrics``; :func:`kvcert.vllm.metrics.encode_stats`).
 
 4. **Per-request options** (token design). A request's ``kvcert_*`` keys of
    ``SamplingParams.extra_args`` (:func:`kvcert.vllm.config.request_options`)
@@ -54,6 +59,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from kvcert.fast import prompt_event
 
 from .config import KVCertConfig, check_vllm_config, request_options
+from .metrics import RADIUS_BUCKETS, encode_stats, radius_bucket
 
 __all__ = ["CertifiedScheduler", "prompt_event"]
 
@@ -85,6 +91,11 @@ class CertifiedScheduler(Scheduler):
         self._options: dict[str, dict] = {}  # per request with kvcert_* keys: its overrides of self.kvcert
         self._errors: dict[str, tuple[int, str]] = {}  # refused requests: (client index, message), not yet reported
         self.kvcert_stats = defaultdict(int)
+        # the histogram of per-request mean relative radius (metrics.RADIUS_BUCKETS, last bucket +Inf)
+        self._radius_counts = [0] * (len(RADIUS_BUCKETS) + 1)
+        self._radius_sum = 0.0
+        # the counters ride in SchedulerStats.waiting_lora_adapters, a field read only when LoRA is enabled
+        self._send_metrics = getattr(vllm_config, "lora_config", None) is None
 
     # ------------------------------------------------------------------ decide and free
 
@@ -122,6 +133,8 @@ class CertifiedScheduler(Scheduler):
         self._records[req_id] = {
             "granularity": "token", "n_prompt_tokens": n_prompt, "m": m, "kept_counts": counts,
             "evicted": evicted, "blocks_freed": freed, "free_before": free_before, "free_after": free_after,
+            # a sketched design's sketches, held in the worker beside the compacted blocks (0 without)
+            "sketch_bytes": int(info.get("sketch_bytes", 0)),
             "certificates": [0.0] * request.num_output_tokens,  # tokens sampled from the full cache
             "preempted": False,
         }
@@ -251,6 +264,14 @@ class CertifiedScheduler(Scheduler):
             self.kvcert_stats["evicted_requests_preempted"] += 1
         return super()._preempt_request(request, *args, **kwargs)
 
+    def make_stats(self, *args, **kwargs):
+        """vLLM's ``SchedulerStats`` plus the plugin's cumulative counters (module docstring, 3)."""
+        stats = super().make_stats(*args, **kwargs)
+        if stats is not None and self._send_metrics:
+            stats.waiting_lora_adapters.update(encode_stats(self.kvcert_stats, self._radius_counts,
+                                                            self._radius_sum))
+        return stats
+
     def _free_request(self, request, *args, **kwargs):
         kv_params, ec_params = super()._free_request(request, *args, **kwargs)
         req_id = request.request_id
@@ -259,6 +280,12 @@ class CertifiedScheduler(Scheduler):
         self._decided.discard(req_id)
         self._pending.pop(req_id, None)
         if rec is not None:
+            if rec.get("granularity") == "token" or rec.get("evicted"):  # what certificates(output) returns
+                certs = rec["certificates"]
+                mean = float(np.mean(certs)) if certs else 0.0
+                self.kvcert_stats["requests_certified"] += 1
+                self._radius_counts[radius_bucket(mean)] += 1
+                self._radius_sum += mean
             kv_params = dict(kv_params or {})
             kv_params["kvcert"] = rec
             self._clear.add(req_id)
