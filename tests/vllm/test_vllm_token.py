@@ -168,7 +168,7 @@ def test_certificates_agree(engine, hf):
     print(f"worst relative certificate difference: {worst:.2e} (tolerance {CERT_RTOL:g})")
 
 
-def test_pool_gains_exactly_the_freed_blocks(engine):
+def test_pool_gains_exactly_the_freed_blocks(engine, design):
     total = 0
     for i in PROMPTS:
         rep = _out(engine, i)["report"]
@@ -179,6 +179,9 @@ def test_pool_gains_exactly_the_freed_blocks(engine):
         assert rep["blocks_freed"] == max(0, n // BLOCK - rep["m"]) > 0
         assert rep["free_after"] - rep["free_before"] == rep["blocks_freed"]
         total += rep["blocks_freed"]
+        # the sketches are counted beside the freed blocks: 30 layers x 3 KV heads x 2,209 float32 elements
+        # (8 clusters (4 d + 4) + d + dv + 1, d = dv = 64) for the recommended design, none for the paper's
+        assert rep["sketch_bytes"] == (30 * 3 * 2209 * 4 if DESIGNS[design] else 0)
     assert engine["blocks_freed"] == total == engine["stats"]["blocks_freed"]
 
 
