@@ -48,7 +48,6 @@ from statistics import NormalDist
 from types import MappingProxyType
 from typing import Callable
 
-import numpy as np
 import torch
 
 from ._checks import check_tensor, compute_dtype
@@ -329,33 +328,39 @@ def _valid_mask(name: str, valid, shape, device) -> torch.Tensor | None:
     return valid.to(device)
 
 
-def _initial_centres(keys: torch.Tensor, valid: torch.Tensor, C: int):
-    """Initial centres (B, C, d) of every head and its cluster count min(C, n_valid) (B,).
+def _initial_centres(k: torch.Tensor, ok: torch.Tensor, C: int, full: bool):
+    r"""Initial centres (B, C, d) of every head and its cluster count min(C, n_valid) (B,).
 
     As ``kvcert.reference.kmeans_assign``: the head's valid keys (in slot order) at the evenly
-    spaced quantiles ``floor((j + 1/2) n / C)`` of their projection on the first principal
-    direction (stable sort). The direction comes from ``numpy.linalg.svd`` of the centred float64
-    keys on the host, exactly the reference's call, because the sign of a singular vector is
-    LAPACK's arbitrary choice: it decides the order of the centres, and torch's SVD (MKL)
-    picks the other sign than NumPy's on about 7% of random heads.
+    spaced quantiles ``floor((j + 1/2) n' / C')`` of their projection :math:`(k_i - \bar k)\cdot u`
+    (stable sort), u the unit eigenvector of the largest eigenvalue of the scatter matrix
+    :math:`\sum_i (k_i - \bar k)(k_i - \bar k)^\top` (d x d, batched ``torch.linalg.eigh`` in
+    float64), signed so that its largest-magnitude component (the first, on ties) is positive: the
+    reference's rule, which makes the order of the centres independent of the eigensolver.
     """
-    B, n, d = keys.shape
-    host = keys.detach().to("cpu", torch.float64).numpy()
-    ok = valid.detach().cpu().numpy()
-    centres = np.zeros((B, C, d))
-    live = np.zeros(B, dtype=np.int64)
-    for h in range(B):
-        k = host[h][ok[h]]
-        m = k.shape[0]
-        if m == 0:
-            continue
-        c = min(C, m)
-        kc = k - k.mean(axis=0)
-        _, _, vt = np.linalg.svd(kc, full_matrices=False)
-        order = np.argsort(kc @ vt[0], kind="stable")
-        centres[h, :c] = k[order[((np.arange(c) + 0.5) * m / c).astype(int)]]
-        live[h] = c
-    return torch.from_numpy(centres).to(device=keys.device, dtype=keys.dtype), torch.from_numpy(live).to(keys.device)
+    B, n, d = k.shape
+    okf = ok.to(k.dtype)
+    m = ok.sum(-1)                                                             # (B,) valid keys
+    mean = (okf[:, None, :] @ k).squeeze(1) / m.clamp(min=1).to(k.dtype)[:, None]
+    kc = k - mean[:, None, :]
+    if not full:
+        kc = torch.where(ok[:, :, None], kc, 0.0)                             # centred, 0 on padding
+    # baddbmm, not bmm: torch's CPU bmm takes a far slower path for this long (n) reduction
+    scatter = torch.baddbmm(kc.new_zeros(B, d, d), kc.transpose(1, 2), kc, beta=0.0)
+    _, vecs = torch.linalg.eigh(scatter.to(torch.float64))
+    u = vecs[:, :, -1]                                                         # (B, d): largest eigenvalue
+    top = torch.gather(u, 1, u.abs().argmax(-1, keepdim=True))                 # first largest |u_j|
+    u = torch.where(top < 0, -u, u).to(k.dtype)
+    proj = torch.where(ok, (kc @ u[:, :, None]).squeeze(-1), float("inf"))   # padding sorts last
+    order = torch.sort(proj, dim=-1, stable=True).indices                     # (B, n)
+    live = m.clamp(max=C)                                                      # (B,) C' = min(C, n')
+    j = torch.arange(C, device=k.device, dtype=torch.float64)
+    pos = ((j[None, :] + 0.5) * m[:, None].to(torch.float64) / live.clamp(min=1)[:, None].to(torch.float64))
+    pos = pos.to(torch.int64).clamp_(max=max(n - 1, 0))                        # floor((j + 1/2) n'/C')
+    slot = torch.gather(order, 1, pos)                                         # (B, C)
+    centres = torch.gather(k, 1, slot[:, :, None].expand(B, C, d))
+    dead = torch.arange(C, device=k.device)[None, :] >= live[:, None]          # slots beyond C'
+    return centres.masked_fill_(dead[:, :, None], 0.0), live
 
 
 def kmeans_assign(keys: torch.Tensor, clusters: int, *, iterations: int = 10,
@@ -368,12 +373,14 @@ def kmeans_assign(keys: torch.Tensor, clusters: int, *, iterations: int = 10,
 
     .. math::
 
-        \ell_i = \arg\min_c \lVert k_i\rVert^2 - 2\, k_i\cdot m_c + \lVert m_c\rVert^2, \qquad
+        \ell_i = \arg\min_c\ \lVert m_c\rVert^2 - 2\, k_i\cdot m_c, \qquad
         m_c \leftarrow \frac{1}{|\{i: \ell_i = c\}|}\sum_{\ell_i = c} k_i\ \text{(if non-empty)},
 
-    ties to the lowest index and empty clusters keeping their previous centre: the labels of
+    (the squared distance less :math:`\lVert k_i\rVert^2`, the same for every c), ties to the
+    lowest index and empty clusters keeping their previous centre: the labels of
     ``kvcert.reference.kmeans_assign`` on the head's valid keys (tested in float64 on generic
-    inputs; float32 differs only for keys within rounding of a cluster boundary).
+    inputs; float32 differs only for keys within rounding of a cluster boundary or of a tie in
+    the projection order).
 
     Parameters
     ----------
@@ -390,8 +397,10 @@ def kmeans_assign(keys: torch.Tensor, clusters: int, *, iterations: int = 10,
 
     Notes
     -----
-    The initialisation runs on the host (one float64 SVD of each head's keys, O(n d^2)); the
-    Lloyd rounds are batched on the keys' device in their compute dtype (O(n C d) each).
+    Everything runs batched on the keys' device in their compute dtype: the initialisation
+    (O(n d^2) for the scatter matrix, a d x d float64 eigensolve per head) and the Lloyd rounds
+    (O(n C d) each, stopping early once a round repeats the previous round's labels, after which
+    every round would).
     """
     keys = check_tensor("keys", keys, ndim=(4,), floating=True)
     clusters = _check_int("clusters", clusters, 1)
@@ -406,20 +415,25 @@ def kmeans_assign(keys: torch.Tensor, clusters: int, *, iterations: int = 10,
     ok = valid.reshape(B, n)
     if n == 0 or d == 0:
         return torch.full((b, h, n), -1, dtype=torch.int64, device=keys.device)
-    centres, live = _initial_centres(k, ok, clusters)
+    full = bool(ok.all())
+    centres, live = _initial_centres(k, ok, clusters, full)
     C = clusters
     dead = torch.arange(C, device=k.device)[None, :] >= live[:, None]  # (B, C): slots beyond C'
-    k2 = (k * k).sum(-1)                                           # (B, n)
+    kz = k if full else torch.where(ok[:, :, None], k, 0.0)          # padding adds nothing to a centre
     okf = ok.to(dt)
+    kt = k.transpose(1, 2).contiguous()                              # (B, d, n)
+    prev = None
     for _ in range(iterations + 1):
-        dist = k2[:, :, None] - 2.0 * torch.bmm(k, centres.transpose(1, 2)) + (centres * centres).sum(-1)[:, None, :]
-        dist.masked_fill_(dead[:, None, :], float("inf"))
-        lab = dist.argmin(-1)                                      # first minimum on ties, as NumPy
-        onehot = torch.nn.functional.one_hot(lab, C).to(dt) * okf[:, :, None]   # (B, n, C), 0 on padding
-        cnt = onehot.sum(1)                                        # (B, C)
-        sums = torch.bmm(onehot.transpose(1, 2), k)                # (B, C, d)
+        c2 = (centres * centres).sum(-1).masked_fill_(dead, float("inf"))
+        dist = torch.baddbmm(c2[:, :, None], centres, kt, alpha=-2.0)  # (B, C, n): the faster gemm layout
+        lab = dist.transpose(1, 2).contiguous().argmin(-1)             # first minimum on ties, as NumPy
+        if prev is not None and torch.equal(lab, prev):
+            break   # the same labels give the same centres: every later round repeats this one
+        cnt = _cluster_sums(lab, C, okf)                               # (B, C), padding counts 0
+        sums = _cluster_sums(lab, C, kz)                               # (B, C, d)
         nz = cnt > 0
         centres = torch.where(nz[:, :, None], sums / cnt.clamp(min=1.0)[:, :, None], centres)
+        prev = lab
     return lab.masked_fill(~ok, -1).reshape(b, h, n)
 
 
@@ -475,7 +489,10 @@ def cluster_sketch(keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor, k
 
     Returns
     -------
-    ClusterSketch with C = ``design.clusters`` slots per head.
+    ClusterSketch with C = ``design.clusters`` slots per head, in the compute dtype of ``keys`` and
+    ``values`` (float64 if either is): a float64 ``pi`` (a design's inclusion probabilities) sets
+    only the precision of :math:`w_i`, computed in float64 and rounded once to float32, unless a
+    weight overflows float32 (:math:`\pi_i \lesssim 3\cdot 10^{-39}`): then the sketch is float64.
     """
     design = _as_design(design)
     keys = check_tensor("keys", keys, ndim=(4,), floating=True)
@@ -493,8 +510,7 @@ def cluster_sketch(keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor, k
         raise ValueError(f"keep must be a bool tensor of shape (b, h_kv, n) = {(b, h, n)}, "
                          f"got {keep.dtype} {tuple(keep.shape)}")
     keep = keep.to(dev)
-    dt = compute_dtype(keys, values, pi)
-    p = _cast(pi, dt)
+    p = _cast(pi, compute_dtype(keys, values, pi))                   # checks and weights at pi's precision
     if p.numel():
         lo, hi = torch.stack(torch.aminmax(p)).tolist()
         if not (lo >= 0.0 and hi <= 1.0):
@@ -519,6 +535,15 @@ def cluster_sketch(keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor, k
             raise ValueError(f"labels must lie in [0, clusters) = [0, {C}) on every valid token")
     B = b * h
     dv = values.shape[-1]
+    g = gone.reshape(B, n)
+    w = torch.where(g, (1.0 - p.reshape(B, n)) / torch.where(g, p.reshape(B, n), 1.0), 0.0)   # 0 off U
+    dt = compute_dtype(keys, values)
+    if w.dtype != dt:   # float64 pi, float32 keys: the moments in float32 unless a weight overflows it
+        w32 = w.to(dt)
+        if bool(torch.isfinite(w32).all()):
+            w = w32
+        else:
+            dt = w.dtype
     q0 = None
     if design.tilt:
         q0 = _tilt_tensor(tilt, (b, h, d), dev)
@@ -528,18 +553,14 @@ def cluster_sketch(keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor, k
     v = _cast(values, dt).reshape(B, n, dv)
     okf = valid.reshape(B, n).to(dt)
     mu = (okf[:, None, :] @ v).squeeze(1) / okf.sum(-1, keepdim=True).clamp(min=1.0)   # (B, dv)
-    g = gone.reshape(B, n)
     lab = torch.where(g, lab.reshape(B, n), 0)
-    w = torch.where(g, (1.0 - p.reshape(B, n)) / torch.where(g, p.reshape(B, n), 1.0), 0.0)   # 0 off U
-    E = torch.nn.functional.one_hot(lab, C).to(dt) * g.to(dt)[:, :, None]
-    Et = E.transpose(1, 2)                                                  # (B, C, n)
     nu2 = (v - mu[:, None, :]).square().sum(-1)                             # (B, n)
     reach = nu2.masked_fill(~g, 0.0).amax(-1).sqrt() if n else torch.zeros(B, dtype=dt, device=dev)
     out = dict(mu=mu.reshape(b, h, dv), rule=design.radius, multiplier=float(design.multiplier),
                reach=reach.reshape(b, h))
     if q0 is None:
-        W, mean, var = _weighted_moments(Et, w, k, lab)
-        N = E.sum(1)
+        W, mean, var = _weighted_moments(lab, C, w, k)
+        N = _cluster_sums(lab, C, g.to(dt))
     else:
         tau = 1.0 / math.sqrt(d) if scale is None else float(scale)
         e = torch.bmm(k, _cast(q0, dt).reshape(B, d, 1)).squeeze(-1).mul_(tau)   # (B, n): tau q0.k
@@ -549,24 +570,38 @@ def cluster_sketch(keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor, k
         x = (e - torch.gather(hc, 1, lab)).masked_fill_(~g, 0.0)             # <= 0 on U
         ex = torch.exp(x) * g.to(dt)
         w = w * ex.square()
-        W, mean, var = _weighted_moments(Et, w, k, lab)
-        N, zmean, zvar = _weighted_moments(Et, ex, k, lab)
+        W, mean, var = _weighted_moments(lab, C, w, k)
+        N, zmean, zvar = _weighted_moments(lab, C, ex, k)
         out.update(tilt=_cast(q0, dt).reshape(b, h, d), zmean=zmean.reshape(b, h, C, d),
                    zvar=zvar.reshape(b, h, C, d), shift=hc.reshape(b, h, C))
-    Y = (Et @ (w * nu2)[:, :, None]).squeeze(-1)
+    Y = _cluster_sums(lab, C, w * nu2)
     return ClusterSketch(mean=mean.reshape(b, h, C, d), var=var.reshape(b, h, C, d), weight=W.reshape(b, h, C),
                          wnorm=Y.reshape(b, h, C), count=N.reshape(b, h, C), **out)
 
 
-def _weighted_moments(Et, w, k, lab):
-    """Per-cluster mass (B, C), w-weighted mean and per-channel variance (B, C, d) of the keys (a mass of
-    0 divides by 1: its slot holds zeros)."""
+def _cluster_sums(lab: torch.Tensor, C: int, x: torch.Tensor) -> torch.Tensor:
+    """Per-cluster sums (B, C, ...) of x (B, n, ...) under the labels lab (B, n) in [0, C): ``index_add_`` on the
+    CPU, a one-hot matmul elsewhere (deterministic, where CUDA's ``index_add_`` adds atomically in any order)."""
+    B, n = lab.shape
+    tail = tuple(x.shape[2:])
+    if x.device.type == "cpu":
+        flat = (lab + C * torch.arange(B, device=lab.device)[:, None]).reshape(-1)
+        return x.new_zeros((B * C, *tail)).index_add_(0, flat, x.reshape(B * n, *tail)).reshape(B, C, *tail)
+    E = (lab[:, None, :] == torch.arange(C, device=lab.device)[None, :, None]).to(x.dtype)   # (B, C, n)
+    return torch.bmm(E, x.reshape(B, n, -1)).reshape(B, C, *tail)
+
+
+def _weighted_moments(lab, C, w, k):
+    """Per-cluster mass (B, C), w-weighted mean and per-channel variance (B, C, d) of the keys k (B, n, d)
+    under the labels lab (B, n) (w = 0 off the evicted tokens; a mass of 0 divides by 1: its slot holds zeros)."""
     B, n, d = k.shape
-    W = (Et @ w[:, :, None]).squeeze(-1)
-    Ws = torch.where(W > 0, W, 1.0)
-    mean = (Et @ (w[:, :, None] * k)) / Ws[:, :, None]
-    centred = k - torch.gather(mean, 1, lab[:, :, None].expand(B, n, d))
-    var = (Et @ (w[:, :, None] * centred.square())) / Ws[:, :, None]
+    W = _cluster_sums(lab, C, w)
+    Ws = torch.where(W > 0, W, 1.0)[:, :, None]
+    wk = w[:, :, None]
+    mean = _cluster_sums(lab, C, wk * k) / Ws
+    flat = (lab + C * torch.arange(B, device=lab.device)[:, None]).reshape(-1)
+    centred = k - mean.reshape(B * C, d).index_select(0, flat).reshape(B, n, d)
+    var = _cluster_sums(lab, C, centred.square_().mul_(wk)) / Ws
     return W, mean, var
 
 

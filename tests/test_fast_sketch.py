@@ -38,7 +38,7 @@ import kvcert.fast as F
 from kvcert.fast import sketch as FS
 from kvcert.reference import sketch as RS
 from sketch_support import (FLOAT32_CASES, RTOL, RTOL_V, T, _centred_scale, _check_fields, _compact, _full, _heads,
-                            _ref_sketch, _reference_rows, check_float32_step)
+                            _ref_sketch, _reference_rows, _sketch_tolerances, check_float32_step)
 from support import EPS, assert_close, rounding
 
 FEW = settings(max_examples=6, deadline=None)
@@ -59,6 +59,22 @@ def test_kmeans_labels_match_reference_float64(n, d, clusters, iterations, seed)
         ok = valid[bi, hi]
         want = RS.kmeans_assign(k[bi, hi][ok], clusters, iterations=iterations)
         assert np.array_equal(lab[bi, hi][ok], want), (bi, hi)
+
+
+def test_principal_direction_is_the_svd_direction_with_a_fixed_sign():
+    """The reference's initial direction (eigh of the d x d scatter matrix) is the first right singular
+    vector of the centred keys up to sign, signed so that its largest |component| is positive. Both
+    solvers' directions are off by about eps / g (g = 1 - (s_2/s_1)^2, the relative gap of the top
+    eigenvalue), so 1 - |cos| <= (100 eps / g)^2 with a wide margin."""
+    rng = np.random.default_rng(3)
+    eps = np.finfo(np.float64).eps
+    for n, d in ((50, 1), (3, 8), (400, 16), (2000, 64)):
+        k = rng.normal(size=(n, d)) * np.linspace(2.0, 0.5, d) ** 2 + rng.normal(size=d)
+        u = RS._principal_direction(k)
+        _, sv, vt = np.linalg.svd(k - k.mean(0), full_matrices=False)
+        gap = 1.0 - (sv[1] / sv[0]) ** 2 if d > 1 else 1.0
+        assert abs(abs(u @ vt[0]) - 1.0) <= (100 * eps / gap) ** 2 + 4 * eps, (n, d, gap)
+        assert u[np.argmax(np.abs(u))] > 0
 
 
 def test_kmeans_without_valid_and_all_padding_head():
@@ -237,6 +253,44 @@ def test_empty_heads():
 @pytest.mark.parametrize("n, g, clusters", FLOAT32_CASES)
 def test_float32_within_derived_tolerance(n, g, clusters):
     check_float32_step(FS.cluster_hajek_attention, n, g, clusters)
+
+
+@pytest.mark.parametrize("n, clusters", [(239, 6), (113, 1), (3, 4)])
+def test_float32_cache_with_float64_pi(n, clusters):
+    """A design's pi is float64 and the cache float32: the sketch is float32 (w = (1 - pi)/pi computed
+    in float64, rounded once), within the float32 sketch tolerance above (rounding(float32, n) times
+    the magnitude each field sums) of the float64 reference on the float32-rounded keys and values
+    and the unrounded pi, tiny pi (1e-6, w ~ 1e6) included."""
+    k, v, pi, keep, valid = _full(200 + n, 2, 2, n, 16, 5, budget=0.3)
+    k, v = (x.astype(np.float32).astype(np.float64) for x in (k, v))
+    labels = FS.kmeans_assign(T(k), clusters, valid=T(valid, torch.bool))
+    f32 = torch.float32
+    sk = FS.cluster_sketch(T(k, f32), T(v, f32), T(pi), T(keep, torch.bool), FS.ClusterDesign(clusters=clusters),
+                           labels=labels)
+    assert sk.mean.dtype == sk.weight.dtype == sk.mu.dtype == f32
+    r, lab = rounding(torch.float32, n), labels.numpy()
+    for bi, hi in _heads(valid):
+        ok = valid[bi, hi]
+        ref = _ref_sketch(k, v, pi, keep, valid, bi, hi, RS.ClusterDesign(clusters=clusters), labels=lab)
+        tol = _sketch_tolerances(r, k[bi, hi], v[bi, hi], pi[bi, hi], ok & ~keep[bi, hi], lab[bi, hi], ok, ref)
+        _check_fields(sk, ref, bi, hi, tol=tol)
+
+
+def test_float64_pi_beyond_float32_keeps_float64():
+    """An evicted token with pi = 1e-45 has w ~ 1e45, not a float32: the sketch of float32 keys and values
+    is then float64, finite, and the float64 sketch of the same inputs (to its float64 rounding)."""
+    k, v, pi, keep, valid = _full(8, 1, 2, 60, 8, 3, pad=False)
+    evicted = np.flatnonzero(~keep[0, 1])
+    pi[0, 1, evicted[0]] = 1e-45
+    k, v = (x.astype(np.float32).astype(np.float64) for x in (k, v))
+    design = FS.ClusterDesign(clusters=4)
+    lab = FS.kmeans_assign(T(k), 4)
+    got = FS.cluster_sketch(T(k, torch.float32), T(v, torch.float32), T(pi), T(keep, torch.bool), design, labels=lab)
+    want = FS.cluster_sketch(T(k), T(v), T(pi), T(keep, torch.bool), design, labels=lab)
+    assert got.weight.dtype == torch.float64 and bool(torch.isfinite(got.weight).all())
+    for f in ("mean", "var", "weight", "wnorm", "count", "mu"):
+        x, y = getattr(got, f).numpy(), getattr(want, f).numpy()
+        assert_close(f, x, y, RTOL * (np.abs(y) + np.abs(y).max() + 1e-300))
 
 
 # ----------------------------------------------------------------------------- errors
