@@ -262,6 +262,13 @@ class ClusterSketch:
         """The same in kept-token units (:meth:`ClusterDesign.tokens`)."""
         return self.design.tokens(self.mean.shape[-1], self.mu.shape[-1])
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the sketch's tensors hold (every one it carries: the moments, and a tilted sketch's tilt,
+        tilted moments and shifts, and the reach)."""
+        return sum(t.numel() * t.element_size() for t in (getattr(self, f.name) for f in fields(self))
+                   if isinstance(t, torch.Tensor))
+
     def map(self, fn) -> "ClusterSketch":
         """The same sketch with ``fn`` applied to each of its six tensors (e.g. a batch selection
         ``lambda x: x[idx]`` or a device move); the rule and multiplier are kept."""

@@ -85,11 +85,7 @@ class Compacted:
     @property
     def sketch_bytes(self) -> int:
         """Bytes the sketches hold (0 without a sketch): every tensor of every layer's sketch."""
-        if not self.sketches:
-            return 0
-        return sum(t.numel() * t.element_size() for sk in self.sketches for t in
-                   (getattr(sk, f) for f in ("mean", "var", "weight", "wnorm", "count", "mu", "tilt", "zmean",
-                                             "zvar", "shift", "reach")) if t is not None)
+        return sum(sk.nbytes for sk in self.sketches or ())
 
 
 @dataclass
