@@ -41,6 +41,7 @@ from typing import NamedTuple
 import torch
 
 from ._checks import check_nonneg_int, check_probabilities, check_tensor, stat_dtype
+from .certificates import TILTED_HULL_MULTIPLIER
 from .sketch import ClusterDesign, _as_design
 
 __all__ = [
@@ -752,13 +753,10 @@ SKETCHES = {"cluster": ClusterDesign(radius="chebyshev"),
             "tilted": ClusterDesign(clusters=8, radius="chebyshev", tilt=True)}
 
 
-def _sketch_kinds() -> dict:
-    """The recorded kind of a sketched design -> the radius rule (and multiplier) its ClusterDesign carries:
-    ``chebyshev`` = sqrt(V_cl / delta); ``tilted_hull`` (the recommended design's kind, with ``sketch="tilted"``)
-    = c sqrt(V_cl), c = ``TILTED_HULL_MULTIPLIER``; both capped at the hull bound."""
-    from .certificates import TILTED_HULL_MULTIPLIER
-
-    return {"chebyshev": ("chebyshev", None), "tilted_hull": ("fixed", TILTED_HULL_MULTIPLIER)}
+#: the kinds a sketched design records -> the radius rule (and multiplier) its ClusterDesign carries:
+#: ``chebyshev`` = sqrt(V_cl / delta); ``tilted_hull`` (the recommended design's kind, with ``sketch="tilted"``)
+#: = c sqrt(V_cl), c = ``TILTED_HULL_MULTIPLIER``; both capped at the hull bound
+SKETCH_KINDS = {"chebyshev": ("chebyshev", None), "tilted_hull": ("fixed", TILTED_HULL_MULTIPLIER)}
 
 
 def resolve_sketch(sketch, kind: str):
@@ -771,7 +769,7 @@ def resolve_sketch(sketch, kind: str):
     ValueError / TypeError
         An unknown name, a rule that is not the kind's, ``kind="tilted_hull"`` without the tilted sketch.
     """
-    rules = _sketch_kinds()
+    rules = SKETCH_KINDS
     if sketch is None:
         if kind == "tilted_hull":
             raise ValueError("kind='tilted_hull' is the tilted sketch's radius, min(3 sqrt(V_cl), H): use "

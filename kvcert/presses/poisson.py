@@ -281,6 +281,8 @@ class PoissonPress(BasePress):
 #: ``PoissonPress(sketch=name)`` (``kvcert.fast.design.SKETCHES``): ``"cluster"`` (16 clusters, moments at q = 0)
 #: and ``"tilted"`` (8 clusters, moments tilted at the observation window's mean query; about the same memory)
 SKETCHES = _fast_design.SKETCHES
+#: the kinds a sketched press records -> its radius rule (``kvcert.fast.design.SKETCH_KINDS``)
+SKETCH_KINDS = _fast_design.SKETCH_KINDS
 
 
 _accept_kvpress_names(PoissonPress)

@@ -126,11 +126,11 @@ class KVCertConfig:
 
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
-        from kvcert.fast.design import SKETCHES
+        from kvcert.fast.design import SKETCH_KINDS, SKETCHES
 
         if self.sketch is not None and (not isinstance(self.sketch, str) or self.sketch not in SKETCHES):
             raise ValueError(f"sketch must be None or one of {tuple(SKETCHES)}, got {self.sketch!r}")
-        kinds = SERVED_KINDS if self.sketch is None else ("chebyshev", "tilted_hull")
+        kinds = SERVED_KINDS if self.sketch is None else tuple(SKETCH_KINDS)
         if self.kind is not None and (not isinstance(self.kind, str) or self.kind not in kinds):
             raise ValueError(f"kind must be one of {kinds} (the norm certificates the plugin serves"
                              f"{'' if self.sketch is None else ' with a sketch'}), got {self.kind!r}")
