@@ -393,11 +393,11 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
         if plan.stock_rows:
             self._stock_rows(plan, layer, query, kv_cache, attn_metadata, output)
         if plan.compacted:  # the token design: compacted prompt slots + the tokens after the prompt
-            ids, log_pi = plan.compacted_inputs(layer_index(layer))
+            index = layer_index(layer)
+            ids, log_pi = plan.compacted_inputs(index)
             groups: dict[tuple, list] = {}  # rows by their request's (kind, delta, sketched)
             for j, row in enumerate(plan.compacted):
                 groups.setdefault(row.certificate, []).append(j)
-            index = layer_index(layer)
             for (kind, delta, sketched), rows in groups.items():
                 if len(groups) == 1:
                     tokens, g_ids, g_log_pi = plan.compacted_tokens, ids, log_pi
