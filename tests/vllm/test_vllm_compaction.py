@@ -51,6 +51,22 @@ def _setup(**design):
     return backend, worker, impl, cache, k, v, cfg, fake, layer, scale
 
 
+def _prefill_metadata(backend, impl):
+    """The attention metadata of the Q-token prompt's one prefill step (the stock op's work partition)."""
+    qsl, seq = torch.tensor([0, Q], dtype=torch.int32), torch.tensor([Q], dtype=torch.int32)
+    return SimpleNamespace(query_start_loc=qsl, seq_lens=seq, block_table=TABLE.to(torch.int32), causal=True,
+                           dynamic_causal=None, num_actual_tokens=Q,
+                           scheduler_metadata=backend.stock_scheduler_metadata(impl, seq, qsl, True, "vec",
+                                                                               torch.float32))
+
+
+def _decode_metadata():
+    """The attention metadata of one decode token after the prompt and the T tokens written after it."""
+    return SimpleNamespace(query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                           seq_lens=torch.tensor([Q + T], dtype=torch.int32), block_table=TABLE.to(torch.int32),
+                           causal=True, dynamic_causal=None)
+
+
 def _forward(backend, impl, step, layer, query, cache, md):
     backend.STEP.ctx = step
     try:
@@ -67,11 +83,7 @@ def test_prefill_compacts_and_decode_equals_the_estimator_after_the_freed_blocks
     backend, worker, impl, cache, k, v, cfg, fake, layer, scale = _setup()
     original = cache.clone()
     qp = torch.randn(Q, H_Q, D)
-    qsl, seq = torch.tensor([0, Q], dtype=torch.int32), torch.tensor([Q], dtype=torch.int32)
-    md = SimpleNamespace(query_start_loc=qsl, seq_lens=seq, block_table=TABLE.to(torch.int32), causal=True,
-                         dynamic_causal=None, num_actual_tokens=Q,
-                         scheduler_metadata=backend.stock_scheduler_metadata(impl, seq, qsl, True, "vec",
-                                                                             torch.float32))
+    md = _prefill_metadata(backend, impl)
     step = worker.Step(fake)
     out = _forward(backend, impl, step, layer, qp, cache, md)
     ref = torch.nn.functional.scaled_dot_product_attention(  # the prefill itself is the stock attention
@@ -104,9 +116,7 @@ def test_prefill_compacts_and_decode_equals_the_estimator_after_the_freed_blocks
     _write(cache, k[Q:], v[Q:], torch.arange(Q, Q + T))
     _write(original, k[Q:], v[Q:], torch.arange(Q, Q + T))
     qd = torch.randn(1, H_Q, D)
-    md = SimpleNamespace(query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
-                         seq_lens=torch.tensor([Q + T], dtype=torch.int32), block_table=TABLE.to(torch.int32),
-                         causal=True, dynamic_causal=None)
+    md = _decode_metadata()
     step = worker.Step(fake)
     out = _forward(backend, impl, step, layer, qd, cache, md)
     certs, _, _ = step.results(BS)
@@ -162,11 +172,7 @@ def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypa
                         lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32)))
     backend, worker, impl, cache, k, v, cfg, fake, layer, scale = _setup(sketch="tilted", kind="tilted_hull")
     qp = torch.randn(Q, H_Q, D)
-    qsl, seq = torch.tensor([0, Q], dtype=torch.int32), torch.tensor([Q], dtype=torch.int32)
-    md = SimpleNamespace(query_start_loc=qsl, seq_lens=seq, block_table=TABLE.to(torch.int32), causal=True,
-                         dynamic_causal=None, num_actual_tokens=Q,
-                         scheduler_metadata=backend.stock_scheduler_metadata(impl, seq, qsl, True, "vec",
-                                                                             torch.float32))
+    md = _prefill_metadata(backend, impl)
     step = worker.Step(fake)
     _forward(backend, impl, step, layer, qp, cache, md)
     _, _, compacted = step.results(BS)
@@ -186,9 +192,7 @@ def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypa
     cache[freed] = 1e4 * torch.randn_like(cache[freed])
     _write(cache, k[Q:], v[Q:], torch.arange(Q, Q + T))
     qd = torch.randn(1, H_Q, D)
-    md = SimpleNamespace(query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
-                         seq_lens=torch.tensor([Q + T], dtype=torch.int32), block_table=TABLE.to(torch.int32),
-                         causal=True, dynamic_causal=None)
+    md = _decode_metadata()
     step = worker.Step(fake)
     out = _forward(backend, impl, step, layer, qd, cache, md)
     certs, _, _ = step.results(BS)
