@@ -144,7 +144,9 @@ def _child(spec_path: str, res_fd: str) -> None:
     else:
         from kvcert.vllm import certified_llm
 
-        llm = certified_llm(spec["model"], compression_ratio=spec["ratio"], seed=0,
+        kvcert = {} if spec.get("sketch", "auto") == "auto" else {"sketch": None if spec["sketch"] == "none"
+                                                                  else spec["sketch"]}
+        llm = certified_llm(spec["model"], compression_ratio=spec["ratio"], seed=0, kvcert=kvcert or None,
                             granularity=spec.get("granularity", "token"), **spec["engine"])
     out.write(json.dumps({"start_s": time.perf_counter() - t0}) + "\n")
     out.flush()
@@ -164,13 +166,14 @@ class _Engine:
     """The parent's handle on one engine process (stock: ``VLLM_PLUGINS=""``, i.e. without the plugin)."""
 
     def __init__(self, name: str, model: str, ratio, engine: dict, tmp: Path, timeout: float,
-                 granularity: str = "token"):
+                 granularity: str = "token", sketch: str = "auto"):
         self.name, self.timeout = name, timeout
         env = _env()
         if ratio is None:
             env["VLLM_PLUGINS"] = ""
         spec = tmp / f"{name}.json"
-        spec.write_text(json.dumps({"model": model, "ratio": ratio, "engine": engine, "granularity": granularity}))
+        spec.write_text(json.dumps({"model": model, "ratio": ratio, "engine": engine, "granularity": granularity,
+                                    "sketch": sketch}))
         self.log_path = tmp / f"{name}.log"
         self._log = open(self.log_path, "w")
         r, w = os.pipe()
@@ -269,6 +272,9 @@ def main(argv=None) -> None:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--granularity", choices=("token", "block"), default="token",
                     help="the plugin's design: the token design by compaction (default) or whole blocks")
+    ap.add_argument("--sketch", choices=("auto", "none", "tilted", "cluster"), default="auto",
+                    help="token design: 'auto' = the plugin's default (the recommended design, tilted sketch), "
+                         "'none' = the paper's design")
     ap.add_argument("--pool-blocks", type=int, default=140, help="num_gpu_blocks_override of every engine")
     ap.add_argument("--admission-requests", type=int, default=24,
                     help="more than the pool can hold at once even at ratio 0.5, so the pool is the limit")
@@ -309,7 +315,8 @@ def main(argv=None) -> None:
                 eng = dict(engine)
                 if ratio is not None:
                     eng.pop("enable_prefix_caching")
-                engines[name] = _Engine(name, model, ratio, eng, Path(tmp), args.timeout, args.granularity)
+                engines[name] = _Engine(name, model, ratio, eng, Path(tmp), args.timeout, args.granularity,
+                                        args.sketch)
                 raw[name]["start_s"] = engines[name].recv()["start_s"]
                 print(f"{name}: engine up in {raw[name]['start_s']:.1f} s", flush=True)
             # a warm-up phase shaped like the first latency phase, not reported: in the plugin's engine the decode

@@ -759,6 +759,27 @@ SKETCHES = {"cluster": ClusterDesign(radius="chebyshev"),
 SKETCH_KINDS = {"chebyshev": ("chebyshev", None), "tilted_hull": ("fixed", TILTED_HULL_MULTIPLIER)}
 
 
+#: the design of a press or engine that names none (``sketch="auto"``, ``kind=None``): the recommended design,
+#: the tilted sketch with the ``tilted_hull`` radius (docs/theory.md section 8)
+RECOMMENDED = ("tilted", "tilted_hull")
+
+
+def default_design(sketch, kind):
+    """``(sketch, kind)`` of a press or engine from what the user named (``PoissonPress``, the vLLM plugin).
+
+    - ``sketch="auto"`` (their default): the recommended design, :data:`RECOMMENDED` (the tilted sketch,
+      kind ``tilted_hull``), unless a kind other than ``tilted_hull`` is named: that kind certifies the
+      paper's design, which has no sketch (``PoissonPress(kind="chi2")`` is the paper design with chi2);
+    - a sketch named (None = the paper's design, ``"cluster"``, ``"tilted"`` or a ``ClusterDesign``) and no
+      kind: ``chebyshev``.
+    """
+    if isinstance(sketch, str) and sketch == "auto":
+        if kind is None or kind == RECOMMENDED[1]:
+            return RECOMMENDED
+        return None, kind
+    return sketch, ("chebyshev" if kind is None else kind)
+
+
 def resolve_sketch(sketch, kind: str):
     """A design's ``sketch=``: None, a name of :data:`SKETCHES` or a ClusterDesign-like object -> None or a
     ``kvcert.fast.ClusterDesign`` whose radius rule is the recorded ``kind``'s: ``chebyshev`` records

@@ -87,10 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="queries the snapkv/tova/h2o scorers look at (default 32)")
     g.add_argument("--seed", type=int, default=None, help="poisson/random: seed of the sampling design (default 0)")
     g.add_argument("--delta", type=float, default=None, help="certificate miscoverage (default 0.05)")
-    g.add_argument("--kind", default=None, choices=KINDS, help="certificate kind (default chebyshev)")
-    g.add_argument("--sketch", default=None, choices=tuple(SKETCHES),
-                   help="poisson: keep a sketch of the evicted tokens at equal memory (opt-in designs: "
-                        "cluster, tilted; the certificate then covers the evicted tokens through it)")
+    g.add_argument("--kind", default=None, choices=KINDS,
+                   help="certificate kind (default: tilted_hull for --press poisson's recommended design, chebyshev "
+                        "otherwise; a plain kind with --press poisson certifies the paper's design)")
+    g.add_argument("--sketch", default=None, choices=("none",) + tuple(SKETCHES),
+                   help="poisson: the sketch of the evicted tokens kept at equal memory (default: the recommended "
+                        "design, tilted with --kind tilted_hull; 'none': the paper's design; 'cluster', 'tilted': "
+                        "those sketches, recorded with --kind chebyshev unless tilted_hull is given)")
     g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="streaming: feed the prompt in chunks of N tokens (with --target-size and "
@@ -138,6 +141,8 @@ def make_press(args):
         value = getattr(args, name)
         if value is None:
             continue
+        if name == "sketch" and value == "none":
+            value = None  # the paper's design, by name
         if name not in names:
             if name == "seed" and args.sample:
                 continue  # a deterministic press: --seed seeds the sampling only

@@ -436,8 +436,11 @@ def results_markdown(results: dict, s: dict, cfg: Config, *, day: str | None = N
             parts.append(f"| `{kind}`{' (default)' if kind == DEFAULT_KIND else ' (strict, opt-in)'} | "
                          + " | ".join(cols) + f" | {verdict} |")
         if not any(all_met):
-            parts += ["", "The default stays `chebyshev`: no kind meets all three goals (Table 2 has every kind "
-                      "and design, Table 2c where they fail; docs/theory.md section 6 the analysis).", ""]
+            parts += ["", "On the paper's design the kind stays `chebyshev`: no kind meets all three goals (Table 2 "
+                      "has every kind and design, Table 2c where they fail; docs/theory.md section 6 the analysis). "
+                      "`PoissonPress()`'s default is now the recommended design, the tilted sketch with "
+                      "`tilted_hull` (docs/theory.md section 8); these tables ask for the paper's design by "
+                      "name.", ""]
         else:
             parts.append("")
     parts += _sketch_section()

@@ -247,7 +247,8 @@ def collect(cfg: Config, model, tokenizer) -> list[dict]:
             add(protocol, task, i, "full", 1.0, out)
         for b in cfg.budgets:
             ratio = 1.0 - b
-            presses = [("poisson", kvcert.PoissonPress(compression_ratio=ratio, seed=cfg.seed))]
+            # the paper's design by name (sketch=None): PoissonPress's default is the recommended design
+            presses = [("poisson", kvcert.PoissonPress(compression_ratio=ratio, seed=cfg.seed, sketch=None))]
             presses += [(f"poisson_{name}", kvcert.PoissonPress(compression_ratio=ratio, seed=cfg.seed, sketch=name))
                         for name in SKETCHES]
             presses += [("snapkv", kvcert.SnapKVPress(compression_ratio=ratio))]
@@ -262,7 +263,8 @@ def collect(cfg: Config, model, tokenizer) -> list[dict]:
         if protocol == QUERY_AWARE and STREAM_BUDGET in cfg.budgets:
             n = float(np.mean([_prompt_tokens(tokenizer, e) for e in exs]))
             press = kvcert.DecodingPress(kvcert.PoissonPress(target_size=max(1, round(STREAM_BUDGET * n)),
-                                                             seed=cfg.seed), compression_interval=STREAM_CHUNK)
+                                                             seed=cfg.seed, sketch=None),
+                                         compression_interval=STREAM_CHUNK)
             for i, out in runs(press, None, chunk=STREAM_CHUNK):
                 add(protocol, task, i, "poisson_stream", STREAM_BUDGET, out)
     return records

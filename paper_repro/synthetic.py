@@ -66,7 +66,7 @@ def paper_press(fraction: float, *, top_fraction: float = 0.5, sinks: int = SINK
     import kvcert
 
     return kvcert.PoissonPress(compression_ratio=1.0 - fraction, sinks=sinks, window=window,
-                               top_fraction=top_fraction, floor=floor)
+                               top_fraction=top_fraction, floor=floor, sketch=None)  # the paper's design, by name
 
 
 def press_pi(press, importance: np.ndarray) -> np.ndarray:

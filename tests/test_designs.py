@@ -55,7 +55,7 @@ def _held(layer, r, h):
                          ids=["ratio0.7-n300", "ratio0.5-n113", "shrunk-window-n41", "target60-n150"])
 def test_token_design_keeps_what_poisson_press_keeps(scorer, n, options):
     q, k, v = _qkv(1, 3, 3, n, seed=n)
-    kw = dict(seed=5, scorer=scorer, **options)
+    kw = dict(seed=5, scorer=scorer, sketch=None, **options)  # the paper's design (the default's: below)
     layer = _press_event(kvcert.PoissonPress(**kw), q, k, v, layer_idx=3)
     design = F.TokenDesign(**kw)
     scores = design.score(q, k, v, scale=k.shape[-1] ** -0.5, layer=3, event=0)
@@ -75,7 +75,7 @@ def test_token_design_decides_each_row_of_a_padded_batch_as_alone(scorer):
     n = max(lengths)
     q, k, v = _qkv(len(lengths), 2, 2, n, seed=11)
     real = torch.stack([torch.arange(n) >= n - m for m in lengths])  # left padding
-    kw = dict(compression_ratio=0.6, seed=2, scorer=scorer, window=8, sinks=2)
+    kw = dict(compression_ratio=0.6, seed=2, scorer=scorer, window=8, sinks=2, sketch=None)
     layer = _press_event(kvcert.PoissonPress(**kw), q, k, v, layer_idx=1, real=real)
     design = F.TokenDesign(**kw)
     for r, m in enumerate(lengths):
@@ -89,6 +89,31 @@ def test_token_design_decides_each_row_of_a_padded_batch_as_alone(scorer):
             # the padded row's solver sums over padding zeros too: float64 rounding of the sums only
             pi = torch.log(d.pi[h, kept]).to(log_w.dtype)
             torch.testing.assert_close(log_w, pi, rtol=0, atol=4 * m * torch.finfo(torch.float64).eps)
+
+
+@pytest.mark.parametrize("n", [300, 113])
+def test_the_default_press_keeps_what_the_recommended_token_design_keeps(n):
+    """PoissonPress()'s default is TokenDesign(sketch="tilted", kind="tilted_hull") (kvcert.fast.default_design):
+    the press decides at the design's sampled budget (the budget less the sketch's memory) and holds the
+    sketch of what it evicted (the tilt at the mean of the last observation_window queries)."""
+    q, k, v = _qkv(1, 3, 3, n, seed=n)
+    press = kvcert.PoissonPress(compression_ratio=0.5, seed=5)
+    design = F.TokenDesign(compression_ratio=0.5, seed=5, sketch="tilted", kind="tilted_hull")
+    assert (press.kind, press.sketch) == ("tilted_hull", design.sketch) and press.design == design
+    layer = _press_event(press, q, k, v, layer_idx=3)
+    scale = k.shape[-1] ** -0.5
+    scores = design.score(q, k, v, scale=scale, layer=3, event=0)
+    budget = design.sampled_budget(n, k.shape[-1], v.shape[-1])
+    assert budget == pytest.approx(n * 0.5 - design.sketch.tokens(k.shape[-1], v.shape[-1]))
+    d = design.decide(scores[0], layer=3, event=0, budget=budget)
+    for h in range(3):
+        pos, log_w = _held(layer, 0, h)
+        assert torch.equal(pos, d.keep[h].nonzero().flatten()), f"head {h}: kept tokens differ"
+    sketch = design.sketch_of(k, v, d, queries=q, scale=scale)
+    torch.testing.assert_close(layer.sketch.mean, sketch.mean.to(layer.sketch.mean.dtype), rtol=1e-5, atol=1e-6)
+    # negative control: the paper's design keeps more (the full budget, no sketch)
+    paper = _press_event(kvcert.PoissonPress(compression_ratio=0.5, seed=5, sketch=None), q, k, v, layer_idx=3)
+    assert paper.sketch is None and int(paper.kept.sum()) > int(layer.kept.sum())
 
 
 def test_token_design_budget_and_sizes_are_the_press_s():
@@ -324,7 +349,8 @@ def test_sketched_kinds_are_refused_where_there_is_no_sketch():
     for name in sketched:
         assert name not in F.SERVED_KINDS
         with pytest.raises(ValueError, match="sketch='tilted'"):
-            kvcert.PoissonPress(compression_ratio=0.5, kind=name)
+            kvcert.PoissonPress(compression_ratio=0.5, kind=name, sketch=None)
+        assert kvcert.PoissonPress(compression_ratio=0.5, kind=name).sketch.tilt  # the default sketch: fine
 
 
 def test_reference_reductions_are_the_fast_registry_s_twin():

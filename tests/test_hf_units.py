@@ -528,7 +528,7 @@ def test_a_scorer_press_that_writes_only_score():
     assert press.queries_needed(40) == 0
     u = press._score(q, k, v, scale=0.3, layer=0, event=0)
     assert torch.equal(u, (k * k[:, :, -1:]).sum(-1))
-    poisson = kvcert.PoissonPress(compression_ratio=0.5, scorer=press, sinks=2, window=4)
+    poisson = kvcert.PoissonPress(compression_ratio=0.5, scorer=press, sinks=2, window=4, sketch=None)
     pi = poisson.inclusion_probabilities(u)
     assert pi.shape == (1, 2, 40) and bool((pi > 0).all())
     assert float(pi.sum(-1).max()) == pytest.approx(20.0, rel=1e-6)

@@ -187,7 +187,7 @@ def test_a_sequence_gets_the_same_certificates_alone_or_in_a_padded_batch(design
     ({"sketch": F.ClusterDesign()}, ValueError, "radius='chebyshev'"),
     ({"sketch": "cluster", "kind": "bernstein"}, ValueError, "kind='chebyshev'"),
     ({"sketch": "cluster", "kind": "tilted_hull"}, ValueError, "kind='tilted_hull'"),
-    ({"kind": "tilted_hull"}, ValueError, "sketch='tilted', kind='tilted_hull'"),
+    ({"kind": "tilted_hull", "sketch": None}, ValueError, "sketch='tilted', kind='tilted_hull'"),
     ({"sketch": SimpleNamespace(clusters=0, iterations=10, radius="chebyshev", multiplier=3.0)}, ValueError,
      "clusters must be an int >= 1"),
 ])
@@ -225,12 +225,12 @@ def test_the_tilt_is_the_observation_windows_mean_query_of_each_group(monkeypatc
 def test_sketch_defaults_and_refusals_at_run_time():
     p = kvcert.PoissonPress(compression_ratio=0.5, sketch="cluster")
     assert p.sketch == F.ClusterDesign(clusters=16, radius="chebyshev")
-    assert kvcert.PoissonPress(compression_ratio=0.5).sketch is None
+    assert kvcert.PoissonPress(compression_ratio=0.5, sketch=None).sketch is None
     tilted = kvcert.PoissonPress(compression_ratio=0.5, sketch="tilted", observation_window=16)
     assert tilted.sketch == F.ClusterDesign(clusters=8, radius="chebyshev", tilt=True)
     # the tilt reads the observation window even for a scorer that reads no query
     assert kvcert.PoissonPress(compression_ratio=0.5, sketch="tilted", scorer="knorm").queries_needed(100) == 32
-    assert kvcert.PoissonPress(compression_ratio=0.5, scorer="knorm").queries_needed(100) == 0
+    assert kvcert.PoissonPress(compression_ratio=0.5, scorer="knorm", sketch=None).queries_needed(100) == 0
     with pytest.raises(ValueError, match="base_press: a sketched PoissonPress"):
         kvcert.DecodingPress(p, compression_interval=8)
     model = tiny_model()

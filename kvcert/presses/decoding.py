@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -24,7 +24,10 @@ class DecodingPress(Press):
     Parameters
     ----------
     base_press : BasePress
-        E.g. ``PoissonPress(seed=0)`` or ``SnapKVPress()``.
+        E.g. ``PoissonPress(seed=0)`` or ``SnapKVPress()``. A ``PoissonPress`` left at its default design
+        (the recommended design, whose sketch is one event's) runs the paper's design here, kind
+        ``chebyshev`` (a copy: ``self.base_press``; the caller's press is not changed); a sketch asked for
+        by name is refused (repeated events would need several events' sketches merged).
     compression_interval : int >= 1
         New tokens (decoded, or prompt tokens of a streaming prefill) between events.
     target_size : int >= 1, optional
@@ -49,6 +52,9 @@ class DecodingPress(Press):
                             f"({type(self.base_press.scorer).__name__}) scores prefills only (its score reads a "
                             "layer's hidden states, which decode-time events do not keep); give DecodingPress a "
                             "kvcert scorer")
+        if getattr(self.base_press, "sketch", None) is not None and \
+                getattr(self.base_press, "_recommended_default", False):
+            self.base_press = replace(self.base_press, sketch=None, kind="chebyshev")  # the paper's design
         if getattr(self.base_press, "sketch", None) is not None:
             raise ValueError("base_press: a sketched PoissonPress (sketch=...) evicts once per layer, at the "
                              "prefill; decode-time events would need the sketches of several events merged, which "

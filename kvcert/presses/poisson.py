@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..fast import SCORERS, TokenDesign, nonnegative_importance, window_tilt
+from ..fast import SCORERS, TokenDesign, default_design, nonnegative_importance, window_tilt
 from ..fast import design as _fast_design
 from .base import BasePress, _accept_kvpress_names, _held_design
 from .kvpress_interop import _is_kvpress_scorer, _KvpressInputs, _row_slice
@@ -15,7 +15,8 @@ from .scorer import ScorerPress
 
 @dataclass
 class PoissonPress(BasePress):
-    r"""Randomized eviction with known inclusion probabilities (the paper's design).
+    r"""Randomized eviction with known inclusion probabilities (by default the recommended design: the
+    paper's sample plus a tilted sketch of the evicted tokens, at equal memory).
 
     At each event, per layer, batch row and KV head: the first ``sinks``
     tokens, the last ``window`` tokens and the ``top`` most important others
@@ -35,9 +36,14 @@ class PoissonPress(BasePress):
 
     Parameters
     ----------
-    compression_ratio, target_size, sinks, window, delta, kind
+    compression_ratio, target_size, sinks, window, delta
         See :class:`BasePress`. Defaults: sinks 4, window 32 (the last 32
-        tokens), delta 0.05, kind ``chebyshev``.
+        tokens), delta 0.05.
+    kind : str, optional
+        Certificate kind. Default (None): ``tilted_hull`` with the default sketch (the recommended design),
+        ``chebyshev`` with a sketch named or ``sketch=None``. A kind other than ``tilted_hull`` with the
+        default sketch certifies the paper's design (no sketch): ``PoissonPress(kind="chi2")``
+        (:func:`kvcert.fast.default_design`).
     top_fraction : float in [0, 1)
         Share of the free budget B - sinks - window kept deterministically
         by importance (default 0.5); the rest of the budget is sampled.
@@ -69,8 +75,10 @@ class PoissonPress(BasePress):
         and ``n_sink`` for ``sinks`` (docs/kvpress.md).
     kernel_size : odd int >= 1
         SnapKV pooling width (default 7).
-    sketch : None, ``"cluster"`` or a ``kvcert.fast.ClusterDesign``
-        Keep a sketch of the evicted tokens (the cluster design,
+    sketch : ``"auto"`` (default), None, ``"cluster"``, ``"tilted"`` or a ``kvcert.fast.ClusterDesign``
+        ``"auto"``: the recommended design, ``sketch="tilted", kind="tilted_hull"`` (docs/theory.md
+        section 8; under :class:`DecodingPress` the paper's design, whose events compose). None: the paper's
+        design (no sketch), by name. Otherwise keep a sketch of the evicted tokens (the cluster design,
         docs/theory.md section 8): per layer, row and KV head, the
         w-weighted mean and per-channel variance of the evicted keys in each
         of C k-means clusters, with :math:`W_c, Y_c, N_c` and the value
@@ -97,7 +105,8 @@ class PoissonPress(BasePress):
         ``"chebyshev"``); ``sketch="tilted", kind="tilted_hull"`` records the
         recommended design's rule instead, :math:`\min(3\sqrt{V_{\mathrm{cl}}}, H)`
         (the design of ``kvcert.reference.evict_and_certify(design=None)``,
-        docs/theory.md section 8). One eviction event per layer (no DecodingPress).
+        docs/theory.md section 8). One eviction event per layer (no DecodingPress). A budget that cannot
+        hold the sketch and one token evicts nothing.
 
     Notes
     -----
@@ -123,8 +132,10 @@ class PoissonPress(BasePress):
     --------
     >>> import kvcert
     >>> press = kvcert.PoissonPress(compression_ratio=0.5, seed=0)
-    >>> press.kind, press.window, press.top_fraction
-    ('chebyshev', 32, 0.5)
+    >>> press.kind, press.sketch.clusters, press.window, press.top_fraction
+    ('tilted_hull', 8, 32, 0.5)
+    >>> kvcert.PoissonPress(compression_ratio=0.5, sketch=None).kind   # the paper's design
+    'chebyshev'
     """
 
     top_fraction: float = 0.5
@@ -133,7 +144,8 @@ class PoissonPress(BasePress):
     seed: int = 0
     observation_window: int = 32
     kernel_size: int = 7
-    sketch: object = None
+    sketch: object = "auto"
+    kind: str | None = None
 
     _randomized = True
 
@@ -149,6 +161,9 @@ class PoissonPress(BasePress):
                             f"or kvpress's: an object with score(module, hidden_states, keys, values, attentions, "
                             f"kwargs)) or a callable, got {type(s).__name__}")
         self._layer_inputs = {}  # layer -> (attention module, its forward kwargs) of the forward under way
+        # the defaults (sketch="auto", kind=None): the recommended design, or the paper's when a plain kind is named
+        self._recommended_default = isinstance(self.sketch, str) and self.sketch == "auto"
+        self.sketch, self.kind = default_design(self.sketch, self.kind)
         self.sketch = _held_design(self).sketch  # the fields' checks are the design's (the sketch resolved)
 
     def _make_design(self) -> TokenDesign:
@@ -227,13 +242,24 @@ class PoissonPress(BasePress):
         u = s.score(module, hidden, keys, values, None, kw)
         return _checked_scores(u, keys, name, layer_idx)
 
-    def inclusion_probabilities(self, importance: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    def inclusion_probabilities(self, importance: torch.Tensor, n: int | None = None, *,
+                                head_dims: tuple[int, int] | None = None) -> torch.Tensor:
         """pi (..., n) this press's prefill event gives to tokens of this importance
         (every slot valid): :func:`kvcert.fast.inclusion_probabilities` with the
-        press's budget and :func:`kvcert.fast.design_sizes`."""
+        press's budget and :func:`kvcert.fast.design_sizes`. A press that keeps a sketch
+        samples the budget less the sketch's memory (:meth:`kvcert.fast.TokenDesign.sampled_budget`),
+        which depends on the key and value head dims: give ``head_dims=(d, dv)``."""
         from .. import fast
 
-        sizes = self.design_sizes(importance.shape[-1] if n is None else n)
+        n = importance.shape[-1] if n is None else n
+        if self.sketch is None:
+            sizes = self.design_sizes(n)
+        elif head_dims is None:
+            raise ValueError("head_dims: this press keeps a sketch of the evicted tokens and samples the budget "
+                             "less the sketch's memory, which depends on the key and value head dims: pass "
+                             "head_dims=(d, dv)")
+        else:
+            sizes = self.design.sizes(n, budget=self.design.sampled_budget(n, *head_dims))
         return fast.inclusion_probabilities(nonnegative_importance(importance.to(torch.float64)), sizes.budget,
                                             sinks=sizes.sinks, window=sizes.window, top=sizes.top,
                                             floor=self.floor)

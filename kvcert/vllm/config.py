@@ -79,9 +79,13 @@ class KVCertConfig:
     delta : float in (0, 1)
         Nominal miscoverage of the certificates (default 0.05).
     kind : str
-        Certificate kind, one the engine serves (``kvcert.fast.SERVED_KINDS``: ``chebyshev`` (default),
+        Certificate kind, one the engine serves (``kvcert.fast.SERVED_KINDS``: ``chebyshev``,
         ``chi2``, ``bernstein``); with a sketch, ``chebyshev`` or ``tilted_hull`` (``sketch="tilted"``).
-    sketch : {None, "tilted", "cluster"}
+        Default: ``tilted_hull`` with the default sketch (the recommended design), else ``chebyshev``.
+    sketch : {"auto", None, "tilted", "cluster"}
+        ``"auto"`` (the default, as ``PoissonPress``'s): the recommended design, ``sketch="tilted",
+        kind="tilted_hull"`` (:func:`kvcert.fast.default_design`), unless another kind is named, which
+        certifies the paper's design (no sketch); the block design keeps none. None: the paper's design.
         Token design only: also keep a cluster sketch of each (layer, KV head)'s evicted prompt tokens
         (:func:`kvcert.fast.resolve_sketch`, as ``PoissonPress(sketch=...)``), held per request in the
         worker beside the compacted blocks; the design samples :meth:`kvcert.fast.TokenDesign.sampled_budget`
@@ -116,7 +120,7 @@ class KVCertConfig:
     scorer: str | None = None
     delta: float | None = None
     kind: str | None = None
-    sketch: str | None = None
+    sketch: str | None = "auto"
     free_blocks: bool = True
     track_reuse: bool = True
     report_kept: bool = False
@@ -126,8 +130,15 @@ class KVCertConfig:
 
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
-        from kvcert.fast.design import SKETCH_KINDS, SKETCHES
+        from kvcert.fast.design import SKETCH_KINDS, SKETCHES, default_design
 
+        if isinstance(self.sketch, str) and self.sketch == "auto":  # the default: the design of default_design
+            if self.granularity == "token":
+                sketch, kind = default_design("auto", self.kind)
+                object.__setattr__(self, "sketch", sketch)
+                object.__setattr__(self, "kind", kind)
+            else:  # the block design keeps no sketch
+                object.__setattr__(self, "sketch", None)
         if self.sketch is not None and (not isinstance(self.sketch, str) or self.sketch not in SKETCHES):
             raise ValueError(f"sketch must be None or one of {tuple(SKETCHES)}, got {self.sketch!r}")
         kinds = SERVED_KINDS if self.sketch is None else tuple(SKETCH_KINDS)
@@ -220,7 +231,9 @@ def request_options(config: KVCertConfig, extra_args: dict | None) -> dict | Non
     overrides ``{field: checked value}`` (fields of :data:`REQUEST_KEYS`) that, applied to ``config``
     (``dataclasses.replace(config, **overrides)``), give the request's :class:`KVCertConfig`;
     ``kvcert_compression_ratio: 0`` turns eviction off for the request; ``kvcert_sketch: "tilted"`` with
-    ``kvcert_kind: "tilted_hull"`` asks for the recommended design (``None`` for no sketch). Token design only.
+    ``kvcert_kind: "tilted_hull"`` asks for the recommended design (``None`` for the paper's design); a
+    ``kvcert_kind`` alone picks its design as ``PoissonPress(kind=...)`` does (``tilted_hull``: the recommended
+    design; another kind: the paper's design, no sketch). Token design only.
 
     Raises
     ------
@@ -240,6 +253,8 @@ def request_options(config: KVCertConfig, extra_args: dict | None) -> dict | Non
                          f"serves granularity={config.granularity!r}")
     from dataclasses import replace
 
+    if "kvcert_kind" in given and "kvcert_sketch" not in given and config.tokens:
+        given["kvcert_sketch"] = "auto"  # a kind alone picks its design, as PoissonPress(kind=...) does
     keys = [k for k in REQUEST_KEYS if k in given]
     try:  # all together (a sketch and the kind its radius needs are checked as a pair)
         checked = replace(config, **{REQUEST_KEYS[k]: given[k] for k in keys})

@@ -85,7 +85,9 @@ def test_the_kept_tokens_carry_the_design_pi_of_kvpress_scores(inputs, kvpress_s
     for layer, scores in want.items():
         c = cache.layers[layer]
         valid = c.positions >= 0
-        pi = press.inclusion_probabilities(scores).gather(-1, c.positions.clamp_min(0))[valid]
+        # the default design samples the budget less its sketch's memory, which reads the head dims
+        pi = press.inclusion_probabilities(scores, head_dims=(c.keys.shape[-1], c.values.shape[-1]))
+        pi = pi.gather(-1, c.positions.clamp_min(0))[valid]
         assert 0 < int(valid.sum()) < valid.numel()
         stored = c.log_weights[valid]
         want_log = torch.log(pi).to(stored.dtype)

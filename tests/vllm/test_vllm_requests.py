@@ -66,10 +66,12 @@ def test_request_options_name_the_key():
     from kvcert.vllm.config import KVCertConfig, request_options
 
     engine = KVCertConfig(compression_ratio=0.0)
+    assert (engine.sketch, engine.kind) == ("tilted", "tilted_hull")  # the default: the recommended design
     assert request_options(engine, None) is None
     assert request_options(engine, {"other": 1}) is None
+    # a plain kind alone certifies the paper's design (no sketch), as PoissonPress(kind="chi2")
     assert request_options(engine, {**CERT, "kvcert_kind": "chi2"}) == {"compression_ratio": 0.5, "seed": 3,
-                                                                        "kind": "chi2"}
+                                                                        "sketch": None, "kind": "chi2"}
     for bad, key in (({"kvcert_compression_ratio": 1.5}, "kvcert_compression_ratio"),
                      ({"kvcert_kind": "wald"}, "kvcert_kind"), ({"kvcert_seed": -1}, "kvcert_seed"),
                      ({"kvcert_delta": 0.0}, "kvcert_delta"), ({"kvcert_seed": 1.5}, "kvcert_seed"),
@@ -81,8 +83,10 @@ def test_request_options_name_the_key():
     # the recommended design per request: the sketch is applied before the kind its radius needs
     assert request_options(engine, {"kvcert_kind": "tilted_hull", "kvcert_sketch": "tilted"}) == {
         "sketch": "tilted", "kind": "tilted_hull"}
-    with pytest.raises(ValueError, match="kvcert_kind='tilted_hull'"):  # no sketch: not a served kind
-        request_options(engine, {"kvcert_kind": "tilted_hull"})
+    assert request_options(engine, {"kvcert_kind": "tilted_hull"}) == {"sketch": "tilted", "kind": "tilted_hull"}
+    paper = KVCertConfig(compression_ratio=0.0, sketch=None)
+    with pytest.raises(ValueError, match="kvcert_kind='tilted_hull'"):  # the paper design with the sketch's kind
+        request_options(paper, {"kvcert_kind": "tilted_hull", "kvcert_sketch": None})
     with pytest.raises(ValueError, match="kvcert_sketch='page'"):
         request_options(engine, {"kvcert_sketch": "page"})
     sketched = KVCertConfig(compression_ratio=0.5, sketch="tilted", kind="tilted_hull")
