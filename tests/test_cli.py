@@ -91,7 +91,11 @@ def test_make_press_maps_options():
                                           "--top-fraction", "0.25", "--floor", "0.2", "--delta", "0.1"])
     p = cli.make_press(args)
     assert (p.scorer, p.seed, p.top_fraction, p.floor, p.delta) == ("knorm", 3, 0.25, 0.2, 0.1)
-    assert p.sketch is None
+    assert p.kind == "tilted_hull" and p.sketch.tilt  # the default: the recommended design
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--sketch", "none"])
+    assert (cli.make_press(args).sketch, cli.make_press(args).kind) == (None, "chebyshev")  # the paper's design
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--kind", "chi2"])
+    assert (cli.make_press(args).sketch, cli.make_press(args).kind) == (None, "chi2")
     for name, design in kvcert.presses.SKETCHES.items():
         args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--sketch", name])
         p = cli.make_press(args)
@@ -181,7 +185,7 @@ def test_generate_on_the_model_json_and_table(model_sdpa, monkeypatch, capsys):
     for row in data["per_layer"]:
         assert row["median"] == pytest.approx(float(stats["median"][row["layer"]]), rel=1e-6)
         assert row["min"] <= row["median"] <= row["max"]
-    assert data["certificate"]["kind"] == "chebyshev" and data["certificate"]["decode_steps"] == 2
+    assert data["certificate"]["kind"] == "tilted_hull" and data["certificate"]["decode_steps"] == 2
 
     rc, out, _ = run(argv[:-2] + ["--no-progress"], capsys)
     assert rc == 0

@@ -134,7 +134,7 @@ def test_a_decode_step_reads_the_device_once(monkeypatch):
     model = tiny_model()
     n_layers = model.config.num_hidden_layers
     ids = torch.randint(1, 96, (1, 40), generator=torch.Generator().manual_seed(0))
-    press = kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=0)
+    press = kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=0, sketch=None)
     with torch.no_grad(), press(model):
         out = model(input_ids=ids, use_cache=True)
         cache = out.past_key_values if "past_key_values" in out else out.cache
@@ -154,7 +154,7 @@ def test_a_decode_step_reads_the_device_once(monkeypatch):
 #: a press per decode route of kvcert.dispatch.decode, sized for tiny_model and a 120-token prompt
 #: (a sketch of 4 clusters costs about 6-10 tokens of the 48-token budget)
 ROUTE_PRESSES = {
-    "token": lambda: kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=0),
+    "token": lambda: kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=0, sketch=None),
     "block": lambda: kvcert.BlockPoissonPress(compression_ratio=0.5, block_size=4, seed=1),
     "sketch": lambda: kvcert.PoissonPress(compression_ratio=0.6, sinks=2, window=8, seed=2,
                                           sketch=F.ClusterDesign(clusters=4, radius="chebyshev")),
@@ -293,7 +293,7 @@ def test_dispatch_decode_refuses_a_softcap_off_the_token_route():
 def test_nan_in_the_cache_is_refused_at_the_step():
     model = tiny_model()
     ids = torch.randint(1, 96, (1, 30), generator=torch.Generator().manual_seed(1))
-    press = kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=0)
+    press = kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=0, sketch=None)
     with torch.no_grad(), press(model):
         out = model(input_ids=ids, use_cache=True)
         cache = out.past_key_values if "past_key_values" in out else out.cache

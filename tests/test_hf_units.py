@@ -173,7 +173,13 @@ def test_decoding_press_validates_its_fields(kwargs, exc, match):
 def test_decoding_press_defaults_to_the_base_target():
     base = kvcert.PoissonPress(target_size=64, seed=1)
     p = kvcert.DecodingPress(base, compression_interval=8)
-    assert p.target_size == 64 and p.kind == base.kind and p.delta == base.delta
+    assert p.target_size == 64 and p.delta == base.delta
+    # a default press (the recommended design, one event's sketch) runs the paper's design under DecodingPress,
+    # on a copy: the caller's press keeps its design
+    assert p.kind == "chebyshev" and p.base_press.sketch is None and p.base_press is not base
+    assert base.kind == "tilted_hull" and base.sketch is not None
+    with pytest.raises(ValueError, match="base_press: a sketched PoissonPress"):  # a sketch asked for by name
+        kvcert.DecodingPress(kvcert.PoissonPress(target_size=64, sketch="tilted"), compression_interval=8)
     assert kvcert.DecodingPress(kvcert.SnapKVPress(compression_ratio=0.5), compression_interval=8).target_size is None
 
 
@@ -194,7 +200,11 @@ def test_poisson_press_validates_its_fields(kwargs, exc, match):
 def test_press_defaults_are_the_documented_design():
     p = kvcert.PoissonPress(compression_ratio=0.5, seed=0)
     assert (p.sinks, p.window, p.top_fraction, p.floor, p.scorer, p.delta, p.kind) == (
-        4, 32, 0.5, 0.1, "snapkv", 0.05, "chebyshev")
+        4, 32, 0.5, 0.1, "snapkv", 0.05, "tilted_hull")  # the recommended design (docs/theory.md section 8)
+    assert p.sketch == kvcert.fast.ClusterDesign(clusters=8, radius="fixed", multiplier=3.0, tilt=True)
+    paper = kvcert.PoissonPress(compression_ratio=0.5, seed=0, sketch=None)  # the paper's design, by name
+    assert (paper.kind, paper.sketch) == ("chebyshev", None)
+    assert (kvcert.PoissonPress(kind="chi2").kind, kvcert.PoissonPress(kind="chi2").sketch) == ("chi2", None)
     assert set(kvcert.PRESSES) == {"poisson", *kvcert.fast.SCORERS}
     for name, scorer in kvcert.fast.SCORERS.items():  # one deterministic press per registered scorer
         cls = kvcert.PRESSES[name]
@@ -333,7 +343,7 @@ def test_tiny_compressed_batch_certificates_equal_reference(monkeypatch):
     mask = torch.ones_like(ids)
     mask[1, :25] = 0
     cont = torch.randint(1, 96, (3,), generator=g)
-    press = kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=7)
+    press = kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=7, sketch=None)
     logits, cache = forced_logits(model, ids, cont, press, mask=mask)
     certs = press.certificates
     assert certs.shape == (2, 4, 2, 4)
@@ -354,7 +364,7 @@ def test_tiny_compressed_batch_certificates_equal_reference(monkeypatch):
     # of the single run measured against a float64 run of the same press (the oracle)
     model64 = copy.deepcopy(model).double()
     for row, single in ((0, long_ids), (1, short_ids)):
-        p1 = kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=7)
+        p1 = kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=7, sketch=None)
         alone, cache1 = forced_logits(model, single, cont, p1)
         ref, cache64 = forced_logits(model64, single, cont, p1)
         for la, lb, lc in zip(cache.layers, cache1.layers, cache64.layers):
@@ -366,9 +376,9 @@ def test_tiny_compressed_batch_certificates_equal_reference(monkeypatch):
 
 
 @pytest.mark.parametrize("make", [
-    lambda: kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=7),
+    lambda: kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=7, sketch=None),
     lambda: kvcert.SnapKVPress(compression_ratio=0.5, sinks=2, window=4),
-    lambda: kvcert.DecodingPress(kvcert.PoissonPress(target_size=20, sinks=2, window=4, seed=3), compression_interval=2),
+    lambda: kvcert.DecodingPress(kvcert.PoissonPress(target_size=20, sinks=2, window=4, seed=3, sketch=None), compression_interval=2),
 ], ids=["poisson", "snapkv", "decoding-poisson"])
 def test_tiny_batched_eviction_gives_each_row_its_sample_alone(make):
     """The press evicts a layer's rows in one batched call (per-row budgets, top counts and
@@ -410,7 +420,7 @@ def test_tiny_chunked_call_after_compression_is_causal():
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(1, 96, (1, 50), generator=g)
     chunk = torch.randint(1, 96, (1, 4), generator=g)
-    press = kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=1)
+    press = kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=1, sketch=None)
     with torch.no_grad(), press(model):
         cache = _cache_of(model(input_ids=ids, use_cache=True))
         out = model(input_ids=chunk, use_cache=True, **{_cache_kw(model): cache})
@@ -511,9 +521,9 @@ def test_poisson_scorer_by_name_or_instance_is_the_same_importance(name):
     cls = kvcert.PRESSES[name]
     window = {"observation_window": 4} if "observation_window" in {f.name for f in dataclasses.fields(cls)} else {}
     instance = cls(**window, **params)
-    by_name = kvcert.PoissonPress(compression_ratio=0.5, scorer=name, observation_window=instance._observation_window(),
+    by_name = kvcert.PoissonPress(compression_ratio=0.5, sketch=None, scorer=name, observation_window=instance._observation_window(),
                                   **{p: x for p, x in params.items() if p in ("kernel_size", "seed")})
-    by_instance = kvcert.PoissonPress(compression_ratio=0.5, scorer=instance)
+    by_instance = kvcert.PoissonPress(compression_ratio=0.5, scorer=instance, sketch=None)
     for p in (by_name, by_instance):
         assert p.queries_needed(40) == instance.queries_needed(40)
     qw = by_name._window_queries(q, 40)

@@ -225,8 +225,10 @@ def test_decoding_press_refuses_a_kvpress_scorer():
 
 
 def test_a_kvpress_scorer_outside_a_prefill_forward_says_what_it_needs():
-    press = kvcert.PoissonPress(compression_ratio=0.5, scorer=FakeKnorm())
+    press = kvcert.PoissonPress(compression_ratio=0.5, scorer=FakeKnorm(), sketch=None)
     assert press.queries_needed(100) == 0  # it makes its own queries from the hidden states
+    # the default design's tilted sketch reads the observation window's queries itself
+    assert kvcert.PoissonPress(compression_ratio=0.5, scorer=FakeKnorm()).queries_needed(100) == 32
     k = torch.randn(1, 2, 20, 8)
     with pytest.raises(ValueError, match=r"needs layer 3's attention inputs .* call generate without prefilled="):
         press._prefill_importance(None, k, k, scale=0.3, layer_idx=3, event=0, row=0, tokens=None)
