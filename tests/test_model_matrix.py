@@ -110,13 +110,13 @@ def test_ratio_zero_is_the_plain_model(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_poisson_certificates_equal_reference(family, monkeypatch):
-    """PoissonPress(0.5): each compressed layer's recorded certificate (radius, relative radius,
-    trace, kept) equals the float64 reference on the decode inputs it read (Gemma 2: the
-    softcapped scores); sliding-window layers never reach the estimator."""
+    """PoissonPress(0.5, sketch=None), the paper's design: each compressed layer's recorded certificate
+    (radius, relative radius, trace, kept) equals the float64 reference on the decode inputs it read
+    (Gemma 2: the softcapped scores); sliding-window layers never reach the estimator."""
     model = _model(family)
     calls = spy_hajek(monkeypatch)
     ids, cont = _ids(2), _ids(3, 4)[0]
-    press = kvcert.PoissonPress(compression_ratio=0.5, seed=0)
+    press = kvcert.PoissonPress(compression_ratio=0.5, seed=0, sketch=None)
     _, cache = forced_logits(model, ids, cont, press)
     certs = press.certificates[0]
     compressed = compressed_layers(model.config)
@@ -149,7 +149,7 @@ def test_gemma2_certificates_are_those_of_the_softcapped_attention(monkeypatch):
     without the softcap give another radius (so the test above would see a softcap left out)."""
     model = _model("gemma2")
     calls = spy_hajek(monkeypatch)
-    press = kvcert.PoissonPress(compression_ratio=0.5, seed=0)
+    press = kvcert.PoissonPress(compression_ratio=0.5, seed=0, sketch=None)
     forced_logits(model, _ids(2), _ids(3, 1)[0], press)
     certs = press.certificates[0]
     far = 0
@@ -162,6 +162,32 @@ def test_gemma2_certificates_are_those_of_the_softcapped_attention(monkeypatch):
             assert got == pytest.approx(capped, rel=4 * kept * EPS32, abs=1e-9)
             far += abs(got - uncapped) > 100 * 4 * kept * EPS32 * abs(uncapped)
     assert far > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_default_press_runs_the_recommended_design(family):
+    """PoissonPress(0.5) with no design arguments: the recommended design (tilted sketch, kind
+    tilted_hull) on every family, finite positive certificates on the compressed layers; on Gemma 2,
+    whose softcap the sketch cannot carry, it warns and records exactly what the paper design records."""
+    model = _model(family)
+    ids, cont = _ids(2), _ids(3, 4)[0]
+    press = kvcert.PoissonPress(compression_ratio=0.5, seed=0)
+    assert press.kind == "tilted_hull" and press.sketch is not None
+    if _softcap(model) is None:
+        logits, _ = forced_logits(model, ids, cont, press)
+        paper = kvcert.PoissonPress(compression_ratio=0.5, seed=0, sketch=None)
+        paper_logits, _ = forced_logits(model, ids, cont, paper)
+        assert not torch.equal(logits, paper_logits)  # the sketched estimate is another estimate
+    else:
+        with pytest.warns(UserWarning, match="softcaps its attention logits"):
+            logits, _ = forced_logits(model, ids, cont, press)
+        paper = kvcert.PoissonPress(compression_ratio=0.5, seed=0, sketch=None)
+        paper_logits, _ = forced_logits(model, ids, cont, paper)
+        assert torch.equal(logits, paper_logits)
+        assert torch.equal(press.certificates[0].radius, paper.certificates[0].radius)
+    certs = press.certificates[0]
+    assert bool(torch.isfinite(certs.radius).all()) and bool((certs.radius[1:] > 0).any())
+    assert press.kind == "tilted_hull"  # the press the user holds is unchanged
 
 
 DETERMINISTIC = ["snapkv", "streaming_llm", "knorm"]

@@ -149,7 +149,7 @@ class _PressContext:
         self._previous = config._attn_implementation
         decoder = self._decoder()
         params = inspect.signature(decoder.forward).parameters
-        session = A.Session(self.press, A.resolve_base(self._previous), config,
+        session = A.Session(self.press._for_model(config), A.resolve_base(self._previous), config,
                             "cache" if "cache" in params else "past_key_values")
         A.activate(session)
         self._session = self.press._session = session
@@ -194,6 +194,11 @@ class Press:
     ``prefill_event``, ``decode_event``, ``queries_needed``, ``kind`` and ``delta``."""
 
     _session = None
+
+    def _for_model(self, config) -> "Press":
+        """The press that runs on a model of this config: the press itself, unless its design cannot run
+        there (:meth:`kvcert.PoissonPress._for_model`: the recommended default on a softcapped model)."""
+        return self
 
     def __call__(self, model):
         """Context manager: ``with press(model): model.generate(...)``."""

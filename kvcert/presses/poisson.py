@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -165,6 +165,25 @@ class PoissonPress(BasePress):
         self._recommended_default = isinstance(self.sketch, str) and self.sketch == "auto"
         self.sketch, self.kind = default_design(self.sketch, self.kind)
         self.sketch = _held_design(self).sketch  # the fields' checks are the design's (the sketch resolved)
+
+    def _for_model(self, config) -> "PoissonPress":
+        """The press that runs on a model of ``config``: itself, except that the default design (the
+        recommended, sketched one) runs as the paper's design (``sketch=None, kind="chebyshev"``) on a model
+        with an attention logit softcap (Gemma 2): the sketch's moments cannot carry the softcap's tanh, so
+        the sketched estimate would not be of the softcapped attention. A warning says so; a sketch named
+        explicitly on such a model is refused at decode."""
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        if not self._recommended_default or self.sketch is None or \
+                getattr(text, "attn_logit_softcapping", None) is None:
+            return self
+        import warnings
+
+        warnings.warn("kvcert: this model softcaps its attention logits (attn_logit_softcapping), which the "
+                      "recommended design's sketch cannot carry; PoissonPress() runs the paper's design here "
+                      "(sketch=None, kind='chebyshev'). Pass sketch=None to silence this.", stacklevel=3)
+        paper = replace(self, sketch=None, kind="chebyshev")
+        paper._layer_inputs = self._layer_inputs  # the kvpress-scorer hooks write the original's
+        return paper
 
     def _make_design(self) -> TokenDesign:
         fields = {name: getattr(self, name) for name in self._design_fields}
