@@ -83,6 +83,7 @@ from .sketch import (
     recorded_trace,
     window_tilt,
 )
+from .target import TARGET_KINDS, TargetBudget, predicted_radius, target_budget, window_variance_terms
 from .types import Certificate, CompressedCache, Estimate
 
 __all__ = [
@@ -101,4 +102,5 @@ __all__ = [
     "streaming_llm_scores", "tova_scores",
     "CLUSTER_RADII", "RADIUS_RULES", "RadiusRule", "ClusterDesign", "ClusterEstimate", "ClusterSketch", "cluster_hajek_attention", "cluster_radius",
     "cluster_sketch", "cluster_variance", "kmeans_assign", "recorded_trace", "window_tilt",
+    "TARGET_KINDS", "TargetBudget", "predicted_radius", "target_budget", "window_variance_terms",
 ]
