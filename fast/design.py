@@ -764,16 +764,21 @@ SKETCH_KINDS = {"chebyshev": ("chebyshev", None), "tilted_hull": ("fixed", TILTE
 RECOMMENDED = ("tilted", "tilted_hull")
 
 
-def default_design(sketch, kind):
+def default_design(sketch, kind, *, target_error=None):
     """``(sketch, kind)`` of a press or engine from what the user named (``PoissonPress``, the vLLM plugin).
 
     - ``sketch="auto"`` (their default): the recommended design, :data:`RECOMMENDED` (the tilted sketch,
       kind ``tilted_hull``), unless a kind other than ``tilted_hull`` is named: that kind certifies the
       paper's design, which has no sketch (``PoissonPress(kind="chi2")`` is the paper design with chi2);
     - a sketch named (None = the paper's design, ``"cluster"``, ``"tilted"`` or a ``ClusterDesign``) and no
-      kind: ``chebyshev``.
+      kind: ``chebyshev``;
+    - ``sketch="auto"`` with a ``target_error``: the paper's design (``chebyshev`` unless a kind is named):
+      the target rule predicts the paper design's variance (:func:`kvcert.fast.target_budget`), not a
+      sketch's hybrid variance, which is only known once the sketch is built.
     """
     if isinstance(sketch, str) and sketch == "auto":
+        if target_error is not None:
+            return None, ("chebyshev" if kind is None else kind)
         if kind is None or kind == RECOMMENDED[1]:
             return RECOMMENDED
         return None, kind
@@ -825,7 +830,8 @@ class TokenDecision:
     Attributes
     ----------
     budget : float
-        Expected kept count per head (:meth:`TokenDesign.budget`); ``>= n``: nothing is evicted.
+        Expected kept count per head (:meth:`TokenDesign.budget`; the largest of per-head budgets); ``>= n``:
+        nothing is evicted.
     sizes : DesignSizes or None
         The certainty set (:func:`design_sizes`); None when nothing is evicted.
     importance : float64 tensor (..., h_kv, n)
@@ -907,6 +913,11 @@ class TokenDesign:
         radius rule of ``kind``; docs/theory.md section 8). At equal memory the event samples
         :meth:`sampled_budget` tokens, the budget less the sketch's memory in kept tokens. After
         construction the field holds the resolved ``ClusterDesign`` (or None).
+    target_error : float > 0, optional
+        Instead of a ratio or size, an error target eps: each event keeps, per KV head, the smallest
+        budget whose predicted relative radius for the observation-window queries is at most eps
+        (:meth:`target_budget`, :func:`kvcert.fast.target_budget`; docs/theory.md section 10). ``kind``
+        must be one of ``kvcert.fast.TARGET_KINDS``.
 
     Notes
     -----
@@ -939,6 +950,7 @@ class TokenDesign:
     delta: float = 0.05
     kind: str = "chebyshev"
     sketch: object = None
+    target_error: float | None = None
 
     def __post_init__(self):
         ratio = _real("compression_ratio", self.compression_ratio, 0.0, 1.0, hi_open=True)
@@ -946,6 +958,15 @@ class TokenDesign:
         if target is not None and ratio > 0:
             raise ValueError(f"give compression_ratio or target_size, not both (got compression_ratio={ratio}, "
                              f"target_size={target})")
+        if self.target_error is not None:
+            eps = self.target_error
+            if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0.0 < float(eps) < math.inf):
+                raise ValueError(f"target_error must be a finite float > 0 (the relative radius to certify), "
+                                 f"got {eps!r}")
+            if ratio > 0 or target is not None:
+                raise ValueError(f"give one of compression_ratio, target_size or target_error (got "
+                                 f"compression_ratio={ratio}, target_size={target}, target_error={eps})")
+            _set(self, target_error=float(eps))
         _set(self, compression_ratio=ratio, target_size=target, seed=_int("seed", self.seed),
              sinks=_int("sinks", self.sinks), window=_int("window", self.window),
              top_fraction=_real("top_fraction", self.top_fraction, 0.0, 1.0, hi_open=True),
@@ -955,17 +976,31 @@ class TokenDesign:
              delta=_real("delta", self.delta, 0.0, 1.0, lo_open=True, hi_open=True),
              kind=_certificate_kind(self.kind))
         _set(self, sketch=resolve_sketch(self.sketch, self.kind))
+        if self.target_error is not None:
+            from .target import TARGET_KINDS
+
+            if self.sketch is not None:
+                raise ValueError("sketch: a target_error chooses budgets from the paper design's variance "
+                                 "(kvcert.fast.target_budget); a sketch's hybrid variance is only known once "
+                                 "the sketch is built, so the two do not combine: use sketch=None")
+
+            if self.kind not in TARGET_KINDS:
+                raise ValueError(f"kind: a target_error is stated in a kind whose radius is a function of the "
+                                 f"variance trace, one of {TARGET_KINDS}; got {self.kind!r}")
 
     # -- the budget -----------------------------------------------------------------------------
     @property
     def compresses(self) -> bool:
-        """Whether an event evicts anything (a ratio > 0 or a target size)."""
-        return self.compression_ratio > 0 or self.target_size is not None
+        """Whether an event may evict anything (a ratio > 0, a target size or a target error)."""
+        return self.compression_ratio > 0 or self.target_size is not None or self.target_error is not None
 
     def budget(self, n: int) -> float:
         r"""Expected kept tokens per head of an event over n tokens: :math:`\min(\text{target\_size}, n)` or
-        :math:`n (1 - \text{compression\_ratio})`."""
+        :math:`n (1 - \text{compression\_ratio})`; n with a ``target_error`` (its budget is chosen per
+        KV head at the event, :meth:`target_budget`)."""
         n = _int("n", n)
+        if self.target_error is not None:
+            return float(n)
         if self.target_size is not None:
             return float(min(self.target_size, n))
         return n * (1.0 - self.compression_ratio)
@@ -1014,6 +1049,35 @@ class TokenDesign:
         lead = tuple(keys.shape[:3])  # a decision on (h_kv, n) scores serves keys (1, h_kv, n, d)
         return cluster_sketch(keys, values, decision.pi.reshape(lead), decision.keep.reshape(lead), self.sketch,
                               tilt=tilt, scale=scale)
+
+    def target_budget(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      scores: torch.Tensor, *, scale: float | None = None):
+        r"""The per-KV-head budgets of an event under ``target_error`` (:func:`kvcert.fast.target_budget`
+        with this design's certainty set, floor, delta and kind; a sketched design's memory counted).
+
+        Parameters
+        ----------
+        queries : (b, h_q, T, d), the prefill's last queries (the last ``observation_window`` are read)
+        keys, values : (b, h_kv, n, d), (b, h_kv, n, dv), the event's tokens (no padding)
+        scores : (b, h_kv, n), the scorer's scores of them
+        scale : float, default 1/sqrt(d)
+
+        Returns
+        -------
+        kvcert.fast.TargetBudget
+        """
+        if self.target_error is None:
+            raise ValueError("target_budget: this design has no target_error")
+        from .target import target_budget
+
+        queries = check_tensor("queries", queries, ndim=(4,), floating=True)
+        if queries.shape[2] == 0:
+            raise ValueError("queries: a target error needs the prefill's observation-window queries "
+                             "(b, h_q, T >= 1, d)")
+        tokens = 0.0 if self.sketch is None else self.sketch.tokens(keys.shape[-1], values.shape[-1])
+        return target_budget(queries[:, :, -self.observation_window:], keys, values, scores, self.target_error,
+                             delta=self.delta, kind=self.kind, sinks=self.sinks, window=self.window,
+                             top_fraction=self.top_fraction, floor=self.floor, scale=scale, sketch_tokens=tokens)
 
     def sizes(self, n: int, *, budget: float | None = None) -> DesignSizes:
         """The budget and certainty set of an event over n tokens (:func:`design_sizes`); ``budget`` replaces
@@ -1075,8 +1139,10 @@ class TokenDesign:
             from the same streams, as one sequence would). Negative scores are shifted per head.
         layer, event : int >= 0
             Stream coordinates (the layer index and the layer's eviction event).
-        budget : float, optional
-            Expected kept count instead of :meth:`budget` (n).
+        budget : float or float tensor of the leading shape (h_kv,) / (b, h_kv), optional
+            Expected kept count instead of :meth:`budget` (n); a tensor gives each KV head its own (an error
+            target's :attr:`kvcert.fast.TargetBudget.sampled`), each at least ``sinks + window + 1`` where it
+            is below n (the certainty edges are not shrunk), the top slice sized per head.
 
         Returns
         -------
@@ -1100,6 +1166,8 @@ class TokenDesign:
                              f"got shape {tuple(scores.shape)}")
         valid = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
         u = nonnegative_importance(scores.to(torch.float64), valid)
+        if isinstance(budget, torch.Tensor):
+            return self._decide_per_head(u, valid, budget, layer, event)
         b = self.budget(n) if budget is None else _real("budget", budget, 0.0, math.inf, lo_open=True)
         if b >= n:
             one = torch.ones_like(u)
@@ -1111,6 +1179,30 @@ class TokenDesign:
         uni = design_uniforms(tuple(pi.shape), self.seed, layer=layer, event=event, device=pi.device,
                               row_streams=False)
         return TokenDecision(float(b), sz, u, pi, uni < pi, layer, event)
+
+    def _decide_per_head(self, u, valid, budget, layer, event) -> TokenDecision:
+        """:meth:`decide` with one budget per KV head (sinks and window unshrunk, top per head)."""
+        from .target import _tops
+
+        lead, n = tuple(u.shape[:-1]), u.shape[-1]
+        if budget.is_complex() or not budget.is_floating_point() or tuple(budget.shape) != lead:
+            raise ValueError(f"budget: a per-head budget must be a float tensor of shape {lead}, got "
+                             f"{tuple(budget.shape)} {budget.dtype}")
+        b = budget.to(torch.float64, copy=True).to(u.device)
+        low = self.sinks + self.window + 1
+        if bool((~torch.isfinite(b)).any()) or bool(((b < low) & (b < n)).any()):
+            raise ValueError(f"budget: every per-head budget must be finite and >= sinks + window + 1 = {low} "
+                             f"(or >= n = {n}: keep all), got min {float(b.min())}")
+        b = b.clamp(max=float(n))
+        if bool((b >= n).all()):
+            return TokenDecision(float(n), None, u, torch.ones_like(u), valid, layer, event)
+        sz = design_sizes(float(b[b < n].min()), sinks=self.sinks, window=self.window,
+                          top_fraction=self.top_fraction, randomized=True)
+        top = torch.where(b < n, _tops(b, self.sinks, self.window, self.top_fraction), 0)
+        pi = inclusion_probabilities(u, b, sinks=sz.sinks, window=sz.window, top=top, floor=self.floor, valid=valid)
+        uni = design_uniforms(tuple(pi.shape), self.seed, layer=layer, event=event, device=pi.device,
+                              row_streams=False)
+        return TokenDecision(float(b.max()), sz, u, pi, uni < pi, layer, event)
 
     def evict(self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor, budget, *, sinks: int,
               window: int, top, layer: int, event: int, valid: torch.Tensor | None = None,
