@@ -202,7 +202,8 @@ class Session:
         self._question_tokens: int | None = None
 
     def _new_recorder(self) -> Recorder | None:
-        return Recorder(self.kind, self.delta) if self.kind is not None else None
+        return Recorder(self.kind, self.delta, getattr(self.press, "target_error", None)) \
+            if self.kind is not None else None
 
     @property
     def certificates(self) -> Certificates | None:

@@ -47,6 +47,9 @@ class Certificates:
         d + dv + 1 elements (key, value, log pi), the shape of ``kept``; 0
         where the step read no sketch (the exact prefill). None when no step
         read one.
+    target_error : float or None
+        The press's error target eps (``PoissonPress(target_error=eps)``), else None: :meth:`exceeds`
+        marks the steps whose recorded relative radius is above it.
     """
 
     kind: str
@@ -56,6 +59,7 @@ class Certificates:
     trace: torch.Tensor
     kept: torch.Tensor
     sketch_memory: torch.Tensor | None = None
+    target_error: float | None = None
 
     @property
     def memory(self) -> torch.Tensor:
@@ -82,7 +86,42 @@ class Certificates:
         """The same record with ``fn`` applied to each of its tensors (``sketch_memory`` too when held),
         e.g. a selection of steps or of batch rows; kind and delta are kept."""
         return Certificates(self.kind, self.delta, fn(self.radius), fn(self.relative_radius), fn(self.trace),
-                            fn(self.kept), None if self.sketch_memory is None else fn(self.sketch_memory))
+                            fn(self.kept), None if self.sketch_memory is None else fn(self.sketch_memory),
+                            self.target_error)
+
+    def exceeds(self, target: float | None = None) -> torch.Tensor:
+        """Bool tensor of ``relative_radius``'s shape: where the recorded relative radius is above
+        ``target`` (default :attr:`target_error`; the exact prefill, step 0, never is)."""
+        eps = self.target_error if target is None else target
+        if eps is None:
+            raise ValueError("target: this record has no target_error (the press had none); pass target=eps")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0.0 < float(eps) < math.inf):
+            raise ValueError(f"target must be a finite float > 0, got {eps!r}")
+        return self.relative_radius > float(eps)
+
+    def summary(self) -> dict:
+        r"""JSON-ready aggregates of one sequence's record.
+
+        Kind, delta, decoding steps; the mean / median / max recorded relative radius over the decoding
+        steps (step >= 1), layers and heads; the kept fraction, the share of the prompt the compressed
+        cache held (a sketch's memory counted), averaged over layers and heads,
+        :math:`(\mathrm{memory}_1 - 1)/\mathrm{kept}_0` (step 1 holds the compressed prompt and the first
+        generated token); with a ``target_error``, the target and the fraction of (step, layer, head)
+        certificates above it (:meth:`exceeds`).
+        """
+        if self.batched:
+            raise TypeError("summary() summarizes one sequence: index the batch first (certs[i])")
+        decode = self.radius.shape[0] > 1
+        rel = (self.relative_radius[1:] if decode else self.relative_radius).to(torch.float64)
+        prompt = self.kept[0].to(torch.float64)
+        out = {"kind": self.kind, "delta": self.delta, "decode_steps": int(rel.shape[0]) if decode else 0,
+               "mean_relative_radius": float(rel.mean()), "median_relative_radius": float(rel.median()),
+               "max_relative_radius": float(rel.max()),
+               "kept_fraction": float(((self.memory[1] - 1.0) / prompt).mean()) if decode else 1.0}
+        if self.target_error is not None:
+            out["target_error"] = self.target_error
+            out["fraction_over_target"] = float(self.exceeds()[1:].to(torch.float64).mean()) if decode else 0.0
+        return out
 
     def per_step(self) -> torch.Tensor:
         r"""Mean relative radius over layers and heads, per step.
@@ -153,8 +192,8 @@ class Recorder:
     host transfer per layer).
     """
 
-    def __init__(self, kind: str, delta: float):
-        self.kind, self.delta = kind, delta
+    def __init__(self, kind: str, delta: float, target_error: float | None = None):
+        self.kind, self.delta, self.target_error = kind, delta, target_error
         self.rows: dict[int, list[tuple[torch.Tensor, dict, float]]] = {}
 
     def add(self, layer: int, stats: dict, kept: torch.Tensor, sketch: float = 0.0) -> None:
@@ -204,4 +243,4 @@ class Recorder:
         if any(row[2] for l in layers for row in self.rows[l]):
             sketch = stack(lambda row: torch.full((*row[0].shape[:-1], h_q), row[2], dtype=torch.float64))
         return Certificates(self.kind, self.delta, radius.float(), rel.float(), stats["trace"].float(), kept.long(),
-                            sketch)
+                            sketch, self.target_error)

@@ -279,8 +279,9 @@ class BasePress(Press):
 
     @property
     def compresses(self) -> bool:
-        """Whether this press removes anything at the prefill event."""
-        return self.compression_ratio > 0 or self.target_size is not None
+        """Whether this press may remove anything at the prefill event (a ratio, a size or an error target)."""
+        return self.compression_ratio > 0 or self.target_size is not None or \
+            getattr(self, "target_error", None) is not None
 
     # -- what a subclass provides ----------------------------------------------------------------
     def _score(self, queries, keys, values, *, scale: float, layer: int, event: int) -> torch.Tensor:
@@ -310,6 +311,9 @@ class BasePress(Press):
         depend on its batch).
         """
         raise NotImplementedError
+
+    def _record_target(self, layer_idx: int, row: int, chosen) -> None:
+        """Keep what an error target chose for one layer and row (:class:`PoissonPress`)."""
 
     def _tilt(self, queries: torch.Tensor, h_kv: int):
         """The tilt points (1, h_kv, d) of one row's tilted sketch from its prefill queries, or None (no
@@ -411,9 +415,10 @@ class BasePress(Press):
                 # every head holds the same tokens: score the row's real tokens in one scorer call
                 idx = None if bool(valid.all()) else valid[0, 0].nonzero().squeeze(-1)
                 n = n_slots if idx is None else idx.numel()
-                budget = self._sampled_budget(n, layer) if n else 0.0
+                targeted = getattr(self, "target_error", None) is not None
+                budget = self._sampled_budget(n, layer) if n and not targeted else float(n)
                 layer.budgets[r] = budget
-                if n == 0 or budget >= n:
+                if n == 0 or (budget >= n and not targeted):
                     rows[r] = _row_slots(layer, r, idx)
                     continue
                 k, v, q_r = layer.keys[sl], layer.values[sl], queries[sl]
@@ -424,10 +429,20 @@ class BasePress(Press):
                     q_r = q_r[:, :, idx[idx >= offset] - offset]
                 u = self._prefill_importance(q_r, k, v, scale=scale, layer_idx=layer_idx, event=event, row=r,
                                              tokens=idx)
+                sizes, top = self._sizes(budget), None
+                head_budget = torch.full((h_kv,), float(budget), dtype=torch.float64)
+                if targeted:  # each KV head's budget from the error target (kvcert.fast.target_budget)
+                    chosen = self.design.target_budget(q_r, k, v, u, scale=scale)
+                    self._record_target(layer_idx, r, chosen)
+                    if not bool(chosen.evicts.any()):
+                        rows[r] = _row_slots(layer, r, idx)
+                        continue
+                    head_budget, top = chosen.sampled[0].cpu(), chosen.top[0].cpu()
+                    sizes = self._sizes(float(head_budget[chosen.evicts[0].cpu()].min()))
+                    layer.budgets[r] = float(head_budget.max())
                 if idx is not None:  # back onto the layer's slots (0 on padding)
                     u = u.new_zeros((1, h_kv, n_slots)).index_copy_(-1, idx, u)
-                plans[r] = (u, torch.full((h_kv,), float(budget), dtype=torch.float64), self._sizes(budget),
-                            self._tilt(q_r, h_kv))
+                plans[r] = (u, head_budget, sizes, self._tilt(q_r, h_kv), top)
             else:
                 row_target = target
                 if row_target is None and layer.budgets is not None and not math.isnan(float(layer.budgets[r])):
@@ -440,11 +455,11 @@ class BasePress(Press):
                 seen = min(queries.shape[2], int(layer.next_position[r]))  # no left-padding queries
                 u = self._row_importance(queries[sl][:, :, -seen:], layer.keys[sl], layer.values[sl], valid, scale,
                                          layer_idx=layer_idx, event=event)
-                plans[r] = (u, budget, self._sizes(float(budget.max())), None)
+                plans[r] = (u, budget, self._sizes(float(budget.max())), None, None)
         if not plans:
             return
         groups = {}
-        for r, (_, _, sz, _) in plans.items():
+        for r, (_, _, sz, _, _) in plans.items():
             groups.setdefault((sz.sinks, sz.window), []).append(r)
         for (sinks, window), members in groups.items():
             sel = None if len(members) == b else torch.tensor(members, device=layer.keys.device)
@@ -454,7 +469,8 @@ class BasePress(Press):
 
             u = torch.cat([plans[r][0] for r in members]).to(layer.keys.device)
             budget = torch.stack([plans[r][1] for r in members]).to(layer.keys.device)
-            top = torch.tensor([[plans[r][2].top] for r in members], device=layer.keys.device)
+            top = torch.stack([torch.full((h_kv,), plans[r][2].top, dtype=torch.int64) if plans[r][4] is None
+                               else plans[r][4] for r in members]).to(layer.keys.device)
             tilt = None if plans[members[0]][3] is None else torch.cat([plans[r][3] for r in members])
             cc = self._evict(pick(layer.keys), pick(layer.values), u, budget, sinks=sinks, window=window, top=top,
                              valid=pick(valid_all), log_weights=pick(layer.log_weights),

@@ -52,6 +52,10 @@ class DecodingPress(Press):
                             f"({type(self.base_press.scorer).__name__}) scores prefills only (its score reads a "
                             "layer's hidden states, which decode-time events do not keep); give DecodingPress a "
                             "kvcert scorer")
+        if getattr(self.base_press, "target_error", None) is not None:
+            raise ValueError("base_press: a PoissonPress(target_error=...) chooses its budgets at the prefill "
+                             "event; DecodingPress compresses to a fixed target_size (give base_press a "
+                             "compression_ratio or target_size)")
         if getattr(self.base_press, "sketch", None) is not None and \
                 getattr(self.base_press, "_recommended_default", False):
             self.base_press = replace(self.base_press, sketch=None, kind="chebyshev")  # the paper's design

@@ -107,6 +107,25 @@ class PoissonPress(BasePress):
         (the design of ``kvcert.reference.evict_and_certify(design=None)``,
         docs/theory.md section 8). One eviction event per layer (no DecodingPress). A budget that cannot
         hold the sketch and one token evicts nothing.
+    target_error : float > 0, optional
+        An error target instead of ``compression_ratio``/``target_size``
+        (give one of the three): at the prefill event each layer, batch row
+        and KV head keeps the smallest budget B (an integer, a sketch's
+        memory counted) whose *predicted* relative radius for the
+        observation-window queries is at most eps,
+
+        .. math:: \rho(B) = r_{\text{kind}}\Bigl(\delta;\ \frac{1}{m}\sum_{q}
+                  \frac{\sum_i (1/\pi_i(B) - 1)\, p_{qi}^2 \lVert v_i - o_q\rVert^2}
+                  {\lVert o_q\rVert^2}\Bigr) \le \varepsilon,
+
+        the design variance of the Hajek estimate computed over the full
+        cache, every token still visible (:func:`kvcert.fast.target_budget`,
+        docs/theory.md section 10). The certificate recorded at decode is the
+        design's own; ``result.certificates.exceeds(eps)`` marks the steps
+        whose recorded radius exceeds the target, and
+        ``result.certificates.summary()`` reports the kept fraction chosen.
+        The budgets of the last prefill: :attr:`chosen_budgets`. Prefill
+        events only (not under :class:`DecodingPress`).
 
     Notes
     -----
@@ -146,12 +165,13 @@ class PoissonPress(BasePress):
     kernel_size: int = 7
     sketch: object = "auto"
     kind: str | None = None
+    target_error: float | None = None
 
     _randomized = True
 
     #: the press fields the :class:`kvcert.fast.TokenDesign` holds (and checks)
     _design_fields = ("compression_ratio", "target_size", "seed", "sinks", "window", "top_fraction", "floor",
-                      "observation_window", "scorer", "kernel_size", "delta", "kind", "sketch")
+                      "observation_window", "scorer", "kernel_size", "delta", "kind", "sketch", "target_error")
 
     def __post_init__(self):
         s = self.scorer
@@ -161,9 +181,12 @@ class PoissonPress(BasePress):
                             f"or kvpress's: an object with score(module, hidden_states, keys, values, attentions, "
                             f"kwargs)) or a callable, got {type(s).__name__}")
         self._layer_inputs = {}  # layer -> (attention module, its forward kwargs) of the forward under way
+        #: (layer, batch row) -> the kvcert.fast.TargetBudget its last prefill event chose (target_error only)
+        self.chosen_budgets = {}
         # the defaults (sketch="auto", kind=None): the recommended design, or the paper's when a plain kind is named
-        self._recommended_default = isinstance(self.sketch, str) and self.sketch == "auto"
-        self.sketch, self.kind = default_design(self.sketch, self.kind)
+        self._recommended_default = isinstance(self.sketch, str) and self.sketch == "auto" and \
+            self.target_error is None
+        self.sketch, self.kind = default_design(self.sketch, self.kind, target_error=self.target_error)
         self.sketch = _held_design(self).sketch  # the fields' checks are the design's (the sketch resolved)
 
     def _for_model(self, config) -> "PoissonPress":
@@ -184,6 +207,9 @@ class PoissonPress(BasePress):
         paper = replace(self, sketch=None, kind="chebyshev")
         paper._layer_inputs = self._layer_inputs  # the kvpress-scorer hooks write the original's
         return paper
+
+    def _record_target(self, layer_idx: int, row: int, chosen) -> None:
+        self.chosen_budgets[(layer_idx, row)] = chosen
 
     def _make_design(self) -> TokenDesign:
         fields = {name: getattr(self, name) for name in self._design_fields}
@@ -316,9 +342,10 @@ class PoissonPress(BasePress):
         return window_tilt(queries, h_kv, window=self._observation_window())
 
     def queries_needed(self, n: int) -> int:
-        """Prefill queries the scorer reads, and at least the observation window with a tilted sketch."""
+        """Prefill queries the scorer reads, and at least the observation window with a tilted sketch or an
+        error target."""
         need = super().queries_needed(n)
-        if self.sketch is not None and self.sketch.tilt:
+        if (self.sketch is not None and self.sketch.tilt) or self.target_error is not None:
             need = max(need, min(self._observation_window(), n))
         return need
 
