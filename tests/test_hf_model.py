@@ -146,7 +146,8 @@ def test_kept_slots_hold_their_tokens_and_positions_stay_right(model_sdpa, monke
     forced_logits(model, ids, cont, kvcert.PoissonPress(compression_ratio=0.0))
     q_exact, keys_full = calls[0]["q"], calls[0]["keys"]
     calls.clear()
-    _, cache = forced_logits(model, ids, cont, kvcert.PoissonPress(compression_ratio=0.7, sinks=2, window=8, seed=1))
+    _, cache = forced_logits(model, ids, cont, kvcert.PoissonPress(compression_ratio=0.7, sinks=2, window=8, seed=1,
+                                                                    sketch=None))
     layer0 = cache.layers[0]
     assert torch.equal(calls[0]["q"], q_exact)
     pos, valid = layer0.positions[0], layer0.valid[0]
@@ -264,8 +265,12 @@ def test_every_press_on_the_model(model_sdpa, name):
     certs = press.certificates[0]
     assert certs.shape == (2, N_LAYERS, H_Q)
     if isinstance(press, kvcert.PoissonPress):
-        # E|S| = B per head; Var|S| = sum pi (1 - pi), estimated without bias by sum_S (1 - pi)
-        budget = n * 0.5
+        # E|S| = B per head (the default design samples B less its sketch's memory, sampled_budget);
+        # Var|S| = sum pi (1 - pi), estimated without bias by sum_S (1 - pi)
+        assert press.sketch is not None  # the default: the recommended design
+        head_dim = model.config.hidden_size // model.config.num_attention_heads
+        budget = press.design.sampled_budget(n, head_dim, head_dim)
+        assert budget < n * 0.5
         total = sum(int(layer.kept.sum()) - H_KV for layer in cache.layers)  # minus the token fed after
         var = sum(float((1 - layer.pi[layer.valid]).sum()) for layer in cache.layers)
         heads = N_LAYERS * H_KV

@@ -309,7 +309,7 @@ def _trace_rounding(call, head: int) -> float:
 @pytest.mark.model
 @pytest.mark.slow
 def test_recorded_certificates_unchanged_between_op_and_torch(op, model_sdpa, monkeypatch):
-    """kvcert.generate with PoissonPress(0.5, seed=0) on the op path (A) and the torch path (B): the
+    """kvcert.generate with PoissonPress(0.5, seed=0, sketch=None) on the op path (A) and the torch path (B): the
     same text and kept counts, and per step, layer and head the recorded trace and radius agree
     within |A - ref64(A)| + |ref64(A) - ref64(B)| + |ref64(B) - B|: the triangle through the float64
     oracle on each run's own decode inputs (they differ by the rounding of the earlier layers), the
@@ -331,7 +331,7 @@ def test_recorded_certificates_unchanged_between_op_and_torch(op, model_sdpa, mo
             return out
 
         monkeypatch.setattr(D, "hajek_attention", spy)
-        press = kvcert.PoissonPress(compression_ratio=0.5, seed=0)
+        press = kvcert.PoissonPress(compression_ratio=0.5, seed=0, sketch=None)  # the token route's op
         runs[route] = (kvcert.generate(model, tok, SHORT_PROMPT, press=press, max_new_tokens=4), calls)
         monkeypatch.setattr(D, "hajek_attention", original)
     (ra, ca), (rb, cb) = runs["cpu_op"], runs["torch"]
