@@ -6,7 +6,7 @@ exactly (to first order) for any budget. :func:`target_budget` picks, per KV hea
 the smallest budget whose *predicted* relative radius is at most the target
 ``eps``; the certificate recorded at decode stays the design's own.
 
-The prediction rule (docs/theory.md section 10), per KV head with window queries
+The prediction rule (docs/theory.md section 9), per KV head with window queries
 :math:`q \in Q` (the group's query heads times the last ``w`` prefill positions,
 :math:`m = |Q|`):
 
@@ -31,8 +31,10 @@ The chosen budget :math:`B^*` is an integer in :math:`[B_{\min}, n]`,
 :math:`B_{\min} = \lceil s \rceil + \text{sinks} + \text{window} + 1`, found by bisection that
 keeps :math:`\rho(\text{hi}) \le \varepsilon` (hi starts at n: nothing evicted, :math:`\rho = 0`):
 :math:`\rho(B^*) \le \varepsilon` always holds, and :math:`B^*` is the smallest such budget
-whenever :math:`\rho` is non-increasing in B on the range (it is when the certainty set does
-not change the tail's ordering; measured, docs/theory.md section 10).
+whenever :math:`\rho` is non-increasing in B on the range. It is with ``top_fraction = 0``; the top
+slice can break it (a token that joins the certain top set renormalizes the tail's importance and
+lowers other tokens' pi), and then the bisection may return a larger budget than the smallest
+(docs/theory.md section 9 has how often).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import check_tensor
+from ._checks import check_scale, check_tensor
 from .certificates import CERTIFICATE_KINDS, radius_from_moments
 from .design import inclusion_probabilities, nonnegative_importance
 
@@ -98,8 +100,11 @@ def window_variance_terms(queries: torch.Tensor, keys: torch.Tensor, values: tor
     if bq != b or dq != d or hq % h_kv or w == 0:
         raise ValueError(f"queries must have shape (b, g * h_kv, w >= 1, d) = ({b}, g * {h_kv}, w, {d}), "
                          f"got {tuple(queries.shape)}")
+    for name, x in (("queries", queries), ("keys", keys), ("values", values)):
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{name} must be finite (found NaN or inf)")
     g = hq // h_kv
-    tau = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    tau = check_scale(scale, d)
     q = queries.to(torch.float64).reshape(b, h_kv, g * w, d)
     k = keys.to(torch.float64)
     v = values.to(torch.float64)
@@ -120,7 +125,7 @@ def predicted_radius(terms: torch.Tensor, norm2: torch.Tensor, pi: torch.Tensor,
     pi = pi.to(torch.float64)
     var = (terms @ (1.0 / pi - 1.0).unsqueeze(-1)).squeeze(-1)  # (b, h_kv, m)
     rel = torch.where(norm2 > 0, var / norm2.clamp_min(torch.finfo(torch.float64).tiny),
-                      torch.where(var > 0, math.inf, 0.0))
+                      torch.where(var > 0, math.inf, torch.where(torch.isnan(var), math.nan, 0.0)))
     return radius_from_moments(kind, delta, trace=rel.mean(-1))
 
 
@@ -169,6 +174,12 @@ def target_budget(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     eps = float(target_error)
     if not (eps > 0.0 and math.isfinite(eps)):
         raise ValueError(f"target_error must be a finite float > 0 (a relative radius), got {target_error!r}")
+    delta = float(delta)
+    if not 0.0 < delta < 1.0:
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    top_fraction = float(top_fraction)
+    if not 0.0 <= top_fraction < 1.0:
+        raise ValueError(f"top_fraction must be in [0, 1), got {top_fraction}")
     if kind not in TARGET_KINDS:
         raise ValueError(f"kind: a target error is stated in a certificate kind whose radius is a function of "
                          f"the variance trace alone, one of {TARGET_KINDS}; got {kind!r}")
@@ -181,6 +192,8 @@ def target_budget(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     if tuple(importance.shape) != (b, h_kv, n):
         raise ValueError(f"importance must have shape (b, h_kv, n) = ({b}, {h_kv}, {n}), "
                          f"got {tuple(importance.shape)}")
+    if not bool(torch.isfinite(importance).all()):
+        raise ValueError("importance must be finite (found NaN or inf)")
     u = nonnegative_importance(importance.to(torch.float64))
     device = keys.device
     full = torch.full((b, h_kv), float(n), dtype=torch.float64, device=device)

@@ -58,6 +58,15 @@ from .sketch import (
     evict_and_certify,
     memory_fraction,
 )
+from .target import (
+    TARGET_KINDS,
+    TargetBudget,
+    predicted_radius,
+    radius_at_budget,
+    smallest_budget_scan,
+    target_budget,
+    window_variance_terms,
+)
 from .estimators import (
     Estimate,
     attention,
@@ -82,4 +91,6 @@ __all__ = [
     "Estimate", "attention", "hajek_attention", "horvitz_thompson_totals",
     "linearized_variance", "linearized_variance_ht", "scores",
     "EvictionResult", "evict_and_certify", "memory_fraction", "ClusterDesign",
+    "TARGET_KINDS", "TargetBudget", "predicted_radius", "radius_at_budget", "smallest_budget_scan", "target_budget",
+    "window_variance_terms",
 ]
