@@ -28,7 +28,7 @@ __all__ = ["main", "build_parser"]
 
 #: options that set a press field of the same name (--compression-interval wraps the press in a DecodingPress)
 _PRESS_OPTIONS = ("compression_ratio", "target_size", "sinks", "window", "top_fraction",
-                  "floor", "scorer", "seed", "delta", "kind", "observation_window", "sketch")
+                  "floor", "scorer", "seed", "delta", "kind", "observation_window", "sketch", "target_error")
 
 
 #: where the paper reproduction lives (paper_repro/, never imported by the library)
@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compression-ratio", type=float, default=None,
                    help="fraction of the prompt's tokens removed (default 0.5 when no --target-size)")
     g.add_argument("--target-size", type=int, default=None, help="keep this many tokens per head instead")
+    g.add_argument("--target-error", type=float, default=None, metavar="EPS",
+                   help="poisson: keep per layer and KV head the fewest tokens whose predicted relative radius "
+                        "is at most EPS, instead of a ratio (the paper's design; docs/theory.md section 9)")
     g.add_argument("--compression-interval", type=int, default=None,
                    help="also compress every N decoded tokens back to the target size (a DecodingPress)")
     g.add_argument("--sinks", type=int, default=None, help="first tokens always kept (press default 4)")
@@ -148,7 +151,7 @@ def make_press(args):
                 continue  # a deterministic press: --seed seeds the sampling only
             raise UsageError(f"--{name.replace('_', '-')} does not apply to --press {args.press}")
         kwargs[name] = value
-    if "compression_ratio" not in kwargs and "target_size" not in kwargs:
+    if "compression_ratio" not in kwargs and "target_size" not in kwargs and "target_error" not in kwargs:
         kwargs["compression_ratio"] = 0.5
     try:
         press = cls(**kwargs)

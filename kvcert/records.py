@@ -99,28 +99,30 @@ class Certificates:
             raise ValueError(f"target must be a finite float > 0, got {eps!r}")
         return self.relative_radius > float(eps)
 
-    def summary(self) -> dict:
+    def summary(self, *, exact_first: bool = True) -> dict:
         r"""JSON-ready aggregates of one sequence's record.
 
         Kind, delta, decoding steps; the mean / median / max recorded relative radius over the decoding
-        steps (step >= 1), layers and heads; the kept fraction, the share of the prompt the compressed
-        cache held (a sketch's memory counted), averaged over layers and heads,
+        steps (step >= 1: step 0 is the exact prefill; every step with ``exact_first=False``, the
+        query-agnostic protocol's questions), layers and heads; the kept fraction, the share of the prompt
+        the compressed cache held (a sketch's memory counted), averaged over layers and heads,
         :math:`(\mathrm{memory}_1 - 1)/\mathrm{kept}_0` (step 1 holds the compressed prompt and the first
-        generated token); with a ``target_error``, the target and the fraction of (step, layer, head)
-        certificates above it (:meth:`exceeds`).
+        generated token; with ``exact_first`` and at least one decoding step); with a ``target_error``, the
+        target and the fraction of decoding (step, layer, head) certificates above it (:meth:`exceeds`).
         """
         if self.batched:
             raise TypeError("summary() summarizes one sequence: index the batch first (certs[i])")
-        decode = self.radius.shape[0] > 1
-        rel = (self.relative_radius[1:] if decode else self.relative_radius).to(torch.float64)
-        prompt = self.kept[0].to(torch.float64)
-        out = {"kind": self.kind, "delta": self.delta, "decode_steps": int(rel.shape[0]) if decode else 0,
+        first = 1 if exact_first and self.radius.shape[0] > 1 else 0
+        rel = self.relative_radius[first:].to(torch.float64)
+        out = {"kind": self.kind, "delta": self.delta,
+               "decode_steps": int(rel.shape[0]) if first or not exact_first else 0,
                "mean_relative_radius": float(rel.mean()), "median_relative_radius": float(rel.median()),
-               "max_relative_radius": float(rel.max()),
-               "kept_fraction": float(((self.memory[1] - 1.0) / prompt).mean()) if decode else 1.0}
+               "max_relative_radius": float(rel.max())}
+        if first:
+            out["kept_fraction"] = float(((self.memory[1] - 1.0) / self.kept[0].to(torch.float64)).mean())
         if self.target_error is not None:
             out["target_error"] = self.target_error
-            out["fraction_over_target"] = float(self.exceeds()[1:].to(torch.float64).mean()) if decode else 0.0
+            out["fraction_over_target"] = float(self.exceeds()[first:].to(torch.float64).mean())
         return out
 
     def per_step(self) -> torch.Tensor:

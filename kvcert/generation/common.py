@@ -80,10 +80,11 @@ class GenerationResult:
 
     def summary(self) -> dict:
         """Compact JSON-ready summary (one prompt): tokens, timings, and the
-        certificate aggregates (mean / median / max relative radius over the
-        decoding steps, layers and heads; mean kept tokens, and mean memory:
-        kept tokens plus a sketch's memory in kept-token units,
-        :attr:`Certificates.memory`)."""
+        certificate aggregates (:meth:`Certificates.summary`: mean / median / max
+        relative radius over the decoding steps, layers and heads, the kept
+        fraction, an error target's share of certificates above it; and mean
+        kept tokens and mean memory at the last step: kept tokens plus a
+        sketch's memory in kept-token units, :attr:`Certificates.memory`)."""
         if isinstance(self.text, list):
             raise TypeError("summary() is per prompt; for a batch call it on each of result.rows()")
         out = {
@@ -98,19 +99,9 @@ class GenerationResult:
         c = self.certificates
         if c is not None:
             # query-aware step 0 is the exact prefill; query-agnostic steps all attend over the compressed context
-            agnostic = self.protocol == QUERY_AGNOSTIC
-            rel = c.relative_radius[1:] if c.relative_radius.shape[0] > 1 and not agnostic else c.relative_radius
-            rel = rel.to(torch.float64)
-            out["certificate"] = {
-                "kind": c.kind,
-                "delta": c.delta,
-                "decode_steps": int(rel.shape[0]) if c.relative_radius.shape[0] > 1 or agnostic else 0,
-                "mean_relative_radius": float(rel.mean()),
-                "median_relative_radius": float(rel.median()),
-                "max_relative_radius": float(rel.max()),
-                "mean_kept": float(c.kept[-1].to(torch.float64).mean()),
-                "mean_memory": float(c.memory[-1].mean()),
-            }
+            out["certificate"] = {**c.summary(exact_first=self.protocol != QUERY_AGNOSTIC),
+                                  "mean_kept": float(c.kept[-1].to(torch.float64).mean()),
+                                  "mean_memory": float(c.memory[-1].mean())}
         p = self.prompt_certificates
         if p is not None:  # streaming: the prompt's queries after the first chunk
             prel = p.relative_radius.to(torch.float64)
