@@ -916,7 +916,7 @@ class TokenDesign:
     target_error : float > 0, optional
         Instead of a ratio or size, an error target eps: each event keeps, per KV head, the smallest
         budget whose predicted relative radius for the observation-window queries is at most eps
-        (:meth:`target_budget`, :func:`kvcert.fast.target_budget`; docs/theory.md section 10). ``kind``
+        (:meth:`target_budget`, :func:`kvcert.fast.target_budget`; docs/theory.md section 9). ``kind``
         must be one of ``kvcert.fast.TARGET_KINDS``.
 
     Notes

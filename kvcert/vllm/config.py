@@ -32,8 +32,8 @@ _ENGINE_FIELDS = ("granularity", "free_blocks", "track_reuse", "report_kept")
 #: the per-request keys of ``SamplingParams.extra_args`` (token design): key -> :class:`KVCertConfig` field
 #: (in the order they are applied: a sketch before the kind its radius needs)
 REQUEST_KEYS = {"kvcert_compression_ratio": "compression_ratio", "kvcert_seed": "seed", "kvcert_delta": "delta",
-                "kvcert_sketch": "sketch", "kvcert_kind": "kind"}
-_ONLY = {"token": ("sinks", "window", "top_fraction", "kernel_size", "sketch"),
+                "kvcert_sketch": "sketch", "kvcert_kind": "kind", "kvcert_target_error": "target_error"}
+_ONLY = {"token": ("sinks", "window", "top_fraction", "kernel_size", "sketch", "target_error"),
          "block": ("sink_blocks", "recent_blocks", "top_blocks", "reduce")}
 
 
@@ -54,9 +54,10 @@ class KVCertConfig:
 
     Parameters
     ----------
-    compression_ratio : float in [0, 1)
+    compression_ratio : float in [0, 1), optional
         Fraction of a prompt's tokens (token design) or blocks (block design) evicted in expectation.
-        0 = no eviction (the stock engine's outputs).
+        0 = no eviction (the stock engine's outputs). Default 0.5, or 0 with a ``target_error`` (give one
+        of the two: a ratio > 0 beside a target is refused, as by ``PoissonPress``).
     seed : int >= 0
         Key of the sampling stream. Token design: the stream of
         :meth:`kvcert.fast.TokenDesign.decide` (seed, layer, KV head, event 0, indexed by token position),
@@ -93,6 +94,18 @@ class KVCertConfig:
         :math:`\min(c\sqrt{V_{\mathrm{cl}}}, H)`. ``sketch="tilted", kind="tilted_hull"`` is the recommended
         design (docs/theory.md section 8). A prompt whose budget cannot hold the sketch plus one token is
         not evicted (:meth:`evicts`), as in the press.
+    target_error : float > 0, optional
+        Token design only: instead of a ratio, an error target eps. After each prompt every (layer, KV head)
+        keeps the smallest budget B whose *predicted* relative radius for the prompt's last
+        ``observation_window`` queries is at most eps,
+        :math:`\rho(B) = r_{\text{kind}}(\delta; \frac1m\sum_q \sum_i (1/\pi_i(B) - 1) p_{qi}^2
+        \lVert v_i - o_q\rVert^2 / \lVert o_q\rVert^2) \le \varepsilon`
+        (:meth:`kvcert.fast.TokenDesign.target_budget`, docs/theory.md section 9), as
+        ``PoissonPress(target_error=...)``; the certificates recorded at decode are the design's own. The
+        paper's design (no sketch: ``sketch="auto"`` resolves to None, kind ``chebyshev``; a sketch is
+        refused). A prompt of at most ``sinks + window + 1`` tokens is not evicted. Blocks are shared by the
+        layers and heads, so a request frees the prompt blocks past the largest kept count of any (layer,
+        KV head).
     free_blocks : bool
         Return freed blocks to vLLM's pool (default). False = the same design, nothing freed (for
         tests and comparisons).
@@ -104,7 +117,7 @@ class KVCertConfig:
         (``kept_positions``; large: for tests and audits).
     """
 
-    compression_ratio: float = 0.5
+    compression_ratio: float | None = None
     seed: int = 0
     granularity: str = "token"
     sinks: int | None = None
@@ -124,6 +137,7 @@ class KVCertConfig:
     free_blocks: bool = True
     track_reuse: bool = True
     report_kept: bool = False
+    target_error: float | None = None
 
     def __post_init__(self):
         from kvcert.fast import SERVED_KINDS, BlockDesign, TokenDesign
@@ -132,9 +146,11 @@ class KVCertConfig:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
         from kvcert.fast.design import SKETCH_KINDS, SKETCHES, default_design
 
+        if self.compression_ratio is None:  # the default: 0.5, or nothing by ratio under an error target
+            object.__setattr__(self, "compression_ratio", 0.5 if self.target_error is None else 0.0)
         if isinstance(self.sketch, str) and self.sketch == "auto":  # the default: the design of default_design
             if self.granularity == "token":
-                sketch, kind = default_design("auto", self.kind)
+                sketch, kind = default_design("auto", self.kind, target_error=self.target_error)
                 object.__setattr__(self, "sketch", sketch)
                 object.__setattr__(self, "kind", kind)
             else:  # the block design keeps no sketch
@@ -178,18 +194,22 @@ class KVCertConfig:
 
     @property
     def enabled(self) -> bool:
-        """Whether anything is ever evicted."""
-        return self.compression_ratio > 0
+        """Whether anything is ever evicted (a ratio > 0 or an error target)."""
+        return self.compression_ratio > 0 or self.target_error is not None
 
     def evicts(self, n_tokens: int, block_size: int, head_size: int | None = None) -> bool:
         """Whether a prompt of ``n_tokens`` tokens is sampled at all: the token design's budget is below n
         (:meth:`kvcert.fast.TokenDesign.budget`) and, with a sketch and the model's ``head_size`` given, it
         holds the sketch plus at least one token (:meth:`kvcert.fast.TokenDesign.sampled_budget`); the block
-        design's certainty set does not fill its budget (:meth:`kvcert.fast.BlockDesign.budget` is not None)."""
+        design's certainty set does not fill its budget (:meth:`kvcert.fast.BlockDesign.budget` is not None).
+        Under a ``target_error``: the prompt is longer than ``sinks + window + 1`` (below that no budget under
+        n holds the certainty set and one sampled token; the target may still keep every token)."""
         if self.tokens:
             design = self.design
             if not self.enabled:
                 return False
+            if design.target_error is not None:
+                return n_tokens > design.sinks + design.window + 1
             if head_size is None:
                 return design.budget(n_tokens) < n_tokens
             return design.sampled_budget(n_tokens, head_size, head_size) < n_tokens
@@ -235,12 +255,19 @@ def request_options(config: KVCertConfig, extra_args: dict | None) -> dict | Non
     ``kvcert_kind`` alone picks its design as ``PoissonPress(kind=...)`` does (``tilted_hull``: the recommended
     design; another kind: the paper's design, no sketch). Token design only.
 
+    A budget rule replaces the engine's: ``kvcert_target_error`` (a float > 0) replaces the engine's ratio
+    (the overrides set ``compression_ratio=0``) and, unless the request names them, its sketch and kind (the
+    paper's design, ``chebyshev``: a target is stated on the paper design's variance);
+    ``kvcert_compression_ratio`` on an engine with a ``target_error`` replaces the target (``target_error=None``;
+    the engine's other settings, its design among them, stay). Both keys in one request are refused.
+
     Raises
     ------
     ValueError
         Naming the key: an unknown ``kvcert_*`` key, a value :class:`KVCertConfig` refuses (e.g.
-        ``kvcert_compression_ratio`` outside [0, 1), ``kvcert_kind`` not in ``kvcert.fast.SERVED_KINDS``),
-        or any ``kvcert_*`` key on an engine with ``granularity="block"``.
+        ``kvcert_compression_ratio`` outside [0, 1), ``kvcert_kind`` not in ``kvcert.fast.SERVED_KINDS``,
+        ``kvcert_target_error`` not a finite float > 0), ``kvcert_compression_ratio`` and
+        ``kvcert_target_error`` together, or any ``kvcert_*`` key on an engine with ``granularity="block"``.
     """
     given = {k: v for k, v in (extra_args or {}).items() if isinstance(k, str) and k.startswith("kvcert_")}
     if not given:
@@ -253,22 +280,43 @@ def request_options(config: KVCertConfig, extra_args: dict | None) -> dict | Non
                          f"serves granularity={config.granularity!r}")
     from dataclasses import replace
 
-    if "kvcert_kind" in given and "kvcert_sketch" not in given and config.tokens:
+    implied = {}  # what the keys given imply for fields the request did not name
+    if "kvcert_target_error" in given:
+        eps = given["kvcert_target_error"]
+        if "kvcert_compression_ratio" in given:
+            raise ValueError(f"kvcert_compression_ratio={given['kvcert_compression_ratio']!r}, "
+                             f"kvcert_target_error={eps!r}: give one budget rule per request, not both")
+        if eps is None:
+            raise ValueError("kvcert_target_error=None: must be a finite float > 0 (the relative radius to "
+                             "certify); to follow the engine's settings leave the key out")
+        implied["compression_ratio"] = 0.0
+        if "kvcert_sketch" not in given:  # the paper's design (a target does not combine with a sketch)
+            implied["sketch"] = "auto"
+            if "kvcert_kind" not in given:
+                implied["kind"] = None
+    elif "kvcert_compression_ratio" in given and config.target_error is not None:
+        implied["target_error"] = None
+    if "kvcert_kind" in given and "kvcert_sketch" not in given:
         given["kvcert_sketch"] = "auto"  # a kind alone picks its design, as PoissonPress(kind=...) does
     keys = [k for k in REQUEST_KEYS if k in given]
+
+    def result(checked: KVCertConfig) -> dict:
+        out = {name: getattr(checked, name) for name in implied}
+        out.update({REQUEST_KEYS[k]: getattr(checked, REQUEST_KEYS[k]) for k in keys})
+        return out
+
     try:  # all together (a sketch and the kind its radius needs are checked as a pair)
-        checked = replace(config, **{REQUEST_KEYS[k]: given[k] for k in keys})
-        return {REQUEST_KEYS[k]: getattr(checked, REQUEST_KEYS[k]) for k in keys}
+        return result(replace(config, **{**implied, **{REQUEST_KEYS[k]: given[k] for k in keys}}))
     except (TypeError, ValueError):
         pass
-    out = {}
+    out = dict(implied)
     for key in keys:  # one more at a time, so the error names the key at fault
         name = REQUEST_KEYS[key]
         try:
-            checked = replace(config, **out, **{name: given[key]})
+            replace(config, **{**out, name: given[key]})
         except (TypeError, ValueError) as e:
             raise ValueError(f"{key}={given[key]!r}: {e}") from None
-        out[name] = getattr(checked, name)
+        out[name] = given[key]
     raise AssertionError("unreachable: the options failed together but not one by one")
 
 

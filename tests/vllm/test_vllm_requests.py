@@ -6,8 +6,9 @@ Two plugin engines (token design, ``report_kept=True``, greedy, prompts of 32 k 
 - ``mixed``: engine default compression_ratio=0 (evicts nothing unless a request asks). Run 0: every
   request plain. Run 1: prompts 0 and 6 ask for ``kvcert_compression_ratio=0.5, kvcert_seed=3``, prompts
   1 and 2 are plain. Run 2: two bad requests (``kvcert_compression_ratio=1.5``, ``kvcert_kind="wald"``),
-  a plain one, prompt 0 certified with ``kvcert_kind="chi2", kvcert_delta=0.1`` and prompt 6 with the
-  defaults (Chebyshev, 0.05), so one step certifies rows of two (kind, delta) groups.
+  a plain one, prompt 0 certified with ``kvcert_sketch="tilted", kvcert_kind="chebyshev", kvcert_delta=0.1``
+  (the default's sample, another radius) and prompt 6 with the defaults (``tilted_hull``, 0.05), so one step
+  certifies rows of two (kind, delta) groups.
 - ``default``: engine default 0.5 with seed 3 (test_vllm_token.py's design); prompts 0 and 6 plain (the
   engine's default), prompt 1 with ``kvcert_compression_ratio=0`` (opted out); then a batch of one bad
   request alone (the engine must still report it and return).
@@ -45,7 +46,7 @@ def mixed():
         {"order": [0, 1, 2, 6], "max_tokens": MAX_TOKENS, "extra_args": [CERT, None, None, CERT]},
         {"order": [1, 3, 4, 0, 6], "max_tokens": MAX_TOKENS,
          "extra_args": [{"kvcert_compression_ratio": 1.5}, None, {**CERT, "kvcert_kind": "wald"},
-                        {**CERT, "kvcert_kind": "chi2", "kvcert_delta": 0.1}, CERT]},
+                        {**CERT, "kvcert_sketch": "tilted", "kvcert_kind": "chebyshev", "kvcert_delta": 0.1}, CERT]},
     ])
 
 
@@ -150,7 +151,8 @@ def test_bad_values_fail_only_their_request(mixed):
     for i in (3, 0, 6):  # the other requests of the batch complete
         assert len(_out(mixed, run, i)["token_ids"]) == MAX_TOKENS, f"prompt {i}"
     # prompt 6 (defaults) is the same request as in run 1; prompt 0 keeps the same tokens in its prompt
-    # (the kind changes the certificate, not the sample) and is certified with chi2 at delta 0.1
+    # (the same tilted sketch: the kind changes the certificate, not the sample) and is certified with
+    # Chebyshev on V_cl at delta 0.1
     a, b = _out(mixed, run, 6), _out(mixed, 1, 6)
     assert a["token_ids"] == b["token_ids"]
     np.testing.assert_allclose(a["certificates"], b["certificates"], rtol=CERT_RTOL, atol=0)
@@ -158,5 +160,5 @@ def test_bad_values_fail_only_their_request(mixed):
     assert c["report"]["kept_positions"] == d["report"]["kept_positions"]
     cc, cd = np.asarray(c["certificates"]), np.asarray(d["certificates"])
     assert cc.shape == (MAX_TOKENS,) and cc[0] == 0.0 and (cc[1:] > 0).all() and np.isfinite(cc).all()
-    print(f"prompt 0: chebyshev(0.05) {cd.tolist()}\n{'':10}chi2(0.1)      {cc.tolist()}")
+    print(f"prompt 0: tilted_hull(0.05) {cd.tolist()}\n{'':10}chebyshev(0.1)   {cc.tolist()}")
     assert not np.allclose(cc[1:], cd[1:], rtol=1e-3), "the request's kind/delta did not reach its certificate"
