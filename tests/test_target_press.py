@@ -161,3 +161,57 @@ def test_generate_summary_reports_the_kept_fraction(model_sdpa):
     s = res.certificates.summary()
     assert s["target_error"] == 0.2 and 0 < s["kept_fraction"] < 1
     assert bool(torch.isfinite(res.certificates.radius).all())
+
+
+def test_escalation_reruns_until_no_step_exceeds_the_target(model_sdpa, monkeypatch):
+    """generate(..., escalate=...). On the default model the per-step mean relative radius of a
+    target-chosen cache stays below the target (0.7-0.85 eps at eps 0.02-0.5 on this prompt, measured
+    2026-12-05), so the flag is forced: ``Certificates.per_step`` is scaled up 100x for the first
+    ``flagged[0]`` runs. "full": one re-run, uncompressed (the plain model's tokens, no certificates);
+    "tighten": the target halved 3 times (each re-run recorded), then uncompressed when every run is
+    flagged, or it stops at the first run that is not; unscaled, a run is not re-run."""
+    from kvcert.records import Certificates
+
+    model, tok = model_sdpa
+    prompt = long_prompt(600)
+    flagged = [0]
+    original = Certificates.per_step
+
+    def scaled(self):
+        if flagged[0] > 0:
+            flagged[0] -= 1
+            return original(self) * 100.0
+        return original(self)
+
+    monkeypatch.setattr(Certificates, "per_step", scaled)
+    plain = kvcert.generate(model, tok, prompt, max_new_tokens=2)
+    press = kvcert.PoissonPress(target_error=0.1, seed=0)
+    once = kvcert.generate(model, tok, prompt, press, max_new_tokens=2, escalate="full")
+    assert once.escalations == [] and once.certificates is not None
+    assert bool((original(once.certificates)[1:] <= 0.1).all())  # the unforced run meets the target
+    flagged[0] = 1
+    full = kvcert.generate(model, tok, prompt, press, max_new_tokens=2, escalate="full")
+    assert len(full.escalations) == 1 and full.escalations[0]["step"] == 1 and full.escalations[0]["press"] == "none"
+    assert full.escalations[0]["mean_relative_radius"] > 0.1
+    assert full.certificates is None and full.token_ids == plain.token_ids
+    assert full.summary()["escalations"] == full.escalations
+    flagged[0] = 4
+    tight = kvcert.generate(model, tok, prompt, press, max_new_tokens=2, escalate="tighten")
+    targets = [e["press"] for e in tight.escalations]
+    assert len(targets) == 4 and targets[-1] == "none" and tight.token_ids == plain.token_ids
+    for eps, text in zip((0.05, 0.025, 0.0125), targets):
+        assert f"target_error={eps}" in text
+    flagged[0] = 2
+    tight = kvcert.generate(model, tok, prompt, press, max_new_tokens=2, escalate="tighten")
+    assert [e["target_error"] for e in tight.escalations] == [0.1, 0.1]  # flags read the user's target
+    assert tight.certificates is not None and tight.certificates.target_error == 0.025
+
+
+def test_escalation_is_refused_without_a_target(model_sdpa):
+    model, tok = model_sdpa
+    with pytest.raises(ValueError, match="escalate: needs a press with an error target"):
+        kvcert.generate(model, tok, "Hi", kvcert.PoissonPress(compression_ratio=0.5), escalate="full")
+    with pytest.raises(ValueError, match="escalate must be None or one of"):
+        kvcert.generate(model, tok, "Hi", kvcert.PoissonPress(target_error=0.1), escalate="always")
+    with pytest.raises(ValueError, match="escalate: one prompt at a time"):
+        kvcert.generate(model, tok, ["Hi", "Ho"], kvcert.PoissonPress(target_error=0.1), escalate="full")

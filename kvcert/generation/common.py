@@ -65,6 +65,10 @@ class GenerationResult:
     context_tokens : int or list[int] or None
         Query-agnostic: the context's length in tokens (``prompt_tokens`` is
         context + question); None for query-aware.
+    escalations : list[dict]
+        ``generate(..., escalate=...)``: one entry per re-run, ``step`` (the first decoding step whose mean
+        relative radius exceeded the target), ``mean_relative_radius``, ``target_error`` and ``press`` (the
+        next run's press, ``"none"`` = uncompressed); empty otherwise.
     """
 
     text: str | list[str]
@@ -77,6 +81,7 @@ class GenerationResult:
     prompt_certificates: Certificates | list | None = None
     protocol: str = QUERY_AWARE
     context_tokens: int | list[int] | None = None
+    escalations: list = field(default_factory=list)
 
     def summary(self) -> dict:
         """Compact JSON-ready summary (one prompt): tokens, timings, and the
@@ -96,6 +101,8 @@ class GenerationResult:
         }
         if self.context_tokens is not None:
             out["context_tokens"] = self.context_tokens
+        if self.escalations:
+            out["escalations"] = list(self.escalations)
         c = self.certificates
         if c is not None:
             # query-aware step 0 is the exact prefill; query-agnostic steps all attend over the compressed context

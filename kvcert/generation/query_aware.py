@@ -31,7 +31,7 @@ def generate(model, tokenizer, prompt: str | list[str], press=None, max_new_toke
              do_sample: bool = False, temperature: float = 1.0, sample_seed: int = 0,
              chat_template: bool | None = None, system_prompt: str | None = None, stop_at_eos: bool = True,
              progress: bool | None = False, prefilled: Prefill | None = None, prefill_chunk: int | None = None,
-             context: CompressedContext | None = None) -> GenerationResult:
+             context: CompressedContext | None = None, escalate: str | None = None) -> GenerationResult:
     r"""Generate text with a press, recording per-step certificates.
 
     Greedy decoding by default. Under ``press`` the prefill is exact
@@ -90,6 +90,13 @@ def generate(model, tokenizer, prompt: str | list[str], press=None, max_new_toke
         the same as :func:`answer` (``press`` is the context's; greedy; no
         ``prefilled``, ``prefill_chunk``, ``chat_template``, ``system_prompt``).
         Without it, the query-aware protocol: the whole prompt is compressed.
+    escalate : {"full", "tighten"}, optional
+        Opt-in, with a ``PoissonPress(target_error=eps)`` and one prompt: when a decoding step's recorded
+        certificate, the mean relative radius over layers and heads (``certificates.per_step()``), exceeds
+        eps, the request is run again from its prompt (a re-prefill): ``"full"`` uncompressed (the exact
+        model, no certificates), ``"tighten"`` with the target halved (eps/2, eps/4, eps/8, then
+        uncompressed), until no step of the run exceeds eps. ``result.escalations`` lists each re-run
+        (the flagged step, its radius, the press of the next run); the result is the last run's.
 
     Returns
     -------
@@ -115,6 +122,12 @@ def generate(model, tokenizer, prompt: str | list[str], press=None, max_new_toke
                       progress=progress)
     single, prompts = _check_generate_args(model, prompt, press, max_new_tokens, do_sample, temperature,
                                            sample_seed, chat_template, system_prompt, prefilled, prefill_chunk)
+    if escalate is not None:
+        _check_escalate(escalate, press, single)
+        return _escalated(press, escalate, lambda p: generate(
+            model, tokenizer, prompt, p, max_new_tokens, do_sample=do_sample, temperature=temperature,
+            sample_seed=sample_seed, chat_template=chat_template, system_prompt=system_prompt,
+            stop_at_eos=stop_at_eos, progress=progress, prefilled=prefilled, prefill_chunk=prefill_chunk))
     input_ids, attention_mask = _prompt_ids(model, tokenizer, prompts, chat_template, system_prompt, prefilled, single)
     scope = press(model) if press is not None else contextlib.nullcontext()
     with torch.no_grad(), scope:
@@ -125,6 +138,44 @@ def generate(model, tokenizer, prompt: str | list[str], press=None, max_new_toke
                                progress=progress)
     certs = press.certificates if press is not None else None
     return _assemble_result(tokenizer, single, attention_mask, decoded, certs, prompt_rows, timings, press)
+
+
+#: the escalation policies of :func:`generate`; "tighten" halves the target this many times, then runs uncompressed
+ESCALATIONS = ("full", "tighten")
+_TIGHTEN_STEPS = 3
+
+
+def _check_escalate(escalate, press, single: bool) -> None:
+    if escalate not in ESCALATIONS:
+        raise ValueError(f"escalate must be None or one of {ESCALATIONS}, got {escalate!r}")
+    if getattr(press, "target_error", None) is None:
+        raise ValueError("escalate: needs a press with an error target (kvcert.PoissonPress(target_error=eps)); "
+                         "without one no step can exceed it")
+    if not single:
+        raise ValueError("escalate: one prompt at a time (a re-run repeats one request)")
+
+
+def _escalated(press, policy: str, run) -> GenerationResult:
+    """:func:`generate` under ``press``, re-run from the prompt while a step's mean relative radius exceeds the
+    press's target (``policy``: the next run uncompressed, or the target halved)."""
+    from dataclasses import replace
+
+    eps = press.target_error
+    result, current, escalations = run(press), press, []
+    while result.certificates is not None:
+        per_step = result.certificates.per_step()
+        flagged = (per_step[1:] > eps).nonzero()
+        if flagged.numel() == 0:
+            break
+        step = int(flagged[0, 0]) + 1
+        tightened = sum(1 for e in escalations if e["press"] != "none")
+        nxt = replace(current, target_error=current.target_error / 2) \
+            if policy == "tighten" and tightened < _TIGHTEN_STEPS else None
+        escalations.append({"step": step, "mean_relative_radius": float(per_step[step]), "target_error": eps,
+                            "press": "none" if nxt is None else repr(nxt)})
+        result, current = run(nxt), nxt
+    result.escalations = escalations
+    return result
 
 
 def _check_sampling(do_sample, temperature, sample_seed) -> None:
