@@ -165,8 +165,8 @@ def test_generate_summary_reports_the_kept_fraction(model_sdpa):
 
 def test_escalation_reruns_until_no_step_exceeds_the_target(model_sdpa, monkeypatch):
     """generate(..., escalate=...). On the default model the per-step mean relative radius of a
-    target-chosen cache stays below the target (0.7-0.85 eps at eps 0.02-0.5 on this prompt, measured
-    2026-12-05), so the flag is forced: ``Certificates.per_step`` is scaled up 100x for the first
+    target-chosen cache stays below the target (0.58-0.85 eps at eps 0.02-0.5 on long_prompt(1500),
+    measured 2026-12-05), so the flag is forced: ``Certificates.per_step`` is scaled up 100x for the first
     ``flagged[0]`` runs. "full": one re-run, uncompressed (the plain model's tokens, no certificates);
     "tighten": the target halved 3 times (each re-run recorded), then uncompressed when every run is
     flagged, or it stops at the first run that is not; unscaled, a run is not re-run."""
