@@ -40,7 +40,7 @@ from .model import default_model_path
 
 __all__ = [
     "KVCertConfig", "SUPPORTED_VLLM", "certified_llm", "certificates", "certificate_report", "blocks_freed",
-    "stats", "default_model_path", "register", "engine_kwargs",
+    "stats", "default_model_path", "register", "engine_kwargs", "generate_within_target", "ESCALATIONS",
 ]
 
 _REGISTERED = False
@@ -226,6 +226,86 @@ def certificates(output) -> np.ndarray | None:
     if rep is None or (rep.get("granularity") != "token" and not rep.get("evicted")):
         return None
     return np.asarray(rep["certificates"], dtype=np.float64)
+
+
+#: the escalation policies of :func:`generate_within_target` (as ``kvcert.generate(..., escalate=...)``)
+ESCALATIONS = ("full", "tighten")
+_TIGHTEN_STEPS = 3
+
+
+def _with_args(params, extra: dict, drop: tuple = ()):
+    """A copy of ``params`` (a ``SamplingParams``) whose ``extra_args`` add ``extra`` and lose ``drop``."""
+    out = params.clone()
+    args = {k: v for k, v in dict(out.extra_args or {}).items() if k not in drop}
+    args.update(extra)
+    out.extra_args = args
+    return out
+
+
+def generate_within_target(llm, prompts: list, sampling_params, *, target_error: float,
+                           escalate: str = "full") -> tuple[list, dict]:
+    """``llm.generate`` under an error target, re-running the requests that exceed it (opt-in closing loop).
+
+    Each request runs with ``extra_args["kvcert_target_error"] = target_error`` (docs/serving.md, "Error
+    targets"). A finished request whose per-token certificate (:func:`certificates`: the mean relative
+    radius over layers and query heads of the step that produced the token) exceeds the target is run
+    again from its prompt, all such requests in one batch: ``escalate="full"`` uncompressed
+    (``kvcert_compression_ratio=0``), ``"tighten"`` with the target halved (eps/2, eps/4, eps/8, then
+    uncompressed), until none exceeds ``target_error``. The same policy as
+    ``kvcert.generate(..., escalate=...)`` in the Hugging Face path.
+
+    Parameters
+    ----------
+    llm : a certified ``vllm.LLM`` (:func:`certified_llm`), token design
+    prompts : list of prompts (anything ``llm.generate`` takes)
+    sampling_params : one ``SamplingParams`` or one per prompt
+    target_error : float > 0
+    escalate : {"full", "tighten"}
+
+    Returns
+    -------
+    outputs : list of ``RequestOutput``, one per prompt, the last run's
+    escalations : dict, prompt index -> list of ``{"token": first flagged token, "mean_relative_radius",
+        "target_error", "next": the next run's kvcert extra_args}`` (prompts never re-run are absent)
+    """
+    import math
+
+    if escalate not in ESCALATIONS:
+        raise ValueError(f"escalate must be one of {ESCALATIONS}, got {escalate!r}")
+    if isinstance(target_error, bool) or not isinstance(target_error, (int, float)) or \
+            not (0.0 < float(target_error) < math.inf):
+        raise ValueError(f"target_error must be a finite float > 0, got {target_error!r}")
+    prompts = list(prompts)
+    params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"sampling_params: give one or one per prompt ({len(prompts)}), got {len(params)}")
+    eps = float(target_error)
+    current = [_with_args(p, {"kvcert_target_error": eps}, drop=("kvcert_compression_ratio",)) for p in params]
+    outputs = list(llm.generate(prompts, current))
+    escalations: dict = {}
+    todo = list(range(len(prompts)))
+    while todo:
+        rerun = []
+        for i in todo:
+            c = certificates(outputs[i])
+            over = [] if c is None else [t for t in range(1, len(c)) if c[t] > eps]
+            if not over:
+                continue
+            target = current[i].extra_args.get("kvcert_target_error")
+            tightened = sum(1 for e in escalations.get(i, []) if "kvcert_target_error" in e["next"])
+            if escalate == "tighten" and target is not None and tightened < _TIGHTEN_STEPS:
+                nxt = {"kvcert_target_error": target / 2.0}
+            else:
+                nxt = {"kvcert_compression_ratio": 0.0}
+            current[i] = _with_args(params[i], nxt, drop=("kvcert_target_error", "kvcert_compression_ratio"))
+            escalations.setdefault(i, []).append({"token": over[0], "mean_relative_radius": float(c[over[0]]),
+                                                  "target_error": eps, "next": nxt})
+            rerun.append(i)
+        if rerun:
+            for i, out in zip(rerun, llm.generate([prompts[i] for i in rerun], [current[i] for i in rerun])):
+                outputs[i] = out
+        todo = rerun
+    return outputs, escalations
 
 
 def stats(llm) -> dict:

@@ -252,3 +252,56 @@ def test_smaller_target_keeps_more(engine):
     assert (big >= CERTAIN).all() and (big < 2 * BLOCK).all() and ms[-1] == 2
     assert freed[-1] == n // BLOCK - 2 > freed[0], (freed, ms)
     assert counts[0].sum() > big.sum()
+
+
+class _FakeLLM:
+    """Stands for a certified vllm.LLM in :func:`kvcert.vllm.generate_within_target`'s control flow: a
+    request's per-token certificates are ``radius(extra_args)`` (0 for the first token), None when it ran
+    uncompressed (kvcert_compression_ratio 0), as the plugin reports them."""
+
+    def __init__(self, radius):
+        self.radius, self.calls = radius, []
+
+    def generate(self, prompts, params):
+        self.calls.append([(p, dict(sp.extra_args)) for p, sp in zip(prompts, params)])
+        outs = []
+        for p, sp in zip(prompts, params):
+            args = dict(sp.extra_args)
+            rep = None if args.get("kvcert_compression_ratio") == 0.0 else \
+                {"granularity": "token", "certificates": [0.0, *self.radius(p, args)]}
+            outs.append(SimpleNamespace(prompt=p, kv_transfer_params=None if rep is None else {"kvcert": rep}))
+        return outs
+
+
+def test_generate_within_target_reruns_the_requests_over_it():
+    """The closing loop's control flow (the engine's own runs are the other tests'): every request runs
+    under the target; the ones with a token over it are re-run together, uncompressed ("full") or with the
+    target halved ("tighten", then uncompressed after 3 halvings); the others are not re-run."""
+    from vllm import SamplingParams
+
+    from kvcert.vllm import generate_within_target
+
+    params = SamplingParams(max_tokens=3, extra_args={"kvcert_compression_ratio": 0.5, "other": 1})
+    llm = _FakeLLM(lambda p, a: [0.05, 0.2] if p == "hard" else [0.01, 0.02])
+    outs, esc = generate_within_target(llm, ["easy", "hard"], params, target_error=0.1)
+    assert llm.calls[0] == [("easy", {"other": 1, "kvcert_target_error": 0.1}),
+                            ("hard", {"other": 1, "kvcert_target_error": 0.1})]
+    assert llm.calls[1] == [("hard", {"other": 1, "kvcert_compression_ratio": 0.0})] and len(llm.calls) == 2
+    assert esc == {1: [{"token": 2, "mean_relative_radius": 0.2, "target_error": 0.1,
+                        "next": {"kvcert_compression_ratio": 0.0}}]}
+    assert outs[0].kv_transfer_params is not None and outs[1].kv_transfer_params is None
+    # tighten: the radius halves with the target, so eps/2 still misses (0.15 > 0.1) and eps/4 meets it
+    llm = _FakeLLM(lambda p, a: [0.3 * a["kvcert_target_error"] / 0.1])
+    outs, esc = generate_within_target(llm, ["x"], params, target_error=0.1, escalate="tighten")
+    assert [e["next"] for e in esc[0]] == [{"kvcert_target_error": 0.05}, {"kvcert_target_error": 0.025}]
+    assert len(llm.calls) == 3 and outs[0].kv_transfer_params["kvcert"]["certificates"] == [0.0, 0.075]
+    # a request no target meets: 3 halvings, then uncompressed
+    llm = _FakeLLM(lambda p, a: [1.0])
+    outs, esc = generate_within_target(llm, ["x"], params, target_error=0.1, escalate="tighten")
+    assert [e["next"] for e in esc[0]][-1] == {"kvcert_compression_ratio": 0.0} and len(esc[0]) == 4
+    with pytest.raises(ValueError, match="escalate must be one of"):
+        generate_within_target(llm, ["x"], params, target_error=0.1, escalate="never")
+    with pytest.raises(ValueError, match="target_error must be a finite float > 0"):
+        generate_within_target(llm, ["x"], params, target_error=0)
+    with pytest.raises(ValueError, match="sampling_params: give one or one per prompt"):
+        generate_within_target(llm, ["x", "y"], [params] * 3, target_error=0.1)
