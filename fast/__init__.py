@@ -83,6 +83,7 @@ from .sketch import (
     recorded_trace,
     window_tilt,
 )
+from .allocation import Allocation, adakv_budgets, allocate_budgets, pyramid_budgets, uniform_budgets
 from .target import TARGET_KINDS, TargetBudget, predicted_radius, target_budget, window_variance_terms
 from .types import Certificate, CompressedCache, Estimate
 
@@ -103,4 +104,5 @@ __all__ = [
     "CLUSTER_RADII", "RADIUS_RULES", "RadiusRule", "ClusterDesign", "ClusterEstimate", "ClusterSketch", "cluster_hajek_attention", "cluster_radius",
     "cluster_sketch", "cluster_variance", "kmeans_assign", "recorded_trace", "window_tilt",
     "TARGET_KINDS", "TargetBudget", "predicted_radius", "target_budget", "window_variance_terms",
+    "Allocation", "adakv_budgets", "allocate_budgets", "pyramid_budgets", "uniform_budgets",
 ]
