@@ -80,7 +80,7 @@ def test_prefill_compacts_and_decode_equals_the_estimator_after_the_freed_blocks
 
     monkeypatch.setattr(cpu_attn, "get_current_vllm_config",
                         lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32)))
-    backend, worker, impl, cache, k, v, cfg, fake, layer, scale = _setup()
+    backend, worker, impl, cache, k, v, cfg, fake, layer, scale = _setup(sketch=None)  # the paper's design
     original = cache.clone()
     qp = torch.randn(Q, H_Q, D)
     md = _prefill_metadata(backend, impl)

@@ -85,9 +85,11 @@ def test_engine_kwargs_route_and_config_roundtrip():
     # the token design: the press's, sampled whenever its budget is below the prompt
     token = KVCertConfig.from_dict(engine_kwargs(0.25, 7)["additional_config"]["kvcert"])
     assert token.granularity == "token" and token.evicts(3, 32) and not KVCertConfig(compression_ratio=0.0).evicts(100, 32)
-    from kvcert.fast import TokenDesign
+    import kvcert
 
-    assert token.design == TokenDesign(compression_ratio=0.25, seed=7)  # the PoissonPress defaults
+    # the PoissonPress defaults: the recommended design (the tilted sketch, tilted_hull)
+    assert token.design == kvcert.PoissonPress(compression_ratio=0.25, seed=7).design
+    assert (token.design.kind, token.design.sketch.tilt) == ("tilted_hull", True)
 
 
 def test_kinds_reductions_and_scorers_are_read_from_the_registries():
@@ -96,6 +98,10 @@ def test_kinds_reductions_and_scorers_are_read_from_the_registries():
     for name in F.KINDS:  # the served kinds are the registry's flags, no list of the plugin's own
         if F.CERTIFICATE_KINDS[name].served:
             assert KVCertConfig(kind=name).design.kind == name
+        elif F.CERTIFICATE_KINDS[name].sketch:  # a sketched design's radius: served with its sketch (the default)
+            assert KVCertConfig(kind=name).design.kind == name and KVCertConfig(kind=name).design.sketch is not None
+            with pytest.raises(ValueError, match="kind must be one of"):
+                KVCertConfig(kind=name, sketch=None)
         else:
             with pytest.raises(ValueError, match="kind must be one of"):
                 KVCertConfig(kind=name)
