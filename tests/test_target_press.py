@@ -215,3 +215,20 @@ def test_escalation_is_refused_without_a_target(model_sdpa):
         kvcert.generate(model, tok, "Hi", kvcert.PoissonPress(target_error=0.1), escalate="always")
     with pytest.raises(ValueError, match="escalate: one prompt at a time"):
         kvcert.generate(model, tok, ["Hi", "Ho"], kvcert.PoissonPress(target_error=0.1), escalate="full")
+
+
+def test_a_batch_row_chooses_what_it_chooses_alone(model_sdpa):
+    """Left-padded batch rows of different lengths: each row's chosen budgets, kept counts and tokens are
+    those of the same prompt run alone (the target is solved per row on its real tokens)."""
+    model, tok = model_sdpa
+    prompts = [long_prompt(600), long_prompt(1200)]
+    press = kvcert.PoissonPress(target_error=0.2, seed=0)
+    batch = kvcert.generate(model, tok, prompts, press=press, max_new_tokens=2)
+    chosen = dict(press.chosen_budgets)
+    for i, p in enumerate(prompts):
+        alone_press = kvcert.PoissonPress(target_error=0.2, seed=0)
+        alone = kvcert.generate(model, tok, p, press=alone_press, max_new_tokens=2)
+        assert alone.token_ids == batch.token_ids[i]
+        assert torch.equal(alone.certificates.kept[1], batch.certificates[i].kept[1])
+        for layer in (0, 15, 29):
+            assert torch.equal(alone_press.chosen_budgets[(layer, 0)].budget, chosen[(layer, i)].budget)
