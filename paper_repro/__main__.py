@@ -78,7 +78,9 @@ def _run_model_table(name: str, cfg: Config, real: RealModel, raw: dict) -> dict
         if "suites" not in raw:
             raw["suites"] = suites.collect(cfg, *real.model())
         if name == "T3":
-            return {"T3": suites.table(raw["suites"], cfg)}
+            from .bootstrap import with_intervals
+
+            return {"T3": with_intervals(suites.table(raw["suites"], cfg), raw["suites"], seed=cfg.seed)}
         t4, raw["T4"] = claims.run(raw["suites"], cfg)
         return {"T4": t4}
     raise ValueError(f"unknown model table {name}")

@@ -85,12 +85,14 @@ class Table:
     rows: list
     notes: list = field(default_factory=list)
     columns: list | None = None
+    #: the columns the Markdown shows (default: all of the CSV's); the CSV always has every column
+    shown: list | None = None
 
     def _columns(self):
         return self.columns or list(self.rows[0].keys())
 
     def markdown(self) -> str:
-        cols = self._columns()
+        cols = [c for c in self._columns() if self.shown is None or c in self.shown]
         lines = [f"| {' | '.join(cols)} |", f"|{'|'.join('---' for _ in cols)}|"]
         for r in self.rows:
             lines.append("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |")

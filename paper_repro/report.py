@@ -8,6 +8,7 @@ from datetime import date
 
 import numpy as np
 
+from .bootstrap import DEFAULT_SKETCH, LEVEL, RESAMPLES
 from .common import DOCS, Config
 from .suites import SKETCHES
 
@@ -83,6 +84,10 @@ def summary(results: dict, cfg: Config, raw: dict | None = None) -> dict:
             stats = ("auc_certificate", "auc_confidence", "acc_poisson", "auc_certificate_median")
             out["sketch_t3"] = {k: _mean_finite([r.get(k) for r in rows3]) for k in (
                 *stats, *(f"{stat}_{name}" for name in ran for stat in stats))}
+            if (raw or {}).get("suites"):  # the runs themselves: bootstrap intervals over examples
+                from .bootstrap import t3_means
+
+                out["sketch_t3"].update(t3_means(raw["suites"], seed=cfg.seed))
         out["synthetic_failure_auc"] = {"protocol": first, "cells_defined": len(aucs), "cells": len(rows3),
                                         "above_half": int(sum(a > 0.5 for a in aucs)),
                                         "confidence_auc_mean": float(np.mean(conf)) if conf else None}
@@ -97,6 +102,8 @@ def summary(results: dict, cfg: Config, raw: dict | None = None) -> dict:
                 "attribution_auc", "attribution_auc_confidence", "recompute_gain_points_prefill",
                 *(f"{stat}_{name}" for name in ran for stat in (
                     "attribution_auc", "attribution_auc_confidence", "recompute_gain_points")))}
+            # the bootstrap intervals and paired differences of claims.run (paper_repro/bootstrap.py)
+            out["sketch_t4"].update({k: v for k, v in t4.items() if k.endswith(("_ci", "_diff"))})
     if "T4" in results:
         rows4 = results["T4"].rows
         first = rows4[0].get("protocol") if rows4 else None  # the first protocol's claims under their own keys
@@ -127,19 +134,41 @@ def _findings(claims: dict) -> str:
 
 
 def _sketch_payoff(s: dict) -> list[str]:
-    """results.md's paragraph on T3/T4 under the sketched designs beside the paper design's."""
+    """results.md's paragraph on T3/T4 under the sketched designs beside the paper design's; where the
+    summary holds bootstrap intervals (``<key>_ci``, ``<key>_<sketch>_diff[_ci]``: paper_repro/bootstrap.py)
+    each figure carries its interval and a last column the recommended design minus the paper's, paired."""
     t3, t4 = s.get("sketch_t3") or {}, s.get("sketch_t4") or {}
     ran = [name for name in SKETCHES if f"acc_poisson_{name}" in t3 or f"attribution_auc_{name}" in t4]
     if not ran:
         return []
-    f = lambda x, fmt=".3f": "n/a" if x is None else format(x, fmt)  # noqa: E731
-    rows = ["| | paper design (`PoissonPress`) | " + " | ".join(
-                f"{name} sketch (`PoissonPress(sketch='{name}')`)" for name in ran) + " |",
-            "|---|---|" + "---|" * len(ran)]
+    f = lambda x, fmt=".3f": "n/a" if x is None or not np.isfinite(x) else format(x, fmt)  # noqa: E731
+    # bootstrap intervals (paper_repro/bootstrap.py) where the summary has them: "x [low, high]" per design
+    # and a column for the paired difference of the recommended design (the tilted sketch) to the paper's
+    boot = any(k.endswith("_ci") for k in (*t3, *t4))
+    default = DEFAULT_SKETCH if DEFAULT_SKETCH in ran else None
+    extra = boot and default is not None
+    rows = ["| | paper design (`PoissonPress(sketch=None)`) | " + " | ".join(
+                (f"{name} sketch, the recommended design (`PoissonPress()`)" if name == DEFAULT_SKETCH
+                 else f"{name} sketch (`PoissonPress(sketch='{name}')`)") for name in ran) + " |"
+            + (f" {default} minus paper, paired [{LEVEL:.0%} interval] |" if extra else ""),
+            "|---|---|" + "---|" * (len(ran) + extra)]
 
-    def line(label, paper_value, key, table, fmt=".3f"):
-        return f"| {label} | {f(paper_value, fmt)} | " + " | ".join(
-            f(table.get(f"{key}_{name}"), fmt) for name in ran) + " |"
+    def cell(value, ci, fmt):
+        if not boot or ci is None or value is None or not np.isfinite(value):
+            return f(value, fmt)
+        return f"{f(value, fmt)} [{f(ci[0], fmt)}, {f(ci[1], fmt)}]"
+
+    def line(label, paper_value, key, table, fmt=".3f", paper_key=None):
+        paper_key = paper_key or key
+        text = f"| {label} | {cell(paper_value, table.get(f'{paper_key}_ci'), fmt)} | " + " | ".join(
+            cell(table.get(f"{key}_{name}"), table.get(f"{key}_{name}_ci"), fmt) for name in ran) + " |"
+        if extra:
+            diff, ci = table.get(f"{key}_{default}_diff"), table.get(f"{key}_{default}_diff_ci")
+            sign = "+.3f" if fmt == ".3f" else fmt
+            verdict = "" if diff is None or ci is None or not np.all(np.isfinite(ci)) else (
+                " (contains 0)" if ci[0] <= 0 <= ci[1] else "")
+            text += f" {cell(diff, ci, sign)}{verdict} |"
+        return text
 
     if t3:
         rows += [line("T3 accuracy, mean over cells", t3.get("acc_poisson"), "acc_poisson", t3),
@@ -153,21 +182,31 @@ def _sketch_payoff(s: dict) -> list[str]:
                  line("T4 attribution AUC of output confidence", t4.get("attribution_auc_confidence"),
                       "attribution_auc_confidence", t4),
                  line("T4 recompute gain, points, compressed once after the prefill (mean over budgets)",
-                      t4.get("recompute_gain_points_prefill"), "recompute_gain_points", t4, "+.1f")]
+                      t4.get("recompute_gain_points_prefill"), "recompute_gain_points", t4, "+.1f",
+                      "recompute_gain_points_prefill")]
+    examples = (s.get("config") or {}).get("suite_examples", "these")
+    note = [] if not boot else [
+        f"In brackets: {LEVEL:.0%} percentile bootstrap intervals over examples ({RESAMPLES} resamples with "
+        "replacement within each task, seeded by the run's seed; an example's runs under every design and "
+        "budget move together, so the last column's difference is paired: the same resampled examples for both "
+        "designs). A mean over cells is over the cells a resample defines; n/a where fewer than half the "
+        f"resamples define it. A difference whose interval contains 0 is not a finding: with {examples} "
+        "examples per task, a difference of a few points can be resampling noise.", ""]
     return [
-        "### The sketched design where users feel it: T3 and T4 (issue 14)",
+        "### The default design where users feel it: T3 and T4 (issues 14 and 30)",
         "",
         "The same examples and budgets (the same memory: each sketch's elements per head, 16 (2d + 3) + dv + 1 "
         "for `cluster` and 8 (4d + 4) + d + dv + 1 for `tilted`, are taken off the sampled budget) with the "
-        "sketched designs, whose certificate is Chebyshev on the hybrid variance V_cl (docs/theory.md "
-        "section 8; `tilted` takes its moments at the observation window's mean query); their own answers, "
-        "so their own failures (recorded as Chebyshev on V_cl, not the recommended rule). The press's default, "
-        "and the design every paper table uses, is the paper's; `evict_and_certify(design=None)` is the tilted "
-        "design with the `tilted_hull` rule (docs/theory.md section 8, held-out check). Table 4's "
-        "`:cluster` / `:tilted` rows and Table 3's `*_cluster` / `*_tilted` columns hold the details.",
+        "sketched designs; their own answers, so their own failures. `tilted` is the recommended design, "
+        "the default of `PoissonPress()`, the CLI, the vLLM plugin and `evict_and_certify(design=None)`: "
+        "moments at the observation window's mean query, certificate 3 sqrt(V_cl) capped at the hull bound "
+        "(kind `tilted_hull`, docs/theory.md section 8); `cluster` records Chebyshev on V_cl. Every paper "
+        "table asks for the paper's design by name (`sketch=None`). Table 4's `:cluster` / `:tilted` rows and "
+        "Table 3's `*_cluster` / `*_tilted` columns hold the details.",
         "",
         *rows,
         "",
+        *note,
     ]
 
 
@@ -239,6 +278,13 @@ CHANGES = [
     "sketched designs' radius is capped at the hull bound (docs/theory.md section 8), which moves their T3/T4 "
     "certificate columns and leaves the answers, the accuracy and the paper design's runs unchanged. The quoted "
     "sketch goal table says which of its rows carry the cap, and the first line names the commit of the code run.",
+    "2026-12-05 (issue 30, the recommended design as the default): `PoissonPress()`'s default is now the "
+    "recommended design (tilted sketch, kind `tilted_hull`); every paper table asks for the paper's design by "
+    "name, so the `poisson` runs are unchanged. The `*_tilted` columns and `:tilted` rows now run the default "
+    "press, whose certificate is 3 sqrt(V_cl) hull-capped (was Chebyshev on V_cl): the same tokens, answers "
+    "and accuracy, other radii, so other certificate AUCs. Table 3 and Table 4 carry 95% percentile bootstrap "
+    "intervals over examples (paper_repro/bootstrap.py; Table 3's CSV holds every interval, its Markdown the "
+    "paired differences default minus paper).",
 ]
 
 

@@ -43,8 +43,21 @@ STREAM_CHUNK = 128
 STREAM_BUDGET = 0.25
 #: issue 14's sketched designs beside the paper's: PoissonPress(sketch=name) at the same budget, i.e. the
 #: same memory (the sketch's elements are taken off the sampled budget), run as method "poisson_<name>"; the
-#: certificate is Chebyshev on the hybrid variance V_cl (docs/theory.md section 8)
+#: certificate is Chebyshev on the hybrid variance V_cl (docs/theory.md section 8), except for the
+#: recommended design's sketch (``kvcert.fast.RECOMMENDED``, "tilted"), whose method runs the press's
+#: default, ``PoissonPress()`` with no design arguments (kind ``tilted_hull``: 3 sqrt(V_cl), hull-capped)
 SKETCHES = ("cluster", "tilted")
+
+
+def sketch_press(name: str, ratio: float, seed: int):
+    """The press of method ``poisson_<name>``: the default press for the recommended design's sketch (what a
+    user gets from ``PoissonPress(compression_ratio=ratio)``), else ``PoissonPress(sketch=name)``."""
+    import kvcert
+    from kvcert.fast import RECOMMENDED
+
+    if name == RECOMMENDED[0]:
+        return kvcert.PoissonPress(compression_ratio=ratio, seed=seed)
+    return kvcert.PoissonPress(compression_ratio=ratio, seed=seed, sketch=name)
 
 
 def auc(scores, failed) -> float:
@@ -249,8 +262,7 @@ def collect(cfg: Config, model, tokenizer) -> list[dict]:
             ratio = 1.0 - b
             # the paper's design by name (sketch=None): PoissonPress's default is the recommended design
             presses = [("poisson", kvcert.PoissonPress(compression_ratio=ratio, seed=cfg.seed, sketch=None))]
-            presses += [(f"poisson_{name}", kvcert.PoissonPress(compression_ratio=ratio, seed=cfg.seed, sketch=name))
-                        for name in SKETCHES]
+            presses += [(f"poisson_{name}", sketch_press(name, ratio, cfg.seed)) for name in SKETCHES]
             presses += [("snapkv", kvcert.SnapKVPress(compression_ratio=ratio))]
             for method, press in presses:
                 for i, out in runs(press, state):
@@ -350,10 +362,11 @@ def table(records: list[dict], cfg: Config) -> Table:
         "variance and three sums (16 (2d + 3) + dv + 1 elements per head, taken off the sampled budget: about 17 "
         "tokens here); its certificate is Chebyshev on the hybrid variance V_cl (kept tokens exact, evicted "
         "ones through the sketch; docs/theory.md section 8). Its own answers, failures and AUCs.",
-        "*_tilted (issue 14): PoissonPress(sketch='tilted'), the same with 8 clusters whose moments are "
+        "*_tilted (issues 14, 30): the recommended design, PoissonPress's default (PoissonPress(compression_ratio=r) "
+        "with no design arguments: sketch 'tilted', kind tilted_hull), the same with 8 clusters whose moments are "
         "tilted at the mean of the observation window's queries of each KV head's group (8 (4d + 4) + d + dv + 1 "
-        "elements per head: about 17 tokens here) and the decode's Gaussian step taken in q - q0 "
-        "(docs/theory.md section 8, fifth slice).",
+        "elements per head: about 17 tokens here) and the decode's Gaussian step taken in q - q0; its "
+        "certificate is 3 sqrt(V_cl) capped at the hull bound (docs/theory.md section 8).",
         "Quick mode runs the needle-type tasks only: SmolLM2-135M answers variable tracking, common words "
         "and key-value retrieval wrongly even with the full cache at these lengths (0 of 3 each in a "
         "check at 500 and 1,000 tokens), so there is no failure to predict; --full runs all six tasks.",
