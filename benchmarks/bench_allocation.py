@@ -38,11 +38,8 @@ Writes JSON (``--out``, default benchmarks/allocation.json) and prints a markdow
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,6 +52,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import kvcert.fast as F  # noqa: E402
+from benchmarks.runinfo import run_info  # noqa: E402
 from kvcert.fast import allocation as A  # noqa: E402
 
 TOPIC = "debugger"  # held out from paper_repro's replay text (benchmarks/bench_target.py checks it)
@@ -221,21 +219,9 @@ def main(argv=None):
         top_fraction_0_seconds=t_no_top)
     convex = viol <= 1e-9
 
-    def git(*a):
-        try:
-            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        except Exception:  # pragma: no cover
-            return None
-
     data = dict(
-        command=" ".join([".venv/bin/python", "benchmarks/bench_allocation.py",
-                          *(sys.argv[1:] if argv is None else argv)]),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        git_commit=git("rev-parse", "--short", "HEAD"),
-        git_dirty=bool(git("status", "--porcelain", "--", "fast", "kvcert")),
-        machine=dict(note="measured on a loaded 2-core machine (shared by several agents)",
-                     platform=platform.platform(), python=platform.python_version(), torch=torch.__version__,
-                     cpus=os.cpu_count(), threads=args.threads, loadavg=os.getloadavg()),
+        **run_info("bench_allocation.py", argv, threads=args.threads,
+                   note="measured on a loaded 2-core machine (shared by several agents)"),
         model="SmolLM2-135M-Instruct (kvcert.models.load_model(), offline)",
         setup=dict(topic=TOPIC, prefix=L, future=FUTURE, query_offsets=list(OFFSETS), draws=D, delta=DELTA,
                    kind=KIND, sinks=SINKS, window=WINDOW, top_fraction=TOP_FRACTION, floor=FLOOR,

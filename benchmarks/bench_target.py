@@ -47,11 +47,8 @@ Writes JSON (``--out``, default benchmarks/target.json) and prints a markdown ta
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -64,6 +61,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import kvcert.fast as F  # noqa: E402
+from benchmarks.runinfo import run_info  # noqa: E402
 
 #: the first topics of paper_repro's default replay text (haystack_text(seed=0)): its full mode reads
 #: 4096 + 64 tokens (the first five), these seven cover its first ~8.8k tokens
@@ -314,19 +312,9 @@ def main(argv=None):
     fixed_curve = {f"{f:g}": {k: v for k, v in acc_f[f].summary([]).items() if k not in ("over", "radius_over")}
                    for f in GRID}
 
-    def git(*a):
-        try:
-            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        except Exception:  # pragma: no cover
-            return None
-
     data = dict(
-        command=" ".join([".venv/bin/python", "benchmarks/bench_target.py", *(sys.argv[1:] if argv is None else argv)]),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        git_commit=git("rev-parse", "--short", "HEAD"), git_dirty=bool(git("status", "--porcelain", "--", "fast", "kvcert")),
-        machine=dict(note="measured on a loaded 2-core machine (shared by several agents)", platform=platform.platform(),
-                     python=platform.python_version(), torch=torch.__version__, cpus=os.cpu_count(),
-                     threads=args.threads, loadavg=os.getloadavg()),
+        **run_info("bench_target.py", argv, threads=args.threads,
+                   note="measured on a loaded 2-core machine (shared by several agents)"),
         model="SmolLM2-135M-Instruct (kvcert.models.load_model(), offline)",
         setup=dict(texts=[dict(topic=n, overlapping_32_token_runs_with_replay_topics=s) for n, _, s in prompts],
                    replay_topics_avoided=list(REPLAY_TOPICS) + list(EMBEDS_REPLAY),
