@@ -52,6 +52,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import kvcert.fast as F  # noqa: E402
+from benchmarks.bench_target import estimate  # noqa: E402  (Hajek estimates over draws, Chebyshev at delta 0.05)
 from benchmarks.runinfo import run_info  # noqa: E402
 from kvcert.fast import allocation as A  # noqa: E402
 
@@ -85,15 +86,6 @@ def parse_args(argv=None):
     if args.prefix <= 2 * (SINKS + WINDOW + 1):
         p.error(f"--prefix must exceed {2 * (SINKS + WINDOW + 1)}, got {args.prefix}")
     return args
-
-
-def estimate(q, k, v, pis, scale, positions, qpos):
-    """Hajek estimates of q (h_q, Q, d) over D draws, causal; (output, radius, relative radius)."""
-    D = pis.shape[0]
-    est = F.hajek_attention(q.expand(D, *q.shape).contiguous(), k, v, pis, scale=scale, per_coordinate=False,
-                            validate=False, positions=positions, query_positions=qpos)
-    cert = F.certificate(est, delta=DELTA, kind=KIND)
-    return est.output, cert.radius, cert.relative_radius
 
 
 def main(argv=None):

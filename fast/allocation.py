@@ -443,13 +443,19 @@ def _bounds(n, sinks: int, window: int) -> tuple[np.ndarray, np.ndarray]:
     return np.minimum(sinks + window + 1, n), n
 
 
-def _fit_to_total(x: np.ndarray, low: np.ndarray, high: np.ndarray, total: int) -> torch.Tensor:
-    r"""Integers :math:`B_h = \operatorname{clip}(x_h + c, \text{low}_h, \text{high}_h)` rounded, the level c
-    solved (bisection) so that :math:`\sum B_h = \min(T, \sum \text{high})`; largest remainders round up."""
+def _check_total(total, low: np.ndarray) -> int:
+    """``total`` as an int, refused below the sum of the heads' smallest budgets ``low``."""
     total = check_nonneg_int("total", total)
     if total < low.sum():
         raise ValueError(f"total must be at least the sum of the heads' smallest budgets (sinks + window + 1 "
                          f"each, or n_h), {int(low.sum())}; got {total}")
+    return total
+
+
+def _fit_to_total(x: np.ndarray, low: np.ndarray, high: np.ndarray, total: int) -> torch.Tensor:
+    r"""Integers :math:`B_h = \operatorname{clip}(x_h + c, \text{low}_h, \text{high}_h)` rounded, the level c
+    solved (bisection) so that :math:`\sum B_h = \min(T, \sum \text{high})`; largest remainders round up."""
+    total = _check_total(total, low)
     if total >= high.sum():
         return torch.from_numpy(high.copy())
     x = x.astype(np.float64)
@@ -514,10 +520,7 @@ def adakv_budgets(importance, total: int, *, sinks: int = 4, window: int = 32,
         if not bool(torch.isfinite(u).all()):
             raise ValueError(f"importance[{h}] must be finite (found NaN or inf)")
     low, high = _bounds([u.numel() for u in us], sinks, window)
-    total = check_nonneg_int("total", total)
-    if total < low.sum():
-        raise ValueError(f"total must be at least the sum of the heads' smallest budgets (sinks + window + 1 "
-                         f"each, or n_h), {int(low.sum())}; got {total}")
+    total = _check_total(total, low)
     if total >= high.sum():
         return torch.from_numpy(high.copy())
     H = len(us)
