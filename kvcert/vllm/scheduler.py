@@ -1,4 +1,4 @@
-"""The plugin's scheduler: frees a prompt's evicted blocks after its prefill, reports.
+r"""The plugin's scheduler: frees a prompt's evicted blocks after its prefill, reports.
 
 ``CertifiedScheduler`` (engine argument ``scheduler_cls``) is vLLM's
 synchronous ``Scheduler`` plus these duties:

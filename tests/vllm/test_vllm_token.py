@@ -1,4 +1,4 @@
-"""The token design served in vLLM by compaction equals the Hugging Face PoissonPress (docs/design.md section 7).
+r"""The token design served in vLLM by compaction equals the Hugging Face PoissonPress (docs/design.md section 7).
 
 One plugin engine for the module (default granularity, the token design; greedy; prompts of 32 k + 1
 tokens; ``report_kept=True``), and the Hugging Face side in this process on the same float32 weights:
