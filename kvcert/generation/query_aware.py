@@ -58,9 +58,8 @@ def generate(model, tokenizer, prompt: str | list[str], press=None, max_new_toke
         the plain model (no compression, no certificates).
     max_new_tokens : int >= 1
     do_sample : bool
-        Sample with ``temperature`` (a finite float > 0: softmax of
-        logits / temperature) from a generator seeded by ``sample_seed``
-        (an int) instead of greedy argmax.
+        Sample from softmax(logits / ``temperature``) (a finite float > 0) with a generator seeded by
+        ``sample_seed`` (an int) instead of greedy argmax.
     chat_template : bool, optional
         Wrap each prompt as a user message in the tokenizer's chat template
         (default: when the tokenizer has one).
@@ -76,27 +75,18 @@ def generate(model, tokenizer, prompt: str | list[str], press=None, max_new_toke
         the prefill queries it recorded), so the result equals a call without
         it while the prefill runs once (``timings["prefill_s"]`` is its time).
     prefill_chunk : int >= 1, optional
-        Streaming: feed the prompt in chunks of this many tokens. The first
-        chunk is an exact prefill (compressed by the press after it); each
-        later chunk attends causally over the compressed cache plus itself
-        with the Hajek estimate, and a press with ``target_size`` and
-        ``compression_interval`` compresses the cache back to its budget as
-        the chunks arrive (streaming compression). The certificates of the
-        prompt's queries are in ``prompt_certificates``; ``certificates``
-        step 0 is then the last prompt query's.
+        Streaming: the prompt in chunks of this many tokens, the first an exact prefill, each later one
+        attending over the compressed cache plus itself with the Hajek estimate (a ``DecodingPress``
+        compresses back to its budget as chunks arrive). The prompt queries' certificates are in
+        ``prompt_certificates``; ``certificates`` step 0 is then the last prompt query's.
     context : CompressedContext, optional
-        The query-agnostic protocol: ``prompt`` is then the question(s),
-        answered over this compressed context (:func:`compress_context`);
-        the same as :func:`answer` (``press`` is the context's; greedy; no
-        ``prefilled``, ``prefill_chunk``, ``chat_template``, ``system_prompt``).
-        Without it, the query-aware protocol: the whole prompt is compressed.
+        The query-agnostic protocol: ``prompt`` is the question(s), answered over this compressed context
+        (:func:`compress_context`) as :func:`answer` does (greedy; no ``prefilled``, ``prefill_chunk``,
+        ``chat_template``, ``system_prompt``). Without it the whole prompt is compressed (query-aware).
     escalate : {"full", "tighten"}, optional
-        Opt-in, with a ``PoissonPress(target_error=eps)`` and one prompt: when a decoding step's recorded
-        certificate, the mean relative radius over layers and heads (``certificates.per_step()``), exceeds
-        eps, the request is run again from its prompt (a re-prefill): ``"full"`` uncompressed (the exact
-        model, no certificates), ``"tighten"`` with the target halved (eps/2, eps/4, eps/8, then
-        uncompressed), until no step of the run exceeds eps. ``result.escalations`` lists each re-run
-        (the flagged step, its radius, the press of the next run); the result is the last run's.
+        With a ``PoissonPress(target_error=eps)`` and one prompt: while a decoding step's mean relative
+        radius (``certificates.per_step()``) exceeds eps, re-run from the prompt, ``"full"`` uncompressed,
+        ``"tighten"`` at eps/2, eps/4, eps/8, then uncompressed; ``result.escalations`` lists the re-runs.
 
     Returns
     -------
@@ -105,8 +95,7 @@ def generate(model, tokenizer, prompt: str | list[str], press=None, max_new_toke
     Raises
     ------
     TypeError, ValueError
-        Bad prompt (empty, whitespace only, or no token), press or sampling
-        arguments (``temperature`` not finite and > 0), naming the argument.
+        A bad prompt (empty, whitespace only), press or sampling argument, named.
 
     Examples
     --------

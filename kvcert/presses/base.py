@@ -376,6 +376,45 @@ class BasePress(Press):
             u[0, h, idx] = uh[0, 0].to(dtype)
         return u
 
+    def _prefill_plan(self, layer, r: int, queries, scale: float, *, layer_idx: int, event: int):
+        """One row's prefill event: ``(idx, plan)``, ``idx`` the row's real slots (None: all) and ``plan``
+        None when the row keeps every token, else (importance on the layer's slots (1, h_kv, slots), budget
+        per KV head (h_kv,), DesignSizes, tilt, top per KV head or None); sets ``layer.budgets[r]``.
+
+        Every head holds the same tokens: the row's real tokens are scored in one scorer call. With an
+        error target each KV head's budget is :func:`kvcert.fast.target_budget`'s.
+        """
+        sl = slice(r, r + 1)
+        valid = layer.valid[sl]
+        n_slots, h_kv = valid.shape[-1], valid.shape[1]
+        idx = None if bool(valid.all()) else valid[0, 0].nonzero().squeeze(-1)
+        n = n_slots if idx is None else idx.numel()
+        targeted = getattr(self, "target_error", None) is not None
+        budget = self._sampled_budget(n, layer) if n and not targeted else float(n)
+        layer.budgets[r] = budget
+        if n == 0 or (budget >= n and not targeted):
+            return idx, None
+        k, v, q_r = layer.keys[sl], layer.values[sl], queries[sl]
+        if idx is not None:
+            k, v = k[:, :, idx], v[:, :, idx]
+            # the queries may be the last few of the prefill only (a shared kvcert.prefill)
+            offset = n_slots - queries.shape[2]
+            q_r = q_r[:, :, idx[idx >= offset] - offset]
+        u = self._prefill_importance(q_r, k, v, scale=scale, layer_idx=layer_idx, event=event, row=r, tokens=idx)
+        sizes, top = self._sizes(budget), None
+        head_budget = torch.full((h_kv,), float(budget), dtype=torch.float64)
+        if targeted:
+            chosen = self.design.target_budget(q_r, k, v, u, scale=scale)
+            self._record_target(layer_idx, r, chosen)
+            if not bool(chosen.evicts.any()):
+                return idx, None
+            head_budget, top = chosen.sampled[0].cpu(), chosen.top[0].cpu()
+            sizes = self._sizes(float(head_budget[chosen.evicts[0].cpu()].min()))
+            layer.budgets[r] = float(head_budget.max())
+        if idx is not None:  # back onto the layer's slots (0 on padding)
+            u = u.new_zeros((1, h_kv, n_slots)).index_copy_(-1, idx, u)
+        return idx, (u, head_budget, sizes, self._tilt(q_r, h_kv), top)
+
     def _compress(self, layer, layer_idx: int, queries, scale: float, *, prefill: bool,
                   target: float | None = None) -> None:
         """One eviction event on every row of a layer (rows are independent designs).
@@ -401,48 +440,21 @@ class BasePress(Press):
             return
         b = layer.keys.shape[0]
         valid_all = layer.valid
-        n_slots = valid_all.shape[-1]
         h_kv = valid_all.shape[1]
         if prefill:
             layer.budgets = torch.full((b,), math.nan, dtype=torch.float64)
-        plans = {}  # row -> (importance (1, h_kv, slots), budget (h_kv,), DesignSizes)
+        plans = {}  # row -> (importance (1, h_kv, slots), budget (h_kv,), DesignSizes, tilt, top)
         rows = {}  # row -> its (keys, values, log_weights, positions) after the event
         sketches = {}  # row -> its ClusterSketch (1, h_kv, ...) when the design keeps one
         for r in range(b):
             sl = slice(r, r + 1)
             valid = valid_all[sl]
             if prefill:
-                # every head holds the same tokens: score the row's real tokens in one scorer call
-                idx = None if bool(valid.all()) else valid[0, 0].nonzero().squeeze(-1)
-                n = n_slots if idx is None else idx.numel()
-                targeted = getattr(self, "target_error", None) is not None
-                budget = self._sampled_budget(n, layer) if n and not targeted else float(n)
-                layer.budgets[r] = budget
-                if n == 0 or (budget >= n and not targeted):
+                idx, plan = self._prefill_plan(layer, r, queries, scale, layer_idx=layer_idx, event=event)
+                if plan is None:
                     rows[r] = _row_slots(layer, r, idx)
                     continue
-                k, v, q_r = layer.keys[sl], layer.values[sl], queries[sl]
-                if idx is not None:
-                    k, v = k[:, :, idx], v[:, :, idx]
-                    # the queries may be the last few of the prefill only (a shared kvcert.prefill)
-                    offset = n_slots - queries.shape[2]
-                    q_r = q_r[:, :, idx[idx >= offset] - offset]
-                u = self._prefill_importance(q_r, k, v, scale=scale, layer_idx=layer_idx, event=event, row=r,
-                                             tokens=idx)
-                sizes, top = self._sizes(budget), None
-                head_budget = torch.full((h_kv,), float(budget), dtype=torch.float64)
-                if targeted:  # each KV head's budget from the error target (kvcert.fast.target_budget)
-                    chosen = self.design.target_budget(q_r, k, v, u, scale=scale)
-                    self._record_target(layer_idx, r, chosen)
-                    if not bool(chosen.evicts.any()):
-                        rows[r] = _row_slots(layer, r, idx)
-                        continue
-                    head_budget, top = chosen.sampled[0].cpu(), chosen.top[0].cpu()
-                    sizes = self._sizes(float(head_budget[chosen.evicts[0].cpu()].min()))
-                    layer.budgets[r] = float(head_budget.max())
-                if idx is not None:  # back onto the layer's slots (0 on padding)
-                    u = u.new_zeros((1, h_kv, n_slots)).index_copy_(-1, idx, u)
-                plans[r] = (u, head_budget, sizes, self._tilt(q_r, h_kv), top)
+                plans[r] = plan
             else:
                 row_target = target
                 if row_target is None and layer.budgets is not None and not math.isnan(float(layer.budgets[r])):
