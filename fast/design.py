@@ -959,14 +959,13 @@ class TokenDesign:
             raise ValueError(f"give compression_ratio or target_size, not both (got compression_ratio={ratio}, "
                              f"target_size={target})")
         if self.target_error is not None:
-            eps = self.target_error
-            if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0.0 < float(eps) < math.inf):
-                raise ValueError(f"target_error must be a finite float > 0 (the relative radius to certify), "
-                                 f"got {eps!r}")
+            from .target import check_target_error
+
+            eps = check_target_error("target_error", self.target_error)
             if ratio > 0 or target is not None:
                 raise ValueError(f"give one of compression_ratio, target_size or target_error (got "
                                  f"compression_ratio={ratio}, target_size={target}, target_error={eps})")
-            _set(self, target_error=float(eps))
+            _set(self, target_error=eps)
         _set(self, compression_ratio=ratio, target_size=target, seed=_int("seed", self.seed),
              sinks=_int("sinks", self.sinks), window=_int("window", self.window),
              top_fraction=_real("top_fraction", self.top_fraction, 0.0, 1.0, hi_open=True),

@@ -95,9 +95,9 @@ class Certificates:
         eps = self.target_error if target is None else target
         if eps is None:
             raise ValueError("target: this record has no target_error (the press had none); pass target=eps")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0.0 < float(eps) < math.inf):
-            raise ValueError(f"target must be a finite float > 0, got {eps!r}")
-        return self.relative_radius > float(eps)
+        from .fast.target import check_target_error
+
+        return self.relative_radius > check_target_error("target", eps)
 
     def summary(self, *, exact_first: bool = True) -> dict:
         r"""JSON-ready aggregates of one sequence's record.

@@ -268,18 +268,15 @@ def generate_within_target(llm, prompts: list, sampling_params, *, target_error:
     escalations : dict, prompt index -> list of ``{"token": first flagged token, "mean_relative_radius",
         "target_error", "next": the next run's kvcert extra_args}`` (prompts never re-run are absent)
     """
-    import math
+    from kvcert.fast.target import check_target_error
 
     if escalate not in ESCALATIONS:
         raise ValueError(f"escalate must be one of {ESCALATIONS}, got {escalate!r}")
-    if isinstance(target_error, bool) or not isinstance(target_error, (int, float)) or \
-            not (0.0 < float(target_error) < math.inf):
-        raise ValueError(f"target_error must be a finite float > 0, got {target_error!r}")
+    eps = check_target_error("target_error", target_error)
     prompts = list(prompts)
     params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
     if len(params) != len(prompts):
         raise ValueError(f"sampling_params: give one or one per prompt ({len(prompts)}), got {len(params)}")
-    eps = float(target_error)
     current = [_with_args(p, {"kvcert_target_error": eps}, drop=("kvcert_compression_ratio",)) for p in params]
     outputs = list(llm.generate(prompts, current))
     escalations: dict = {}
