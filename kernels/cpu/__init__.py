@@ -74,7 +74,11 @@ ENV_VAR = "KVCERT_CPU_OP"
 SOURCE = Path(__file__).with_name("hajek_decode.cpp")
 #: dtypes of K and V the op reads (both the same)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-_CFLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno")
+# -fopenmp: at::parallel_for is a header template that runs its body serially unless the op itself is
+# compiled with OpenMP; linked against libgomp.so.1, it shares the OpenMP runtime torch has already
+# loaded (same soname), so torch.set_num_threads sizes its team too
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
+_LDFLAGS = ("-fopenmp",)
 _CACHE_ENV = "KVCERT_CACHE_DIR"  # the rule of kvcert.models: $KVCERT_CACHE_DIR, $XDG_CACHE_HOME/kvcert, ~/.cache/kvcert
 _OFF = ("0", "false", "no", "off")
 
@@ -112,7 +116,7 @@ def _cpu_flags() -> str:
 
 def _name() -> str:
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(_CFLAGS).encode(), torch.__version__.encode(),
+    for part in (SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode(),
                  sys.version.encode(), _cpu_flags().encode()):
         h.update(part)
         h.update(b"\0")
@@ -155,6 +159,7 @@ def _build(verbose: bool):
         folder = build_directory()
         folder.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(name=folder.name, sources=[str(SOURCE)], extra_cflags=list(_CFLAGS),
+                           extra_ldflags=list(_LDFLAGS),
                            build_directory=str(folder), is_python_module=False, verbose=verbose)
     except CPUOpUnavailable:
         raise

@@ -18,7 +18,7 @@
 //
 // Threads: at::parallel_for over (head, range) tasks, then over rows for the merge, so the op runs
 // on torch's intra-op pool (at::get_num_threads()). Vector code: register-blocked micro-kernels on
-// 16-float vector types for head dimensions 64 and 128 (scores: a few query rows against each key
+// vector types as wide as the machine's registers for head dimensions 64 and 128 (scores: a few query rows against each key
 // row; values: [p; w] times the tile's value rows, the accumulators in registers), `#pragma omp simd`
 // loops otherwise (-fopenmp-simd, no OpenMP runtime of its own), -march=native.
 
@@ -62,7 +62,7 @@ inline const float* as_float(const c10::BFloat16* src, int64_t len, float* buf) 
 // e^x for x <= 0 (x = -inf gives 0): Cephes' single-precision expf (x = n ln2 + r, |r| <= ln2 / 2,
 // degree-6 polynomial in r, about 1 ulp), branch-free so that the loops calling it vectorize.
 // Below -87 (e^x < 1.7e-38, about FLT_MIN) the result is 0.
-inline float exp_nonpos(float x) {
+__attribute__((always_inline)) inline float exp_nonpos(float x) {
   const float xc = x < -87.0f ? -87.0f : x;
   const float fn = std::floor(xc * 1.44269504088896341f + 0.5f);  // 1 / ln 2
   float r = xc - fn * 0.693359375f;                                 // ln 2, high part (exact product)
@@ -82,7 +82,7 @@ inline float exp_nonpos(float x) {
 
 // 1 - e^x = -expm1(x) for x <= 0 (x = -inf gives 1), to a few ulp relative: the Taylor series of
 // expm1 to x^9 / 9! above -0.5 (no cancellation as x -> 0, i.e. pi -> 1), 1 - e^x below. Branch-free.
-inline float one_minus_exp(float x) {
+__attribute__((always_inline)) inline float one_minus_exp(float x) {
   float p = 1.0f / 362880.0f;
   p = p * x + 1.0f / 40320.0f;
   p = p * x + 1.0f / 5040.0f;
@@ -93,7 +93,8 @@ inline float one_minus_exp(float x) {
   p = p * x + 0.5f;
   p = p * x + 1.0f;
   const float small = 0.0f - p * (x > -0.5f ? x : -0.5f);
-  return x > -0.5f ? small : 1.0f - exp_nonpos(x);
+  const float large = 1.0f - exp_nonpos(x);  // both sides computed: a select, no branch, so the loop vectorizes
+  return x > -0.5f ? small : large;
 }
 
 struct Shape {
@@ -115,11 +116,21 @@ Heads<T> heads(const at::Tensor& x) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// 16-float vectors (GCC/Clang vector extensions): one zmm register with AVX-512, two ymm with AVX2,
-// four q registers with NEON. The micro-kernels keep their accumulators in these.
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-constexpr int64_t kW = 16;
+// Vector registers as GCC/Clang vector extensions, as wide as the machine's: 16 floats (one zmm)
+// with AVX-512, 8 floats (one ymm) otherwise (AVX2; two q registers with NEON). The micro-kernels
+// size their register blocks by kRegs, the vector registers the ISA has, so that their accumulators
+// stay in registers (a 16-float type on AVX2 takes two ymm per value and spilled every accumulator
+// of the value loop: 5-9x slower than SDPA on the same slots).
+#if defined(__AVX512F__)
+#define KVCERT_VW 16
+constexpr int kRegs = 32;
+#else
+#define KVCERT_VW 8
+constexpr int kRegs = 16;
+#endif
+typedef float vf __attribute__((vector_size(KVCERT_VW * 4)));
+typedef int32_t vi __attribute__((vector_size(KVCERT_VW * 4)));
+constexpr int64_t kW = KVCERT_VW;
 
 inline vf vload(const float* p) {
   vf v;
@@ -132,11 +143,17 @@ inline void vstore(float* p, const vf& v) { std::memcpy(p, &v, sizeof v); }
 #else
 #define KVCERT_SHUFFLE(v, ...) __builtin_shuffle(v, vi{__VA_ARGS__})
 #endif
-inline float hsum(vf v) {  // the 16 lanes' sum by a shuffle tree
+inline float hsum(vf v) {  // the lanes' sum by a shuffle tree
+#if KVCERT_VW == 16
   v += KVCERT_SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v += KVCERT_SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
   v += KVCERT_SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
   v += KVCERT_SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+#else
+  v += KVCERT_SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += KVCERT_SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v += KVCERT_SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6);
+#endif
   return v[0];
 }
 
@@ -150,19 +167,21 @@ struct Tile {
 };
 
 // Scores sc[r * kTile + j] = q_r . k_j + off_j for rows r0 .. r0 + RB - 1 (q already scaled).
+// (The query rows are held in registers where RB rows and a key row fit, else read from L1.)
 template <int64_t D, int RB>
 void scores_block(const float* q, const Tile& t, float* sc) {
   constexpr int64_t NV = D / kW;
-  vf qv[RB][NV];
-  for (int r = 0; r < RB; ++r)
-    for (int64_t u = 0; u < NV; ++u) qv[r][u] = vload(q + r * D + u * kW);
+  constexpr bool HOLD = (RB + 1) * NV + 2 <= kRegs;
+  vf qv[HOLD ? RB : 1][NV];
+  if (HOLD)
+    for (int r = 0; r < RB; ++r)
+      for (int64_t u = 0; u < NV; ++u) qv[HOLD ? r : 0][u] = vload(q + r * D + u * kW);
   for (int64_t j = 0; j < t.cnt; ++j) {
     const float* k = t.krow[j];
-    vf kv[NV];
-    for (int64_t u = 0; u < NV; ++u) kv[u] = vload(k + u * kW);
     for (int r = 0; r < RB; ++r) {
-      vf a = qv[r][0] * kv[0], b = vf{} ;
-      for (int64_t u = 1; u < NV; ++u) (u & 1 ? b : a) += qv[r][u] * kv[u];
+      vf a = vf{}, b = vf{};
+      for (int64_t u = 0; u < NV; ++u)
+        (u & 1 ? b : a) += (HOLD ? qv[HOLD ? r : 0][u] : vload(q + r * D + u * kW)) * vload(k + u * kW);
       sc[r * kTile + j] = hsum(a + b) + t.off[j];
     }
   }
@@ -170,7 +189,8 @@ void scores_block(const float* q, const Tile& t, float* sc) {
 
 template <int64_t D>
 void scores_fixed(const float* q, int64_t G, const Tile& t, float* sc) {
-  constexpr int RBMAX = D <= 64 ? 4 : 2;  // the query rows held in registers
+  // the query rows of one block: as many as fit in registers beside a key row (at least 1, at most 4)
+  constexpr int RBMAX = std::max<int>(1, std::min<int>(4, (kRegs - 2) / static_cast<int>(D / kW) - 1));
   for (int64_t r0 = 0; r0 < G; r0 += RBMAX) {
     const float* qr = q + r0 * D;
     float* s = sc + r0 * kTile;
@@ -196,37 +216,44 @@ void scores_generic(const float* q, int64_t G, int64_t d, const Tile& t, float* 
   }
 }
 
+constexpr int64_t pow2_floor(int64_t x) { return x < 2 ? 1 : 2 * pow2_floor(x / 2); }
+
 // Values for rows r0 .. r0 + RB - 1: o += p v and S += w (v - mu) (and, per coordinate,
-// Rd += w (v - mu)^2) accumulated over the tile in registers, then added to the partial rows.
+// Rd += w (v - mu)^2) accumulated over the tile in registers, then added to the partial rows. The
+// value dimensions go in chunks of CH vectors, so that RB rows' accumulators of one chunk, the
+// chunk's centre and its value row fit in the registers (all of them with AVX-512 at dv = 64).
 template <int64_t DV, int RB, bool PER_COORD>
 void values_block(const Tile& t, const float* p, const float* w, const float* ref, float* part, int64_t stride) {
   constexpr int64_t NV = DV / kW;
-  vf o[RB][NV], s[RB][NV], rd[PER_COORD ? RB : 1][NV];
-  for (int r = 0; r < RB; ++r)
-    for (int64_t u = 0; u < NV; ++u) o[r][u] = s[r][u] = rd[PER_COORD ? r : 0][u] = vf{};
-  for (int64_t j = 0; j < t.cnt; ++j) {
-    const float* v = t.vrow[j];
-    float pj[RB], wj[RB];
-    for (int r = 0; r < RB; ++r) {
-      pj[r] = p[r * kTile + j];
-      wj[r] = w[r * kTile + j];
+  constexpr int64_t PER = (PER_COORD ? 3 : 2) * RB + 3;  // registers per vector of a chunk
+  constexpr int64_t CH = pow2_floor(std::max<int64_t>(1, std::min<int64_t>(NV, (kRegs - 2) / PER)));
+  static_assert(NV % CH == 0, "chunks tile the value row");
+  for (int64_t u0 = 0; u0 < NV; u0 += CH) {
+    vf o[RB][CH], s[RB][CH], rd[PER_COORD ? RB : 1][CH], mu[CH];
+    for (int64_t u = 0; u < CH; ++u) {
+      mu[u] = vload(ref + (u0 + u) * kW);
+      for (int r = 0; r < RB; ++r) o[r][u] = s[r][u] = rd[PER_COORD ? r : 0][u] = vf{};
     }
-    for (int64_t u = 0; u < NV; ++u) {
-      const vf vv = vload(v + u * kW);
-      const vf c = vv - vload(ref + u * kW);  // centred in the sum itself: no S - mu C cancellation
-      for (int r = 0; r < RB; ++r) {
-        o[r][u] += pj[r] * vv;
-        s[r][u] += wj[r] * c;
-        if (PER_COORD) rd[r][u] += wj[r] * (c * c);
+    for (int64_t j = 0; j < t.cnt; ++j) {
+      const float* v = t.vrow[j] + u0 * kW;
+      for (int64_t u = 0; u < CH; ++u) {
+        const vf vv = vload(v + u * kW);
+        const vf c = vv - mu[u];  // centred in the sum itself: no S - mu C cancellation
+        for (int r = 0; r < RB; ++r) {
+          const float pj = p[r * kTile + j], wj = w[r * kTile + j];
+          o[r][u] += pj * vv;
+          s[r][u] += wj * c;
+          if (PER_COORD) rd[r][u] += wj * (c * c);
+        }
       }
     }
-  }
-  for (int r = 0; r < RB; ++r) {
-    float* P = part + r * stride + kHead;
-    for (int64_t u = 0; u < NV; ++u) {
-      vstore(P + u * kW, vload(P + u * kW) + o[r][u]);
-      vstore(P + DV + u * kW, vload(P + DV + u * kW) + s[r][u]);
-      if (PER_COORD) vstore(P + 2 * DV + u * kW, vload(P + 2 * DV + u * kW) + rd[r][u]);
+    for (int r = 0; r < RB; ++r) {
+      float* P = part + r * stride + kHead + u0 * kW;
+      for (int64_t u = 0; u < CH; ++u) {
+        vstore(P + u * kW, vload(P + u * kW) + o[r][u]);
+        vstore(P + DV + u * kW, vload(P + DV + u * kW) + s[r][u]);
+        if (PER_COORD) vstore(P + 2 * DV + u * kW, vload(P + 2 * DV + u * kW) + rd[r][u]);
+      }
     }
   }
 }
@@ -234,8 +261,8 @@ void values_block(const Tile& t, const float* p, const float* w, const float* re
 template <int64_t DV, bool PER_COORD>
 void values_fixed(int64_t G, const Tile& t, const float* p, const float* w, const float* ref, float* part,
                   int64_t stride) {
-  // rows whose o, S (and Rd) fit in about 24 registers beside the value row
-  constexpr int RBMAX = std::max<int>(1, std::min<int>(3, 24 / ((PER_COORD ? 3 : 2) * (DV / kW))));
+  // three rows per block: their accumulators of one chunk beside the chunk's value row and centre
+  constexpr int RBMAX = 3;
   for (int64_t r0 = 0; r0 < G; r0 += RBMAX) {
     const int64_t o = r0 * kTile;
     float* P = part + r0 * stride;
@@ -274,12 +301,10 @@ void values_generic(int64_t G, int64_t dv, const Tile& t, const float* p, const 
 template <int64_t DV>
 void sqdist_fixed(const Tile& t, const float* ref, float* r2) {
   constexpr int64_t NV = DV / kW;
-  vf mu[NV];
-  for (int64_t u = 0; u < NV; ++u) mu[u] = vload(ref + u * kW);
   for (int64_t j = 0; j < t.cnt; ++j) {
     vf a = vf{}, b = vf{};
     for (int64_t u = 0; u < NV; ++u) {
-      const vf c = vload(t.vrow[j] + u * kW) - mu[u];
+      const vf c = vload(t.vrow[j] + u * kW) - vload(ref + u * kW);
       (u & 1 ? b : a) += c * c;
     }
     r2[j] = hsum(a + b);
@@ -385,7 +410,13 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
       float* s = sc + r * kTile;
       float* wr = wt + r * kTile;
       float mt = kNegInf;
-      for (int64_t j = 0; j < cnt; ++j) mt = (s[j] > mt || s[j] != s[j]) ? s[j] : mt;  // NaN sticks
+      int nan = 0;
+#pragma omp simd reduction(max : mt) reduction(| : nan)
+      for (int64_t j = 0; j < cnt; ++j) {
+        mt = s[j] > mt ? s[j] : mt;
+        nan |= s[j] != s[j];
+      }
+      if (nan) mt = std::numeric_limits<float>::quiet_NaN();  // NaN sticks
       if (mt > P[0] || mt != mt) {  // a NaN score (NaN in q or k) makes the row NaN
         const float f = exp_nonpos(P[0] - mt), f2 = f * f;
         P[1] *= f;
