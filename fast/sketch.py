@@ -1067,10 +1067,12 @@ def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
 
 
 def _cluster_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier, log_pi, value_center,
-                  value_sqdist, validate, kept_pass, with_trace: bool = True) -> ClusterEstimate:
+                  value_sqdist, validate, kept_pass, with_trace: bool = True, centred: bool = False) -> ClusterEstimate:
     """:func:`cluster_hajek_attention` with its one pass over K and V given: ``kept_pass(L, lp, omp, pf, mu, r2)``
     -> ``(o, cv, t, sc, kappa, lse)`` as :func:`_kept_pass` (this module's torch pass, or the Triton kernel of
-    ``kvcert.kernels.cluster_hajek_attention``), with the c rows of the HT trace iff ``with_trace``; the checks, the
+    ``kvcert.kernels.cluster_hajek_attention``), with the c rows of the HT trace iff ``with_trace``; or, with
+    ``centred=True``, ``kept_pass(L, C, mu, r2)`` -> ``(o, both, kappa, lse)``, the kept sums already centred
+    (``both`` (B, K, G) as :func:`_centred`; the compiled CPU op's pass, which reads log pi itself). The checks, the
     value moments and the O(C d) epilogue are shared."""
     C = check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale)
     L = _Layout(C, q, keys, values)
@@ -1082,14 +1084,15 @@ def _cluster_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier
         raise TypeError("give both value_center= and value_sqdist= (from value_moments), or neither")
     if validate:
         check_attention_values(C)
-    lp, omp, pf = _probs(L, C)
+    probs = None if centred and value_center is not None else _probs(L, C)
     dt = L.dtype
     if L.n == 0:
         mu = torch.zeros(L.B, 1, L.dv, dtype=dt, device=L.q.device)
         o, cv, t, sc, kappa, lse = _empty_kept(L, 2 if with_trace else 1)
+        both = _centred(t, cv, sc, o, mu)
     else:
         if value_center is None:
-            mu, r2 = value_moments(L.values, pf.reshape(L.b, L.h_kv, L.n))
+            mu, r2 = value_moments(L.values, probs[2].reshape(L.b, L.h_kv, L.n))
         else:
             mu, r2 = value_center, value_sqdist
             for name, x, shape, text in (("value_center", mu, (L.b, L.h_kv, L.dv), "(b, h_kv, dv)"),
@@ -1098,8 +1101,11 @@ def _cluster_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier
                 if tuple(x.shape) != shape:
                     raise ValueError(f"{name} must have shape {text} = {shape}, got {tuple(x.shape)}")
         mu = _cast(mu, dt).reshape(L.B, 1, L.dv)
-        o, cv, t, sc, kappa, lse = kept_pass(L, lp, omp, pf, mu, _cast(r2, dt).reshape(L.B, L.n))
-    both = _centred(t, cv, sc, o, mu)                          # (B, K, G): [trace,] T'
+        if centred:
+            o, both, kappa, lse = kept_pass(L, C, mu, r2)
+        else:
+            o, cv, t, sc, kappa, lse = kept_pass(L, *probs, mu, _cast(r2, dt).reshape(L.B, L.n))
+            both = _centred(t, cv, sc, o, mu)                  # (B, K, G): [trace,] T'
     log_num, log_z = _log_variance(L, form, o, lse, kappa, both[:, -1])
     variance = torch.add(log_num, log_z, alpha=-2.0).exp_()
     # an empty row (nothing kept): trace, V_cl and the radius +inf, the Estimate convention

@@ -432,3 +432,99 @@ def test_paged_route_refuses_by_name(op):
         op.paged_hajek_attention(q, cache, ids.int(), lp)
     with pytest.raises(ValueError, match=r"q must be \(E, h_q, d\)"):
         op.paged_hajek_attention(q[:1], cache, ids, lp)
+
+
+# ----------------------------------------------------------------------------- the sketch route (cluster designs)
+def _sketch_case(n, dtype, g, *, seed=0, tilt=False, pad="ragged"):
+    """A kept cache (make_case) and a sketch of 3 n other tokens of the same heads (4 clusters; the
+    recommended tilted form when ``tilt``), with the value moments the Hugging Face decode passes."""
+    q, k, v, pi = _case(n, dtype, g, seed=seed, pad=pad)
+    gen = torch.Generator().manual_seed(seed + 1)
+    b, h_kv, _, d = k.shape
+    N = 3 * max(n, 4)
+    ek, ev = torch.randn(b, h_kv, N, d, generator=gen), torch.randn(b, h_kv, N, v.shape[-1], generator=gen)
+    epi = torch.rand(b, h_kv, N, generator=gen).clamp_(0.05, 0.95)
+    keep = torch.rand(b, h_kv, N, generator=gen) < 0.3
+    design = F.ClusterDesign(clusters=4, radius="chebyshev", tilt=tilt)
+    sketch = F.cluster_sketch(ek, ev, epi, keep, design, tilt=torch.randn(b, h_kv, d, generator=gen) if tilt else None)
+    mu, r2 = F.value_moments(v.float(), pi)
+    return q, k, v, pi, sketch, mu, r2
+
+
+def _sketch_fields(ce):
+    return {"output": ce.estimate.output, "lse": ce.estimate.lse, "variance": ce.variance, "radius": ce.radius}
+
+
+def _check_sketch(ce, q, k, v, pi, sketch, mu, r2):
+    """The op's sketch step against kvcert.fast's in float64 (the oracle: the same formulas, exact to
+    about 1e-15) within 2 |fast32 - ref64| + rounding: the output and lse as the token route's, V_cl and
+    the radius 8 gamma relative (V_cl = (T' + the clusters' part) / Z^2: T' in the centred form of the
+    trace, Z^2 two roundings of Z)."""
+    lp = pi.log()
+    ref = _sketch_fields(F.cluster_hajek_attention(q.double(), k.double(), v.double(), None, sketch, log_pi=lp.double(),
+                                                   value_center=mu.double(), value_sqdist=r2.double(), trace=False))
+    fst = _sketch_fields(F.cluster_hajek_attention(q, k, v, None, sketch, log_pi=lp, value_center=mu, value_sqdist=r2,
+                                                   trace=False))
+    got = _sketch_fields(ce)
+    n = k.shape[2]
+    gam = _gamma(n, max(1, math.ceil(n / 256)))
+    vmax = v.float().abs().amax(dim=(-2, -1)).repeat_interleave(q.shape[1] // k.shape[1], dim=1).double()
+    eps_out = EPS[k.dtype] if k.dtype != torch.float32 else 0.0
+    rounding = {"output": (gam * vmax)[..., None] + eps_out * ref["output"].abs(),
+                "lse": gam + EPS[torch.float32] * ref["lse"].abs().nan_to_num(posinf=0.0, neginf=0.0),
+                "variance": 8 * gam * ref["variance"].abs().nan_to_num(posinf=0.0),
+                "radius": 8 * gam * ref["radius"].abs().nan_to_num(posinf=0.0)}
+    for f, r in ref.items():
+        r = r.numpy()
+        with np.errstate(invalid="ignore"):
+            mirror = np.abs(fst[f].double().numpy() - r)
+        mirror = np.where(np.isfinite(mirror), mirror, 0.0)
+        assert_close(f, got[f].double().numpy(), r, 2 * mirror + rounding[f].numpy())
+
+
+@pytest.mark.parametrize("tilt", [False, True])
+@pytest.mark.parametrize("g", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 113, 1023])
+def test_sketch_route_matches_fast(op, n, dtype, g, tilt):
+    q, k, v, pi, sketch, mu, r2 = _sketch_case(n, dtype, g, seed=n, tilt=tilt)
+    ce = op.cluster_hajek_attention(q, k, v, None, sketch, log_pi=pi.log(), value_center=mu, value_sqdist=r2)
+    assert ce.estimate.trace is None  # as kvcert.fast's trace=False: the HT trace is not formed
+    _check_sketch(ce, q, k, v, pi, sketch, mu, r2)
+
+
+def test_sketch_route_empty_rows_and_negative_control(op):
+    """A KV head with nothing kept: output 0, lse -inf, V_cl and the radius +inf (as kvcert.fast); and the
+    comparison catches a 1 % error in the offsets -log pi."""
+    q, k, v, pi, sketch, mu, r2 = _sketch_case(239, torch.float32, 3, pad="empty_head")
+    ce = op.cluster_hajek_attention(q, k, v, None, sketch, log_pi=pi.log(), value_center=mu, value_sqdist=r2)
+    ref = F.cluster_hajek_attention(q, k, v, None, sketch, log_pi=pi.log(), value_center=mu, value_sqdist=r2,
+                                    trace=False)
+    empty = torch.isinf(ref.estimate.lse)
+    assert bool(empty.any())
+    assert torch.equal(torch.isinf(ce.estimate.lse), empty) and bool(torch.isinf(ce.variance[empty]).all())
+    assert bool((ce.estimate.output[empty] == 0).all())
+    _check_sketch(ce, q, k, v, pi, sketch, mu, r2)
+    bad = op.cluster_hajek_attention(q, k, v, None, sketch, log_pi=pi.log() * 1.01, value_center=mu, value_sqdist=r2)
+    with pytest.raises(AssertionError, match="output|variance"):
+        _check_sketch(bad, q, k, v, pi, sketch, mu, r2)
+
+
+def test_dispatch_runs_the_sketch_route_on_the_op_and_the_switch_forces_torch(op, monkeypatch):
+    """kvcert.dispatch.decode on a sketch layer: the op's step, the same record as kvcert.fast's, and
+    KVCERT_CPU_OP=0 runs kvcert.fast."""
+    from types import SimpleNamespace
+
+    q, k, v, pi, sketch, mu, r2 = _sketch_case(239, torch.float32, 3, tilt=True, pad="none")
+    layer = SimpleNamespace(keys=k, values=v, log_weights=pi.log(), positions=None, block_size=None, sketch=sketch,
+                            kept=(pi > 0).sum(-1), value_moments=lambda: (mu, r2))
+    kw = dict(scale=0.125, options={}, kind="tilted_hull", delta=0.05)
+    a = D.decode(q[:, :, None], layer, **kw)
+    assert (a.route, D.last_route()) == ("sketch", "cpu_op")
+    monkeypatch.setenv(D.CPU_OP_ENV_VAR, "0")
+    t = D.decode(q[:, :, None], layer, **kw)
+    assert (t.route, D.last_route()) == ("sketch", "torch")
+    ra, rt = a.records[0].estimate, t.records[0].estimate
+    assert torch.allclose(a.output, t.output, rtol=0, atol=1e-5)
+    assert torch.allclose(ra.trace, rt.trace, rtol=1e-4, atol=0)  # the recorded (clipped) V_cl
+    assert torch.equal(a.records[0].kept, t.records[0].kept)

@@ -73,16 +73,23 @@ def test_sketch_map_and_cat_round_trip_a_batch():
 
 
 def _spy(monkeypatch):
+    """Record every sketch decode step, on either code of kvcert.dispatch's sketch route (kvcert.fast, or the
+    compiled CPU op where it builds)."""
+    import importlib
+
     calls = []
-    original = F.cluster_hajek_attention
 
-    def spy(q, keys, values, pi, sketch, **kw):
-        ce = original(q, keys, values, pi, sketch, **kw)
-        calls.append(dict(q=q.clone(), keys=keys.clone(), values=values.clone(), log_pi=kw["log_pi"].clone(),
-                          sketch=sketch, scale=kw["scale"], ce=ce))
-        return ce
+    def wrap(original):
+        def spy(q, keys, values, pi, sketch, **kw):
+            ce = original(q, keys, values, pi, sketch, **kw)
+            calls.append(dict(q=q.clone(), keys=keys.clone(), values=values.clone(), log_pi=kw["log_pi"].clone(),
+                              sketch=sketch, scale=kw["scale"], ce=ce))
+            return ce
+        return spy
 
-    monkeypatch.setattr(F, "cluster_hajek_attention", spy)
+    monkeypatch.setattr(F, "cluster_hajek_attention", wrap(F.cluster_hajek_attention))
+    cpu = importlib.import_module("kvcert.kernels.cpu")
+    monkeypatch.setattr(cpu, "cluster_hajek_attention", wrap(cpu.cluster_hajek_attention))
     return calls
 
 

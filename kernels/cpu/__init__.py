@@ -66,7 +66,7 @@ from kvcert.fast.contract import check_attention_inputs, check_attention_values
 from kvcert.fast.types import Estimate
 
 __all__ = ["ENV_VAR", "SOURCE", "SUPPORTED_DTYPES", "CPUOpUnavailable", "available", "paged_hajek_attention", "build_directory",
-           "enabled", "hajek_attention", "load", "unavailable_reason"]
+           "cluster_hajek_attention", "enabled", "hajek_attention", "load", "unavailable_reason"]
 
 #: environment variable: ``0`` (or false/no/off) keeps every call on the torch path
 ENV_VAR = "KVCERT_CPU_OP"
@@ -318,6 +318,61 @@ def _call(q, keys, values, pi, log_pi, scale, per_coordinate, value_center, spli
         raise ValueError("hajek_attention produced NaN: q, keys and values must be finite")
     return Estimate(output=output, weights=None, variance=var.view(*lead, dv) if per_coordinate else None,
                     trace=trace.view(lead), lse=lse.view(lead), n_eff=n_eff.view(lead))
+
+
+def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor | None,
+                            sketch, *, scale: float | None = None, delta: float = 0.05, rule: str | None = None,
+                            multiplier: float | None = None, log_pi: torch.Tensor | None = None,
+                            value_center: torch.Tensor | None = None, value_sqdist: torch.Tensor | None = None,
+                            validate: bool = True):
+    r"""The cluster (sketched) design's decode step with its kept pass in the compiled op.
+
+    :func:`kvcert.fast.cluster_hajek_attention` with ``trace=False`` (the Hugging Face decode's call;
+    same arguments, checks, epilogue and result), its one pass over the kept K and V in C++: per query
+    row the Hajek output :math:`\hat o`, :math:`\log\hat Z`, the kept share
+    :math:`\kappa = \sum_{i\in S}\pi_i a_i` and
+
+    .. math::
+
+        T' = \sum_{i\in S} \pi_i (1-\pi_i)\, a_i^2\, \lVert v_i - \hat oVert^2
+
+    in the centred form around ``value_center`` (the trace's pass with the weight
+    :math:`\pi_i(1-\pi_i)` for :math:`1-\pi_i` and :math:`\sum \pi_i p_i` in the place of
+    :math:`\sum p_i^2`); the O(C d) sketch epilogue (V_cl, the radius, the hull bound) is
+    kvcert.fast's. CPU tensors, K and V float32 or bfloat16.
+
+    Returns
+    -------
+    kvcert.fast.ClusterEstimate
+        ``estimate.trace`` None (the paper design's HT trace is not formed), as ``trace=False``.
+    """
+    from kvcert.fast.sketch import _cluster_step
+
+    return _cluster_step(q, keys, values, pi, sketch, scale=scale, delta=delta, rule=rule, multiplier=multiplier,
+                         log_pi=log_pi, value_center=value_center, value_sqdist=value_sqdist, validate=validate,
+                         kept_pass=_sketch_pass, with_trace=False, centred=True)
+
+
+def _sketch_pass(L, C, mu, r2):
+    """The centred kept pass of ``kvcert.fast.sketch._cluster_step`` (``centred=True``) by the op:
+    ``(o (B, G, dv), T' (B, 1, G), kappa (B, G), lse (B, G))`` in the layout's compute dtype."""
+    if L.q.device.type != "cpu" or L.keys.device.type != "cpu" or L.values.device.type != "cpu":
+        raise ValueError(f"kvcert.kernels.cpu needs CPU tensors, got q on {L.q.device}, keys on {L.keys.device}")
+    keys, values = L.keys, L.values
+    if keys.dtype not in SUPPORTED_DTYPES or values.dtype != keys.dtype:
+        raise TypeError(f"keys and values must both be float32 or both bfloat16, got {keys.dtype} and {values.dtype}")
+    if keys.stride(-1) != 1:
+        keys = keys.contiguous()
+    if values.stride(-1) != 1:
+        values = values.contiguous()
+    lp = C.p if C.p_name == "log_pi" else C.p.log()
+    ops = _state["ops"] if _state["ops"] is not None else load()
+    out, lse, kappa, tprime = ops.hajek_decode_sketch(
+        L.q.reshape(L.b, L.h_kv, L.G, L.d), keys, values, lp.to(torch.float32),
+        mu.reshape(L.b, L.h_kv, L.dv), float(L.scale), 0)
+    dt = L.dtype
+    return (out.reshape(L.B, L.G, L.dv).to(dt), tprime.reshape(L.B, 1, L.G).to(dt), kappa.reshape(L.B, L.G).to(dt),
+            lse.reshape(L.B, L.G).to(dt))
 
 
 def paged_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,

@@ -100,6 +100,9 @@ __attribute__((always_inline)) inline float one_minus_exp(float x) {
 struct Shape {
   int64_t H, h_kv, G, n, d, dv, splits, stride;
   bool per_coord;
+  // the cluster (sketch) design's kept pass: w = pi (1 - pi) p^2 (the c' rows) and, in the place of
+  // P2 = sum p^2, K = sum pi p (the kept share kappa = K / l); see hajek_decode_sketch
+  bool sketch = false;
 };
 
 // Strided views of the inputs: head (b, h) starts at base + b * sb + h * sh; slot i at + i * sn.
@@ -312,11 +315,11 @@ void sqdist_fixed(const Tile& t, const float* ref, float* r2) {
 }
 
 struct Scratch {
-  std::vector<float> q, s, w, kt, vt, off, omp, r2, lt, od;
+  std::vector<float> q, s, w, kt, vt, off, omp, pf, r2, lt, od, pt;
   std::vector<const float*> krow, vrow;
   Scratch(const Shape& S)
       : q(S.G * S.d), s(S.G * kTile), w(S.G * kTile), kt(kTile * S.d), vt(kTile * S.dv), off(kTile), omp(kTile),
-        r2(kTile), lt(kTile), od(kTile), krow(kTile), vrow(kTile) {}
+        pf(kTile), r2(kTile), lt(kTile), od(kTile), pt(kTile), krow(kTile), vrow(kTile) {}
 };
 
 inline const float* row_ptr(const float* base, int64_t, float*) { return base; }
@@ -389,6 +392,14 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
     for (int64_t i = 0; i < nt; ++i) lt[i] = lp[(t0 + i) * lsn];
 #pragma omp simd
     for (int64_t i = 0; i < nt; ++i) od[i] = one_minus_exp(lt[i]);  // 1 - pi
+    float* pt = w.pt.data();
+    if (S.sketch) {
+#pragma omp simd
+      for (int64_t i = 0; i < nt; ++i) {
+        pt[i] = exp_nonpos(lt[i]);  // pi
+        od[i] *= pt[i];             // pi (1 - pi): the c' rows' factor
+      }
+    }
     int64_t cnt = 0;
     for (int64_t i = 0; i < nt; ++i) {
       if (lt[i] > kNegInf) {  // kept: offset -log pi >= 0 (pi = 0 slots are never read)
@@ -396,6 +407,7 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
         w.vrow[cnt] = kv.value(t0 + i, dv, w.vt.data() + cnt * dv);
         w.off[cnt] = -lt[i];
         w.omp[cnt] = od[i];
+        if (S.sketch) w.pf[cnt] = pt[i];
         ++cnt;
       }
     }
@@ -422,7 +434,7 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
         P[1] *= f;
         P[2] *= f2;
         P[3] *= f2;
-        P[4] *= f2;
+        P[4] *= S.sketch ? f : f2;  // K = sum pi p scales as p, P2 = sum p^2 as p^2
         float* o = P + kHead;
 #pragma omp simd
         for (int64_t x = 0; x < dv; ++x) o[x] *= f;
@@ -434,15 +446,29 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
       }
       const float m = P[0];
       float l = 0.0f, p2 = 0.0f, c = 0.0f;
+      if (S.sketch) {
+        const float* pf = w.pf.data();
 #pragma omp simd reduction(+ : l, p2, c)
-      for (int64_t j = 0; j < cnt; ++j) {
-        const float p = exp_nonpos(s[j] - m);
-        const float pw = omp[j] * p * p;
-        s[j] = p;
-        wr[j] = pw;
-        l += p;
-        p2 += p * p;
-        c += pw;
+        for (int64_t j = 0; j < cnt; ++j) {
+          const float p = exp_nonpos(s[j] - m);
+          const float pw = omp[j] * p * p;
+          s[j] = p;
+          wr[j] = pw;
+          l += p;
+          p2 += pf[j] * p;
+          c += pw;
+        }
+      } else {
+#pragma omp simd reduction(+ : l, p2, c)
+        for (int64_t j = 0; j < cnt; ++j) {
+          const float p = exp_nonpos(s[j] - m);
+          const float pw = omp[j] * p * p;
+          s[j] = p;
+          wr[j] = pw;
+          l += p;
+          p2 += p * p;
+          c += pw;
+        }
       }
       P[1] += l;
       P[2] += c;
@@ -509,7 +535,7 @@ void merge_row(const Shape& S, const float* part, const float* refs, int64_t row
     if (!(p[0] > kNegInf)) continue;
     const float f = exp_nonpos(p[0] - M);
     l += f * p[1];
-    p2 += f * f * p[4];
+    p2 += (S.sketch ? f : f * f) * p[4];
     for (int64_t x = 0; x < dv; ++x) o[x] += f * p[kHead + x];
   }
   for (int64_t x = 0; x < dv; ++x) o[x] /= l;
@@ -543,7 +569,7 @@ void merge_row(const Shape& S, const float* part, const float* refs, int64_t row
   }
   for (int64_t x = 0; x < dv; ++x) orow[x] = static_cast<TO>(o[x]);
   lse[row] = M + std::log(l);
-  neff[row] = l * l / p2;
+  neff[row] = S.sketch ? p2 / l : l * l / p2;  // the sketch's kappa = sum pi a, else n_eff = 1 / sum a^2
 }
 
 // Every (head, range) task, then the merge; `make(bh)` gives head bh's K/V accessor.
@@ -611,9 +637,9 @@ int64_t auto_splits(int64_t H, int64_t n) {
   return std::max<int64_t>(1, std::min(want, most));
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_decode(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_dense(
     const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& log_pi,
-    const std::optional<at::Tensor>& center, double scale, bool per_coordinate, int64_t splits) {
+    const std::optional<at::Tensor>& center, double scale, bool per_coordinate, int64_t splits, bool sketch) {
   // q (b, h_kv, G, d) float32; keys (b, h_kv, n, d), values (b, h_kv, n, dv) float32 or bfloat16 with unit
   // stride in the last dimension; log_pi (b, h_kv, n) float32; center (b, h_kv, dv) float32 or None.
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && log_pi.dim() == 3,
@@ -636,10 +662,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_dec
     TORCH_CHECK(cc.numel() == b * h_kv * dv, "hajek_decode: center must be (b, h_kv, dv)");
   }
   const int64_t G = q.size(2), H = b * h_kv;
-  Shape S{H, h_kv, G, n, d, dv, 1, kHead + (per_coordinate ? 3 : 2) * dv, per_coordinate};
+  Shape S{H, h_kv, G, n, d, dv, 1, kHead + (per_coordinate ? 3 : 2) * dv, per_coordinate, sketch};
   S.splits = splits > 0 ? std::min(splits, std::max<int64_t>(1, n)) : auto_splits(H, n);
   auto f32 = values.options().dtype(at::kFloat);
-  at::Tensor out = at::empty({b, h_kv, G, dv}, values.options());
+  // the sketch's output stays float32: its epilogue (V_cl, the hull bound) reads o
+  at::Tensor out = at::empty({b, h_kv, G, dv}, sketch ? f32 : values.options());
   at::Tensor lse = at::empty({b, h_kv, G}, f32), neff = at::empty({b, h_kv, G}, f32);
   at::Tensor trace = at::empty({b, h_kv, G}, f32);
   at::Tensor var = per_coordinate ? at::empty({b, h_kv, G, dv}, f32) : at::empty({0}, f32);
@@ -653,6 +680,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_dec
     else run<float, false>(S, qc, keys, values, log_pi, cp, sc, out, lse, neff, trace, var);
   }
   return {out, lse, neff, trace, var};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_decode(
+    const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& log_pi,
+    const std::optional<at::Tensor>& center, double scale, bool per_coordinate, int64_t splits) {
+  return decode_dense(q, keys, values, log_pi, center, scale, per_coordinate, splits, false);
+}
+
+// The cluster design's kept pass (kvcert.fast.sketch's _kept_pass with trace=False, in one read of K and V):
+// output o (float32), lse, kappa = sum_S pi_i a_i and T' = sum_S pi_i (1 - pi_i) a_i^2 ||v_i - o||^2 (centred around
+// `center`, as the trace), per (b, h_kv, G).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_decode_sketch(
+    const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& log_pi,
+    const std::optional<at::Tensor>& center, double scale, int64_t splits) {
+  auto r = decode_dense(q, keys, values, log_pi, center, scale, false, splits, true);
+  return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_decode_paged(
@@ -704,11 +747,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_decode_paged(
 TORCH_LIBRARY(kvcert_cpu, m) {
   m.def("hajek_decode(Tensor q, Tensor keys, Tensor values, Tensor log_pi, Tensor? center, float scale, "
         "bool per_coordinate, int splits) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("hajek_decode_sketch(Tensor q, Tensor keys, Tensor values, Tensor log_pi, Tensor? center, float scale, "
+        "int splits) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("hajek_decode_paged(Tensor q, Tensor kv_cache, Tensor block_ids, Tensor log_pi, float scale, int splits) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvcert_cpu, CPU, m) {
   m.impl("hajek_decode", &hajek_decode);
+  m.impl("hajek_decode_sketch", &hajek_decode_sketch);
   m.impl("hajek_decode_paged", &hajek_decode_paged);
 }

@@ -64,7 +64,6 @@ from kvcert.fast import (
     ClusterSketch,
     block_hajek_attention,
     certificate_moments,
-    cluster_hajek_attention,
     compact_slots,
     estimate_options,
     radius_from_statistics,
@@ -289,7 +288,8 @@ def gather_rows(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.
 
 
 #: the route the last compacted decode took: ``"paged_cpu_op"`` or ``"gather"`` (:func:`compacted_decode`),
-#: ``"sketch_gather"`` (:func:`sketched_decode`)
+#: ``"sketch_gather_cpu_op"`` or ``"sketch_gather"`` (:func:`sketched_decode`: the kept pass in the compiled op
+#: or in kvcert.fast)
 LAST_ROUTE = [None]
 
 
@@ -346,7 +346,8 @@ def sketched_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torc
 
     The Hajek output over the held slots (:func:`compacted_decode`'s) and the sketched design's certificate,
     :func:`kvcert.fast.cluster_hajek_attention` on the gathered slots (:func:`gather_rows`) and the rows'
-    sketches: the hybrid variance :math:`V_{\mathrm{cl}}` (kept tokens exact, evicted ones through the
+    sketches (through :func:`kvcert.dispatch.cluster_hajek_attention`: its kept pass in the compiled CPU op
+    where it builds): the hybrid variance :math:`V_{\mathrm{cl}}` (kept tokens exact, evicted ones through the
     sketch's Gaussian moments), clipped at :math:`(H/c)^2` with :math:`H` the hull bound and :math:`c` the
     kind's factor (:math:`1/\sqrt\delta` for ``chebyshev``, 3 for ``tilted_hull``), so the radius is
     :math:`\min(c\sqrt{V_{\mathrm{cl}}}, H)`: what the Hugging Face decode of ``PoissonPress(sketch=...)``
@@ -365,12 +366,12 @@ def sketched_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torc
     """
     k, v = gather_rows(kv_cache, block_ids)
     lp = log_pi.to(torch.float32)
-    ce = cluster_hajek_attention(query, k, v, None, sketch, log_pi=lp, scale=scale, delta=delta, validate=False,
-                                 trace=False)
+    ce = dispatch.cluster_hajek_attention(query, k, v, None, sketch, log_pi=lp, scale=scale, delta=delta,
+                                          validate=False, trace=False)
     out = ce.output
     _, _, rel = radius_from_statistics(kind, delta, trace=recorded_trace(ce, kind),
                                        output_norm=torch.linalg.vector_norm(out.float(), dim=-1))
-    LAST_ROUTE[0] = "sketch_gather"
+    LAST_ROUTE[0] = "sketch_gather_cpu_op" if dispatch.last_route() == "cpu_op" else "sketch_gather"
     return out.to(query.dtype), rel
 
 

@@ -196,7 +196,9 @@ def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypa
     step = worker.Step(fake)
     out = _forward(backend, impl, step, layer, qd, cache, md)
     certs, _, _ = step.results(BS)
-    assert backend.LAST_ROUTE[0] == "sketch_gather"
+    from kvcert import dispatch
+
+    assert backend.LAST_ROUTE[0] == ("sketch_gather_cpu_op" if dispatch.cpu_op_available() else "sketch_gather")
     # the sketched estimator over the kept prompt tokens (pi) and the decode tokens (pi = 1), float64
     pi = torch.cat([torch.where(dec.keep, dec.pi, 0.0), torch.ones(H, T, dtype=torch.float64)], dim=1)
     ce = F.cluster_hajek_attention(qd.double(), k.transpose(0, 1)[None].double(), v.transpose(0, 1)[None].double(),
