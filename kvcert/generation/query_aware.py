@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from ..escalation import check_escalate, next_target
 from .common import (GenerationResult, _decode_loop, _forward_kwargs, _position_ids, _prefill_forward, _prompt_ids,
                      _prompt_list, _step_slice)
 from .prefilled import Prefill
@@ -129,14 +130,8 @@ def generate(model, tokenizer, prompt: str | list[str], press=None, max_new_toke
     return _assemble_result(tokenizer, single, attention_mask, decoded, certs, prompt_rows, timings, press)
 
 
-#: the escalation policies of :func:`generate`; "tighten" halves the target this many times, then runs uncompressed
-ESCALATIONS = ("full", "tighten")
-_TIGHTEN_STEPS = 3
-
-
 def _check_escalate(escalate, press, single: bool) -> None:
-    if escalate not in ESCALATIONS:
-        raise ValueError(f"escalate must be None or one of {ESCALATIONS}, got {escalate!r}")
+    check_escalate(escalate, optional=True)
     if getattr(press, "target_error", None) is None:
         raise ValueError("escalate: needs a press with an error target (kvcert.PoissonPress(target_error=eps)); "
                          "without one no step can exceed it")
@@ -158,8 +153,8 @@ def _escalated(press, policy: str, run) -> GenerationResult:
             break
         step = int(flagged[0, 0]) + 1
         tightened = sum(1 for e in escalations if e["press"] != "none")
-        nxt = replace(current, target_error=current.target_error / 2) \
-            if policy == "tighten" and tightened < _TIGHTEN_STEPS else None
+        target = next_target(policy, current.target_error, tightened)
+        nxt = None if target is None else replace(current, target_error=target)
         escalations.append({"step": step, "mean_relative_radius": float(per_step[step]), "target_error": eps,
                             "press": "none" if nxt is None else repr(nxt)})
         result, current = run(nxt), nxt

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..escalation import ESCALATIONS, check_escalate, next_target
 from .config import CONFIG_KEY, SUPPORTED_VLLM, KVCertConfig
 from .model import default_model_path
 
@@ -228,9 +229,6 @@ def certificates(output) -> np.ndarray | None:
     return np.asarray(rep["certificates"], dtype=np.float64)
 
 
-#: the escalation policies of :func:`generate_within_target` (as ``kvcert.generate(..., escalate=...)``)
-ESCALATIONS = ("full", "tighten")
-_TIGHTEN_STEPS = 3
 
 
 def _with_args(params, extra: dict, drop: tuple = ()):
@@ -270,8 +268,7 @@ def generate_within_target(llm, prompts: list, sampling_params, *, target_error:
     """
     from kvcert.fast.target import check_target_error
 
-    if escalate not in ESCALATIONS:
-        raise ValueError(f"escalate must be one of {ESCALATIONS}, got {escalate!r}")
+    check_escalate(escalate)
     eps = check_target_error("target_error", target_error)
     prompts = list(prompts)
     params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
@@ -290,10 +287,8 @@ def generate_within_target(llm, prompts: list, sampling_params, *, target_error:
                 continue
             target = current[i].extra_args.get("kvcert_target_error")
             tightened = sum(1 for e in escalations.get(i, []) if "kvcert_target_error" in e["next"])
-            if escalate == "tighten" and target is not None and tightened < _TIGHTEN_STEPS:
-                nxt = {"kvcert_target_error": target / 2.0}
-            else:
-                nxt = {"kvcert_compression_ratio": 0.0}
+            halved = next_target(escalate, target, tightened)
+            nxt = {"kvcert_compression_ratio": 0.0} if halved is None else {"kvcert_target_error": halved}
             current[i] = _with_args(params[i], nxt, drop=("kvcert_target_error", "kvcert_compression_ratio"))
             escalations.setdefault(i, []).append({"token": over[0], "mean_relative_radius": float(c[over[0]]),
                                                   "target_error": eps, "next": nxt})
