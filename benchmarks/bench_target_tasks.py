@@ -92,7 +92,7 @@ def main(argv=None):
     import kvcert
     from kvcert.models import load_model
     from paper_repro.common import Config, progress
-    from paper_repro.suites import MAX_NEW_TOKENS, QUICK_TASKS, _batches
+    from paper_repro.suites import MAX_NEW_TOKENS, QUICK_TASKS, batches
     from paper_repro.tasks import make_examples
 
     cfg = Config(quick=True, progress=False)
@@ -100,7 +100,7 @@ def main(argv=None):
     model, tokenizer = load_model()
     examples = {t: make_examples(t, n_examples, context_tokens=cfg.suite_context, seed=cfg.seed,
                                  tokenizer=tokenizer) for t in QUICK_TASKS}
-    jobs = [(t, b) for t in QUICK_TASKS for b in _batches(examples[t], cfg.suite_batch, tokenizer)]
+    jobs = [(t, b) for t in QUICK_TASKS for b in batches(examples[t], cfg.suite_batch, tokenizer)]
     runs = []  # one dict per (task, example, eps)
     t0 = time.perf_counter()
 

@@ -7,6 +7,7 @@ expected (STYLE.md rule 6).
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -63,3 +64,35 @@ def compute_dtype(*xs: torch.Tensor) -> torch.dtype:
 def stat_dtype(x: torch.Tensor) -> torch.dtype:
     """dtype of probabilities/statistics computed from ``x``: float64 stays, else float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def check_int(name: str, value, *, low: int = 0, optional: bool = False):
+    """An int >= ``low`` (bool refused), or None when ``optional``."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int{' or None' if optional else ''}, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return int(value)
+
+
+def check_real(name: str, value, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> float:
+    """A finite float in the interval [lo, hi] (open ends as asked; bool refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    value = float(value)
+    ok_lo = value > lo if lo_open else value >= lo
+    ok_hi = value < hi if hi_open else value <= hi
+    if not (ok_lo and ok_hi and math.isfinite(value)):
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        raise ValueError(f"{name} must be in {interval}, got {value}")
+    return value
+
+
+def check_kernel_size(value) -> int:
+    """An odd int >= 1 (a pooling kernel's size)."""
+    value = check_int("kernel_size", value, low=1)
+    if value % 2 == 0:
+        raise ValueError(f"kernel_size must be odd, got {value}")
+    return value

@@ -44,8 +44,9 @@ from types import MappingProxyType
 import numpy as np
 import torch
 
-from ._checks import check_nonneg_int, check_probabilities, check_tensor, stat_dtype
-from .design import (_certificate_kind, _int, _kernel_size, _real, _registered_scorer, _scorer_params, _set,
+from ._checks import (check_int, check_kernel_size, check_nonneg_int, check_probabilities, check_real, check_tensor,
+                      stat_dtype)
+from .design import (_certificate_kind, _registered_scorer, _scorer_params, _set,
                      inclusion_probabilities, nonnegative_importance, splitmix64)
 from .estimators import hajek_attention
 from .eviction import compact
@@ -560,14 +561,14 @@ class BlockDesign:
     def __post_init__(self):
         if not isinstance(self.reduce, str) or self.reduce not in REDUCTIONS:
             raise ValueError(f"reduce must be one of {BLOCK_REDUCTIONS}, got {self.reduce!r}")
-        _set(self, compression_ratio=_real("compression_ratio", self.compression_ratio, 0.0, 1.0, hi_open=True),
-             block_size=_int("block_size", self.block_size, low=1, optional=True), seed=_int("seed", self.seed),
-             sink_blocks=_int("sink_blocks", self.sink_blocks),
-             recent_blocks=_int("recent_blocks", self.recent_blocks, low=1),
-             top_blocks=_int("top_blocks", self.top_blocks), floor=_real("floor", self.floor, 0.0, 1.0, lo_open=True),
-             observation_window=_int("observation_window", self.observation_window, low=1),
-             scorer=_registered_scorer(self.scorer), kernel_size=_kernel_size(self.kernel_size),
-             delta=_real("delta", self.delta, 0.0, 1.0, lo_open=True, hi_open=True),
+        _set(self, compression_ratio=check_real("compression_ratio", self.compression_ratio, 0.0, 1.0, hi_open=True),
+             block_size=check_int("block_size", self.block_size, low=1, optional=True), seed=check_int("seed", self.seed),
+             sink_blocks=check_int("sink_blocks", self.sink_blocks),
+             recent_blocks=check_int("recent_blocks", self.recent_blocks, low=1),
+             top_blocks=check_int("top_blocks", self.top_blocks), floor=check_real("floor", self.floor, 0.0, 1.0, lo_open=True),
+             observation_window=check_int("observation_window", self.observation_window, low=1),
+             scorer=_registered_scorer(self.scorer), kernel_size=check_kernel_size(self.kernel_size),
+             delta=check_real("delta", self.delta, 0.0, 1.0, lo_open=True, hi_open=True),
              kind=_certificate_kind(self.kind))
 
     # -- the budget -----------------------------------------------------------------------------
@@ -589,7 +590,7 @@ class BlockDesign:
     def budget(self, n_blocks: int) -> float | None:
         """Expected kept blocks of a prompt of ``n_blocks`` blocks, or None when nothing is evicted (ratio 0, or
         the certainty set ``sink_blocks + recent_blocks + top_blocks`` fills the budget): :func:`block_budget`."""
-        n_blocks = _int("n_blocks", n_blocks)
+        n_blocks = check_int("n_blocks", n_blocks)
         return block_budget(n_blocks, self.compression_ratio, self.sink_blocks + self.recent_blocks + self.top_blocks)
 
     # -- the importance -------------------------------------------------------------------------

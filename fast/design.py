@@ -40,7 +40,8 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import check_nonneg_int, check_probabilities, check_tensor, stat_dtype
+from ._checks import (check_int, check_kernel_size, check_nonneg_int, check_probabilities, check_real, check_tensor,
+                      stat_dtype)
 from .certificates import TILTED_HULL_MULTIPLIER
 from .sketch import ClusterDesign, _as_design
 
@@ -650,37 +651,6 @@ def design_sizes(budget: float, *, sinks: int = 4, window: int = 32, top_fractio
 # ---------------------------------------------------------------------------
 
 
-def _int(name: str, value, *, low: int = 0, optional: bool = False):
-    """An int >= ``low`` (bool refused), or None when ``optional``."""
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int{' or None' if optional else ''}, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return int(value)
-
-
-def _real(name: str, value, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> float:
-    """A finite float in the interval [lo, hi] (open ends as asked; bool refused)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    value = float(value)
-    ok_lo = value > lo if lo_open else value >= lo
-    ok_hi = value < hi if hi_open else value <= hi
-    if not (ok_lo and ok_hi and math.isfinite(value)):
-        interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-        raise ValueError(f"{name} must be in {interval}, got {value}")
-    return value
-
-
-def _kernel_size(value) -> int:
-    value = _int("kernel_size", value, low=1)
-    if value % 2 == 0:
-        raise ValueError(f"kernel_size must be odd, got {value}")
-    return value
-
-
 def _registered_scorer(value) -> str:
     from .scorers import SCORERS
 
@@ -953,8 +923,8 @@ class TokenDesign:
     target_error: float | None = None
 
     def __post_init__(self):
-        ratio = _real("compression_ratio", self.compression_ratio, 0.0, 1.0, hi_open=True)
-        target = _int("target_size", self.target_size, low=1, optional=True)
+        ratio = check_real("compression_ratio", self.compression_ratio, 0.0, 1.0, hi_open=True)
+        target = check_int("target_size", self.target_size, low=1, optional=True)
         if target is not None and ratio > 0:
             raise ValueError(f"give compression_ratio or target_size, not both (got compression_ratio={ratio}, "
                              f"target_size={target})")
@@ -966,13 +936,13 @@ class TokenDesign:
                 raise ValueError(f"give one of compression_ratio, target_size or target_error (got "
                                  f"compression_ratio={ratio}, target_size={target}, target_error={eps})")
             _set(self, target_error=eps)
-        _set(self, compression_ratio=ratio, target_size=target, seed=_int("seed", self.seed),
-             sinks=_int("sinks", self.sinks), window=_int("window", self.window),
-             top_fraction=_real("top_fraction", self.top_fraction, 0.0, 1.0, hi_open=True),
-             floor=_real("floor", self.floor, 0.0, 1.0, lo_open=True),
-             observation_window=_int("observation_window", self.observation_window, low=1),
-             scorer=_registered_scorer(self.scorer), kernel_size=_kernel_size(self.kernel_size),
-             delta=_real("delta", self.delta, 0.0, 1.0, lo_open=True, hi_open=True),
+        _set(self, compression_ratio=ratio, target_size=target, seed=check_int("seed", self.seed),
+             sinks=check_int("sinks", self.sinks), window=check_int("window", self.window),
+             top_fraction=check_real("top_fraction", self.top_fraction, 0.0, 1.0, hi_open=True),
+             floor=check_real("floor", self.floor, 0.0, 1.0, lo_open=True),
+             observation_window=check_int("observation_window", self.observation_window, low=1),
+             scorer=_registered_scorer(self.scorer), kernel_size=check_kernel_size(self.kernel_size),
+             delta=check_real("delta", self.delta, 0.0, 1.0, lo_open=True, hi_open=True),
              kind=_certificate_kind(self.kind))
         _set(self, sketch=resolve_sketch(self.sketch, self.kind))
         if self.target_error is not None:
@@ -997,7 +967,7 @@ class TokenDesign:
         r"""Expected kept tokens per head of an event over n tokens: :math:`\min(\text{target\_size}, n)` or
         :math:`n (1 - \text{compression\_ratio})`; n with a ``target_error`` (its budget is chosen per
         KV head at the event, :meth:`target_budget`)."""
-        n = _int("n", n)
+        n = check_int("n", n)
         if self.target_error is not None:
             return float(n)
         if self.target_size is not None:
@@ -1167,7 +1137,7 @@ class TokenDesign:
         u = nonnegative_importance(scores.to(torch.float64), valid)
         if isinstance(budget, torch.Tensor):
             return self._decide_per_head(u, valid, budget, layer, event)
-        b = self.budget(n) if budget is None else _real("budget", budget, 0.0, math.inf, lo_open=True)
+        b = self.budget(n) if budget is None else check_real("budget", budget, 0.0, math.inf, lo_open=True)
         if b >= n:
             one = torch.ones_like(u)
             return TokenDecision(float(b), None, u, one, valid, layer, event)

@@ -66,6 +66,7 @@ __all__ = [
     "cluster_hajek_attention",
     "cluster_radius",
     "cluster_sketch",
+    "cluster_step",
     "cluster_variance",
     "kmeans_assign",
     "window_tilt",
@@ -1061,13 +1062,13 @@ def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     >>> bool(torch.allclose(ce.output, est.output, atol=1e-6))
     True
     """
-    return _cluster_step(q, keys, values, pi, sketch, scale=scale, delta=delta, rule=rule, multiplier=multiplier,
-                         log_pi=log_pi, value_center=value_center, value_sqdist=value_sqdist, validate=validate,
-                         kept_pass=functools.partial(_kept_pass, trace=trace), with_trace=trace)
+    return cluster_step(q, keys, values, pi, sketch, scale=scale, delta=delta, rule=rule, multiplier=multiplier,
+                        log_pi=log_pi, value_center=value_center, value_sqdist=value_sqdist, validate=validate,
+                        kept_pass=functools.partial(_kept_pass, trace=trace), with_trace=trace)
 
 
-def _cluster_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier, log_pi, value_center,
-                  value_sqdist, validate, kept_pass, with_trace: bool = True, centred: bool = False) -> ClusterEstimate:
+def cluster_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier, log_pi, value_center,
+                 value_sqdist, validate, kept_pass, with_trace: bool = True, centred: bool = False) -> ClusterEstimate:
     """:func:`cluster_hajek_attention` with its one pass over K and V given: ``kept_pass(L, lp, omp, pf, mu, r2)``
     -> ``(o, cv, t, sc, kappa, lse)`` as :func:`_kept_pass` (this module's torch pass, or the Triton kernel of
     ``kvcert.kernels.cluster_hajek_attention``), with the c rows of the HT trace iff ``with_trace``; or, with

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcert.fast.sketch import ClusterEstimate, _cluster_step
+from kvcert.fast.sketch import ClusterEstimate, cluster_step
 
 from .hajek import _check_decode_q, _check_dtypes, _neg_expm1, _online_step, _pow2
 
@@ -124,7 +124,7 @@ def _cluster_kept_kernel(
 
 
 def _kernel_pass(block_n: int | None):
-    """The kept pass of ``kvcert.fast.sketch._cluster_step`` run by :func:`_cluster_kept_kernel`."""
+    """The kept pass of ``kvcert.fast.sketch.cluster_step`` run by :func:`_cluster_kept_kernel`."""
 
     def kept_pass(L, lp, omp, pf, mu, r2):
         dev, f32 = L.q.device, torch.float32
@@ -180,6 +180,6 @@ def cluster_hajek_attention(q, keys, values, pi=None, sketch=None, *, scale=None
     if block_n is not None and (isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16
                                 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n!r}")
-    return _cluster_step(q, keys, values, pi, sketch, scale=scale, delta=delta, rule=rule, multiplier=multiplier,
-                         log_pi=log_pi, value_center=value_center, value_sqdist=value_sqdist, validate=validate,
-                         kept_pass=_kernel_pass(block_n))
+    return cluster_step(q, keys, values, pi, sketch, scale=scale, delta=delta, rule=rule, multiplier=multiplier,
+                        log_pi=log_pi, value_center=value_center, value_sqdist=value_sqdist, validate=validate,
+                        kept_pass=_kernel_pass(block_n))

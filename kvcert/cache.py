@@ -601,11 +601,6 @@ def compressed_layers(config) -> tuple[int, ...]:
     return tuple(i for i, w in enumerate(attention_layout(config)) if w is None)
 
 
-def _check_full_attention(config) -> None:
-    """Refuse a model whose layer types kvcert cannot run correctly (:func:`attention_layout`)."""
-    attention_layout(config)
-
-
 def as_kvcert_cache(cache: Cache, config=None) -> Cache:
     """Make every layer of ``cache`` a :class:`KVCertLayer` (or :class:`SlidingWindowLayer`), in place.
 

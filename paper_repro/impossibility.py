@@ -122,11 +122,11 @@ def run_real(cfg: Config, captured) -> Table:
 
     Cache: the first ``cfg.context`` tokens of a layer's KV head; query: the
     model's query of the next token (the group's first query head). Policies
-    score with the real prefix queries (``replay._layer_importance``); the
+    score with the real prefix queries (``replay.layer_importance``); the
     Poisson design is the paper's (SnapKV importance of the last 32 prefix
     queries) at the same budget.
     """
-    from .replay import _layer_importance
+    from .replay import layer_importance
     from .synthetic import paper_press, press_pi
 
     rng = np.random.default_rng([cfg.seed, 4])
@@ -138,7 +138,7 @@ def run_real(cfg: Config, captured) -> Table:
     cache = {}
     for (layer, h), policy, target in progress(jobs, desc="T1b impossibility, real caches", enabled=cfg.progress):
         if (layer, h) not in cache:
-            imp = {name: _layer_importance(name, captured.queries[layer], captured.keys[layer],
+            imp = {name: layer_importance(name, captured.queries[layer], captured.keys[layer],
                                            captured.values[layer], L, scale, seed=cfg.seed + layer)[h]
                    for name in _policies()}
             k = captured.keys[layer][h, :L].double().numpy()

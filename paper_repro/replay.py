@@ -82,7 +82,7 @@ def _design_importance(rule, queries, keys, values, L, scale):
             u = F.snapkv_scores(qs[:, :, end - WINDOW:end], k[:, :, :end], scale=scale)[0].double()
             parts.append(torch.nn.functional.pad(_normalized(u), (0, L - end)))
         return torch.stack(parts).mean(0).numpy()
-    return _layer_importance(rule, queries, keys, values, L, scale, seed=0)
+    return layer_importance(rule, queries, keys, values, L, scale, seed=0)
 
 
 #: certificate kinds quick mode leaves out of Table 2: chi2 needs the dv x dv covariance of every
@@ -108,7 +108,7 @@ def setup_for(cfg: Config) -> ReplaySetup:
                        designs=tuple(DESIGNS))
 
 
-def _layer_importance(name, queries, keys, values, L, scale, seed):
+def layer_importance(name, queries, keys, values, L, scale, seed):
     """Importance (h_kv, L) over the prefix of one layer for a registered scorer (``kvcert.fast.SCORERS``,
     float32), reading the prefix queries the scorer needs (the last ``WINDOW``, or all of them).
 
@@ -142,7 +142,7 @@ def run(cfg: Config, captured) -> tuple[Table, Table, dict]:
     for layer, h in progress(jobs, desc="T2 replay cells", enabled=cfg.progress):
         if h == 0:  # scorers once per layer, batched over its KV heads
             layer_qkv = captured.queries[layer], captured.keys[layer], captured.values[layer]
-            importance = {name: _layer_importance(name, *layer_qkv, L, scale, seed=cfg.seed + layer)
+            importance = {name: layer_importance(name, *layer_qkv, L, scale, seed=cfg.seed + layer)
                           for name in R.SCORERS}
             design_u = {rule: _design_importance(rule, *layer_qkv, L, scale)
                         for rule in {DESIGNS[d][1] for d in setup.designs}}

@@ -44,7 +44,7 @@ import torch
 import kvcert.fast as F
 
 from .common import Config, Table, progress
-from .replay import _layer_importance, setup_for
+from .replay import layer_importance, setup_for
 from .synthetic import SINKS, WINDOW, paper_press, press_pi
 from .synthetic_coverage import draw_estimates, draw_statistics, summarize
 
@@ -245,7 +245,7 @@ def run(cfg: Config, captured, *, designs=None, draws: int | None = None) -> Tab
     dv = captured.values[0].shape[-1]
     qpos = torch.tensor([L + o for o in setup.query_offsets])
     rng = np.random.default_rng([cfg.seed, 4])
-    importance = torch.stack([torch.from_numpy(_layer_importance("snapkv", captured.queries[layer],
+    importance = torch.stack([torch.from_numpy(layer_importance("snapkv", captured.queries[layer],
                                                                   captured.keys[layer], captured.values[layer],
                                                                   L, scale, seed=cfg.seed + layer))
                               for layer in range(captured.layers)])          # (layers, h_kv, L)

@@ -185,7 +185,7 @@ def _prompt_tokens(tokenizer, example) -> int:
     return len(tokenizer(example.prompt)["input_ids"])
 
 
-def _batches(examples: list, size: int, tokenizer) -> list[list[int]]:
+def batches(examples: list, size: int, tokenizer) -> list[list[int]]:
     """Indices of ``examples`` in batches of ``size``, by prompt length (little padding)."""
     lengths = [_prompt_tokens(tokenizer, e) for e in examples]
     order = sorted(range(len(examples)), key=lambda i: (lengths[i], i))
@@ -240,7 +240,7 @@ def collect(cfg: Config, model, tokenizer) -> list[dict]:
 
     jobs = []
     if QUERY_AWARE in cfg.protocols:
-        jobs += [(QUERY_AWARE, t, b) for t in tasks for b in _batches(examples[t], cfg.suite_batch, tokenizer)]
+        jobs += [(QUERY_AWARE, t, b) for t in tasks for b in batches(examples[t], cfg.suite_batch, tokenizer)]
     if QUERY_AGNOSTIC in cfg.protocols:
         jobs += [(QUERY_AGNOSTIC, t, [i]) for t in tasks for i in range(len(examples[t]))]
     bar = progress(jobs, desc="T3/T4 synthetic suites", enabled=cfg.progress)

@@ -39,12 +39,12 @@ def test_replay_pi_equals_the_press_pi(n, fraction, top):
 
 @pytest.mark.parametrize("name", list(SCORERS))
 def test_replay_importance_equals_the_press_importance(name):
-    """replay._layer_importance (the T2 cells) is what PoissonPress(scorer=name) scores."""
+    """replay.layer_importance (the T2 cells) is what PoissonPress(scorer=name) scores."""
     h_kv, g, T, L, d = 2, 3, 80, 64, 8
     gen = torch.Generator().manual_seed(1)
     queries = torch.randn(h_kv * g, T, d, generator=gen)
     keys, values = torch.randn(h_kv, T, d, generator=gen), torch.randn(h_kv, T, d, generator=gen)
-    got = replay._layer_importance(name, queries, keys, values, L, 0.35, seed=5)
+    got = replay.layer_importance(name, queries, keys, values, L, 0.35, seed=5)
     press = kvcert.PoissonPress(compression_ratio=0.5, scorer=name, seed=5, kernel_size=7,
                                 observation_window=synthetic.WINDOW)
     q = press._window_queries(queries[None, :, :L], L)

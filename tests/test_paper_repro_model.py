@@ -168,7 +168,7 @@ def test_served_replay_tiny(captured):
     """T2d's served token design on 3 layers: its rows, memory >= kept fraction, the equal-memory
     bisection within its tolerance, and the token design's estimate read from the compacted slots."""
     from paper_repro import replay_blocks as RB
-    from paper_repro.replay import _layer_importance
+    from paper_repro.replay import layer_importance
     from paper_repro.synthetic_coverage import draw_estimates
 
     _, _, full, _, _ = captured
@@ -199,7 +199,7 @@ def test_served_replay_tiny(captured):
     # exact expected memory (served_memory) is the Monte Carlo mean within 4 standard errors
     L, Fut, d = 256, 32, cap.keys[0].shape[-1]
     T = L + Fut
-    imp = torch.stack([torch.from_numpy(_layer_importance("snapkv", cap.queries[layer][:, :T], cap.keys[layer][:, :T],
+    imp = torch.stack([torch.from_numpy(layer_importance("snapkv", cap.queries[layer][:, :T], cap.keys[layer][:, :T],
                                                           cap.values[layer][:, :T], L, cap.scaling, seed=layer))
                        for layer in range(3)])
     f = rows[0.5, "served64", 0.05]["expected_kept"]

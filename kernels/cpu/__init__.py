@@ -334,7 +334,8 @@ def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
 
     .. math::
 
-        T' = \sum_{i\in S} \pi_i (1-\pi_i)\, a_i^2\, \lVert v_i - \hat oVert^2
+        T' = \sum_{i\in S} \pi_i (1-\pi_i)\, a_i^2\, \lVert v_i - \hat o
+Vert^2
 
     in the centred form around ``value_center`` (the trace's pass with the weight
     :math:`\pi_i(1-\pi_i)` for :math:`1-\pi_i` and :math:`\sum \pi_i p_i` in the place of
@@ -346,15 +347,15 @@ def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     kvcert.fast.ClusterEstimate
         ``estimate.trace`` None (the paper design's HT trace is not formed), as ``trace=False``.
     """
-    from kvcert.fast.sketch import _cluster_step
+    from kvcert.fast.sketch import cluster_step
 
-    return _cluster_step(q, keys, values, pi, sketch, scale=scale, delta=delta, rule=rule, multiplier=multiplier,
-                         log_pi=log_pi, value_center=value_center, value_sqdist=value_sqdist, validate=validate,
-                         kept_pass=_sketch_pass, with_trace=False, centred=True)
+    return cluster_step(q, keys, values, pi, sketch, scale=scale, delta=delta, rule=rule, multiplier=multiplier,
+                        log_pi=log_pi, value_center=value_center, value_sqdist=value_sqdist, validate=validate,
+                        kept_pass=_sketch_pass, with_trace=False, centred=True)
 
 
 def _sketch_pass(L, C, mu, r2):
-    """The centred kept pass of ``kvcert.fast.sketch._cluster_step`` (``centred=True``) by the op:
+    """The centred kept pass of ``kvcert.fast.sketch.cluster_step`` (``centred=True``) by the op:
     ``(o (B, G, dv), T' (B, 1, G), kappa (B, G), lse (B, G))`` in the layout's compute dtype."""
     if L.q.device.type != "cpu" or L.keys.device.type != "cpu" or L.values.device.type != "cpu":
         raise ValueError(f"kvcert.kernels.cpu needs CPU tensors, got q on {L.q.device}, keys on {L.keys.device}")

@@ -22,14 +22,14 @@ from dataclasses import dataclass
 import torch
 
 from ..fast import SCORERS, ClusterSketch, TokenDesign, design_sizes
-from ..fast.design import _int, _kernel_size
+from ..fast._checks import check_int, check_kernel_size
 from ..fast.scorers import HEAD_POOLINGS, SNAPKV_POOLINGS, queries_needed, queries_read
 
 
 # ---------------------------------------------------------------------------------------------
 # validation helpers
 # ---------------------------------------------------------------------------------------------
-# the checks (_int, _kernel_size) are the design objects', kvcert.fast.design's
+# the checks (check_int, check_kernel_size) are the design objects', kvcert.fast._checks'
 def _held_design(press):
     """The design object ``press`` holds: ``press._make_design()`` of its fields ``press._design_fields``,
     built (and so checked) again when one of them was reassigned. The press's fields take the design's
@@ -49,9 +49,9 @@ def _held_design(press):
 #: scorer hyperparameters with a rule of their own: name -> (default, validator); any other
 #: registered hyperparameter is an int >= 1
 SCORER_PARAMS = {
-    "observation_window": (32, lambda v: _int("observation_window", v, low=1)),
-    "kernel_size": (7, _kernel_size),
-    "seed": (0, lambda v: _int("seed", v)),
+    "observation_window": (32, lambda v: check_int("observation_window", v, low=1)),
+    "kernel_size": (7, check_kernel_size),
+    "seed": (0, lambda v: check_int("seed", v)),
     "pooling": ("replicate", lambda v: _choice("pooling", v, SNAPKV_POOLINGS)),
     "head_pooling": ("group", lambda v: _choice("head_pooling", v, HEAD_POOLINGS)),
 }
@@ -67,7 +67,7 @@ def _validate_params(press) -> None:
     names = set(SCORER_PARAMS).union(*(s.params for s in SCORERS.values()))
     own = {f.name for f in dataclasses.fields(press)}  # fields only: not a kvpress-name property
     for name in sorted(names & own):
-        check = SCORER_PARAMS.get(name, (None, lambda v, n=name: _int(n, v, low=1)))[1]
+        check = SCORER_PARAMS.get(name, (None, lambda v, n=name: check_int(n, v, low=1)))[1]
         setattr(press, name, check(getattr(press, name)))
 
 
@@ -142,10 +142,10 @@ class _PressContext:
 
     def __enter__(self):
         from .. import attention as A
-        from ..cache import _check_full_attention
+        from ..cache import attention_layout
 
         model, config = self.model, self.model.config
-        _check_full_attention(config)
+        attention_layout(config)  # refuses the layer types kvcert cannot run correctly
         self._previous = config._attn_implementation
         decoder = self._decoder()
         params = inspect.signature(decoder.forward).parameters

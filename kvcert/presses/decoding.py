@@ -7,7 +7,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .base import BasePress, Press, _int
+from ..fast._checks import check_int
+from .base import BasePress, Press
 from .block import BlockPoissonPress
 
 
@@ -63,8 +64,8 @@ class DecodingPress(Press):
             raise ValueError("base_press: a sketched PoissonPress (sketch=...) evicts once per layer, at the "
                              "prefill; decode-time events would need the sketches of several events merged, which "
                              "kvcert does not do")
-        self.compression_interval = _int("compression_interval", self.compression_interval, low=1)
-        self.target_size = _int("target_size", self.target_size, low=1, optional=True)
+        self.compression_interval = check_int("compression_interval", self.compression_interval, low=1)
+        self.target_size = check_int("target_size", self.target_size, low=1, optional=True)
         if self.target_size is None:
             self.target_size = self.base_press.target_size
         if self.target_size is None and not self.base_press.compresses:
