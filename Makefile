@@ -18,7 +18,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kvcert-installed
 
-.PHONY: test test-main test-kvpress test-vllm repro repro-kvpress bench install clean
+.PHONY: test test-main test-kvpress test-vllm pinned-venvs repro repro-kvpress bench install clean
 
 # the newest transformers the registry serves (--upgrade: also when .venv holds an older one);
 # from 5.25 it imports Hugging Face's `kernels` package, for which the source tree's
@@ -54,8 +54,13 @@ $(VLLM_STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# the whole suite: the main venv's tests, then each pinned venv's
-test: test-main test-kvpress test-vllm
+# the whole suite: the main venv's tests while the pinned venvs install (mostly downloads and
+# unpacking, so they overlap the CPU-bound tests), then each pinned venv's tests
+test:
+	$(MAKE) --no-print-directory -j2 test-main pinned-venvs
+	$(MAKE) --no-print-directory test-kvpress test-vllm
+
+pinned-venvs: $(KVPRESS_STAMP) $(VLLM_STAMP)
 
 test-main: $(STAMP)
 	TRITON_INTERPRET=1 HYPOTHESIS_PROFILE=ci $(PY) -m pytest
