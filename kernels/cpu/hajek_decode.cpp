@@ -356,6 +356,27 @@ struct PagedKV {
   }
 };
 
+// One row's tile of scores s -> p = e^{s - m} (in place), w = omp p^2, and their sums l = sum p, c = sum w
+// and p2 = sum p^2 (the sketch's kept pass: sum pi p, with pf = pi).
+template <bool SKETCH>
+inline void tile_weights(float* s, float* wr, const float* omp, const float* pf, int64_t cnt, float m, float& l,
+                         float& p2, float& c) {
+  float sl = 0.0f, sp = 0.0f, sc = 0.0f;
+#pragma omp simd reduction(+ : sl, sp, sc)
+  for (int64_t j = 0; j < cnt; ++j) {
+    const float p = exp_nonpos(s[j] - m);
+    const float pw = omp[j] * p * p;
+    s[j] = p;
+    wr[j] = pw;
+    sl += p;
+    sp += (SKETCH ? pf[j] : p) * p;
+    sc += pw;
+  }
+  l += sl;
+  p2 += sp;
+  c += sc;
+}
+
 // One (head, slot range) task: fills the G partial rows `part` and the range's centre `ref`.
 template <typename KV, bool PER_COORD>
 void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
@@ -446,30 +467,8 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
       }
       const float m = P[0];
       float l = 0.0f, p2 = 0.0f, c = 0.0f;
-      if (S.sketch) {
-        const float* pf = w.pf.data();
-#pragma omp simd reduction(+ : l, p2, c)
-        for (int64_t j = 0; j < cnt; ++j) {
-          const float p = exp_nonpos(s[j] - m);
-          const float pw = omp[j] * p * p;
-          s[j] = p;
-          wr[j] = pw;
-          l += p;
-          p2 += pf[j] * p;
-          c += pw;
-        }
-      } else {
-#pragma omp simd reduction(+ : l, p2, c)
-        for (int64_t j = 0; j < cnt; ++j) {
-          const float p = exp_nonpos(s[j] - m);
-          const float pw = omp[j] * p * p;
-          s[j] = p;
-          wr[j] = pw;
-          l += p;
-          p2 += p * p;
-          c += pw;
-        }
-      }
+      if (S.sketch) tile_weights<true>(s, wr, omp, w.pf.data(), cnt, m, l, p2, c);
+      else tile_weights<false>(s, wr, omp, nullptr, cnt, m, l, p2, c);
       P[1] += l;
       P[2] += c;
       P[4] += p2;
