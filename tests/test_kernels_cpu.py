@@ -528,3 +528,44 @@ def test_dispatch_runs_the_sketch_route_on_the_op_and_the_switch_forces_torch(op
     assert torch.allclose(a.output, t.output, rtol=0, atol=1e-5)
     assert torch.allclose(ra.trace, rt.trace, rtol=1e-4, atol=0)  # the recorded (clipped) V_cl
     assert torch.equal(a.records[0].kept, t.records[0].kept)
+
+
+# ----------------------------------------------------------------------------- the other ISA's register blocking
+_OTHER_ISA = r"""
+import os, sys
+from pathlib import Path
+import kvcert.kernels.cpu as C
+src = Path(sys.argv[1])
+C.SOURCE = src  # the source with its ISA switch flipped: a build of its own (the name hashes the source)
+os.environ["KVCERT_CACHE_DIR"] = sys.argv[2]
+import pytest
+sys.exit(pytest.main(["-q", "-p", "no:randomly", "-p", "no:cacheprovider", sys.argv[3], "-k",
+                      "matches_reference_and_fast or head_dimensions or several_query_rows or sketch_route_matches",
+                      "--rootdir", sys.argv[4]]))
+"""
+
+
+@pytest.mark.slow
+def test_the_other_isa_configuration_passes_the_same_checks(op, tmp_path):
+    """The op's vector width and register blocks follow the ISA (16 floats and 32 registers with AVX-512,
+    8 and 16 otherwise): the configuration this machine does not build is built here with its switch
+    flipped (GCC's vector extensions run either width on any x86-64 CPU) and passes the same correctness
+    checks, so a CI or user machine with the other ISA runs tested code."""
+    import pathlib
+    import subprocess
+    import sys
+
+    src = pathlib.Path(cpu.SOURCE).read_text()
+    native = "#if defined(__AVX512F__)"
+    assert src.count(native) == 1
+    here_avx512 = "avx512f" in cpu._cpu_flags().split()
+    flipped = src.replace(native, "#if 0  // flipped" if here_avx512 else "#if 1  // flipped")
+    (tmp_path / "hajek_decode.cpp").write_text(flipped)
+    root = pathlib.Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-c", _OTHER_ISA, str(tmp_path / "hajek_decode.cpp"), str(tmp_path / "cache"),
+                          str(pathlib.Path(__file__)), str(root)], capture_output=True, text=True, cwd=root,
+                         timeout=1200)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert " passed" in res.stdout and "failed" not in res.stdout
+    assert list((tmp_path / "cache").glob("torch_extensions/*/hajek_decode.o")) or \
+        list((tmp_path / "cache").glob("torch_extensions/*/*.so"))  # the flipped source was built, not the cached op
