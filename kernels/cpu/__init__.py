@@ -283,15 +283,23 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
         raise
 
 
+def _op_kv(q, keys, values):
+    """The checks of the op's inputs that the contract does not make (CPU tensors, K and V both float32 or
+    both bfloat16); K and V with a unit last stride (a copy only where it is not)."""
+    if q.device.type != "cpu" or keys.device.type != "cpu" or values.device.type != "cpu":
+        raise ValueError(f"kvcert.kernels.cpu needs CPU tensors, got q on {q.device}, keys on {keys.device}")
+    if keys.dtype not in SUPPORTED_DTYPES or values.dtype != keys.dtype:
+        raise TypeError(f"keys and values must both be float32 or both bfloat16, got {keys.dtype} and {values.dtype}")
+    unit = lambda x: x if x.stride(-1) == 1 else x.contiguous()  # noqa: E731
+    return unit(keys), unit(values)
+
+
 def _call(q, keys, values, pi, log_pi, scale, per_coordinate, value_center, splits, validate) -> Estimate:
     """The op's call, with the checks it cannot do (which of pi / log_pi, the GQA grouping, the scale,
     CPU tensors, the dtypes, the options); shapes otherwise checked by the op."""
     if (pi is None) == (log_pi is None):
         raise TypeError("give exactly one of pi and log_pi, each of shape (b, h_kv, n)")
-    if q.device.type != "cpu" or keys.device.type != "cpu" or values.device.type != "cpu":
-        raise ValueError(f"kvcert.kernels.cpu needs CPU tensors, got q on {q.device}, keys on {keys.device}")
-    if keys.dtype not in SUPPORTED_DTYPES or values.dtype != keys.dtype:
-        raise TypeError(f"keys and values must both be float32 or both bfloat16, got {keys.dtype} and {values.dtype}")
+    keys, values = _op_kv(q, keys, values)
     if isinstance(splits, bool) or not isinstance(splits, int) or splits < 0:
         raise ValueError(f"splits must be an int >= 0, got {splits!r}")
     b, h_q, h_kv, d, dv = q.shape[0], q.shape[1], keys.shape[1], q.shape[-1], values.shape[-1]
@@ -301,10 +309,6 @@ def _call(q, keys, values, pi, log_pi, scale, per_coordinate, value_center, spli
     lp = log_pi if pi is None else pi.log()
     if lp.dtype != torch.float32:
         lp = lp.to(torch.float32)
-    if keys.stride(-1) != 1:
-        keys = keys.contiguous()
-    if values.stride(-1) != 1:
-        values = values.contiguous()
     if value_center is not None and (not isinstance(value_center, torch.Tensor)
                                      or tuple(value_center.shape) != (b, h_kv, dv)):
         raise ValueError(f"value_center must be a tensor of shape (b, h_kv, dv) = ({b}, {h_kv}, {dv}), "
@@ -334,8 +338,7 @@ def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
 
     .. math::
 
-        T' = \sum_{i\in S} \pi_i (1-\pi_i)\, a_i^2\, \lVert v_i - \hat o
-Vert^2
+        T' = \sum_{i\in S} \pi_i (1-\pi_i)\, a_i^2\, \lVert v_i - \hat o\rVert^2
 
     in the centred form around ``value_center`` (the trace's pass with the weight
     :math:`\pi_i(1-\pi_i)` for :math:`1-\pi_i` and :math:`\sum \pi_i p_i` in the place of
@@ -357,15 +360,7 @@ Vert^2
 def _sketch_pass(L, C, mu, r2):
     """The centred kept pass of ``kvcert.fast.sketch.cluster_step`` (``centred=True``) by the op:
     ``(o (B, G, dv), T' (B, 1, G), kappa (B, G), lse (B, G))`` in the layout's compute dtype."""
-    if L.q.device.type != "cpu" or L.keys.device.type != "cpu" or L.values.device.type != "cpu":
-        raise ValueError(f"kvcert.kernels.cpu needs CPU tensors, got q on {L.q.device}, keys on {L.keys.device}")
-    keys, values = L.keys, L.values
-    if keys.dtype not in SUPPORTED_DTYPES or values.dtype != keys.dtype:
-        raise TypeError(f"keys and values must both be float32 or both bfloat16, got {keys.dtype} and {values.dtype}")
-    if keys.stride(-1) != 1:
-        keys = keys.contiguous()
-    if values.stride(-1) != 1:
-        values = values.contiguous()
+    keys, values = _op_kv(L.q, L.keys, L.values)
     lp = C.p if C.p_name == "log_pi" else C.p.log()
     ops = _state["ops"] if _state["ops"] is not None else load()
     out, lse, kappa, tprime = ops.hajek_decode_sketch(

@@ -17,10 +17,11 @@
 // from memory once, and the centring keeps the fp32 expansion well conditioned.
 //
 // Threads: at::parallel_for over (head, range) tasks, then over rows for the merge, so the op runs
-// on torch's intra-op pool (at::get_num_threads()). Vector code: register-blocked micro-kernels on
-// vector types as wide as the machine's registers for head dimensions 64 and 128 (scores: a few query rows against each key
-// row; values: [p; w] times the tile's value rows, the accumulators in registers), `#pragma omp simd`
-// loops otherwise (-fopenmp-simd, no OpenMP runtime of its own), -march=native.
+// on torch's intra-op pool (at::get_num_threads(); built with -fopenmp, which at::parallel_for needs to
+// run in parallel at all, sharing torch's libgomp). Vector code: register-blocked micro-kernels on
+// vector types as wide as the machine's registers for head dimensions 64 and 128 (scores: a few query
+// rows against each key row; values: [p; w] times the tile's value rows, the accumulators in
+// registers), `#pragma omp simd` loops otherwise, -march=native.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -356,25 +357,26 @@ struct PagedKV {
   }
 };
 
-// One row's tile of scores s -> p = e^{s - m} (in place), w = omp p^2, and their sums l = sum p, c = sum w
-// and p2 = sum p^2 (the sketch's kept pass: sum pi p, with pf = pi).
+// One row's tile of scores s -> p = e^{s - m} (in place, m = P[0]) and w = omp p^2, their sums added to the row's
+// partial P: l = sum p (P[1]), C = sum w (P[2]) and P2 = sum p^2 (P[4]; the sketch's kept pass: sum pi p,
+// with pf = pi).
 template <bool SKETCH>
-inline void tile_weights(float* s, float* wr, const float* omp, const float* pf, int64_t cnt, float m, float& l,
-                         float& p2, float& c) {
-  float sl = 0.0f, sp = 0.0f, sc = 0.0f;
-#pragma omp simd reduction(+ : sl, sp, sc)
+inline void tile_weights(float* s, float* wr, const float* omp, const float* pf, int64_t cnt, float* P) {
+  const float m = P[0];  // the row's running max
+  float l = 0.0f, p2 = 0.0f, c = 0.0f;
+#pragma omp simd reduction(+ : l, p2, c)
   for (int64_t j = 0; j < cnt; ++j) {
     const float p = exp_nonpos(s[j] - m);
     const float pw = omp[j] * p * p;
     s[j] = p;
     wr[j] = pw;
-    sl += p;
-    sp += (SKETCH ? pf[j] : p) * p;
-    sc += pw;
+    l += p;
+    p2 += (SKETCH ? pf[j] : p) * p;
+    c += pw;
   }
-  l += sl;
-  p2 += sp;
-  c += sc;
+  P[1] += l;
+  P[2] += c;
+  P[4] += p2;
 }
 
 // One (head, slot range) task: fills the G partial rows `part` and the range's centre `ref`.
@@ -465,13 +467,8 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
         for (int64_t x = 0; x < m; ++x) rest[x] *= f2;
         P[0] = mt;
       }
-      const float m = P[0];
-      float l = 0.0f, p2 = 0.0f, c = 0.0f;
-      if (S.sketch) tile_weights<true>(s, wr, omp, w.pf.data(), cnt, m, l, p2, c);
-      else tile_weights<false>(s, wr, omp, nullptr, cnt, m, l, p2, c);
-      P[1] += l;
-      P[2] += c;
-      P[4] += p2;
+      if (S.sketch) tile_weights<true>(s, wr, omp, w.pf.data(), cnt, P);
+      else tile_weights<false>(s, wr, omp, nullptr, cnt, P);
     }
     float* r2 = w.r2.data();  // ||v_j - mu||^2, shared by the rows
     if (dv == 64) sqdist_fixed<64>(t, ref, r2);
