@@ -84,7 +84,8 @@ import kvcert  # noqa: E402
 from kvcert.generation import encode_prompts  # noqa: E402
 
 QUESTION = "\n\nWhat is the assert statement for?"
-# issue 31's lines for the decode (issue 15's were 1.1 against the baseline); the prefill and generate lines are issue 15's
+# issue 31's lines for the decode (issue 15's were 1.1 against the baseline); the prefill and generate
+# lines are issue 15's
 GOALS = {"certified_vs_baseline": 1.05, "certified_vs_truncated": 1.05, "certified_vs_bare": 1.0,
          "paper_vs_baseline": 1.05, "paper_vs_bare": 1.0,
          "generate_vs_bare": 1.03, "prefill_press_vs_bare": 1.05}

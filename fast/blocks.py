@@ -562,10 +562,11 @@ class BlockDesign:
         if not isinstance(self.reduce, str) or self.reduce not in REDUCTIONS:
             raise ValueError(f"reduce must be one of {BLOCK_REDUCTIONS}, got {self.reduce!r}")
         _set(self, compression_ratio=check_real("compression_ratio", self.compression_ratio, 0.0, 1.0, hi_open=True),
-             block_size=check_int("block_size", self.block_size, low=1, optional=True), seed=check_int("seed", self.seed),
-             sink_blocks=check_int("sink_blocks", self.sink_blocks),
+             block_size=check_int("block_size", self.block_size, low=1, optional=True),
+             seed=check_int("seed", self.seed), sink_blocks=check_int("sink_blocks", self.sink_blocks),
              recent_blocks=check_int("recent_blocks", self.recent_blocks, low=1),
-             top_blocks=check_int("top_blocks", self.top_blocks), floor=check_real("floor", self.floor, 0.0, 1.0, lo_open=True),
+             top_blocks=check_int("top_blocks", self.top_blocks),
+             floor=check_real("floor", self.floor, 0.0, 1.0, lo_open=True),
              observation_window=check_int("observation_window", self.observation_window, low=1),
              scorer=_registered_scorer(self.scorer), kernel_size=check_kernel_size(self.kernel_size),
              delta=check_real("delta", self.delta, 0.0, 1.0, lo_open=True, hi_open=True),

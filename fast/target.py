@@ -53,6 +53,9 @@ __all__ = ["TARGET_KINDS", "TargetBudget", "target_budget", "window_variance_ter
 
 #: the certificate kinds a target can be stated in: those whose radius is a function of the variance trace
 #: alone (``CertificateKind.needs == ()``)
+TARGET_KINDS = tuple(name for name, spec in CERTIFICATE_KINDS.items() if not spec.needs and not spec.per_coordinate)
+
+
 def check_target_error(name: str, value) -> float:
     """An error target eps as a float: a finite int or float > 0 (bool refused), else ``ValueError`` naming
     ``name``. The one check of a target a user states (``TokenDesign``, ``Certificates.exceeds``,
@@ -60,9 +63,6 @@ def check_target_error(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 < float(value) < math.inf):
         raise ValueError(f"{name} must be a finite float > 0 (a relative radius), got {value!r}")
     return float(value)
-
-
-TARGET_KINDS = tuple(name for name, spec in CERTIFICATE_KINDS.items() if not spec.needs and not spec.per_coordinate)
 
 
 class TargetBudget(NamedTuple):

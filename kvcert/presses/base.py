@@ -29,7 +29,7 @@ from ..fast.scorers import HEAD_POOLINGS, SNAPKV_POOLINGS, queries_needed, queri
 # ---------------------------------------------------------------------------------------------
 # validation helpers
 # ---------------------------------------------------------------------------------------------
-# the checks (check_int, check_kernel_size) are the design objects', kvcert.fast._checks'
+# the argument checks (check_int, check_kernel_size) are kvcert.fast._checks', shared with the design objects
 def _held_design(press):
     """The design object ``press`` holds: ``press._make_design()`` of its fields ``press._design_fields``,
     built (and so checked) again when one of them was reassigned. The press's fields take the design's

@@ -229,8 +229,6 @@ def certificates(output) -> np.ndarray | None:
     return np.asarray(rep["certificates"], dtype=np.float64)
 
 
-
-
 def _with_args(params, extra: dict, drop: tuple = ()):
     """A copy of ``params`` (a ``SamplingParams``) whose ``extra_args`` add ``extra`` and lose ``drop``."""
     out = params.clone()
