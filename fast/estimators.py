@@ -294,8 +294,9 @@ def _tiled_moments(L: _Layout, ac, sc, v, lp, omp, empty, mu_all, r2_all, per_co
     want_dist = want_max or want_tail
     cov = torch.zeros(L.B, G, dv, dv, dtype=dt, device=dev) if want_cov else None
     pf = torch.exp(lp) if want_max else None
-    any_empty = bool(empty.any()) and mu_all is None
-    live = (~empty).to(dt).unsqueeze(-1) if any_empty else None
+    # the centre of a group is the mean output of its non-empty query rows, written as a weighted mean
+    # so that no host read decides whether any row is empty (with none empty it is the plain mean)
+    live = (~empty).to(dt).unsqueeze(-1) if mu_all is None else None
     hc, nc = _tiles(L.n, dv, dt, dev, chunk_bytes)
     buf = _WS.get("tile", min(hc, L.B) * min(nc, L.n) * dv, dt, dev)
     for h0 in range(0, L.B, hc):
@@ -304,11 +305,8 @@ def _tiled_moments(L: _Layout, ac, sc, v, lp, omp, empty, mu_all, r2_all, per_co
         och = torch.bmm(ac[h0:h1], vh, out=oc[h0:h1])
         oh = och[:, :G]
         if mu_all is None:  # the mean output of the group's non-empty query rows
-            if any_empty:
-                lv = live[h0:h1]
-                mu[h0:h1] = (oh * lv).sum(1, keepdim=True) / lv.sum(1, keepdim=True).clamp(min=1.0)
-            else:
-                torch.mean(oh, dim=1, keepdim=True, out=mu[h0:h1])
+            lv = live[h0:h1]
+            torch.div((oh * lv).sum(1, keepdim=True), lv.sum(1, keepdim=True).clamp_(min=1.0), out=mu[h0:h1])
         muh = mu[h0:h1]
         need_tile = per_coordinate or want_dist or want_cov or r2_all is None
         if not need_tile:
@@ -664,19 +662,19 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
         L, ac, sc, v, lp, omp, empty, mu_all, r2_all, per_coordinate, return_max_term, return_covariance,
         chunk_bytes, want_tail=bool(return_tail_moment))
     n_eff = torch.linalg.vector_norm(a, dim=-1).square_().reciprocal_()  # 1 / sum a^2
-    if bool(empty.any()):
-        e = empty
-        o = o.masked_fill(e[..., None], 0.0)
-        trace = trace.masked_fill(e, float("inf"))
-        n_eff = n_eff.masked_fill(e, 0.0)
-        if variance is not None:
-            variance = variance.masked_fill(e[..., None], float("inf"))
-        if max_term is not None:
-            max_term = max_term.masked_fill(e, float("inf"))
-        if covariance is not None:
-            covariance = covariance.masked_fill(e[..., None, None], float("inf"))
-        if tail is not None:
-            tail = tail.masked_fill(e, float("inf"))
+    # rows that see no token: output 0, the statistics +inf, n_eff 0 (filled unconditionally: no host read)
+    e = empty
+    o = o.masked_fill(e[..., None], 0.0)
+    trace = trace.masked_fill(e, float("inf"))
+    n_eff = n_eff.masked_fill(e, 0.0)
+    if variance is not None:
+        variance = variance.masked_fill(e[..., None], float("inf"))
+    if max_term is not None:
+        max_term = max_term.masked_fill(e, float("inf"))
+    if covariance is not None:
+        covariance = covariance.masked_fill(e[..., None, None], float("inf"))
+    if tail is not None:
+        tail = tail.masked_fill(e, float("inf"))
     # NaN anywhere in q, keys, values or bias reaches o (through the scores or the values)
     if validate and bool(torch.isnan(o).any()):
         raise ValueError("hajek_attention produced NaN: q, keys, values (and bias) must be finite")
