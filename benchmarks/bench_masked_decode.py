@@ -10,7 +10,7 @@ read, as in a forward pass):
 - ``stock``: ``ops.cpu_attention_with_kv_cache`` (the C++ kernel of vLLM's
   CPU backend) over every block of each sequence;
 - ``kvcert``: ``CertifiedCPUAttentionImpl.forward`` inside a plugin step
-  (:class:`kvcert.vllm.worker.Step`): the row plan, ``masked_decode`` over
+  (:class:`kvcert.vllm.worker.Step`): the row plan, ``block_decode`` over
   the kept blocks (about half: every prompt block but the first is evicted
   with probability 0.5, as at compression 0.5) and the certificate.
 

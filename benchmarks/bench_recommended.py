@@ -27,7 +27,7 @@ Cells (each at torch.set_num_threads(1) and (2)):
      per_coordinate=False, value_center=mu, value_sqdist=r2, validate=False, backend="fast")``: on CPU
      the compiled op (``kvcert.kernels.cpu``; the script checks ``kvcert.dispatch.last_route()``);
    - ``paper_torch``: the same call with ``KVCERT_CPU_OP=0`` (set outside the timer): ``kvcert.fast``;
-   - ``rec``: the recommended decode, ``kvcert.fast.cluster_hajek_attention(q, K, V, None, sketch,
+   - ``rec``: the recommended decode, ``kvcert.fast.sketch_hajek_attention(q, K, V, None, sketch,
      log_pi=..., value_center=mu, value_sqdist=r2, validate=False, trace=False)`` and
      ``kvcert.fast.recorded_trace`` (V_cl clipped at (H / 3)^2: the radius min(3 sqrt(V_cl), H) that
      ``kvcert.dispatch.decode``'s sketch route records);
@@ -48,8 +48,8 @@ Cells (each at torch.set_num_threads(1) and (2)):
 
 3. ``--vllm`` (in ``.venv-vllm``): the vLLM backend's decode routes on a paged ``vec`` cache
    (16-token blocks, shuffled block ids) holding n (default 1024, 2048, 4096) compacted tokens:
-   ``kvcert.vllm.backend.compacted_decode`` (paged compiled op, kind chebyshev) vs
-   ``sketched_decode`` (gather + ``cluster_hajek_attention``, kind tilted_hull).
+   ``kvcert.vllm.backend.token_decode`` (paged compiled op, kind chebyshev) vs
+   ``sketch_decode`` (gather + ``sketch_hajek_attention``, kind tilted_hull).
 
 Every cell is paired and interleaved: each round times every variant of the cell over ``--reps``
 calls, in an order rotated every round (A, B, A, B ... then B, A ...), after a warm-up; per variant
@@ -197,7 +197,7 @@ def decode_variants(c: dict) -> dict:
         return D.hajek_attention(q, K, V, **kw)
 
     def rec():
-        ce = F.cluster_hajek_attention(q, K, V, None, sk, log_pi=lp, value_center=mu, value_sqdist=r2, delta=DELTA,
+        ce = F.sketch_hajek_attention(q, K, V, None, sk, log_pi=lp, value_center=mu, value_sqdist=r2, delta=DELTA,
                                        validate=False, trace=False)
         return F.recorded_trace(ce, "tilted_hull")  # V_cl clipped at (H / 3)^2: radius min(3 sqrt(V_cl), H)
 
@@ -221,7 +221,7 @@ def check_decode(c: dict, fns: dict) -> str | None:
     with cpu_op(False):
         b = fns["paper_torch"][0]()
         assert D.last_route() == "torch", f"paper_torch ran {D.last_route()!r}"
-    ce = F.cluster_hajek_attention(c["q"], c["K"], c["V"], None, c["sketch"], log_pi=c["log_pi"], trace=False)
+    ce = F.sketch_hajek_attention(c["q"], c["K"], c["V"], None, c["sketch"], log_pi=c["log_pi"], trace=False)
     for name, x in (("paper_torch", b.output), ("rec", ce.output)):
         err = float((x - a.output).abs().max())
         assert err < 1e-4, f"{name} output differs from paper_op by {err}"
@@ -360,8 +360,8 @@ def run_vllm(sizes, threads, rounds, reps, warmup) -> list[dict]:
     for n in sizes:
         c = vllm_inputs(n)
         args = (c["q"], c["cache"], c["ids"], c["lp"])
-        fns = {"compacted": (lambda: VB.compacted_decode(*args, SCALE, "chebyshev", DELTA), True),
-               "sketched": (lambda: VB.sketched_decode(*args, c["sketch"], SCALE, "tilted_hull", DELTA), True)}
+        fns = {"compacted": (lambda: VB.token_decode(*args, SCALE, "chebyshev", DELTA), True),
+               "sketched": (lambda: VB.sketch_decode(*args, c["sketch"], SCALE, "tilted_hull", DELTA), True)}
         o1, _ = fns["compacted"][0]()
         assert VB.LAST_ROUTE[0] == "paged_cpu_op", VB.LAST_ROUTE[0]
         o2, _ = fns["sketched"][0]()

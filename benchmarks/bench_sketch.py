@@ -18,7 +18,7 @@ Timed per decode step (``validate=False``, the per-step path of kvcert/attention
 - ``trace``: today's trace certificate: ``kvcert.fast.hajek_attention(q, K, V, log_pi=...,
   per_coordinate=False, value_center=mu, value_sqdist=r2)`` (the one-pass path: output, lse and
   the HT trace from one [a; c] x V matmul) and its Chebyshev radius sqrt(trace / delta);
-- ``cluster``: the cluster design's decode step, ``kvcert.fast.cluster_hajek_attention`` with
+- ``cluster``: the cluster design's decode step, ``kvcert.fast.sketch_hajek_attention`` with
   the same cache and moments: output, lse, trace, V_cl (which reads the sketch: C (2d + 3) + dv + 1
   elements per KV head) and its radius;
 - ``cluster_v``: the same step with ``trace=False`` (output, lse, V_cl and its radius, no HT
@@ -115,15 +115,15 @@ def variants(c: dict) -> dict:
         return est, est.trace.div(DELTA).sqrt_()
 
     def cluster():
-        return F.cluster_hajek_attention(q, K, V, None, sk, log_pi=lp, value_center=mu, value_sqdist=r2,
+        return F.sketch_hajek_attention(q, K, V, None, sk, log_pi=lp, value_center=mu, value_sqdist=r2,
                                          delta=DELTA, validate=False)
 
     def cluster_v():
-        return F.cluster_hajek_attention(q, K, V, None, sk, log_pi=lp, value_center=mu, value_sqdist=r2,
+        return F.sketch_hajek_attention(q, K, V, None, sk, log_pi=lp, value_center=mu, value_sqdist=r2,
                                          delta=DELTA, validate=False, trace=False)
 
     def tilted_v():
-        return F.cluster_hajek_attention(q, K, V, None, c["tilted"], log_pi=lp, value_center=mu, value_sqdist=r2,
+        return F.sketch_hajek_attention(q, K, V, None, c["tilted"], log_pi=lp, value_center=mu, value_sqdist=r2,
                                          delta=DELTA, validate=False, trace=False)
 
     def sdpa():
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     print(table(rows))
     if out is not None:
         result = {
-            "what": "decode cost per step: cluster_hajek_attention (with and without the HT trace; the tilted "
+            "what": "decode cost per step: sketch_hajek_attention (with and without the HT trace; the tilted "
                     "sketch without it) vs hajek_attention trace-only (one pass)",
             "target": f"cluster / trace <= {TARGET} at n >= 4096",
             "shape": {"b": 1, "h_kv": H_KV, "g": G, "d": D, "dv": DV, "dtype": "float32", "clusters": 16},

@@ -129,22 +129,22 @@ def main(argv=None):
         "note": ("timings on the CPU interpreter are wall-clock and meaningless" if device == "cpu" else
                  "do_bench medians with L2 flushed between runs; bytes = K + V + log pi (float32)"),
         "config": cfg,
-        "environment": _environment(torch, triton, device),
+        "environment": environment(torch, triton, device),
         "correctness": [],
         "timings": [],
         "tuning": [],
         "targets": [],
         "skipped": [],
     }
-    _write(report, out_path)
+    write_report(report, out_path)
     if not args.no_correctness:
         run_correctness(report, torch, KN, device, dry, clock)
-        _write(report, out_path)
+        write_report(report, out_path)
     run_timings(report, torch, triton, KN, device, cfg, clock, tune=not args.no_tune, dry=dry,
-                cudagraph=args.cudagraph, write=lambda: _write(report, out_path))
+                cudagraph=args.cudagraph, write=lambda: write_report(report, out_path))
     report["elapsed_s"] = round(clock.elapsed(), 2)
     report["summary"] = _summary(report)
-    _write(report, out_path)
+    write_report(report, out_path)
     print(json.dumps(report["summary"], indent=2))
     print(f"wrote {out_path} in {report['elapsed_s']} s")
     return report
@@ -159,7 +159,7 @@ def _cuda_available():
         return False
 
 
-def _environment(torch, triton, device):
+def environment(torch, triton, device):
     env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
            "platform": platform.platform()}
     if device == "cuda":
@@ -169,7 +169,7 @@ def _environment(torch, triton, device):
     return env
 
 
-def _write(report, path):
+def write_report(report, path):
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(report, indent=2, default=str))
@@ -274,7 +274,7 @@ def run_correctness(report, torch, KN, device, dry, clock):
 
 # ----------------------------------------------------------------------------- timings
 
-def _timer(torch, triton, device, warmup_ms, rep_ms):
+def make_timer(torch, triton, device, warmup_ms, rep_ms):
     quantiles = [0.5, 0.2, 0.8]
     if device == "cuda":
         def bench(fn):
@@ -294,14 +294,14 @@ def _timer(torch, triton, device, warmup_ms, rep_ms):
     return bench
 
 
-def _sdpa_backends(torch, device):
+def sdpa_backends(torch, device):
     from torch.nn.attention import SDPBackend
 
     names = ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"]
     return [(n.lower(), getattr(SDPBackend, n)) for n in names if hasattr(SDPBackend, n)]
 
 
-def _record(bench, fn, nbytes, peak_gbps):
+def record_timing(bench, fn, nbytes, peak_gbps):
     med, q20, q80 = bench(fn)
     gbps = nbytes / (med * 1e-3) / 1e9
     return {"median_ms": med, "q20_ms": q20, "q80_ms": q80, "gbps": gbps, "roofline": gbps / peak_gbps}
@@ -311,12 +311,12 @@ def run_timings(report, torch, triton, KN, device, cfg, clock, *, tune, dry, cud
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
-    bench = _timer(torch, triton, device, cfg["warmup_ms"], cfg["rep_ms"])
+    bench = make_timer(torch, triton, device, cfg["warmup_ms"], cfg["rep_ms"])
     dtype = torch.bfloat16
     h_q, h_kv, d = cfg["h_q"], cfg["h_kv"], cfg["d"]
     g = h_q // h_kv
     peak = cfg["peak_gbps"]
-    backends = _sdpa_backends(torch, device)
+    backends = sdpa_backends(torch, device)
     for n in cfg["kept"]:
         for b in cfg["batch"]:
             if clock.out_of_time():
@@ -345,7 +345,7 @@ def run_timings(report, torch, triton, KN, device, cfg, clock, *, tune, dry, cud
             variants = {"hajek": hajek(True), "hajek_nocert": hajek(False),
                         "hajek_ucb": hajek(True, per_coordinate=False, return_tail_moment=True)}
             for name, fn in variants.items():
-                row["results"][name] = _guarded(lambda fn=fn: _record(bench, fn, nbytes, peak))
+                row["results"][name] = _guarded(lambda fn=fn: record_timing(bench, fn, nbytes, peak))
             for mname, m in (("sdpa_mask", mask), ("sdpa_nomask", None)):
                 for bname, be in backends + [("auto", None)]:
                     if clock.out_of_time() and bname != "auto":
@@ -357,7 +357,7 @@ def run_timings(report, torch, triton, KN, device, cfg, clock, *, tune, dry, cud
                         with sdpa_kernel([be]):
                             return F.scaled_dot_product_attention(q4, k, v, attn_mask=m, enable_gqa=True)
 
-                    row["results"][f"{mname}[{bname}]"] = _guarded(lambda fn=sdpa: _record(bench, fn, nbytes, peak))
+                    row["results"][f"{mname}[{bname}]"] = _guarded(lambda fn=sdpa: record_timing(bench, fn, nbytes, peak))
             if cudagraph and device == "cuda":
                 row["cudagraph"] = _cudagraph_times(torch, triton, row, variants, q4, k, v, mask, nbytes, peak, F,
                                                     sdpa_kernel, dict(backends))
@@ -434,7 +434,7 @@ def _tune(bench, KN, q, k, v, log_pi, nbytes, peak, dflt, dry, clock):
     for kw in runs:
         if clock.out_of_time():
             break
-        r = _guarded(lambda kw=kw: _record(bench, lambda: KN.hajek_attention(
+        r = _guarded(lambda kw=kw: record_timing(bench, lambda: KN.hajek_attention(
             q, k, v, log_pi=log_pi, validate=False, **kw), nbytes, peak))
         res["runs"].append({**kw, **r})
     ok = [r for r in res["runs"] if "median_ms" in r]

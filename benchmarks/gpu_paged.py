@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""GPU benchmark of the paged Hajek decode kernel (kvcert.kernels.paged_hajek_attention).
+"""GPU benchmark of the paged Hajek decode kernel (kvcert.kernels.paged_block_hajek_attention).
 
 Ready, not yet run: written on a machine without a GPU. On one CUDA GPU it writes
 ``<out>/gpu_paged.json`` (``--out`` folder, else ``$OUT``, else ``benchmarks/``) with
@@ -26,7 +26,7 @@ Ready, not yet run: written on a machine without a GPU. On one CUDA GPU it write
      memory), when importable,
    each with GB/s and the HBM roofline fraction, counting the kept K and V
    bytes (+ log pi and block table for the paged kernel).
-   With the compacted token-slot kernel (``paged_hajek_attention_compacted``,
+   With the compacted token-slot kernel (``paged_hajek_attention``,
    skipped with ``--no-compacted``) each timing row also holds, at the same
    total length and compression (prompt = length - ``--tail`` tokens, a
    Poisson sample per KV head compacted to slots 0 .. C_h - 1, the tail
@@ -78,7 +78,7 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=240.0, help="stop starting new work after this many seconds")
     p.add_argument("--no-correctness", action="store_true")
     p.add_argument("--no-compacted", action="store_true",
-                   help="skip the compacted token-slot kernel (paged_hajek_attention_compacted)")
+                   help="skip the compacted token-slot kernel (paged_hajek_attention)")
     p.add_argument("--tail", type=int, default=None, help="decode tail of the compacted case in tokens (default 128)")
     return p.parse_args(argv)
 
@@ -97,7 +97,7 @@ def main(argv=None):
         raise SystemExit("gpu_paged.py needs a CUDA device (none is visible); for a code-path check without "
                          "one run: python benchmarks/gpu_paged.py --dry-run --device cpu")
     import triton
-    from gpu_decode import Clock, _environment, _timer, _write
+    from gpu_decode import Clock, environment, make_timer, write_report
 
     from kvcert import kernels as KN
 
@@ -114,22 +114,22 @@ def main(argv=None):
     out_dir = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "benchmarks")
     out_path = out_dir / ("gpu_paged_dry.json" if dry else "gpu_paged.json")
     clock = Clock(args.budget_s)
-    report = {"benchmark": "kvcert.kernels.paged_hajek_attention decode", "dry_run": dry, "device": args.device,
+    report = {"benchmark": "kvcert.kernels.paged_block_hajek_attention decode", "dry_run": dry, "device": args.device,
               "measured_on_gpu": args.device == "cuda",
               "note": ("timings on the CPU interpreter are wall-clock and meaningless" if args.device == "cpu" else
                        "do_bench medians, L2 flushed; bytes = kept K + V (+ log pi and block table for the "
                        "paged kernel)"),
-              "config": cfg, "environment": _environment(torch, triton, args.device), "correctness": [],
+              "config": cfg, "environment": environment(torch, triton, args.device), "correctness": [],
               "timings": [], "skipped": []}
-    _write(report, out_path)
+    write_report(report, out_path)
     dev = torch.device(args.device)
     if not args.no_correctness:
         run_correctness(report, torch, KN, dev, dry)
-        _write(report, out_path)
+        write_report(report, out_path)
         if not args.no_compacted:
             run_compacted_correctness(report, torch, KN, dev, dry)
-            _write(report, out_path)
-    bench = _timer(torch, triton, args.device, cfg["warmup_ms"], cfg["rep_ms"])
+            write_report(report, out_path)
+    bench = make_timer(torch, triton, args.device, cfg["warmup_ms"], cfg["rep_ms"])
     flash = _vllm_flash()
     report["vllm_flash"] = flash[1]
     for bs in cfg["block_sizes"]:
@@ -146,12 +146,12 @@ def main(argv=None):
                 report["timings"].append(row)
             except Exception as e:  # record and go on (an OOM at the largest size must not lose the rest)
                 report["timings"].append({"block_size": bs, "seq_len": n, "error": f"{type(e).__name__}: {e}"[:800]})
-            _write(report, out_path)
+            write_report(report, out_path)
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     report["summary"] = _summary(report)
     report["elapsed_s"] = round(clock.elapsed(), 2)
-    _write(report, out_path)
+    write_report(report, out_path)
     print(json.dumps(report["summary"], indent=2))
     print(f"wrote {out_path} in {report['elapsed_s']} s")
     return report
@@ -209,7 +209,7 @@ def run_correctness(report, torch, KN, dev, dry):
             for splits in (1, 3):
                 c = make_paged(torch, batch=2, seq_len=bs * 5 + 3, bs=bs, h_kv=2, g=2, d=32 if not dry else 16,
                                dtype=dtype, device=dev, compression=0.5, seed=bs + splits)
-                est = KN.paged_hajek_attention(c["q"], c["key_cache"], c["value_cache"], c["block_table"],
+                est = KN.paged_block_hajek_attention(c["q"], c["key_cache"], c["value_cache"], c["block_table"],
                                                c["seq_lens"], c["log_pi_blocks"], num_splits=splits)
                 row = {"block_size": bs, "dtype": str(dtype).split(".")[-1], "splits": splits}
                 ok = True
@@ -303,13 +303,13 @@ def gather_compacted(torch, c):
 
 
 def _compacted_kernel():
-    from kvcert.kernels.paged import paged_hajek_attention_compacted
+    from kvcert.kernels.paged import paged_hajek_attention
 
-    return paged_hajek_attention_compacted
+    return paged_hajek_attention
 
 
 def run_compacted_correctness(report, torch, KN, dev, dry):
-    """``paged_hajek_attention_compacted`` against kvcert.fast.hajek_attention in float64 over the gathered
+    """``paged_hajek_attention`` against kvcert.fast.hajek_attention in float64 over the gathered
     kept tokens: max errors and ``ok`` = kernel error <= 2 x the float32 torch error + 32 eps x scale."""
     from kvcert import fast
 
@@ -407,8 +407,8 @@ def time_case(torch, KN, dev, cfg, bs, n, bench, flash_fn):
     peak = cfg["peak_gbps"]
     args = (c["q"], c["key_cache"], c["value_cache"], c["block_table"], c["seq_lens"], c["log_pi_blocks"])
     for name, certify in (("paged_hajek", True), ("paged_hajek_nocert", False)):
-        fn = lambda certify=certify: KN.paged_hajek_attention(*args, certify=certify, validate=False,  # noqa: E731
-                                                              max_seq_len=n)
+        fn = lambda certify=certify: KN.paged_block_hajek_attention(  # noqa: E731
+            *args, certify=certify, validate=False, max_seq_len=n)
         row["variants"][name] = _guard(lambda fn=fn: _record_bytes(bench, fn, kv_bytes + meta_bytes, peak))
     q4 = c["q"][:, :, None, :]
     from torch.nn.attention import sdpa_kernel
@@ -438,19 +438,19 @@ def time_case(torch, KN, dev, cfg, bs, n, bench, flash_fn):
 
 
 def _sdpa_backends_safe(torch, dev):
-    from gpu_decode import _sdpa_backends
+    from gpu_decode import sdpa_backends
 
     if dev.type != "cuda":
         from torch.nn.attention import SDPBackend
 
         return [("math", SDPBackend.MATH)]
-    return _sdpa_backends(torch, "cuda")
+    return sdpa_backends(torch, "cuda")
 
 
 def _record_bytes(bench, fn, nbytes, peak):
-    from gpu_decode import _record
+    from gpu_decode import record_timing
 
-    return _record(bench, fn, nbytes, peak)
+    return record_timing(bench, fn, nbytes, peak)
 
 
 def _guard(fn):

@@ -76,7 +76,7 @@ from .sketch import (
     ClusterDesign,
     ClusterEstimate,
     ClusterSketch,
-    cluster_hajek_attention,
+    sketch_hajek_attention,
     cluster_radius,
     cluster_sketch,
     cluster_variance,
@@ -102,8 +102,22 @@ __all__ = [
     "Compaction", "compact_slots", "compact", "evict", "topk_evict",
     "scorers", "SCORERS", "Scorer", "register_scorer", "expected_attention_scores", "h2o_scores", "knorm_scores", "random_scores", "snapkv_scores",
     "streaming_llm_scores", "tova_scores",
-    "CLUSTER_RADII", "RADIUS_RULES", "RadiusRule", "ClusterDesign", "ClusterEstimate", "ClusterSketch", "cluster_hajek_attention", "cluster_radius",
-    "cluster_sketch", "cluster_variance", "kmeans_assign", "recorded_trace", "window_tilt",
+    "CLUSTER_RADII", "RADIUS_RULES", "RadiusRule", "ClusterDesign", "ClusterEstimate", "ClusterSketch",
+    "sketch_hajek_attention", "cluster_radius", "cluster_sketch", "cluster_variance", "kmeans_assign", "recorded_trace", "window_tilt",
     "TARGET_KINDS", "TargetBudget", "predicted_radius", "target_budget", "window_variance_terms",
     "Allocation", "adakv_budgets", "allocate_budgets", "pyramid_budgets", "uniform_budgets",
 ]
+
+#: names of earlier releases (one name per operation, docs/architecture.md "Names"): each still resolves,
+#: with a DeprecationWarning naming its new name
+RENAMED = {"cluster_hajek_attention": "sketch_hajek_attention"}
+
+
+def __getattr__(name):
+    new = RENAMED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import warnings
+
+    warnings.warn(f"kvcert.fast.{name} is renamed kvcert.fast.{new}", DeprecationWarning, stacklevel=2)
+    return globals()[new]

@@ -1,4 +1,5 @@
-"""The block-level (cluster) design, batched (torch): whole blocks of ``block_size`` tokens are sampled.
+"""The block design (cluster sampling with blocks as the units), batched (torch): whole blocks of
+``block_size`` tokens are sampled.
 
 Torch twin of ``kvcert.reference.blocks`` (docs/design.md section 7, derivation in
 docs/theory.md section 7). A paged engine stores K/V in blocks that hold every
@@ -481,7 +482,7 @@ class BlockDecision:
 
 @dataclass(frozen=True)
 class BlockDesign:
-    r"""The block (cluster) design (docs/design.md section 7) as one object: fields and checks, budget, decision.
+    r"""The block design (docs/design.md section 7) as one object: fields and checks, budget, decision.
 
     A paged engine frees whole blocks, and one block table serves every layer:
     the prompt's tokens are grouped into blocks of ``block_size`` positions

@@ -22,7 +22,7 @@ attention (h_q = g * h_kv) and several queries, float32 or float64. Never import
 - :func:`cluster_variance`: :math:`V_{\mathrm{cl}}` for a plug-in output.
 - :func:`cluster_radius`: radius from a variance (``chebyshev``, ``gaussian``,
   ``fixed``).
-- :func:`cluster_hajek_attention`: the decode step: Hajek output, HT trace,
+- :func:`sketch_hajek_attention`: the decode step: Hajek output, HT trace,
   :math:`V_{\mathrm{cl}}` and its radius with one read of K and V (the trace and
   the kept part of :math:`V_{\mathrm{cl}}` are two more rows of the output's
   matmul) and O(C d) more work per query for the sketch.
@@ -63,10 +63,10 @@ __all__ = [
     "ClusterDesign",
     "ClusterEstimate",
     "ClusterSketch",
-    "cluster_hajek_attention",
+    "sketch_hajek_attention",
     "cluster_radius",
     "cluster_sketch",
-    "cluster_step",
+    "sketch_step",
     "cluster_variance",
     "kmeans_assign",
     "window_tilt",
@@ -170,7 +170,7 @@ class ClusterDesign:
 
     def elements(self, d: int, dv: int) -> int:
         """Elements held by the sketch of one head: C (2d + 3) + dv + 1, tilted C (4d + 4) + d + dv + 1
-        (the + 1: ``reach``, for the hull bound of :func:`cluster_hajek_attention`)."""
+        (the + 1: ``reach``, for the hull bound of :func:`sketch_hajek_attention`)."""
         if self.tilt:
             return self.clusters * (4 * d + TILTED_SCALARS) + d + dv + HEAD_SCALARS
         return self.clusters * (2 * d + CLUSTER_SCALARS) + dv + HEAD_SCALARS
@@ -213,7 +213,7 @@ class ClusterSketch:
     zmean, zvar : (b, h_kv, C, d) or None, a tilted design's moments for Z~ (weights e^{tau q0.k})
     shift : (b, h_kv, C) or None, a tilted design's h_c = max over U_c of tau q0.k_i
     reach : (b, h_kv) or None, max over the evicted tokens of ||v_i - mu|| (0 where none is evicted), the
-        sketch's part of the hull bound (:func:`cluster_hajek_attention`); None: no hull bound
+        sketch's part of the hull bound (:func:`sketch_hajek_attention`); None: no hull bound
 
     A tilted sketch's ``mean`` / ``var`` are the moments under w e^{2 tau q0.k}, and ``weight``,
     ``wnorm``, ``count`` hold S_c e^{-2 h_c}, Y_c e^{-2 h_c}, N_c e^{-h_c} (:func:`cluster_sketch`).
@@ -293,7 +293,7 @@ class ClusterSketch:
 
 @dataclass
 class ClusterEstimate:
-    r"""Result of :func:`cluster_hajek_attention`.
+    r"""Result of :func:`sketch_hajek_attention`.
 
     Attributes
     ----------
@@ -675,7 +675,7 @@ def recorded_trace(ce: "ClusterEstimate", kind: str) -> torch.Tensor:
     with :math:`H` the hull bound (``ce.bound``; no clip without one) and :math:`c` the kind's radius per
     unit square-root trace at ``ce.delta`` (:math:`1/\sqrt\delta` for ``chebyshev``, 3 for ``tilted_hull``):
     the kind's radius of the recorded trace is the sketched design's radius. One definition for the Hugging
-    Face decode (``kvcert.dispatch.decode``) and the vLLM plugin (``kvcert.vllm.backend.sketched_decode``).
+    Face decode (``kvcert.dispatch.decode``) and the vLLM plugin (``kvcert.vllm.backend.sketch_decode``).
     """
     if ce.bound is None:
         return ce.variance
@@ -967,7 +967,7 @@ def cluster_variance(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return L.unrows(variance[..., None]).squeeze(-1)
 
 
-def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor | None,
+def sketch_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor | None,
                             sketch: ClusterSketch, *, scale: float | None = None, delta: float = 0.05,
                             rule: str | None = None, multiplier: float | None = None,
                             log_pi: torch.Tensor | None = None, value_center: torch.Tensor | None = None,
@@ -1047,7 +1047,7 @@ def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     Examples
     --------
     >>> import torch
-    >>> from kvcert.fast import ClusterDesign, cluster_hajek_attention, cluster_sketch, hajek_attention
+    >>> from kvcert.fast import ClusterDesign, sketch_hajek_attention, cluster_sketch, hajek_attention
     >>> g = torch.Generator().manual_seed(0)
     >>> k, v = torch.randn(1, 2, 40, 8, generator=g), torch.randn(1, 2, 40, 4, generator=g)
     >>> pi = torch.full((1, 2, 40), 0.5)
@@ -1055,23 +1055,23 @@ def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     >>> keep = keep.expand(1, 2, 40)
     >>> sketch = cluster_sketch(k, v, pi, keep, ClusterDesign(clusters=4))
     >>> q = torch.randn(1, 6, 8, generator=g)                  # GQA: 3 query heads per KV head
-    >>> ce = cluster_hajek_attention(q, k[:, :, :20], v[:, :, :20], pi[:, :, :20], sketch)
+    >>> ce = sketch_hajek_attention(q, k[:, :, :20], v[:, :, :20], pi[:, :, :20], sketch)
     >>> ce.variance.shape, ce.radius.shape, int(sketch.count.sum())
     (torch.Size([1, 6]), torch.Size([1, 6]), 40)
     >>> est = hajek_attention(q, k[:, :, :20], v[:, :, :20], pi[:, :, :20], per_coordinate=False)
     >>> bool(torch.allclose(ce.output, est.output, atol=1e-6))
     True
     """
-    return cluster_step(q, keys, values, pi, sketch, scale=scale, delta=delta, rule=rule, multiplier=multiplier,
+    return sketch_step(q, keys, values, pi, sketch, scale=scale, delta=delta, rule=rule, multiplier=multiplier,
                         log_pi=log_pi, value_center=value_center, value_sqdist=value_sqdist, validate=validate,
                         kept_pass=functools.partial(_kept_pass, trace=trace), with_trace=trace)
 
 
-def cluster_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier, log_pi, value_center,
+def sketch_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier, log_pi, value_center,
                  value_sqdist, validate, kept_pass, with_trace: bool = True, centred: bool = False) -> ClusterEstimate:
-    """:func:`cluster_hajek_attention` with its one pass over K and V given: ``kept_pass(L, lp, omp, pf, mu, r2)``
+    """:func:`sketch_hajek_attention` with its one pass over K and V given: ``kept_pass(L, lp, omp, pf, mu, r2)``
     -> ``(o, cv, t, sc, kappa, lse)`` as :func:`_kept_pass` (this module's torch pass, or the Triton kernel of
-    ``kvcert.kernels.cluster_hajek_attention``), with the c rows of the HT trace iff ``with_trace``; or, with
+    ``kvcert.kernels.sketch_hajek_attention``), with the c rows of the HT trace iff ``with_trace``; or, with
     ``centred=True``, ``kept_pass(L, C, mu, r2)`` -> ``(o, both, kappa, lse)``, the kept sums already centred
     (``both`` (B, K, G) as :func:`_centred`; the compiled CPU op's pass, which reads log pi itself). The checks, the
     value moments and the O(C d) epilogue are shared."""
@@ -1114,7 +1114,7 @@ def cluster_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier,
     stats = torch.cat((both[:, :-1], variance.unsqueeze(1)), dim=1).masked_fill_(empty, float("inf"))
     trace, variance = (stats[:, 0] if stats.shape[1] == 2 else None), stats[:, -1]
     if validate and bool(torch.isnan(o).any()):
-        raise ValueError("cluster_hajek_attention produced NaN: q, keys, values must be finite")
+        raise ValueError("sketch_hajek_attention produced NaN: q, keys, values must be finite")
     unrow = lambda x: L.unrows(x[..., None]).squeeze(-1)  # noqa: E731
     est = Estimate(output=_cast(L.unrows(o.contiguous()), values.dtype), weights=None, variance=None,
                    trace=None if trace is None else unrow(trace), lse=unrow(lse))

@@ -3,10 +3,11 @@
 :func:`hajek_attention` is the fused decode kernel: one pass over the
 compressed K/V cache returns the Hajek output, the log-normalizer, the
 per-coordinate survey variance, its trace and the effective sample size.
-:func:`paged_hajek_attention` is its paged twin for the block design: it
-reads a vLLM-style paged cache through the block table, skips evicted blocks
-and returns the cluster-sampling variance in the same pass.
-:func:`cluster_hajek_attention` is the cluster (sketch) design's decode step
+:func:`paged_hajek_attention` is its paged twin for the token design (the
+compacted slots of a vLLM-style paged cache, read through the block table);
+:func:`paged_block_hajek_attention` is the block design's: it skips evicted
+blocks and returns the cluster-sampling variance in the same pass.
+:func:`sketch_hajek_attention` is the sketched design's decode step
 with its one pass over the kept K/V in a kernel (kvcert.fast's twin).
 Triton is imported on first use of a kernel name (so ``kvcert.kernels.cpu`` works
 without Triton); on a machine without a GPU set ``TRITON_INTERPRET=1`` before
@@ -104,12 +105,23 @@ else:
     _TRITON_NAMES = {
         "INTERPRETED": ".hajek", "SUPPORTED_DTYPES": ".hajek", "default_config": ".hajek",
         "default_moments": ".hajek", "hajek_attention": ".hajek",
-        "kv_cache_views": ".paged", "paged_hajek_attention": ".paged", "paged_hajek_attention_compacted": ".paged",
-        "cluster_hajek_attention": ".sketch",
+        "kv_cache_views": ".paged", "paged_block_hajek_attention": ".paged", "paged_hajek_attention": ".paged",
+        "sketch_hajek_attention": ".sketch",
     }
     __all__ = sorted(_TRITON_NAMES)
+    #: names of earlier releases (docs/architecture.md "Names"), resolved with a DeprecationWarning.
+    #: ``paged_hajek_attention`` was the block design's kernel before it became the token design's
+    #: (its old calls, with ``log_pi_blocks`` and no ``prompt_lens``, now fail on the missing argument)
+    RENAMED = {"cluster_hajek_attention": "sketch_hajek_attention",
+               "paged_hajek_attention_compacted": "paged_hajek_attention"}
 
     def __getattr__(name):
+        if name in RENAMED:
+            import warnings
+
+            warnings.warn(f"kvcert.kernels.{name} is renamed kvcert.kernels.{RENAMED[name]}", DeprecationWarning,
+                          stacklevel=2)
+            return __getattr__(RENAMED[name])
         module = _TRITON_NAMES.get(name)
         if module is None:
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,7 +24,7 @@ second moment of the block means S_b / A_b under the weights (1 - pi_b) A_b^2,
 merged block by block (and split by split, by the same merge kernel as
 :mod:`kvcert.kernels.hajek`) with Chan's formula; docs/gpu.md derives it.
 
-:func:`paged_hajek_attention_compacted` serves the token design by compaction
+:func:`paged_hajek_attention` serves the token design by compaction
 (docs/design.md section 7): each KV head's kept prompt tokens in logical slots
 0 .. C_h - 1 with a per-slot log pi, the later tokens certain at their
 positions; its variance is the same state with every token its own unit.
@@ -57,7 +57,7 @@ from .hajek import (
     default_config,
 )
 
-__all__ = ["paged_hajek_attention", "paged_hajek_attention_compacted", "kv_cache_views", "default_block_t"]
+__all__ = ["paged_block_hajek_attention", "paged_hajek_attention", "kv_cache_views", "default_block_t"]
 
 
 @dataclass
@@ -329,7 +329,7 @@ def _check(q, key_cache, value_cache, block_table, seq_lens, log_pi_blocks, scal
     return float(scale)
 
 
-def paged_hajek_attention(q, key_cache, value_cache, block_table, seq_lens, log_pi_blocks, *, scale=None,
+def paged_block_hajek_attention(q, key_cache, value_cache, block_table, seq_lens, log_pi_blocks, *, scale=None,
                           per_coordinate=False, certify=True, num_splits=None, max_seq_len=None, block_t=None,
                           num_warps=None, num_stages=None, validate=True) -> Estimate:
     r"""Hajek decode attention over the kept blocks of a paged cache, and its cluster-sampling variance.
@@ -643,7 +643,7 @@ def _check_compacted(q, key_cache, value_cache, block_table, seq_lens, prompt_le
     return scale
 
 
-def paged_hajek_attention_compacted(q, key_cache, value_cache, block_table, seq_lens, prompt_lens, log_pi_slots, *,
+def paged_hajek_attention(q, key_cache, value_cache, block_table, seq_lens, prompt_lens, log_pi_slots, *,
                                     scale=None, per_coordinate=False, certify=True, num_splits=None,
                                     max_tail_len=None, block_t=None, num_warps=None, num_stages=None,
                                     validate=True) -> Estimate:
@@ -678,7 +678,7 @@ def paged_hajek_attention_compacted(q, key_cache, value_cache, block_table, seq_
     q : (num_seqs, h_q, d), float16, bfloat16 or float32
         One decode query per sequence.
     key_cache, value_cache : (num_blocks, block_size, h_kv, d | dv), q's dtype, any strides
-        As for :func:`paged_hajek_attention` (:func:`kv_cache_views`). h_q = g * h_kv.
+        As for :func:`paged_block_hajek_attention` (:func:`kv_cache_views`). h_q = g * h_kv.
     block_table : (num_seqs, max_blocks) int32 (or int64)
         Physical block ids; only blocks holding a kept slot of some head or a tail token are read.
     seq_lens : (num_seqs,) int32 (or int64)
@@ -712,7 +712,7 @@ def paged_hajek_attention_compacted(q, key_cache, value_cache, block_table, seq_
     Returns
     -------
     kvcert.fast.types.Estimate
-        As :func:`paged_hajek_attention`: ``output`` (num_seqs, h_q, dv) in the input dtype; ``lse``,
+        As :func:`paged_block_hajek_attention`: ``output`` (num_seqs, h_q, dv) in the input dtype; ``lse``,
         ``trace``, ``n_eff`` (num_seqs, h_q) float32 (n_eff = 1 / sum_i a_i^2, every token a unit);
         ``variance`` or None; ``weights``, ``max_term``, ``tail_moment`` None.
 
@@ -722,7 +722,7 @@ def paged_hajek_attention_compacted(q, key_cache, value_cache, block_table, seq_
       certain: exact attention over the kept tokens, trace 0.
     - An empty head (C_h = 0 and no tail): output 0, lse -inf, trace and variance +inf, n_eff 0.
     - The K/V of padding slots are never loaded (masked per slot), so they may hold stale values.
-    - float32 accumulation; half inputs round p for the P V product as in :func:`paged_hajek_attention`.
+    - float32 accumulation; half inputs round p for the P V product as in :func:`paged_block_hajek_attention`.
 
     References
     ----------
@@ -778,7 +778,7 @@ def compile_paged(*, arch: int = 90, dtype: str = "bf16", d: int = 128, dv: int 
                   block_size: int = 16, block_t: int | None = None, num_warps: int = 8, num_stages: int = 2, certify: bool = True,
                   per_coordinate: bool = False, split: bool = True, compacted: bool = False) -> dict:
     """Lower the paged decode kernel (``compacted=True``: the compacted token-slot kernel of
-    :func:`paged_hajek_attention_compacted`) to a ``sm_<arch>`` cubin without a GPU (Triton's bundled ptxas)
+    :func:`paged_hajek_attention`) to a ``sm_<arch>`` cubin without a GPU (Triton's bundled ptxas)
     and return its resource usage (:func:`kvcert.kernels.aot.resource_usage`: registers, spills, shared memory).
 
     Static evidence only, like ``python -m kvcert.kernels.aot`` for the contiguous kernel; run it

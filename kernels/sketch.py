@@ -1,6 +1,6 @@
 r"""The cluster design's decode step in Triton: one pass over the kept K and V.
 
-The kept pass of :func:`kvcert.fast.cluster_hajek_attention` fused into one kernel:
+The kept pass of :func:`kvcert.fast.sketch_hajek_attention` fused into one kernel:
 one program per (batch row, KV head) streams the kept tokens once, with every query
 head of the GQA group as a row, and keeps an online softmax of
 :math:`\ell_i = \tau q\cdot k_i - \log\pi_i` (running max ``m``, normalizer ``l``)
@@ -31,15 +31,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcert.fast.sketch import ClusterEstimate, cluster_step
+from kvcert.fast.sketch import ClusterEstimate, sketch_step
 
 from .hajek import _check_decode_q, _check_dtypes, _neg_expm1, _online_step, _pow2
 
-__all__ = ["cluster_hajek_attention"]
+__all__ = ["sketch_hajek_attention"]
 
 
 @triton.jit
-def _cluster_kept_kernel(
+def _sketch_kept_kernel(
     Q, K, V, LP, R2, O, CV, T, SC, KAP, LSE,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -124,7 +124,7 @@ def _cluster_kept_kernel(
 
 
 def _kernel_pass(block_n: int | None):
-    """The kept pass of ``kvcert.fast.sketch.cluster_step`` run by :func:`_cluster_kept_kernel`."""
+    """The kept pass of ``kvcert.fast.sketch.sketch_step`` run by :func:`_sketch_kept_kernel`."""
 
     def kept_pass(L, lp, omp, pf, mu, r2):
         dev, f32 = L.q.device, torch.float32
@@ -139,7 +139,7 @@ def _kernel_pass(block_n: int | None):
         kappa = torch.empty(B, G, dtype=f32, device=dev)
         lse = torch.empty(B, G, dtype=f32, device=dev)
         bn = block_n or 32
-        _cluster_kept_kernel[(B,)](
+        _sketch_kept_kernel[(B,)](
             q, L.keys, L.values, lp32, r232, o, cv, t, sc, kappa, lse,
             q.stride(0), q.stride(1), q.stride(2),
             *L.keys.stride(), *L.values.stride(),
@@ -152,12 +152,12 @@ def _kernel_pass(block_n: int | None):
     return kept_pass
 
 
-def cluster_hajek_attention(q, keys, values, pi=None, sketch=None, *, scale=None, delta=0.05, rule=None,
+def sketch_hajek_attention(q, keys, values, pi=None, sketch=None, *, scale=None, delta=0.05, rule=None,
                             multiplier=None, log_pi=None, value_center=None, value_sqdist=None, validate=True,
                             block_n=None) -> ClusterEstimate:
     r"""The cluster design's decode step with the kept pass in one Triton kernel.
 
-    Same arguments, conventions and result as :func:`kvcert.fast.cluster_hajek_attention`
+    Same arguments, conventions and result as :func:`kvcert.fast.sketch_hajek_attention`
     (the formulas are there and in the module docstring), for a decode query only; the
     result's float32 fields (float32 accumulation for every input dtype) agree with the
     torch step's within float32 rounding (``tests/test_kernels_sketch.py`` derives the
@@ -167,7 +167,7 @@ def cluster_hajek_attention(q, keys, values, pi=None, sketch=None, *, scale=None
     ----------
     q : (b, h_q, d) or (b, h_q, 1, d), float16, bfloat16 or float32 (the dtype of keys and values)
     keys, values, pi, sketch, scale, delta, rule, multiplier, log_pi, value_center, value_sqdist, validate
-        As :func:`kvcert.fast.cluster_hajek_attention`.
+        As :func:`kvcert.fast.sketch_hajek_attention`.
     block_n : int, optional
         Tokens per tile (a power of two >= 16; default 32).
 
@@ -175,11 +175,11 @@ def cluster_hajek_attention(q, keys, values, pi=None, sketch=None, *, scale=None
     -------
     ClusterEstimate (output in the dtype of ``values``; the statistics float32)
     """
-    _check_decode_q(q, "kvcert.fast.cluster_hajek_attention")
+    _check_decode_q(q, "kvcert.fast.sketch_hajek_attention")
     _check_dtypes(q=q, keys=keys, values=values)
     if block_n is not None and (isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16
                                 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n!r}")
-    return cluster_step(q, keys, values, pi, sketch, scale=scale, delta=delta, rule=rule, multiplier=multiplier,
+    return sketch_step(q, keys, values, pi, sketch, scale=scale, delta=delta, rule=rule, multiplier=multiplier,
                         log_pi=log_pi, value_center=value_center, value_sqdist=value_sqdist, validate=validate,
                         kept_pass=_kernel_pass(block_n))

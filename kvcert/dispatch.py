@@ -15,7 +15,7 @@
   same estimate from one fused C++ pass over K and V, built on first use.
   If that op cannot be built (no compiler, no ninja, a failed build), one
   warning names the cause and kvcert.fast runs. ``KVCERT_CPU_OP=0`` keeps
-  every call on kvcert.fast. :func:`cluster_hajek_attention` makes the same
+  every call on kvcert.fast. :func:`sketch_hajek_attention` makes the same
   choice for the sketched designs' decode step (the op's kept pass, the
   sketch's epilogue in kvcert.fast).
 - ``"reference"``: loops over the (batch, query head[, query]) slices calling
@@ -55,7 +55,7 @@ __all__ = [
     "BackendUnavailableError",
     "DecodeRecord",
     "LayerDecode",
-    "cluster_hajek_attention",
+    "sketch_hajek_attention",
     "cpu_op_available",
     "decode",
     "decode_route",
@@ -502,7 +502,7 @@ def decode(query: torch.Tensor, layer, *, scale: float, options: dict, kind: str
     - ``"block"``: :func:`kvcert.fast.block_hajek_attention`, the cluster-sampling trace
       :math:`\sum_{b\in S} (1-\pi_b) \lVert\sum_{i\in b} a_i (v_i - \hat o)\rVert^2` with block
       b(i) = position_i // ``layer.block_size`` (slots with pi = 1 are units of their own);
-    - ``"sketch"``: :func:`kvcert.fast.cluster_hajek_attention` with the layer's sketch, one query
+    - ``"sketch"``: :func:`kvcert.fast.sketch_hajek_attention` with the layer's sketch, one query
       at a time; the recorded trace is the hybrid variance :math:`V_{\mathrm{cl}}` clipped at
       :math:`(H/c)^2`, with :math:`H` the hull bound and :math:`c` the kind's radius per unit
       square-root trace (:math:`1/\sqrt\delta` for chebyshev), so the radius
@@ -614,26 +614,26 @@ def _decode_block(query, layer, *, scale, options, kind, delta, softcap, backend
     return LayerDecode("block", est.output.transpose(1, 2), (DecodeRecord(est, _seen(layer, qpos)),), backend)
 
 
-def cluster_hajek_attention(q, keys, values, pi=None, sketch=None, *, trace: bool = True, **kw):
-    r"""The cluster (sketched) design's decode step, :func:`kvcert.fast.cluster_hajek_attention`, on the code
+def sketch_hajek_attention(q, keys, values, pi=None, sketch=None, *, trace: bool = True, **kw):
+    r"""The cluster (sketched) design's decode step, :func:`kvcert.fast.sketch_hajek_attention`, on the code
     that runs it here: with ``trace=False`` (the certificate reads :math:`V_{\mathrm{cl}}` only) on CPU tensors
     with K and V in float32 or bfloat16, the compiled op's kept pass
-    (:func:`kvcert.kernels.cpu.cluster_hajek_attention`: the same estimate from one C++ pass over K and V);
+    (:func:`kvcert.kernels.cpu.sketch_hajek_attention`: the same estimate from one C++ pass over K and V);
     else kvcert.fast. ``KVCERT_CPU_OP=0`` keeps kvcert.fast; :func:`last_route` says which ran. Arguments
-    and result as :func:`kvcert.fast.cluster_hajek_attention`."""
+    and result as :func:`kvcert.fast.sketch_hajek_attention`."""
     global _last_route
     if not trace and _cpu_op_fits(q, keys, values, {}):
-        out = _cpu_module["module"].cluster_hajek_attention(q, keys, values, pi, sketch, **kw)
+        out = _cpu_module["module"].sketch_hajek_attention(q, keys, values, pi, sketch, **kw)
         _last_route = "cpu_op"
         return out
-    out = importlib.import_module("kvcert.fast").cluster_hajek_attention(q, keys, values, pi, sketch, trace=trace,
+    out = importlib.import_module("kvcert.fast").sketch_hajek_attention(q, keys, values, pi, sketch, trace=trace,
                                                                           **kw)
     _last_route = "torch"
     return out
 
 
 def _decode_sketch(query, layer, *, scale, options, kind, delta, softcap, backend) -> LayerDecode:
-    """The sketch route of :func:`decode`: :func:`cluster_hajek_attention` (this module's: the compiled CPU
+    """The sketch route of :func:`decode`: :func:`sketch_hajek_attention` (this module's: the compiled CPU
     op's kept pass on CPU), one query at a time (the function has no causal mask: query j reads the slots at
     or before its position)."""
     fast = importlib.import_module("kvcert.fast")
@@ -648,7 +648,7 @@ def _decode_sketch(query, layer, *, scale, options, kind, delta, softcap, backen
         else:  # causal: the slots after query j's position are not there yet
             qpos = layer.positions[:, 0, layer.positions.shape[-1] - q_len + j]
             log_pi = layer.log_weights.masked_fill(layer.positions > qpos[:, None, None], float("-inf"))
-        ce = cluster_hajek_attention(query[:, :, j], layer.keys, layer.values, None, layer.sketch, log_pi=log_pi,
+        ce = sketch_hajek_attention(query[:, :, j], layer.keys, layer.values, None, layer.sketch, log_pi=log_pi,
                                      **kw)
         # V_cl clipped at (H / c)^2: the recorded radius c sqrt(trace) is min(c sqrt(V_cl), H)
         est = replace(ce.estimate, trace=fast.recorded_trace(ce, kind))

@@ -1,4 +1,4 @@
-"""The block-level (cluster) design: blocks of ``block_size`` tokens are the sampling units.
+"""The block design (cluster sampling): blocks of ``block_size`` tokens are the sampling units.
 
 Paged serving engines (vLLM, SGLang, FlashInfer) store K/V in blocks of
 ``block_size`` consecutive tokens that hold every head of a layer, and one

@@ -149,7 +149,7 @@ def test_decode_step_matches_reference_float64(n, d, dv, g, clusters, budget, ru
     design = FS.ClusterDesign(clusters=clusters, iterations=4, radius=rule, multiplier=2.5)
     sk = FS.cluster_sketch(T(k), T(v), T(pi), T(keep, torch.bool), design)
     K, V, P = _compact(k, v, pi, keep)
-    got = FS.cluster_hajek_attention(T(q), T(K), T(V), T(P), sk, delta=0.1)
+    got = FS.sketch_hajek_attention(T(q), T(K), T(V), T(P), sk, delta=0.1)
     ref = _reference_rows(q, k, v, pi, keep, valid, RS.ClusterDesign(clusters=clusters, iterations=4), bound=True)
     # the estimate is hajek_attention's trace-only one (same inputs, cached moments)
     mu, r2 = F.value_moments(T(V), T(P))
@@ -169,7 +169,7 @@ def test_decode_step_matches_reference_float64(n, d, dv, g, clusters, budget, ru
         c_scale = np.sum((1 - pp) * e.weights ** 2 * (np.linalg.norm(vv - mu_k, axis=1) + np.linalg.norm(o - mu_k)) ** 2)
         assert_close(f"trace[{bi}, {hq}]", float(got.estimate.trace[bi, hq]), e.trace, RTOL * e.trace + r64 * c_scale)
         tol = RTOL_V * var + r64 * _centred_scale(q[bi, hq], kk, vv, pp, sk, bi, hi, o)
-        for name, x in (("cluster_hajek_attention", got.variance), ("cluster_variance", var_fn)):
+        for name, x in (("sketch_hajek_attention", got.variance), ("cluster_variance", var_fn)):
             assert_close(f"{name}[{bi}, {hq}]", float(x[bi, hq]), var, tol)
         want_r = RS.radius_from_variance(var, delta=0.1, rule=rule, multiplier=2.5)
         # the hull bound: norms and a max of float64 sums, relative rounding r64; the radius is the smaller
@@ -189,7 +189,7 @@ def test_cluster_variance_several_queries_and_plug_in():
     K, V, P = _compact(k, v, pi, keep)
     got = FS.cluster_variance(T(q), T(K), T(V), T(P), sk, output=T(out))
     assert got.shape == (2, 6, 3)
-    ce = FS.cluster_hajek_attention(T(q), T(K), T(V), T(P), sk, rule="chebyshev")
+    ce = FS.sketch_hajek_attention(T(q), T(K), T(V), T(P), sk, rule="chebyshev")
     assert ce.variance.shape == ce.radius.shape == ce.estimate.lse.shape == (2, 6, 3)
     for key, (_, var) in _reference_rows(q, k, v, pi, keep, valid, RS.ClusterDesign(clusters=7), out=out,
                                          t=3).items():
@@ -207,7 +207,7 @@ def test_all_kept_gives_weight_zero_and_the_exact_kept_part():
         assert torch.isfinite(x).all() and not x.any(), f
     q = np.random.default_rng(1).normal(size=(2, 6, 8))
     K, V, P = _compact(k, v, pi, keep)
-    ce = FS.cluster_hajek_attention(T(q), T(K), T(V), T(P), sk)
+    ce = FS.sketch_hajek_attention(T(q), T(K), T(V), T(P), sk)
     for bi in range(2):
         for hq in range(6):
             hi = hq // 3
@@ -232,7 +232,7 @@ def test_empty_heads():
     sk = FS.cluster_sketch(T(k), T(v), T(pi), T(keep, torch.bool), FS.ClusterDesign(clusters=3))
     K, V, P = _compact(k, v, pi, keep)
     q = np.random.default_rng(0).normal(size=(1, 3, 4))
-    ce = FS.cluster_hajek_attention(T(q), T(K), T(V), T(P), sk)
+    ce = FS.sketch_hajek_attention(T(q), T(K), T(V), T(P), sk)
     for h in (1, 2):
         assert float(ce.estimate.lse[0, h]) == -math.inf and not ce.output[0, h].any()
         assert math.isinf(float(ce.estimate.trace[0, h])) and math.isinf(float(ce.variance[0, h]))
@@ -252,7 +252,7 @@ def test_empty_heads():
 
 @pytest.mark.parametrize("n, g, clusters", FLOAT32_CASES)
 def test_float32_within_derived_tolerance(n, g, clusters):
-    check_float32_step(FS.cluster_hajek_attention, n, g, clusters)
+    check_float32_step(FS.sketch_hajek_attention, n, g, clusters)
 
 
 @pytest.mark.parametrize("n, clusters", [(239, 6), (113, 1), (3, 4)])
@@ -337,23 +337,23 @@ def test_clear_errors():
     with pytest.raises(TypeError, match="design must be None or have the attributes clusters"):
         FS.cluster_sketch(k, v, pi, keep, "cluster")
     with pytest.raises(ValueError, match=r"delta must be in \(0, 1\)"):
-        FS.cluster_hajek_attention(q, K, V, P, sk, delta=1.5)
+        FS.sketch_hajek_attention(q, K, V, P, sk, delta=1.5)
     with pytest.raises(ValueError, match="rule must be one of"):
-        FS.cluster_hajek_attention(q, K, V, P, sk, rule="bernstein")
+        FS.sketch_hajek_attention(q, K, V, P, sk, rule="bernstein")
     with pytest.raises(ValueError, match="multiplier must be a finite number > 0"):
-        FS.cluster_hajek_attention(q, K, V, P, sk, multiplier=-1.0)
+        FS.sketch_hajek_attention(q, K, V, P, sk, multiplier=-1.0)
     with pytest.raises(ValueError, match=r"sketch.mean must have shape \(b, h_kv, C, d\) = \(1, 2, 3, 4\)"):
-        FS.cluster_hajek_attention(q, K, V, P, dataclasses.replace(sk, mean=sk.mean[..., :2]))
+        FS.sketch_hajek_attention(q, K, V, P, dataclasses.replace(sk, mean=sk.mean[..., :2]))
     with pytest.raises(ValueError, match=r"sketch.mu must have shape \(b, h_kv, dv\)"):
         FS.cluster_variance(q, K, V[..., :2], P, sk, output=torch.zeros(1, 4, 2))
     with pytest.raises(TypeError, match="sketch must be a ClusterSketch"):
-        FS.cluster_hajek_attention(q, K, V, P, {"mean": sk.mean})
+        FS.sketch_hajek_attention(q, K, V, P, {"mean": sk.mean})
     with pytest.raises(ValueError, match=r"output must have shape \(b, h_q\[, t\], dv\) = \(1, 4, 3\)"):
         FS.cluster_variance(q, K, V, P, sk, output=torch.zeros(1, 4, 2))
     with pytest.raises(ValueError, match="must be a multiple of"):
-        FS.cluster_hajek_attention(q[:, :3], K, V, P, sk)
+        FS.sketch_hajek_attention(q[:, :3], K, V, P, sk)
     with pytest.raises(TypeError, match="give both value_center= and value_sqdist="):
-        FS.cluster_hajek_attention(q, K, V, P, sk, value_center=torch.zeros(1, 2, 3))
+        FS.sketch_hajek_attention(q, K, V, P, sk, value_center=torch.zeros(1, 2, 3))
     with pytest.raises(ValueError, match=r"variance must not contain NaN"):
         FS.cluster_radius(torch.tensor([1.0, float("nan")]), delta=0.05, rule="gaussian")
     with pytest.raises(ValueError, match=r"delta must be in \(0, 1\)"):
@@ -373,14 +373,14 @@ def test_radius_rules_match_reference():
 def test_log_pi_and_cached_moments_give_the_same_step():
     """log_pi= instead of pi=, and value_center/value_sqdist from value_moments, change nothing."""
     k, v, pi, keep, sk, q, K, V, P = _small()
-    a = FS.cluster_hajek_attention(q, K, V, P, sk)
+    a = FS.sketch_hajek_attention(q, K, V, P, sk)
     mu, r2 = F.value_moments(V, P)
-    b = FS.cluster_hajek_attention(q, K, V, None, sk, log_pi=torch.log(P), value_center=mu, value_sqdist=r2,
+    b = FS.sketch_hajek_attention(q, K, V, None, sk, log_pi=torch.log(P), value_center=mu, value_sqdist=r2,
                                    validate=False)
     for x, y in ((a.output, b.output), (a.variance, b.variance), (a.radius, b.radius), (a.estimate.trace,
                                                                                        b.estimate.trace)):
         assert_close("log_pi path", y.numpy(), x.numpy(), 1e-13 * (np.abs(x.numpy()) + 1))
-    assert F.cluster_hajek_attention is FS.cluster_hajek_attention and F.ClusterSketch is FS.ClusterSketch
+    assert F.sketch_hajek_attention is FS.sketch_hajek_attention and F.ClusterSketch is FS.ClusterSketch
 
 
 @pytest.mark.parametrize("n", [0, 37])
@@ -396,8 +396,8 @@ def test_without_the_trace_the_step_is_the_same_but_for_the_trace(n):
     sk = F.cluster_sketch(k, v, pi, keep, F.ClusterDesign(clusters=5))
     kept = torch.where(keep, pi, torch.zeros_like(pi))[..., :max(n, 1)] if n else pi[..., :0]
     q = torch.randn(2, 6, 8, generator=g, dtype=torch.float64)
-    a = F.cluster_hajek_attention(q, k[..., :kept.shape[-1], :], v[..., :kept.shape[-1], :], kept, sk)
-    b = F.cluster_hajek_attention(q, k[..., :kept.shape[-1], :], v[..., :kept.shape[-1], :], kept, sk, trace=False)
+    a = F.sketch_hajek_attention(q, k[..., :kept.shape[-1], :], v[..., :kept.shape[-1], :], kept, sk)
+    b = F.sketch_hajek_attention(q, k[..., :kept.shape[-1], :], v[..., :kept.shape[-1], :], kept, sk, trace=False)
     assert b.estimate.trace is None and a.estimate.trace is not None
     for x, y in ((a.output, b.output), (a.estimate.lse, b.estimate.lse), (a.variance, b.variance),
                  (a.radius, b.radius)):
@@ -414,28 +414,28 @@ def test_the_cached_decode_form_follows_the_sketch():
     k, v, pi, keep, sk, q, K, V, P = _small()
 
     def fresh(sketch, **kw):  # the same numbers in new tensors: no state kept for them
-        return FS.cluster_hajek_attention(q, K, V, P, sketch.map(torch.clone), **kw)
+        return FS.sketch_hajek_attention(q, K, V, P, sketch.map(torch.clone), **kw)
 
     def same(a, b):
         for x, y in ((a.output, b.output), (a.variance, b.variance), (a.radius, b.radius)):
             assert torch.equal(x, y)
 
-    first = FS.cluster_hajek_attention(q, K, V, P, sk)
-    same(FS.cluster_hajek_attention(q, K, V, P, sk), first)
+    first = FS.sketch_hajek_attention(q, K, V, P, sk)
+    same(FS.sketch_hajek_attention(q, K, V, P, sk), first)
     with torch.no_grad():
         sk.mean.mul_(1.5)           # an in-place change: the cached constants must not be read
         sk.wnorm.add_(1.0)
-    moved = FS.cluster_hajek_attention(q, K, V, P, sk)
+    moved = FS.sketch_hajek_attention(q, K, V, P, sk)
     same(moved, fresh(sk))
     assert not torch.equal(moved.variance, first.variance)
-    same(FS.cluster_hajek_attention(q, K, V, P, sk, scale=0.3), fresh(sk, scale=0.3))
+    same(FS.sketch_hajek_attention(q, K, V, P, sk, scale=0.3), fresh(sk, scale=0.3))
     q32, K32, V32, P32 = q.float(), K.float(), V.float(), P.float()
-    a = FS.cluster_hajek_attention(q32, K32, V32, P32, sk)   # float32 inputs read the float64 sketch as float32
+    a = FS.sketch_hajek_attention(q32, K32, V32, P32, sk)   # float32 inputs read the float64 sketch as float32
     assert a.variance.dtype == torch.float32
-    same(a, FS.cluster_hajek_attention(q32, K32, V32, P32, sk.map(torch.clone)))
+    same(a, FS.sketch_hajek_attention(q32, K32, V32, P32, sk.map(torch.clone)))
     rebuilt = dataclasses.replace(sk)
-    same(FS.cluster_hajek_attention(q, K, V, P, rebuilt), moved)
+    same(FS.sketch_hajek_attention(q, K, V, P, rebuilt), moved)
     # the constants follow the heads too: the same sketch read for a batch of other heads is refused, after
     # a step that built them for these heads
     with pytest.raises(ValueError, match=r"sketch.mean must have shape \(b, h_kv, C, d\)"):
-        FS.cluster_hajek_attention(q.repeat(2, 1, 1), K.repeat(2, 1, 1, 1), V.repeat(2, 1, 1, 1), P.repeat(2, 1, 1), sk)
+        FS.sketch_hajek_attention(q.repeat(2, 1, 1), K.repeat(2, 1, 1, 1), V.repeat(2, 1, 1, 1), P.repeat(2, 1, 1), sk)

@@ -461,9 +461,9 @@ def _check_sketch(ce, q, k, v, pi, sketch, mu, r2):
     the radius 8 gamma relative (V_cl = (T' + the clusters' part) / Z^2: T' in the centred form of the
     trace, Z^2 two roundings of Z)."""
     lp = pi.log()
-    ref = _sketch_fields(F.cluster_hajek_attention(q.double(), k.double(), v.double(), None, sketch, log_pi=lp.double(),
+    ref = _sketch_fields(F.sketch_hajek_attention(q.double(), k.double(), v.double(), None, sketch, log_pi=lp.double(),
                                                    value_center=mu.double(), value_sqdist=r2.double(), trace=False))
-    fst = _sketch_fields(F.cluster_hajek_attention(q, k, v, None, sketch, log_pi=lp, value_center=mu, value_sqdist=r2,
+    fst = _sketch_fields(F.sketch_hajek_attention(q, k, v, None, sketch, log_pi=lp, value_center=mu, value_sqdist=r2,
                                                    trace=False))
     got = _sketch_fields(ce)
     n = k.shape[2]
@@ -488,7 +488,7 @@ def _check_sketch(ce, q, k, v, pi, sketch, mu, r2):
 @pytest.mark.parametrize("n", [1, 113, 1023])
 def test_sketch_route_matches_fast(op, n, dtype, g, tilt):
     q, k, v, pi, sketch, mu, r2 = _sketch_case(n, dtype, g, seed=n, tilt=tilt)
-    ce = op.cluster_hajek_attention(q, k, v, None, sketch, log_pi=pi.log(), value_center=mu, value_sqdist=r2)
+    ce = op.sketch_hajek_attention(q, k, v, None, sketch, log_pi=pi.log(), value_center=mu, value_sqdist=r2)
     assert ce.estimate.trace is None  # as kvcert.fast's trace=False: the HT trace is not formed
     _check_sketch(ce, q, k, v, pi, sketch, mu, r2)
 
@@ -497,15 +497,15 @@ def test_sketch_route_empty_rows_and_negative_control(op):
     """A KV head with nothing kept: output 0, lse -inf, V_cl and the radius +inf (as kvcert.fast); and the
     comparison catches a 1 % error in the offsets -log pi."""
     q, k, v, pi, sketch, mu, r2 = _sketch_case(239, torch.float32, 3, pad="empty_head")
-    ce = op.cluster_hajek_attention(q, k, v, None, sketch, log_pi=pi.log(), value_center=mu, value_sqdist=r2)
-    ref = F.cluster_hajek_attention(q, k, v, None, sketch, log_pi=pi.log(), value_center=mu, value_sqdist=r2,
+    ce = op.sketch_hajek_attention(q, k, v, None, sketch, log_pi=pi.log(), value_center=mu, value_sqdist=r2)
+    ref = F.sketch_hajek_attention(q, k, v, None, sketch, log_pi=pi.log(), value_center=mu, value_sqdist=r2,
                                     trace=False)
     empty = torch.isinf(ref.estimate.lse)
     assert bool(empty.any())
     assert torch.equal(torch.isinf(ce.estimate.lse), empty) and bool(torch.isinf(ce.variance[empty]).all())
     assert bool((ce.estimate.output[empty] == 0).all())
     _check_sketch(ce, q, k, v, pi, sketch, mu, r2)
-    bad = op.cluster_hajek_attention(q, k, v, None, sketch, log_pi=pi.log() * 1.01, value_center=mu, value_sqdist=r2)
+    bad = op.sketch_hajek_attention(q, k, v, None, sketch, log_pi=pi.log() * 1.01, value_center=mu, value_sqdist=r2)
     with pytest.raises(AssertionError, match="output|variance"):
         _check_sketch(bad, q, k, v, pi, sketch, mu, r2)
 

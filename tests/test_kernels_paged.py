@@ -1,4 +1,4 @@
-"""The paged Triton decode kernel (kvcert.kernels.paged_hajek_attention) against the block estimator.
+"""The paged Triton decode kernel (kvcert.kernels.paged_block_hajek_attention) against the block estimator.
 
 Runs on Triton's CPU interpreter where there is no GPU:
 
@@ -43,10 +43,10 @@ NEG_INF = float("-inf")
 
 
 def paged(*args, **kwargs):
-    """``kernels.paged_hajek_attention`` on DEV (CUDA when compiled, the CPU under the interpreter), its
+    """``kernels.paged_block_hajek_attention`` on DEV (CUDA when compiled, the CPU under the interpreter), its
     estimate brought back to the CPU beside the oracle (the cases are built on the CPU)."""
     to = lambda x: x.to(DEV) if isinstance(x, torch.Tensor) else x  # noqa: E731
-    est = kernels.paged_hajek_attention(*map(to, args), **{k: to(v) for k, v in kwargs.items()})
+    est = kernels.paged_block_hajek_attention(*map(to, args), **{k: to(v) for k, v in kwargs.items()})
     if DEV == "cpu":
         return est
     back = {f.name: getattr(est, f.name).cpu() for f in dataclasses.fields(est)
@@ -381,7 +381,7 @@ def test_compiles_for_sm90_without_a_gpu():
 
 # ----------------------------------------------------------------------------- compacted token slots
 #
-# kernels.paged.paged_hajek_attention_compacted: the token design served by compaction (docs/design.md
+# kernels.paged.paged_hajek_attention: the token design served by compaction (docs/design.md
 # section 7). Each KV head's kept prompt tokens sit in logical slots 0 .. C_h - 1 of the block table with
 # a per-slot log pi; the tail [P_s, L_s) stays in place, certain. Oracle: the kept tokens gathered per
 # (sequence, KV head) by hand and kvcert.fast.hajek_attention in float64 (and kvcert.reference on one
@@ -391,11 +391,11 @@ def test_compiles_for_sm90_without_a_gpu():
 
 
 def paged_compacted(*args, **kwargs):
-    """``paged_hajek_attention_compacted`` on DEV, brought back to the CPU (as :func:`paged`)."""
-    from kvcert.kernels.paged import paged_hajek_attention_compacted
+    """``paged_hajek_attention`` on DEV, brought back to the CPU (as :func:`paged`)."""
+    from kvcert.kernels.paged import paged_hajek_attention
 
     to = lambda x: x.to(DEV) if isinstance(x, torch.Tensor) else x  # noqa: E731
-    est = paged_hajek_attention_compacted(*map(to, args), **{k: to(v) for k, v in kwargs.items()})
+    est = paged_hajek_attention(*map(to, args), **{k: to(v) for k, v in kwargs.items()})
     if DEV == "cpu":
         return est
     back = {f.name: getattr(est, f.name).cpu() for f in dataclasses.fields(est)

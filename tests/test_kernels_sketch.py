@@ -1,4 +1,4 @@
-"""The cluster design's Triton decode step (kvcert.kernels.cluster_hajek_attention) against the oracles.
+"""The cluster design's Triton decode step (kvcert.kernels.sketch_hajek_attention) against the oracles.
 
 Runs on Triton's CPU interpreter where there is no GPU (``make test`` sets TRITON_INTERPRET=1).
 Float32: the tolerances derived in tests/test_fast_sketch.py (``sketch_support.check_float32_step``: V_cl, output
@@ -24,7 +24,7 @@ KN, DEVICE = triton_kernels()  # skips this module without triton, or without CU
 
 @pytest.mark.parametrize("n, g, clusters", FLOAT32_CASES)
 def test_kernel_step_within_the_derived_float32_tolerance(n, g, clusters):
-    check_float32_step(KN.cluster_hajek_attention, n, g, clusters, device=DEVICE)
+    check_float32_step(KN.sketch_hajek_attention, n, g, clusters, device=DEVICE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -33,8 +33,8 @@ def test_half_inputs_are_the_float32_step_on_their_upcast(dtype, block_n):
     # the kernel loads half q, K, V and computes in float32: exactly the float32 call on the upcast values,
     # its output rounded once to the half dtype
     q, k, v, p, sk = _case(dtype, n=113)
-    half = KN.cluster_hajek_attention(q, k, v, p, sk, block_n=block_n)
-    full = KN.cluster_hajek_attention(q.float(), k.float(), v.float(), p, sk, block_n=block_n)
+    half = KN.sketch_hajek_attention(q, k, v, p, sk, block_n=block_n)
+    full = KN.sketch_hajek_attention(q.float(), k.float(), v.float(), p, sk, block_n=block_n)
     assert half.output.dtype == dtype and half.variance.dtype == torch.float32
     assert torch.equal(half.output, full.output.to(dtype))
     for f in ("variance", "radius"):
@@ -45,7 +45,7 @@ def test_half_inputs_are_the_float32_step_on_their_upcast(dtype, block_n):
 
 @pytest.mark.parametrize("block_n", [16, 64])
 def test_other_tiles_within_the_derived_float32_tolerance(block_n):
-    check_float32_step(functools.partial(KN.cluster_hajek_attention, block_n=block_n), 239, 3, 16, device=DEVICE)
+    check_float32_step(functools.partial(KN.sketch_hajek_attention, block_n=block_n), 239, 3, 16, device=DEVICE)
 
 
 def _case(dtype, n=90, b=2, h_kv=2, g=3, d=16, dv=8, seed=0):
@@ -66,8 +66,8 @@ def _case(dtype, n=90, b=2, h_kv=2, g=3, d=16, dv=8, seed=0):
 
 def test_a_head_with_nothing_kept_follows_the_empty_sample_convention():
     q, k, v, p, sk = _case(torch.float32)
-    got = KN.cluster_hajek_attention(q, k, v, p, sk)
-    want = F.cluster_hajek_attention(q, k, v, p, sk)
+    got = KN.sketch_hajek_attention(q, k, v, p, sk)
+    want = F.sketch_hajek_attention(q, k, v, p, sk)
     for x in (got, want):
         assert not bool(x.output[1, 3:].any()) and bool((x.estimate.lse[1, 3:] == -torch.inf).all())
         assert bool((x.variance[1, 3:] == torch.inf).all()) and bool((x.estimate.trace[1, 3:] == torch.inf).all())
@@ -77,18 +77,18 @@ def test_a_head_with_nothing_kept_follows_the_empty_sample_convention():
 def test_log_pi_and_cached_moments_give_the_same_step():
     q, k, v, p, sk = _case(torch.float32, seed=3)
     mu, r2 = F.value_moments(v, p)
-    a = KN.cluster_hajek_attention(q, k, v, p, sk)
-    b = KN.cluster_hajek_attention(q, k, v, None, sk, log_pi=torch.log(p), value_center=mu, value_sqdist=r2)
+    a = KN.sketch_hajek_attention(q, k, v, p, sk)
+    b = KN.sketch_hajek_attention(q, k, v, None, sk, log_pi=torch.log(p), value_center=mu, value_sqdist=r2)
     assert torch.equal(a.output, b.output) and torch.equal(a.variance, b.variance)
 
 
 def test_kernel_errors():
     q, k, v, p, sk = _case(torch.float32, n=20)
     with pytest.raises(ValueError, match="decode kernel"):
-        KN.cluster_hajek_attention(q[:, :, None].expand(-1, -1, 2, -1), k, v, p, sk)
+        KN.sketch_hajek_attention(q[:, :, None].expand(-1, -1, 2, -1), k, v, p, sk)
     with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
-        KN.cluster_hajek_attention(q.double(), k.double(), v.double(), p, sk)
+        KN.sketch_hajek_attention(q.double(), k.double(), v.double(), p, sk)
     with pytest.raises(ValueError, match="block_n must be a power of two"):
-        KN.cluster_hajek_attention(q, k, v, p, sk, block_n=24)
+        KN.sketch_hajek_attention(q, k, v, p, sk, block_n=24)
     with pytest.raises(TypeError, match="sketch must be a ClusterSketch"):
-        KN.cluster_hajek_attention(q, k, v, p, None)
+        KN.sketch_hajek_attention(q, k, v, p, None)

@@ -158,7 +158,7 @@ def test_the_shim_acts_only_under_the_name_kernels(fake_hf_kernels):
         assert kernels is not ours and kernels.CUDAProperties == "the installed package"
         assert not hasattr(kernels, "hajek_attention")
         import kvcert.kernels
-        assert sys.modules["kvcert.kernels"] is ours and callable(kvcert.kernels.paged_hajek_attention)
+        assert sys.modules["kvcert.kernels"] is ours and callable(kvcert.kernels.paged_block_hajek_attention)
         print("ok")
     """, env={"PYTHONPATH": str(fake_hf_kernels)})
     assert out.stdout.strip().splitlines()[-1] == "ok"

@@ -7,7 +7,7 @@ What is checked, each against an independent computation:
 - ``ClusterSketch.map`` / ``cat`` round-trip a batch;
 - the press samples B - (C (2d + 3) + dv + 1) / (d + dv + 1) expected tokens (equal memory), every
   real token of a head is either held or counted in its sketch, and each decode step records
-  V_cl of ``cluster_hajek_attention`` on the layer's state as its trace, with the Chebyshev radius
+  V_cl of ``sketch_hajek_attention`` on the layer's state as its trace, with the Chebyshev radius
   sqrt(V_cl / delta);
 - a chunk of queries is causal: its j-th query's certificate is the one-query step over the slots
   at or before its position;
@@ -87,9 +87,9 @@ def _spy(monkeypatch):
             return ce
         return spy
 
-    monkeypatch.setattr(F, "cluster_hajek_attention", wrap(F.cluster_hajek_attention))
+    monkeypatch.setattr(F, "sketch_hajek_attention", wrap(F.sketch_hajek_attention))
     cpu = importlib.import_module("kvcert.kernels.cpu")
-    monkeypatch.setattr(cpu, "cluster_hajek_attention", wrap(cpu.cluster_hajek_attention))
+    monkeypatch.setattr(cpu, "sketch_hajek_attention", wrap(cpu.sketch_hajek_attention))
     return calls
 
 

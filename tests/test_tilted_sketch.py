@@ -140,7 +140,7 @@ def test_fast_matches_reference_float64(n, d, dv, g, clusters, budget, seed):
     assert sk.tilt.shape == (2, 2, d) and sk.zmean.shape == sk.mean.shape and sk.shift.shape == sk.count.shape
     q = 1.5 * rng.normal(size=(2, 2 * g, d))
     K, V, P = _compact(k, v, pi, keep)
-    got = FS.cluster_hajek_attention(T(q), T(K), T(V), T(P), sk, delta=0.1)
+    got = FS.sketch_hajek_attention(T(q), T(K), T(V), T(P), sk, delta=0.1)
     tau = 1.0 / math.sqrt(d)
     rdesign = RS.ClusterDesign(clusters=clusters, iterations=4, radius="fixed", multiplier=3.0, tilt=True)
     r64 = rounding(torch.float64, n)
@@ -179,10 +179,10 @@ def test_float32_holds_large_tilt_exponents(backend):
     magnitude S is 2 eps S relative in e^{2s}, 2 eps S more through Z^{-2}, so |V32 - V64| <= r (1 + 4 S) V64
     plus the centred form's term (r = rounding(float32, n)), on the same float32-rounded inputs. The Triton
     step shares the torch epilogue that reads the sketch (its kept pass is tested in test_kernels_sketch.py)."""
-    step, device = FS.cluster_hajek_attention, "cpu"
+    step, device = FS.sketch_hajek_attention, "cpu"
     if backend == "kernel":
         kernels, device = triton_kernels()
-        step = kernels.cluster_hajek_attention
+        step = kernels.sketch_hajek_attention
     n, d, dv = 200, 16, 4
     k, v, pi, keep, valid = _full(3, 1, 2, n, d, dv, pad=False, budget=0.3)
     direction = np.ones(d) / math.sqrt(d)
@@ -293,7 +293,7 @@ def test_fast_tilt_errors():
     K, V, P = _compact(k, v, pi, keep)
     bad = dataclasses.replace(a, zmean=a.zmean[..., :2])
     with pytest.raises(ValueError, match=r"sketch.zmean must have shape \(b, h_kv, C, d\) = \(1, 2, 3, 4\)"):
-        FS.cluster_hajek_attention(T(np.ones((1, 2, 4))), T(K), T(V), T(P), bad)
+        FS.sketch_hajek_attention(T(np.ones((1, 2, 4))), T(K), T(V), T(P), bad)
 
 
 def test_the_hull_bound_holds_for_every_draw_and_caps_a_far_query():

@@ -66,7 +66,7 @@ from kvcert.fast.contract import check_attention_inputs, check_attention_values
 from kvcert.fast.types import Estimate
 
 __all__ = ["ENV_VAR", "SOURCE", "SUPPORTED_DTYPES", "CPUOpUnavailable", "available", "paged_hajek_attention", "build_directory",
-           "cluster_hajek_attention", "enabled", "hajek_attention", "load", "unavailable_reason"]
+           "sketch_hajek_attention", "enabled", "hajek_attention", "load", "unavailable_reason"]
 
 #: environment variable: ``0`` (or false/no/off) keeps every call on the torch path
 ENV_VAR = "KVCERT_CPU_OP"
@@ -324,14 +324,14 @@ def _call(q, keys, values, pi, log_pi, scale, per_coordinate, value_center, spli
                     trace=trace.view(lead), lse=lse.view(lead), n_eff=n_eff.view(lead))
 
 
-def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor | None,
+def sketch_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor | None,
                             sketch, *, scale: float | None = None, delta: float = 0.05, rule: str | None = None,
                             multiplier: float | None = None, log_pi: torch.Tensor | None = None,
                             value_center: torch.Tensor | None = None, value_sqdist: torch.Tensor | None = None,
                             validate: bool = True):
     r"""The cluster (sketched) design's decode step with its kept pass in the compiled op.
 
-    :func:`kvcert.fast.cluster_hajek_attention` with ``trace=False`` (the Hugging Face decode's call;
+    :func:`kvcert.fast.sketch_hajek_attention` with ``trace=False`` (the Hugging Face decode's call;
     same arguments, checks, epilogue and result), its one pass over the kept K and V in C++: per query
     row the Hajek output :math:`\hat o`, :math:`\log\hat Z`, the kept share
     :math:`\kappa = \sum_{i\in S}\pi_i a_i` and
@@ -350,15 +350,15 @@ def cluster_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     kvcert.fast.ClusterEstimate
         ``estimate.trace`` None (the paper design's HT trace is not formed), as ``trace=False``.
     """
-    from kvcert.fast.sketch import cluster_step
+    from kvcert.fast.sketch import sketch_step
 
-    return cluster_step(q, keys, values, pi, sketch, scale=scale, delta=delta, rule=rule, multiplier=multiplier,
+    return sketch_step(q, keys, values, pi, sketch, scale=scale, delta=delta, rule=rule, multiplier=multiplier,
                         log_pi=log_pi, value_center=value_center, value_sqdist=value_sqdist, validate=validate,
                         kept_pass=_sketch_pass, with_trace=False, centred=True)
 
 
 def _sketch_pass(L, C, mu, r2):
-    """The centred kept pass of ``kvcert.fast.sketch.cluster_step`` (``centred=True``) by the op:
+    """The centred kept pass of ``kvcert.fast.sketch.sketch_step`` (``centred=True``) by the op:
     ``(o (B, G, dv), T' (B, 1, G), kappa (B, G), lse (B, G))`` in the layout's compute dtype."""
     keys, values = _op_kv(L.q, L.keys, L.values)
     lp = C.p if C.p_name == "log_pi" else C.p.log()
@@ -378,7 +378,7 @@ def paged_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: to
     Slot i of row e lies in physical block ``block_ids[e, i // bs]`` at offset ``i % bs`` of
     ``kv_cache`` (num_blocks, h_kv, bs, 2 d), which holds per (block, KV head) the keys transposed
     ``[d, bs]`` and then the values ``[bs, d]`` (vLLM's ``vec`` CPU layout): the vLLM plugin's decode of a
-    compacted token design (``kvcert.vllm.backend.compacted_decode``) without gathering K and V first.
+    compacted token design (``kvcert.vllm.backend.token_decode``) without gathering K and V first.
 
     Parameters
     ----------

@@ -1,4 +1,4 @@
-"""The block (cluster) design as a press: :class:`BlockPoissonPress` samples whole blocks, once per
+"""The block design as a press: :class:`BlockPoissonPress` samples whole blocks, once per
 sequence for every layer and KV head (the vLLM plugin's design in the Hugging Face path), and records
 each row's sample as a :class:`BlockDecision`."""
 

@@ -17,7 +17,7 @@ of such a request attends over the compacted slots (offset -log pi_i, padding
 -inf) and over the tokens after the prompt at their own positions (pi = 1),
 gathered by :func:`gather_rows`, through the estimator the Hugging Face path
 uses (:func:`kvcert.dispatch.hajek_attention`: the compiled CPU op or
-kvcert.fast) and its certificate (:func:`compacted_decode`).
+kvcert.fast) and its certificate (:func:`token_decode`).
 
 Per request (token design): a row is sampled with its request's design and certified with its request's
 kind and delta (:meth:`kvcert.vllm.worker.Step.config_of`); decode rows are grouped by (kind, delta).
@@ -70,10 +70,10 @@ from kvcert.fast import (
     recorded_trace,
 )
 
-__all__ = ["CertifiedCPUAttentionBackend", "CertifiedCPUAttentionImpl", "STEP", "compact_prompt", "compacted_decode",
-           "gather_blocks", "gather_rows", "layer_index", "masked_chunks", "masked_decode", "sketched_decode"]
+__all__ = ["CertifiedCPUAttentionBackend", "CertifiedCPUAttentionImpl", "STEP", "compact_prompt", "token_decode",
+           "gather_blocks", "gather_rows", "layer_index", "block_chunks", "block_decode", "sketch_decode"]
 
-#: most bytes of K/V that :func:`masked_decode` gathers at once: rows are processed in chunks
+#: most bytes of K/V that :func:`block_decode` gathers at once: rows are processed in chunks
 #: within it, so the copy is still in cache (here a 32 MiB L3) when the two matrix products read it.
 #: 4 rows of 4k tokens in one gather of fresh memory measured 1.80x the C++ kernel's step, in 4 MiB
 #: chunks 0.95x; with the reused buffer and the per-step chunks, 4 / 8 / 16 MiB gave 34.6 / 31.3 /
@@ -104,8 +104,8 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torc
     return (k.permute(1, 0, 2, 3).reshape(h, m * bs, d), v.permute(1, 0, 2, 3).reshape(h, m * bs, d))
 
 
-def masked_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
-                  scale: float, chunks: list[MaskedChunk] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def block_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
+                  scale: float, chunks: list[BlockChunk] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Hajek decode attention over whole kept blocks of a ``vec`` cache, and the cluster-sampling trace, batched.
 
     The plugin's fast path for the Chebyshev certificate: the same estimate and
@@ -142,8 +142,8 @@ def masked_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.
         block (0 on certain blocks and decode tokens), -inf on padding and on
         slots past the sequence end
     scale : float
-    chunks : list of MaskedChunk, optional
-        ``masked_chunks(kv_cache, block_ids, log_pi)`` if already computed; any cache of the same shape and
+    chunks : list of BlockChunk, optional
+        ``block_chunks(kv_cache, block_ids, log_pi)`` if already computed; any cache of the same shape and
         dtype gives the same chunks (the backend computes them once per step and every layer reuses them)
 
     Returns
@@ -151,7 +151,7 @@ def masked_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.
     output (E, h_q, d) in the query's dtype, trace (E, h_q) float32
     """
     if chunks is None:
-        chunks = masked_chunks(kv_cache, block_ids, log_pi)
+        chunks = block_chunks(kv_cache, block_ids, log_pi)
     outs, traces = [], []
     for ch in chunks:
         o, tr = _masked_chunk(query[ch.rows], kv_cache, ch, scale)
@@ -163,8 +163,8 @@ def masked_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.
 
 
 @dataclass
-class MaskedChunk:
-    """Rows ``rows`` of a :func:`masked_decode` batch whose kept blocks are gathered at once, and what does not
+class BlockChunk:
+    """Rows ``rows`` of a :func:`block_decode` batch whose kept blocks are gathered at once, and what does not
     depend on the layer: the blocks (c * m,), the scores' bias (c * m * h_kv, 1, bs) and 1 - pi_b (c, m)."""
 
     rows: slice
@@ -173,8 +173,8 @@ class MaskedChunk:
     one_minus_pi: torch.Tensor
 
 
-def masked_chunks(kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor) -> list[MaskedChunk]:
-    """:func:`masked_decode`'s row chunks (each gathering at most :data:`GATHER_BYTES`, or one row), computed
+def block_chunks(kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor) -> list[BlockChunk]:
+    """:func:`block_decode`'s row chunks (each gathering at most :data:`GATHER_BYTES`, or one row), computed
     once per step: every layer of a step has the same rows, blocks and pi, and a cache of the same geometry."""
     E = block_ids.shape[0]
     h, bs = kv_cache.shape[1], kv_cache.shape[2]
@@ -190,7 +190,7 @@ def masked_chunks(kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch
         bias = torch.where(lp > float("-inf"), -lp, float("-inf"))  # -log pi_b on the row's tokens, -inf elsewhere
         bias = bias[:, :, None, None, :].expand(c, m, h, 1, bs).reshape(c * m * h, 1, bs)
         omp = -torch.expm1(lp[:, :, 0])  # 1 - pi_b per block (0: certain; padding: 1 with z = 0)
-        out.append(MaskedChunk(slice(j, j + c), block_ids[j : j + c, :m].reshape(-1), bias, omp))
+        out.append(BlockChunk(slice(j, j + c), block_ids[j : j + c, :m].reshape(-1), bias, omp))
         j += c
     return out
 
@@ -214,8 +214,8 @@ def _gather_buffer(flat: torch.Tensor, rows: int) -> torch.Tensor:
     return buf[:n].view(rows, flat.shape[1])
 
 
-def _masked_chunk(query, kv_cache, ch: MaskedChunk, scale):
-    """:func:`masked_decode` on the rows of one chunk, whose gathered blocks are copied at once."""
+def _masked_chunk(query, kv_cache, ch: BlockChunk, scale):
+    """:func:`block_decode` on the rows of one chunk, whose gathered blocks are copied at once."""
     E, h_q, d = query.shape
     nb, h, bs, two_d = kv_cache.shape
     M = ch.one_minus_pi.shape[1]
@@ -287,13 +287,13 @@ def gather_rows(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.
     return k, v
 
 
-#: the route the last compacted decode took: ``"paged_cpu_op"`` or ``"gather"`` (:func:`compacted_decode`),
-#: ``"sketch_gather_cpu_op"`` or ``"sketch_gather"`` (:func:`sketched_decode`: the kept pass in the compiled op
+#: the route the last compacted decode took: ``"paged_cpu_op"`` or ``"gather"`` (:func:`token_decode`),
+#: ``"sketch_gather_cpu_op"`` or ``"sketch_gather"`` (:func:`sketch_decode`: the kept pass in the compiled op
 #: or in kvcert.fast)
 LAST_ROUTE = [None]
 
 
-def compacted_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
+def token_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
                      scale: float, kind: str, delta: float):
     r"""Hajek decode attention of rows whose prompt was compacted, and their relative radii.
 
@@ -340,13 +340,13 @@ def compacted_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: tor
     return est.output.to(query.dtype), rel
 
 
-def sketched_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
+def sketch_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
                     sketch: ClusterSketch, scale: float, kind: str, delta: float):
     r"""Decode attention of compacted rows whose design keeps a sketch of the evicted tokens, and their radii.
 
-    The Hajek output over the held slots (:func:`compacted_decode`'s) and the sketched design's certificate,
-    :func:`kvcert.fast.cluster_hajek_attention` on the gathered slots (:func:`gather_rows`) and the rows'
-    sketches (through :func:`kvcert.dispatch.cluster_hajek_attention`: its kept pass in the compiled CPU op
+    The Hajek output over the held slots (:func:`token_decode`'s) and the sketched design's certificate,
+    :func:`kvcert.fast.sketch_hajek_attention` on the gathered slots (:func:`gather_rows`) and the rows'
+    sketches (through :func:`kvcert.dispatch.sketch_hajek_attention`: its kept pass in the compiled CPU op
     where it builds): the hybrid variance :math:`V_{\mathrm{cl}}` (kept tokens exact, evicted ones through the
     sketch's Gaussian moments), clipped at :math:`(H/c)^2` with :math:`H` the hull bound and :math:`c` the
     kind's factor (:math:`1/\sqrt\delta` for ``chebyshev``, 3 for ``tilted_hull``), so the radius is
@@ -366,7 +366,7 @@ def sketched_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torc
     """
     k, v = gather_rows(kv_cache, block_ids)
     lp = log_pi.to(torch.float32)
-    ce = dispatch.cluster_hajek_attention(query, k, v, None, sketch, log_pi=lp, scale=scale, delta=delta,
+    ce = dispatch.sketch_hajek_attention(query, k, v, None, sketch, log_pi=lp, scale=scale, delta=delta,
                                           validate=False, trace=False)
     out = ce.output
     _, _, rel = radius_from_statistics(kind, delta, trace=recorded_trace(ce, kind),
@@ -408,9 +408,9 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
                 q_rows = query.index_select(0, tokens)
                 if sketched:
                     sketch = ClusterSketch.cat([plan.compacted[j].state.sketches[index] for j in rows])
-                    o, rel = sketched_decode(q_rows, kv_cache, g_ids, g_log_pi, sketch, self.scale, kind, delta)
+                    o, rel = sketch_decode(q_rows, kv_cache, g_ids, g_log_pi, sketch, self.scale, kind, delta)
                 else:
-                    o, rel = compacted_decode(q_rows, kv_cache, g_ids, g_log_pi, self.scale, kind, delta)
+                    o, rel = token_decode(q_rows, kv_cache, g_ids, g_log_pi, self.scale, kind, delta)
                 output.index_copy_(0, tokens, o.to(output.dtype))
                 step.add_certificates([plan.compacted[j].req_id for j in rows], rel)
         if plan.masked:
@@ -440,10 +440,10 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
         cfg = step.config
         bs = kv_cache.shape[2]
         if cfg.kind == "chebyshev":  # needs only the trace: the batched fast path
-            if plan.masked_chunks is None:  # the same for every layer of the step
-                plan.masked_chunks = masked_chunks(kv_cache, plan.masked_block_ids, plan.masked_log_pi)
-            o, trace = masked_decode(query.index_select(0, plan.masked_tokens), kv_cache, plan.masked_block_ids,
-                                     plan.masked_log_pi, self.scale, plan.masked_chunks)
+            if plan.block_chunks is None:  # the same for every layer of the step
+                plan.block_chunks = block_chunks(kv_cache, plan.masked_block_ids, plan.masked_log_pi)
+            o, trace = block_decode(query.index_select(0, plan.masked_tokens), kv_cache, plan.masked_block_ids,
+                                     plan.masked_log_pi, self.scale, plan.block_chunks)
             output.index_copy_(0, plan.masked_tokens, o.to(output.dtype))
             _, _, rel = radius_from_statistics(cfg.kind, cfg.delta, trace=trace,
                                                output_norm=torch.linalg.vector_norm(o.float(), dim=-1))

@@ -10,7 +10,7 @@ It mirrors :mod:`kvcert.vllm.backend` (the CPU route):
   runs (on the sub-batch of those rows when some rows are masked), so an
   engine without eviction is the stock engine;
 - a decode row (one query token) of a request with an eviction decision goes
-  to :func:`kvcert.kernels.paged_hajek_attention`, which reads the paged cache
+  to :func:`kvcert.kernels.paged_block_hajek_attention`, which reads the paged cache
   through the row's block table, skips evicted blocks (log pi_b = -inf, never
   read: a freed block may already hold another request's keys), adds the
   offset -log pi_b and returns the cluster-sampling trace in the same pass;
@@ -53,7 +53,7 @@ import torch
 
 # (plus CertifiedFlashAttentionBackend, CertifiedFlashAttentionImpl and CertifiedFlashAttentionMetadataBuilder,
 # built lazily by __getattr__)
-__all__ = ["RowState", "PagedPlan", "plan_rows", "log_pi_table", "stock_sub_metadata", "paged_decode", "STEP",
+__all__ = ["RowState", "PagedPlan", "plan_rows", "log_pi_table", "stock_sub_metadata", "block_decode", "STEP",
            "register_cuda"]
 
 #: per-thread pointer to the running step's context (set by CertifiedGPUWorker around execute_model)
@@ -198,17 +198,17 @@ def stock_sub_metadata(md, plan: PagedPlan):
     return dataclasses.replace(md, **changes)
 
 
-def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: PagedPlan, scale: float, head_size: int,
+def block_decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: PagedPlan, scale: float, head_size: int,
                  validate: bool = False):
     """The masked rows through the paged kernel: output (E, h_q, d) in the query's dtype and trace (E, h_q).
 
     ``kv_cache``: vLLM's FlashAttention cache (num_blocks, h_kv, block_size, 2 head_size).
     """
-    from kvcert.kernels import kv_cache_views, paged_hajek_attention
+    from kvcert.kernels import kv_cache_views, paged_block_hajek_attention
 
     key_cache, value_cache = kv_cache_views(kv_cache, head_size)
     q = query.index_select(0, plan.masked_tokens)
-    est = paged_hajek_attention(q, key_cache, value_cache, plan.block_table, plan.seq_lens, plan.log_pi_blocks,
+    est = paged_block_hajek_attention(q, key_cache, value_cache, plan.block_table, plan.seq_lens, plan.log_pi_blocks,
                                 scale=scale, max_seq_len=plan.max_seq_len, validate=validate)
     return est.output, est.trace
 
@@ -290,7 +290,7 @@ def _build_classes():
                     pick = lambda x: None if x is None else x.index_select(0, tok)  # noqa: E731
                     super().forward(layer, pick(query), pick(key), pick(value), kv_cache, sub, out_sub)
                     output.index_copy_(0, tok, out_sub)
-                o, trace = paged_decode(query, kv_cache, plan, self.scale, self.head_size)
+                o, trace = block_decode(query, kv_cache, plan, self.scale, self.head_size)
                 output.index_copy_(0, plan.masked_tokens, o.reshape(o.shape[0], *output.shape[1:]).to(output.dtype))
                 _certify(ctx, plan, o, trace)
             if plan.importance_rows:

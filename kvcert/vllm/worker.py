@@ -123,7 +123,7 @@ class _Plan:
     masked_tokens: torch.Tensor | None = None  # (E,) query token of each masked row
     masked_block_ids: torch.Tensor | None = None  # (E, M) kept physical blocks, padded
     masked_log_pi: torch.Tensor | None = None  # (E, M, bs) log pi per slot, -inf = padding / past the end
-    masked_chunks: list | None = None  # backend.masked_chunks, set by the first layer of the step
+    block_chunks: list | None = None  # backend.block_chunks, set by the first layer of the step
     compacted: list = field(default_factory=list)
     compacted_tokens: torch.Tensor | None = None  # (E,) query token of each compacted row
     compacted_block_ids: torch.Tensor | None = None  # (E, M) blocks read per row, padded

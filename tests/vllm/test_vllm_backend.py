@@ -167,7 +167,7 @@ def test_masked_decode_is_the_block_estimator_and_batch_invariant(monkeypatch):
     batch or on how the rows are chunked for the gather."""
     from kvcert.fast import block_hajek_attention
     from kvcert.vllm import backend
-    from kvcert.vllm.backend import gather_blocks, masked_decode
+    from kvcert.vllm.backend import block_decode, gather_blocks
 
     torch.manual_seed(2)
     h_q, h, d, bs, nb = 9, 3, 64, 32, 40
@@ -189,7 +189,7 @@ def test_masked_decode_is_the_block_estimator_and_batch_invariant(monkeypatch):
         lp = pib.log()[:, None].expand(len(blocks), bs).clone()
         lp[-1, last:] = float("-inf")
         log_pi[j, : len(blocks)] = lp
-    out, trace = masked_decode(q, cache, ids, log_pi, 0.125)
+    out, trace = block_decode(q, cache, ids, log_pi, 0.125)
     assert torch.isfinite(out).all() and torch.isfinite(trace).all()
     for j, (blocks, pib, last) in enumerate(rows):
         k, v = gather_blocks(cache, blocks)
@@ -201,7 +201,7 @@ def test_masked_decode_is_the_block_estimator_and_batch_invariant(monkeypatch):
                                     positions=pos.expand(shape), scale=0.125, per_coordinate=False)
         torch.testing.assert_close(out[j], est.output[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(trace[j], est.trace[0], rtol=1e-4, atol=1e-9)
-        alone, tr_alone = masked_decode(q[j : j + 1], cache, ids[j : j + 1, : len(blocks)],
+        alone, tr_alone = block_decode(q[j : j + 1], cache, ids[j : j + 1, : len(blocks)],
                                         log_pi[j : j + 1, : len(blocks)], 0.125)
         assert torch.equal(alone[0], out[j]) and torch.equal(tr_alone[0], trace[j]), f"row {j} depends on its batch"
     assert (trace[2] == 0).all() and (trace[:2] > 0).all()  # all-certain row: zero variance
@@ -209,14 +209,14 @@ def test_masked_decode_is_the_block_estimator_and_batch_invariant(monkeypatch):
     one_block = cache[0].numel() * cache.element_size()
     for cap, spans in ((1, [(0, 1), (1, 2), (2, 3)]), (2 * M * one_block, [(0, 2), (2, 3)])):
         monkeypatch.setattr(backend, "GATHER_BYTES", cap)
-        chunks = backend.masked_chunks(cache, ids, log_pi)
+        chunks = backend.block_chunks(cache, ids, log_pi)
         assert [(c.rows.start, c.rows.stop) for c in chunks] == spans
-        o_c, t_c = masked_decode(q, cache, ids, log_pi, 0.125)
+        o_c, t_c = block_decode(q, cache, ids, log_pi, 0.125)
         assert torch.equal(o_c, out) and torch.equal(t_c, trace), f"chunk cap {cap} changed a row"
         # the chunks are computed once per step and reused by every layer: another cache of the same geometry
         other = torch.randn_like(cache)
-        o_r, t_r = masked_decode(q, other, ids, log_pi, 0.125, chunks)
-        o_f, t_f = masked_decode(q, other, ids, log_pi, 0.125)
+        o_r, t_r = block_decode(q, other, ids, log_pi, 0.125, chunks)
+        o_f, t_f = block_decode(q, other, ids, log_pi, 0.125)
         assert torch.equal(o_r, o_f) and torch.equal(t_r, t_f)
         assert not torch.equal(o_r, out)
 

@@ -131,21 +131,21 @@ def test_prefill_compacts_and_decode_equals_the_estimator_after_the_freed_blocks
     # the two routes of the decode (the compiled op's paged route, and gather + kvcert.dispatch) agree
     plan = step.plan(md, BS)
     ids, lp = plan.compacted_inputs(0)
-    first, rel1 = backend.compacted_decode(qd, cache, ids, lp, scale, "chebyshev", 0.05)
+    first, rel1 = backend.token_decode(qd, cache, ids, lp, scale, "chebyshev", 0.05)
     route = backend.LAST_ROUTE[0]
     monkeypatch.setenv("KVCERT_CPU_OP", "0")
-    other, rel2 = backend.compacted_decode(qd, cache, ids, lp, scale, "chebyshev", 0.05)
+    other, rel2 = backend.token_decode(qd, cache, ids, lp, scale, "chebyshev", 0.05)
     assert backend.LAST_ROUTE[0] == "gather" and route in ("paged_cpu_op", "gather")
     print(f"route {route}: max |paged - gather| = {(first - other).abs().max():.2e}")
     torch.testing.assert_close(first, other, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(rel1, rel2, rtol=1e-4, atol=0)
     monkeypatch.delenv("KVCERT_CPU_OP")
     # negative control 1: without the copy (the prompt where it was) the same state reads the wrong tokens
-    no_copy, _ = backend.compacted_decode(qd, original, ids, lp, scale, "chebyshev", 0.05)
+    no_copy, _ = backend.token_decode(qd, original, ids, lp, scale, "chebyshev", 0.05)
     assert (no_copy.double() - est.output).abs().max() > 1e-2
     # negative control 2: without the padding mask the padding slots and the reused blocks' slots count
     unmasked = torch.where(torch.isneginf(lp), torch.zeros_like(lp), lp)
-    no_mask, _ = backend.compacted_decode(qd, cache, ids, unmasked, scale, "chebyshev", 0.05)
+    no_mask, _ = backend.token_decode(qd, cache, ids, unmasked, scale, "chebyshev", 0.05)
     assert (no_mask.double() - est.output).abs().max() > 1e-2
 
 
@@ -163,7 +163,7 @@ def test_compacted_rows_read_the_compacted_blocks_then_the_tail():
 def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypatch):
     """``KVCertConfig(sketch="tilted", kind="tilted_hull")``: the prefill samples the budget less the sketch's
     memory (``TokenDesign.sampled_budget``), keeps the sketch of the evicted tokens in the request's state, and
-    decode records min(3 sqrt(V_cl), H) of ``kvcert.fast.cluster_hajek_attention`` over the kept tokens and the
+    decode records min(3 sqrt(V_cl), H) of ``kvcert.fast.sketch_hajek_attention`` over the kept tokens and the
     tail with that sketch (float64 here: the same rtol 1e-5 as the estimator above, measured gap printed with
     -s). Negative control: the same state without its sketch records a different certificate."""
     from vllm.v1.attention.backends import cpu_attn
@@ -201,7 +201,7 @@ def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypa
     assert backend.LAST_ROUTE[0] == ("sketch_gather_cpu_op" if dispatch.cpu_op_available() else "sketch_gather")
     # the sketched estimator over the kept prompt tokens (pi) and the decode tokens (pi = 1), float64
     pi = torch.cat([torch.where(dec.keep, dec.pi, 0.0), torch.ones(H, T, dtype=torch.float64)], dim=1)
-    ce = F.cluster_hajek_attention(qd.double(), k.transpose(0, 1)[None].double(), v.transpose(0, 1)[None].double(),
+    ce = F.sketch_hajek_attention(qd.double(), k.transpose(0, 1)[None].double(), v.transpose(0, 1)[None].double(),
                                    pi[None], sketch.map(lambda t: t.double()), scale=scale, delta=0.05)
     print(f"max |sketched decode - float64 estimator| = {(out.double() - ce.output).abs().max():.2e}")
     torch.testing.assert_close(out.double(), ce.output, rtol=1e-5, atol=1e-6)

@@ -134,9 +134,9 @@ def test_stock_sub_metadata_restricts_to_the_stock_rows():
 
 
 def compare_with_cpu_path():
-    """paged_decode (Triton interpreter, FlashAttention cache layout) against the CPU plugin's masked_decode
+    """gpu_backend.block_decode (Triton interpreter, FlashAttention layout) against backend.block_decode
     (torch, ``vec`` cache layout) on the same tokens; run in a subprocess with TRITON_INTERPRET=1."""
-    from kvcert.vllm.backend import masked_decode
+    from kvcert.vllm.backend import block_decode as cpu_block_decode
     from kvcert.vllm.gpu_backend import plan_rows
 
     bs, qsl, seq_lens, table, states = _batch()
@@ -152,9 +152,9 @@ def compare_with_cpu_path():
     # poison the evicted block (row 1, logical block 1 = physical 7): never read by either path
     flash[7] = float("nan")
     vec[7] = float("nan")
-    from kvcert.vllm.gpu_backend import paged_decode
+    from kvcert.vllm.gpu_backend import block_decode as gpu_block_decode
 
-    o, trace = paged_decode(query, flash, plan, 0.25, d, validate=True)
+    o, trace = gpu_block_decode(query, flash, plan, 0.25, d, validate=True)
     # the CPU path's inputs: kept physical blocks per row, log pi per slot (-inf past the end)
     E = len(plan.masked_rows)
     ids, lps = [], []
@@ -170,7 +170,7 @@ def compare_with_cpu_path():
     for j in range(E):
         block_ids[j, : len(ids[j])] = torch.tensor(ids[j])
         log_pi[j, : len(ids[j])] = lps[j]
-    o_cpu, tr_cpu = masked_decode(query.index_select(0, plan.masked_tokens), vec, block_ids, log_pi, 0.25)
+    o_cpu, tr_cpu = cpu_block_decode(query.index_select(0, plan.masked_tokens), vec, block_ids, log_pi, 0.25)
     assert not bool(torch.isnan(o).any()) and not bool(torch.isnan(trace).any())
     # both float32; tolerance 64 eps32 of the value scale (output) and of its square (trace)
     vmax = float(flash[..., d:].nan_to_num(0).abs().max())
@@ -302,7 +302,7 @@ def exercise_forward():
     assert sub.num_actual_tokens == 6 and sub.query_start_loc.tolist() == [0, 5, 6]
     stock = [0, 1, 2, 3, 4, 6]
     assert torch.equal(out[stock], 2 * query[stock])
-    o, trace = gb.paged_decode(query, flash, ctx.paged_plan, 0.25, d)
+    o, trace = gb.block_decode(query, flash, ctx.paged_plan, 0.25, d)
     assert torch.equal(out[[5, 7]], o)
     assert set(ctx.certs) == {"b", "d"} and all(len(v) == 2 for v in ctx.certs.values())
     rel = torch.stack(ctx.certs["b"])
