@@ -74,11 +74,9 @@ __all__ = ["CertifiedCPUAttentionBackend", "CertifiedCPUAttentionImpl", "STEP", 
            "gather_blocks", "gather_rows", "layer_index", "block_chunks", "block_decode", "sketch_decode"]
 
 #: most bytes of K/V that :func:`block_decode` gathers at once: rows are processed in chunks
-#: within it, so the copy is still in cache (here a 32 MiB L3) when the two matrix products read it.
-#: 4 rows of 4k tokens in one gather of fresh memory measured 1.80x the C++ kernel's step, in 4 MiB
-#: chunks 0.95x; with the reused buffer and the per-step chunks, 4 / 8 / 16 MiB gave 34.6 / 31.3 /
-#: 31.5 ms at 1k, 50.6 / 47.3 / 46.5 ms at 2k and 83.8 / 81.2 / 85.7 ms at 4k
-#: (benchmarks/bench_masked_decode.py, docs/serving.md)
+#: within it, so the copy is still in the last-level cache when the two matrix products read it
+#: (a fraction of a server L3; the sizes tried and their step times: docs/serving.md, measured by
+#: benchmarks/bench_masked_decode.py)
 GATHER_BYTES = 8 << 20
 
 #: per-thread pointer to the running step's context (set by the plugin's worker around execute_model)
