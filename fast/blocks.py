@@ -646,6 +646,18 @@ class BlockDesign:
         return block_importance(u, self._block_size(block_size), reduce=self.reduce)
 
     # -- the decision ---------------------------------------------------------------------------
+    def inclusion_probabilities(self, scores: torch.Tensor, budget, *, block_size: int | None = None) -> torch.Tensor:
+        """pi_b (b, n_blocks) float64 of token scores (b, ..., n), stacked over the layers and KV heads that share
+        the block table, at ``budget`` expected kept blocks per row: :func:`nonnegative_importance` per head, then
+        :func:`block_inclusion_probabilities` with this design's ``reduce``, certainty set (``sink_blocks``,
+        ``recent_blocks``, ``top_blocks``) and ``floor``. The chain of :meth:`block_importance` and :meth:`decide`
+        in one call, for a budget the caller sets (the paper's replay sets it by equal memory)."""
+        scores = check_tensor("scores", scores, floating=True)
+        return block_inclusion_probabilities(nonnegative_importance(scores.to(torch.float64)), budget,
+                                             block_size=self._block_size(block_size), sink_blocks=self.sink_blocks,
+                                             recent_blocks=self.recent_blocks, top_blocks=self.top_blocks,
+                                             floor=self.floor, reduce=self.reduce)
+
     def decide(self, importance: torch.Tensor, *, event: int, n_tokens: int | None = None) -> BlockDecision | None:
         """Block importance -> pi_b -> sample for one sequence; None when nothing is evicted (:meth:`budget`).
 

@@ -66,7 +66,8 @@ def block_design_pi(importance: torch.Tensor, fraction: float, block_size: int, 
 
     importance: (layers, h_kv, L) token importance of every head sharing the block table.
     Budget f L / block_size blocks; certainty set = the token design's sinks, window and top slice
-    in blocks (``kvcert.fast.design_sizes``). Raises ValueError where the budget cannot hold the
+    in blocks (``kvcert.fast.design_sizes``), held by a ``kvcert.fast.BlockDesign`` (the served design's
+    object; :meth:`~kvcert.fast.BlockDesign.inclusion_probabilities`). Raises ValueError where the budget cannot hold the
     certainty set (e.g. f = 0.1 with 128-token blocks: 1.4 blocks).
     """
     L = importance.shape[-1]
@@ -76,9 +77,9 @@ def block_design_pi(importance: torch.Tensor, fraction: float, block_size: int, 
     if sizes.sinks + sizes.window < math.ceil(SINKS / block_size) + math.ceil(WINDOW / block_size):
         raise ValueError(f"budget {budget:.2f} blocks of {block_size} tokens cannot hold the sink and recent "
                          f"blocks")
-    return F.block_inclusion_probabilities(importance[None].double(), budget, block_size=block_size,
-                                           sink_blocks=sizes.sinks, recent_blocks=sizes.window,
-                                           top_blocks=sizes.top, floor=0.1, reduce=reduce)[0]
+    design = F.BlockDesign(block_size=block_size, sink_blocks=sizes.sinks, recent_blocks=sizes.window,
+                           top_blocks=sizes.top, floor=0.1, reduce=reduce)
+    return design.inclusion_probabilities(importance[None], budget)[0]
 
 
 def token_pi(importance: torch.Tensor, fraction: float) -> torch.Tensor:

@@ -587,3 +587,25 @@ def test_block_docstring_examples():
     for module in (ref_blocks, fast_blocks):
         result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+def test_design_inclusion_probabilities_is_the_chain_decide_runs():
+    """``BlockDesign.inclusion_probabilities(scores, budget)`` (the replay's call) is the block importance of
+    ``block_importance`` followed by the pi of ``decide`` at the same budget (up to the second normalization
+    of decide's block-level call, ~1e-15), and shifts a negative-score head as ``block_importance`` does."""
+    g = torch.Generator().manual_seed(3)
+    design = F.BlockDesign(compression_ratio=0.5, block_size=16, sink_blocks=1, recent_blocks=2, top_blocks=1,
+                           reduce="max")
+    scores = torch.rand(1, 4, 3, 200, generator=g, dtype=torch.float64)
+    scores[0, 1, 2] -= 0.7  # one head with negative scores: shifted by its minimum
+    nb = design.n_blocks(200)
+    budget = design.budget(nb)
+    pi = design.inclusion_probabilities(scores, budget)
+    decided = design.decide(design.block_importance(scores)[0], event=0, n_tokens=200)
+    assert pi.shape == (1, nb) and pi.dtype == torch.float64
+    assert torch.allclose(pi[0], decided.pi, rtol=1e-13, atol=0)
+    assert abs(float(pi.sum()) - budget) < 1e-9
+    # the shift is what makes these scores admissible: unshifted, the function refuses them
+    with pytest.raises(ValueError, match="importance must be >= 0"):
+        F.block_inclusion_probabilities(scores, budget, block_size=16, sink_blocks=1, recent_blocks=2, top_blocks=1,
+                                        reduce="max")
