@@ -722,6 +722,96 @@ def test_recorded_sketch_certificates_of_a_decode_are_unchanged(op, monkeypatch)
                      0.5 * tol / np.minimum(t_a, t_b) * np.maximum(r_a, r_b))
 
 
+# ----------------------------------------------------------------------------- the paged sketch route (vLLM)
+def _gather(cache, ids):
+    """Keys and values (E, h_kv, M * bs, d) of the blocks ``ids`` (E, M) of a ``vec`` cache: the vLLM plugin's
+    gather route (``kvcert.vllm.backend.gather_rows``, which needs vllm to import)."""
+    nb, h, bs, two_d = cache.shape
+    d = two_d // 2
+    E, M = ids.shape
+    flat = cache.view(nb, h, bs * two_d)[ids.reshape(-1)].view(E, M, h, bs * two_d)
+    k = flat[..., : bs * d].reshape(E, M, h, d, bs).permute(0, 2, 1, 4, 3).reshape(E, h, M * bs, d)
+    v = flat[..., bs * d:].reshape(E, M, h, bs, d).permute(0, 2, 1, 3, 4).reshape(E, h, M * bs, d)
+    return k, v
+
+
+def _poison(cache, ids, lp, bs, d):
+    """The cache with NaN in every slot marked -inf (padding past n, pi = 0) and in every block no row reads."""
+    poisoned = cache.clone()
+    flat = poisoned.view(cache.shape[0], cache.shape[1], -1)  # per (block, head): keys [d, bs], values [bs, d]
+    unread = torch.isneginf(lp)
+    for e in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            blk = int(ids[e, j])
+            for h, o in (unread[e, :, j * bs:(j + 1) * bs]).nonzero().tolist():
+                flat[blk, h, o: bs * d: bs] = float("nan")
+                flat[blk, h, bs * d + o * d: bs * d + (o + 1) * d] = float("nan")
+    spare = sorted(set(range(cache.shape[0])) - set(ids.flatten().tolist()))
+    poisoned[spare] = float("nan")
+    return poisoned
+
+
+@pytest.mark.parametrize("tilt", [False, True])
+@pytest.mark.parametrize("g", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, clusters, bs", [(1, 1, 16), (239, 3, 32), (1024, 8, 16), (1500, 5, 32)])
+def test_paged_sketch_route_matches_the_gather_route(op, n, clusters, bs, dtype, g, tilt):
+    """The paged sketch step (the vLLM plugin's, value centre computed by the op) against the float64 oracle on
+    the held slots (:func:`_check_sketch`, with the centre the exact mean kept value, which the op's double sum
+    rounds once to float32) and against the gather route (gather_rows, then the dense op, which computes the
+    same centre in torch): the same output and lse (the same pass over the same values), V_cl, radius, bound
+    and recorded trace within their tolerances."""
+    q, k, v, pi, sketch, _, _ = _sketch_case(n, dtype, g, seed=n + bs, tilt=tilt, clusters=clusters)
+    cache, ids, lp = _paged(k, v, pi, bs, seed=n)
+    ce = op.paged_cluster_hajek_attention(q, cache, ids, lp, sketch, record="tilted_hull")
+    assert ce.estimate.output.dtype == dtype and ce.variance.shape == q.shape[:2]
+    mu, r2 = (x.float() for x in F.value_moments(v.double(), pi.double()))
+    _, tol = _check_sketch(ce, q, k, v, pi, sketch, mu, r2, record="tilted_hull")
+    kg, vg = _gather(cache, ids)
+    gather = op.cluster_hajek_attention(q, kg, vg, None, sketch, log_pi=lp, record="tilted_hull")
+    got, want = _sketch_fields(ce, "op"), _sketch_fields(gather, "op")
+    assert torch.equal(got["output"], want["output"]) and torch.equal(got["lse"], want["lse"])
+    for f in ("variance", "radius", "bound", "recorded"):
+        assert_close(f"{f} paged vs gather", got[f].double().numpy(), want[f].double().numpy(), 2 * tol[f])
+
+
+def test_paged_sketch_route_reads_only_its_slots_and_refuses_by_name(op):
+    """NaN in every slot marked -inf and in every unread block changes nothing (the kept mean, the pass and the
+    hull's maximum skip them); one read value changed changes the output (negative control); bad input is
+    refused naming the argument, block ids outside the cache always."""
+    q, k, v, pi, sketch, _, _ = _sketch_case(239, torch.float32, 3, seed=5, tilt=True)
+    bs, d = 32, 64
+    cache, ids, lp = _paged(k, v, pi, bs, seed=2)
+    a = op.paged_cluster_hajek_attention(q, cache, ids, lp, sketch, record="tilted_hull")
+    poisoned = _poison(cache, ids, lp, bs, d)
+    b = op.paged_cluster_hajek_attention(q, poisoned, ids, lp, sketch, record="tilted_hull")
+    for f, x in _sketch_fields(a, "op").items():
+        assert torch.equal(x, _sketch_fields(b, "op")[f]), f
+    live = int((~torch.isneginf(lp[0, 0])).nonzero()[0, 0])
+    flat = poisoned.view(cache.shape[0], cache.shape[1], -1)
+    flat[int(ids[0, live // bs]), 0, bs * d + (live % bs) * d: bs * d + (live % bs + 1) * d] += 100.0
+    c = op.paged_cluster_hajek_attention(q, poisoned, ids, lp, sketch, record="tilted_hull")
+    assert not torch.allclose(a.estimate.output, c.estimate.output) and not torch.allclose(a.bound, c.bound)
+    with pytest.raises(RuntimeError, match=r"block_ids must lie in \[0, "):
+        op.paged_cluster_hajek_attention(q, cache, ids + cache.shape[0], lp, sketch)
+    with pytest.raises(ValueError, match="log_pi must be"):
+        op.paged_cluster_hajek_attention(q, cache, ids, lp[:, :, :-1], sketch)
+    with pytest.raises(ValueError, match=r"log_pi must lie in \[-inf, 0\]"):
+        op.paged_cluster_hajek_attention(q, cache, ids, lp.abs(), sketch)
+    with pytest.raises(ValueError, match="block_ids must be an int64"):
+        op.paged_cluster_hajek_attention(q, cache, ids.int(), lp, sketch)
+    with pytest.raises(ValueError, match=r"q must be \(E, h_q, d\)"):
+        op.paged_cluster_hajek_attention(q[:1], cache, ids, lp, sketch)
+    with pytest.raises(ValueError, match="sketch.mean"):
+        op.paged_cluster_hajek_attention(q, cache, ids, lp, sketch.map(lambda x: x[:1]))
+    with pytest.raises(ValueError, match="kind"):
+        op.paged_cluster_hajek_attention(q, cache, ids, lp, sketch, record="nope")
+    nan_q = q.clone()
+    nan_q[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        op.paged_cluster_hajek_attention(nan_q, cache, ids, lp, sketch)
+
+
 # ----------------------------------------------------------------------------- the other ISA's register blocking
 _OTHER_ISA = r"""
 import os, sys

@@ -74,7 +74,8 @@ from kvcert.fast.contract import check_attention_inputs, check_attention_values
 from kvcert.fast.types import Estimate
 
 __all__ = ["ENV_VAR", "SOURCE", "SUPPORTED_DTYPES", "CPUOpUnavailable", "available", "paged_hajek_attention", "build_directory",
-           "cluster_hajek_attention", "enabled", "hajek_attention", "load", "unavailable_reason"]
+           "cluster_hajek_attention", "enabled", "hajek_attention", "load", "paged_cluster_hajek_attention",
+           "unavailable_reason"]
 
 #: environment variable: ``0`` (or false/no/off) keeps every call on the torch path
 ENV_VAR = "KVCERT_CPU_OP"
@@ -542,3 +543,84 @@ def paged_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: to
         raise ValueError("paged_hajek_attention produced NaN: q and the cache must be finite")
     return Estimate(output=output, weights=None, variance=None, trace=trace.view(E, h_q), lse=lse.view(E, h_q),
                     n_eff=n_eff.view(E, h_q))
+
+
+def paged_cluster_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor,
+                                  log_pi: torch.Tensor, sketch, *, scale: float | None = None, delta: float = 0.05,
+                                  rule: str | None = None, multiplier: float | None = None, record: str | None = None,
+                                  validate: bool = True):
+    r"""The sketched decode step (:func:`cluster_hajek_attention`) read straight from a paged cache (vLLM's CPU layout).
+
+    The slots as :func:`paged_hajek_attention` (slot i of row e in block ``block_ids[e, i // bs]``, ``vec``
+    layout; log pi -inf where the slot holds no token, never read), the step and its certificate as
+    :func:`cluster_hajek_attention` with ``value_center`` the mean kept value of each (row, KV head),
+
+    .. math:: \mu = rac{1}{|S|}\sum_{i\in S} v_i
+
+    (:func:`kvcert.fast.value_moments`' centre), which the op computes first from the kept values (one read of
+    them, in place): the vLLM plugin's sketched decode (``kvcert.vllm.backend.sketched_decode``) without
+    gathering K and V nor computing the value moments in torch.
+
+    Parameters
+    ----------
+    q : (E, h_q, d), one decode query per row
+    kv_cache : (num_blocks, h_kv, bs, 2 d), float32 or bfloat16, contiguous
+    block_ids : int64 (E, M)
+    log_pi : (E, h_kv, M * bs), -inf where the slot holds no token
+    sketch : ClusterSketch of the E rows (batch E), per KV head
+    scale, delta, rule, multiplier, record : as :func:`cluster_hajek_attention`
+    validate : bool
+        Check that log_pi lies in [-inf, 0] (one host read) and refuse a NaN output or V_cl.
+
+    Returns
+    -------
+    kvcert.fast.ClusterEstimate
+        As :func:`cluster_hajek_attention`: ``output`` (E, h_q, d) in the cache's dtype, ``lse``,
+        ``variance``, ``radius``, ``bound`` (E, h_q) float32, ``estimate.trace`` the recorded trace of
+        ``record`` (else None).
+
+    Raises
+    ------
+    CPUOpUnavailable
+        The op cannot be built here.
+    TypeError, ValueError
+        Shapes or values outside the contract (naming the argument), a sketch of other rows or heads, block ids
+        outside the cache (always checked).
+    """
+    names = _sketch_names or _sketch_imports()
+    if not all(isinstance(x, torch.Tensor) for x in (q, kv_cache, block_ids, log_pi)):
+        raise TypeError("q, kv_cache, block_ids and log_pi must be torch tensors")
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
+        raise ValueError(f"kv_cache must be (num_blocks, h_kv, bs, 2 d), got shape {tuple(kv_cache.shape)}")
+    _, h_kv, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    if block_ids.dim() != 2 or block_ids.dtype != torch.int64:
+        raise ValueError(f"block_ids must be an int64 tensor (E, M), got {block_ids.dtype} of shape "
+                         f"{tuple(block_ids.shape)}")
+    E, M = block_ids.shape
+    if q.dim() != 3 or q.shape[0] != E or q.shape[2] != d or q.shape[1] % h_kv:
+        raise ValueError(f"q must be (E, h_q, d) = ({E}, a multiple of {h_kv}, {d}), got shape {tuple(q.shape)}")
+    if log_pi.shape != (E, h_kv, M * bs):
+        raise ValueError(f"log_pi must be (E, h_kv, M * bs) = ({E}, {h_kv}, {M * bs}), got {tuple(log_pi.shape)}")
+    if kv_cache.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"kv_cache must be float32 or bfloat16, got {kv_cache.dtype}")
+    lp = log_pi if log_pi.dtype == torch.float32 and log_pi.is_contiguous() else log_pi.to(torch.float32).contiguous()
+    if validate and bool(((lp > 0) | torch.isnan(lp)).any()):
+        raise ValueError("log_pi must lie in [-inf, 0] (-inf: the slot holds no token), found NaN or > 0")
+    tau = check_scale(scale, d)
+    form = names["form"](sketch, names["Layout"](dtype=torch.float32, scale=tau, b=E, h_kv=h_kv, d=d, dv=d, q=q))
+    rule, delta, factor = _radius_factor(sketch.rule if rule is None else rule, delta,
+                                         sketch.multiplier if multiplier is None else multiplier)
+    clip = 0.0 if record is None else names["clip"](record, delta)
+    ops = _state["ops"] if _state["ops"] is not None else load()
+    output, lse, var, rad, bnd, rec, _ = ops.hajek_decode_sketch_paged(
+        q, kv_cache if kv_cache.is_contiguous() else kv_cache.contiguous(), block_ids.contiguous(), lp, tau, 0,
+        form.W, form.bias, form.weight, form.wnorm, form.tilt, form.mu, form.reach, factor, clip)
+    if validate and bool(torch.isnan(output).any() | torch.isnan(var).any()):
+        raise ValueError("paged_cluster_hajek_attention produced NaN: q, the cache and the sketch must be finite")
+    if kv_cache.dtype != torch.float32:
+        output = output.to(kv_cache.dtype)
+    bound = bnd if form.reach is not None else None
+    trace = None if record is None else var if bound is None else rec
+    est = Estimate(output=output, weights=None, variance=None, trace=trace, lse=lse)
+    return names["Result"](estimate=est, variance=var, radius=rad, rule=rule, delta=delta, bound=bound)

@@ -741,15 +741,52 @@ void run(const Shape& S, const at::Tensor& q, const at::Tensor& k, const at::Ten
 }
 
 template <typename T>
+PagedKV<T> paged_head(const at::Tensor& kv_cache, const at::Tensor& ids, int64_t bh, int64_t h_kv, int64_t d) {
+  const int64_t M = ids.size(1);
+  return PagedKV<T>{kv_cache.data_ptr<T>(), kv_cache.stride(0), (bh % h_kv) * kv_cache.stride(1), kv_cache.size(2), d,
+                    ids.data_ptr<int64_t>() + (bh / h_kv) * M};
+}
+
+template <typename T>
 void run_paged(const Shape& S, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& ids,
                const at::Tensor& lp, float scale, at::Tensor& out, at::Tensor& lse, at::Tensor& neff,
-               at::Tensor& trace, at::Tensor& var) {
-  const T* cache = kv_cache.data_ptr<T>();
-  const int64_t bs = kv_cache.size(2), sblk = kv_cache.stride(0), sh = kv_cache.stride(1), M = ids.size(1);
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  run_with<false>(S, q, lp, [&](int64_t bh) {
-    return PagedKV<T>{cache, sblk, (bh % S.h_kv) * sh, bs, S.d, ip + (bh / S.h_kv) * M};
-  }, nullptr, scale, out, lse, neff, trace, var);
+               at::Tensor& trace, at::Tensor& var, const float* center = nullptr, const SketchForm* form = nullptr) {
+  run_with<false>(S, q, lp, [&](int64_t bh) { return paged_head<T>(kv_cache, ids, bh, S.h_kv, S.d); }, center, scale,
+                  out, lse, neff, trace, var, form);
+}
+
+// The mean kept value of every paged head, mu = sum_S v_i / max(|S|, 1) (kvcert.fast.value_moments' centre), into
+// mu (H, dv): one read of the kept values (not the keys), per (head, range) task in double, then per head.
+template <typename T>
+void paged_kept_mean(const Shape& S, const at::Tensor& kv_cache, const at::Tensor& ids, const at::Tensor& lp,
+                     float* mu) {
+  const int64_t tasks = S.H * S.splits, dv = S.dv, chunk = (S.n + S.splits - 1) / S.splits;
+  std::vector<double> sums(static_cast<size_t>(tasks * (dv + 1)), 0.0);
+  const Heads<float> L = heads<float>(lp);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(dv);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t bh = t / S.splits, s = t % S.splits;
+      const int64_t n0 = std::min(S.n, s * chunk), n1 = std::min(S.n, n0 + chunk);
+      const PagedKV<T> kv = paged_head<T>(kv_cache, ids, bh, S.h_kv, S.d);
+      const float* l = L.head(bh, S.h_kv);
+      double* acc = sums.data() + t * (dv + 1);
+      for (int64_t i = n0; i < n1; ++i) {
+        if (!(l[i * L.sn] > kNegInf)) continue;  // not a token: never read
+        const float* v = kv.value(i, dv, buf.data());
+#pragma omp simd
+        for (int64_t x = 0; x < dv; ++x) acc[x] += v[x];
+        acc[dv] += 1.0;
+      }
+    }
+  });
+  for (int64_t bh = 0; bh < S.H; ++bh) {
+    std::vector<double> m(dv + 1, 0.0);
+    for (int64_t s = 0; s < S.splits; ++s)
+      for (int64_t x = 0; x <= dv; ++x) m[x] += sums[(bh * S.splits + s) * (dv + 1) + x];
+    const double cnt = std::max(m[dv], 1.0);
+    for (int64_t x = 0; x < dv; ++x) mu[bh * dv + x] = static_cast<float>(m[x] / cnt);
+  }
 }
 
 int64_t auto_splits(int64_t H, int64_t n) {
@@ -820,6 +857,42 @@ at::Tensor form_tensor(const at::Tensor& x, int64_t numel, const char* name) {
   return x.to(at::kFloat).contiguous();
 }
 
+// The sketch form's tensors (float32, contiguous) and the epilogue's outputs in the rows' leading shape `lead`.
+struct FormCall {
+  at::Tensor W, bias, weight, wnorm, tilt, mu, reach, variance, radius, bound, recorded;
+  SketchForm form;
+};
+
+FormCall form_call(int64_t B, int64_t d, int64_t dv, at::IntArrayRef lead, const at::TensorOptions& f32,
+                   const at::Tensor& W, const at::Tensor& bias, const at::Tensor& weight, const at::Tensor& wnorm,
+                   const std::optional<at::Tensor>& tilt, const at::Tensor& smu, const std::optional<at::Tensor>& reach,
+                   double factor, double clip) {
+  TORCH_CHECK(W.dim() == 3 && W.size(0) == B && W.size(1) == 2 * d && W.size(2) % 2 == 0,
+              "hajek_decode_sketch: W must be (b h_kv, 2 d, 2 C)");
+  TORCH_CHECK(std::isfinite(factor) && factor > 0.0, "hajek_decode_sketch: factor must be finite and > 0");
+  TORCH_CHECK(std::isfinite(clip) && clip >= 0.0, "hajek_decode_sketch: clip must be finite and >= 0");
+  const int64_t C = W.size(2) / 2;
+  FormCall c;
+  c.W = form_tensor(W, B * 2 * d * 2 * C, "W");
+  c.bias = form_tensor(bias, B * 2 * C, "bias");
+  c.weight = form_tensor(weight, B * C, "weight");
+  c.wnorm = form_tensor(wnorm, B * C, "wnorm");
+  c.mu = form_tensor(smu, B * dv, "smu");
+  if (tilt.has_value()) c.tilt = form_tensor(*tilt, B * d, "tilt");
+  if (reach.has_value()) c.reach = form_tensor(*reach, B, "reach");
+  c.variance = at::empty(lead, f32);
+  c.radius = at::empty(lead, f32);
+  c.bound = reach.has_value() ? at::empty(lead, f32) : at::empty({0}, f32);
+  c.recorded = reach.has_value() && clip > 0.0 ? at::empty(lead, f32) : at::empty({0}, f32);
+  c.form = SketchForm{c.W.data_ptr<float>(), c.bias.data_ptr<float>(), c.weight.data_ptr<float>(),
+                      c.wnorm.data_ptr<float>(), tilt.has_value() ? c.tilt.data_ptr<float>() : nullptr,
+                      c.mu.data_ptr<float>(), reach.has_value() ? c.reach.data_ptr<float>() : nullptr, C, factor, clip,
+                      c.variance.data_ptr<float>(), c.radius.data_ptr<float>(),
+                      reach.has_value() ? c.bound.data_ptr<float>() : nullptr,
+                      c.recorded.numel() ? c.recorded.data_ptr<float>() : nullptr};
+  return c;
+}
+
 // The cluster design's decode step in one call (kvcert.fast.cluster_hajek_attention with trace=False): the kept
 // pass (kvcert.fast.sketch's _kept_pass with trace=False, in one read of K and V: o, lse, kappa = sum_S pi_i a_i and
 // T' = sum_S pi_i (1 - pi_i) a_i^2 ||v_i - o||^2 centred around `center` = mu, with max_S ||v_i - mu||^2), then per
@@ -842,41 +915,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   TORCH_CHECK(q.size(0) == b && q.size(-1) == d && h_kv > 0 && q.size(1) % h_kv == 0,
               "hajek_decode_sketch: q must be (b, h_q[, t], d) with h_q a multiple of h_kv");
   const int64_t G = q.size(1) / h_kv * (q.dim() == 4 ? q.size(2) : 1), B = b * h_kv;
-  TORCH_CHECK(W.dim() == 3 && W.size(0) == B && W.size(1) == 2 * d && W.size(2) % 2 == 0,
-              "hajek_decode_sketch: W must be (b h_kv, 2 d, 2 C)");
-  const int64_t C = W.size(2) / 2;
-  TORCH_CHECK(std::isfinite(factor) && factor > 0.0, "hajek_decode_sketch: factor must be finite and > 0");
-  TORCH_CHECK(std::isfinite(clip) && clip >= 0.0, "hajek_decode_sketch: clip must be finite and >= 0");
-  const at::Tensor Wf = form_tensor(W, B * 2 * d * 2 * C, "W"), bf = form_tensor(bias, B * 2 * C, "bias");
-  const at::Tensor wf = form_tensor(weight, B * C, "weight"), yf = form_tensor(wnorm, B * C, "wnorm");
-  const at::Tensor mf = form_tensor(smu, B * dv, "smu");
-  at::Tensor tf, rf;
-  if (tilt.has_value()) tf = form_tensor(*tilt, B * d, "tilt");
-  if (reach.has_value()) rf = form_tensor(*reach, B, "reach");
-  auto f32 = q.options().dtype(at::kFloat);
   const auto lead = q.sizes().slice(0, q.dim() - 1);
-  at::Tensor variance = at::empty(lead, f32), radius = at::empty(lead, f32);
-  at::Tensor bound = reach.has_value() ? at::empty(lead, f32) : at::empty({0}, f32);
-  at::Tensor recorded = reach.has_value() && clip > 0.0 ? at::empty(lead, f32) : at::empty({0}, f32);
-  SketchForm form{Wf.data_ptr<float>(), bf.data_ptr<float>(), wf.data_ptr<float>(), yf.data_ptr<float>(),
-                  tilt.has_value() ? tf.data_ptr<float>() : nullptr, mf.data_ptr<float>(),
-                  reach.has_value() ? rf.data_ptr<float>() : nullptr, C, factor, clip, variance.data_ptr<float>(),
-                  radius.data_ptr<float>(), reach.has_value() ? bound.data_ptr<float>() : nullptr,
-                  recorded.numel() ? recorded.data_ptr<float>() : nullptr};
+  FormCall c = form_call(B, d, dv, lead, q.options().dtype(at::kFloat), W, bias, weight, wnorm, tilt, smu, reach,
+                         factor, clip);
   const at::Tensor k = keys.stride(3) == 1 ? keys : keys.contiguous();
   const at::Tensor v = values.stride(3) == 1 ? values : values.contiguous();
   auto r = decode_dense(q.reshape({b, h_kv, G, d}), k, v, log_pi.to(at::kFloat), center, scale, false, splits, true,
-                        &form);
+                        &c.form);
   std::vector<int64_t> out_shape(lead.begin(), lead.end());
   out_shape.push_back(dv);
-  return {std::get<0>(r).view(out_shape), std::get<1>(r).view(lead), variance, radius, bound, recorded};
+  return {std::get<0>(r).view(out_shape), std::get<1>(r).view(lead), c.variance, c.radius, c.bound, c.recorded};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_decode_paged(
-    const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_ids, const at::Tensor& log_pi,
-    double scale, int64_t splits) {
-  // q (E, h_kv, G, d) float32; kv_cache (num_blocks, h_kv, bs, 2 d) float32 or bfloat16, contiguous (vLLM's CPU
-  // "vec" layout); block_ids (E, M) int64 in [0, num_blocks); log_pi (E, h_kv, M * bs) float32, -inf = not read.
+// The checks of a paged call: q (E, h_kv, G, d); kv_cache (num_blocks, h_kv, bs, 2 d) float32 or bfloat16, contiguous
+// (vLLM's CPU "vec" layout); block_ids (E, M) int64 in [0, num_blocks) (memory safety: always checked); log_pi
+// (E, h_kv, M * bs) float32, -inf = not read.
+void check_paged(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_ids,
+                 const at::Tensor& log_pi) {
   TORCH_CHECK(q.dim() == 4 && kv_cache.dim() == 4 && block_ids.dim() == 2 && log_pi.dim() == 3,
               "hajek_decode_paged: q (E, h_kv, G, d), kv_cache (num_blocks, h_kv, bs, 2 d), block_ids (E, M), "
               "log_pi (E, h_kv, M * bs)");
@@ -900,6 +955,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_decode_paged(
     TORCH_CHECK(lo >= 0 && hi < nb, "hajek_decode_paged: block_ids must lie in [0, ", nb, "), got [", lo, ", ",
                 hi, "]");
   }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_decode_paged(
+    const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_ids, const at::Tensor& log_pi,
+    double scale, int64_t splits) {
+  check_paged(q, kv_cache, block_ids, log_pi);
+  const int64_t h_kv = kv_cache.size(1), bs = kv_cache.size(2), d = kv_cache.size(3) / 2;
+  const int64_t E = block_ids.size(0), M = block_ids.size(1), n = M * bs;
   const at::Tensor qc = q.to(at::kFloat).contiguous();
   const int64_t G = q.size(2), H = E * h_kv;
   Shape S{H, h_kv, G, n, d, d, 1, kHead + 2 * d, false};
@@ -916,6 +979,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_decode_paged(
   return {out, lse, neff, trace};
 }
 
+// The cluster design's decode step read from a paged cache (hajek_decode_paged's layout and checks; q (E, h_q, d)):
+// the mean kept value mu of every head first (paged_kept_mean, a read of the kept values), then hajek_decode_sketch's
+// pass around it and its epilogue. Returns o (E, h_q, d) float32, lse, V_cl, the radius, the bound and the
+// recorded trace (E, h_q) (hajek_decode_sketch's), and mu (E, h_kv, d).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+hajek_decode_sketch_paged(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_ids,
+                          const at::Tensor& log_pi, double scale, int64_t splits, const at::Tensor& W,
+                          const at::Tensor& bias, const at::Tensor& weight, const at::Tensor& wnorm,
+                          const std::optional<at::Tensor>& tilt, const at::Tensor& smu,
+                          const std::optional<at::Tensor>& reach, double factor, double clip) {
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 4 && kv_cache.size(1) > 0 && q.size(1) % kv_cache.size(1) == 0,
+              "hajek_decode_sketch_paged: q must be (E, h_q, d) with h_q a multiple of kv_cache's h_kv");
+  const int64_t E = q.size(0), h_q = q.size(1), h_kv = kv_cache.size(1), bs = kv_cache.size(2), d = q.size(2);
+  const at::Tensor q4 = q.reshape({E, h_kv, h_q / h_kv, d});
+  check_paged(q4, kv_cache, block_ids, log_pi);
+  const int64_t n = block_ids.size(1) * bs, G = h_q / h_kv, H = E * h_kv;
+  const auto f32 = kv_cache.options().dtype(at::kFloat);
+  FormCall c = form_call(H, d, d, q.sizes().slice(0, 2), f32, W, bias, weight, wnorm, tilt, smu, reach, factor, clip);
+  Shape S{H, h_kv, G, n, d, d, 1, kHead + 2 * d, false, true};
+  S.splits = splits > 0 ? std::min(splits, std::max<int64_t>(1, n)) : auto_splits(H, n);
+  at::Tensor mu = at::empty({E, h_kv, d}, f32);
+  const at::Tensor qc = q4.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({E, h_kv, G, d}, f32);
+  at::Tensor lse = at::empty({E, h_kv, G}, f32), neff = at::empty({E, h_kv, G}, f32);
+  at::Tensor trace = at::empty({E, h_kv, G}, f32), var = at::empty({0}, f32);
+  const float sc = static_cast<float>(scale);
+  if (kv_cache.scalar_type() == at::kBFloat16) {
+    paged_kept_mean<c10::BFloat16>(S, kv_cache, block_ids, log_pi, mu.data_ptr<float>());
+    run_paged<c10::BFloat16>(S, qc, kv_cache, block_ids, log_pi, sc, out, lse, neff, trace, var, mu.data_ptr<float>(),
+                             &c.form);
+  } else {
+    paged_kept_mean<float>(S, kv_cache, block_ids, log_pi, mu.data_ptr<float>());
+    run_paged<float>(S, qc, kv_cache, block_ids, log_pi, sc, out, lse, neff, trace, var, mu.data_ptr<float>(),
+                     &c.form);
+  }
+  return {out.view({E, h_q, d}), lse.view({E, h_q}), c.variance, c.radius, c.bound, c.recorded, mu};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvcert_cpu, m) {
@@ -926,10 +1027,14 @@ TORCH_LIBRARY(kvcert_cpu, m) {
         "float factor, float clip) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("hajek_decode_paged(Tensor q, Tensor kv_cache, Tensor block_ids, Tensor log_pi, float scale, int splits) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("hajek_decode_sketch_paged(Tensor q, Tensor kv_cache, Tensor block_ids, Tensor log_pi, float scale, "
+        "int splits, Tensor W, Tensor bias, Tensor weight, Tensor wnorm, Tensor? tilt, Tensor smu, Tensor? reach, "
+        "float factor, float clip) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvcert_cpu, CPU, m) {
   m.impl("hajek_decode", &hajek_decode);
   m.impl("hajek_decode_sketch", &hajek_decode_sketch);
   m.impl("hajek_decode_paged", &hajek_decode_paged);
+  m.impl("hajek_decode_sketch_paged", &hajek_decode_sketch_paged);
 }
