@@ -196,6 +196,12 @@ def _as_design(design) -> ClusterDesign:
     return ClusterDesign(**fields, tilt=bool(getattr(design, "tilt", False)))
 
 
+@functools.lru_cache(maxsize=64)
+def _sketch_tokens(clusters: int, tilt: bool, d: int, dv: int) -> float:
+    """:meth:`ClusterDesign.tokens` of a sketch's C, tilt, d and dv, once per shape (the decode reads it every step)."""
+    return ClusterDesign(clusters=clusters, tilt=tilt).tokens(d, dv)
+
+
 @dataclass(frozen=True)
 class ClusterSketch:
     """Per-cluster moments of the evicted tokens of every head (fixed C slots per head).
@@ -261,7 +267,7 @@ class ClusterSketch:
     @property
     def tokens(self) -> float:
         """The same in kept-token units (:meth:`ClusterDesign.tokens`)."""
-        return self.design.tokens(self.mean.shape[-1], self.mu.shape[-1])
+        return _sketch_tokens(self.clusters, self.tilt is not None, self.mean.shape[-1], self.mu.shape[-1])
 
     @property
     def nbytes(self) -> int:
@@ -1068,13 +1074,12 @@ def sketch_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
 
 
 def sketch_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier, log_pi, value_center,
-                 value_sqdist, validate, kept_pass, with_trace: bool = True, centred: bool = False) -> ClusterEstimate:
+                 value_sqdist, validate, kept_pass, with_trace: bool = True) -> ClusterEstimate:
     """:func:`sketch_hajek_attention` with its one pass over K and V given: ``kept_pass(L, lp, omp, pf, mu, r2)``
     -> ``(o, cv, t, sc, kappa, lse)`` as :func:`_kept_pass` (this module's torch pass, or the Triton kernel of
-    ``kvcert.kernels.sketch_hajek_attention``), with the c rows of the HT trace iff ``with_trace``; or, with
-    ``centred=True``, ``kept_pass(L, C, mu, r2)`` -> ``(o, both, kappa, lse)``, the kept sums already centred
-    (``both`` (B, K, G) as :func:`_centred`; the compiled CPU op's pass, which reads log pi itself). The checks, the
-    value moments and the O(C d) epilogue are shared."""
+    ``kvcert.kernels.sketch_hajek_attention``), with the c rows of the HT trace iff ``with_trace``. The checks, the
+    value moments and the O(C d) epilogue are shared (the compiled CPU op computes all of it in C++:
+    ``kvcert.kernels.cpu.sketch_hajek_attention``)."""
     C = check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale)
     L = _Layout(C, q, keys, values)
     form = _decode_form(sketch, L)
@@ -1085,7 +1090,7 @@ def sketch_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier, 
         raise TypeError("give both value_center= and value_sqdist= (from value_moments), or neither")
     if validate:
         check_attention_values(C)
-    probs = None if centred and value_center is not None else _probs(L, C)
+    probs = _probs(L, C)
     dt = L.dtype
     if L.n == 0:
         mu = torch.zeros(L.B, 1, L.dv, dtype=dt, device=L.q.device)
@@ -1102,11 +1107,8 @@ def sketch_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier, 
                 if tuple(x.shape) != shape:
                     raise ValueError(f"{name} must have shape {text} = {shape}, got {tuple(x.shape)}")
         mu = _cast(mu, dt).reshape(L.B, 1, L.dv)
-        if centred:
-            o, both, kappa, lse = kept_pass(L, C, mu, r2)
-        else:
-            o, cv, t, sc, kappa, lse = kept_pass(L, *probs, mu, _cast(r2, dt).reshape(L.B, L.n))
-            both = _centred(t, cv, sc, o, mu)                  # (B, K, G): [trace,] T'
+        o, cv, t, sc, kappa, lse = kept_pass(L, *probs, mu, _cast(r2, dt).reshape(L.B, L.n))
+        both = _centred(t, cv, sc, o, mu)                      # (B, K, G): [trace,] T'
     log_num, log_z = _log_variance(L, form, o, lse, kappa, both[:, -1])
     variance = torch.add(log_num, log_z, alpha=-2.0).exp_()
     # an empty row (nothing kept): trace, V_cl and the radius +inf, the Estimate convention

@@ -16,8 +16,8 @@
   If that op cannot be built (no compiler, no ninja, a failed build), one
   warning names the cause and kvcert.fast runs. ``KVCERT_CPU_OP=0`` keeps
   every call on kvcert.fast. :func:`sketch_hajek_attention` makes the same
-  choice for the sketched designs' decode step (the op's kept pass, the
-  sketch's epilogue in kvcert.fast).
+  choice for the sketched designs' decode step (the op's kept pass and the
+  sketch's epilogue in one call).
 - ``"reference"``: loops over the (batch, query head[, query]) slices calling
   the float64 NumPy oracle :func:`kvcert.reference.hajek_attention` and packs
   a torch :class:`~kvcert.fast.types.Estimate`. Slow; for debugging.
@@ -614,47 +614,57 @@ def _decode_block(query, layer, *, scale, options, kind, delta, softcap, backend
     return LayerDecode("block", est.output.transpose(1, 2), (DecodeRecord(est, _seen(layer, qpos)),), backend)
 
 
-def sketch_hajek_attention(q, keys, values, pi=None, sketch=None, *, trace: bool = True, **kw):
+def sketch_hajek_attention(q, keys, values, pi=None, sketch=None, *, trace: bool = True, record: str | None = None,
+                            **kw):
     r"""The cluster (sketched) design's decode step, :func:`kvcert.fast.sketch_hajek_attention`, on the code
     that runs it here: with ``trace=False`` (the certificate reads :math:`V_{\mathrm{cl}}` only) on CPU tensors
-    with K and V in float32 or bfloat16, the compiled op's kept pass
-    (:func:`kvcert.kernels.cpu.sketch_hajek_attention`: the same estimate from one C++ pass over K and V);
-    else kvcert.fast. ``KVCERT_CPU_OP=0`` keeps kvcert.fast; :func:`last_route` says which ran. Arguments
-    and result as :func:`kvcert.fast.sketch_hajek_attention`."""
+    with K and V in float32 or bfloat16, the compiled op (:func:`kvcert.kernels.cpu.sketch_hajek_attention`:
+    the same estimate from one C++ pass over K and V and the sketch's epilogue in the same call); else
+    kvcert.fast. ``KVCERT_CPU_OP=0`` keeps kvcert.fast; :func:`last_route` says which ran. Arguments and
+    result as :func:`kvcert.fast.sketch_hajek_attention`, and ``record``: with ``trace=False``, a certificate
+    kind whose recorded trace (:func:`kvcert.fast.recorded_trace`) is then ``estimate.trace``."""
     global _last_route
+    if record is not None and trace:
+        raise TypeError("record= needs trace=False (estimate.trace then holds the recorded trace)")
     if not trace and _cpu_op_fits(q, keys, values, {}):
-        out = _cpu_module["module"].sketch_hajek_attention(q, keys, values, pi, sketch, **kw)
+        out = _cpu_module["module"].sketch_hajek_attention(q, keys, values, pi, sketch, record=record, **kw)
         _last_route = "cpu_op"
         return out
-    out = importlib.import_module("kvcert.fast").sketch_hajek_attention(q, keys, values, pi, sketch, trace=trace,
-                                                                          **kw)
+    fast = importlib.import_module("kvcert.fast")
+    out = fast.sketch_hajek_attention(q, keys, values, pi, sketch, trace=trace, **kw)
+    if record is not None:
+        out = replace(out, estimate=replace(out.estimate, trace=fast.recorded_trace(out, record)))
     _last_route = "torch"
     return out
 
 
 def _decode_sketch(query, layer, *, scale, options, kind, delta, softcap, backend) -> LayerDecode:
     """The sketch route of :func:`decode`: :func:`sketch_hajek_attention` (this module's: the compiled CPU
-    op's kept pass on CPU), one query at a time (the function has no causal mask: query j reads the slots at
+    op's pass and epilogue on CPU), one query at a time (the function has no causal mask: query j reads the slots at
     or before its position)."""
-    fast = importlib.import_module("kvcert.fast")
+    if kind is None:
+        raise ValueError("the sketch route records V_cl clipped for a certificate kind: give kind=")
     q_len = query.shape[2]
-    kw = dict(scale=scale, delta=delta, validate=False, trace=False)  # V_cl is the certificate
+    # V_cl is the certificate; the recorded trace is V_cl clipped at (H / c)^2, so that the recorded radius
+    # c sqrt(trace) is min(c sqrt(V_cl), H) (kvcert.fast.recorded_trace)
+    kw = dict(scale=scale, delta=delta, validate=False, trace=False, record=kind)
     held = layer.sketch.tokens  # its memory in kept-token units, as the press sized the budget
     outs, records = [], []
     for j in range(q_len):
         if q_len == 1:
             log_pi = layer.log_weights
             kw["value_center"], kw["value_sqdist"] = layer.value_moments()
+            kept = layer.kept  # the held slots, log pi > -inf
         else:  # causal: the slots after query j's position are not there yet
             qpos = layer.positions[:, 0, layer.positions.shape[-1] - q_len + j]
             log_pi = layer.log_weights.masked_fill(layer.positions > qpos[:, None, None], float("-inf"))
-        ce = sketch_hajek_attention(query[:, :, j], layer.keys, layer.values, None, layer.sketch, log_pi=log_pi,
-                                     **kw)
-        # V_cl clipped at (H / c)^2: the recorded radius c sqrt(trace) is min(c sqrt(V_cl), H)
-        est = replace(ce.estimate, trace=fast.recorded_trace(ce, kind))
-        records.append(DecodeRecord(est, (log_pi > float("-inf")).sum(-1), held))
+            kept = (log_pi > float("-inf")).sum(-1)
+        est = sketch_hajek_attention(query[:, :, j], layer.keys, layer.values, None, layer.sketch, log_pi=log_pi,
+                                      **kw).estimate
+        records.append(DecodeRecord(est, kept, held))
         outs.append(est.output)
-    return LayerDecode("sketch", torch.stack(outs, dim=1), tuple(records), backend)
+    return LayerDecode("sketch", outs[0][:, None] if q_len == 1 else torch.stack(outs, dim=1), tuple(records),
+                       backend)
 
 
 _ROUTES = {"token": _decode_token, "block": _decode_block, "sketch": _decode_sketch}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -435,9 +436,10 @@ def test_paged_route_refuses_by_name(op):
 
 
 # ----------------------------------------------------------------------------- the sketch route (cluster designs)
-def _sketch_case(n, dtype, g, *, seed=0, tilt=False, pad="ragged"):
-    """A kept cache (make_case) and a sketch of 3 n other tokens of the same heads (4 clusters; the
-    recommended tilted form when ``tilt``), with the value moments the Hugging Face decode passes."""
+def _sketch_case(n, dtype, g, *, seed=0, tilt=False, pad="ragged", clusters=4, reach=True):
+    """A kept cache (make_case) and a sketch of 3 n other tokens of the same heads (``clusters`` clusters; the
+    recommended tilted form when ``tilt``; no hull bound without ``reach``), with the value moments the Hugging
+    Face decode passes."""
     q, k, v, pi = _case(n, dtype, g, seed=seed, pad=pad)
     gen = torch.Generator().manual_seed(seed + 1)
     b, h_kv, _, d = k.shape
@@ -445,69 +447,210 @@ def _sketch_case(n, dtype, g, *, seed=0, tilt=False, pad="ragged"):
     ek, ev = torch.randn(b, h_kv, N, d, generator=gen), torch.randn(b, h_kv, N, v.shape[-1], generator=gen)
     epi = torch.rand(b, h_kv, N, generator=gen).clamp_(0.05, 0.95)
     keep = torch.rand(b, h_kv, N, generator=gen) < 0.3
-    design = F.ClusterDesign(clusters=4, radius="chebyshev", tilt=tilt)
+    design = F.ClusterDesign(clusters=clusters, radius="chebyshev", tilt=tilt)
     sketch = F.cluster_sketch(ek, ev, epi, keep, design, tilt=torch.randn(b, h_kv, d, generator=gen) if tilt else None)
+    if not reach:
+        sketch = replace(sketch, reach=None)
     mu, r2 = F.value_moments(v.float(), pi)
     return q, k, v, pi, sketch, mu, r2
 
 
-def _sketch_fields(ce):
-    return {"output": ce.estimate.output, "lse": ce.estimate.lse, "variance": ce.variance, "radius": ce.radius}
+def _sketch_fields(ce, record=None):
+    """The step's fields; ``record``: also the recorded trace, the op's ``estimate.trace`` (``op=True``) or
+    kvcert.fast.recorded_trace of ``ce``."""
+    out = {"output": ce.estimate.output, "lse": ce.estimate.lse, "variance": ce.variance, "radius": ce.radius}
+    if ce.bound is not None:
+        out["bound"] = ce.bound
+    if record == "op":
+        out["recorded"] = ce.estimate.trace
+    elif record is not None:
+        out["recorded"] = F.recorded_trace(ce, record)
+    return out
 
 
-def _check_sketch(ce, q, k, v, pi, sketch, mu, r2):
+def _check_sketch(ce, q, k, v, pi, sketch, mu, r2, record=None, scale=None):
     """The op's sketch step against kvcert.fast's in float64 (the oracle: the same formulas, exact to
-    about 1e-15) within 2 |fast32 - ref64| + rounding: the output and lse as the token route's, V_cl and
-    the radius 8 gamma relative (V_cl = (T' + the clusters' part) / Z^2: T' in the centred form of the
-    trace, Z^2 two roundings of Z)."""
+    about 1e-15) within 2 |fast32 - ref64| + rounding: the output and lse as the token route's; V_cl 8 gamma
+    relative (V_cl = (T' + the clusters' part) / Z^2: T' in the centred form of the trace, Z^2 two roundings
+    of Z; the epilogue itself in double); the hull bound ||o - mu_s|| + max(reach, sqrt(max_S r) + ||mu - mu_s||)
+    moves by ||delta o|| <= sqrt(dv) gamma max|v| and by the float32 sum of r over dv squares ((dv + 2) eps
+    relative, with the final rounding); the radius min(c sqrt(V_cl), H) by either's; the recorded trace
+    min(V_cl, (H / c)^2) by V_cl's or (2 H dH + dH^2) / c^2. ``record``: a kind whose recorded trace the op
+    returned in ``estimate.trace``. Returns the oracle's fields and each field's tolerance."""
     lp = pi.log()
-    ref = _sketch_fields(F.sketch_hajek_attention(q.double(), k.double(), v.double(), None, sketch, log_pi=lp.double(),
-                                                   value_center=mu.double(), value_sqdist=r2.double(), trace=False))
+    kw = dict(trace=False, delta=ce.delta, rule=ce.rule, scale=scale)
+    ref64 = F.sketch_hajek_attention(q.double(), k.double(), v.double(), None, sketch, log_pi=lp.double(),
+                                      value_center=mu.double(), value_sqdist=r2.double(), **kw)
+    ref = _sketch_fields(ref64, record)
     fst = _sketch_fields(F.sketch_hajek_attention(q, k, v, None, sketch, log_pi=lp, value_center=mu, value_sqdist=r2,
-                                                   trace=False))
-    got = _sketch_fields(ce)
-    n = k.shape[2]
+                                                   **kw), record)
+    got = _sketch_fields(ce, "op" if record is not None else None)
+    assert set(got) == set(ref), (set(got), set(ref))
+    n, dv = k.shape[2], v.shape[-1]
     gam = _gamma(n, max(1, math.ceil(n / 256)))
     vmax = v.float().abs().amax(dim=(-2, -1)).repeat_interleave(q.shape[1] // k.shape[1], dim=1).double()
+    if q.dim() == 4:
+        vmax = vmax[..., None]
     eps_out = EPS[k.dtype] if k.dtype != torch.float32 else 0.0
+    finite = lambda x: x.abs().nan_to_num(posinf=0.0, neginf=0.0)  # noqa: E731
     rounding = {"output": (gam * vmax)[..., None] + eps_out * ref["output"].abs(),
-                "lse": gam + EPS[torch.float32] * ref["lse"].abs().nan_to_num(posinf=0.0, neginf=0.0),
-                "variance": 8 * gam * ref["variance"].abs().nan_to_num(posinf=0.0),
-                "radius": 8 * gam * ref["radius"].abs().nan_to_num(posinf=0.0)}
+                "lse": gam + EPS[torch.float32] * finite(ref["lse"]),
+                "variance": 8 * gam * finite(ref["variance"])}
+    rounding["radius"] = 8 * gam * finite(ref["radius"])
+    if "bound" in ref:
+        rounding["bound"] = math.sqrt(dv) * gam * vmax + (dv + 2) * EPS[torch.float32] * finite(ref["bound"])
+        rounding["radius"] = rounding["radius"] + rounding["bound"]
+    if "recorded" in ref:
+        rounding["recorded"] = rounding["variance"]
+        if "bound" in ref:
+            c = F.sketch._radius_per_root_trace(record, ref64.delta)
+            h, dh = finite(ref["bound"]), rounding["bound"]
+            rounding["recorded"] = rounding["recorded"] + (2 * h * dh + dh * dh) / c ** 2
+    tols = {}
     for f, r in ref.items():
         r = r.numpy()
         with np.errstate(invalid="ignore"):
             mirror = np.abs(fst[f].double().numpy() - r)
         mirror = np.where(np.isfinite(mirror), mirror, 0.0)
-        assert_close(f, got[f].double().numpy(), r, 2 * mirror + rounding[f].numpy())
+        tols[f] = 2 * mirror + rounding[f].numpy()
+        assert_close(f, got[f].double().numpy(), r, tols[f])
+    return {f: r.numpy() for f, r in ref.items()}, tols
 
 
 @pytest.mark.parametrize("tilt", [False, True])
 @pytest.mark.parametrize("g", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n", [1, 113, 1023])
-def test_sketch_route_matches_fast(op, n, dtype, g, tilt):
-    q, k, v, pi, sketch, mu, r2 = _sketch_case(n, dtype, g, seed=n, tilt=tilt)
+@pytest.mark.parametrize("n, clusters", [(1, 1), (113, 8), (239, 3), (1023, 4), (1500, 8)])
+def test_sketch_route_matches_fast(op, n, clusters, dtype, g, tilt):
+    q, k, v, pi, sketch, mu, r2 = _sketch_case(n, dtype, g, seed=n, tilt=tilt, clusters=clusters)
     ce = op.sketch_hajek_attention(q, k, v, None, sketch, log_pi=pi.log(), value_center=mu, value_sqdist=r2)
     assert ce.estimate.trace is None  # as kvcert.fast's trace=False: the HT trace is not formed
+    assert ce.bound is not None and ce.rule == "chebyshev"
     _check_sketch(ce, q, k, v, pi, sketch, mu, r2)
 
 
-def test_sketch_route_empty_rows_and_negative_control(op):
-    """A KV head with nothing kept: output 0, lse -inf, V_cl and the radius +inf (as kvcert.fast); and the
-    comparison catches a 1 % error in the offsets -log pi."""
+@pytest.mark.parametrize("record", ["chebyshev", "tilted_hull"])
+@pytest.mark.parametrize("reach", [True, False])
+@pytest.mark.parametrize("tilt", [False, True])
+def test_sketch_route_matches_fast_with_the_recorded_trace(op, reach, tilt, record):
+    """The recorded trace min(V_cl, (H / c)^2) computed in the op (``record=``), with and without a hull bound
+    (without: V_cl itself, and no bound), the kind's c at another delta; and without value moments (the op's
+    route computes the mean kept value)."""
+    q, k, v, pi, sketch, mu, r2 = _sketch_case(239, torch.float32, 3, seed=5, tilt=tilt, reach=reach, clusters=5)
+    ce = op.sketch_hajek_attention(q, k, v, None, sketch, log_pi=pi.log(), value_center=mu, value_sqdist=r2,
+                                    record=record, delta=0.1)
+    assert (ce.bound is not None) == reach and ce.delta == 0.1
+    _check_sketch(ce, q, k, v, pi, sketch, mu, r2, record=record)
+    if not reach:
+        assert ce.estimate.trace is ce.variance  # as kvcert.fast.recorded_trace
+    own = op.sketch_hajek_attention(q, k, v, pi, sketch, record=record, delta=0.1)  # pi, and no moments given
+    for f in ("output", "lse", "variance", "radius", "recorded"):
+        a, b = _sketch_fields(own, "op")[f], _sketch_fields(ce, "op")[f]
+        assert torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6), f
+
+
+def test_sketch_route_several_query_rows_and_a_float64_query(op):
+    """q (b, h_q, t, d): the op's rows in the caller's layout, no causal mask (as kvcert.fast); a float64 q gets
+    float64 statistics (kvcert.fast's compute dtype), from the same float32 computation."""
+    q, k, v, pi, sketch, mu, r2 = _sketch_case(239, torch.float32, 3, seed=2, tilt=True)
+    q4 = torch.randn(q.shape[0], q.shape[1], 3, q.shape[2], generator=torch.Generator().manual_seed(9))
+    ce = op.sketch_hajek_attention(q4, k, v, None, sketch, log_pi=pi.log(), value_center=mu, value_sqdist=r2)
+    assert ce.estimate.output.shape == (*q4.shape[:3], v.shape[-1]) and ce.variance.shape == q4.shape[:3]
+    _check_sketch(ce, q4, k, v, pi, sketch, mu, r2)
+    ce64 = op.sketch_hajek_attention(q.double(), k, v, None, sketch, log_pi=pi.log(), value_center=mu,
+                                      value_sqdist=r2)
+    ce32 = op.sketch_hajek_attention(q, k, v, None, sketch, log_pi=pi.log(), value_center=mu, value_sqdist=r2)
+    assert ce64.variance.dtype == ce64.radius.dtype == ce64.bound.dtype == ce64.estimate.lse.dtype == torch.float64
+    assert torch.equal(ce64.variance, ce32.variance.double()) and torch.equal(ce64.radius, ce32.radius.double())
+
+
+def test_sketch_route_empty_rows_and_negative_controls(op):
+    """A KV head with nothing kept: output 0, lse -inf, V_cl, the radius, the bound and the recorded trace
+    +inf (as kvcert.fast), also for an empty cache (n = 0); and the comparison catches a 1 % error in the
+    offsets -log pi, in the sketch's key means (the form's W), in its masses, and in its reach (the bound)."""
     q, k, v, pi, sketch, mu, r2 = _sketch_case(239, torch.float32, 3, pad="empty_head")
-    ce = op.sketch_hajek_attention(q, k, v, None, sketch, log_pi=pi.log(), value_center=mu, value_sqdist=r2)
+    ce = op.sketch_hajek_attention(q, k, v, None, sketch, log_pi=pi.log(), value_center=mu, value_sqdist=r2,
+                                    record="tilted_hull")
     ref = F.sketch_hajek_attention(q, k, v, None, sketch, log_pi=pi.log(), value_center=mu, value_sqdist=r2,
                                     trace=False)
     empty = torch.isinf(ref.estimate.lse)
     assert bool(empty.any())
-    assert torch.equal(torch.isinf(ce.estimate.lse), empty) and bool(torch.isinf(ce.variance[empty]).all())
-    assert bool((ce.estimate.output[empty] == 0).all())
-    _check_sketch(ce, q, k, v, pi, sketch, mu, r2)
-    bad = op.sketch_hajek_attention(q, k, v, None, sketch, log_pi=pi.log() * 1.01, value_center=mu, value_sqdist=r2)
-    with pytest.raises(AssertionError, match="output|variance"):
-        _check_sketch(bad, q, k, v, pi, sketch, mu, r2)
+    assert torch.equal(torch.isinf(ce.estimate.lse), empty) and bool((ce.estimate.output[empty] == 0).all())
+    for x in (ce.variance, ce.radius, ce.bound, ce.estimate.trace):
+        assert bool((x[empty] == float("inf")).all()) and bool(torch.isfinite(x[~empty]).all())
+    _check_sketch(ce, q, k, v, pi, sketch, mu, r2, record="tilted_hull")
+    nothing = op.sketch_hajek_attention(q, k[:, :, :0], v[:, :, :0], pi[:, :, :0], sketch, record="chebyshev")
+    assert bool((nothing.estimate.output == 0).all()) and bool((nothing.estimate.lse == float("-inf")).all())
+    for x in (nothing.variance, nothing.radius, nothing.bound, nothing.estimate.trace):
+        assert bool((x == float("inf")).all())
+    kw = dict(value_center=mu, value_sqdist=r2)
+    controls = [("output|variance", pi.log() * 1.01, sketch),
+                ("variance", pi.log(), replace(sketch, mean=sketch.mean * 1.01)),
+                ("variance", pi.log(), replace(sketch, weight=sketch.weight * 1.01, wnorm=sketch.wnorm * 1.01)),
+                ("bound", pi.log(), replace(sketch, reach=sketch.reach * 1.01 + 0.01))]
+    for match, lp, sk in controls:
+        bad = op.sketch_hajek_attention(q, k, v, None, sk, log_pi=lp, **kw)
+        with pytest.raises(AssertionError, match=match):
+            _check_sketch(bad, q, k, v, pi, sketch, mu, r2)
+
+
+def test_sketch_route_a_nan_bound_caps_nothing(op):
+    """A NaN reach (a sketch that lost its hull bound) makes the bound NaN: the radius is then the rule's
+    c sqrt(V_cl) uncapped (torch.fmin) and the recorded trace NaN (torch.minimum), as kvcert.fast."""
+    q, k, v, pi, sketch, mu, r2 = _sketch_case(239, torch.float32, 3, pad="none", seed=4)
+    reach = sketch.reach.clone()
+    reach[0, 1] = float("nan")
+    sk = replace(sketch, reach=reach)
+    kw = dict(log_pi=pi.log(), value_center=mu, value_sqdist=r2)
+    ce = op.sketch_hajek_attention(q, k, v, None, sk, record="chebyshev", **kw)
+    fst = F.sketch_hajek_attention(q, k, v, None, sk, trace=False, **kw)
+    rows = torch.zeros_like(ce.variance, dtype=torch.bool)
+    rows[0, 3:6] = True  # the query heads of KV head (0, 1)
+    assert torch.equal(torch.isnan(ce.bound), rows) and torch.equal(torch.isnan(fst.bound), rows)
+    assert torch.equal(torch.isnan(ce.estimate.trace), rows)
+    assert torch.equal(torch.isnan(F.recorded_trace(fst, "chebyshev")), rows)
+    uncapped = ce.variance.sqrt() * (1 / 0.05) ** 0.5
+    assert torch.allclose(ce.radius[rows], uncapped[rows], rtol=1e-6) and bool(torch.isfinite(ce.radius).all())
+    assert torch.allclose(ce.radius, fst.radius, rtol=1e-4)
+
+
+def test_sketch_route_refuses_by_name(op):
+    """Bad input is refused with the contract's error naming the argument, with or without validate; a NaN
+    output is refused with validate (no silent NaN)."""
+    q, k, v, pi, sketch, mu, r2 = _sketch_case(113, torch.float32, 3)
+    lp = pi.log()
+    for validate in (True, False):
+        kw = dict(log_pi=lp, value_center=mu, value_sqdist=r2, validate=validate)
+        with pytest.raises(ValueError, match="h_q"):
+            op.sketch_hajek_attention(q[:, :5], k, v, None, sketch, **kw)
+        with pytest.raises(ValueError, match="log_pi"):
+            op.sketch_hajek_attention(q, k, v, None, sketch, **{**kw, "log_pi": lp[..., :5]})
+        with pytest.raises(ValueError, match="sketch.mean"):
+            op.sketch_hajek_attention(q, k, v, None, sketch.map(lambda x: x[:, :1]), **kw)
+        with pytest.raises(TypeError, match="ClusterSketch"):
+            op.sketch_hajek_attention(q, k, v, None, object(), **kw)
+        with pytest.raises(ValueError, match="delta"):
+            op.sketch_hajek_attention(q, k, v, None, sketch, delta=1.5, **kw)
+        with pytest.raises(ValueError, match="rule"):
+            op.sketch_hajek_attention(q, k, v, None, sketch, rule="nope", **kw)
+        with pytest.raises(ValueError, match="multiplier"):
+            op.sketch_hajek_attention(q, k, v, None, sketch, rule="fixed", multiplier=-1.0, **kw)
+        with pytest.raises(ValueError, match="kind"):
+            op.sketch_hajek_attention(q, k, v, None, sketch, record="nope", **kw)
+        with pytest.raises(ValueError, match="value_center"):
+            op.sketch_hajek_attention(q, k, v, None, sketch, **{**kw, "value_center": mu[:, :, :3]})
+        with pytest.raises(TypeError, match="value_center"):
+            op.sketch_hajek_attention(q, k, v, None, sketch, **{**kw, "value_center": None})
+        with pytest.raises(TypeError, match="float32 or both bfloat16"):
+            op.sketch_hajek_attention(q, k.half(), v.half(), None, sketch, **kw)
+        with pytest.raises(TypeError, match="exactly one"):
+            op.sketch_hajek_attention(q, k, v, pi, sketch, **kw)
+    with pytest.raises(ValueError, match="log_pi"):  # values: only with validate
+        op.sketch_hajek_attention(q, k, v, None, sketch, log_pi=lp.abs(), value_center=mu, value_sqdist=r2)
+    bad = q.clone()
+    bad[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        op.sketch_hajek_attention(bad, k, v, None, sketch, log_pi=lp, value_center=mu, value_sqdist=r2)
 
 
 def test_dispatch_runs_the_sketch_route_on_the_op_and_the_switch_forces_torch(op, monkeypatch):
@@ -528,6 +671,145 @@ def test_dispatch_runs_the_sketch_route_on_the_op_and_the_switch_forces_torch(op
     assert torch.allclose(a.output, t.output, rtol=0, atol=1e-5)
     assert torch.allclose(ra.trace, rt.trace, rtol=1e-4, atol=0)  # the recorded (clipped) V_cl
     assert torch.equal(a.records[0].kept, t.records[0].kept)
+
+
+def test_recorded_sketch_certificates_of_a_decode_are_unchanged(op, monkeypatch):
+    """kvcert's default design (``PoissonPress``'s tilted sketch, kind tilted_hull) decoding a tiny model on the op
+    route (A) and the torch route (B, KVCERT_CPU_OP=0): every op step within its tolerance of the float64 oracle on
+    its own inputs (:func:`_check_sketch`, the recorded trace included) and recorded as computed; the same kept
+    counts; and per step, layer and head A's recorded trace and radius within tol_A + tol_B + |ref64(A) - ref64(B)|
+    of B's (the triangle through the oracle: the two runs' inputs differ by the rounding of earlier layers)."""
+    import kvcert
+    from model_fixtures import forced_logits, tiny_model
+
+    model = tiny_model()
+    ids = torch.randint(1, 96, (1, 150), generator=torch.Generator().manual_seed(0))
+    cont = [torch.tensor([[5 + t]]) for t in range(4)]
+    runs = {}
+    for route in ("cpu_op", "torch"):
+        if route == "torch":
+            monkeypatch.setenv(D.CPU_OP_ENV_VAR, "0")
+        calls, original = [], D.sketch_hajek_attention
+
+        def spy(q, keys, values, pi=None, sketch=None, _calls=calls, **kw):
+            ce = original(q, keys, values, pi, sketch, **kw)
+            _calls.append(dict(q=q.clone(), k=keys.clone(), v=values.clone(), pi=kw["log_pi"].exp(), sketch=sketch,
+                               mu=kw["value_center"].clone(), r2=kw["value_sqdist"].clone(), scale=kw["scale"],
+                               record=kw["record"], ce=ce, route=D.last_route()))
+            return ce
+
+        monkeypatch.setattr(D, "sketch_hajek_attention", spy)
+        press = kvcert.PoissonPress(compression_ratio=0.6, seed=2, sinks=2, window=8)
+        forced_logits(model, ids, cont, press)
+        monkeypatch.setattr(D, "sketch_hajek_attention", original)
+        runs[route] = (press.certificates[0], calls)
+    (ca, calls_a), (cb, calls_b) = runs["cpu_op"], runs["torch"]
+    assert {c["route"] for c in calls_a} == {"cpu_op"} and {c["route"] for c in calls_b} == {"torch"}
+    assert ca.kind == "tilted_hull" and len(calls_a) == len(calls_b) == 2 * len(cont)
+    assert torch.equal(ca.kept, cb.kept)
+    for i, (a, b) in enumerate(zip(calls_a, calls_b)):
+        s, li = divmod(i, 2)  # layer-major within a step
+        assert a["sketch"].tilt is not None and a["record"] == "tilted_hull"
+        args = lambda c: (c["q"], c["k"], c["v"], c["pi"], c["sketch"], c["mu"], c["r2"])  # noqa: E731
+        ref_a, tol_a = _check_sketch(a["ce"], *args(a), record=a["record"], scale=a["scale"])
+        ref_b, tol_b = _check_sketch(b["ce"], *args(b), record=b["record"], scale=b["scale"])
+        assert torch.allclose(ca.trace[s + 1, li].double(), a["ce"].estimate.trace[0].double(), rtol=1e-6)
+        t_a, t_b = (x.trace[s + 1, li].double().numpy() for x in (ca, cb))
+        tol = tol_a["recorded"][0] + tol_b["recorded"][0] + np.abs(ref_a["recorded"][0] - ref_b["recorded"][0])
+        assert_close(f"recorded trace A vs B, step {s}, layer {li}", t_a, t_b, tol)
+        r_a, r_b = (x.radius[s + 1, li].double().numpy() for x in (ca, cb))  # c sqrt(trace): dr / r = dt / (2 t)
+        assert_close(f"radius A vs B, step {s}, layer {li}", r_a, r_b,
+                     0.5 * tol / np.minimum(t_a, t_b) * np.maximum(r_a, r_b))
+
+
+# ----------------------------------------------------------------------------- the paged sketch route (vLLM)
+def _gather(cache, ids):
+    """Keys and values (E, h_kv, M * bs, d) of the blocks ``ids`` (E, M) of a ``vec`` cache: the vLLM plugin's
+    gather route (``kvcert.vllm.backend.gather_rows``, which needs vllm to import)."""
+    nb, h, bs, two_d = cache.shape
+    d = two_d // 2
+    E, M = ids.shape
+    flat = cache.view(nb, h, bs * two_d)[ids.reshape(-1)].view(E, M, h, bs * two_d)
+    k = flat[..., : bs * d].reshape(E, M, h, d, bs).permute(0, 2, 1, 4, 3).reshape(E, h, M * bs, d)
+    v = flat[..., bs * d:].reshape(E, M, h, bs, d).permute(0, 2, 1, 3, 4).reshape(E, h, M * bs, d)
+    return k, v
+
+
+def _poison(cache, ids, lp, bs, d):
+    """The cache with NaN in every slot marked -inf (padding past n, pi = 0) and in every block no row reads."""
+    poisoned = cache.clone()
+    flat = poisoned.view(cache.shape[0], cache.shape[1], -1)  # per (block, head): keys [d, bs], values [bs, d]
+    unread = torch.isneginf(lp)
+    for e in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            blk = int(ids[e, j])
+            for h, o in (unread[e, :, j * bs:(j + 1) * bs]).nonzero().tolist():
+                flat[blk, h, o: bs * d: bs] = float("nan")
+                flat[blk, h, bs * d + o * d: bs * d + (o + 1) * d] = float("nan")
+    spare = sorted(set(range(cache.shape[0])) - set(ids.flatten().tolist()))
+    poisoned[spare] = float("nan")
+    return poisoned
+
+
+@pytest.mark.parametrize("tilt", [False, True])
+@pytest.mark.parametrize("g", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, clusters, bs", [(1, 1, 16), (239, 3, 32), (1024, 8, 16), (1500, 5, 32)])
+def test_paged_sketch_route_matches_the_gather_route(op, n, clusters, bs, dtype, g, tilt):
+    """The paged sketch step (the vLLM plugin's, value centre computed by the op) against the float64 oracle on
+    the held slots (:func:`_check_sketch`, with the centre the exact mean kept value, which the op's double sum
+    rounds once to float32) and against the gather route (gather_rows, then the dense op, which computes the
+    same centre in torch): the same output and lse (the same pass over the same values), V_cl, radius, bound
+    and recorded trace within their tolerances."""
+    q, k, v, pi, sketch, _, _ = _sketch_case(n, dtype, g, seed=n + bs, tilt=tilt, clusters=clusters)
+    cache, ids, lp = _paged(k, v, pi, bs, seed=n)
+    ce = op.paged_sketch_hajek_attention(q, cache, ids, lp, sketch, record="tilted_hull")
+    assert ce.estimate.output.dtype == dtype and ce.variance.shape == q.shape[:2]
+    mu, r2 = (x.float() for x in F.value_moments(v.double(), pi.double()))
+    _, tol = _check_sketch(ce, q, k, v, pi, sketch, mu, r2, record="tilted_hull")
+    kg, vg = _gather(cache, ids)
+    gather = op.sketch_hajek_attention(q, kg, vg, None, sketch, log_pi=lp, record="tilted_hull")
+    got, want = _sketch_fields(ce, "op"), _sketch_fields(gather, "op")
+    assert torch.equal(got["output"], want["output"]) and torch.equal(got["lse"], want["lse"])
+    for f in ("variance", "radius", "bound", "recorded"):
+        assert_close(f"{f} paged vs gather", got[f].double().numpy(), want[f].double().numpy(), 2 * tol[f])
+
+
+def test_paged_sketch_route_reads_only_its_slots_and_refuses_by_name(op):
+    """NaN in every slot marked -inf and in every unread block changes nothing (the kept mean, the pass and the
+    hull's maximum skip them); one read value changed changes the output (negative control); bad input is
+    refused naming the argument, block ids outside the cache always."""
+    q, k, v, pi, sketch, _, _ = _sketch_case(239, torch.float32, 3, seed=5, tilt=True)
+    bs, d = 32, 64
+    cache, ids, lp = _paged(k, v, pi, bs, seed=2)
+    a = op.paged_sketch_hajek_attention(q, cache, ids, lp, sketch, record="tilted_hull")
+    poisoned = _poison(cache, ids, lp, bs, d)
+    b = op.paged_sketch_hajek_attention(q, poisoned, ids, lp, sketch, record="tilted_hull")
+    for f, x in _sketch_fields(a, "op").items():
+        assert torch.equal(x, _sketch_fields(b, "op")[f]), f
+    live = int((~torch.isneginf(lp[0, 0])).nonzero()[0, 0])
+    flat = poisoned.view(cache.shape[0], cache.shape[1], -1)
+    flat[int(ids[0, live // bs]), 0, bs * d + (live % bs) * d: bs * d + (live % bs + 1) * d] += 100.0
+    c = op.paged_sketch_hajek_attention(q, poisoned, ids, lp, sketch, record="tilted_hull")
+    assert not torch.allclose(a.estimate.output, c.estimate.output) and not torch.allclose(a.bound, c.bound)
+    with pytest.raises(RuntimeError, match=r"block_ids must lie in \[0, "):
+        op.paged_sketch_hajek_attention(q, cache, ids + cache.shape[0], lp, sketch)
+    with pytest.raises(ValueError, match="log_pi must be"):
+        op.paged_sketch_hajek_attention(q, cache, ids, lp[:, :, :-1], sketch)
+    with pytest.raises(ValueError, match=r"log_pi must lie in \[-inf, 0\]"):
+        op.paged_sketch_hajek_attention(q, cache, ids, lp.abs(), sketch)
+    with pytest.raises(ValueError, match="block_ids must be an int64"):
+        op.paged_sketch_hajek_attention(q, cache, ids.int(), lp, sketch)
+    with pytest.raises(ValueError, match=r"q must be \(E, h_q, d\)"):
+        op.paged_sketch_hajek_attention(q[:1], cache, ids, lp, sketch)
+    with pytest.raises(ValueError, match="sketch.mean"):
+        op.paged_sketch_hajek_attention(q, cache, ids, lp, sketch.map(lambda x: x[:1]))
+    with pytest.raises(ValueError, match="kind"):
+        op.paged_sketch_hajek_attention(q, cache, ids, lp, sketch, record="nope")
+    nan_q = q.clone()
+    nan_q[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        op.paged_sketch_hajek_attention(nan_q, cache, ids, lp, sketch)
 
 
 # ----------------------------------------------------------------------------- the other ISA's register blocking

@@ -25,7 +25,15 @@ cheap certificate, around a per-range centre mu (the caller's
 
 The slots of a head are cut into ranges (split-K, so that a few heads keep
 every thread busy), each with its online-softmax sums; a merge rescales them
-to the common maximum. Threads: ``at::parallel_for``, i.e. torch's intra-op
+to the common maximum.
+
+The sketched designs' decode step, :func:`sketch_hajek_attention`, is the same
+pass with the weight :math:`\pi_i(1-\pi_i)` for :math:`1-\pi_i` (the kept part of
+:math:`V_{\mathrm{cl}}`), followed in the same call by the sketch's O(C d) epilogue
+per query row (:math:`V_{\mathrm{cl}}`, the radius, the hull bound, the recorded
+trace), from the sketch's decode form.
+
+Threads: ``at::parallel_for``, i.e. torch's intra-op
 pool (``torch.get_num_threads()``); vector code from ``#pragma omp simd`` and
 ``-march=native``. K and V in float32 or bfloat16 (any strides with a unit
 last stride, so the cache's views are read in place); every sum in float32.
@@ -66,7 +74,8 @@ from kvcert.fast.contract import check_attention_inputs, check_attention_values
 from kvcert.fast.types import Estimate
 
 __all__ = ["ENV_VAR", "SOURCE", "SUPPORTED_DTYPES", "CPUOpUnavailable", "available", "paged_hajek_attention", "build_directory",
-           "sketch_hajek_attention", "enabled", "hajek_attention", "load", "unavailable_reason"]
+           "sketch_hajek_attention", "enabled", "hajek_attention", "load", "paged_sketch_hajek_attention",
+           "unavailable_reason"]
 
 #: environment variable: ``0`` (or false/no/off) keeps every call on the torch path
 ENV_VAR = "KVCERT_CPU_OP"
@@ -328,47 +337,150 @@ def sketch_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
                             sketch, *, scale: float | None = None, delta: float = 0.05, rule: str | None = None,
                             multiplier: float | None = None, log_pi: torch.Tensor | None = None,
                             value_center: torch.Tensor | None = None, value_sqdist: torch.Tensor | None = None,
-                            validate: bool = True):
-    r"""The cluster (sketched) design's decode step with its kept pass in the compiled op.
+                            validate: bool = True, record: str | None = None):
+    r"""The cluster (sketched) design's decode step, pass and certificate, in one call of the compiled op.
 
     :func:`kvcert.fast.sketch_hajek_attention` with ``trace=False`` (the Hugging Face decode's call;
-    same arguments, checks, epilogue and result), its one pass over the kept K and V in C++: per query
-    row the Hajek output :math:`\hat o`, :math:`\log\hat Z`, the kept share
-    :math:`\kappa = \sum_{i\in S}\pi_i a_i` and
+    same arguments and result). One C++ pass over the kept K and V gives per query row the Hajek output
+    :math:`\hat o`, :math:`\log\hat Z`, the kept share :math:`\kappa = \sum_{i\in S}\pi_i a_i`,
 
     .. math::
 
         T' = \sum_{i\in S} \pi_i (1-\pi_i)\, a_i^2\, \lVert v_i - \hat o\rVert^2
 
-    in the centred form around ``value_center`` (the trace's pass with the weight
-    :math:`\pi_i(1-\pi_i)` for :math:`1-\pi_i` and :math:`\sum \pi_i p_i` in the place of
-    :math:`\sum p_i^2`); the O(C d) sketch epilogue (V_cl, the radius, the hull bound) is
-    kvcert.fast's. CPU tensors, K and V float32 or bfloat16.
+    (in the centred form around the value centre :math:`\mu`, as the trace of :func:`hajek_attention`)
+    and :math:`\max_{i\in S}\lVert v_i-\mu\rVert^2`; then, per row, the sketch's O(C d) epilogue in double
+    (``kvcert.fast.sketch._log_variance``): with :math:`r = q - q_0` (:math:`q_0 = 0` untilted) and the
+    sketch's decode form :math:`x = b + [r;\ r^2]\,W`,
+
+    .. math::
+
+        \log N = \operatorname{logaddexp}\big(\log T' + 2\log\hat Z,\
+                 \operatorname{logsumexp}_c\,[x_c + \log(Y_c + W_c\lVert\mu_s - \hat o\rVert^2)]\big),\quad
+        \log\tilde Z = \operatorname{logaddexp}\big(\log\kappa + \log\hat Z,\ \operatorname{logsumexp}_c x_{C+c}\big),
+
+        V_{\mathrm{cl}} = e^{\log N - 2\log\tilde Z},\quad \mathrm{radius} = \min(c\sqrt{V_{\mathrm{cl}}}, H),\quad
+        H = \lVert\hat o-\mu_s\rVert + \max\big(\rho_U,\ \max_S\lVert v_i-\mu\rVert + \lVert\mu-\mu_s\rVert\big)
+
+    (:math:`\mu_s` the sketch's value centre, :math:`\rho_U` its ``reach``, c the rule's factor; no H
+    without ``reach``; a NaN H caps nothing, as ``torch.fmin``). The maximum over S is the op's own, over
+    the kept slots: ``value_sqdist`` is not read (the torch path's maximum over every slot of it is the
+    same for :func:`kvcert.fast.value_moments`' distances, which are 0 on padding). CPU tensors, K and V
+    float32 or bfloat16; every sum in float32, the epilogue in double.
+
+    Parameters
+    ----------
+    As :func:`kvcert.fast.sketch_hajek_attention` (no ``trace``). ``value_center`` (b, h_kv, dv) is the
+    centre :math:`\mu` (default the mean kept value, :func:`kvcert.fast.value_moments`, one more pass
+    over V); ``validate=False`` skips the checks of pi / log_pi values and of a NaN output (host reads)
+    and leaves the shape checks to the op (the contract's error is raised when it refuses).
+    record : str, optional
+        A certificate kind: ``estimate.trace`` is then the trace the decode records for it,
+        :func:`kvcert.fast.recorded_trace` (:math:`\min(V_{\mathrm{cl}}, (H/c_\mathrm{kind})^2)`, computed in
+        the op; :math:`V_{\mathrm{cl}}` itself without a hull bound).
 
     Returns
     -------
     kvcert.fast.ClusterEstimate
-        ``estimate.trace`` None (the paper design's HT trace is not formed), as ``trace=False``.
+        ``estimate.trace`` None (the paper design's HT trace is not formed), as ``trace=False``, or the
+        recorded trace of ``record``. An empty row (nothing kept): output 0, lse -inf, variance, radius,
+        bound and recorded trace +inf.
+
+    Raises
+    ------
+    CPUOpUnavailable
+        The op cannot be built here.
+    TypeError, ValueError
+        As :func:`kvcert.fast.sketch_hajek_attention`; tensors not on the CPU, K/V dtypes other than
+        float32 / bfloat16.
     """
-    from kvcert.fast.sketch import sketch_step
+    if validate:
+        check_attention_values(check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale))
+    try:  # the per-step path: shapes checked by the op, in C++
+        return _cluster_call(q, keys, values, pi, log_pi, sketch, scale, delta, rule, multiplier, value_center,
+                             value_sqdist, validate, record)
+    except (RuntimeError, AttributeError, IndexError, TypeError, ValueError, ZeroDivisionError):
+        check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale)  # the contract's error, if any
+        _op_kv(q, keys, values)  # then the op's own: CPU tensors, K and V float32 or bfloat16
+        raise
 
-    return sketch_step(q, keys, values, pi, sketch, scale=scale, delta=delta, rule=rule, multiplier=multiplier,
-                        log_pi=log_pi, value_center=value_center, value_sqdist=value_sqdist, validate=validate,
-                        kept_pass=_sketch_pass, with_trace=False, centred=True)
+
+_FACTORS: dict = {}  # (rule, delta, multiplier, their types) -> (rule, delta, factor), checked once
 
 
-def _sketch_pass(L, C, mu, r2):
-    """The centred kept pass of ``kvcert.fast.sketch.sketch_step`` (``centred=True``) by the op:
-    ``(o (B, G, dv), T' (B, 1, G), kappa (B, G), lse (B, G))`` in the layout's compute dtype."""
-    keys, values = _op_kv(L.q, L.keys, L.values)
-    lp = C.p if C.p_name == "log_pi" else C.p.log()
+def _radius_factor(rule, delta, multiplier) -> tuple[str, float, float]:
+    """The checked rule and delta and the rule's factor c (radius c sqrt(V)), once per argument triple."""
+    key = (rule, type(delta), delta, type(multiplier), multiplier)
+    try:
+        return _FACTORS[key]
+    except (KeyError, TypeError):  # TypeError: an unhashable argument, refused by the checks below
+        pass
+    from kvcert.fast.certificates import _check_delta
+    from kvcert.fast.sketch import RADIUS_RULES, _check_multiplier, _check_rule
+
+    delta = _check_delta(delta)
+    rule = _check_rule(rule)
+    out = (rule, delta, float(RADIUS_RULES[rule].factor(delta, _check_multiplier(multiplier))))
+    if len(_FACTORS) < 256:
+        _FACTORS[key] = out
+    return out
+
+
+_sketch_names: dict = {}  # kvcert.fast's names the sketch route reads, imported at its first call
+
+
+def _sketch_imports() -> dict:
+    if not _sketch_names:
+        from types import SimpleNamespace
+
+        from kvcert.fast import sketch
+        from kvcert.fast.estimators import value_moments
+
+        _sketch_names.update(Layout=SimpleNamespace, form=sketch._decode_form, Result=sketch.ClusterEstimate,
+                             value_moments=value_moments, clip=sketch._radius_per_root_trace)
+    return _sketch_names
+
+
+def _cluster_call(q, keys, values, pi, log_pi, sketch, scale, delta, rule, multiplier, value_center, value_sqdist,
+                  validate, record):
+    """:func:`sketch_hajek_attention`'s op call, with the checks the op cannot do; shapes, devices and dtypes
+    otherwise checked by the op. The sketch's decode form (``kvcert.fast.sketch._decode_form``, float32) is built at
+    the first call for a layout and kept on the sketch, its shape check with it."""
+    names = _sketch_names or _sketch_imports()
+    if (pi is None) == (log_pi is None):
+        raise TypeError("give exactly one of pi and log_pi, each of shape (b, h_kv, n)")
+    if (value_center is None) != (value_sqdist is None):
+        raise TypeError("give both value_center= and value_sqdist= (from value_moments), or neither")
+    b, h_kv, n, d, dv = keys.shape[0], keys.shape[1], keys.shape[2], q.shape[-1], values.shape[-1]
+    tau = check_scale(scale, d)
+    form = names["form"](sketch, names["Layout"](dtype=torch.float32, scale=tau, b=b, h_kv=h_kv, d=d, dv=dv, q=q))
+    rule, delta, factor = _radius_factor(sketch.rule if rule is None else rule, delta,
+                                         sketch.multiplier if multiplier is None else multiplier)
+    clip = 0.0 if record is None else names["clip"](record, delta)
+    lp = log_pi if pi is None else pi.log()
+    if value_center is None:
+        mu = names["value_moments"](values, log_pi=lp)[0]
+    else:
+        for name, x, shape, text in (("value_center", value_center, (b, h_kv, dv), "(b, h_kv, dv)"),
+                                     ("value_sqdist", value_sqdist, (b, h_kv, n), "(b, h_kv, n)")):
+            if not isinstance(x, torch.Tensor) or x.shape != shape:
+                raise ValueError(f"{name} must be a tensor of shape {text} = {shape}, "
+                                 f"got {getattr(x, 'shape', type(x).__name__)}")
+        mu = value_center
     ops = _state["ops"] if _state["ops"] is not None else load()
-    out, lse, kappa, tprime = ops.hajek_decode_sketch(
-        L.q.reshape(L.b, L.h_kv, L.G, L.d), keys, values, lp.to(torch.float32),
-        mu.reshape(L.b, L.h_kv, L.dv), float(L.scale), 0)
-    dt = L.dtype
-    return (out.reshape(L.B, L.G, L.dv).to(dt), tprime.reshape(L.B, 1, L.G).to(dt), kappa.reshape(L.B, L.G).to(dt),
-            lse.reshape(L.B, L.G).to(dt))
+    output, lse, var, rad, bnd, rec = ops.hajek_decode_sketch(q, keys, values, lp, mu, tau, 0, form.W, form.bias,
+                                                              form.weight, form.wnorm, form.tilt, form.mu, form.reach,
+                                                              factor, clip)
+    if validate and bool(torch.isnan(output).any() | torch.isnan(var).any()):
+        raise ValueError("sketch_hajek_attention produced NaN: q, keys, values and the sketch must be finite")
+    if values.dtype != torch.float32:
+        output = output.to(values.dtype)
+    bound = bnd if form.reach is not None else None
+    trace = None if record is None else var if bound is None else rec
+    if q.dtype == torch.float64:  # kvcert.fast's compute dtype for a float64 q
+        lse, var, rad, bound, trace = (x if x is None else x.double() for x in (lse, var, rad, bound, trace))
+    est = Estimate(output=output, weights=None, variance=None, trace=trace, lse=lse)
+    return names["Result"](estimate=est, variance=var, radius=rad, rule=rule, delta=delta, bound=bound)
 
 
 def paged_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
@@ -431,3 +543,84 @@ def paged_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: to
         raise ValueError("paged_hajek_attention produced NaN: q and the cache must be finite")
     return Estimate(output=output, weights=None, variance=None, trace=trace.view(E, h_q), lse=lse.view(E, h_q),
                     n_eff=n_eff.view(E, h_q))
+
+
+def paged_sketch_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor,
+                                  log_pi: torch.Tensor, sketch, *, scale: float | None = None, delta: float = 0.05,
+                                  rule: str | None = None, multiplier: float | None = None, record: str | None = None,
+                                  validate: bool = True):
+    r"""The sketched decode step (:func:`sketch_hajek_attention`) read straight from a paged cache (vLLM's CPU layout).
+
+    The slots as :func:`paged_hajek_attention` (slot i of row e in block ``block_ids[e, i // bs]``, ``vec``
+    layout; log pi -inf where the slot holds no token, never read), the step and its certificate as
+    :func:`sketch_hajek_attention` with ``value_center`` the mean kept value of each (row, KV head),
+
+    .. math:: \mu = rac{1}{|S|}\sum_{i\in S} v_i
+
+    (:func:`kvcert.fast.value_moments`' centre), which the op computes first from the kept values (one read of
+    them, in place): the vLLM plugin's sketched decode (``kvcert.vllm.backend.sketch_decode``) without
+    gathering K and V nor computing the value moments in torch.
+
+    Parameters
+    ----------
+    q : (E, h_q, d), one decode query per row
+    kv_cache : (num_blocks, h_kv, bs, 2 d), float32 or bfloat16, contiguous
+    block_ids : int64 (E, M)
+    log_pi : (E, h_kv, M * bs), -inf where the slot holds no token
+    sketch : ClusterSketch of the E rows (batch E), per KV head
+    scale, delta, rule, multiplier, record : as :func:`sketch_hajek_attention`
+    validate : bool
+        Check that log_pi lies in [-inf, 0] (one host read) and refuse a NaN output or V_cl.
+
+    Returns
+    -------
+    kvcert.fast.ClusterEstimate
+        As :func:`sketch_hajek_attention`: ``output`` (E, h_q, d) in the cache's dtype, ``lse``,
+        ``variance``, ``radius``, ``bound`` (E, h_q) float32, ``estimate.trace`` the recorded trace of
+        ``record`` (else None).
+
+    Raises
+    ------
+    CPUOpUnavailable
+        The op cannot be built here.
+    TypeError, ValueError
+        Shapes or values outside the contract (naming the argument), a sketch of other rows or heads, block ids
+        outside the cache (always checked).
+    """
+    names = _sketch_names or _sketch_imports()
+    if not all(isinstance(x, torch.Tensor) for x in (q, kv_cache, block_ids, log_pi)):
+        raise TypeError("q, kv_cache, block_ids and log_pi must be torch tensors")
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
+        raise ValueError(f"kv_cache must be (num_blocks, h_kv, bs, 2 d), got shape {tuple(kv_cache.shape)}")
+    _, h_kv, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    if block_ids.dim() != 2 or block_ids.dtype != torch.int64:
+        raise ValueError(f"block_ids must be an int64 tensor (E, M), got {block_ids.dtype} of shape "
+                         f"{tuple(block_ids.shape)}")
+    E, M = block_ids.shape
+    if q.dim() != 3 or q.shape[0] != E or q.shape[2] != d or q.shape[1] % h_kv:
+        raise ValueError(f"q must be (E, h_q, d) = ({E}, a multiple of {h_kv}, {d}), got shape {tuple(q.shape)}")
+    if log_pi.shape != (E, h_kv, M * bs):
+        raise ValueError(f"log_pi must be (E, h_kv, M * bs) = ({E}, {h_kv}, {M * bs}), got {tuple(log_pi.shape)}")
+    if kv_cache.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"kv_cache must be float32 or bfloat16, got {kv_cache.dtype}")
+    lp = log_pi if log_pi.dtype == torch.float32 and log_pi.is_contiguous() else log_pi.to(torch.float32).contiguous()
+    if validate and bool(((lp > 0) | torch.isnan(lp)).any()):
+        raise ValueError("log_pi must lie in [-inf, 0] (-inf: the slot holds no token), found NaN or > 0")
+    tau = check_scale(scale, d)
+    form = names["form"](sketch, names["Layout"](dtype=torch.float32, scale=tau, b=E, h_kv=h_kv, d=d, dv=d, q=q))
+    rule, delta, factor = _radius_factor(sketch.rule if rule is None else rule, delta,
+                                         sketch.multiplier if multiplier is None else multiplier)
+    clip = 0.0 if record is None else names["clip"](record, delta)
+    ops = _state["ops"] if _state["ops"] is not None else load()
+    output, lse, var, rad, bnd, rec, _ = ops.hajek_decode_sketch_paged(
+        q, kv_cache if kv_cache.is_contiguous() else kv_cache.contiguous(), block_ids.contiguous(), lp, tau, 0,
+        form.W, form.bias, form.weight, form.wnorm, form.tilt, form.mu, form.reach, factor, clip)
+    if validate and bool(torch.isnan(output).any() | torch.isnan(var).any()):
+        raise ValueError("paged_sketch_hajek_attention produced NaN: q, the cache and the sketch must be finite")
+    if kv_cache.dtype != torch.float32:
+        output = output.to(kv_cache.dtype)
+    bound = bnd if form.reach is not None else None
+    trace = None if record is None else var if bound is None else rec
+    est = Estimate(output=output, weights=None, variance=None, trace=trace, lse=lse)
+    return names["Result"](estimate=est, variance=var, radius=rad, rule=rule, delta=delta, bound=bound)

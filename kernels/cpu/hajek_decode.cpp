@@ -39,7 +39,8 @@
 namespace {
 
 constexpr int64_t kTile = 64;     // slots per score tile (scores and weights stay in L1)
-constexpr int64_t kHead = 8;      // scalars at the head of a partial row: m, l, C, R, P2 (padded)
+constexpr int64_t kHead = 8;      // scalars at the head of a partial row: m, l, C, R, P2 (padded; the sketch's
+                                  // pass: P[5] = the range's largest ||v - mu||^2 over its kept slots)
 constexpr int64_t kMinSplit = 256;  // slots per range at least
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -488,6 +489,12 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
       for (int64_t j = 0; j < cnt; ++j) acc += wr[j] * r2[j];
       part[r * stride + 3] += acc;
     }
+    if (S.sketch) {  // the hull bound's max over S of ||v_i - mu||^2 (mu = the caller's centre), NaN sticking
+      float mx = part[5];
+      for (int64_t j = 0; j < cnt; ++j)
+        if (!(r2[j] <= mx) && mx == mx) mx = r2[j];  // a larger one, or the first NaN
+      for (int64_t r = 0; r < G; ++r) part[r * stride + 5] = mx;
+    }
     if (dv == 64) values_fixed<64, PER_COORD>(G, t, sc, wt, ref, part, stride);
     else if (dv == 128) values_fixed<128, PER_COORD>(G, t, sc, wt, ref, part, stride);
     else values_generic<PER_COORD>(G, dv, t, sc, wt, ref, part, stride);
@@ -568,10 +575,126 @@ void merge_row(const Shape& S, const float* part, const float* refs, int64_t row
   neff[row] = S.sketch ? p2 / l : l * l / p2;  // the sketch's kappa = sum pi a, else n_eff = 1 / sum a^2
 }
 
-// Every (head, range) task, then the merge; `make(bh)` gives head bh's K/V accessor.
+// ---------------------------------------------------------------------------------------------
+// The cluster (sketched) design's certificate of one row, from its kept pieces (o, lse, kappa, T') and the
+// sketch's decode form (kvcert.fast.sketch._DecodeForm, per KV head): kvcert.fast.sketch._log_variance and
+// the end of sketch_step, in double (O(C d) per row).
+//
+//   r = q - q0 (q0 = 0 without a tilt);  x = bias + [r; r^2] W                    (2C: numerator, then Z~ terms)
+//   x_c += log(Y_c + W_c ||mu_s - o||^2)  (c < C; log 0 = -inf: an absent cluster)
+//   log num = logaddexp(log T' + 2 lse, logsumexp_c x_c),  log Z~ = logaddexp(log kappa + lse, logsumexp x_{C+c})
+//   V_cl = exp(log num - 2 log Z~),  radius = factor sqrt(V_cl)
+//   bound = ||o - mu_s|| + max(reach, sqrt(max_S ||v_i - mu||^2) + ||mu - mu_s||),  radius = fmin(radius, bound)
+//   recorded = min(V_cl, (bound / c_kind)^2)   (kvcert.fast.recorded_trace, with `clip` = c_kind > 0)
+//
+// An empty row (lse = -inf) gets V_cl, radius, bound and the recorded trace +inf; a NaN bound caps nothing in the
+// radius (fmin) and makes the recorded trace NaN (torch.minimum); NaN elsewhere propagates (torch.maximum,
+// logsumexp), as the torch path.
+struct SketchForm {
+  const float* W;       // (H, 2d, 2C)
+  const float* bias;    // (H, 2C)
+  const float* weight;  // (H, C) W_c
+  const float* wnorm;   // (H, C) Y_c
+  const float* tilt;    // (H, d) q0, or nullptr
+  const float* mu;      // (H, dv) the sketch's value centre mu_s
+  const float* reach;   // (H) or nullptr: no hull bound
+  int64_t C;
+  double factor;  // the radius rule's c in c sqrt(V_cl)
+  double clip;    // the certificate kind's radius per unit root trace, 0: no recorded trace
+  float* variance;
+  float* radius;
+  float* bound;     // nullptr without reach
+  float* recorded;  // nullptr without reach or clip
+};
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+inline double logsumexp_d(const double* x, int64_t len) {  // torch.logsumexp: -inf if all -inf, NaN sticks
+  double m = -std::numeric_limits<double>::infinity();
+  for (int64_t c = 0; c < len; ++c) {
+    if (x[c] != x[c]) return kNaN;
+    m = std::max(m, x[c]);
+  }
+  if (std::isinf(m)) return m;
+  double s = 0.0;
+  for (int64_t c = 0; c < len; ++c) s += std::exp(x[c] - m);
+  return m + std::log(s);
+}
+
+inline double logaddexp_d(double a, double b) {  // torch.logaddexp: -inf + -inf = -inf, NaN sticks
+  if (a != a || b != b) return kNaN;
+  const double m = std::max(a, b);
+  if (std::isinf(m)) return m;
+  return m + std::log1p(std::exp(-std::abs(a - b)));
+}
+
+inline double max_nan(double a, double b) { return (a != a || b != b) ? kNaN : std::max(a, b); }  // torch.maximum
+
+void sketch_row(const Shape& S, const SketchForm& F, const float* part, const float* q, const float* center,
+                int64_t row, const float* o, float lse, float kappa, float tprime, std::vector<double>& x) {
+  const int64_t G = S.G, d = S.d, dv = S.dv, C = F.C, C2 = 2 * C;
+  const int64_t bh = row / G, r = row % G;
+  if (lse == kNegInf) {  // empty row: the Estimate convention
+    F.variance[row] = F.radius[row] = kInf;
+    if (F.bound) F.bound[row] = kInf;
+    if (F.recorded) F.recorded[row] = kInf;
+    return;
+  }
+  const float* W = F.W + bh * 2 * d * C2;
+  const float* qr = q + row * d;
+  const float* q0 = F.tilt ? F.tilt + bh * d : nullptr;
+  double* xs = x.data();
+  std::copy(F.bias + bh * C2, F.bias + (bh + 1) * C2, xs);
+  for (int64_t j = 0; j < d; ++j) {
+    const double rj = static_cast<double>(qr[j]) - (q0 ? static_cast<double>(q0[j]) : 0.0), rj2 = rj * rj;
+    const float* w1 = W + j * C2;
+    const float* w2 = W + (d + j) * C2;
+#pragma omp simd
+    for (int64_t c = 0; c < C2; ++c) xs[c] += rj * w1[c] + rj2 * w2[c];
+  }
+  const float* ms = F.mu + bh * dv;
+  double a2 = 0.0;  // ||mu_s - o||^2
+  for (int64_t y = 0; y < dv; ++y) {
+    const double e = static_cast<double>(ms[y]) - o[y];
+    a2 += e * e;
+  }
+  const float* Wc = F.weight + bh * C;
+  const float* Yc = F.wnorm + bh * C;
+  for (int64_t c = 0; c < C; ++c) xs[c] += std::log(static_cast<double>(Yc[c]) + static_cast<double>(Wc[c]) * a2);
+  const double L = lse;
+  const double log_num = logaddexp_d(std::log(static_cast<double>(tprime)) + 2.0 * L, logsumexp_d(xs, C));
+  const double log_z = logaddexp_d(std::log(static_cast<double>(kappa)) + L, logsumexp_d(xs + C, C));
+  const double var = std::exp(log_num - 2.0 * log_z);
+  double rad = F.factor * std::sqrt(var);
+  if (F.bound) {
+    double mx = 0.0;  // max_S ||v_i - mu||^2 over the row's ranges
+    for (int64_t s = 0; s < S.splits; ++s) mx = max_nan(mx, part[((bh * S.splits + s) * G + r) * S.stride + 5]);
+    const float* mu = center + bh * dv;
+    double cm = 0.0, om = 0.0;  // ||mu - mu_s||^2, ||o - mu_s||^2
+    for (int64_t y = 0; y < dv; ++y) {
+      const double e = static_cast<double>(mu[y]) - ms[y], f = static_cast<double>(o[y]) - ms[y];
+      cm += e * e;
+      om += f * f;
+    }
+    const double far = max_nan(static_cast<double>(F.reach[bh]), std::sqrt(mx) + std::sqrt(cm));
+    const double bnd = std::sqrt(om) + far;
+    F.bound[row] = static_cast<float>(bnd);
+    rad = std::fmin(rad, bnd);  // a NaN bound caps nothing
+    if (F.recorded) {  // torch.minimum: NaN sticks
+      const double h = bnd / F.clip, cap = h * h;
+      F.recorded[row] = static_cast<float>((var != var || cap != cap) ? kNaN : std::min(var, cap));
+    }
+  }
+  F.variance[row] = static_cast<float>(var);
+  F.radius[row] = static_cast<float>(rad);
+}
+
+// Every (head, range) task, then the merge (and, with `form`, the sketch's certificate of each row); `make(bh)`
+// gives head bh's K/V accessor.
 template <bool PER_COORD, typename Make>
 void run_with(const Shape& S, const at::Tensor& q, const at::Tensor& lp, Make make, const float* center, float scale,
-              at::Tensor& out, at::Tensor& lse, at::Tensor& neff, at::Tensor& trace, at::Tensor& var) {
+              at::Tensor& out, at::Tensor& lse, at::Tensor& neff, at::Tensor& trace, at::Tensor& var,
+              const SketchForm* form = nullptr) {
   const int64_t tasks = S.H * S.splits;
   std::vector<float> part(static_cast<size_t>(tasks * S.G * S.stride));
   std::vector<float> refs(static_cast<size_t>(tasks * S.dv));
@@ -591,6 +714,7 @@ void run_with(const Shape& S, const at::Tensor& q, const at::Tensor& lp, Make ma
   float* var_p = S.per_coord ? var.data_ptr<float>() : nullptr;
   at::parallel_for(0, S.H * S.G, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> o(S.dv);
+    std::vector<double> x(form ? 2 * form->C : 0);
     for (int64_t row = begin; row < end; ++row) {
       if (out.scalar_type() == at::kBFloat16) {
         merge_row(S, part.data(), refs.data(), row, out.data_ptr<c10::BFloat16>(), lse.data_ptr<float>(),
@@ -599,6 +723,9 @@ void run_with(const Shape& S, const at::Tensor& q, const at::Tensor& lp, Make ma
         merge_row(S, part.data(), refs.data(), row, out.data_ptr<float>(), lse.data_ptr<float>(),
                   neff.data_ptr<float>(), trace.data_ptr<float>(), var_p, o);
       }
+      if (form)  // the sketch's output is float32; neff holds kappa and trace T' (merge_row)
+        sketch_row(S, *form, part.data(), qp, center, row, out.data_ptr<float>() + row * S.dv, lse.data_ptr<float>()[row],
+                   neff.data_ptr<float>()[row], trace.data_ptr<float>()[row], x);
     }
   });
 }
@@ -606,23 +733,60 @@ void run_with(const Shape& S, const at::Tensor& q, const at::Tensor& lp, Make ma
 template <typename T, bool PER_COORD>
 void run(const Shape& S, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lp,
          const float* center, float scale, at::Tensor& out, at::Tensor& lse, at::Tensor& neff, at::Tensor& trace,
-         at::Tensor& var) {
+         at::Tensor& var, const SketchForm* form = nullptr) {
   const Heads<T> K = heads<T>(k), V = heads<T>(v);
   run_with<PER_COORD>(S, q, lp, [&](int64_t bh) {
     return DenseKV<T>{K.head(bh, S.h_kv), K.sn, V.head(bh, S.h_kv), V.sn};
-  }, center, scale, out, lse, neff, trace, var);
+  }, center, scale, out, lse, neff, trace, var, form);
+}
+
+template <typename T>
+PagedKV<T> paged_head(const at::Tensor& kv_cache, const at::Tensor& ids, int64_t bh, int64_t h_kv, int64_t d) {
+  const int64_t M = ids.size(1);
+  return PagedKV<T>{kv_cache.data_ptr<T>(), kv_cache.stride(0), (bh % h_kv) * kv_cache.stride(1), kv_cache.size(2), d,
+                    ids.data_ptr<int64_t>() + (bh / h_kv) * M};
 }
 
 template <typename T>
 void run_paged(const Shape& S, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& ids,
                const at::Tensor& lp, float scale, at::Tensor& out, at::Tensor& lse, at::Tensor& neff,
-               at::Tensor& trace, at::Tensor& var) {
-  const T* cache = kv_cache.data_ptr<T>();
-  const int64_t bs = kv_cache.size(2), sblk = kv_cache.stride(0), sh = kv_cache.stride(1), M = ids.size(1);
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  run_with<false>(S, q, lp, [&](int64_t bh) {
-    return PagedKV<T>{cache, sblk, (bh % S.h_kv) * sh, bs, S.d, ip + (bh / S.h_kv) * M};
-  }, nullptr, scale, out, lse, neff, trace, var);
+               at::Tensor& trace, at::Tensor& var, const float* center = nullptr, const SketchForm* form = nullptr) {
+  run_with<false>(S, q, lp, [&](int64_t bh) { return paged_head<T>(kv_cache, ids, bh, S.h_kv, S.d); }, center, scale,
+                  out, lse, neff, trace, var, form);
+}
+
+// The mean kept value of every paged head, mu = sum_S v_i / max(|S|, 1) (kvcert.fast.value_moments' centre), into
+// mu (H, dv): one read of the kept values (not the keys), per (head, range) task in double, then per head.
+template <typename T>
+void paged_kept_mean(const Shape& S, const at::Tensor& kv_cache, const at::Tensor& ids, const at::Tensor& lp,
+                     float* mu) {
+  const int64_t tasks = S.H * S.splits, dv = S.dv, chunk = (S.n + S.splits - 1) / S.splits;
+  std::vector<double> sums(static_cast<size_t>(tasks * (dv + 1)), 0.0);
+  const Heads<float> L = heads<float>(lp);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(dv);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t bh = t / S.splits, s = t % S.splits;
+      const int64_t n0 = std::min(S.n, s * chunk), n1 = std::min(S.n, n0 + chunk);
+      const PagedKV<T> kv = paged_head<T>(kv_cache, ids, bh, S.h_kv, S.d);
+      const float* l = L.head(bh, S.h_kv);
+      double* acc = sums.data() + t * (dv + 1);
+      for (int64_t i = n0; i < n1; ++i) {
+        if (!(l[i * L.sn] > kNegInf)) continue;  // not a token: never read
+        const float* v = kv.value(i, dv, buf.data());
+#pragma omp simd
+        for (int64_t x = 0; x < dv; ++x) acc[x] += v[x];
+        acc[dv] += 1.0;
+      }
+    }
+  });
+  for (int64_t bh = 0; bh < S.H; ++bh) {
+    std::vector<double> m(dv + 1, 0.0);
+    for (int64_t s = 0; s < S.splits; ++s)
+      for (int64_t x = 0; x <= dv; ++x) m[x] += sums[(bh * S.splits + s) * (dv + 1) + x];
+    const double cnt = std::max(m[dv], 1.0);
+    for (int64_t x = 0; x < dv; ++x) mu[bh * dv + x] = static_cast<float>(m[x] / cnt);
+  }
 }
 
 int64_t auto_splits(int64_t H, int64_t n) {
@@ -635,7 +799,8 @@ int64_t auto_splits(int64_t H, int64_t n) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_dense(
     const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& log_pi,
-    const std::optional<at::Tensor>& center, double scale, bool per_coordinate, int64_t splits, bool sketch) {
+    const std::optional<at::Tensor>& center, double scale, bool per_coordinate, int64_t splits, bool sketch,
+    SketchForm* form = nullptr) {
   // q (b, h_kv, G, d) float32; keys (b, h_kv, n, d), values (b, h_kv, n, dv) float32 or bfloat16 with unit
   // stride in the last dimension; log_pi (b, h_kv, n) float32; center (b, h_kv, dv) float32 or None.
   TORCH_CHECK(q.dim() == 4 && keys.dim() == 4 && values.dim() == 4 && log_pi.dim() == 3,
@@ -668,12 +833,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_de
   at::Tensor var = per_coordinate ? at::empty({b, h_kv, G, dv}, f32) : at::empty({0}, f32);
   const float* cp = center.has_value() ? cc.data_ptr<float>() : nullptr;
   const float sc = static_cast<float>(scale);
+  TORCH_CHECK(!form || (sketch && !per_coordinate && cp), "hajek_decode: a sketch form needs the sketch pass and a centre");
   if (keys.scalar_type() == at::kBFloat16) {
     if (per_coordinate) run<c10::BFloat16, true>(S, qc, keys, values, log_pi, cp, sc, out, lse, neff, trace, var);
-    else run<c10::BFloat16, false>(S, qc, keys, values, log_pi, cp, sc, out, lse, neff, trace, var);
+    else run<c10::BFloat16, false>(S, qc, keys, values, log_pi, cp, sc, out, lse, neff, trace, var, form);
   } else {
     if (per_coordinate) run<float, true>(S, qc, keys, values, log_pi, cp, sc, out, lse, neff, trace, var);
-    else run<float, false>(S, qc, keys, values, log_pi, cp, sc, out, lse, neff, trace, var);
+    else run<float, false>(S, qc, keys, values, log_pi, cp, sc, out, lse, neff, trace, var, form);
   }
   return {out, lse, neff, trace, var};
 }
@@ -684,21 +850,88 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_dec
   return decode_dense(q, keys, values, log_pi, center, scale, per_coordinate, splits, false);
 }
 
-// The cluster design's kept pass (kvcert.fast.sketch's _kept_pass with trace=False, in one read of K and V):
-// output o (float32), lse, kappa = sum_S pi_i a_i and T' = sum_S pi_i (1 - pi_i) a_i^2 ||v_i - o||^2 (centred around
-// `center`, as the trace), per (b, h_kv, G).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_decode_sketch(
-    const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& log_pi,
-    const std::optional<at::Tensor>& center, double scale, int64_t splits) {
-  auto r = decode_dense(q, keys, values, log_pi, center, scale, false, splits, true);
-  return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r)};
+// A float32, contiguous copy of a form tensor (a no-op for the cached form's own) with `numel` elements.
+at::Tensor form_tensor(const at::Tensor& x, int64_t numel, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), "hajek_decode_sketch: ", name, " must be a CPU tensor");
+  TORCH_CHECK(x.numel() == numel, "hajek_decode_sketch: ", name, " must hold ", numel, " elements, got ", x.numel());
+  return x.to(at::kFloat).contiguous();
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_decode_paged(
-    const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_ids, const at::Tensor& log_pi,
-    double scale, int64_t splits) {
-  // q (E, h_kv, G, d) float32; kv_cache (num_blocks, h_kv, bs, 2 d) float32 or bfloat16, contiguous (vLLM's CPU
-  // "vec" layout); block_ids (E, M) int64 in [0, num_blocks); log_pi (E, h_kv, M * bs) float32, -inf = not read.
+// The sketch form's tensors (float32, contiguous) and the epilogue's outputs in the rows' leading shape `lead`.
+struct FormCall {
+  at::Tensor W, bias, weight, wnorm, tilt, mu, reach, variance, radius, bound, recorded;
+  SketchForm form;
+};
+
+FormCall form_call(int64_t B, int64_t d, int64_t dv, at::IntArrayRef lead, const at::TensorOptions& f32,
+                   const at::Tensor& W, const at::Tensor& bias, const at::Tensor& weight, const at::Tensor& wnorm,
+                   const std::optional<at::Tensor>& tilt, const at::Tensor& smu, const std::optional<at::Tensor>& reach,
+                   double factor, double clip) {
+  TORCH_CHECK(W.dim() == 3 && W.size(0) == B && W.size(1) == 2 * d && W.size(2) % 2 == 0,
+              "hajek_decode_sketch: W must be (b h_kv, 2 d, 2 C)");
+  TORCH_CHECK(std::isfinite(factor) && factor > 0.0, "hajek_decode_sketch: factor must be finite and > 0");
+  TORCH_CHECK(std::isfinite(clip) && clip >= 0.0, "hajek_decode_sketch: clip must be finite and >= 0");
+  const int64_t C = W.size(2) / 2;
+  FormCall c;
+  c.W = form_tensor(W, B * 2 * d * 2 * C, "W");
+  c.bias = form_tensor(bias, B * 2 * C, "bias");
+  c.weight = form_tensor(weight, B * C, "weight");
+  c.wnorm = form_tensor(wnorm, B * C, "wnorm");
+  c.mu = form_tensor(smu, B * dv, "smu");
+  if (tilt.has_value()) c.tilt = form_tensor(*tilt, B * d, "tilt");
+  if (reach.has_value()) c.reach = form_tensor(*reach, B, "reach");
+  c.variance = at::empty(lead, f32);
+  c.radius = at::empty(lead, f32);
+  c.bound = reach.has_value() ? at::empty(lead, f32) : at::empty({0}, f32);
+  c.recorded = reach.has_value() && clip > 0.0 ? at::empty(lead, f32) : at::empty({0}, f32);
+  c.form = SketchForm{c.W.data_ptr<float>(), c.bias.data_ptr<float>(), c.weight.data_ptr<float>(),
+                      c.wnorm.data_ptr<float>(), tilt.has_value() ? c.tilt.data_ptr<float>() : nullptr,
+                      c.mu.data_ptr<float>(), reach.has_value() ? c.reach.data_ptr<float>() : nullptr, C, factor, clip,
+                      c.variance.data_ptr<float>(), c.radius.data_ptr<float>(),
+                      reach.has_value() ? c.bound.data_ptr<float>() : nullptr,
+                      c.recorded.numel() ? c.recorded.data_ptr<float>() : nullptr};
+  return c;
+}
+
+// The cluster design's decode step in one call (kvcert.fast.sketch_hajek_attention with trace=False): the kept
+// pass (kvcert.fast.sketch's _kept_pass with trace=False, in one read of K and V: o, lse, kappa = sum_S pi_i a_i and
+// T' = sum_S pi_i (1 - pi_i) a_i^2 ||v_i - o||^2 centred around `center` = mu, with max_S ||v_i - mu||^2), then per
+// row the sketch's certificate (sketch_row) from its decode form: W (B, 2d, 2C), bias (B, 2C), weight and wnorm
+// (B, C), tilt (B, d) or None, smu (B, dv), reach (B) or None (B = b h_kv), `factor` the radius rule's c, `clip` a
+// certificate kind's radius per unit root trace (0: none).
+// q in the caller's layout, (b, h_q, d) or (b, h_q, t, d) (its g t rows per KV head share the pass); keys and values
+// with any last stride (a copy where it is not 1), log_pi of any floating dtype (read as float32).
+// Returns o (float32), lse, V_cl, the radius (capped at the bound), the hull bound (empty without reach) and the
+// recorded trace min(V_cl, (bound / clip)^2) (empty without reach or clip), in q's leading shape (b, h_q[, t])
+// (o with dv last).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_decode_sketch(
+    const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& log_pi,
+    const at::Tensor& center, double scale, int64_t splits, const at::Tensor& W, const at::Tensor& bias,
+    const at::Tensor& weight, const at::Tensor& wnorm, const std::optional<at::Tensor>& tilt, const at::Tensor& smu,
+    const std::optional<at::Tensor>& reach, double factor, double clip) {
+  TORCH_CHECK((q.dim() == 3 || q.dim() == 4) && keys.dim() == 4 && values.dim() == 4,
+              "hajek_decode_sketch: q must be (b, h_q[, t], d), keys and values 4-d");
+  const int64_t b = keys.size(0), h_kv = keys.size(1), d = keys.size(3), dv = values.size(3);
+  TORCH_CHECK(q.size(0) == b && q.size(-1) == d && h_kv > 0 && q.size(1) % h_kv == 0,
+              "hajek_decode_sketch: q must be (b, h_q[, t], d) with h_q a multiple of h_kv");
+  const int64_t G = q.size(1) / h_kv * (q.dim() == 4 ? q.size(2) : 1), B = b * h_kv;
+  const auto lead = q.sizes().slice(0, q.dim() - 1);
+  FormCall c = form_call(B, d, dv, lead, q.options().dtype(at::kFloat), W, bias, weight, wnorm, tilt, smu, reach,
+                         factor, clip);
+  const at::Tensor k = keys.stride(3) == 1 ? keys : keys.contiguous();
+  const at::Tensor v = values.stride(3) == 1 ? values : values.contiguous();
+  auto r = decode_dense(q.reshape({b, h_kv, G, d}), k, v, log_pi.to(at::kFloat), center, scale, false, splits, true,
+                        &c.form);
+  std::vector<int64_t> out_shape(lead.begin(), lead.end());
+  out_shape.push_back(dv);
+  return {std::get<0>(r).view(out_shape), std::get<1>(r).view(lead), c.variance, c.radius, c.bound, c.recorded};
+}
+
+// The checks of a paged call: q (E, h_kv, G, d); kv_cache (num_blocks, h_kv, bs, 2 d) float32 or bfloat16, contiguous
+// (vLLM's CPU "vec" layout); block_ids (E, M) int64 in [0, num_blocks) (memory safety: always checked); log_pi
+// (E, h_kv, M * bs) float32, -inf = not read.
+void check_paged(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_ids,
+                 const at::Tensor& log_pi) {
   TORCH_CHECK(q.dim() == 4 && kv_cache.dim() == 4 && block_ids.dim() == 2 && log_pi.dim() == 3,
               "hajek_decode_paged: q (E, h_kv, G, d), kv_cache (num_blocks, h_kv, bs, 2 d), block_ids (E, M), "
               "log_pi (E, h_kv, M * bs)");
@@ -722,6 +955,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_decode_paged(
     TORCH_CHECK(lo >= 0 && hi < nb, "hajek_decode_paged: block_ids must lie in [0, ", nb, "), got [", lo, ", ",
                 hi, "]");
   }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_decode_paged(
+    const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_ids, const at::Tensor& log_pi,
+    double scale, int64_t splits) {
+  check_paged(q, kv_cache, block_ids, log_pi);
+  const int64_t h_kv = kv_cache.size(1), bs = kv_cache.size(2), d = kv_cache.size(3) / 2;
+  const int64_t E = block_ids.size(0), M = block_ids.size(1), n = M * bs;
   const at::Tensor qc = q.to(at::kFloat).contiguous();
   const int64_t G = q.size(2), H = E * h_kv;
   Shape S{H, h_kv, G, n, d, d, 1, kHead + 2 * d, false};
@@ -738,19 +979,62 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_decode_paged(
   return {out, lse, neff, trace};
 }
 
+// The cluster design's decode step read from a paged cache (hajek_decode_paged's layout and checks; q (E, h_q, d)):
+// the mean kept value mu of every head first (paged_kept_mean, a read of the kept values), then hajek_decode_sketch's
+// pass around it and its epilogue. Returns o (E, h_q, d) float32, lse, V_cl, the radius, the bound and the
+// recorded trace (E, h_q) (hajek_decode_sketch's), and mu (E, h_kv, d).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+hajek_decode_sketch_paged(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_ids,
+                          const at::Tensor& log_pi, double scale, int64_t splits, const at::Tensor& W,
+                          const at::Tensor& bias, const at::Tensor& weight, const at::Tensor& wnorm,
+                          const std::optional<at::Tensor>& tilt, const at::Tensor& smu,
+                          const std::optional<at::Tensor>& reach, double factor, double clip) {
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 4 && kv_cache.size(1) > 0 && q.size(1) % kv_cache.size(1) == 0,
+              "hajek_decode_sketch_paged: q must be (E, h_q, d) with h_q a multiple of kv_cache's h_kv");
+  const int64_t E = q.size(0), h_q = q.size(1), h_kv = kv_cache.size(1), bs = kv_cache.size(2), d = q.size(2);
+  const at::Tensor q4 = q.reshape({E, h_kv, h_q / h_kv, d});
+  check_paged(q4, kv_cache, block_ids, log_pi);
+  const int64_t n = block_ids.size(1) * bs, G = h_q / h_kv, H = E * h_kv;
+  const auto f32 = kv_cache.options().dtype(at::kFloat);
+  FormCall c = form_call(H, d, d, q.sizes().slice(0, 2), f32, W, bias, weight, wnorm, tilt, smu, reach, factor, clip);
+  Shape S{H, h_kv, G, n, d, d, 1, kHead + 2 * d, false, true};
+  S.splits = splits > 0 ? std::min(splits, std::max<int64_t>(1, n)) : auto_splits(H, n);
+  at::Tensor mu = at::empty({E, h_kv, d}, f32);
+  const at::Tensor qc = q4.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({E, h_kv, G, d}, f32);
+  at::Tensor lse = at::empty({E, h_kv, G}, f32), neff = at::empty({E, h_kv, G}, f32);
+  at::Tensor trace = at::empty({E, h_kv, G}, f32), var = at::empty({0}, f32);
+  const float sc = static_cast<float>(scale);
+  if (kv_cache.scalar_type() == at::kBFloat16) {
+    paged_kept_mean<c10::BFloat16>(S, kv_cache, block_ids, log_pi, mu.data_ptr<float>());
+    run_paged<c10::BFloat16>(S, qc, kv_cache, block_ids, log_pi, sc, out, lse, neff, trace, var, mu.data_ptr<float>(),
+                             &c.form);
+  } else {
+    paged_kept_mean<float>(S, kv_cache, block_ids, log_pi, mu.data_ptr<float>());
+    run_paged<float>(S, qc, kv_cache, block_ids, log_pi, sc, out, lse, neff, trace, var, mu.data_ptr<float>(),
+                     &c.form);
+  }
+  return {out.view({E, h_q, d}), lse.view({E, h_q}), c.variance, c.radius, c.bound, c.recorded, mu};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvcert_cpu, m) {
   m.def("hajek_decode(Tensor q, Tensor keys, Tensor values, Tensor log_pi, Tensor? center, float scale, "
         "bool per_coordinate, int splits) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("hajek_decode_sketch(Tensor q, Tensor keys, Tensor values, Tensor log_pi, Tensor? center, float scale, "
-        "int splits) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("hajek_decode_sketch(Tensor q, Tensor keys, Tensor values, Tensor log_pi, Tensor center, float scale, "
+        "int splits, Tensor W, Tensor bias, Tensor weight, Tensor wnorm, Tensor? tilt, Tensor smu, Tensor? reach, "
+        "float factor, float clip) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("hajek_decode_paged(Tensor q, Tensor kv_cache, Tensor block_ids, Tensor log_pi, float scale, int splits) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("hajek_decode_sketch_paged(Tensor q, Tensor kv_cache, Tensor block_ids, Tensor log_pi, float scale, "
+        "int splits, Tensor W, Tensor bias, Tensor weight, Tensor wnorm, Tensor? tilt, Tensor smu, Tensor? reach, "
+        "float factor, float clip) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvcert_cpu, CPU, m) {
   m.impl("hajek_decode", &hajek_decode);
   m.impl("hajek_decode_sketch", &hajek_decode_sketch);
   m.impl("hajek_decode_paged", &hajek_decode_paged);
+  m.impl("hajek_decode_sketch_paged", &hajek_decode_sketch_paged);
 }

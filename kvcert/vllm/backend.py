@@ -286,8 +286,8 @@ def gather_rows(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.
 
 
 #: the route the last compacted decode took: ``"paged_cpu_op"`` or ``"gather"`` (:func:`token_decode`),
-#: ``"sketch_gather_cpu_op"`` or ``"sketch_gather"`` (:func:`sketch_decode`: the kept pass in the compiled op
-#: or in kvcert.fast)
+#: ``"sketch_paged_cpu_op"`` (:func:`sketch_decode` in the compiled op, read from the paged cache),
+#: ``"sketch_gather_cpu_op"`` or ``"sketch_gather"`` (gathered K and V, then the compiled op or kvcert.fast)
 LAST_ROUTE = [None]
 
 
@@ -343,11 +343,10 @@ def sketch_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.
     r"""Decode attention of compacted rows whose design keeps a sketch of the evicted tokens, and their radii.
 
     The Hajek output over the held slots (:func:`token_decode`'s) and the sketched design's certificate,
-    :func:`kvcert.fast.sketch_hajek_attention` on the gathered slots (:func:`gather_rows`) and the rows'
-    sketches (through :func:`kvcert.dispatch.sketch_hajek_attention`: its kept pass in the compiled CPU op
-    where it builds): the hybrid variance :math:`V_{\mathrm{cl}}` (kept tokens exact, evicted ones through the
-    sketch's Gaussian moments), clipped at :math:`(H/c)^2` with :math:`H` the hull bound and :math:`c` the
-    kind's factor (:math:`1/\sqrt\delta` for ``chebyshev``, 3 for ``tilted_hull``), so the radius is
+    :func:`kvcert.fast.sketch_hajek_attention` on the held slots and the rows' sketches: the hybrid variance
+    :math:`V_{\mathrm{cl}}` (kept tokens exact, evicted ones through the sketch's Gaussian moments), clipped at
+    :math:`(H/c)^2` with :math:`H` the hull bound and :math:`c` the kind's factor (:math:`1/\sqrt\delta` for
+    ``chebyshev``, 3 for ``tilted_hull``), so the radius is
     :math:`\min(c\sqrt{V_{\mathrm{cl}}}, H)`: what the Hugging Face decode of ``PoissonPress(sketch=...)``
     records (``kvcert.attention``).
 
@@ -361,15 +360,32 @@ def sketch_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.
     Returns
     -------
     output (E, h_q, d) in the query's dtype, relative radius (E, h_q) float32
+
+    Notes
+    -----
+    On CPU where the compiled op builds, one call of its paged sketch route
+    (:func:`kvcert.kernels.cpu.paged_sketch_hajek_attention`) reads the slots in place and computes the value
+    centre (the mean kept value), the step and the recorded trace itself; ``KVCERT_CPU_OP=0`` and a machine
+    where the op cannot be built gather the blocks (:func:`gather_rows`) and call
+    :func:`kvcert.dispatch.sketch_hajek_attention`. :data:`LAST_ROUTE` says which ran.
     """
-    k, v = gather_rows(kv_cache, block_ids)
     lp = log_pi.to(torch.float32)
-    ce = dispatch.sketch_hajek_attention(query, k, v, None, sketch, log_pi=lp, scale=scale, delta=delta,
-                                          validate=False, trace=False)
+    if query.device.type == "cpu" and dispatch.cpu_op_available():
+        from kvcert.kernels import cpu
+
+        ce = cpu.paged_sketch_hajek_attention(query, kv_cache, block_ids, lp, sketch, scale=scale, delta=delta,
+                                               record=kind, validate=False)
+        trace = ce.estimate.trace
+        LAST_ROUTE[0] = "sketch_paged_cpu_op"
+    else:
+        k, v = gather_rows(kv_cache, block_ids)
+        ce = dispatch.sketch_hajek_attention(query, k, v, None, sketch, log_pi=lp, scale=scale, delta=delta,
+                                              validate=False, trace=False)
+        trace = recorded_trace(ce, kind)
+        LAST_ROUTE[0] = "sketch_gather_cpu_op" if dispatch.last_route() == "cpu_op" else "sketch_gather"
     out = ce.output
-    _, _, rel = radius_from_statistics(kind, delta, trace=recorded_trace(ce, kind),
+    _, _, rel = radius_from_statistics(kind, delta, trace=trace,
                                        output_norm=torch.linalg.vector_norm(out.float(), dim=-1))
-    LAST_ROUTE[0] = "sketch_gather_cpu_op" if dispatch.last_route() == "cpu_op" else "sketch_gather"
     return out.to(query.dtype), rel
 
 
@@ -404,8 +420,9 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
                     sel = torch.tensor(rows, dtype=torch.int64)
                     tokens, g_ids, g_log_pi = plan.compacted_tokens[sel], ids[sel], log_pi[sel]
                 q_rows = query.index_select(0, tokens)
-                if sketched:
-                    sketch = ClusterSketch.cat([plan.compacted[j].state.sketches[index] for j in rows])
+                if sketched:  # one row's own sketch as is: its decode form, kept on it, is built once
+                    sketch = plan.compacted[rows[0]].state.sketches[index] if len(rows) == 1 else \
+                        ClusterSketch.cat([plan.compacted[j].state.sketches[index] for j in rows])
                     o, rel = sketch_decode(q_rows, kv_cache, g_ids, g_log_pi, sketch, self.scale, kind, delta)
                 else:
                     o, rel = token_decode(q_rows, kv_cache, g_ids, g_log_pi, self.scale, kind, delta)

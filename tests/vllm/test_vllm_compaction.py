@@ -198,7 +198,19 @@ def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypa
     certs, _, _ = step.results(BS)
     from kvcert import dispatch
 
-    assert backend.LAST_ROUTE[0] == ("sketch_gather_cpu_op" if dispatch.cpu_op_available() else "sketch_gather")
+    assert backend.LAST_ROUTE[0] == ("sketch_paged_cpu_op" if dispatch.cpu_op_available() else "sketch_gather")
+    # the two routes of the sketched decode (the compiled op read from the paged cache, its value centre its own;
+    # and gather + kvcert.fast, the moments in torch) agree
+    ids, lp = step.plan(md, BS).compacted_inputs(0)
+    first, rel1 = backend.sketch_decode(qd, cache, ids, lp, state.sketches[0], scale, "tilted_hull", 0.05)
+    route = backend.LAST_ROUTE[0]
+    monkeypatch.setenv("KVCERT_CPU_OP", "0")
+    other, rel2 = backend.sketch_decode(qd, cache, ids, lp, state.sketches[0], scale, "tilted_hull", 0.05)
+    monkeypatch.delenv("KVCERT_CPU_OP")
+    assert backend.LAST_ROUTE[0] == "sketch_gather" and route in ("sketch_paged_cpu_op", "sketch_gather")
+    print(f"route {route}: max |paged - gather| = {(first - other).abs().max():.2e}")
+    torch.testing.assert_close(first, other, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rel1, rel2, rtol=1e-4, atol=0)
     # the sketched estimator over the kept prompt tokens (pi) and the decode tokens (pi = 1), float64
     pi = torch.cat([torch.where(dec.keep, dec.pi, 0.0), torch.ones(H, T, dtype=torch.float64)], dim=1)
     ce = F.sketch_hajek_attention(qd.double(), k.transpose(0, 1)[None].double(), v.transpose(0, 1)[None].double(),
