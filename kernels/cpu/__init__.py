@@ -483,6 +483,32 @@ def _cluster_call(q, keys, values, pi, log_pi, sketch, scale, delta, rule, multi
     return names["Result"](estimate=est, variance=var, radius=rad, rule=rule, delta=delta, bound=bound)
 
 
+def _paged_inputs(q, kv_cache, block_ids, log_pi, validate: bool):
+    """The checks of the paged routes' inputs (q (E, h_q, d), a ``vec`` cache (num_blocks, h_kv, bs, 2 d) float32 or
+    bfloat16, block_ids int64 (E, M), log_pi (E, h_kv, M bs)); ``(h_kv, d, E, log_pi as contiguous float32)``.
+    With ``validate``, log pi must also lie in [-inf, 0] (a host read)."""
+    if not all(isinstance(x, torch.Tensor) for x in (q, kv_cache, block_ids, log_pi)):
+        raise TypeError("q, kv_cache, block_ids and log_pi must be torch tensors")
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
+        raise ValueError(f"kv_cache must be (num_blocks, h_kv, bs, 2 d), got shape {tuple(kv_cache.shape)}")
+    _, h_kv, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    if block_ids.dim() != 2 or block_ids.dtype != torch.int64:
+        raise ValueError(f"block_ids must be an int64 tensor (E, M), got {block_ids.dtype} of shape "
+                         f"{tuple(block_ids.shape)}")
+    E, M = block_ids.shape
+    if q.dim() != 3 or q.shape[0] != E or q.shape[2] != d or q.shape[1] % h_kv:
+        raise ValueError(f"q must be (E, h_q, d) = ({E}, a multiple of {h_kv}, {d}), got shape {tuple(q.shape)}")
+    if tuple(log_pi.shape) != (E, h_kv, M * bs):
+        raise ValueError(f"log_pi must be (E, h_kv, M * bs) = ({E}, {h_kv}, {M * bs}), got {tuple(log_pi.shape)}")
+    if kv_cache.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"kv_cache must be float32 or bfloat16, got {kv_cache.dtype}")
+    lp = log_pi.to(torch.float32).contiguous()  # no copy when it already is
+    if validate and bool(((lp > 0) | torch.isnan(lp)).any()):
+        raise ValueError("log_pi must lie in [-inf, 0] (-inf: the slot holds no token), found NaN or > 0")
+    return h_kv, d, E, lp
+
+
 def paged_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
                           *, scale: float | None = None, splits: int = 0, validate: bool = True) -> Estimate:
     r"""The same decode and trace (module docstring), read straight from a paged cache in vLLM's CPU layout.
@@ -515,25 +541,7 @@ def paged_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: to
     ValueError
         Shapes or values outside the contract (naming the argument); block ids outside the cache (always checked).
     """
-    if not all(isinstance(x, torch.Tensor) for x in (q, kv_cache, block_ids, log_pi)):
-        raise TypeError("q, kv_cache, block_ids and log_pi must be torch tensors")
-    if kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
-        raise ValueError(f"kv_cache must be (num_blocks, h_kv, bs, 2 d), got shape {tuple(kv_cache.shape)}")
-    nb, h_kv, bs, two_d = kv_cache.shape
-    d = two_d // 2
-    if block_ids.dim() != 2 or block_ids.dtype != torch.int64:
-        raise ValueError(f"block_ids must be an int64 tensor (E, M), got {block_ids.dtype} of shape "
-                         f"{tuple(block_ids.shape)}")
-    E, M = block_ids.shape
-    if q.dim() != 3 or q.shape[0] != E or q.shape[2] != d or q.shape[1] % h_kv:
-        raise ValueError(f"q must be (E, h_q, d) = ({E}, a multiple of {h_kv}, {d}), got shape {tuple(q.shape)}")
-    if tuple(log_pi.shape) != (E, h_kv, M * bs):
-        raise ValueError(f"log_pi must be (E, h_kv, M * bs) = ({E}, {h_kv}, {M * bs}), got {tuple(log_pi.shape)}")
-    if kv_cache.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"kv_cache must be float32 or bfloat16, got {kv_cache.dtype}")
-    lp = log_pi.to(torch.float32).contiguous()
-    if validate and bool(((lp > 0) | torch.isnan(lp)).any()):
-        raise ValueError("log_pi must lie in [-inf, 0] (-inf: the slot holds no token), found NaN or > 0")
+    h_kv, d, E, lp = _paged_inputs(q, kv_cache, block_ids, log_pi, validate)
     ops = _state["ops"] if _state["ops"] is not None else load()
     out, lse, n_eff, trace = ops.hajek_decode_paged(q.reshape(E, h_kv, -1, d), kv_cache.contiguous(),
                                                     block_ids.contiguous(), lp, check_scale(scale, d), splits)
@@ -588,25 +596,7 @@ def paged_sketch_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_
         outside the cache (always checked).
     """
     names = _sketch_names or _sketch_imports()
-    if not all(isinstance(x, torch.Tensor) for x in (q, kv_cache, block_ids, log_pi)):
-        raise TypeError("q, kv_cache, block_ids and log_pi must be torch tensors")
-    if kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
-        raise ValueError(f"kv_cache must be (num_blocks, h_kv, bs, 2 d), got shape {tuple(kv_cache.shape)}")
-    _, h_kv, bs, two_d = kv_cache.shape
-    d = two_d // 2
-    if block_ids.dim() != 2 or block_ids.dtype != torch.int64:
-        raise ValueError(f"block_ids must be an int64 tensor (E, M), got {block_ids.dtype} of shape "
-                         f"{tuple(block_ids.shape)}")
-    E, M = block_ids.shape
-    if q.dim() != 3 or q.shape[0] != E or q.shape[2] != d or q.shape[1] % h_kv:
-        raise ValueError(f"q must be (E, h_q, d) = ({E}, a multiple of {h_kv}, {d}), got shape {tuple(q.shape)}")
-    if log_pi.shape != (E, h_kv, M * bs):
-        raise ValueError(f"log_pi must be (E, h_kv, M * bs) = ({E}, {h_kv}, {M * bs}), got {tuple(log_pi.shape)}")
-    if kv_cache.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"kv_cache must be float32 or bfloat16, got {kv_cache.dtype}")
-    lp = log_pi if log_pi.dtype == torch.float32 and log_pi.is_contiguous() else log_pi.to(torch.float32).contiguous()
-    if validate and bool(((lp > 0) | torch.isnan(lp)).any()):
-        raise ValueError("log_pi must lie in [-inf, 0] (-inf: the slot holds no token), found NaN or > 0")
+    h_kv, d, E, lp = _paged_inputs(q, kv_cache, block_ids, log_pi, validate)
     tau = check_scale(scale, d)
     form = names["form"](sketch, names["Layout"](dtype=torch.float32, scale=tau, b=E, h_kv=h_kv, d=d, dv=d, q=q))
     rule, delta, factor = _radius_factor(sketch.rule if rule is None else rule, delta,
