@@ -54,6 +54,9 @@ __all__ = [
     "design_sizes",
     "design_uniforms",
     "poisson_sample",
+    "systematic_sample",
+    "start_uniforms",
+    "SAMPLINGS",
     "splitmix64",
     "nonnegative_importance",
     "TokenDecision",
@@ -229,6 +232,123 @@ def poisson_sample(pi: torch.Tensor, *, seed: int | None = None, generator: torc
         u = design_uniforms(tuple(pi.shape), seed, layer=layer, event=event, index=index, device=pi.device)
     # compare in float64 so a float32 pi sees exactly the reference's comparison
     return u.to(torch.float64) < pi.to(torch.float64)
+
+
+#: the sampling designs a token design draws with: ``"poisson"`` (independent draws, the paper's) or
+#: ``"systematic"`` (randomized systematic, a fixed sample size; :func:`systematic_sample`)
+SAMPLINGS = ("poisson", "systematic")
+
+
+def start_uniforms(lead, seed: int, *, layer: int = 0, event: int = 0, device=None,
+                   row_streams: bool = True) -> torch.Tensor:
+    r"""The start :math:`s \in [0, 1)` of each head's systematic draw, float64 of shape ``lead`` (..., h):
+    counter 0 of the head's stream (:func:`design_uniforms`; token i draws counter i + 1, so the start is
+    independent of every token's uniform)."""
+    lead = tuple(int(x) for x in lead)
+    index = torch.full(lead + (1,), -1, dtype=torch.int64, device=device)
+    return design_uniforms(lead + (1,), seed, layer=layer, event=event, index=index, device=device,
+                           row_streams=row_streams)[..., 0]
+
+
+def _systematic_keep(pi: torch.Tensor, u: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """:func:`systematic_sample`'s rule on checked float tensors: pi, u (..., n), start (...)."""
+    pi = pi.to(torch.float64)
+    certain = pi >= 1.0
+    tail = pi.masked_fill(certain, 0.0)
+    order = torch.argsort(u.to(torch.float64), dim=-1, stable=True)
+    c = torch.cumsum(tail.gather(-1, order), dim=-1)
+    prev = torch.cat([torch.zeros_like(c[..., :1]), c[..., :-1]], dim=-1)
+    s = start.to(torch.float64)[..., None]
+    hit = torch.floor(c - s) > torch.floor(prev - s)
+    keep = torch.empty_like(hit).scatter_(-1, order, hit)
+    return keep | certain
+
+
+def systematic_sample(pi: torch.Tensor, *, seed: int | None = None, uniforms: torch.Tensor | None = None,
+                      start: torch.Tensor | None = None, layer: int = 0, event: int = 0,
+                      index: torch.Tensor | None = None, row_streams: bool = True) -> torch.Tensor:
+    r"""Randomized systematic sampling, batched: a fixed-size design with exactly the inclusion probabilities pi.
+
+    Per head, the certain tokens (pi = 1) are kept; the others, in the order of their uniforms
+    :math:`U_i` (ascending, ties by slot), are laid end to end on [0, T) and the points
+    :math:`s, s+1, \dots` pick them, s the head's start uniform:
+
+    .. math:: I_i = [\lfloor c_i - s \rfloor > \lfloor c_{i-1} - s \rfloor], \qquad P(I_i = 1) = \pi_i,
+              \qquad |S| \in \{\lfloor \textstyle\sum_i \pi_i \rfloor, \lceil \textstyle\sum_i \pi_i \rceil\},
+
+    :math:`c_i` the running sum of the tail's pi in that order. The torch twin of
+    ``kvcert.reference.systematic_sample`` (the math and references are there): with the reference's
+    uniforms and start the mask is the same bit for bit.
+
+    Parameters
+    ----------
+    pi : tensor (..., n)
+        Inclusion probabilities in [0, 1].
+    seed : int, optional
+        Default stream: U from :func:`design_uniforms`, s from :func:`start_uniforms` (counter 0).
+    uniforms, start : tensors (..., n) in [0, 1) and (...) in [0, 1), optional
+        The randomness itself (give both, or ``seed``).
+    layer, event, index, row_streams
+        Stream coordinates, as :func:`design_uniforms`.
+
+    Returns
+    -------
+    keep : bool tensor of pi's shape
+
+    Examples
+    --------
+    >>> import torch
+    >>> from kvcert.fast import systematic_sample
+    >>> pi = torch.tensor([[1.0, 0.5, 0.25, 0.25, 0.5, 0.5]])
+    >>> int(systematic_sample(pi, seed=0).sum()), int(systematic_sample(pi, seed=1).sum())
+    (3, 3)
+    """
+    pi = check_tensor("pi", pi, floating=True)
+    if pi.ndim == 0:
+        raise ValueError("pi must have shape (..., n), got a scalar")
+    check_probabilities("pi", pi)
+    if (seed is None) == (uniforms is None):
+        raise TypeError("pass exactly one of seed= or uniforms= (with start=)")
+    if uniforms is not None:
+        u = check_tensor("uniforms", uniforms, floating=True)
+        if u.shape != pi.shape:
+            raise ValueError(f"uniforms must have shape {tuple(pi.shape)}, got {tuple(u.shape)}")
+        if start is None:
+            raise TypeError("start= (one uniform per head, shape (...)) goes with uniforms=")
+        s = check_tensor("start", start, floating=True)
+        if tuple(s.shape) != tuple(pi.shape[:-1]):
+            raise ValueError(f"start must have shape {tuple(pi.shape[:-1])}, got {tuple(s.shape)}")
+        for name, x in (("uniforms", u), ("start", s)):
+            if x.numel() and not bool(((x >= 0) & (x < 1)).all()):
+                raise ValueError(f"{name} must lie in [0, 1)")
+        u, s = u.to(pi.device), s.to(pi.device)
+    else:
+        if start is not None:
+            raise TypeError("start= goes with uniforms= only")
+        u = design_uniforms(tuple(pi.shape), seed, layer=layer, event=event, index=index, device=pi.device,
+                            row_streams=row_streams)
+        s = start_uniforms(tuple(pi.shape[:-1]), seed, layer=layer, event=event, device=pi.device,
+                           row_streams=row_streams)
+    return _systematic_keep(pi, u, s)
+
+
+def draw_sample(sampling: str, pi: torch.Tensor, u: torch.Tensor, seed: int, *, layer: int, event: int,
+                row_streams: bool) -> torch.Tensor:
+    r"""The sample of a token design's pi from its stream's uniforms u (same shape): Poisson
+    :math:`[U_i < \pi_i]` or systematic (:func:`systematic_sample`, the start from :func:`start_uniforms`).
+    One place for every caller (:meth:`TokenDesign.decide`, :func:`kvcert.fast.evict`)."""
+    if sampling == "poisson":
+        return u.to(torch.float64) < pi.to(torch.float64)
+    s = start_uniforms(tuple(pi.shape[:-1]), seed, layer=layer, event=event, device=pi.device,
+                       row_streams=row_streams)
+    return _systematic_keep(pi, u, s)
+
+
+def check_sampling(value) -> str:
+    """``sampling`` checked: one of :data:`SAMPLINGS`."""
+    if not isinstance(value, str) or value not in SAMPLINGS:
+        raise ValueError(f"sampling must be one of {SAMPLINGS}, got {value!r}")
+    return value
 
 
 # ---------------------------------------------------------------------------
@@ -809,7 +929,8 @@ class TokenDecision:
     pi : float64 tensor (..., h_kv, n)
         Inclusion probabilities (1 on the certainty set; all 1 when nothing is evicted).
     keep : bool tensor (..., h_kv, n)
-        The sample, :math:`I_i = [U_i < \\pi_i]` with U from :func:`design_uniforms` (``row_streams=False``).
+        The sample (``sampling``): :math:`I_i = [U_i < \\pi_i]` (Poisson) or systematic; U from
+        :func:`design_uniforms` (``row_streams=False``).
     layer, event : int
         Stream coordinates of the draw.
     """
@@ -888,6 +1009,13 @@ class TokenDesign:
         budget whose predicted relative radius for the observation-window queries is at most eps
         (:meth:`target_budget`, :func:`kvcert.fast.target_budget`; docs/theory.md section 9). ``kind``
         must be one of ``kvcert.fast.TARGET_KINDS``.
+    sampling : {"poisson", "systematic"}
+        How the tail is drawn given pi (:data:`SAMPLINGS`): ``"poisson"`` (default, the paper's design)
+        independently, :math:`I_i = [U_i < \pi_i]`; ``"systematic"`` by randomized systematic sampling
+        (:func:`systematic_sample`: the same pi, the same uniforms as the random order, one more as the
+        start), so every head keeps :math:`\lfloor B \rfloor` or :math:`\lceil B \rceil` tokens. A paged
+        engine pads every head to the largest kept count (:func:`kvcert.fast.compact_slots`): a fixed count
+        wastes no memory on padding (docs/theory.md section 7.7).
 
     Notes
     -----
@@ -921,6 +1049,7 @@ class TokenDesign:
     kind: str = "chebyshev"
     sketch: object = None
     target_error: float | None = None
+    sampling: str = "poisson"
 
     def __post_init__(self):
         ratio = check_real("compression_ratio", self.compression_ratio, 0.0, 1.0, hi_open=True)
@@ -943,7 +1072,7 @@ class TokenDesign:
              observation_window=check_int("observation_window", self.observation_window, low=1),
              scorer=_registered_scorer(self.scorer), kernel_size=check_kernel_size(self.kernel_size),
              delta=check_real("delta", self.delta, 0.0, 1.0, lo_open=True, hi_open=True),
-             kind=_certificate_kind(self.kind))
+             kind=_certificate_kind(self.kind), sampling=check_sampling(self.sampling))
         _set(self, sketch=resolve_sketch(self.sketch, self.kind))
         if self.target_error is not None:
             from .target import TARGET_KINDS
@@ -1145,9 +1274,7 @@ class TokenDesign:
         lead = tuple(scores.shape[:-1])
         top = torch.full(lead, sz.top, dtype=torch.int64, device=scores.device)
         pi = inclusion_probabilities(u, b, sinks=sz.sinks, window=sz.window, top=top, floor=self.floor, valid=valid)
-        uni = design_uniforms(tuple(pi.shape), self.seed, layer=layer, event=event, device=pi.device,
-                              row_streams=False)
-        return TokenDecision(float(b), sz, u, pi, uni < pi, layer, event)
+        return TokenDecision(float(b), sz, u, pi, self._draw(pi, layer, event), layer, event)
 
     def _decide_per_head(self, u, valid, budget, layer, event) -> TokenDecision:
         """:meth:`decide` with one budget per KV head (sinks and window unshrunk, top per head)."""
@@ -1169,9 +1296,14 @@ class TokenDesign:
                           top_fraction=self.top_fraction, randomized=True)
         top = torch.where(b < n, _tops(b, self.sinks, self.window, self.top_fraction), 0)
         pi = inclusion_probabilities(u, b, sinks=sz.sinks, window=sz.window, top=top, floor=self.floor, valid=valid)
+        return TokenDecision(float(b.max()), sz, u, pi, self._draw(pi, layer, event), layer, event)
+
+    def _draw(self, pi: torch.Tensor, layer: int, event: int) -> torch.Tensor:
+        """The sample of pi (..., h_kv, n) by ``sampling`` from the stream (seed, layer, KV head, event), every
+        leading row on row 0's stream, counter = slot."""
         uni = design_uniforms(tuple(pi.shape), self.seed, layer=layer, event=event, device=pi.device,
                               row_streams=False)
-        return TokenDecision(float(b.max()), sz, u, pi, uni < pi, layer, event)
+        return draw_sample(self.sampling, pi, uni, self.seed, layer=layer, event=event, row_streams=False)
 
     def evict(self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor, budget, *, sinks: int,
               window: int, top, layer: int, event: int, valid: torch.Tensor | None = None,
@@ -1190,7 +1322,7 @@ class TokenDesign:
         u = nonnegative_importance(scores.to(torch.float64), valid)
         return evict(keys, values, u, budget, sinks=sinks, window=window, top=top, floor=self.floor, seed=self.seed,
                      layer=layer, event=event, pi=pi, positions=positions, row_streams=False, sketch=sketch,
-                     tilt=tilt, scale=scale)
+                     tilt=tilt, scale=scale, sampling=self.sampling)
 
     # -- the memory -----------------------------------------------------------------------------
     @staticmethod

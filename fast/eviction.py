@@ -15,8 +15,8 @@ import numbers
 import torch
 
 from ._checks import check_probabilities, check_tensor, stat_dtype
-from .design import (_at, _certainty_rows, _count_rows, design_uniforms, edge_mask, inclusion_probabilities,
-                     poisson_sample)
+from .design import (_at, _certainty_rows, _count_rows, check_sampling, design_uniforms, draw_sample, edge_mask,
+                     inclusion_probabilities, poisson_sample, systematic_sample)
 from .types import CompressedCache
 
 __all__ = ["evict", "topk_evict", "compact"]
@@ -122,7 +122,7 @@ def evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tensor, bu
           pi: torch.Tensor | None = None, positions: torch.Tensor | None = None,
           uniforms: torch.Tensor | None = None, generator: torch.Generator | None = None,
           row_streams: bool = True, sketch=None, tilt: torch.Tensor | None = None,
-          scale: float | None = None) -> CompressedCache:
+          scale: float | None = None, sampling: str = "poisson", start: torch.Tensor | None = None) -> CompressedCache:
     r"""One Poisson eviction event on every KV head, compacted into a padded cache.
 
     .. math::
@@ -158,6 +158,12 @@ def evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tensor, bu
     uniforms, generator
         Alternative randomness for :func:`kvcert.fast.poisson_sample`
         (``uniforms`` of shape (b, h_kv, n) makes masks equal the reference's).
+    sampling : {"poisson", "systematic"}
+        The sample given pi: independent draws :math:`[U_i < \pi_i]` (default, the paper's) or
+        randomized systematic sampling, a fixed kept count per head (:func:`kvcert.fast.systematic_sample`,
+        its start from counter 0 of the head's stream).
+    start : (b, h_kv) float in [0, 1), optional
+        With ``uniforms`` and ``sampling="systematic"``: each head's start (the reference's).
     sketch : ``kvcert.fast.ClusterDesign`` (or any object with its fields), optional
         Also keep the cluster sketch of this event's evicted tokens
         (:func:`kvcert.fast.cluster_sketch` of the cache before the event, with the
@@ -211,12 +217,18 @@ def evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tensor, bu
     valid, prev, pos = _prior(pi, positions, (b, h, n), keys.device)
     p_e = inclusion_probabilities(importance, budget, sinks=sinks, window=window, top=top, floor=floor,
                                   valid=valid)
+    sampling = check_sampling(sampling)
     if uniforms is None and generator is None:
         # counter = original position (slot index when the cache carries no positions)
         index = None if positions is None else pos.clamp(min=0)
         u = design_uniforms(tuple(p_e.shape), seed, layer=layer, event=event, index=index, device=p_e.device,
                             row_streams=row_streams)
-        keep = u < p_e  # poisson_sample's rule, without re-validating the pi we just made
+        # poisson_sample's / systematic_sample's rule, without re-validating the pi we just made
+        keep = draw_sample(sampling, p_e, u, seed, layer=layer, event=event, row_streams=row_streams)
+    elif sampling == "systematic":
+        if generator is not None:
+            raise TypeError("sampling='systematic' draws from seed= or from uniforms= with start=, not generator=")
+        keep = systematic_sample(p_e, uniforms=uniforms, start=start)
     else:
         keep = poisson_sample(p_e, uniforms=uniforms, generator=generator)
     final = p_e if prev is None else (prev.to(p_e.dtype) * p_e)

@@ -51,6 +51,8 @@ from .design import (
     edge_mask,
     inclusion_probabilities,
     poisson_sample,
+    SAMPLINGS,
+    systematic_sample,
 )
 from .sketch import (
     ClusterDesign,
@@ -87,7 +89,8 @@ __all__ = [
     "snapkv_scores", "streaming_llm_scores", "tova_scores",
     "CERTIFICATE_KINDS", "CertificateKind", "KINDS", "Certificate", "certificate", "covers", "radius_from_moments",
     "budget_from_fraction", "certainty_mask", "design_generator", "design_uniforms",
-    "edge_mask", "inclusion_probabilities", "poisson_sample", "compact_slots",
+    "edge_mask", "inclusion_probabilities", "poisson_sample", "compact_slots", "SAMPLINGS",
+    "systematic_sample",
     "Estimate", "attention", "hajek_attention", "horvitz_thompson_totals",
     "linearized_variance", "linearized_variance_ht", "scores",
     "EvictionResult", "evict_and_certify", "memory_fraction", "ClusterDesign",

@@ -16,6 +16,8 @@ __all__ = [
     "design_generator",
     "design_uniforms",
     "poisson_sample",
+    "systematic_sample",
+    "SAMPLINGS",
     "compact_slots",
 ]
 
@@ -283,6 +285,84 @@ def poisson_sample(pi, *, seed: int | None = None, generator: np.random.Generato
     else:
         u = design_generator(seed).random(p.size)
     return u < p
+
+
+def systematic_sample(pi, *, seed: int | None = None, generator: np.random.Generator | None = None,
+                      uniforms=None, start: float | None = None) -> np.ndarray:
+    r"""Randomized systematic sampling: a fixed-size design with exactly the inclusion probabilities pi.
+
+    The certain tokens (:math:`\pi_i = 1`) are kept. The others are put in a random order, the
+    order of their uniforms :math:`U_i` (ascending, ties by index), and laid end to end on [0, T),
+    token i on :math:`[c_{i-1}, c_i)` with :math:`c_i` the running sum of the tail's pi in that
+    order and :math:`T = \sum_{\pi_j < 1} \pi_j`; one more uniform, the start :math:`s \in [0, 1)`,
+    picks the points :math:`s, s + 1, s + 2, \dots` and token i is kept when one falls in its
+    interval:
+
+    .. math:: I_i = [\lfloor c_i - s \rfloor > \lfloor c_{i-1} - s \rfloor], \qquad
+              P(I_i = 1) = \pi_i, \qquad |S| \in \{\lfloor \textstyle\sum_i \pi_i \rfloor,
+              \lceil \textstyle\sum_i \pi_i \rceil\}.
+
+    Each interval is shorter than 1, so it holds at most one point, and s is uniform, so it holds
+    one with probability its length :math:`\pi_i`: the marginal inclusion probabilities are the
+    Poisson design's, but the sample size no longer varies (Madow 1949; in random order, Goodman &
+    Kish 1950 and Hartley & Rao 1962, who show the joint inclusion probabilities approach those of
+    the maximum-entropy fixed-size design). Hajek's estimator and its Poisson-form variance
+    estimate are used unchanged: for a high-entropy fixed-size design the variance of a total is at
+    most the Poisson form's (it subtracts the regression of the residuals on pi; Hajek 1964), so the
+    certificate stays conservative to first order (docs/theory.md section 7.7).
+
+    Parameters
+    ----------
+    pi : array_like, shape (n,)
+        Inclusion probabilities in [0, 1].
+    seed, generator, uniforms
+        Exactly one source of randomness: an int seed (``design_generator(seed)``: n uniforms, then the
+        start), a ``numpy.random.Generator`` (the same order of draws), or the uniforms themselves
+        (shape (n,), in [0, 1)) with ``start``.
+    start : float in [0, 1), with ``uniforms`` only
+
+    Returns
+    -------
+    keep : ndarray of bool, shape (n,)
+    """
+    p = np.asarray(pi, dtype=np.float64)
+    if p.ndim != 1:
+        raise ValueError(f"pi must have shape (n,), got shape {p.shape}")
+    if not np.all((p >= 0) & (p <= 1)):  # also catches NaN
+        raise ValueError("pi must lie in [0, 1] (found a value outside, or NaN)")
+    given = sum(x is not None for x in (seed, generator, uniforms))
+    if given != 1:
+        raise TypeError("pass exactly one of seed=, generator= or uniforms=")
+    if uniforms is not None:
+        u = np.asarray(uniforms, dtype=np.float64)
+        if u.shape != p.shape:
+            raise ValueError(f"uniforms must have shape {p.shape}, got {u.shape}")
+        if not np.all((u >= 0) & (u < 1)):
+            raise ValueError("uniforms must lie in [0, 1)")
+        if start is None or not (0.0 <= float(start) < 1.0):
+            raise ValueError(f"start must be a float in [0, 1) with uniforms=, got {start!r}")
+        s = float(start)
+    else:
+        if start is not None:
+            raise TypeError("start= goes with uniforms= only")
+        gen = generator if generator is not None else design_generator(seed)
+        if not isinstance(gen, np.random.Generator):
+            raise TypeError(f"generator must be a numpy.random.Generator, got {type(gen).__name__}")
+        u = gen.random(p.size)
+        s = float(gen.random())
+    certain = p >= 1.0
+    tail = np.where(certain, 0.0, p)
+    order = np.argsort(u, kind="stable")
+    t = tail[order]
+    c = np.cumsum(t)
+    prev = np.concatenate([[0.0], c[:-1]])
+    keep = np.zeros(p.size, dtype=bool)
+    keep[order] = np.floor(c - s) > np.floor(prev - s)
+    return keep | certain
+
+
+#: the sampling designs of the token design: independent draws (the paper's) or a fixed size
+SAMPLINGS = ("poisson", "systematic")
 
 
 def compact_slots(keep, pi, block_size: int) -> dict:

@@ -126,6 +126,12 @@ class PoissonPress(BasePress):
         ``result.certificates.summary()`` reports the kept fraction chosen.
         The budgets of the last prefill: :attr:`chosen_budgets`. Prefill
         events only (not under :class:`DecodingPress`).
+    sampling : {"poisson", "systematic"}
+        How the tail is drawn given pi (:class:`kvcert.fast.TokenDesign`): ``"poisson"`` (default),
+        independently; ``"systematic"``, randomized systematic sampling with the same pi, so every
+        (layer, row, KV head) keeps :math:`\lfloor B \rfloor` or :math:`\lceil B \rceil` tokens
+        (:func:`kvcert.fast.systematic_sample`; docs/theory.md section 7.7). It is what a paged engine
+        wants: no head's count exceeds the budget, so compaction pads nothing.
 
     Notes
     -----
@@ -166,12 +172,14 @@ class PoissonPress(BasePress):
     sketch: object = "auto"
     kind: str | None = None
     target_error: float | None = None
+    sampling: str = "poisson"
 
     _randomized = True
 
     #: the press fields the :class:`kvcert.fast.TokenDesign` holds (and checks)
     _design_fields = ("compression_ratio", "target_size", "seed", "sinks", "window", "top_fraction", "floor",
-                      "observation_window", "scorer", "kernel_size", "delta", "kind", "sketch", "target_error")
+                      "observation_window", "scorer", "kernel_size", "delta", "kind", "sketch", "target_error",
+                      "sampling")
 
     def __post_init__(self):
         s = self.scorer

@@ -32,8 +32,9 @@ _ENGINE_FIELDS = ("granularity", "free_blocks", "track_reuse", "report_kept")
 #: the per-request keys of ``SamplingParams.extra_args`` (token design): key -> :class:`KVCertConfig` field
 #: (in the order they are applied: a sketch before the kind its radius needs)
 REQUEST_KEYS = {"kvcert_compression_ratio": "compression_ratio", "kvcert_seed": "seed", "kvcert_delta": "delta",
-                "kvcert_sketch": "sketch", "kvcert_kind": "kind", "kvcert_target_error": "target_error"}
-_ONLY = {"token": ("sinks", "window", "top_fraction", "kernel_size", "sketch", "target_error"),
+                "kvcert_sketch": "sketch", "kvcert_kind": "kind", "kvcert_target_error": "target_error",
+                "kvcert_sampling": "sampling"}
+_ONLY = {"token": ("sinks", "window", "top_fraction", "kernel_size", "sketch", "target_error", "sampling"),
          "block": ("sink_blocks", "recent_blocks", "top_blocks", "reduce")}
 
 
@@ -106,6 +107,11 @@ class KVCertConfig:
         refused). A prompt of at most ``sinks + window + 1`` tokens is not evicted. Blocks are shared by the
         layers and heads, so a request frees the prompt blocks past the largest kept count of any (layer,
         KV head).
+    sampling : {"poisson", "systematic"}, optional
+        Token design only: how each (layer, KV head)'s tail is drawn given pi, as
+        ``PoissonPress(sampling=...)`` (default ``"poisson"``). ``"systematic"`` keeps a fixed count per head
+        (:func:`kvcert.fast.systematic_sample`), so the compacted prompt holds no padding beyond the last
+        block's rounding (docs/theory.md section 7.7).
     free_blocks : bool
         Return freed blocks to vLLM's pool (default). False = the same design, nothing freed (for
         tests and comparisons).
@@ -138,6 +144,7 @@ class KVCertConfig:
     track_reuse: bool = True
     report_kept: bool = False
     target_error: float | None = None
+    sampling: str | None = None
 
     def __post_init__(self):
         from kvcert.fast import SERVED_KINDS, BlockDesign, TokenDesign
