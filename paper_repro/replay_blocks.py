@@ -32,6 +32,17 @@ kept fraction. Equal memory: at target memory M the served design runs the
 token design at the kept fraction f_s whose *expected* memory, computed exactly
 from pi (:func:`served_memory`), is M (bisection, :func:`equal_memory_fraction`);
 it is compared with the token design at kept fraction M.
+
+**Served systematic design** (``servedsysB``): the same served layout, estimates, certificates and memory
+accounting as ``servedB``, only each (layer, KV head) draws the token design's pi by randomized systematic
+sampling (:func:`kvcert.fast.systematic_sample`, fed the replay's own uniforms and one start per head) instead
+of Poisson sampling. A head then keeps floor or ceil of sum pi tokens; at an integer budget of m blocks,
+B = m * block_size tokens, every head keeps exactly B and the compacted prompt holds exactly m blocks, no
+padding. Equal memory: m = round(M L / block_size) (no bisection; a design whose m is not at least one block
+more than the sinks and window need cannot run at that M, and its row says so), kept fraction B / L, memory
+``Compaction.memory(d, dv)`` = the m blocks (with the prompt's partly filled last block, if any) plus the
+log pi buffer. That memory is not exactly M, so the token design also runs at the row's realized memory
+(``token_at_servedsysB``) and ``equal_memory_ratio`` is the served row's error over that run's.
 """
 
 from __future__ import annotations
@@ -53,7 +64,11 @@ BLOCK_DESIGNS = {"token": (None, None), "block16_mean": (16, "mean"), "block16_m
                  "block32_mean": (32, "mean"), "block64_mean": (64, "mean"), "block128_mean": (128, "mean")}
 #: the served token design (compaction into the engine's blocks): name -> block_size
 SERVED_DESIGNS = {"served16": 16, "served32": 32, "served64": 64}
-DESIGNS = (*BLOCK_DESIGNS, *SERVED_DESIGNS)
+#: the served token design drawn by systematic sampling (a fixed kept count per head): name -> block_size
+SERVED_SYSTEMATIC_DESIGNS = {"servedsys16": 16, "servedsys32": 32, "servedsys64": 64}
+DESIGNS = (*BLOCK_DESIGNS, *SERVED_DESIGNS, *SERVED_SYSTEMATIC_DESIGNS)
+#: the row of the token design run at a servedsys row's realized memory (its equal-memory comparator)
+TOKEN_AT = "token_at_"
 KIND = "chebyshev"  # the default certificate; the block trace is the cluster-sampling trace
 #: a silent material error: ||o_hat - o|| > SILENT ||o|| and outside the certificate
 SILENT = 0.05
@@ -207,12 +222,43 @@ def served_estimates(q, k, v, positions, log_pi, L, qpos, scale, kinds_need):
                              validate=False, **kw)
 
 
-def _served_draws(pi, draws, block_size, rng, d, dv):
+def systematic_blocks(n_tokens: int, target: float, block_size: int) -> int:
+    """m: the blocks of ``block_size`` the served systematic design holds at target memory ``target`` (a
+    fraction of the n_tokens prompt tokens), round(target n / block_size); its budget is m * block_size
+    tokens, kept exactly by every head.
+
+    Raises ValueError when m is not at least one block more than the sinks and recent window need
+    (ceil((SINKS + WINDOW) / block_size)), or when m blocks exceed the prompt: the design cannot run at that
+    target (rounding m up would change the memory it is compared at).
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    m = round(target * n_tokens / block_size)
+    need = math.ceil((SINKS + WINDOW) / block_size)
+    if m < need + 1:
+        raise ValueError(f"m = round({target} x {n_tokens} / {block_size}) = {m} blocks of {block_size} tokens "
+                         f"cannot hold the sink and recent blocks ({need}) and one block to sample")
+    if m * block_size > n_tokens:
+        raise ValueError(f"m = {m} blocks of {block_size} tokens exceed the {n_tokens}-token prompt")
+    return m
+
+
+def _served_draws(pi, draws, block_size, rng, d, dv, sampling: str = "poisson"):
     """Draws of the token design over all (layers, h_kv, L) at once, compacted: (positions, log_pi)
-    (draws, layers, h_kv, S_max) padded alike, and the realized memory (draws,) of each draw."""
+    (draws, layers, h_kv, S_max) padded alike, and the realized memory (draws,) of each draw.
+
+    ``sampling``: ``"poisson"`` (I = [U < pi], one uniform per token from ``rng``) or ``"systematic"``
+    (:func:`kvcert.fast.systematic_sample` with one uniform per token and one start per head from ``rng``)."""
     comps, memory = [], []
     for _ in range(draws):
-        keep = torch.from_numpy(rng.random(tuple(pi.shape))) < pi
+        if sampling == "poisson":
+            keep = torch.from_numpy(rng.random(tuple(pi.shape))) < pi
+        elif sampling == "systematic":
+            u = torch.from_numpy(rng.random(tuple(pi.shape)))
+            start = torch.from_numpy(rng.random(tuple(pi.shape[:-1])))
+            keep = F.systematic_sample(pi, uniforms=u, start=start)
+        else:
+            raise ValueError(f"sampling must be 'poisson' or 'systematic', got {sampling!r}")
         c = F.compact_slots(keep, pi, block_size)
         comps.append(c)
         memory.append(c.memory(d, dv))
@@ -252,9 +298,35 @@ def run(cfg: Config, captured, *, designs=None, draws: int | None = None) -> Tab
                               for layer in range(captured.layers)])          # (layers, h_kv, L)
     # (fraction, name) -> dict(kind="token"|"block"|"served", ...) | reason str
     specs = {}
+    # (fraction, "token_at_servedsysB") -> the key of the token run it reads (one run per distinct kept fraction)
+    alias = {}
     for fraction in cfg.budgets:
         for name in names:
-            if name == "token":
+            if name in SERVED_SYSTEMATIC_DESIGNS:
+                bs = SERVED_SYSTEMATIC_DESIGNS[name]
+                try:
+                    m = systematic_blocks(L, fraction, bs)
+                except ValueError as err:
+                    specs[fraction, name] = str(err)
+                    continue
+                f_sys = m * bs / L
+                pi = token_pi(importance, f_sys)
+                pos, lp, memory = _served_draws(pi, setup.draws, bs, rng, d, dv, sampling="systematic")
+                # the planned layout's memory (m blocks, no padding): Compaction.memory of m * bs slots per head
+                planned = F.Compaction(bs, L, torch.zeros(0), torch.empty(0, m * bs), torch.empty(0, m * bs))
+                specs[fraction, name] = dict(kind="served", bs=bs, f=f_sys, expected=f_sys,
+                                             memory_expected=planned.memory(d, dv), blocks=m,
+                                             positions=pos, log_pi=lp, memory=memory)
+                # the token design at this row's realized memory (its memory is its kept fraction, capped at 1)
+                f_tok = min(float(memory.mean()), 1.0)
+                twin = next((key for key, spec in specs.items() if key[0] == fraction and
+                             key[1].startswith(TOKEN_AT) and spec["f"] == f_tok), None)
+                if twin is not None:
+                    alias[fraction, TOKEN_AT + name] = twin
+                else:
+                    specs[fraction, TOKEN_AT + name] = dict(kind="token", bs=None, f=f_tok,
+                                                            pi=token_pi(importance, f_tok))
+            elif name == "token":
                 specs[fraction, name] = dict(kind="token", bs=None, f=fraction, pi=token_pi(importance, fraction))
             elif name in BLOCK_DESIGNS:
                 bs, reduce = BLOCK_DESIGNS[name]
@@ -314,28 +386,46 @@ def run(cfg: Config, captured, *, designs=None, draws: int | None = None) -> Tab
                 silent.setdefault((key, dl), []).extend(
                     float((m & ~(c[2][KIND, dl] > 0.5)).mean()) for m, c in zip(material, stats))
     rows = []
+
+    def mean_error(key):
+        key = alias.get(key, key)
+        return float(np.mean(errors[key])) if key in errors else np.nan
+
     for fraction in cfg.budgets:
-        token_err = float(np.mean(errors[fraction, "token"])) if (fraction, "token") in errors else np.nan
-        for name in names:
-            spec = specs[fraction, name]
+        token_err = mean_error((fraction, "token"))
+        row_names = [x for name in names for x in
+                     ((name, TOKEN_AT + name) if name in SERVED_SYSTEMATIC_DESIGNS and
+                      not isinstance(specs[fraction, name], str) else (name,))]
+        for name in row_names:
+            key = alias.get((fraction, name), (fraction, name))
+            spec = specs[key]
+            bs_of = name[len(TOKEN_AT):] if name.startswith(TOKEN_AT) else name
             base = dict(budget=fraction, design=name,
-                        block_size=SERVED_DESIGNS.get(name) or BLOCK_DESIGNS.get(name, (None,))[0] or 1)
+                        block_size=SERVED_DESIGNS.get(name) or SERVED_SYSTEMATIC_DESIGNS.get(bs_of) or
+                        BLOCK_DESIGNS.get(name, (None,))[0] or 1)
             if isinstance(spec, str):
                 rows.append(dict(base, cells=0, note=spec))
                 continue
             if spec["kind"] == "token":
-                memory = dict(expected_kept=fraction, memory=fraction, memory_max=np.nan, memory_expected=fraction)
+                f = spec["f"]
+                memory = dict(expected_kept=f, memory=f, memory_max=np.nan, memory_expected=f)
             else:
                 memory = dict(expected_kept=spec["expected"], memory=float(spec["memory"].mean()),
                               memory_max=float(spec["memory"].max()),
                               memory_expected=spec.get("memory_expected", spec["expected"]))
-            err = float(np.mean(errors[fraction, name]))
+            err = mean_error(key)
             ratio = err / token_err if token_err > 0 else np.nan   # nan where the token design is exact
+            equal = dict(equal_memory=np.nan, equal_memory_ratio=np.nan)
+            if name in SERVED_SYSTEMATIC_DESIGNS:  # over the token design at this row's realized memory
+                twin = alias.get((fraction, TOKEN_AT + name), (fraction, TOKEN_AT + name))
+                twin_err = mean_error(twin)
+                equal = dict(equal_memory=specs[twin]["f"],
+                             equal_memory_ratio=err / twin_err if twin_err > 0 else np.nan)
             for dl in cfg.deltas:
                 rows.append(dict(base, **memory, kind=KIND, delta=dl, nominal=1 - dl,
-                                 cells=len(cells[fraction, name]), **summarize(cells[fraction, name], KIND, dl),
-                                 silent=float(np.mean(silent[(fraction, name), dl])),
-                                 mean_relative_error=err, error_ratio=ratio, note=""))
+                                 cells=len(cells[key]), **summarize(cells[key], KIND, dl),
+                                 silent=float(np.mean(silent[key, dl])),
+                                 mean_relative_error=err, error_ratio=ratio, **equal, note=""))
     notes = [
         f"Replay cells of Table 2 ({captured.layers} layers x {h_kv * g} query heads x "
         f"{len(setup.query_offsets)} future queries, eviction after {L} pydoc tokens), {setup.draws} draws "
@@ -353,12 +443,18 @@ def run(cfg: Config, captured, *, designs=None, draws: int | None = None) -> Tab
         f"so that its expected memory, computed exactly from pi (memory_expected), is M within {MEMORY_TOL}; "
         f"memory / memory_max = mean / max over draws of Compaction.memory(d, dv) (held blocks with padding "
         f"plus the log pi buffer).",
+        "servedsysB: the served token design drawn by randomized systematic sampling per (layer, KV head) "
+        "(kvcert.fast.systematic_sample; same pi, a fixed kept count); m = round(M L / B) blocks, kept "
+        "fraction expected_kept = m B / L exactly per head, memory = Compaction.memory(d, dv) (the m blocks plus "
+        "the log pi buffer; memory_expected = the planned layout's). token_at_servedsysB: the token design at "
+        "kept fraction = that row's realized memory (capped at 1); equal_memory / equal_memory_ratio: that "
+        "memory and the servedsys row's error over that run's (its error_ratio stays over the token design at M).",
         f"silent: fraction of (cell, draw) pairs with ||o_hat - o|| > {SILENT} ||o|| outside the certificate. "
         "mean_relative_error: ||o_hat - o|| / ||o||, mean over draws, then cells; error_ratio: over the token "
         "design's at the same M. A row with cells = 0 names why the design cannot run at that budget.",
     ]
     columns = ["budget", "design", "block_size", "expected_kept", "memory", "memory_max", "memory_expected", "kind",
                "delta", "nominal", "cells", "coverage", "worst_decile", "silent", "spearman", "tightness",
-               "mean_relative_error", "error_ratio", "note"]
+               "mean_relative_error", "error_ratio", "equal_memory", "equal_memory_ratio", "note"]
     return Table("table2d_block_design", "Table 2d: paged designs (block, served token) vs the token design at "
                  "equal memory", rows, notes, columns=columns)
