@@ -37,7 +37,7 @@ from scipy import stats
 from scipy.special import logsumexp
 
 from .certificates import TILTED_HULL_MULTIPLIER, certificate, radius_from_moments
-from .design import certainty_mask, inclusion_probabilities, poisson_sample
+from .design import SAMPLINGS, certainty_mask, inclusion_probabilities, poisson_sample, systematic_sample
 from .estimators import _as_qkv, hajek_attention, scores
 
 __all__ = [
@@ -226,9 +226,14 @@ def radius_from_variance(variance: float, *, delta: float, rule: str, multiplier
     return RADIUS_RULES[rule].radius(max(float(variance), 0.0), delta, multiplier)
 
 
+def _sample(pi, seed: int, sampling: str):
+    """The sample of pi by ``sampling`` from the stream ``design_generator(seed)``."""
+    return poisson_sample(pi, seed=seed) if sampling == "poisson" else systematic_sample(pi, seed=seed)
+
+
 def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: float = 0.05, design=None,
                       sinks: int = 4, window: int = 32, top: int = 0, floor: float = 0.1,
-                      scale: float | None = None, tilt=None) -> EvictionResult:
+                      scale: float | None = None, tilt=None, sampling: str = "poisson") -> EvictionResult:
     r"""Evict one KV head's cache at random and certify one query's attention output.
 
     ``design="paper"`` (the paper's design, docs/theory.md):
@@ -284,6 +289,10 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
         explicitly (``design=None`` defaults it to ``q``); every other design
         checks its shape and ignores it, so a caller can pass the same
         arguments whatever design ``None`` selects.
+    sampling : {"poisson", "systematic"}
+        How the tail is drawn given pi: independently (``poisson_sample``, the default) or by randomized
+        systematic sampling (``systematic_sample``: the same pi, a fixed kept count), from the same
+        stream ``design_generator(seed)``.
 
     Returns
     -------
@@ -301,6 +310,8 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
     dv = v.shape[1]
     if n == 0:
         raise ValueError("keys must hold at least one token, got n = 0")
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
     u = np.asarray(importance, dtype=np.float64)
     if u.shape != (n,):
         raise ValueError(f"importance must have shape (n,) = ({n},), got shape {u.shape}")
@@ -321,7 +332,7 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
                               memory=1.0, design=name, budget=float(n), kept=n, variance=0.0)
     if spec is None:
         pi = inclusion_probabilities(u, budget, sinks=sinks, window=window, top=top, floor=floor)
-        keep = poisson_sample(pi, seed=seed)
+        keep = _sample(pi, seed, sampling)
         est = hajek_attention(q, k[keep], v[keep], pi[keep], scale=scale)
         cert = certificate(est, delta=delta, kind="chebyshev")
         return EvictionResult(output=est.output, radius=float(cert.radius),
@@ -335,7 +346,7 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
             f"{spec.elements(d, dv)} elements) leaves an expected {b_design:.3g} kept tokens, not above the "
             f"certainty set |C| = {int(certain.sum())}; raise budget")
     pi = inclusion_probabilities(u, b_design, sinks=sinks, window=window, top=top, floor=floor)
-    keep = poisson_sample(pi, seed=seed)
+    keep = _sample(pi, seed, sampling)
     est = hajek_attention(q, k[keep], v[keep], pi[keep], scale=scale)
     kept = int(keep.sum())
     sk = cluster_sketch(k, v, pi, keep, spec, tilt=tilt, scale=scale)
