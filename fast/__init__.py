@@ -55,6 +55,8 @@ from .design import (
     TokenDecision,
     TokenDesign,
     default_design,
+    default_sampling,
+    RECOMMENDED_SAMPLING,
     RECOMMENDED,
     resolve_sketch,
 )
@@ -101,7 +103,7 @@ __all__ = [
     "radius_from_moments", "radius_from_statistics",
     "budget_from_fraction", "certainty_mask", "DesignSizes", "design_sizes", "design_uniforms", "edge_mask",
     "inclusion_probabilities", "poisson_sample", "SAMPLINGS", "start_uniforms", "systematic_sample", "splitmix64", "nonnegative_importance", "TokenDecision",
-    "TokenDesign", "default_design", "RECOMMENDED", "resolve_sketch",
+    "TokenDesign", "default_design", "default_sampling", "RECOMMENDED", "RECOMMENDED_SAMPLING", "resolve_sketch",
     "Compaction", "compact_slots", "compact", "evict", "topk_evict",
     "scorers", "SCORERS", "Scorer", "register_scorer", "expected_attention_scores", "h2o_scores", "knorm_scores", "random_scores", "snapkv_scores",
     "streaming_llm_scores", "tova_scores",

@@ -852,6 +852,19 @@ SKETCH_KINDS = {"chebyshev": ("chebyshev", None), "tilted_hull": ("fixed", TILTE
 #: the design of a press or engine that names none (``sketch="auto"``, ``kind=None``): the recommended design,
 #: the tilted sketch with the ``tilted_hull`` radius (docs/theory.md section 8)
 RECOMMENDED = ("tilted", "tilted_hull")
+#: how the recommended design draws its tail: a fixed kept count per head (:func:`systematic_sample`), so a
+#: paged engine pads nothing (docs/theory.md section 7.7); the paper's design draws Poisson
+RECOMMENDED_SAMPLING = "systematic"
+
+
+def default_sampling(sampling, sketch, kind) -> str:
+    """``sampling`` of a press or engine from what the user named: ``"auto"`` (their default) is
+    :data:`RECOMMENDED_SAMPLING` when the design (``(sketch, kind)`` as :func:`default_design` returns them) is
+    the recommended one, :data:`RECOMMENDED`, else ``"poisson"`` (the paper's design, and every other design,
+    as the paper draws); a name of :data:`SAMPLINGS` is kept as given."""
+    if isinstance(sampling, str) and sampling == "auto":
+        return RECOMMENDED_SAMPLING if (sketch, kind) == RECOMMENDED else "poisson"
+    return check_sampling(sampling)
 
 
 def default_design(sketch, kind, *, target_error=None):

@@ -59,7 +59,8 @@ class DecodingPress(Press):
                              "compression_ratio or target_size)")
         if getattr(self.base_press, "sketch", None) is not None and \
                 getattr(self.base_press, "_recommended_default", False):
-            self.base_press = replace(self.base_press, sketch=None, kind="chebyshev")  # the paper's design
+            # the paper's design
+            self.base_press = replace(self.base_press, sketch=None, kind="chebyshev", sampling="poisson")
         if getattr(self.base_press, "sketch", None) is not None:
             raise ValueError("base_press: a sketched PoissonPress (sketch=...) evicts once per layer, at the "
                              "prefill; decode-time events would need the sketches of several events merged, which "

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..fast import SCORERS, TokenDesign, default_design, nonnegative_importance, window_tilt
+from ..fast import SCORERS, TokenDesign, default_design, default_sampling, nonnegative_importance, window_tilt
 from ..fast import design as _fast_design
 from .base import BasePress, _accept_kvpress_names, _held_design
 from .kvpress_interop import _is_kvpress_scorer, _KvpressInputs, _row_slice
@@ -126,12 +126,14 @@ class PoissonPress(BasePress):
         ``result.certificates.summary()`` reports the kept fraction chosen.
         The budgets of the last prefill: :attr:`chosen_budgets`. Prefill
         events only (not under :class:`DecodingPress`).
-    sampling : {"poisson", "systematic"}
-        How the tail is drawn given pi (:class:`kvcert.fast.TokenDesign`): ``"poisson"`` (default),
-        independently; ``"systematic"``, randomized systematic sampling with the same pi, so every
-        (layer, row, KV head) keeps :math:`\lfloor B \rfloor` or :math:`\lceil B \rceil` tokens
-        (:func:`kvcert.fast.systematic_sample`; docs/theory.md section 7.7). It is what a paged engine
-        wants: no head's count exceeds the budget, so compaction pads nothing.
+    sampling : {"auto", "poisson", "systematic"}
+        How the tail is drawn given pi (:class:`kvcert.fast.TokenDesign`): ``"poisson"``, independently (the
+        paper's); ``"systematic"``, randomized systematic sampling with the same pi, so every (layer, row, KV
+        head) keeps :math:`\lfloor B \rfloor` or :math:`\lceil B \rceil` tokens
+        (:func:`kvcert.fast.systematic_sample`; docs/theory.md section 7.7): no head's count exceeds the
+        budget, so a paged engine's compaction pads nothing. ``"auto"`` (default): systematic for the
+        recommended design, Poisson for the paper's design and any other (:func:`kvcert.fast.default_sampling`);
+        after construction the field holds the resolved name.
 
     Notes
     -----
@@ -172,7 +174,7 @@ class PoissonPress(BasePress):
     sketch: object = "auto"
     kind: str | None = None
     target_error: float | None = None
-    sampling: str = "poisson"
+    sampling: str = "auto"
 
     _randomized = True
 
@@ -195,6 +197,7 @@ class PoissonPress(BasePress):
         self._recommended_default = isinstance(self.sketch, str) and self.sketch == "auto" and \
             self.target_error is None
         self.sketch, self.kind = default_design(self.sketch, self.kind, target_error=self.target_error)
+        self.sampling = default_sampling(self.sampling, self.sketch, self.kind)
         self.sketch = _held_design(self).sketch  # the fields' checks are the design's (the sketch resolved)
 
     def _for_model(self, config) -> "PoissonPress":
@@ -212,7 +215,7 @@ class PoissonPress(BasePress):
         warnings.warn("kvcert: this model softcaps its attention logits (attn_logit_softcapping), which the "
                       "recommended design's sketch cannot carry; PoissonPress() runs the paper's design here "
                       "(sketch=None, kind='chebyshev'). Pass sketch=None to silence this.", stacklevel=3)
-        paper = replace(self, sketch=None, kind="chebyshev")
+        paper = replace(self, sketch=None, kind="chebyshev", sampling="poisson")
         paper._layer_inputs = self._layer_inputs  # the kvpress-scorer hooks write the original's
         return paper
 

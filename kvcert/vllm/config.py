@@ -109,9 +109,11 @@ class KVCertConfig:
         KV head).
     sampling : {"poisson", "systematic"}, optional
         Token design only: how each (layer, KV head)'s tail is drawn given pi, as
-        ``PoissonPress(sampling=...)`` (default ``"poisson"``). ``"systematic"`` keeps a fixed count per head
+        ``PoissonPress(sampling=...)``. ``"systematic"`` keeps a fixed count per head
         (:func:`kvcert.fast.systematic_sample`), so the compacted prompt holds no padding beyond the last
-        block's rounding (docs/theory.md section 7.7).
+        block's rounding (docs/theory.md section 7.7). Default (None): the design's, as ``PoissonPress``'s
+        ``"auto"`` (:func:`kvcert.fast.default_sampling`): systematic for the recommended design, Poisson for
+        the paper's and every other.
     free_blocks : bool
         Return freed blocks to vLLM's pool (default). False = the same design, nothing freed (for
         tests and comparisons).
@@ -151,7 +153,7 @@ class KVCertConfig:
 
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
-        from kvcert.fast.design import SKETCH_KINDS, SKETCHES, default_design
+        from kvcert.fast.design import SKETCH_KINDS, SKETCHES, default_design, default_sampling
 
         if self.compression_ratio is None:  # the default: 0.5, or nothing by ratio under an error target
             object.__setattr__(self, "compression_ratio", 0.5 if self.target_error is None else 0.0)
@@ -162,6 +164,9 @@ class KVCertConfig:
                 object.__setattr__(self, "kind", kind)
             else:  # the block design keeps no sketch
                 object.__setattr__(self, "sketch", None)
+        if self.granularity == "token" and self.sampling is None:  # the default: the design's (default_sampling)
+            object.__setattr__(self, "sampling", default_sampling("auto", self.sketch,
+                                                                  "chebyshev" if self.kind is None else self.kind))
         if self.sketch is not None and (not isinstance(self.sketch, str) or self.sketch not in SKETCHES):
             raise ValueError(f"sketch must be None or one of {tuple(SKETCHES)}, got {self.sketch!r}")
         kinds = SERVED_KINDS if self.sketch is None else tuple(SKETCH_KINDS)
@@ -305,6 +310,8 @@ def request_options(config: KVCertConfig, extra_args: dict | None) -> dict | Non
         implied["target_error"] = None
     if "kvcert_kind" in given and "kvcert_sketch" not in given:
         given["kvcert_sketch"] = "auto"  # a kind alone picks its design, as PoissonPress(kind=...) does
+    if "kvcert_sampling" not in given and ("kvcert_sketch" in given or "sketch" in implied):
+        implied["sampling"] = None  # a design named per request draws its own default sampling
     keys = [k for k in REQUEST_KEYS if k in given]
 
     def result(checked: KVCertConfig) -> dict:
