@@ -28,7 +28,8 @@ __all__ = ["main", "build_parser"]
 
 #: options that set a press field of the same name (--compression-interval wraps the press in a DecodingPress)
 _PRESS_OPTIONS = ("compression_ratio", "target_size", "sinks", "window", "top_fraction",
-                  "floor", "scorer", "seed", "delta", "kind", "observation_window", "sketch", "target_error")
+                  "floor", "scorer", "seed", "delta", "kind", "observation_window", "sketch", "target_error",
+                  "sampling")
 
 
 #: where the paper reproduction lives (paper_repro/, never imported by the library)
@@ -97,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="poisson: the sketch of the evicted tokens kept at equal memory (default: the recommended "
                         "design, tilted with --kind tilted_hull; 'none': the paper's design; 'cluster', 'tilted': "
                         "those sketches, recorded with --kind chebyshev unless tilted_hull is given)")
+    g.add_argument("--sampling", default=None, choices=("auto", "poisson", "systematic"),
+                   help="poisson: how the evicted tail is drawn given pi (default auto: systematic, a fixed kept "
+                        "count per head, for the recommended design; poisson for the paper's; not --sample, "
+                        "which samples the generated tokens)")
     g.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="streaming: feed the prompt in chunks of N tokens (with --target-size and "

@@ -93,13 +93,15 @@ def test_token_design_decides_each_row_of_a_padded_batch_as_alone(scorer):
 
 @pytest.mark.parametrize("n", [300, 113])
 def test_the_default_press_keeps_what_the_recommended_token_design_keeps(n):
-    """PoissonPress()'s default is TokenDesign(sketch="tilted", kind="tilted_hull") (kvcert.fast.default_design):
+    """PoissonPress()'s default is TokenDesign(sketch="tilted", kind="tilted_hull", sampling="systematic")
+    (kvcert.fast.default_design, default_sampling):
     the press decides at the design's sampled budget (the budget less the sketch's memory) and holds the
     sketch of what it evicted (the tilt at the mean of the last observation_window queries)."""
     q, k, v = _qkv(1, 3, 3, n, seed=n)
     press = kvcert.PoissonPress(compression_ratio=0.5, seed=5)
-    design = F.TokenDesign(compression_ratio=0.5, seed=5, sketch="tilted", kind="tilted_hull")
-    assert (press.kind, press.sketch) == ("tilted_hull", design.sketch) and press.design == design
+    design = F.TokenDesign(compression_ratio=0.5, seed=5, sketch="tilted", kind="tilted_hull", sampling="systematic")
+    assert (press.kind, press.sketch, press.sampling) == ("tilted_hull", design.sketch, "systematic")
+    assert press.design == design
     layer = _press_event(press, q, k, v, layer_idx=3)
     scale = k.shape[-1] ** -0.5
     scores = design.score(q, k, v, scale=scale, layer=3, event=0)
