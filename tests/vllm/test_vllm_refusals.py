@@ -53,6 +53,8 @@ def test_refused_engine_options_name_the_option(kwargs, option):
     ({"kvcert": {"scorer": "nope"}}, "scorer"),
     ({"scorer": "nope"}, "scorer"),
     ({"kvcert": {"granularity": "block", "reduce": "min"}}, "reduce"),
+    ({"kvcert": {"sampling": "bernoulli"}}, "sampling must be one of"),
+    ({"kvcert": {"granularity": "block", "sampling": "systematic"}}, "sampling: option\\(s\\) of the token design"),
 ])
 def test_bad_plugin_settings_are_refused(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
