@@ -857,13 +857,14 @@ RECOMMENDED = ("tilted", "tilted_hull")
 RECOMMENDED_SAMPLING = "systematic"
 
 
-def default_sampling(sampling, sketch, kind) -> str:
+def default_sampling(sampling, sketch) -> str:
     """``sampling`` of a press or engine from what the user named: ``"auto"`` (their default) is
-    :data:`RECOMMENDED_SAMPLING` when the design (``(sketch, kind)`` as :func:`default_design` returns them) is
-    the recommended one, :data:`RECOMMENDED`, else ``"poisson"`` (the paper's design, and every other design,
-    as the paper draws); a name of :data:`SAMPLINGS` is kept as given."""
+    :data:`RECOMMENDED_SAMPLING` when the design keeps the recommended design's sketch (``sketch`` as
+    :func:`default_design` returns it: ``"tilted"``), whatever its kind (a kind changes the radius, not the
+    sample), else ``"poisson"`` (the paper's design, and the other sketches, draw as the paper does); a name
+    of :data:`SAMPLINGS` is kept as given."""
     if isinstance(sampling, str) and sampling == "auto":
-        return RECOMMENDED_SAMPLING if (sketch, kind) == RECOMMENDED else "poisson"
+        return RECOMMENDED_SAMPLING if isinstance(sketch, str) and sketch == RECOMMENDED[0] else "poisson"
     return check_sampling(sampling)
 
 

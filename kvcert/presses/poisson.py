@@ -131,8 +131,9 @@ class PoissonPress(BasePress):
         paper's); ``"systematic"``, randomized systematic sampling with the same pi, so every (layer, row, KV
         head) keeps :math:`\lfloor B \rfloor` or :math:`\lceil B \rceil` tokens
         (:func:`kvcert.fast.systematic_sample`; docs/theory.md section 7.7): no head's count exceeds the
-        budget, so a paged engine's compaction pads nothing. ``"auto"`` (default): systematic for the
-        recommended design, Poisson for the paper's design and any other (:func:`kvcert.fast.default_sampling`);
+        budget, so a paged engine's compaction pads nothing. ``"auto"`` (default): systematic with the
+        recommended design's sketch (``"tilted"``, whatever the kind), Poisson for the paper's design and the
+        other sketches (:func:`kvcert.fast.default_sampling`);
         after construction the field holds the resolved name.
 
     Notes
@@ -197,7 +198,7 @@ class PoissonPress(BasePress):
         self._recommended_default = isinstance(self.sketch, str) and self.sketch == "auto" and \
             self.target_error is None
         self.sketch, self.kind = default_design(self.sketch, self.kind, target_error=self.target_error)
-        self.sampling = default_sampling(self.sampling, self.sketch, self.kind)
+        self.sampling = default_sampling(self.sampling, self.sketch)
         self.sketch = _held_design(self).sketch  # the fields' checks are the design's (the sketch resolved)
 
     def _for_model(self, config) -> "PoissonPress":

@@ -112,8 +112,8 @@ class KVCertConfig:
         ``PoissonPress(sampling=...)``. ``"systematic"`` keeps a fixed count per head
         (:func:`kvcert.fast.systematic_sample`), so the compacted prompt holds no padding beyond the last
         block's rounding (docs/theory.md section 7.7). Default (None): the design's, as ``PoissonPress``'s
-        ``"auto"`` (:func:`kvcert.fast.default_sampling`): systematic for the recommended design, Poisson for
-        the paper's and every other.
+        ``"auto"`` (:func:`kvcert.fast.default_sampling`): systematic with the recommended design's sketch
+        (``"tilted"``), Poisson for the paper's design and the other sketches.
     free_blocks : bool
         Return freed blocks to vLLM's pool (default). False = the same design, nothing freed (for
         tests and comparisons).
@@ -165,8 +165,7 @@ class KVCertConfig:
             else:  # the block design keeps no sketch
                 object.__setattr__(self, "sketch", None)
         if self.granularity == "token" and self.sampling is None:  # the default: the design's (default_sampling)
-            object.__setattr__(self, "sampling", default_sampling("auto", self.sketch,
-                                                                  "chebyshev" if self.kind is None else self.kind))
+            object.__setattr__(self, "sampling", default_sampling("auto", self.sketch))
         if self.sketch is not None and (not isinstance(self.sketch, str) or self.sketch not in SKETCHES):
             raise ValueError(f"sketch must be None or one of {tuple(SKETCHES)}, got {self.sketch!r}")
         kinds = SERVED_KINDS if self.sketch is None else tuple(SKETCH_KINDS)

@@ -12,7 +12,8 @@ Two plugin engines (token design, ``report_kept=True``, greedy, prompts of 32 k 
 - ``default``: engine default 0.5 with seed 3 (test_vllm_token.py's design); prompts 0 and 6 plain (the
   engine's default), prompt 1 with ``kvcert_compression_ratio=0`` (opted out); then a batch of one bad
   request alone (the engine must still report it and return); then prompts 0 and 6 with
-  ``kvcert_sampling="systematic"`` (a fixed kept count per (layer, KV head)) beside prompt 3 with a bad
+  ``kvcert_sampling="poisson"`` (the engine's default design, the recommended one, draws systematically:
+  a fixed kept count per (layer, KV head); these requests draw Poisson) beside prompt 3 with a bad
   ``kvcert_sampling``.
 
 What must agree: a plain request's tokens equal those of the all-plain run (which test_vllm_engine.py
@@ -35,7 +36,7 @@ SEED = 3
 RATIO = 0.5
 MAX_TOKENS = 6
 CERT = {"kvcert_compression_ratio": RATIO, "kvcert_seed": SEED}
-SYSTEMATIC = {"kvcert_sampling": "systematic"}
+POISSON = {"kvcert_sampling": "poisson"}
 #: relative tolerance between the certificates of the same request in two engines: the same float32
 #: arithmetic on the request's own rows; only the other rows of the batch differ, which may change the
 #: blocking of the linear layers' matrix products (a few eps32 = 1.2e-7 per layer, 30 layers: ~1e-5 at most)
@@ -59,7 +60,7 @@ def default():
         {"order": [0, 6, 1], "max_tokens": MAX_TOKENS, "extra_args": [None, None, {"kvcert_compression_ratio": 0}]},
         {"order": [2], "max_tokens": MAX_TOKENS, "extra_args": [{"kvcert_seed": -1}]},
         {"order": [0, 6, 3], "max_tokens": MAX_TOKENS,
-         "extra_args": [SYSTEMATIC, SYSTEMATIC, {"kvcert_sampling": "bernoulli"}]},
+         "extra_args": [POISSON, POISSON, {"kvcert_sampling": "bernoulli"}]},
     ])
 
 
@@ -77,14 +78,20 @@ def test_request_options_name_the_key():
     assert request_options(engine, {"other": 1}) is None
     # a plain kind alone certifies the paper's design (no sketch), as PoissonPress(kind="chi2")
     assert request_options(engine, {**CERT, "kvcert_kind": "chi2"}) == {"compression_ratio": 0.5, "seed": 3,
-                                                                        "sketch": None, "kind": "chi2"}
+                                                                        "sketch": None, "kind": "chi2",
+                                                                        "sampling": "poisson"}
     for bad, key in (({"kvcert_compression_ratio": 1.5}, "kvcert_compression_ratio"),
                      ({"kvcert_kind": "wald"}, "kvcert_kind"), ({"kvcert_seed": -1}, "kvcert_seed"),
                      ({"kvcert_delta": 0.0}, "kvcert_delta"), ({"kvcert_seed": 1.5}, "kvcert_seed"),
                      ({"kvcert_ratio": 0.5}, "kvcert_ratio"), ({"kvcert_sampling": "bernoulli"}, "kvcert_sampling")):
         with pytest.raises(ValueError, match=key):
             request_options(engine, bad)
-    assert request_options(engine, SYSTEMATIC) == {"sampling": "systematic"}
+    assert engine.sampling == "systematic"  # the recommended design's default (kvcert.fast.default_sampling)
+    assert request_options(engine, POISSON) == {"sampling": "poisson"}
+    # a design named per request draws its own default: the paper's design draws Poisson
+    assert request_options(engine, {"kvcert_kind": "chi2"})["sampling"] == "poisson"
+    assert request_options(engine, {"kvcert_kind": "chebyshev", "kvcert_sketch": "tilted"})["sampling"] == \
+        "systematic"  # the tilted sketch with another radius: the default's sample
     with pytest.raises(ValueError, match="kvcert_seed.*granularity='block'"):
         request_options(KVCertConfig(granularity="block"), {"kvcert_seed": 1})
     # the recommended design per request: the sketch is applied before the kind its radius needs
@@ -170,34 +177,37 @@ def test_bad_values_fail_only_their_request(mixed):
     assert not np.allclose(cc[1:], cd[1:], rtol=1e-3), "the request's kind/delta did not reach its certificate"
 
 
-def test_systematic_sampling_per_request(default):
-    """``kvcert_sampling="systematic"`` on a Poisson engine: that request's kept counts are floor(B) or ceil(B)
-    in every (layer, KV head) (B the sampled budget, the same for every head), where the engine's own
-    (Poisson) draw of the same prompt (run 0) varies by more than one; the freed blocks are the full prompt
-    blocks past ceil(max count / 32). A bad value fails only its request, naming the key."""
+def test_sampling_per_request(default):
+    """The engine's default design (the recommended one) draws systematically: its kept counts (run 0) are
+    floor(B) or ceil(B) in every (layer, KV head), B the sampled budget (the same for every head), and it
+    frees the full prompt blocks past ceil(max count / 32). ``kvcert_sampling="poisson"`` on the same prompts
+    (run 2): that request's counts vary by more than one (the negative control that the key reached the
+    draw), and it frees no more blocks than the engine's draw. A bad value fails only its request, naming the
+    key."""
     import math
 
     from kvcert.vllm.config import KVCertConfig
 
     design = KVCertConfig(compression_ratio=RATIO, seed=SEED).design
+    assert design.sampling == "systematic"
     run = 2
     for i in (0, 6):
-        out, plain = _out(default, run, i), _out(default, 0, i)
-        rep, prep = out["report"], plain["report"]
+        out, own = _out(default, run, i), _out(default, 0, i)
+        rep, orep = out["report"], own["report"]
         assert rep is not None and rep["granularity"] == "token" and rep["evicted"] > 0, f"prompt {i}: {rep}"
         n = len(prompts()[i])
         b = design.sampled_budget(n, 64, 64)  # head size 64
-        counts = [c for layer in rep["kept_counts"] for c in layer]
-        pcounts = [c for layer in prep["kept_counts"] for c in layer]
+        counts = [c for layer in orep["kept_counts"] for c in layer]
+        pcounts = [c for layer in rep["kept_counts"] for c in layer]
         assert set(counts) <= {math.floor(b - 1e-9), math.ceil(b + 1e-9)}, f"prompt {i}: B {b}, {sorted(set(counts))}"
-        assert max(pcounts) - min(pcounts) > 1, f"prompt {i}: the engine's Poisson draw"
-        assert rep["m"] == math.ceil(max(counts) / 32) and rep["blocks_freed"] == n // 32 - rep["m"] > 0
-        assert rep["blocks_freed"] >= prep["blocks_freed"]
+        assert max(pcounts) - min(pcounts) > 1, f"prompt {i}: the request's Poisson draw"
+        assert orep["m"] == math.ceil(max(counts) / 32) and orep["blocks_freed"] == n // 32 - orep["m"] > 0
+        assert orep["blocks_freed"] >= rep["blocks_freed"]
         assert len(out["token_ids"]) == MAX_TOKENS
         c = np.asarray(out["certificates"])
         assert c.shape == (MAX_TOKENS,) and c[0] == 0.0 and (c[1:] > 0).all() and np.isfinite(c).all()
-        print(f"prompt {i}: B {b:.2f}, systematic counts {min(counts)}..{max(counts)} freed {rep['blocks_freed']}; "
-              f"engine (Poisson) {min(pcounts)}..{max(pcounts)} freed {prep['blocks_freed']}")
+        print(f"prompt {i}: B {b:.2f}, engine (systematic) counts {min(counts)}..{max(counts)} freed "
+              f"{orep['blocks_freed']}; request (Poisson) {min(pcounts)}..{max(pcounts)} freed {rep['blocks_freed']}")
     bad = _out(default, run, 3)
     assert bad["token_ids"] == [] and bad["finish_reason"] == "abort", bad
     assert set(bad["report"]) == {"error"} and "kvcert_sampling" in bad["report"]["error"], bad["report"]

@@ -30,12 +30,13 @@ relative radius is a smooth ratio of these quantities. CERT_RTOL = 1e-3 is that 
 printed with -s (2026-12-04: 5.6e-7 for the paper design, 2.9e-4 for the recommended design).
 
 Four designs run (:data:`DESIGNS`): the default of both engines, the recommended design (``sketch="tilted",
-kind="tilted_hull"``: the engine keeps each layer's sketch of the evicted tokens per request); the paper's by
-name (``sketch=None``); an error target (``target_error=1.0``, no ratio: each (layer, KV head) samples the
-budget ``kvcert.fast.target_budget`` chose on the prompt, in both engines); and the default drawn by
-randomized systematic sampling (``sampling="systematic"``, ``kvcert.fast.systematic_sample``: the same pi,
-every (layer, KV head) keeps floor(B) or ceil(B) tokens, so no head pads the compacted blocks; the freed
-blocks against the default's are compared in :func:`test_systematic_kept_counts_are_fixed`). The
+kind="tilted_hull"``: the engine keeps each layer's sketch of the evicted tokens per request), drawn by
+randomized systematic sampling (``sampling="auto"`` resolves to ``"systematic"`` for it:
+``kvcert.fast.systematic_sample``, the same pi, every (layer, KV head) keeps floor(B) or ceil(B) tokens, so
+no head pads the compacted blocks); the same design drawn by Poisson sampling (``sampling="poisson"``; the
+freed blocks of the two are compared in :func:`test_systematic_kept_counts_are_fixed`); the paper's by
+name (``sketch=None``, Poisson); and an error target (``target_error=1.0``, no ratio: each (layer, KV head)
+samples the budget ``kvcert.fast.target_budget`` chose on the prompt, in both engines). The
 recommended design's gap is larger, still inside the bound: its certificate reads exponentials of the scores
 against the sketch's cluster means, :math:`e^{2\tau q\cdot m_c + \dots}`, whose relative error is the
 absolute error of the exponent, so the hidden states' relative difference is multiplied by the exponent's
@@ -73,9 +74,17 @@ MAX_TIES = 2
 
 #: the designs compared, the same options on both sides: the default (no design argument on either side: the
 #: recommended design, the tilted sketch with its radius min(3 sqrt(V_cl), H), docs/theory.md section 8) and
-#: the paper's, by name (sketch=None), an error target, and the default drawn by systematic sampling
+#: the paper's, by name (sketch=None), an error target, and the default drawn by Poisson sampling (the default
+#: draws systematically: kvcert.fast.default_sampling)
 DESIGNS = {"default": {}, "paper": {"sketch": None}, "target": {"target_error": 1.0},
-           "systematic": {"sampling": "systematic"}}
+           "poisson": {"sampling": "poisson"}}
+
+
+def _systematic(design: str) -> bool:
+    """Whether a design of :data:`DESIGNS` draws systematically (as the press resolves its options)."""
+    import kvcert
+
+    return kvcert.PoissonPress(seed=SEED, **_ratio(design), **DESIGNS[design]).sampling == "systematic"
 
 
 def _ratio(design: str) -> dict:
@@ -141,7 +150,7 @@ def hf(design):
     import inspect
 
     ckw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    systematic = DESIGNS[design].get("sampling") == "systematic"
+    systematic = _systematic(design)
     draws = []  # systematic: each layer's (pi, u, start) per KV head, for the tie check
 
     def record(sampling, pi, u, seed, *, layer, event, row_streams):
@@ -212,7 +221,7 @@ def test_same_kept_tokens_in_every_layer_and_head(engine, hf, design):
         for layer, (a, b) in enumerate(zip(kept, hf[i]["kept"])):
             if a == b:
                 continue
-            assert DESIGNS[design].get("sampling") == "systematic", f"prompt {i} layer {layer}: kept positions differ"
+            assert _systematic(design), f"prompt {i} layer {layer}: kept positions differ"
             for head, (x, y) in enumerate(zip(a, b)):
                 if x != y:
                     margin = _tie(hf[i]["draws"][layer], head, x, y)
@@ -261,7 +270,7 @@ def test_pool_gains_exactly_the_freed_blocks(engine, design):
         total += rep["blocks_freed"]
         # the sketches are counted beside the freed blocks: 30 layers x 3 KV heads x 2,209 float32 elements
         # (8 clusters (4 d + 4) + d + dv + 1, d = dv = 64) for the recommended design, none for the paper's
-        assert rep["sketch_bytes"] == (30 * 3 * 2209 * 4 if design in ("default", "systematic") else 0)
+        assert rep["sketch_bytes"] == (30 * 3 * 2209 * 4 if design in ("default", "poisson") else 0)
     assert engine["blocks_freed"] == total == engine["stats"]["blocks_freed"]
 
 
@@ -270,7 +279,7 @@ def test_systematic_kept_counts_are_fixed():
     (the ratio's budget less the tilted sketch's memory, the same for every head), and frees every full
     prompt block past ceil(max count / BLOCK).
 
-    Against the default (Poisson, the same pi: the same forward and scores): the systematic design frees at
+    Against the same design drawn by Poisson sampling (the same pi: the same forward and scores): it frees at
     least as many blocks whenever the largest Poisson count of the 90 (layer, KV head)s reaches ceil(B) (its
     own largest count is at most ceil(B)). That is not a theorem for one draw (all 90 Poisson heads could fall
     below ceil(B), each with probability about 1/2), so it is asserted as the draw of this seed (checked first,
@@ -279,8 +288,8 @@ def test_systematic_kept_counts_are_fixed():
     """
     from kvcert.vllm import KVCertConfig
 
-    sys_, poi = _engine_of("systematic"), _engine_of("default")
-    design = KVCertConfig(compression_ratio=RATIO, seed=SEED, sampling="systematic").design
+    sys_, poi = _engine_of("default"), _engine_of("poisson")
+    design = KVCertConfig(compression_ratio=RATIO, seed=SEED).design  # the default: systematic
     assert design.sampling == "systematic"
     head = 64  # the model's head size (keys and values)
     gained = 0
