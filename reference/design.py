@@ -264,6 +264,13 @@ def poisson_sample(pi, *, seed: int | None = None, generator: np.random.Generato
     -------
     keep : ndarray of bool, shape (n,)
     """
+    p, u, _ = _sample_inputs(pi, seed, generator, uniforms)
+    return u < p
+
+
+def _sample_inputs(pi, seed, generator, uniforms):
+    """A sample's checked inputs: pi (n,) float64, the uniforms (given, or the first n draws of the generator
+    or of ``design_generator(seed)``) and that generator (None with ``uniforms``), for a design that draws more."""
     p = np.asarray(pi, dtype=np.float64)
     if p.ndim != 1:
         raise ValueError(f"pi must have shape (n,), got shape {p.shape}")
@@ -278,13 +285,11 @@ def poisson_sample(pi, *, seed: int | None = None, generator: np.random.Generato
             raise ValueError(f"uniforms must have shape {p.shape}, got {u.shape}")
         if not np.all((u >= 0) & (u < 1)):
             raise ValueError("uniforms must lie in [0, 1)")
-    elif generator is not None:
-        if not isinstance(generator, np.random.Generator):
-            raise TypeError(f"generator must be a numpy.random.Generator, got {type(generator).__name__}")
-        u = generator.random(p.size)
-    else:
-        u = design_generator(seed).random(p.size)
-    return u < p
+        return p, u, None
+    gen = generator if generator is not None else design_generator(seed)
+    if not isinstance(gen, np.random.Generator):
+        raise TypeError(f"generator must be a numpy.random.Generator, got {type(gen).__name__}")
+    return p, gen.random(p.size), gen
 
 
 def systematic_sample(pi, *, seed: int | None = None, generator: np.random.Generator | None = None,
@@ -325,30 +330,14 @@ def systematic_sample(pi, *, seed: int | None = None, generator: np.random.Gener
     -------
     keep : ndarray of bool, shape (n,)
     """
-    p = np.asarray(pi, dtype=np.float64)
-    if p.ndim != 1:
-        raise ValueError(f"pi must have shape (n,), got shape {p.shape}")
-    if not np.all((p >= 0) & (p <= 1)):  # also catches NaN
-        raise ValueError("pi must lie in [0, 1] (found a value outside, or NaN)")
-    given = sum(x is not None for x in (seed, generator, uniforms))
-    if given != 1:
-        raise TypeError("pass exactly one of seed=, generator= or uniforms=")
-    if uniforms is not None:
-        u = np.asarray(uniforms, dtype=np.float64)
-        if u.shape != p.shape:
-            raise ValueError(f"uniforms must have shape {p.shape}, got {u.shape}")
-        if not np.all((u >= 0) & (u < 1)):
-            raise ValueError("uniforms must lie in [0, 1)")
+    p, u, gen = _sample_inputs(pi, seed, generator, uniforms)
+    if gen is None:
         if start is None or not (0.0 <= float(start) < 1.0):
             raise ValueError(f"start must be a float in [0, 1) with uniforms=, got {start!r}")
         s = float(start)
     else:
         if start is not None:
             raise TypeError("start= goes with uniforms= only")
-        gen = generator if generator is not None else design_generator(seed)
-        if not isinstance(gen, np.random.Generator):
-            raise TypeError(f"generator must be a numpy.random.Generator, got {type(gen).__name__}")
-        u = gen.random(p.size)
         s = float(gen.random())
     certain = p >= 1.0
     tail = np.where(certain, 0.0, p)
