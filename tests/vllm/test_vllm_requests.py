@@ -95,9 +95,11 @@ def test_request_options_name_the_key():
     with pytest.raises(ValueError, match="kvcert_seed.*granularity='block'"):
         request_options(KVCertConfig(granularity="block"), {"kvcert_seed": 1})
     # the recommended design per request: the sketch is applied before the kind its radius needs
+    # (and its sampling: a request that names a design draws that design's default, systematic here)
     assert request_options(engine, {"kvcert_kind": "tilted_hull", "kvcert_sketch": "tilted"}) == {
-        "sketch": "tilted", "kind": "tilted_hull"}
-    assert request_options(engine, {"kvcert_kind": "tilted_hull"}) == {"sketch": "tilted", "kind": "tilted_hull"}
+        "sketch": "tilted", "kind": "tilted_hull", "sampling": "systematic"}
+    assert request_options(engine, {"kvcert_kind": "tilted_hull"}) == {"sketch": "tilted", "kind": "tilted_hull",
+                                                                       "sampling": "systematic"}
     paper = KVCertConfig(compression_ratio=0.0, sketch=None)
     with pytest.raises(ValueError, match="kvcert_kind='tilted_hull'"):  # the paper design with the sketch's kind
         request_options(paper, {"kvcert_kind": "tilted_hull", "kvcert_sketch": None})

@@ -80,7 +80,8 @@ def test_request_target_replaces_the_engine_ratio():
     assert REQUEST_KEYS["kvcert_target_error"] == "target_error"
     engine = KVCertConfig()  # ratio 0.5, the recommended (sketched) design
     over = request_options(engine, {"kvcert_target_error": 0.1, "kvcert_seed": SEED})
-    assert over == {"compression_ratio": 0.0, "sketch": None, "kind": "chebyshev", "target_error": 0.1, "seed": SEED}
+    assert over == {"compression_ratio": 0.0, "sketch": None, "kind": "chebyshev", "sampling": "poisson",
+                    "target_error": 0.1, "seed": SEED}
     mine = replace(engine, **over)  # what the worker applies
     assert mine.design.target_error == 0.1 and mine.design.compression_ratio == 0.0 and mine.design.sketch is None
     assert request_options(engine, {"kvcert_target_error": 1, "kvcert_kind": "chebyshev"})["target_error"] == 1.0
