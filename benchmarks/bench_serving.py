@@ -41,8 +41,9 @@ not interleaved with prefill chunks) and the same workload, greedy with
 
 ``--granularity`` picks the plugin's design (the token design by compaction,
 the default, or ``block``); ``--sampling`` how the token design draws its
-sample (``poisson``, the default, or ``systematic``: a fixed kept count per
-head, so compaction pads no head); ``freed_over_expected`` compares the blocks freed
+sample (``auto``, the default: the plugin's, systematic for the default design and Poisson for the
+paper's; or ``poisson`` / ``systematic`` by name: a fixed kept count per head, so compaction pads no
+head); ``freed_over_expected`` compares the blocks freed
 with the design's expected saving (ratio x prompt tokens / block size), i.e.
 what the padding of compaction costs.
 
@@ -148,8 +149,9 @@ def _child(spec_path: str, res_fd: str) -> None:
 
         kvcert = {} if spec.get("sketch", "auto") == "auto" else {"sketch": None if spec["sketch"] == "none"
                                                                   else spec["sketch"]}
-        if spec.get("granularity", "token") == "token":  # the token design's option (refused for blocks)
-            kvcert["sampling"] = spec.get("sampling", "poisson")
+        sampling = spec.get("sampling", "auto")
+        if spec.get("granularity", "token") == "token" and sampling != "auto":  # the token design's option
+            kvcert["sampling"] = sampling
         llm = certified_llm(spec["model"], compression_ratio=spec["ratio"], seed=0, kvcert=kvcert or None,
                             granularity=spec.get("granularity", "token"), **spec["engine"])
     out.write(json.dumps({"start_s": time.perf_counter() - t0}) + "\n")
@@ -170,7 +172,7 @@ class _Engine:
     """The parent's handle on one engine process (stock: ``VLLM_PLUGINS=""``, i.e. without the plugin)."""
 
     def __init__(self, name: str, model: str, ratio, engine: dict, tmp: Path, timeout: float,
-                 granularity: str = "token", sketch: str = "auto", sampling: str = "poisson"):
+                 granularity: str = "token", sketch: str = "auto", sampling: str = "auto"):
         self.name, self.timeout = name, timeout
         env = _env()
         if ratio is None:
@@ -279,9 +281,10 @@ def main(argv=None) -> None:
     ap.add_argument("--sketch", choices=("auto", "none", "tilted", "cluster"), default="auto",
                     help="token design: 'auto' = the plugin's default (the recommended design, tilted sketch), "
                          "'none' = the paper's design")
-    ap.add_argument("--sampling", choices=("poisson", "systematic"), default="poisson",
-                    help="token design: how each (layer, KV head) draws its sample given pi: 'poisson' (the "
-                         "default) or 'systematic' (a fixed kept count per head, kvcert.fast.systematic_sample)")
+    ap.add_argument("--sampling", choices=("auto", "poisson", "systematic"), default="auto",
+                    help="token design: how each (layer, KV head) draws its sample given pi: 'auto' (the "
+                         "plugin's default: systematic for the default design, Poisson for the paper's), "
+                         "'poisson' or 'systematic' (a fixed kept count per head, kvcert.fast.systematic_sample)")
     ap.add_argument("--pool-blocks", type=int, default=140, help="num_gpu_blocks_override of every engine")
     ap.add_argument("--admission-requests", type=int, default=24,
                     help="more than the pool can hold at once even at ratio 0.5, so the pool is the limit")
@@ -298,7 +301,7 @@ def main(argv=None) -> None:
         args.lengths, args.concurrency, args.admission_requests, args.repeats = [1024], 2, 8, 1
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.granularity == "block" and args.sampling != "poisson":
+    if args.granularity == "block" and args.sampling != "auto":
         ap.error("--sampling is the token design's option (the block design draws whole blocks)")
     os.environ.update({k: v for k, v in _env().items() if k.startswith(("HF_", "TRANSFORMERS_"))})
     sys.path.insert(0, str(ROOT))
