@@ -327,8 +327,7 @@ def systematic_sample(pi: torch.Tensor, *, seed: int | None = None, uniforms: to
             raise TypeError("start= goes with uniforms= only")
         u = design_uniforms(tuple(pi.shape), seed, layer=layer, event=event, index=index, device=pi.device,
                             row_streams=row_streams)
-        s = start_uniforms(tuple(pi.shape[:-1]), seed, layer=layer, event=event, device=pi.device,
-                           row_streams=row_streams)
+        return draw_sample("systematic", pi, u, seed, layer=layer, event=event, row_streams=row_streams)
     return _systematic_keep(pi, u, s)
 
 

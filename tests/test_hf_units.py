@@ -177,7 +177,8 @@ def test_decoding_press_defaults_to_the_base_target():
     # a default press (the recommended design, one event's sketch) runs the paper's design under DecodingPress,
     # on a copy: the caller's press keeps its design
     assert p.kind == "chebyshev" and p.base_press.sketch is None and p.base_press is not base
-    assert base.kind == "tilted_hull" and base.sketch is not None
+    assert p.base_press.sampling == "poisson"  # the paper's design draws as the paper does
+    assert base.kind == "tilted_hull" and base.sketch is not None and base.sampling == "systematic"
     with pytest.raises(ValueError, match="base_press: a sketched PoissonPress"):  # a sketch asked for by name
         kvcert.DecodingPress(kvcert.PoissonPress(target_size=64, sketch="tilted"), compression_interval=8)
     assert kvcert.DecodingPress(kvcert.SnapKVPress(compression_ratio=0.5), compression_interval=8).target_size is None

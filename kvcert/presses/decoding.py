@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -59,8 +59,7 @@ class DecodingPress(Press):
                              "compression_ratio or target_size)")
         if getattr(self.base_press, "sketch", None) is not None and \
                 getattr(self.base_press, "_recommended_default", False):
-            # the paper's design
-            self.base_press = replace(self.base_press, sketch=None, kind="chebyshev", sampling="poisson")
+            self.base_press = self.base_press.paper_design()
         if getattr(self.base_press, "sketch", None) is not None:
             raise ValueError("base_press: a sketched PoissonPress (sketch=...) evicts once per layer, at the "
                              "prefill; decode-time events would need the sketches of several events merged, which "

@@ -216,9 +216,16 @@ class PoissonPress(BasePress):
         warnings.warn("kvcert: this model softcaps its attention logits (attn_logit_softcapping), which the "
                       "recommended design's sketch cannot carry; PoissonPress() runs the paper's design here "
                       "(sketch=None, kind='chebyshev'). Pass sketch=None to silence this.", stacklevel=3)
-        paper = replace(self, sketch=None, kind="chebyshev", sampling="poisson")
+        paper = self.paper_design()
         paper._layer_inputs = self._layer_inputs  # the kvpress-scorer hooks write the original's
         return paper
+
+    def paper_design(self) -> "PoissonPress":
+        """This press with the paper's design in place of its own (``sketch=None, kind="chebyshev",
+        sampling="poisson"``), its other fields kept: what runs where the default's sketch cannot (a
+        softcapped model, :class:`DecodingPress`). The fields are resolved at construction, so all three are
+        named."""
+        return replace(self, sketch=None, kind="chebyshev", sampling="poisson")
 
     def _record_target(self, layer_idx: int, row: int, chosen) -> None:
         self.chosen_budgets[(layer_idx, row)] = chosen
