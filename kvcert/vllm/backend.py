@@ -420,9 +420,8 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
                     sel = torch.tensor(rows, dtype=torch.int64)
                     tokens, g_ids, g_log_pi = plan.compacted_tokens[sel], ids[sel], log_pi[sel]
                 q_rows = query.index_select(0, tokens)
-                if sketched:  # one row's own sketch as is: its decode form, kept on it, is built once
-                    sketch = plan.compacted[rows[0]].state.sketches[index] if len(rows) == 1 else \
-                        ClusterSketch.cat([plan.compacted[j].state.sketches[index] for j in rows])
+                if sketched:  # a row's own sketch, or the group's join kept across steps (Step.group_sketch)
+                    sketch = step.group_sketch(index, (kind, delta, sketched), [plan.compacted[j] for j in rows])
                     o, rel = sketch_decode(q_rows, kv_cache, g_ids, g_log_pi, sketch, self.scale, kind, delta)
                 else:
                     o, rel = token_decode(q_rows, kv_cache, g_ids, g_log_pi, self.scale, kind, delta)

@@ -51,6 +51,8 @@ import torch
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import Worker as GPUWorker  # CPUWorker's own base class
 
+from kvcert.fast import ClusterSketch
+
 from . import backend as _backend
 from . import gpu_backend as _gpu_backend
 from .config import KVCertConfig, check_vllm_config
@@ -137,18 +139,18 @@ class _Plan:
     def compacted_inputs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ids (E, M) and log pi (E, h_kv, M * bs) of the compacted rows at one layer (-inf = not a token:
         padding slots, padding blocks, positions before the prompt's end in the tail blocks or past seq_len)."""
-        lp = self._compacted_log_pi.get(layer)
-        if lp is None:
+        lp = self._compacted_log_pi.get("all")
+        if lp is None:  # every layer's at the step's first call: one copy per row, not one per row and layer
             E, M = self.compacted_block_ids.shape
-            h = self.compacted[0].state.log_pi.shape[1]
-            lp = torch.full((E, h, M * self.block_size), float("-inf"))
+            n_layers, h = self.compacted[0].state.log_pi.shape[:2]
+            lp = torch.full((n_layers, E, h, M * self.block_size), float("-inf"))
             for j, row in enumerate(self.compacted):
-                head = row.state.log_pi[layer]  # (h, m * bs)
-                c = head.shape[1]
-                lp[j, :, :c] = head
-                lp[j, :, c : c + row.tail_log_pi.numel()] = row.tail_log_pi
-            self._compacted_log_pi[layer] = lp
-        return self.compacted_block_ids, lp
+                heads = row.state.log_pi  # (layers, h, m * bs)
+                c = heads.shape[-1]
+                lp[:, j, :, :c] = heads
+                lp[:, j, :, c : c + row.tail_log_pi.numel()] = row.tail_log_pi
+            self._compacted_log_pi["all"] = lp
+        return self.compacted_block_ids, lp[layer]
 
     def stock_metadata(self, impl) -> _SubBatch:
         if self._sub is None:
@@ -283,6 +285,27 @@ class Step:
                 rid, seq_len, w.kvcert_block_size)))
         return out
 
+    def group_sketch(self, layer: int, group: tuple, rows: list):
+        """The sketch (:class:`kvcert.fast.ClusterSketch`, batch len(rows)) of one layer for the compacted rows
+        ``rows`` (``_CompactedRow``) of one certificate group ``group`` of the step: a lone row's own sketch, or
+        the rows' sketches joined (:meth:`ClusterSketch.cat`).
+
+        A join is kept on the worker, one per (layer, group), and read again while the same requests (the same
+        :class:`Compacted` states) form the group: in steady decode the group is the same from step to step, so
+        the join and its decode form (cached on the joined sketch) are built once, not at every step and layer.
+        It holds the group's sketches a second time (their ``sketch_bytes`` once more) and is dropped when one
+        of its requests finishes or loses its state (:meth:`_CertifiedWorker._kvcert_before`)."""
+        states = tuple(row.state for row in rows)
+        if len(states) == 1:
+            return states[0].sketches[layer]
+        cache = self.worker.kvcert_joined
+        hit = cache.get((layer, group))
+        if hit is not None and len(hit[0]) == len(states) and all(a is b for a, b in zip(hit[0], states)):
+            return hit[1]
+        joined = ClusterSketch.cat([s.sketches[layer] for s in states])
+        cache[(layer, group)] = (states, joined)
+        return joined
+
     def add_certificates(self, req_ids: list, rel: torch.Tensor) -> None:
         """Add each row's mean relative radius over query heads to its request: ``rel`` (len(req_ids), h_q).
 
@@ -372,6 +395,8 @@ class _CertifiedWorker:
         # the head size d = dv, which sizes a sketch's memory in kept tokens (KVCertConfig.evicts)
         self.kvcert_head_size = int(vllm_config.model_config.get_head_size())
         self._kvcert_pending: tuple[dict, dict, dict] | None = None
+        # (layer, certificate group) -> (the group's Compacted states, their joined sketch): Step.group_sketch
+        self.kvcert_joined: dict[tuple, tuple] = {}
 
     def _kvcert_layers(self, impl_cls) -> dict:
         """The model's attention layers, refusing any whose implementation is not ``impl_cls``."""
@@ -403,6 +428,8 @@ class _CertifiedWorker:
             else:
                 self.kvcert_prompt_len[req.req_id] = req.prompt_len
         info = getattr(scheduler_output, "kvcert", None) or {}
+        if info.get("clear") or info.get("decisions") or scheduler_output.finished_req_ids:
+            self.kvcert_joined.clear()  # a state leaves or is replaced: no join may outlive its requests
         for rid in info.get("clear", ()):
             self.kvcert_states.pop(rid, None)
         for rid, overrides in info.get("options", {}).items():

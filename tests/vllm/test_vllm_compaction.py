@@ -227,3 +227,45 @@ def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypa
     _forward(backend, impl, step, layer, qd, cache, md)
     plain, _, _ = step.results(BS)
     assert abs(plain["a"] / certs["a"] - 1) > 0.05
+
+
+def test_a_group_of_sketched_rows_joins_its_sketches_once_while_the_group_stays_the_same():
+    """``Step.group_sketch``: a lone row reads its own sketch; two rows read the join of their sketches (equal to
+    ``ClusterSketch.cat``), built at the first step and read again at the next one (the same object, so its decode
+    form is not rebuilt); a request whose state was replaced (preempted and prefilled again), a different order
+    of the rows, or a finished request in the scheduler's output rebuilds it. Negative control: the join of the
+    rows in the other order differs."""
+    from kvcert.vllm import worker
+
+    torch.manual_seed(3)
+
+    def state():
+        k, v = torch.randn(1, H, 40, D), torch.randn(1, H, 40, D)
+        pi = torch.full((1, H, 40), 0.5, dtype=torch.float64)
+        keep = torch.rand(1, H, 40) < 0.5
+        sk = F.cluster_sketch(k, v, pi, keep, F.ClusterDesign(clusters=4))
+        return worker.Compacted(n_prompt=40, m=1, log_pi=torch.zeros(1, H, BS), sketches=[sk])
+
+    a, b = state(), state()
+    fake = SimpleNamespace(kvcert=None, kvcert_joined={})
+    rows = [worker._CompactedRow("a", 0, TABLE[0], torch.zeros(0), a),
+            worker._CompactedRow("b", 1, TABLE[0], torch.zeros(0), b)]
+    group = ("tilted_hull", 0.05, True)
+    assert worker.Step(fake).group_sketch(0, group, rows[:1]) is a.sketches[0]
+    first = worker.Step(fake).group_sketch(0, group, rows)
+    want = F.ClusterSketch.cat([a.sketches[0], b.sketches[0]])
+    for name in ("mean", "var", "count", "weight"):
+        assert torch.equal(getattr(first, name), getattr(want, name))
+    assert worker.Step(fake).group_sketch(0, group, rows) is first  # the next step: the same join
+    swapped = worker.Step(fake).group_sketch(0, group, rows[::-1])
+    assert swapped is not first and not torch.equal(swapped.mean, first.mean)  # the order counts
+    rows[1] = worker._CompactedRow("b", 1, TABLE[0], torch.zeros(0), state())  # b's state replaced
+    again = worker.Step(fake).group_sketch(0, group, rows)
+    assert again is not first and torch.equal(again.mean[:1], first.mean[:1]) and not torch.equal(again.mean, first.mean)
+    # the scheduler's output of the next step: nothing finished keeps the joins, a finished request drops them
+    fake.__dict__.update(kvcert_states={"a": a}, kvcert_prompt_len={}, kvcert_decided=set(), kvcert_request={})
+    out = lambda finished: SimpleNamespace(scheduled_new_reqs=[], finished_req_ids=finished, kvcert=None)  # noqa: E731
+    worker._CertifiedWorker._kvcert_before(fake, out(set()))
+    assert len(fake.kvcert_joined) == 1
+    worker._CertifiedWorker._kvcert_before(fake, out({"b"}))
+    assert fake.kvcert_joined == {}
