@@ -289,6 +289,9 @@ def main(argv=None) -> None:
     ap.add_argument("--admission-requests", type=int, default=24,
                     help="more than the pool can hold at once even at ratio 0.5, so the pool is the limit")
     ap.add_argument("--admission-length", type=int, default=1024)
+    ap.add_argument("--admission-only", action="store_true",
+                    help="only the admission row (no warm-up, no latency phases): a pool too large for the "
+                         "latency runs to be worth repeating")
     ap.add_argument("--quick", action="store_true", help="1k prompts only, 2 concurrent, 8 admission requests, "
                     "1 repeat")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds an engine may take for one phase")
@@ -299,7 +302,9 @@ def main(argv=None) -> None:
         return _child(*args.child)
     if args.quick:
         args.lengths, args.concurrency, args.admission_requests, args.repeats = [1024], 2, 8, 1
-    if args.repeats < 1:
+    if args.admission_only:
+        args.lengths, args.repeats = [], 0
+    elif args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.granularity == "block" and args.sampling != "auto":
         ap.error("--sampling is the token design's option (the block design draws whole blocks)")
@@ -312,7 +317,7 @@ def main(argv=None) -> None:
     engine = {"dtype": "float32", "enforce_eager": True, "enable_prefix_caching": False,
               "block_size": args.block_size, "num_gpu_blocks_override": args.pool_blocks, "max_num_seqs": 64,
               "max_model_len": max_len, "disable_log_stats": False,
-              "max_num_batched_tokens": max(max(args.lengths) * args.concurrency, max_len)}
+              "max_num_batched_tokens": max(max(args.lengths, default=0) * args.concurrency, max_len)}
     configs = [("stock", None)] + [(f"kvcert_{r:g}", r) for r in args.ratios]
     names = [name for name, _ in configs]
     results = {"config": {k: v for k, v in vars(args).items() if k != "child"}, "engine": engine,
@@ -333,10 +338,11 @@ def main(argv=None) -> None:
                 print(f"{name}: engine up in {raw[name]['start_s']:.1f} s", flush=True)
             # a warm-up phase shaped like the first latency phase, not reported: in the plugin's engine the decode
             # steps of an engine's first phase took 1.28x as long (attention 1.45x) as those of a second one
-            warm = {"prompts": _prompts(model, [args.lengths[0]], args.concurrency, offset=499),
-                    "max_tokens": args.max_tokens}
-            for name in names:
-                raw[name]["warmup"] = engines[name].run(warm)
+            if args.lengths:
+                warm = {"prompts": _prompts(model, [args.lengths[0]], args.concurrency, offset=499),
+                        "max_tokens": args.max_tokens}
+                for name in names:
+                    raw[name]["warmup"] = engines[name].run(warm)
             # latency phases: every engine runs the same prompts back to back, in an order that rotates with the
             # repeat, so a slow stretch of the machine falls on all engines rather than on one configuration
             for rep in range(args.repeats):
