@@ -37,7 +37,9 @@ not interleaved with prefill chunks) and the same workload, greedy with
   submitted at once into the same fixed pool: the largest number of requests
   running at the same time (overlap of [scheduled_ts, last_token_ts]) and
   the preemptions (``num_preemptions``), i.e. how many concurrent requests
-  the pool admits.
+  the pool admits (``max_num_seqs``, ``--max-num-seqs``, must stay above that
+  count). ``--admission-only`` runs this row alone, without the warm-up and the
+  latency phases (a larger pool, where only the count is wanted).
 
 ``--granularity`` picks the plugin's design (the token design by compaction,
 the default, or ``block``); ``--sampling`` how the token design draws its
@@ -241,9 +243,15 @@ def _latency_summary(ph: dict) -> dict:
     certs = [r["mean_certificate"] for r in reqs if r["mean_certificate"] is not None]
     # the requests prefilled last decode with no prefill step between their tokens
     last = max(r["first_token_ts"] for r in reqs)
-    steady = [r["decode_s_per_token"] for r in reqs if r["first_token_ts"] >= last - 0.5]
+    final = [r for r in reqs if r["first_token_ts"] >= last - 0.5]
+    steady = [r["decode_s_per_token"] for r in final]
     return {
         "ttft_s": statistics.fmean(r["ttft_s"] for r in reqs),
+        # the time to first token of the requests prefilled last: the time to prefill the whole phase, whether the
+        # engine core began with the first prompt alone (its first token then comes early and lowers ttft_s) or
+        # with all of them
+        "ttft_last_s": statistics.fmean(r["ttft_s"] for r in final),
+        "prefill_groups": len({round(last - r["first_token_ts"], 0) for r in reqs}),
         "decode_s_per_token": statistics.fmean(r["decode_s_per_token"] for r in reqs),
         "steady_decode_s_per_token": statistics.fmean(steady),
         "steady_requests": len(steady),
@@ -289,6 +297,8 @@ def main(argv=None) -> None:
     ap.add_argument("--admission-requests", type=int, default=24,
                     help="more than the pool can hold at once even at ratio 0.5, so the pool is the limit")
     ap.add_argument("--admission-length", type=int, default=1024)
+    ap.add_argument("--max-num-seqs", type=int, default=64,
+                    help="vLLM's max_num_seqs of every engine: above the admission count the pool allows")
     ap.add_argument("--admission-only", action="store_true",
                     help="only the admission row (no warm-up, no latency phases): a pool too large for the "
                          "latency runs to be worth repeating")
@@ -296,12 +306,18 @@ def main(argv=None) -> None:
                     "1 repeat")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds an engine may take for one phase")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "serving.json"))
+    ap.add_argument("--resummarize", metavar="JSON",
+                    help="recompute the summaries and ratios of an earlier result file from its raw phases, in place")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         return _child(*args.child)
+    if args.resummarize:
+        return _resummarize(args.resummarize)
     if args.quick:
         args.lengths, args.concurrency, args.admission_requests, args.repeats = [1024], 2, 8, 1
+    if args.max_num_seqs < 1:
+        ap.error(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     if args.admission_only:
         args.lengths, args.repeats = [], 0
     elif args.repeats < 1:
@@ -315,7 +331,7 @@ def main(argv=None) -> None:
     model = default_model_path()
     max_len = max(args.lengths + [args.admission_length]) + args.max_tokens + args.block_size
     engine = {"dtype": "float32", "enforce_eager": True, "enable_prefix_caching": False,
-              "block_size": args.block_size, "num_gpu_blocks_override": args.pool_blocks, "max_num_seqs": 64,
+              "block_size": args.block_size, "num_gpu_blocks_override": args.pool_blocks, "max_num_seqs": args.max_num_seqs,
               "max_model_len": max_len, "disable_log_stats": False,
               "max_num_batched_tokens": max(max(args.lengths, default=0) * args.concurrency, max_len)}
     configs = [("stock", None)] + [(f"kvcert_{r:g}", r) for r in args.ratios]
@@ -365,9 +381,18 @@ def main(argv=None) -> None:
             for e in engines.values():
                 e.close()
     results["total_s"] = time.perf_counter() - t_all
+    results["machine"]["loadavg_end"] = os.getloadavg()
+    _summarize(results, raw, names, args.lengths)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    _print_table(results, names, args.lengths)
+
+
+def _summarize(results: dict, raw: dict, names: list[str], lengths: list[int]) -> None:
+    """Each engine's summaries from its raw phases, and the ratios to stock (``results["runs"]``,
+    ``results["ratios_vs_stock"]``)."""
     for name in names:
         summary = {"start_s": raw[name]["start_s"], "admission": _admission_summary(raw[name]["admission"])}
-        for n in args.lengths:
+        for n in lengths:
             summary[f"latency_{n}"] = [_latency_summary(ph) for ph in raw[name]["latency"][n]]
         results["runs"][name] = {"summary": summary, "raw": raw[name]}
     base = results["runs"]["stock"]["summary"]
@@ -375,17 +400,29 @@ def main(argv=None) -> None:
     for name in names[1:]:
         s = results["runs"][name]["summary"]
         ratios[name] = {}
-        for n in args.lengths:
+        for n in lengths:
             for key, metric in (("steady_decode_time_ratio", "steady_decode_s_per_token"),
-                                ("decode_time_ratio", "decode_s_per_token"), ("ttft_ratio", "ttft_s")):
+                                ("decode_time_ratio", "decode_s_per_token"), ("ttft_ratio", "ttft_s"),
+                                ("ttft_last_ratio", "ttft_last_s")):
                 # paired by repeat: the two phases ran within minutes of each other on the same prompts
                 ratios[name][f"{key}_{n}"] = _spread([a[metric] / b[metric] for a, b in
                                                       zip(s[f"latency_{n}"], base[f"latency_{n}"])])
         ratios[name]["admission_ratio"] = s["admission"]["max_concurrent"] / base["admission"]["max_concurrent"]
     results["ratios_vs_stock"] = ratios
-    results["machine"]["loadavg_end"] = os.getloadavg()
-    Path(args.out).write_text(json.dumps(results, indent=1))
-    _print_table(results, names, args.lengths)
+
+
+def _resummarize(path: str) -> None:
+    """Recompute the summaries and ratios of a result file from its raw phases (after a metric was added), in
+    place, and print its table."""
+    results = json.loads(Path(path).read_text())
+    names = list(results["runs"])
+    raw = {name: results["runs"][name]["raw"] for name in names}
+    lengths = sorted({int(n) for name in names for n in raw[name]["latency"]})
+    for name in names:  # JSON keys are strings
+        raw[name]["latency"] = {int(n): v for n, v in raw[name]["latency"].items()}
+    _summarize(results, raw, names, lengths)
+    Path(path).write_text(json.dumps(results, indent=1))
+    _print_table(results, names, lengths)
 
 
 def _print_table(results: dict, names: list[str], lengths: list[int]) -> None:
@@ -399,6 +436,13 @@ def _print_table(results: dict, names: list[str], lengths: list[int]) -> None:
         ttft = {m: statistics.median(x["ttft_s"] for x in runs[m]["summary"][f"latency_{n}"]) for m in names}
         print(f"| {n}: time to first token (s, median over repeats) | "
               + " | ".join(f"{ttft[m]:.1f}" for m in names) + " |")
+        last = {m: statistics.median(x["ttft_last_s"] for x in runs[m]["summary"][f"latency_{n}"]) for m in names}
+        print(f"| {n}: time to first token of the last prefill group (s, median) | "
+              + " | ".join(f"{last[m]:.1f}" for m in names) + " |")
+        cells = ["1"] + [("{median:.2f} ({min:.2f}-{max:.2f})").format(**ratios[m][f"{key}_{n}"])
+                         for key in ("ttft_ratio", "ttft_last_ratio") for m in names[1:]]
+        print(f"| {n}: TTFT ratio, all requests / last group, median of repeats (range) | "
+              + " | ".join(cells) + " |")
         print(f"| {n}: steady decode s/token (median over repeats) | "
               + " | ".join(f"{med[m]:.3f}" for m in names) + " |")
         cells = ["1"] + [("{median:.2f} ({min:.2f}-{max:.2f})").format(**ratios[m][f"steady_decode_time_ratio_{n}"])
