@@ -297,6 +297,10 @@ def main(argv=None) -> None:
     ap.add_argument("--admission-requests", type=int, default=24,
                     help="more than the pool can hold at once even at ratio 0.5, so the pool is the limit")
     ap.add_argument("--admission-length", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="vLLM's max_num_batched_tokens (default: concurrency x the longest prompt, at least one "
+                         "admission prompt); the admission row needs many prompts prefilled per step, else the "
+                         "requests finish before the pool fills")
     ap.add_argument("--max-num-seqs", type=int, default=64,
                     help="vLLM's max_num_seqs of every engine: above the admission count the pool allows")
     ap.add_argument("--admission-only", action="store_true",
@@ -316,6 +320,8 @@ def main(argv=None) -> None:
         return _resummarize(args.resummarize)
     if args.quick:
         args.lengths, args.concurrency, args.admission_requests, args.repeats = [1024], 2, 8, 1
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+        ap.error(f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}")
     if args.max_num_seqs < 1:
         ap.error(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     if args.admission_only:
@@ -333,7 +339,8 @@ def main(argv=None) -> None:
     engine = {"dtype": "float32", "enforce_eager": True, "enable_prefix_caching": False,
               "block_size": args.block_size, "num_gpu_blocks_override": args.pool_blocks, "max_num_seqs": args.max_num_seqs,
               "max_model_len": max_len, "disable_log_stats": False,
-              "max_num_batched_tokens": max(max(args.lengths, default=0) * args.concurrency, max_len)}
+              "max_num_batched_tokens": args.max_num_batched_tokens
+              or max(max(args.lengths, default=0) * args.concurrency, max_len)}
     configs = [("stock", None)] + [(f"kvcert_{r:g}", r) for r in args.ratios]
     names = [name for name, _ in configs]
     results = {"config": {k: v for k, v in vars(args).items() if k != "child"}, "engine": engine,

@@ -366,7 +366,7 @@ def test_step_row_states_feed_the_cuda_backend(monkeypatch):
     w = object.__new__(worker.CertifiedGPUWorker)
     w.__dict__.update(fake.__dict__)
     w.kvcert_states = {}
-    w.kvcert_last_stats, w._kvcert_pending = {}, None
+    w.kvcert_last_stats, w._kvcert_pending, w.kvcert_joined = {}, None, {}  # what __init__ sets
     so = SimpleNamespace(scheduled_new_reqs=[], finished_req_ids=set(),
                          kvcert={"decisions": {"b": {"log_pi": lp.tolist()}}})
     out = w.execute_model(so)
