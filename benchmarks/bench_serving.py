@@ -275,6 +275,15 @@ def _spread(xs: list[float]) -> dict:
     return {"per_repeat": xs, "median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
+def engine_args(block_size: int, pool_blocks: int, max_model_len: int, max_num_batched_tokens: int,
+                max_num_seqs: int = 64) -> dict:
+    """The arguments every engine of the serving benchmarks gets (``vllm.LLM``; the plugin's engine drops
+    ``enable_prefix_caching``): float32, eager, no prefix caching, a fixed pool, engine stats on."""
+    return {"dtype": "float32", "enforce_eager": True, "enable_prefix_caching": False, "block_size": block_size,
+            "num_gpu_blocks_override": pool_blocks, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
+            "disable_log_stats": False, "max_num_batched_tokens": max_num_batched_tokens}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75])
@@ -336,11 +345,8 @@ def main(argv=None) -> None:
 
     model = default_model_path()
     max_len = max(args.lengths + [args.admission_length]) + args.max_tokens + args.block_size
-    engine = {"dtype": "float32", "enforce_eager": True, "enable_prefix_caching": False,
-              "block_size": args.block_size, "num_gpu_blocks_override": args.pool_blocks, "max_num_seqs": args.max_num_seqs,
-              "max_model_len": max_len, "disable_log_stats": False,
-              "max_num_batched_tokens": args.max_num_batched_tokens
-              or max(max(args.lengths, default=0) * args.concurrency, max_len)}
+    engine = engine_args(args.block_size, args.pool_blocks, max_len, args.max_num_batched_tokens
+                         or max(max(args.lengths, default=0) * args.concurrency, max_len), args.max_num_seqs)
     configs = [("stock", None)] + [(f"kvcert_{r:g}", r) for r in args.ratios]
     names = [name for name, _ in configs]
     results = {"config": {k: v for k, v in vars(args).items() if k != "child"}, "engine": engine,

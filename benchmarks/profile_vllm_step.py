@@ -44,7 +44,7 @@ def main(argv=None) -> None:
         if value < 1:
             ap.error(f"{name} must be >= 1, got {value}")
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_serving import _env, _prompts
+    from bench_serving import _env, _prompts, engine_args
 
     os.environ.update(_env())
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -56,13 +56,13 @@ def main(argv=None) -> None:
 
     model = default_model_path()
     n, bs = args.tokens, args.block_size
-    engine = dict(dtype="float32", enforce_eager=True, block_size=bs, num_gpu_blocks_override=max(320 * 64 // bs,
-                  args.concurrency * (-(-(n + 64) // bs))), max_num_seqs=64, max_model_len=n + 64 + bs,
-                  max_num_batched_tokens=n * args.concurrency, disable_log_stats=False)
+    pool = max(320 * 64 // bs, args.concurrency * (-(-(n + 64) // bs)))
+    engine = engine_args(bs, pool, n + 64 + bs, n * args.concurrency)
     timer = {"s": 0.0}
     if args.engine == "plugin":
         from kvcert.vllm import backend, certified_llm
 
+        engine.pop("enable_prefix_caching")
         llm = certified_llm(model, compression_ratio=0.5, seed=0, **engine)
         event = backend.CertifiedCPUAttentionImpl._importance
 
@@ -76,7 +76,7 @@ def main(argv=None) -> None:
 
         backend.CertifiedCPUAttentionImpl._importance = timed
     else:
-        llm = LLM(model, enable_prefix_caching=False, **engine)
+        llm = LLM(model, **engine)
     params = SamplingParams(temperature=0.0, max_tokens=33, ignore_eos=True)
     for r in range(args.rounds):
         prompts = [{"prompt_token_ids": p} for p in _prompts(model, [n], args.concurrency, offset=1000 * r)]

@@ -134,12 +134,12 @@ class _Plan:
     metadata: object = None
     block_size: int = 0
     _sub: _SubBatch | None = None
-    _compacted_log_pi: dict = field(default_factory=dict)
+    _compacted_log_pi: torch.Tensor | None = None  # (layers, E, h_kv, M * bs), built at the step's first layer
 
     def compacted_inputs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ids (E, M) and log pi (E, h_kv, M * bs) of the compacted rows at one layer (-inf = not a token:
         padding slots, padding blocks, positions before the prompt's end in the tail blocks or past seq_len)."""
-        lp = self._compacted_log_pi.get("all")
+        lp = self._compacted_log_pi
         if lp is None:  # every layer's at the step's first call: one copy per row, not one per row and layer
             E, M = self.compacted_block_ids.shape
             n_layers, h = self.compacted[0].state.log_pi.shape[:2]
@@ -149,7 +149,7 @@ class _Plan:
                 c = heads.shape[-1]
                 lp[:, j, :, :c] = heads
                 lp[:, j, :, c : c + row.tail_log_pi.numel()] = row.tail_log_pi
-            self._compacted_log_pi["all"] = lp
+            self._compacted_log_pi = lp
         return self.compacted_block_ids, lp[layer]
 
     def stock_metadata(self, impl) -> _SubBatch:
@@ -428,8 +428,8 @@ class _CertifiedWorker:
             else:
                 self.kvcert_prompt_len[req.req_id] = req.prompt_len
         info = getattr(scheduler_output, "kvcert", None) or {}
-        if info.get("clear") or info.get("decisions") or scheduler_output.finished_req_ids:
-            self.kvcert_joined.clear()  # a state leaves or is replaced: no join may outlive its requests
+        if info.get("clear") or scheduler_output.finished_req_ids:
+            self.kvcert_joined.clear()  # a compacted state leaves: no join may outlive its requests
         for rid in info.get("clear", ()):
             self.kvcert_states.pop(rid, None)
         for rid, overrides in info.get("options", {}).items():
