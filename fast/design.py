@@ -106,20 +106,21 @@ def _leading(shape: tuple[int, ...]) -> tuple[int, int]:
     return rows, shape[-2]
 
 
-def _stream_keys(seed: int, layer: int, event: int, rows: int, heads: int, device) -> torch.Tensor:
-    """(rows, heads) int64 stream keys of the chain documented in the module."""
+def _stream_keys(seed: int, layer: int, event: int, rows: int, heads: int, device, head_offset: int = 0) -> torch.Tensor:
+    """(rows, heads) int64 stream keys of the chain documented in the module (KV heads head_offset ..
+    head_offset + heads - 1)."""
     base = torch.tensor(_i64(seed + _GOLDEN), dtype=torch.int64, device=device)
     k = splitmix64(base)
     k = splitmix64((k ^ _i64(layer)) + _GOLDEN)
     b = torch.arange(rows, dtype=torch.int64, device=device)[:, None]
     k = splitmix64((k ^ b) + _GOLDEN)
-    h = torch.arange(heads, dtype=torch.int64, device=device)[None, :]
+    h = torch.arange(head_offset, head_offset + heads, dtype=torch.int64, device=device)[None, :]
     k = splitmix64((k ^ h) + _GOLDEN)
     return splitmix64((k ^ _i64(event)) + _GOLDEN)
 
 
 def design_uniforms(shape, seed: int, *, layer: int = 0, event: int = 0, index: torch.Tensor | None = None,
-                    device=None, row_streams: bool = True) -> torch.Tensor:
+                    device=None, row_streams: bool = True, head_offset: int = 0) -> torch.Tensor:
     r"""The uniforms :math:`U_i \in [0, 1)` of the default stream, float64.
 
     Parameters
@@ -138,6 +139,12 @@ def design_uniforms(shape, seed: int, *, layer: int = 0, event: int = 0, index: 
         False: every leading row draws from the stream of batch row 0, so a
         row's draw does not depend on where it sits in a batch (the presses'
         rule: a sequence draws the same sample alone or in a batch).
+    head_offset : int >= 0
+        KV head index of dim -2's first head (default 0): the heads are
+        ``head_offset .. head_offset + h - 1`` of the layer, so a slice of a
+        layer's heads (a tensor-parallel rank's) draws what the whole layer
+        draws there: ``design_uniforms((h1, n), s, head_offset=o) ==
+        design_uniforms((h, n), s)[o : o + h1]``.
 
     Returns
     -------
@@ -149,6 +156,7 @@ def design_uniforms(shape, seed: int, *, layer: int = 0, event: int = 0, index: 
     seed = check_nonneg_int("seed", seed)
     layer = check_nonneg_int("layer", layer)
     event = check_nonneg_int("event", event)
+    head_offset = check_nonneg_int("head_offset", head_offset)
     rows, heads = _leading(shape)
     n = shape[-1]
     if index is not None:
@@ -156,7 +164,7 @@ def design_uniforms(shape, seed: int, *, layer: int = 0, event: int = 0, index: 
         if tuple(index.shape) != shape:
             raise ValueError(f"index must have shape {shape}, got {tuple(index.shape)}")
         device = index.device
-    keys = _stream_keys(seed, layer, event, rows if row_streams else 1, heads, device)  # (rows or 1, heads)
+    keys = _stream_keys(seed, layer, event, rows if row_streams else 1, heads, device, head_offset)  # (rows or 1, heads)
     if not row_streams:
         keys = keys.expand(rows, heads)
     if index is None:
@@ -240,14 +248,14 @@ SAMPLINGS = ("poisson", "systematic")
 
 
 def start_uniforms(lead, seed: int, *, layer: int = 0, event: int = 0, device=None,
-                   row_streams: bool = True) -> torch.Tensor:
+                   row_streams: bool = True, head_offset: int = 0) -> torch.Tensor:
     r"""The start :math:`s \in [0, 1)` of each head's systematic draw, float64 of shape ``lead`` (..., h):
     counter 0 of the head's stream (:func:`design_uniforms`; token i draws counter i + 1, so the start is
     independent of every token's uniform)."""
     lead = tuple(int(x) for x in lead)
     index = torch.full(lead + (1,), -1, dtype=torch.int64, device=device)
     return design_uniforms(lead + (1,), seed, layer=layer, event=event, index=index, device=device,
-                           row_streams=row_streams)[..., 0]
+                           row_streams=row_streams, head_offset=head_offset)[..., 0]
 
 
 def _systematic_keep(pi: torch.Tensor, u: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
@@ -332,14 +340,14 @@ def systematic_sample(pi: torch.Tensor, *, seed: int | None = None, uniforms: to
 
 
 def draw_sample(sampling: str, pi: torch.Tensor, u: torch.Tensor, seed: int, *, layer: int, event: int,
-                row_streams: bool) -> torch.Tensor:
+                row_streams: bool, head_offset: int = 0) -> torch.Tensor:
     r"""The sample of a token design's pi from its stream's uniforms u (same shape): Poisson
     :math:`[U_i < \pi_i]` or systematic (:func:`systematic_sample`, the start from :func:`start_uniforms`).
     One place for every caller (:meth:`TokenDesign.decide`, :func:`kvcert.fast.evict`)."""
     if sampling == "poisson":
         return u.to(torch.float64) < pi.to(torch.float64)
     s = start_uniforms(tuple(pi.shape[:-1]), seed, layer=layer, event=event, device=pi.device,
-                       row_streams=row_streams)
+                       row_streams=row_streams, head_offset=head_offset)
     return _systematic_keep(pi, u, s)
 
 
@@ -1240,7 +1248,7 @@ class TokenDesign:
 
     # -- the decision ---------------------------------------------------------------------------
     def decide(self, scores: torch.Tensor, *, layer: int = 0, event: int = 0,
-               budget: float | None = None) -> TokenDecision:
+               budget: float | None = None, head_offset: int = 0) -> TokenDecision:
         r"""Importance -> pi -> sample for one sequence's tokens at one event.
 
         Parameters
@@ -1254,6 +1262,10 @@ class TokenDesign:
             Expected kept count instead of :meth:`budget` (n); a tensor gives each KV head its own (an error
             target's :attr:`kvcert.fast.TargetBudget.sampled`), each at least ``sinks + window + 1`` where it
             is below n (the certainty edges are not shrunk), the top slice sized per head.
+        head_offset : int >= 0
+            The layer's KV head index of ``scores``' first head (default 0): a tensor-parallel rank holding
+            heads o .. o + h_kv - 1 passes o and draws, for them, what one process deciding every head draws
+            (the stream is keyed by the KV head, :func:`design_uniforms`).
 
         Returns
         -------
@@ -1271,6 +1283,7 @@ class TokenDesign:
         scores = check_tensor("scores", scores, ndim=(2, 3), floating=True)
         layer = check_nonneg_int("layer", layer)
         event = check_nonneg_int("event", event)
+        head_offset = check_nonneg_int("head_offset", head_offset)
         n = scores.shape[-1]
         if n == 0:
             raise ValueError(f"scores must have shape (h_kv, n) or (b, h_kv, n) with n >= 1, "
@@ -1278,7 +1291,7 @@ class TokenDesign:
         valid = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
         u = nonnegative_importance(scores.to(torch.float64), valid)
         if isinstance(budget, torch.Tensor):
-            return self._decide_per_head(u, valid, budget, layer, event)
+            return self._decide_per_head(u, valid, budget, layer, event, head_offset)
         b = self.budget(n) if budget is None else check_real("budget", budget, 0.0, math.inf, lo_open=True)
         if b >= n:
             one = torch.ones_like(u)
@@ -1287,9 +1300,9 @@ class TokenDesign:
         lead = tuple(scores.shape[:-1])
         top = torch.full(lead, sz.top, dtype=torch.int64, device=scores.device)
         pi = inclusion_probabilities(u, b, sinks=sz.sinks, window=sz.window, top=top, floor=self.floor, valid=valid)
-        return TokenDecision(float(b), sz, u, pi, self._draw(pi, layer, event), layer, event)
+        return TokenDecision(float(b), sz, u, pi, self._draw(pi, layer, event, head_offset), layer, event)
 
-    def _decide_per_head(self, u, valid, budget, layer, event) -> TokenDecision:
+    def _decide_per_head(self, u, valid, budget, layer, event, head_offset=0) -> TokenDecision:
         """:meth:`decide` with one budget per KV head (sinks and window unshrunk, top per head)."""
         from .target import _tops
 
@@ -1309,14 +1322,15 @@ class TokenDesign:
                           top_fraction=self.top_fraction, randomized=True)
         top = torch.where(b < n, _tops(b, self.sinks, self.window, self.top_fraction), 0)
         pi = inclusion_probabilities(u, b, sinks=sz.sinks, window=sz.window, top=top, floor=self.floor, valid=valid)
-        return TokenDecision(float(b.max()), sz, u, pi, self._draw(pi, layer, event), layer, event)
+        return TokenDecision(float(b.max()), sz, u, pi, self._draw(pi, layer, event, head_offset), layer, event)
 
-    def _draw(self, pi: torch.Tensor, layer: int, event: int) -> torch.Tensor:
-        """The sample of pi (..., h_kv, n) by ``sampling`` from the stream (seed, layer, KV head, event), every
-        leading row on row 0's stream, counter = slot."""
+    def _draw(self, pi: torch.Tensor, layer: int, event: int, head_offset: int = 0) -> torch.Tensor:
+        """The sample of pi (..., h_kv, n) by ``sampling`` from the stream (seed, layer, KV head + head_offset,
+        event), every leading row on row 0's stream, counter = slot."""
         uni = design_uniforms(tuple(pi.shape), self.seed, layer=layer, event=event, device=pi.device,
-                              row_streams=False)
-        return draw_sample(self.sampling, pi, uni, self.seed, layer=layer, event=event, row_streams=False)
+                              row_streams=False, head_offset=head_offset)
+        return draw_sample(self.sampling, pi, uni, self.seed, layer=layer, event=event, row_streams=False,
+                           head_offset=head_offset)
 
     def evict(self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor, budget, *, sinks: int,
               window: int, top, layer: int, event: int, valid: torch.Tensor | None = None,

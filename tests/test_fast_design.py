@@ -70,6 +70,41 @@ def test_design_uniforms_index_and_replay():
     assert not torch.equal(u[0, 0], u[0, 1]) and not torch.equal(u[0, 0], u[1, 0])
 
 
+@pytest.mark.parametrize("row_streams", [True, False])
+def test_head_offset_draws_the_slice_of_the_whole_layer(row_streams):
+    """A tensor-parallel rank holding KV heads o .. o + h1 - 1 draws what the whole layer draws there
+    (uniforms and systematic starts); negative control: offset 0 is the layer's first heads, not these."""
+    full = F.design_uniforms((2, 6, 9), 11, layer=4, event=1, row_streams=row_streams)
+    starts = F.start_uniforms((2, 6), 11, layer=4, event=1, row_streams=row_streams)
+    for o, h1 in ((0, 3), (3, 3), (2, 1), (5, 1)):
+        part = F.design_uniforms((2, h1, 9), 11, layer=4, event=1, row_streams=row_streams, head_offset=o)
+        assert torch.equal(part, full[:, o : o + h1])
+        s = F.start_uniforms((2, h1), 11, layer=4, event=1, row_streams=row_streams, head_offset=o)
+        assert torch.equal(s, starts[:, o : o + h1])
+    assert not torch.equal(F.design_uniforms((2, 3, 9), 11, layer=4, event=1, row_streams=row_streams),
+                           full[:, 3:6])
+    with pytest.raises(ValueError, match="head_offset"):
+        F.design_uniforms((3, 9), 11, head_offset=-1)
+
+
+@pytest.mark.parametrize("sampling", ["poisson", "systematic"])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_token_design_decides_a_slice_of_heads_as_the_whole_layer(sampling, per_head):
+    """TokenDesign.decide on heads o .. o + h1 - 1 with head_offset=o keeps and weighs what deciding all the
+    layer's heads keeps there (a tensor-parallel rank's decision, kvcert.vllm)."""
+    torch.manual_seed(0)
+    scores = torch.rand(4, 200, dtype=torch.float64) ** 3
+    design = F.TokenDesign(compression_ratio=0.5, seed=3, sampling=sampling)
+    budget = torch.tensor([60.0, 90.0, 120.0, 200.0], dtype=torch.float64) if per_head else None
+    whole = design.decide(scores, layer=2, budget=budget)
+    for o in (0, 2):
+        part = design.decide(scores[o : o + 2], layer=2, head_offset=o,
+                             budget=None if budget is None else budget[o : o + 2])
+        assert torch.equal(part.keep, whole.keep[o : o + 2]) and torch.equal(part.pi, whole.pi[o : o + 2])
+    shifted = design.decide(scores[2:4], layer=2, budget=None if budget is None else budget[2:4])
+    assert not torch.equal(shifted.keep, whole.keep[2:4])  # negative control: offset 0 draws heads 0-1's
+
+
 def test_design_uniforms_are_uniform_and_uncorrelated():
     # KS test at level 1e-4 (deterministic: the stream is fixed), 4 x 8 x 4096 draws
     u = F.design_uniforms((4, 8, 4096), 123, layer=3).numpy()

@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..escalation import ESCALATIONS, check_escalate, next_target
-from .config import CONFIG_KEY, SUPPORTED_VLLM, KVCertConfig
+from .config import CONFIG_KEY, PIPELINE_REFUSAL, SUPPORTED_VLLM, KVCertConfig
 from .model import default_model_path
 
 __all__ = [
@@ -86,9 +86,11 @@ def _refuse_kwargs(kwargs: dict) -> None:
     if kwargs.get("speculative_config"):
         refuse("speculative_config (speculative decoding)", "the masked decode path serves one query token "
                "per request and step")
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-        if kwargs.get(name, 1) not in (1, None):
-            refuse(f"{name}={kwargs[name]}", "the CPU plugin runs one worker")
+    if kwargs.get("pipeline_parallel_size", 1) not in (1, None):
+        refuse(f"pipeline_parallel_size={kwargs['pipeline_parallel_size']}", PIPELINE_REFUSAL)
+    if kwargs.get("data_parallel_size", 1) not in (1, None):
+        refuse(f"data_parallel_size={kwargs['data_parallel_size']} in one vllm.LLM", "vLLM runs data-parallel "
+               "engines behind its server (vllm serve --data-parallel-size N, docs/serving.md), not in one LLM")
     if kwargs.get("kv_transfer_config"):
         refuse("kv_transfer_config (KV connector / offload)", "transferred blocks would bypass the mask")
     dtype = kwargs.get("dtype", "float32")

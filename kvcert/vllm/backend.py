@@ -509,7 +509,9 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
                 budget = chosen.sampled[0] if bool(chosen.evicts.any()) else float(row.seq_len)
             else:
                 budget = design.sampled_budget(row.seq_len, k.shape[-1], v.shape[-1])  # less a sketch's memory
-            decision = design.decide(u[0], layer=index, event=0, budget=budget)
+            # a tensor-parallel rank's heads draw the layer's streams of those heads (the stream is keyed by KV head)
+            decision = design.decide(u[0], layer=index, event=0, budget=budget,
+                                     head_offset=step.tp_rank * u.shape[1])
             # the sketch of the evicted tokens (with a sketched design), from the prompt before the copy
             sketch = design.sketch_of(k[None], v[None], decision, queries=q, scale=self.scale)
             layout = compact_slots(decision.keep, decision.pi, bs)

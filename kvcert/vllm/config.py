@@ -337,6 +337,25 @@ def _refuse(option: str, why: str):
     raise ValueError(f"kvcert.vllm cannot serve {option}: {why}")
 
 
+#: why pipeline parallelism is refused (also by :func:`kvcert.vllm.engine_kwargs`)
+PIPELINE_REFUSAL = ("the scheduler receives the last pipeline stage's output only, so the certificates and "
+                    "compaction reports of the other stages' layers would never reach it")
+
+
+def _check_tensor_parallel(vllm_config, tp: int) -> None:
+    """Refuse a tensor-parallel layout the plugin's per-rank decisions cannot serve."""
+    model = vllm_config.model_config
+    hf = getattr(model, "hf_text_config", None) if model is not None else None
+    h_kv = getattr(hf, "num_key_value_heads", None) or getattr(hf, "num_attention_heads", None)
+    if h_kv is not None and int(h_kv) % tp != 0:
+        _refuse(f"tensor_parallel_size={tp} with {h_kv} KV heads", "vLLM would replicate KV heads across ranks "
+                "and the certificate would count them twice; use a tensor-parallel size that divides the KV heads")
+    cfg = KVCertConfig.from_vllm_config(vllm_config)
+    if cfg is not None and cfg.scorer == "random":
+        _refuse(f"tensor_parallel_size={tp} with scorer='random'", "the random scorer's stream is keyed by the "
+                "rank's own head index, so ranks would not draw the single-process scores")
+
+
 def check_vllm_config(vllm_config) -> None:
     """Refuse, naming the option, every engine configuration the plugin cannot serve correctly.
 
@@ -362,9 +381,14 @@ def check_vllm_config(vllm_config) -> None:
         _refuse("speculative_config (speculative decoding)", "the masked decode path serves one query "
                 "token per request and step")
     par = vllm_config.parallel_config
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-        if getattr(par, name, 1) != 1:
-            _refuse(f"{name}={getattr(par, name)}", "the CPU plugin runs one worker")
+    if getattr(par, "pipeline_parallel_size", 1) != 1:
+        _refuse(f"pipeline_parallel_size={par.pipeline_parallel_size}", PIPELINE_REFUSAL)
+    # data parallelism: every engine core schedules, evicts and certifies its own requests (nothing to share).
+    # tensor parallelism: each rank holds h_kv / tp KV heads of every layer; the worker joins the ranks'
+    # certificates, block scores and compaction reports at every step (kvcert.vllm.worker._tp_combine)
+    tp = int(getattr(par, "tensor_parallel_size", 1) or 1)
+    if tp > 1:
+        _check_tensor_parallel(vllm_config, tp)
     if vllm_config.kv_transfer_config is not None:
         _refuse("kv_transfer_config (KV connector / offload)", "transferred blocks would bypass the mask")
     if cache.cache_dtype not in ("auto", None):

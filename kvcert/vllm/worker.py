@@ -178,6 +178,8 @@ class Step:
     def __init__(self, worker: "CertifiedCPUWorker"):
         self.worker = worker
         self.config = worker.kvcert
+        # tensor parallelism: this rank holds KV heads tp_rank * h .. (tp_rank + 1) * h - 1 of every layer
+        self.tp_rank, self.tp_size = getattr(worker, "kvcert_tp", (0, 1))  # (0, 1): a test's stand-in worker
         self._plan: _Plan | None = None
         self.cert_sum: dict[str, float] = {}
         self.cert_n: dict[str, int] = {}
@@ -364,13 +366,53 @@ class Step:
         return out
 
     def results(self, block_size: int) -> tuple[dict, dict, dict]:
+        """What the step leaves for the scheduler: ({request: mean relative radius over layers and query heads},
+        {request: block importance}, {request: compaction report}); under tensor parallelism, those of every
+        head of the layer (:func:`_tp_combine`)."""
         self._sum_certificates()
         certs = {r: self.cert_sum[r] / self.cert_n[r] for r in self.cert_sum}
-        imp = {}
-        for r, us in self.importance.items():
-            u = torch.stack(us)[None]  # (1, layers, h_kv, n)
-            imp[r] = self.config.design.block_importance(u, block_size=block_size)[0].tolist()
-        return certs, imp, self._compacted()
+        scores = {r: torch.stack(us) for r, us in self.importance.items()}  # (layers, h_kv, n)
+        compacted = self._compacted()
+        if self.tp_size > 1:
+            certs, scores, compacted = _tp_combine(self.worker.kvcert_tp_group(), certs, scores, compacted)
+        imp = {r: self.config.design.block_importance(u[None], block_size=block_size)[0].tolist()
+               for r, u in scores.items()}
+        return certs, imp, compacted
+
+
+def _tp_combine(group, certs: dict, scores: dict, compacted: dict) -> tuple[dict, dict, dict]:
+    """The step's results of every tensor-parallel rank combined into those of the whole layer (each rank
+    holds h_kv / tp KV heads and their h_q / tp query heads, in rank order; vLLM shards heads that way).
+
+    - certificate: the mean of the ranks' means (each a mean over the same layers and h_q / tp query heads),
+      which is the mean over all query heads;
+    - block-design scores: the ranks' (layers, h_kv / tp, n) joined along the KV heads, as one process
+      scoring every head would hold them, before :meth:`kvcert.fast.BlockDesign.block_importance`;
+    - compaction: m, the blocks the request keeps, is the largest of the ranks' (a rank whose heads kept
+      fewer tokens leaves its last blocks unread); the counts and kept positions joined along the KV heads;
+      the sketch bytes summed.
+
+    Every rank runs the same steps with the same requests (the scheduler's output is broadcast), so every
+    rank calls this once per step: one ``all_gather_object`` over the group's CPU (gloo) process group."""
+    import torch.distributed as dist
+
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, (certs, scores, compacted), group=group)
+    if any(set(p[0]) != set(certs) or set(p[1]) != set(scores) or set(p[2]) != set(compacted) for p in parts):
+        raise RuntimeError("kvcert.vllm: the tensor-parallel ranks certified, scored or compacted different "
+                           "requests in one step")
+    certs = {r: sum(p[0][r] for p in parts) / len(parts) for r in certs}
+    scores = {r: torch.cat([p[1][r] for p in parts], dim=1) for r in scores}
+    out = {}
+    for r, rep in compacted.items():
+        reps = [p[2][r] for p in parts]
+        joined = dict(rep, m=max(x["m"] for x in reps), sketch_bytes=sum(x["sketch_bytes"] for x in reps),
+                      counts=[sum((x["counts"][layer] for x in reps), []) for layer in range(len(rep["counts"]))])
+        if "kept_positions" in rep:
+            joined["kept_positions"] = [sum((x["kept_positions"][layer] for x in reps), [])
+                                        for layer in range(len(rep["kept_positions"]))]
+        out[r] = joined
+    return certs, scores, out
 
 
 class _CertifiedWorker:
@@ -397,6 +439,26 @@ class _CertifiedWorker:
         self._kvcert_pending: tuple[dict, dict, dict] | None = None
         # (layer, certificate group) -> (the group's Compacted states, their joined sketch): Step.group_sketch
         self.kvcert_joined: dict[tuple, tuple] = {}
+        self._kvcert_tp: tuple[int, int] | None = None
+
+    @property
+    def kvcert_tp(self) -> tuple[int, int]:
+        """(rank, size) of this worker in its tensor-parallel group ((0, 1) without tensor parallelism)."""
+        if self._kvcert_tp is None:
+            size = int(self.vllm_config.parallel_config.tensor_parallel_size)
+            if size == 1:
+                self._kvcert_tp = (0, 1)
+            else:
+                from vllm.distributed import get_tensor_model_parallel_rank
+
+                self._kvcert_tp = (int(get_tensor_model_parallel_rank()), size)
+        return self._kvcert_tp
+
+    def kvcert_tp_group(self):
+        """The tensor-parallel group's CPU (gloo) process group, over which :func:`_tp_combine` gathers."""
+        from vllm.distributed import get_tp_group
+
+        return get_tp_group().cpu_group
 
     def _kvcert_layers(self, impl_cls) -> dict:
         """The model's attention layers, refusing any whose implementation is not ``impl_cls``."""

@@ -22,7 +22,9 @@ from kvcert.vllm import KVCertConfig, certified_llm, engine_kwargs  # noqa: E402
     ({"async_scheduling": True}, "async_scheduling"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
      "speculative_config"),
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"data_parallel_size": 2}, "data_parallel_size=2 in one vllm.LLM"),
+    # the default model has 3 KV heads (3 ranks: one each); the random scorer's stream is per rank
+    ({"tensor_parallel_size": 3, "scorer": "random"}, "tensor_parallel_size=3 with scorer='random'"),
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
     ({"kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}}, "kv_transfer_config"),
     ({"dtype": "bfloat16"}, "dtype"),

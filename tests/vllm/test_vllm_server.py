@@ -18,27 +18,20 @@ the certified requests, their freed blocks and the histogram of their mean relat
 here from the responses.
 
 The stat logger is found through the ``vllm.stat_logger_plugins`` entry point; where the installed kvcert
-predates it, the test puts a folder declaring it on the server's PYTHONPATH (:func:`_stat_logger_shim`).
+predates it, the test puts a folder declaring it on the server's PYTHONPATH (:func:`vllm_support.stat_logger_shim`).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from vllm_support import BLOCK, CACHE, ENGINE, model_path, prompts, run_engine, vllm_env
+from vllm_support import BLOCK, ENGINE, prompts, run_engine, serve
 
 
 MAX_TOKENS = 4
@@ -66,28 +59,6 @@ CHAT = [{"role": "user", "content": "Summarize this text in one word.\n" + " ".j
     f"Item {i} is a word about serving." for i in range(20))}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stat_logger_shim(folder: Path) -> str | None:
-    """A folder whose distribution declares the stat-logger entry point, when the installed kvcert does not
-    (an editable install made before pyproject.toml declared it); None when it does."""
-    from importlib.metadata import entry_points
-
-    if any(ep.value == "kvcert.vllm.metrics:CertifiedStatLogger"
-           for ep in entry_points(group="vllm.stat_logger_plugins")):
-        return None
-    info = folder / "kvcert_server_test_shim-0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvcert-server-test-shim\nVersion: 0\n")
-    (info / "entry_points.txt").write_text(
-        "[vllm.stat_logger_plugins]\nkvcert = kvcert.vllm.metrics:CertifiedStatLogger\n")
-    return str(folder)
-
-
 @pytest.fixture(scope="module")
 def reference():
     """Prompt 0 certified in-process (certified_llm, engine default 0, the request's options)."""
@@ -100,54 +71,8 @@ def reference():
 @pytest.fixture(scope="module")
 def server(reference):
     """Base URL of a running server (started after the in-process reference: one engine at a time)."""
-    port = _free_port()
-    with tempfile.TemporaryDirectory(dir=str(CACHE)) as tmp:
-        env = vllm_env()
-        shim = _stat_logger_shim(Path(tmp) / "shim")
-        if shim:
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (shim, env.get("PYTHONPATH")) if p)
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path(),
-               "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS]
-        log = Path(tmp) / "server.log"
-        with open(log, "w") as f:
-            # run outside the repository root (no top-level folder shadows an installed package); a session
-            # of its own, so teardown ends the server with its engine core and worker
-            proc = subprocess.Popen(cmd, env=env, cwd=tmp, stdout=f, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            t0 = time.monotonic()
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited (rc {proc.returncode}):\n{_tail(log)}")
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() - t0 > START_TIMEOUT:
-                    raise RuntimeError(f"server not healthy after {START_TIMEOUT:.0f} s:\n{_tail(log)}")
-                time.sleep(2)
-            print(f"server healthy after {time.monotonic() - t0:.1f} s")
-            yield {"url": url, "log": log, "shim": shim}
-        finally:
-            _stop(proc)
-
-
-def _tail(log: Path, n: int = 60) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
+    with serve(SERVER_ARGS, START_TIMEOUT) as srv:
+        yield srv
 
 
 def _kvcert(obj) -> dict | None:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -87,3 +88,93 @@ def run_engine(*, plugin: bool, runs: list[dict], compression_ratio: float = 0.0
             tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
             raise RuntimeError(f"engine process failed (rc {proc.returncode}):\n{tail}")
         return json.loads(op.read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# the OpenAI-compatible server (test_vllm_server.py, test_vllm_parallel.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stat_logger_shim(folder: Path) -> str | None:
+    """A folder whose distribution declares the stat-logger entry point, when the installed kvcert does not
+    (an editable install made before pyproject.toml declared it); None when it does."""
+    from importlib.metadata import entry_points
+
+    if any(ep.value == "kvcert.vllm.metrics:CertifiedStatLogger"
+           for ep in entry_points(group="vllm.stat_logger_plugins")):
+        return None
+    info = folder / "kvcert_server_test_shim-0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvcert-server-test-shim\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(
+        "[vllm.stat_logger_plugins]\nkvcert = kvcert.vllm.metrics:CertifiedStatLogger\n")
+    return str(folder)
+
+
+def _tail(log: Path, n: int = 60) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
+
+
+def _stop(proc) -> None:
+    import signal
+
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+
+
+@contextmanager
+def serve(args: list[str], start_timeout: float = 600.0, env: dict | None = None):
+    """``python -m vllm.entrypoints.openai.api_server --model <default model> ARGS`` on 127.0.0.1 and a free
+    port, in this venv, from a temporary folder outside the repository root (no top-level folder shadows an
+    installed package), in a session of its own (so the stop ends its engine cores and workers), with
+    :func:`vllm_env` updated by ``env``. Yields {"url", "log", "shim"} once ``/health`` answers 200; stops the
+    server on exit. Used by the tests and by benchmarks/load_test.py."""
+    import time
+    import urllib.request
+
+    port = free_port()
+    CACHE.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=str(CACHE)) as tmp:
+        server_env = dict(vllm_env(), **(env or {}))
+        shim = stat_logger_shim(Path(tmp) / "shim")
+        if shim:
+            server_env["PYTHONPATH"] = os.pathsep.join(p for p in (shim, server_env.get("PYTHONPATH")) if p)
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path(),
+               "--host", "127.0.0.1", "--port", str(port), *args]
+        log = Path(tmp) / "server.log"
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, env=server_env, cwd=tmp, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            t0 = time.monotonic()
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited (rc {proc.returncode}):\n{_tail(log)}")
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() - t0 > start_timeout:
+                    raise RuntimeError(f"server not healthy after {start_timeout:.0f} s:\n{_tail(log)}")
+                time.sleep(2)
+            print(f"server healthy after {time.monotonic() - t0:.1f} s")
+            yield {"url": url, "log": log, "shim": shim}
+        finally:
+            _stop(proc)
