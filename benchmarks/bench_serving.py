@@ -133,6 +133,7 @@ def _phase(llm, spec: dict, phase: dict) -> dict:
             "compacted_blocks": None if not rep else rep.get("m"),
             "mean_certificate": None if not rep or not rep["evicted"]
             else statistics.fmean(rep["certificates"][1:] or [0.0]),
+            "max_certificate": None if not rep or not rep["evicted"] else max(rep["certificates"]),
         })
     return {"wall_s": wall, "requests": reqs}
 
@@ -154,7 +155,10 @@ def _child(spec_path: str, res_fd: str) -> None:
         sampling = spec.get("sampling", "auto")
         if spec.get("granularity", "token") == "token" and sampling != "auto":  # the token design's option
             kvcert["sampling"] = sampling
-        llm = certified_llm(spec["model"], compression_ratio=spec["ratio"], seed=0, kvcert=kvcert or None,
+        ratio = spec["ratio"]
+        if spec.get("target") is not None:  # an error target instead of a ratio (the paper design, token only)
+            kvcert["target_error"], ratio = spec["target"], None
+        llm = certified_llm(spec["model"], compression_ratio=ratio, seed=0, kvcert=kvcert or None,
                             granularity=spec.get("granularity", "token"), **spec["engine"])
     out.write(json.dumps({"start_s": time.perf_counter() - t0}) + "\n")
     out.flush()
@@ -174,14 +178,14 @@ class _Engine:
     """The parent's handle on one engine process (stock: ``VLLM_PLUGINS=""``, i.e. without the plugin)."""
 
     def __init__(self, name: str, model: str, ratio, engine: dict, tmp: Path, timeout: float,
-                 granularity: str = "token", sketch: str = "auto", sampling: str = "auto"):
+                 granularity: str = "token", sketch: str = "auto", sampling: str = "auto", target=None):
         self.name, self.timeout = name, timeout
         env = _env()
         if ratio is None:
             env["VLLM_PLUGINS"] = ""
         spec = tmp / f"{name}.json"
         spec.write_text(json.dumps({"model": model, "ratio": ratio, "engine": engine, "granularity": granularity,
-                                    "sketch": sketch, "sampling": sampling}))
+                                    "sketch": sketch, "sampling": sampling, "target": target}))
         self.log_path = tmp / f"{name}.log"
         self._log = open(self.log_path, "w")
         r, w = os.pipe()
@@ -267,8 +271,14 @@ def _latency_summary(ph: dict) -> dict:
 
 def _admission_summary(ph: dict) -> dict:
     reqs = ph["requests"]
+    means = [r["mean_certificate"] for r in reqs if r.get("mean_certificate") is not None]
+    worst = [r["max_certificate"] for r in reqs if r.get("max_certificate") is not None]
     return {"requests": len(reqs), "max_concurrent": _max_overlap(reqs),
-            "preemptions": sum(r["preemptions"] for r in reqs), "wall_s": ph["wall_s"]}
+            "preemptions": sum(r["preemptions"] for r in reqs), "wall_s": ph["wall_s"],
+            "blocks_freed": sum(r["blocks_freed"] for r in reqs), "requests_evicted": len(means),
+            # the recorded certificates (relative radius per token; the first token's 0 excluded from the mean)
+            "mean_relative_radius": statistics.fmean(means) if means else None,
+            "max_relative_radius": max(worst) if worst else None}
 
 
 def _spread(xs: list[float]) -> dict:
@@ -286,7 +296,10 @@ def engine_args(block_size: int, pool_blocks: int, max_model_len: int, max_num_b
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.75])
+    ap.add_argument("--ratios", type=float, nargs="*", default=[0.5, 0.75])
+    ap.add_argument("--targets", type=float, nargs="*", default=[],
+                    help="error targets eps (kvcert={'target_error': eps}, token design): one engine each, beside "
+                         "the ratios' (issue 34: admission at an error target against a fixed ratio)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -347,8 +360,13 @@ def main(argv=None) -> None:
     max_len = max(args.lengths + [args.admission_length]) + args.max_tokens + args.block_size
     engine = engine_args(args.block_size, args.pool_blocks, max_len, args.max_num_batched_tokens
                          or max(max(args.lengths, default=0) * args.concurrency, max_len), args.max_num_seqs)
-    configs = [("stock", None)] + [(f"kvcert_{r:g}", r) for r in args.ratios]
-    names = [name for name, _ in configs]
+    if args.targets and args.granularity != "token":
+        ap.error("--targets: error targets run the token design only")
+    if any(not t > 0 for t in args.targets):
+        ap.error(f"--targets must be > 0, got {args.targets}")
+    configs = ([("stock", None, None)] + [(f"kvcert_{r:g}", r, None) for r in args.ratios]
+               + [(f"kvcert_target_{t:g}", 0.0, t) for t in args.targets])
+    names = [name for name, _, _ in configs]
     results = {"config": {k: v for k, v in vars(args).items() if k != "child"}, "engine": engine,
                "machine": {"cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}, "runs": {}}
     raw = {name: {"latency": {n: [] for n in args.lengths}} for name in names}
@@ -357,12 +375,12 @@ def main(argv=None) -> None:
     engines: dict[str, _Engine] = {}
     with tempfile.TemporaryDirectory(dir=str(ROOT / ".cache")) as tmp:
         try:
-            for name, ratio in configs:  # started one at a time, then all kept alive
+            for name, ratio, target in configs:  # started one at a time, then all kept alive
                 eng = dict(engine)
                 if ratio is not None:
                     eng.pop("enable_prefix_caching")
                 engines[name] = _Engine(name, model, ratio, eng, Path(tmp), args.timeout, args.granularity,
-                                        args.sketch, args.sampling)
+                                        args.sketch, args.sampling, target)
                 raw[name]["start_s"] = engines[name].recv()["start_s"]
                 print(f"{name}: engine up in {raw[name]['start_s']:.1f} s", flush=True)
             # a warm-up phase shaped like the first latency phase, not reported: in the plugin's engine the decode
@@ -468,6 +486,11 @@ def _print_table(results: dict, names: list[str], lengths: list[int]) -> None:
               + " | ".join("-" if f is None else f"{f:.2f}" for f in freed) + " |")
     adm = [runs[m]["summary"]["admission"]["max_concurrent"] for m in names]
     print("| admission: most requests running at once | " + " | ".join(map(str, adm)) + " |")
+    for key, label in (("blocks_freed", "admission: blocks freed"),
+                       ("mean_relative_radius", "admission: mean recorded certificate"),
+                       ("max_relative_radius", "admission: largest recorded certificate")):
+        vals = [runs[m]["summary"]["admission"].get(key) for m in names]
+        print(f"| {label} | " + " | ".join("-" if v is None else f"{v:.3g}" for v in vals) + " |")
 
 
 if __name__ == "__main__":

@@ -36,13 +36,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from vllm_support import BLOCK, CACHE, ENGINE, prompts, run_engine, serve, vllm_env
+from vllm_support import BLOCK, CACHE, SERVED_NAME, metric_samples, prompts, run_engine, serve, server_args, vllm_env
 
 pytestmark = pytest.mark.slow
 
@@ -195,17 +194,8 @@ DP_SEED = 3
 DP_CERT = {"kvcert_compression_ratio": 0.5, "kvcert_seed": DP_SEED}
 #: prompts 0-7 of vllm_support.prompts(): 6 certified, 2 plain
 DP_PLAIN = (3, 7)
-MODEL = "smollm2"
-DP_ARGS = [
-    "--served-model-name", MODEL,
-    "--max-model-len", str(ENGINE["max_model_len"]), "--block-size", str(BLOCK),
-    "--max-num-seqs", str(ENGINE["max_num_seqs"]),
-    "--dtype", "float32", "--enforce-eager", "--no-enable-prefix-caching", "--no-async-scheduling",
-    "--scheduler-cls", "kvcert.vllm.scheduler.CertifiedScheduler",
-    "--worker-cls", "kvcert.vllm.worker.CertifiedCPUWorker",
-    "--additional-config", json.dumps({"kvcert": {"compression_ratio": 0.0}}),
-    "--data-parallel-size", "2",
-]
+MODEL = SERVED_NAME
+DP_ARGS = server_args(extra=("--data-parallel-size", "2"))
 
 
 @pytest.fixture(scope="module")
@@ -245,15 +235,10 @@ def dp_session(dp_reference) -> dict:
 
 
 def _certified_per_engine(url: str) -> dict:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
     out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == "kvcert_requests_certified_total" and s.labels.get("model_name") == MODEL:
-                out[s.labels["engine"]] = out.get(s.labels["engine"], 0) + s.value
+    for s in metric_samples(url):
+        if s.name == "kvcert_requests_certified_total" and s.labels.get("model_name") == MODEL:
+            out[s.labels["engine"]] = out.get(s.labels["engine"], 0) + s.value
     return out
 
 

@@ -26,28 +26,19 @@ from __future__ import annotations
 import json
 import math
 import time
-import urllib.request
 
 import numpy as np
 import pytest
 
-from vllm_support import BLOCK, ENGINE, prompts, run_engine, serve
+from vllm_support import BLOCK, SERVED_NAME, metric_samples, prompts, run_engine, serve, server_args
 
 
 MAX_TOKENS = 4
 SEED = 3
 CERT = {"kvcert_compression_ratio": 0.5, "kvcert_seed": SEED}
-MODEL = "smollm2"
+MODEL = SERVED_NAME
 #: the server's command line after ``python -m vllm.entrypoints.openai.api_server`` (docs/serving.md)
-SERVER_ARGS = [
-    "--served-model-name", MODEL,
-    "--max-model-len", str(ENGINE["max_model_len"]), "--block-size", str(BLOCK),
-    "--max-num-seqs", str(ENGINE["max_num_seqs"]),
-    "--dtype", "float32", "--enforce-eager", "--no-enable-prefix-caching", "--no-async-scheduling",
-    "--scheduler-cls", "kvcert.vllm.scheduler.CertifiedScheduler",
-    "--worker-cls", "kvcert.vllm.worker.CertifiedCPUWorker",
-    "--additional-config", json.dumps({"kvcert": {"compression_ratio": 0.0}}),
-]
+SERVER_ARGS = server_args()
 #: relative tolerance between the certificates of the same request in the server and in the in-process
 #: engine: the same float32 arithmetic on the same prompt, each request alone in its batch, so equal up to
 #: the blocking of the linear layers' products if the two engines chose different batch shapes (a few
@@ -211,17 +202,11 @@ def test_a_bad_option_fails_its_request_with_the_key_named(session):
 
 
 def _metrics(url: str) -> dict:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
     out = {}
-    for fam in text_string_to_metric_families(text):
-        if fam.name.startswith("kvcert_"):
-            for s in fam.samples:
-                if s.labels.get("model_name") == MODEL:
-                    le = s.labels.get("le")
-                    out[s.name if le is None else (s.name, le)] = s.value
+    for s in metric_samples(url):
+        if s.name.startswith("kvcert_") and s.labels.get("model_name") == MODEL:
+            le = s.labels.get("le")
+            out[s.name if le is None else (s.name, le)] = s.value
     return out
 
 

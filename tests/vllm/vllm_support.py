@@ -178,3 +178,33 @@ def serve(args: list[str], start_timeout: float = 600.0, env: dict | None = None
             yield {"url": url, "log": log, "shim": shim}
         finally:
             _stop(proc)
+
+
+#: the served model name of the tests' and the load test's servers
+SERVED_NAME = "smollm2"
+
+
+def server_args(*, plugin: bool = True, max_model_len: int = ENGINE["max_model_len"], block_size: int = BLOCK,
+                max_num_seqs: int = ENGINE["max_num_seqs"], extra: tuple = ()) -> list[str]:
+    """The server's command line after ``--model`` (docs/serving.md): float32, eager, no prefix caching, no
+    async scheduling, and with ``plugin`` the plugin's scheduler and worker with engine default compression 0
+    (a request is certified only when it asks); then ``extra``."""
+    args = ["--served-model-name", SERVED_NAME, "--max-model-len", str(max_model_len), "--block-size",
+            str(block_size), "--max-num-seqs", str(max_num_seqs), "--dtype", "float32", "--enforce-eager",
+            "--no-enable-prefix-caching", "--no-async-scheduling"]
+    if plugin:
+        args += ["--scheduler-cls", "kvcert.vllm.scheduler.CertifiedScheduler",
+                 "--worker-cls", "kvcert.vllm.worker.CertifiedCPUWorker",
+                 "--additional-config", json.dumps({"kvcert": {"compression_ratio": 0.0}})]
+    return args + list(extra)
+
+
+def metric_samples(url: str) -> list:
+    """The samples of the server's ``/metrics`` (``prometheus_client`` ``Sample``: name, labels, value)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
