@@ -61,7 +61,7 @@ def measure(seq_len: int, rows: int = 4, layers: int = 30, reps: int = 15) -> di
         lp[0] = 0.0
         states[f"r{j}"] = lp
     ids = [f"r{j}" for j in range(rows)]
-    fake = SimpleNamespace(kvcert=KVCertConfig(compression_ratio=0.5), kvcert_states=states,
+    fake = SimpleNamespace(kvcert=KVCertConfig(compression_ratio=0.5, granularity="block"), kvcert_states=states,
                            kvcert_prompt_len={r: seq_len - 1 for r in ids}, kvcert_block_size=bs,
                            model_runner=SimpleNamespace(input_batch=SimpleNamespace(req_ids=ids)))
     q = torch.randn(rows, h_q, d)
