@@ -44,7 +44,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_support import BLOCK, CACHE, close_engine, vllm_env
+from vllm_support import BLOCK, CACHE, vllm_env
 
 #: no SmolLM2 here (tiny configs only), but vLLM processes: about 2 minutes on 2 cores for the module
 pytestmark = pytest.mark.slow
@@ -165,9 +165,11 @@ def _prompts() -> list[list[int]]:
 def _drive(mode: str, root: str, out_path: str) -> None:
     """Driver process (``python test_vllm_matrix.py {stock,plugin} ROOT OUT``): one engine per family folder
     ``ROOT/<family>`` in sequence; writes {family: result or {"error": traceback}} to OUT as JSON."""
+    import gc
     import traceback
 
     from vllm import LLM, SamplingParams
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     prompts = [{"prompt_token_ids": p} for p in _prompts()]
     plain = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -199,8 +201,14 @@ def _drive(mode: str, root: str, out_path: str) -> None:
         except Exception:  # noqa: BLE001 - recorded per family, the test of that family reports it
             results[family] = {"error": traceback.format_exc()}
         finally:
-            close_engine(llm)
+            if llm is not None:
+                try:
+                    llm.llm_engine.engine_core.shutdown()
+                except Exception:  # noqa: BLE001 - best effort
+                    pass
             del llm
+            gc.collect()
+            cleanup_dist_env_and_memory()
         print(f"{mode} {family}: {'error' if 'error' in results[family] else 'ok'}", flush=True)
     with open(out_path, "w") as f:
         json.dump(results, f)

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_support import BLOCK, CACHE, SERVED_NAME, close_engine, metric_samples, prompts, run_engine, serve, server_args, vllm_env
+from vllm_support import BLOCK, CACHE, SERVED_NAME, metric_samples, prompts, run_engine, serve, server_args, vllm_env
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +64,10 @@ ENGINE_KW = {"max_model_len": 256, "block_size": BLOCK, "max_num_seqs": 4, "dtyp
 def _drive(tp: str, folder: str, out_path: str) -> None:
     """Driver process (``python test_vllm_parallel.py TP FOLDER OUT``): the token-design engine, then the
     block-design engine, at tensor_parallel_size=TP; writes {"token": ..., "block": ...} as JSON."""
+    import gc
+
     from vllm import SamplingParams
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     from kvcert.vllm import certificate_report, certified_llm
 
@@ -86,8 +89,10 @@ def _drive(tp: str, folder: str, out_path: str) -> None:
             res[key] = [list(o.outputs[0].token_ids) for o in outs]
             res[key + "_reports"] = [certificate_report(o) for o in outs]
         results[name] = res
-        close_engine(llm)
+        llm.llm_engine.engine_core.shutdown()
         del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
         print(f"tp={tp} {name}: ok", flush=True)
     with open(out_path, "w") as f:
         json.dump(results, f)

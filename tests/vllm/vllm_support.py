@@ -208,20 +208,3 @@ def metric_samples(url: str) -> list:
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         text = r.read().decode()
     return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
-
-
-def close_engine(llm) -> None:
-    """End an in-process engine so that the next one can start in the same process (the drivers of
-    test_vllm_matrix.py and test_vllm_parallel.py): its engine core shut down (best effort), the garbage
-    collected, vLLM's distributed state torn down."""
-    import gc
-
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    if llm is not None:
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:  # noqa: BLE001 - best effort
-            pass
-    gc.collect()
-    cleanup_dist_env_and_memory()
