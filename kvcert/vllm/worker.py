@@ -46,6 +46,7 @@ refusal of :func:`kvcert.vllm.config.check_vllm_config` keeps it from starting).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import torch
 from vllm.v1.worker.cpu_worker import CPUWorker
@@ -406,12 +407,13 @@ def _tp_combine(group, certs: dict, scores: dict, compacted: dict) -> tuple[dict
     out = {}
     for r, rep in compacted.items():
         reps = [p[2][r] for p in parts]
-        joined = dict(rep, m=max(x["m"] for x in reps), sketch_bytes=sum(x["sketch_bytes"] for x in reps),
-                      counts=[sum((x["counts"][layer] for x in reps), []) for layer in range(len(rep["counts"]))])
-        if "kept_positions" in rep:
-            joined["kept_positions"] = [sum((x["kept_positions"][layer] for x in reps), [])
-                                        for layer in range(len(rep["kept_positions"]))]
-        out[r] = joined
+
+        def heads(key):  # per layer, the ranks' per-head lists one after the other
+            return [sum((x[key][layer] for x in reps), []) for layer in range(len(rep[key]))]
+
+        out[r] = dict(rep, m=max(x["m"] for x in reps), sketch_bytes=sum(x["sketch_bytes"] for x in reps),
+                      counts=heads("counts"), **({"kept_positions": heads("kept_positions")}
+                                                 if "kept_positions" in rep else {}))
     return certs, scores, out
 
 
@@ -439,20 +441,17 @@ class _CertifiedWorker:
         self._kvcert_pending: tuple[dict, dict, dict] | None = None
         # (layer, certificate group) -> (the group's Compacted states, their joined sketch): Step.group_sketch
         self.kvcert_joined: dict[tuple, tuple] = {}
-        self._kvcert_tp: tuple[int, int] | None = None
 
-    @property
+    @cached_property
     def kvcert_tp(self) -> tuple[int, int]:
-        """(rank, size) of this worker in its tensor-parallel group ((0, 1) without tensor parallelism)."""
-        if self._kvcert_tp is None:
-            size = int(self.vllm_config.parallel_config.tensor_parallel_size)
-            if size == 1:
-                self._kvcert_tp = (0, 1)
-            else:
-                from vllm.distributed import get_tensor_model_parallel_rank
+        """(rank, size) of this worker in its tensor-parallel group ((0, 1) without tensor parallelism); read
+        at the first step, after vLLM has set up the group."""
+        size = int(self.vllm_config.parallel_config.tensor_parallel_size)
+        if size == 1:
+            return (0, 1)
+        from vllm.distributed import get_tensor_model_parallel_rank
 
-                self._kvcert_tp = (int(get_tensor_model_parallel_rank()), size)
-        return self._kvcert_tp
+        return (int(get_tensor_model_parallel_rank()), size)
 
     def kvcert_tp_group(self):
         """The tensor-parallel group's CPU (gloo) process group, over which :func:`_tp_combine` gathers."""
