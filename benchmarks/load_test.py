@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "vllm"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-MODEL = "smollm2"  # vllm_support.SERVED_NAME (the servers' --served-model-name)
+from vllm_support import SERVED_NAME as MODEL  # noqa: E402 - the servers' --served-model-name
 
 
 def schedule(n: int, seed: int, lo: int, hi: int, certified_fraction: float, model: str) -> list[dict]:
@@ -67,7 +67,7 @@ def _one(client, req: dict, max_tokens: int, ratio: float, seed: int) -> dict:
     if req["certified"]:
         extra["vllm_xargs"] = {"kvcert_compression_ratio": ratio, "kvcert_seed": seed}
     t0 = time.monotonic()
-    first, tokens, record, finish, usage = None, 0, None, None, None
+    first, record, finish, usage = None, None, None, None
     try:
         for chunk in client.completions.create(model=MODEL, prompt=req["prompt"], max_tokens=max_tokens,
                                                temperature=0.0, stream=True,
@@ -85,8 +85,7 @@ def _one(client, req: dict, max_tokens: int, ratio: float, seed: int) -> dict:
     except Exception as e:  # noqa: BLE001 - a failed request is counted and reported, not raised
         return {"error": f"{type(e).__name__}: {e}", "latency_s": time.monotonic() - t0,
                 "certified": req["certified"]}
-    tokens = usage if usage is not None else 0
-    return {"latency_s": time.monotonic() - t0, "ttft_s": first, "tokens": tokens, "finish_reason": finish,
+    return {"latency_s": time.monotonic() - t0, "ttft_s": first, "tokens": usage or 0, "finish_reason": finish,
             "certified": req["certified"], "record": record, "prompt_tokens": len(req["prompt"])}
 
 

@@ -41,7 +41,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_support import BLOCK, CACHE, SERVED_NAME, metric_samples, prompts, run_engine, serve, server_args, vllm_env
+from test_vllm_matrix import ENGINE_KW as MATRIX_ENGINE_KW
+from test_vllm_matrix import MAX_NEW, PROMPT_BLOCKS, RATIO, _prompts, _save_model
+from vllm_support import CACHE, SERVED_NAME, metric_samples, prompts, run_engine, serve, server_args, vllm_env
 
 pytestmark = pytest.mark.slow
 
@@ -54,11 +56,9 @@ CERT_RTOL = 1e-5
 # ---------------------------------------------------------------------------------------------
 # tensor parallelism: tiny Llama, TP = 1 and TP = 2
 # ---------------------------------------------------------------------------------------------
-PROMPT_BLOCKS = (4, 5, 6, 7)
-MAX_NEW = 8
-RATIO = 0.5
-ENGINE_KW = {"max_model_len": 256, "block_size": BLOCK, "max_num_seqs": 4, "dtype": "float32", "enforce_eager": True,
-             "load_format": "safetensors", "skip_tokenizer_init": True}
+#: test_vllm_matrix's model, prompts (32 k + 1 tokens, k in PROMPT_BLOCKS), ratio and engine arguments (the
+#: plugin's engine: without enable_prefix_caching)
+ENGINE_KW = {k: v for k, v in MATRIX_ENGINE_KW.items() if k != "enable_prefix_caching"}
 
 
 def _drive(tp: str, folder: str, out_path: str) -> None:
@@ -70,9 +70,6 @@ def _drive(tp: str, folder: str, out_path: str) -> None:
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     from kvcert.vllm import certificate_report, certified_llm
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_vllm_matrix import _prompts
 
     prompts_ = [{"prompt_token_ids": p} for p in _prompts()]
     plain = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -101,8 +98,6 @@ def _drive(tp: str, folder: str, out_path: str) -> None:
 @pytest.fixture(scope="module")
 def tp_engines() -> dict:
     """{1: ..., 2: ...}: the two driver processes, one after the other (in-process engine cores)."""
-    from test_vllm_matrix import _save_model
-
     CACHE.mkdir(exist_ok=True)
     out = {}
     with tempfile.TemporaryDirectory(dir=str(CACHE)) as tmp:
