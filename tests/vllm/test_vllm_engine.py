@@ -1,6 +1,7 @@
-"""End-to-end tests of kvcert.vllm on the default model (SmolLM2-135M, CPU), one engine per process.
+"""End-to-end tests of kvcert.vllm on the default model (SmolLM2-135M, CPU).
 
-Four engines, each started once for the module (about a minute each on 2 cores):
+Four engines, each started once for the module in the session's engine driver of its kind
+(vllm_support.run_engine; 10-20 s each on 2 cores):
 stock vLLM without any plugin, the plugin at compression 0, the plugin at
 compression 0.5 freeing blocks into a 20-block pool (so freed blocks are
 handed to other running requests), and the same design in mask-only mode
@@ -138,3 +139,14 @@ def test_certificates_reach_the_caller(freeing):
         else:  # only the certainty set is left: the variance estimate is 0 (see docs/serving.md)
             assert (c[1:] == 0).all()
     assert some_positive
+
+
+def test_a_failed_engine_leaves_the_driver_serving(plugin_off):
+    """The engines of a kind share one driver process (vllm_support.run_engine): an engine that fails to start
+    is reported to its caller with the engine's error, and the next engine of that driver still runs and
+    reproduces an earlier engine's tokens."""
+    with pytest.raises(RuntimeError, match="granularity"):
+        run_engine(plugin=True, compression_ratio=0.5, kvcert={"granularity": "page"},
+                   runs=[{"order": [0], "max_tokens": 2}])
+    again = run_engine(plugin=True, compression_ratio=0.0, runs=[{"order": [0, 3], "max_tokens": MAX_TOKENS}])
+    assert _tokens(again) == {i: t for i, t in _tokens(plugin_off).items() if i in (0, 3)}

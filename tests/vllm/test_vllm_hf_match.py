@@ -1,6 +1,6 @@
 """One block design, two paths: the vLLM plugin and the Hugging Face ``BlockPoissonPress`` agree.
 
-One plugin engine for the module (in a process of its own, tests/vllm/vllm_support.py), greedy, a
+One plugin engine for the module (in the session's plugin engine driver, tests/vllm/vllm_support.py), greedy, a
 few prompts of 32 k + 1 tokens; the HF side runs in this process on the same float32 weights (the
 folder vLLM reads), with ``BlockPoissonPress`` at the engine's block size (32) and the same design
 and seed, decoding the tokens vLLM generated (teacher forcing, so every step's certificate is

@@ -3,7 +3,10 @@
 
 Two plugin engines (token design, ``report_kept=True``, greedy, prompts of 32 k + 1 tokens):
 
-- ``mixed``: engine default compression_ratio=0 (evicts nothing unless a request asks). Run 0: every
+- ``mixed``: engine default compression_ratio=0 (evicts nothing unless a request asks), run as a user's
+  ``vllm.LLM`` runs by default (``run_engine(engine_process=True)``: the engine core in a process of its own,
+  so the per-request options and the records cross the serialization between the processes; the suite's
+  other engines run their core in-process, vllm_support.py). Run 0: every
   request plain. Run 1: prompts 0 and 6 ask for ``kvcert_compression_ratio=0.5, kvcert_seed=3``, prompts
   1 and 2 are plain. Run 2: two bad requests (``kvcert_compression_ratio=1.5``, ``kvcert_kind="wald"``),
   a plain one, prompt 0 certified with ``kvcert_sketch="tilted", kvcert_kind="chebyshev", kvcert_delta=0.1``
@@ -45,7 +48,7 @@ CERT_RTOL = 1e-5
 
 @pytest.fixture(scope="module")
 def mixed():
-    return run_engine(plugin=True, compression_ratio=0.0, kvcert={"report_kept": True}, runs=[
+    return run_engine(plugin=True, compression_ratio=0.0, kvcert={"report_kept": True}, engine_process=True, runs=[
         {"order": [0, 1, 2, 6], "max_tokens": MAX_TOKENS},
         {"order": [0, 1, 2, 6], "max_tokens": MAX_TOKENS, "extra_args": [CERT, None, None, CERT]},
         {"order": [1, 3, 4, 0, 6], "max_tokens": MAX_TOKENS,

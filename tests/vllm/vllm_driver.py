@@ -1,31 +1,43 @@
-"""Runs one vLLM engine in a process of its own and writes what the tests compare (JSON).
+"""Runs vLLM engines for the tests and writes what they compare (JSON).
 
-    python tests/vllm/vllm_driver.py SPEC.json OUT.json
+    python tests/vllm/vllm_driver.py SPEC.json OUT.json    # one engine, then exit
+    python tests/vllm/vllm_driver.py --loop                # engines in sequence, one per stdin line
 
-Not a test module: tests/vllm/vllm_support.py launches it, one engine per
-process, so every engine is torn down completely and the stock engine can run
-without the plugin (``VLLM_PLUGINS=""`` set by the launcher). SPEC keys:
-``plugin`` (bool), ``model``, ``compression_ratio``, ``seed``, ``kvcert``
-(dict), ``scorer`` (optional, ``certified_llm``'s keyword), ``llm_kwargs`` (dict),
-``prompts`` (token-id lists), ``runs``
-(list of {"order": [prompt indices], "max_tokens": int}, generated one
-``generate`` call each, greedy; optional ``"extra_args"``: a list parallel to
-``order`` of ``SamplingParams.extra_args`` dicts or None, e.g.
+Not a test module: tests/vllm/vllm_support.py launches it. The stock engine runs
+without the plugin (``VLLM_PLUGINS=""`` set by the launcher), so stock and
+plugin engines never share a process. In ``--loop`` mode each stdin line is
+``SPEC_PATH<TAB>OUT_PATH``; the driver starts that engine in this process (the
+launcher sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core runs here
+too), generates, shuts it down, collects it, tears down vLLM's distributed
+state, and writes OUT atomically: the result, or ``{"error": traceback}``. One
+vLLM import then serves every engine of a kind (about 10 s each, and the
+engine core's process about 20 s more, saved per engine). It exits at the end
+of its input.
+
+SPEC keys: ``plugin`` (bool), ``model``, ``compression_ratio``, ``seed``,
+``kvcert`` (dict), ``scorer`` (optional, ``certified_llm``'s keyword),
+``llm_kwargs`` (dict), ``prompts`` (token-id lists), ``runs`` (list of
+{"order": [prompt indices], "max_tokens": int}, generated one ``generate`` call
+each, greedy; optional ``"extra_args"``: a list parallel to ``order`` of
+``SamplingParams.extra_args`` dicts or None, e.g.
 ``{"kvcert_compression_ratio": 0.5}``; a prompt index at most once per run).
 Each output records ``token_ids`` and ``finish_reason``, and with the plugin
-``certificates`` and ``report``.
+``certificates`` and ``report``; the result records ``start_s`` and, per run,
+``gen_s``, and with the plugin the engine's ``stats`` and ``blocks_freed``.
 """
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import sys
 import time
+import traceback
 
 
-def main(spec_path: str, out_path: str) -> None:
-    with open(spec_path) as f:
-        spec = json.load(f)
+def run_spec(spec: dict) -> dict:
+    """Start the spec's engine, generate its runs, shut it down; the result dict."""
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -36,39 +48,77 @@ def main(spec_path: str, out_path: str) -> None:
                             kvcert=spec.get("kvcert") or None, scorer=spec.get("scorer"), **spec["llm_kwargs"])
     else:
         llm = LLM(model=spec["model"], **spec["llm_kwargs"])
-    result = {"start_s": time.perf_counter() - t0, "runs": []}
-    prompts = spec["prompts"]
-    for run in spec["runs"]:
-        order = run["order"]
-        extra = run.get("extra_args") or [None] * len(order)
-        sp = [SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], ignore_eos=True, extra_args=e)
-              for e in extra]
-        t = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in order], sp, use_tqdm=False)
-        gen_s = time.perf_counter() - t
-        per = {}
-        for i, o in zip(order, outs):
-            item = {"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason}
-            if spec["plugin"]:
-                from kvcert.vllm import certificate_report, certificates
-
-                c = certificates(o)
-                item["certificates"] = None if c is None else c.tolist()
-                item["report"] = certificate_report(o)
-            per[str(i)] = item
-        result["runs"].append({"outputs": per, "gen_s": gen_s})
-    if spec["plugin"]:
-        from kvcert.vllm import blocks_freed, stats
-
-        result["stats"] = stats(llm)
-        result["blocks_freed"] = blocks_freed(llm)
-    with open(out_path, "w") as f:
-        json.dump(result, f)
     try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001 - best effort, the process exits anyway
-        pass
+        result = {"start_s": time.perf_counter() - t0, "runs": []}
+        prompts = spec["prompts"]
+        for run in spec["runs"]:
+            order = run["order"]
+            extra = run.get("extra_args") or [None] * len(order)
+            sp = [SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], ignore_eos=True, extra_args=e)
+                  for e in extra]
+            t = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in order], sp, use_tqdm=False)
+            gen_s = time.perf_counter() - t
+            per = {}
+            for i, o in zip(order, outs):
+                item = {"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason}
+                if spec["plugin"]:
+                    from kvcert.vllm import certificate_report, certificates
+
+                    c = certificates(o)
+                    item["certificates"] = None if c is None else c.tolist()
+                    item["report"] = certificate_report(o)
+                per[str(i)] = item
+            result["runs"].append({"outputs": per, "gen_s": gen_s})
+        if spec["plugin"]:
+            from kvcert.vllm import blocks_freed, stats
+
+            result["stats"] = stats(llm)
+            result["blocks_freed"] = blocks_freed(llm)
+        return result
+    finally:
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - best effort: the engine is dropped either way
+            pass
+
+
+def _write(out_path: str, result: dict) -> None:
+    """Write OUT atomically: the launcher polls for the file, so it never reads half of one."""
+    with open(out_path + ".part", "w") as f:
+        json.dump(result, f)
+    os.replace(out_path + ".part", out_path)
+
+
+def main(spec_path: str, out_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    _write(out_path, run_spec(spec))
+
+
+def loop() -> None:
+    """Engines in sequence, one per stdin line, until stdin closes."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        spec_path, out_path = line.rstrip("\n").split("\t")
+        print(f"kvcert-driver: {spec_path}", flush=True)
+        try:
+            with open(spec_path) as f:
+                result = run_spec(json.load(f))
+        except Exception:  # noqa: BLE001 - handed to the test that asked, which raises it
+            result = {"error": traceback.format_exc()}
+        # the engine is collected before the next one starts: shut down above, its last reference gone
+        # with run_spec's frame, then the cycles and vLLM's distributed state
+        gc.collect()
+        cleanup_dist_env_and_memory()
+        _write(out_path, result)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[1:] == ["--loop"]:
+        loop()
+    else:
+        main(sys.argv[1], sys.argv[2])

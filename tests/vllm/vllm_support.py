@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
@@ -62,10 +63,88 @@ def prompts() -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
+class _Driver:
+    """One long-lived ``vllm_driver.py --loop`` process of one kind (stock or plugin): engines in sequence in
+    it, each with its engine core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Started on first use,
+    restarted after a crash or a timeout, ended when the test session exits."""
+
+    def __init__(self, plugin: bool):
+        self.plugin = plugin
+        self.proc = None
+        self.folder = None
+
+    def _start(self) -> None:
+        CACHE.mkdir(exist_ok=True)
+        self.folder = tempfile.TemporaryDirectory(dir=str(CACHE))
+        env = dict(vllm_env(), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        if not self.plugin:
+            env["VLLM_PLUGINS"] = ""  # no general plugin at all: the stock engine
+        self.log = Path(self.folder.name) / "driver.log"
+        with open(self.log, "w") as f:
+            # outside the repository root: no top-level folder of the repository (kernels/) shadows an
+            # installed package in the engine's process
+            self.proc = subprocess.Popen([sys.executable, str(DRIVER), "--loop"], env=env, cwd=self.folder.name,
+                                         stdin=subprocess.PIPE, stdout=f, stderr=subprocess.STDOUT, text=True,
+                                         start_new_session=True)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                _stop(self.proc)
+        self.proc = None
+        if self.folder is not None:
+            self.folder.cleanup()
+            self.folder = None
+
+    def run(self, spec: dict, timeout: float) -> dict:
+        import time
+
+        if self.proc is None or self.proc.poll() is not None:
+            self.stop()
+            self._start()
+        work = Path(tempfile.mkdtemp(dir=self.folder.name))
+        sp, op = work / "spec.json", work / "out.json"
+        sp.write_text(json.dumps(spec))
+        offset = self.log.stat().st_size
+        self.proc.stdin.write(f"{sp}\t{op}\n")
+        self.proc.stdin.flush()
+        t0 = time.monotonic()
+        while not op.exists():
+            rc = self.proc.poll()
+            if rc is not None:
+                tail = _tail(self.log)
+                self.stop()
+                raise RuntimeError(f"engine driver exited (rc {rc}):\n{tail}")
+            if time.monotonic() - t0 > timeout:
+                tail = _tail(self.log)
+                self.stop()
+                raise RuntimeError(f"engine did not finish in {timeout:.0f} s:\n{tail}")
+            time.sleep(0.1)
+        out = json.loads(op.read_text())
+        if "error" in out:
+            with open(self.log, errors="replace") as f:
+                f.seek(offset)
+                log = "\n".join(f.read().splitlines()[-40:])
+            raise RuntimeError(f"engine failed:\n{out['error']}\n--- its log ---\n{log}")
+        return out
+
+
+_DRIVERS = {True: _Driver(True), False: _Driver(False)}
+atexit.register(lambda: [d.stop() for d in _DRIVERS.values()])
+
+
 def run_engine(*, plugin: bool, runs: list[dict], compression_ratio: float = 0.0, seed: int = 0,
                kvcert: dict | None = None, scorer: str | None = None, timeout: float = 420.0,
-               **llm_kwargs) -> dict:
-    """Start one engine in a fresh process (the stock one without any plugin), generate, return the JSON."""
+               engine_process: bool = False, **llm_kwargs) -> dict:
+    """Run one engine (the stock one without any plugin) and return the driver's JSON (vllm_driver.py).
+
+    By default the engine runs in the session's long-lived driver of its kind, with its engine core
+    in-process. ``engine_process=True`` runs it as a user's ``vllm.LLM`` runs by default: a fresh driver
+    process, the engine core in a process of its own, outputs (certificates included) serialized between
+    them."""
     kw = dict(ENGINE)
     kw.update(llm_kwargs)
     if plugin:
@@ -74,9 +153,12 @@ def run_engine(*, plugin: bool, runs: list[dict], compression_ratio: float = 0.0
     spec = {"plugin": plugin, "model": model_path(), "compression_ratio": compression_ratio, "seed": seed,
             "kvcert": kvcert or {}, "scorer": scorer, "llm_kwargs": kw, "prompts": [list(p) for p in prompts()],
             "runs": runs}
+    if not engine_process:
+        return _DRIVERS[plugin].run(spec, timeout)
     env = vllm_env()
     if not plugin:
         env["VLLM_PLUGINS"] = ""  # no general plugin at all: the stock engine
+    CACHE.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=str(CACHE)) as tmp:
         sp, op = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         sp.write_text(json.dumps(spec))
