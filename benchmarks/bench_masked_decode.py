@@ -1,6 +1,7 @@
 """Microbenchmark: the plugin's masked decode attention against vLLM's C++ CPU kernel, 30 layers, no engine.
 
     OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/bench_masked_decode.py [--lengths 1025 2049 4097]
+        [--designs block default paper]
 
 One decode step of ``rows`` requests (SmolLM2-135M's attention shapes: 9
 query heads, 3 KV heads, head size 64, block size 64) over 30 layer caches
@@ -10,9 +11,20 @@ read, as in a forward pass):
 - ``stock``: ``ops.cpu_attention_with_kv_cache`` (the C++ kernel of vLLM's
   CPU backend) over every block of each sequence;
 - ``kvcert``: ``CertifiedCPUAttentionImpl.forward`` inside a plugin step
-  (:class:`kvcert.vllm.worker.Step`): the row plan, ``block_decode`` over
-  the kept blocks (about half: every prompt block but the first is evicted
-  with probability 0.5, as at compression 0.5) and the certificate.
+  (:class:`kvcert.vllm.worker.Step`), by ``--designs``:
+
+  - ``block`` (``granularity="block"``): the row plan, ``block_decode`` over
+    the kept blocks (about half: every prompt block but the first is evicted
+    with probability 0.5, as at compression 0.5) and the certificate;
+  - ``default`` (the token design the plugin serves by default: the tilted
+    sketch, ``tilted_hull``) and ``paper`` (``sketch=None``, ``chebyshev``):
+    each request's prompt compacted as the plugin compacts it (every KV
+    head keeps a Poisson sample of about half the prompt tokens, pi uniform
+    in (0, 1], in the first m blocks of its table; the default design also
+    holds each layer's cluster sketch of the evicted tokens,
+    ``kvcert.fast.cluster_sketch`` of the plugin's design), then the
+    compacted rows' decode (``sketch_decode`` or ``token_decode``: the
+    compiled op's paged route where it builds) and the certificate.
 
 Interleaved repetitions; prints min and median ms per step and the ratio of
 the minima. ``--fixed-mmap-threshold`` pins glibc's ``M_MMAP_THRESHOLD`` at
@@ -37,7 +49,41 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def measure(seq_len: int, rows: int = 4, layers: int = 30, reps: int = 15) -> dict:
+def _compacted_states(ids, seq_len: int, bs: int, h: int, d: int, layers: int, caches, table, cfg) -> dict:
+    """Each request's :class:`kvcert.vllm.worker.Compacted` state: per (layer, KV head) a Poisson sample of the
+    n = seq_len - 1 prompt tokens (pi uniform in (0, 1], kept with probability pi: about n / 2), its slots
+    first in the head's row of log pi, padding -inf, m = the most kept slots in blocks; with a sketched design
+    each layer's sketch of the evicted tokens built from that layer's cache (the values the step reads)."""
+    from kvcert import fast
+    from kvcert.vllm.worker import Compacted
+
+    n = seq_len - 1
+    design = fast.resolve_sketch(cfg.sketch, cfg.kind)
+    states = {}
+    for j, rid in enumerate(ids):
+        pi = torch.rand(layers, h, n, dtype=torch.float64).clamp_(min=1e-3)
+        keep = torch.rand(layers, h, n, dtype=torch.float64) < pi
+        counts = keep.sum(-1)
+        m = -(-int(counts.max()) // bs)
+        log_pi = torch.full((layers, h, m * bs), float("-inf"))
+        for li in range(layers):
+            for hh in range(h):
+                c = int(counts[li, hh])
+                log_pi[li, hh, :c] = pi[li, hh][keep[li, hh]].log().float()
+        sketches = None
+        if design is not None:
+            sketches = []
+            for li, c in enumerate(caches):  # the prompt's keys and values of this row's blocks
+                kv = c[table[j, : -(-n // bs)].long()]                       # (blocks, h, bs, 2d)
+                kv = kv.permute(1, 0, 2, 3).reshape(h, -1, 2 * d)[:, :n]
+                k, v = kv[None, :, :, :d].contiguous(), kv[None, :, :, d:].contiguous()
+                tilt = torch.randn(1, h, d) if design.tilt else None
+                sketches.append(fast.cluster_sketch(k, v, pi[li][None].float(), keep[li][None], design, tilt=tilt))
+        states[rid] = Compacted(n_prompt=n, m=m, log_pi=log_pi, sketches=sketches)
+    return states
+
+
+def measure(seq_len: int, rows: int = 4, layers: int = 30, reps: int = 15, design: str = "block") -> dict:
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends import cpu_attn
 
@@ -54,14 +100,22 @@ def measure(seq_len: int, rows: int = 4, layers: int = 30, reps: int = 15) -> di
                                              alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
     caches = [torch.randn(nb, h, bs, 2 * d) for _ in range(layers)]
     table = torch.arange(rows * nbt, dtype=torch.int32).view(rows, nbt)
-    states = {}
-    for j in range(rows):  # prompt blocks: the first certain, the others kept with probability 0.5
-        lp = torch.log(torch.rand(nbt - 1, dtype=torch.float64))
-        lp[torch.rand(nbt - 1) < 0.5] = float("-inf")
-        lp[0] = 0.0
-        states[f"r{j}"] = lp
     ids = [f"r{j}" for j in range(rows)]
-    fake = SimpleNamespace(kvcert=KVCertConfig(compression_ratio=0.5, granularity="block"), kvcert_states=states,
+    if design == "block":
+        cfg = KVCertConfig(compression_ratio=0.5, granularity="block")
+        states = {}
+        for j in range(rows):  # prompt blocks: the first certain, the others kept with probability 0.5
+            lp = torch.log(torch.rand(nbt - 1, dtype=torch.float64))
+            lp[torch.rand(nbt - 1) < 0.5] = float("-inf")
+            lp[0] = 0.0
+            states[f"r{j}"] = lp
+    else:
+        cfg = KVCertConfig(compression_ratio=0.5) if design == "default" else \
+            KVCertConfig(compression_ratio=0.5, sketch=None, kind="chebyshev")
+        states = _compacted_states(ids, seq_len, bs, h, d, layers, caches, table, cfg)
+    # kvcert_joined: the worker's joins of a group's sketches, kept across steps while the group stays the same
+    # (steady decode, as in the engine)
+    fake = SimpleNamespace(kvcert=cfg, kvcert_states=states, kvcert_joined={},
                            kvcert_prompt_len={r: seq_len - 1 for r in ids}, kvcert_block_size=bs,
                            model_runner=SimpleNamespace(input_batch=SimpleNamespace(req_ids=ids)))
     q = torch.randn(rows, h_q, d)
@@ -103,9 +157,15 @@ def measure(seq_len: int, rows: int = 4, layers: int = 30, reps: int = 15) -> di
             for _ in range(3):
                 f()
             times[name].append((time.perf_counter() - t) / 3 * 1e3)
-    kept = sum(int((lp > float("-inf")).sum()) for lp in states.values()) / (rows * (nbt - 1))
-    res = {"seq_len": seq_len, "rows": rows, "layers": layers, "kept_prompt_block_fraction": kept,
-           "threads": torch.get_num_threads()}
+    res = {"design": design, "seq_len": seq_len, "rows": rows, "layers": layers, "threads": torch.get_num_threads(),
+           "route": backend.LAST_ROUTE[0] if design != "block" else "block_decode"}
+    if design == "block":
+        res["kept_prompt_block_fraction"] = sum(int((lp > float("-inf")).sum()) for lp in states.values()) / (
+            rows * (nbt - 1))
+    else:
+        res["kept_prompt_token_fraction"] = sum(float((st.log_pi > float("-inf")).sum()) for st in states.values()) / (
+            rows * layers * h * (seq_len - 1))
+        res["compacted_blocks_read_fraction"] = sum(st.m + 1 for st in states.values()) / (rows * nbt)
     for name, v in times.items():
         res[f"{name}_ms_min"], res[f"{name}_ms_median"] = min(v), statistics.median(v)
     res["ratio_of_minima"] = res["kvcert_ms_min"] / res["stock_ms_min"]
@@ -116,6 +176,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[1025, 2049, 4097])
     ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--designs", nargs="+", choices=("block", "default", "paper"), default=["block", "default", "paper"],
+                    help="the plugin's designs to time against stock (module docstring)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--fixed-mmap-threshold", action="store_true",
                     help="mallopt(M_MMAP_THRESHOLD, 128 KiB): large temporaries are page-faulted on every call")
@@ -127,10 +189,11 @@ def main(argv=None) -> None:
         ctypes.CDLL(ctypes.util.find_library("c")).mallopt(-3, 128 * 1024)  # -3 = M_MMAP_THRESHOLD
     results = []
     for n in args.lengths:
-        r = measure(n, rows=args.rows)
-        r["fixed_mmap_threshold"] = args.fixed_mmap_threshold
-        results.append(r)
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
+        for design in args.designs:
+            r = measure(n, rows=args.rows, design=design)
+            r["fixed_mmap_threshold"] = args.fixed_mmap_threshold
+            results.append(r)
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 
