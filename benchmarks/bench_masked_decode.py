@@ -22,7 +22,8 @@ read, as in a forward pass):
     head keeps a Poisson sample of about half the prompt tokens, pi uniform
     in (0, 1], in the first m blocks of its table; the default design also
     holds each layer's cluster sketch of the evicted tokens,
-    ``kvcert.fast.cluster_sketch`` of the plugin's design), then the
+    ``kvcert.fast.cluster_sketch`` of the plugin's design, and the compacted
+    slots' kept value sums the plugin takes when it compacts), then the
     compacted rows' decode (``sketch_decode`` or ``token_decode``: the
     compiled op's paged route where it builds) and the certificate.
 
@@ -49,6 +50,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def _rows(cache: torch.Tensor, blocks: torch.Tensor, bs: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values (h, len(blocks) * bs, d) of a ``vec`` cache's blocks (per block and head: the keys
+    transposed [d, bs], then the values [bs, d]), in slot order."""
+    nb, h = cache.shape[:2]
+    flat = cache.view(nb, h, bs * 2 * d)[blocks.long()]                        # (M, h, bs * 2d)
+    M = flat.shape[0]
+    k = flat[..., : bs * d].reshape(M, h, d, bs).permute(1, 0, 3, 2).reshape(h, M * bs, d)
+    v = flat[..., bs * d:].reshape(M, h, bs, d).permute(1, 0, 2, 3).reshape(h, M * bs, d)
+    return k, v
+
+
 def _compacted_states(ids, seq_len: int, bs: int, h: int, d: int, layers: int, caches, table, cfg) -> dict:
     """Each request's :class:`kvcert.vllm.worker.Compacted` state: per (layer, KV head) a Poisson sample of the
     n = seq_len - 1 prompt tokens (pi uniform in (0, 1], kept with probability pi: about n / 2), its slots
@@ -70,16 +82,21 @@ def _compacted_states(ids, seq_len: int, bs: int, h: int, d: int, layers: int, c
             for hh in range(h):
                 c = int(counts[li, hh])
                 log_pi[li, hh, :c] = pi[li, hh][keep[li, hh]].log().float()
-        sketches = None
+        sketches = sums = None
         if design is not None:
-            sketches = []
+            sketches, sums = [], torch.zeros(layers, h, d + 1, dtype=torch.float64)
             for li, c in enumerate(caches):  # the prompt's keys and values of this row's blocks
-                kv = c[table[j, : -(-n // bs)].long()]                       # (blocks, h, bs, 2d)
-                kv = kv.permute(1, 0, 2, 3).reshape(h, -1, 2 * d)[:, :n]
-                k, v = kv[None, :, :, :d].contiguous(), kv[None, :, :, d:].contiguous()
+                k, v = _rows(c, table[j, : -(-n // bs)], bs, d)
+                k, v = k[None, :, :n].contiguous(), v[None, :, :n].contiguous()
                 tilt = torch.randn(1, h, d) if design.tilt else None
                 sketches.append(fast.cluster_sketch(k, v, pi[li][None].float(), keep[li][None], design, tilt=tilt))
-        states[rid] = Compacted(n_prompt=n, m=m, log_pi=log_pi, sketches=sketches)
+                # the kept values' sums and count of the compacted slots (what compact_prompt returns): the values
+                # the step reads there, slot i of a head at offset i % bs of the row's block i // bs
+                held = _rows(c, table[j, :m], bs, d)[1].double()               # (h, m * bs, d)
+                live = torch.isfinite(log_pi[li])                              # (h, m * bs)
+                sums[li, :, :d] = torch.where(live[..., None], held, 0.0).sum(1)
+                sums[li, :, d] = live.sum(-1).double()
+        states[rid] = Compacted(n_prompt=n, m=m, log_pi=log_pi, sketches=sketches, value_sums=sums)
     return states
 
 

@@ -775,6 +775,58 @@ def test_paged_sketch_route_matches_the_gather_route(op, n, clusters, bs, dtype,
         assert_close(f"{f} paged vs gather", got[f].double().numpy(), want[f].double().numpy(), 2 * tol[f])
 
 
+def _head_sums(cache, ids, lp, upto):
+    """float64 (E, h_kv, d + 1): the sums of the kept values (log pi > -inf) of each row's slots before
+    ``upto[e]`` and their count, read from the cache as the op reads it (the plugin's compacted prompt sums)."""
+    _, vg = _gather(cache, ids)
+    E, h = lp.shape[:2]
+    out = torch.zeros(E, h, vg.shape[-1] + 1, dtype=torch.float64)
+    for e in range(E):
+        live = (~torch.isneginf(lp[e, :, : int(upto[e])])).double()          # (h, upto)
+        out[e, :, :-1] = live[..., None].mul(vg[e, :, : int(upto[e])].double()).sum(1)
+        out[e, :, -1] = live.sum(-1)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_sketch_route_with_given_prefix_sums_reads_the_rest_only(op, dtype):
+    """center_sums / tail_start (the plugin's compacted prompt, summed once): the op adds the given sums of the
+    slots before tail_start[e] to its read of the slots from there on. Given the true sums, every field equals
+    the op's own full read within float32 rounding of the centre (the same double sums in another order); wrong
+    sums change the certificate and not the output (negative control: the centre comes from the sums); bad
+    shapes and ranges are refused by name."""
+    q, k, v, pi, sketch, _, _ = _sketch_case(1024, dtype, 3, seed=11, tilt=True, clusters=8)
+    bs = 16
+    cache, ids, lp = _paged(k, v, pi, bs, seed=3)
+    E, h = lp.shape[:2]
+    start = torch.tensor([(j * 7 * bs) % lp.shape[-1] for j in range(E)], dtype=torch.int64)
+    sums = _head_sums(cache, ids, lp, start)
+    full = op.paged_sketch_hajek_attention(q, cache, ids, lp, sketch, record="tilted_hull")
+    given = op.paged_sketch_hajek_attention(q, cache, ids, lp, sketch, record="tilted_hull", center_sums=sums,
+                                            tail_start=start)
+    a, b = _sketch_fields(full, "op"), _sketch_fields(given, "op")
+    # the output and lse do not read the centre; the certificate reads it through the centred sums (invariant to
+    # the centre up to rounding) and the hull's max ||v - mu||. The two double sums differ only in their order, so
+    # the float32 centre differs by at most one ulp (6e-8 relative; it was bit-identical when this was written),
+    # which moves these fields by a few 1e-7 relative at most
+    assert torch.equal(a["output"], b["output"]) and torch.equal(a["lse"], b["lse"])
+    for f in ("variance", "radius", "bound", "recorded"):
+        assert torch.allclose(a[f], b[f], rtol=1e-6, atol=0), f
+    wrong = sums.clone()
+    wrong[..., :-1] += 5.0 * wrong[..., -1:].clamp(min=1.0)   # every centre moved by 5 per coordinate
+    w = op.paged_sketch_hajek_attention(q, cache, ids, lp, sketch, record="tilted_hull", center_sums=wrong,
+                                        tail_start=start)
+    assert torch.equal(w.estimate.output, full.estimate.output) and not torch.allclose(w.bound, full.bound)
+    with pytest.raises(TypeError, match="go together"):
+        op.paged_sketch_hajek_attention(q, cache, ids, lp, sketch, center_sums=sums)
+    with pytest.raises(ValueError, match="center_sums must be float64"):
+        op.paged_sketch_hajek_attention(q, cache, ids, lp, sketch, center_sums=sums.float(), tail_start=start)
+    with pytest.raises(ValueError, match="tail_start must be int64"):
+        op.paged_sketch_hajek_attention(q, cache, ids, lp, sketch, center_sums=sums, tail_start=start.int())
+    with pytest.raises(ValueError, match=r"tail_start must lie in \[0, "):
+        op.paged_sketch_hajek_attention(q, cache, ids, lp, sketch, center_sums=sums, tail_start=start + 10 ** 6)
+
+
 def test_paged_sketch_route_reads_only_its_slots_and_refuses_by_name(op):
     """NaN in every slot marked -inf and in every unread block changes nothing (the kept mean, the pass and the
     hull's maximum skip them); one read value changed changes the output (negative control); bad input is

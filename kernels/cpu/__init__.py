@@ -556,6 +556,7 @@ def paged_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: to
 def paged_sketch_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor,
                                   log_pi: torch.Tensor, sketch, *, scale: float | None = None, delta: float = 0.05,
                                   rule: str | None = None, multiplier: float | None = None, record: str | None = None,
+                                  center_sums: torch.Tensor | None = None, tail_start: torch.Tensor | None = None,
                                   validate: bool = True):
     r"""The sketched decode step (:func:`sketch_hajek_attention`) read straight from a paged cache (vLLM's CPU layout).
 
@@ -567,7 +568,10 @@ def paged_sketch_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_
 
     (:func:`kvcert.fast.value_moments`' centre), which the op computes first from the kept values (one read of
     them, in place): the vLLM plugin's sketched decode (``kvcert.vllm.backend.sketch_decode``) without
-    gathering K and V nor computing the value moments in torch.
+    gathering K and V nor computing the value moments in torch. With ``center_sums`` and ``tail_start`` that
+    read covers only the slots from ``tail_start[e]`` on, added to the given sums of the slots before (a
+    compacted prompt's kept values, which do not change from step to step: the plugin sums them once, when
+    it compacts the prompt).
 
     Parameters
     ----------
@@ -577,6 +581,10 @@ def paged_sketch_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_
     log_pi : (E, h_kv, M * bs), -inf where the slot holds no token
     sketch : ClusterSketch of the E rows (batch E), per KV head
     scale, delta, rule, multiplier, record : as :func:`sketch_hajek_attention`
+    center_sums : float64 (E, h_kv, d + 1), optional
+        Per row and KV head, the sum of the kept values of slots ``0 .. tail_start[e] - 1`` (first d entries)
+        and their count (last entry); the op then reads the values of slots ``tail_start[e]`` on only.
+    tail_start : int64 (E,), optional, with ``center_sums``
     validate : bool
         Check that log_pi lies in [-inf, 0] (one host read) and refuse a NaN output or V_cl.
 
@@ -602,10 +610,23 @@ def paged_sketch_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_
     rule, delta, factor = _radius_factor(sketch.rule if rule is None else rule, delta,
                                          sketch.multiplier if multiplier is None else multiplier)
     clip = 0.0 if record is None else names["clip"](record, delta)
+    if (center_sums is None) != (tail_start is None):
+        raise TypeError("center_sums and tail_start go together (the sums of the slots before tail_start)")
+    if center_sums is not None:
+        if center_sums.dtype != torch.float64 or tuple(center_sums.shape) != (E, h_kv, d + 1):
+            raise ValueError(f"center_sums must be float64 of shape (E, h_kv, d + 1) = ({E}, {h_kv}, {d + 1}), got "
+                             f"{center_sums.dtype} {tuple(center_sums.shape)}")
+        if tail_start.dtype != torch.int64 or tuple(tail_start.shape) != (E,):
+            raise ValueError(f"tail_start must be int64 of shape (E,) = ({E},), got {tail_start.dtype} "
+                             f"{tuple(tail_start.shape)}")
+        n_slots = log_pi.shape[-1]
+        if E and not bool(((tail_start >= 0) & (tail_start <= n_slots)).all()):
+            raise ValueError(f"tail_start must lie in [0, {n_slots}] (the rows' slots), got {tail_start.tolist()}")
     ops = _state["ops"] if _state["ops"] is not None else load()
     output, lse, var, rad, bnd, rec, _ = ops.hajek_decode_sketch_paged(
         q, kv_cache if kv_cache.is_contiguous() else kv_cache.contiguous(), block_ids.contiguous(), lp, tau, 0,
-        form.W, form.bias, form.weight, form.wnorm, form.tilt, form.mu, form.reach, factor, clip)
+        form.W, form.bias, form.weight, form.wnorm, form.tilt, form.mu, form.reach, factor, clip, center_sums,
+        tail_start)
     if validate and bool(torch.isnan(output).any() | torch.isnan(var).any()):
         raise ValueError("paged_sketch_hajek_attention produced NaN: q, the cache and the sketch must be finite")
     if kv_cache.dtype != torch.float32:

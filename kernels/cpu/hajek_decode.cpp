@@ -759,7 +759,9 @@ void run_paged(const Shape& S, const at::Tensor& q, const at::Tensor& kv_cache, 
 // mu (H, dv): one read of the kept values (not the keys), per (head, range) task in double, then per head.
 template <typename T>
 void paged_kept_mean(const Shape& S, const at::Tensor& kv_cache, const at::Tensor& ids, const at::Tensor& lp,
-                     float* mu) {
+                     float* mu, const double* base = nullptr, const int64_t* start = nullptr) {
+  // mu = the mean kept value of each (row, KV head). With base (H x (dv + 1): the sums and count of the slots
+  // before start[row]) only the slots from start[row] on are read and added to it
   const int64_t tasks = S.H * S.splits, dv = S.dv, chunk = (S.n + S.splits - 1) / S.splits;
   std::vector<double> sums(static_cast<size_t>(tasks * (dv + 1)), 0.0);
   const Heads<float> L = heads<float>(lp);
@@ -767,7 +769,9 @@ void paged_kept_mean(const Shape& S, const at::Tensor& kv_cache, const at::Tenso
     std::vector<float> buf(dv);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t bh = t / S.splits, s = t % S.splits;
-      const int64_t n0 = std::min(S.n, s * chunk), n1 = std::min(S.n, n0 + chunk);
+      int64_t n0 = std::min(S.n, s * chunk);
+      const int64_t n1 = std::min(S.n, n0 + chunk);
+      if (start != nullptr) n0 = std::max(n0, start[bh / S.h_kv]);
       const PagedKV<T> kv = paged_head<T>(kv_cache, ids, bh, S.h_kv, S.d);
       const float* l = L.head(bh, S.h_kv);
       double* acc = sums.data() + t * (dv + 1);
@@ -782,6 +786,8 @@ void paged_kept_mean(const Shape& S, const at::Tensor& kv_cache, const at::Tenso
   });
   for (int64_t bh = 0; bh < S.H; ++bh) {
     std::vector<double> m(dv + 1, 0.0);
+    if (base != nullptr)
+      for (int64_t x = 0; x <= dv; ++x) m[x] = base[bh * (dv + 1) + x];
     for (int64_t s = 0; s < S.splits; ++s)
       for (int64_t x = 0; x <= dv; ++x) m[x] += sums[(bh * S.splits + s) * (dv + 1) + x];
     const double cnt = std::max(m[dv], 1.0);
@@ -980,17 +986,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_decode_paged(
 }
 
 // The cluster design's decode step read from a paged cache (hajek_decode_paged's layout and checks; q (E, h_q, d)):
-// the mean kept value mu of every head first (paged_kept_mean, a read of the kept values), then hajek_decode_sketch's
-// pass around it and its epilogue. Returns o (E, h_q, d) float32, lse, V_cl, the radius, the bound and the
+// the mean kept value mu of every head first (paged_kept_mean, a read of the kept values; with center_sums (E, h_kv,
+// d + 1) float64 and tail_start (E,) int64, the kept values' sums and count of the slots before tail_start[e] are
+// given and only the slots from there on are read), then hajek_decode_sketch's pass around it and its epilogue. Returns o (E, h_q, d) float32, lse, V_cl, the radius, the bound and the
 // recorded trace (E, h_q) (hajek_decode_sketch's), and mu (E, h_kv, d).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 hajek_decode_sketch_paged(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_ids,
                           const at::Tensor& log_pi, double scale, int64_t splits, const at::Tensor& W,
                           const at::Tensor& bias, const at::Tensor& weight, const at::Tensor& wnorm,
                           const std::optional<at::Tensor>& tilt, const at::Tensor& smu,
-                          const std::optional<at::Tensor>& reach, double factor, double clip) {
+                          const std::optional<at::Tensor>& reach, double factor, double clip,
+                          const std::optional<at::Tensor>& center_sums, const std::optional<at::Tensor>& tail_start) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 4 && kv_cache.size(1) > 0 && q.size(1) % kv_cache.size(1) == 0,
               "hajek_decode_sketch_paged: q must be (E, h_q, d) with h_q a multiple of kv_cache's h_kv");
+  TORCH_CHECK(center_sums.has_value() == tail_start.has_value(),
+              "hajek_decode_sketch_paged: center_sums and tail_start go together");
   const int64_t E = q.size(0), h_q = q.size(1), h_kv = kv_cache.size(1), bs = kv_cache.size(2), d = q.size(2);
   const at::Tensor q4 = q.reshape({E, h_kv, h_q / h_kv, d});
   check_paged(q4, kv_cache, block_ids, log_pi);
@@ -1000,17 +1010,31 @@ hajek_decode_sketch_paged(const at::Tensor& q, const at::Tensor& kv_cache, const
   Shape S{H, h_kv, G, n, d, d, 1, kHead + 2 * d, false, true};
   S.splits = splits > 0 ? std::min(splits, std::max<int64_t>(1, n)) : auto_splits(H, n);
   at::Tensor mu = at::empty({E, h_kv, d}, f32);
+  const double* base = nullptr;
+  const int64_t* start = nullptr;
+  at::Tensor base_t, start_t;
+  if (center_sums.has_value()) {  // the kept values' sums and count before tail_start[e], given: read the rest only
+    base_t = center_sums->contiguous();
+    start_t = tail_start->contiguous();
+    TORCH_CHECK(base_t.scalar_type() == at::kDouble && base_t.dim() == 3 && base_t.size(0) == E &&
+                    base_t.size(1) == h_kv && base_t.size(2) == d + 1,
+                "hajek_decode_sketch_paged: center_sums must be float64 (E, h_kv, d + 1)");
+    TORCH_CHECK(start_t.scalar_type() == at::kLong && start_t.dim() == 1 && start_t.size(0) == E,
+                "hajek_decode_sketch_paged: tail_start must be int64 (E,)");
+    base = base_t.data_ptr<double>();
+    start = start_t.data_ptr<int64_t>();
+  }
   const at::Tensor qc = q4.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({E, h_kv, G, d}, f32);
   at::Tensor lse = at::empty({E, h_kv, G}, f32), neff = at::empty({E, h_kv, G}, f32);
   at::Tensor trace = at::empty({E, h_kv, G}, f32), var = at::empty({0}, f32);
   const float sc = static_cast<float>(scale);
   if (kv_cache.scalar_type() == at::kBFloat16) {
-    paged_kept_mean<c10::BFloat16>(S, kv_cache, block_ids, log_pi, mu.data_ptr<float>());
+    paged_kept_mean<c10::BFloat16>(S, kv_cache, block_ids, log_pi, mu.data_ptr<float>(), base, start);
     run_paged<c10::BFloat16>(S, qc, kv_cache, block_ids, log_pi, sc, out, lse, neff, trace, var, mu.data_ptr<float>(),
                              &c.form);
   } else {
-    paged_kept_mean<float>(S, kv_cache, block_ids, log_pi, mu.data_ptr<float>());
+    paged_kept_mean<float>(S, kv_cache, block_ids, log_pi, mu.data_ptr<float>(), base, start);
     run_paged<float>(S, qc, kv_cache, block_ids, log_pi, sc, out, lse, neff, trace, var, mu.data_ptr<float>(),
                      &c.form);
   }
@@ -1029,7 +1053,8 @@ TORCH_LIBRARY(kvcert_cpu, m) {
         "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("hajek_decode_sketch_paged(Tensor q, Tensor kv_cache, Tensor block_ids, Tensor log_pi, float scale, "
         "int splits, Tensor W, Tensor bias, Tensor weight, Tensor wnorm, Tensor? tilt, Tensor smu, Tensor? reach, "
-        "float factor, float clip) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "float factor, float clip, Tensor? center_sums, Tensor? tail_start) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvcert_cpu, CPU, m) {

@@ -246,8 +246,9 @@ def _pack(keys: torch.Tensor, values: torch.Tensor, bs: int) -> torch.Tensor:
 
 
 def compact_prompt(kv_cache: torch.Tensor, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                   positions: torch.Tensor) -> None:
-    """Copy each KV head's kept prompt tokens into the first slots of its request's blocks, in place.
+                   positions: torch.Tensor) -> torch.Tensor:
+    """Copy each KV head's kept prompt tokens into the first slots of its request's blocks, in place; return the
+    sums of the values copied and their count per KV head.
 
     Slot j of head h (logical block ``j // bs``, offset ``j % bs``, physical block ``block_ids[j // bs]``)
     receives the key and value of prompt position ``positions[h, j]``; padding slots (position -1) get zeros
@@ -259,11 +260,17 @@ def compact_prompt(kv_cache: torch.Tensor, block_ids: torch.Tensor, keys: torch.
     block_ids : int64 (nb,), the request's physical blocks in logical order (at least m = C / bs of them)
     keys, values : (h_kv, n, d), the prompt's keys and values read before the copy (:func:`gather_blocks`)
     positions : int64 (h_kv, C), C a multiple of bs (:attr:`kvcert.fast.Compaction.positions` of one layer)
+
+    Returns
+    -------
+    float64 (h_kv, d + 1): per KV head the sum of the kept values as the cache now holds them (in its dtype),
+    then their count. The sketched decode's value centre (the mean kept value) reads these instead of the
+    compacted slots (:func:`sketch_decode`): those values do not change while the request decodes.
     """
     h, c = positions.shape
     bs = kv_cache.shape[2]
     if c == 0:
-        return
+        return torch.zeros(h, values.shape[-1] + 1, dtype=torch.float64)
     if c % bs:
         raise ValueError(f"positions must hold a multiple of block_size={bs} slots per head, got {c}")
     valid = (positions >= 0)[..., None]
@@ -272,6 +279,8 @@ def compact_prompt(kv_cache: torch.Tensor, block_ids: torch.Tensor, keys: torch.
     vc = torch.where(valid, values.gather(1, src), 0.0)
     flat = kv_cache.view(kv_cache.shape[0], h, -1)
     flat.index_copy_(0, block_ids[: c // bs], _pack(kc, vc, bs).to(kv_cache.dtype))
+    held = vc.to(kv_cache.dtype).double()  # padding slots hold zeros: they add nothing
+    return torch.cat([held.sum(1), valid[..., 0].sum(1, keepdim=True).double()], dim=1)
 
 
 def gather_rows(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,7 +348,7 @@ def token_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.T
 
 
 def sketch_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
-                    sketch: ClusterSketch, scale: float, kind: str, delta: float):
+                    sketch: ClusterSketch, scale: float, kind: str, delta: float, centre=None):
     r"""Decode attention of compacted rows whose design keeps a sketch of the evicted tokens, and their radii.
 
     The Hajek output over the held slots (:func:`token_decode`'s) and the sketched design's certificate,
@@ -356,6 +365,11 @@ def sketch_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.
     block_ids : int64 (E, M)   log_pi : (E, h_kv, M * bs), -inf = not a token
     sketch : ClusterSketch of the E rows (batch E)   scale : float
     kind : ``"chebyshev"`` or ``"tilted_hull"``   delta : float in (0, 1)
+    centre : (float64 (E, h_kv, d + 1), int64 (E,)), optional
+        Per row the kept value sums and count of its compacted prompt (:func:`compact_prompt`'s) and the slot
+        where its tail starts (m bs): the op's value centre then reads only the tail's values
+        (:func:`kvcert.kernels.cpu.paged_sketch_hajek_attention`'s ``center_sums`` and ``tail_start``); the
+        gather route computes the centre itself.
 
     Returns
     -------
@@ -365,7 +379,8 @@ def sketch_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.
     -----
     On CPU where the compiled op builds, one call of its paged sketch route
     (:func:`kvcert.kernels.cpu.paged_sketch_hajek_attention`) reads the slots in place and computes the value
-    centre (the mean kept value), the step and the recorded trace itself; ``KVCERT_CPU_OP=0`` and a machine
+    centre (the mean kept value; with ``centre``, from the compacted prompt's sums and the tail's values), the
+    step and the recorded trace itself; ``KVCERT_CPU_OP=0`` and a machine
     where the op cannot be built gather the blocks (:func:`gather_rows`) and call
     :func:`kvcert.dispatch.sketch_hajek_attention`. :data:`LAST_ROUTE` says which ran.
     """
@@ -373,8 +388,9 @@ def sketch_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.
     if query.device.type == "cpu" and dispatch.cpu_op_available():
         from kvcert.kernels import cpu
 
+        sums, start = centre if centre is not None else (None, None)
         ce = cpu.paged_sketch_hajek_attention(query, kv_cache, block_ids, lp, sketch, scale=scale, delta=delta,
-                                               record=kind, validate=False)
+                                               record=kind, center_sums=sums, tail_start=start, validate=False)
         trace = ce.estimate.trace
         LAST_ROUTE[0] = "sketch_paged_cpu_op"
     else:
@@ -414,15 +430,16 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
             for j, row in enumerate(plan.compacted):
                 groups.setdefault(row.certificate, []).append(j)
             for (kind, delta, sketched), rows in groups.items():
-                if len(groups) == 1:
+                sel = None if len(groups) == 1 else torch.tensor(rows, dtype=torch.int64)
+                if sel is None:
                     tokens, g_ids, g_log_pi = plan.compacted_tokens, ids, log_pi
                 else:
-                    sel = torch.tensor(rows, dtype=torch.int64)
                     tokens, g_ids, g_log_pi = plan.compacted_tokens[sel], ids[sel], log_pi[sel]
                 q_rows = query.index_select(0, tokens)
                 if sketched:  # a row's own sketch, or the group's join kept across steps (Step.group_sketch)
                     sketch = step.group_sketch(index, (kind, delta, sketched), [plan.compacted[j] for j in rows])
-                    o, rel = sketch_decode(q_rows, kv_cache, g_ids, g_log_pi, sketch, self.scale, kind, delta)
+                    centre = plan.compacted_centres(index, sel)
+                    o, rel = sketch_decode(q_rows, kv_cache, g_ids, g_log_pi, sketch, self.scale, kind, delta, centre)
                 else:
                     o, rel = token_decode(q_rows, kv_cache, g_ids, g_log_pi, self.scale, kind, delta)
                 output.index_copy_(0, tokens, o.to(output.dtype))
@@ -515,8 +532,8 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
             # the sketch of the evicted tokens (with a sketched design), from the prompt before the copy
             sketch = design.sketch_of(k[None], v[None], decision, queries=q, scale=self.scale)
             layout = compact_slots(decision.keep, decision.pi, bs)
-            compact_prompt(kv_cache, row.all_block_ids, k, v, layout.positions)
-            step.add_compaction(row.req_id, index, layout, sketch)
+            sums = compact_prompt(kv_cache, row.all_block_ids, k, v, layout.positions)
+            step.add_compaction(row.req_id, index, layout, sketch, sums if sketch is not None else None)
         return output
 
 

@@ -78,12 +78,16 @@ class Compacted:
     padding; the prompt's n_prompt tokens are represented only there, the later tokens sit at their own
     positions (>= n_prompt) with pi = 1. ``sketches``: with a sketched design (``KVCertConfig(sketch=...)``),
     each layer's :class:`kvcert.fast.ClusterSketch` (batch 1) of the evicted prompt tokens, held beside the
-    compacted blocks in the worker's memory; else None."""
+    compacted blocks in the worker's memory; else None. ``value_sums`` (layers, h_kv, dv + 1) float64, with a
+    sketch: each layer and KV head's sum of the compacted prompt's kept values and their count
+    (:func:`kvcert.vllm.backend.compact_prompt`'s), from which the sketched decode's value centre is formed
+    without reading those values again at every step; else None."""
 
     n_prompt: int
     m: int
     log_pi: torch.Tensor
     sketches: list | None = None
+    value_sums: torch.Tensor | None = None
 
     @property
     def sketch_bytes(self) -> int:
@@ -136,6 +140,8 @@ class _Plan:
     block_size: int = 0
     _sub: _SubBatch | None = None
     _compacted_log_pi: torch.Tensor | None = None  # (layers, E, h_kv, M * bs), built at the step's first layer
+    _compacted_sums: torch.Tensor | None = None  # (layers, E, h_kv, dv + 1), likewise, when every row has its sums
+    _tail_start: torch.Tensor | None = None  # (E,) int64: the slot where each compacted row's tail starts, m bs
 
     def compacted_inputs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ids (E, M) and log pi (E, h_kv, M * bs) of the compacted rows at one layer (-inf = not a token:
@@ -152,6 +158,20 @@ class _Plan:
                 lp[:, j, :, c : c + row.tail_log_pi.numel()] = row.tail_log_pi
             self._compacted_log_pi = lp
         return self.compacted_block_ids, lp[layer]
+
+    def compacted_centres(self, layer: int, rows: torch.Tensor | None = None):
+        """The sketched decode's value-centre inputs of the compacted rows ``rows`` (all: None) at one layer:
+        (float64 (E, h_kv, dv + 1) the compacted prompt's kept value sums and count, int64 (E,) the slot where
+        each row's tail starts, m bs), or None when a row holds no sums (its decode then reads the centre from
+        the slots)."""
+        states = [row.state for row in self.compacted]
+        if any(st.value_sums is None for st in states):
+            return None
+        if self._compacted_sums is None:  # every layer's at the step's first call
+            self._compacted_sums = torch.stack([st.value_sums for st in states], dim=1)
+            self._tail_start = torch.tensor([st.m * self.block_size for st in states], dtype=torch.int64)
+        sums, start = self._compacted_sums[layer], self._tail_start
+        return (sums, start) if rows is None else (sums[rows], start[rows])
 
     def stock_metadata(self, impl) -> _SubBatch:
         if self._sub is None:
@@ -330,10 +350,11 @@ class Step:
     def add_importance(self, req_id: str, u: torch.Tensor) -> None:
         self.importance.setdefault(req_id, []).append(u.detach().to(torch.float64))
 
-    def add_compaction(self, req_id: str, layer: int, layout, sketch=None) -> None:
-        """One layer's compacted layout (:class:`kvcert.fast.Compaction`, leading dim h_kv) of a request, and the
-        sketch of its evicted tokens (:class:`kvcert.fast.ClusterSketch`, batch 1) with a sketched design."""
-        self.compactions.setdefault(req_id, {})[layer] = (layout, sketch)
+    def add_compaction(self, req_id: str, layer: int, layout, sketch=None, value_sums=None) -> None:
+        """One layer's compacted layout (:class:`kvcert.fast.Compaction`, leading dim h_kv) of a request, and with
+        a sketched design the sketch of its evicted tokens (:class:`kvcert.fast.ClusterSketch`, batch 1) and the
+        kept values' sums and count (h_kv, dv + 1) float64 (:func:`kvcert.vllm.backend.compact_prompt`'s)."""
+        self.compactions.setdefault(req_id, {})[layer] = (layout, sketch, value_sums)
 
     def _compacted(self) -> dict:
         """Each compacted request's state (installed in the worker) and its report for the scheduler."""
@@ -349,6 +370,8 @@ class Step:
                 if any(sk is not None for sk in sketches):
                     raise RuntimeError(f"kvcert.vllm: request {rid} has a sketch in some layers only")
                 sketches = None
+            sums = [entries[i][2] for i in range(n_layers)]
+            sums = None if sketches is None or any(x is None for x in sums) else torch.stack(sums)
             first = layers[0]
             bs, n = first.block_size, first.n_tokens
             m = max(layout.m for layout in layers.values())
@@ -356,7 +379,7 @@ class Step:
             log_pi = torch.full((n_layers, h, m * bs), float("-inf"))
             for idx, layout in layers.items():
                 log_pi[idx, :, : layout.log_pi.shape[-1]] = layout.log_pi.float()
-            state = Compacted(n, m, log_pi, sketches)
+            state = Compacted(n, m, log_pi, sketches, sums)
             self.worker.kvcert_states[rid] = state
             counts = torch.stack([layers[i].counts for i in range(n_layers)])
             report = {"m": m, "n_prompt": n, "counts": counts.tolist(), "sketch_bytes": state.sketch_bytes}

@@ -187,6 +187,12 @@ def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypa
     sketch = design.sketch_of(kk, vv, dec, queries=qp[-8:].permute(1, 0, 2)[None], scale=scale)
     assert len(state.sketches) == 1 and compacted["a"]["sketch_bytes"] == state.sketch_bytes > 0
     torch.testing.assert_close(state.sketches[0].mean, sketch.mean, rtol=0, atol=0)
+    # the kept values' sums and count per KV head, taken when the prompt was compacted (the decode's value centre
+    # reads them instead of the compacted slots): float32 values summed in double, in another order than here
+    kept_v = torch.where(dec.keep[..., None], vv[0].double(), 0.0)
+    want_sums = torch.cat([kept_v.sum(1), dec.keep.sum(-1, keepdim=True).double()], dim=1)
+    assert state.value_sums.shape == (1, H, D + 1)
+    torch.testing.assert_close(state.value_sums[0], want_sums, rtol=1e-12, atol=1e-12)
     # decode after the freed blocks were overwritten by another request
     freed = TABLE[0, state.m : Q // BS]
     cache[freed] = 1e4 * torch.randn_like(cache[freed])
@@ -194,7 +200,11 @@ def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypa
     qd = torch.randn(1, H_Q, D)
     md = _decode_metadata()
     step = worker.Step(fake)
+    seen, sketch_decode = [], backend.sketch_decode  # the centre the forward hands to the sketched decode
+    monkeypatch.setattr(backend, "sketch_decode", lambda *a: seen.append(a[8]) or sketch_decode(*a))
     out = _forward(backend, impl, step, layer, qd, cache, md)
+    monkeypatch.setattr(backend, "sketch_decode", sketch_decode)
+    assert len(seen) == 1 and seen[0] is not None
     certs, _, _ = step.results(BS)
     from kvcert import dispatch
 
@@ -202,8 +212,16 @@ def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypa
     # the two routes of the sketched decode (the compiled op read from the paged cache, its value centre its own;
     # and gather + kvcert.fast, the moments in torch) agree
     ids, lp = step.plan(md, BS).compacted_inputs(0)
+    centre = step.plan(md, BS).compacted_centres(0)
+    assert centre is not None and centre[1].tolist() == [state.m * BS]
+    torch.testing.assert_close(centre[0], state.value_sums[0][None], rtol=0, atol=0)
     first, rel1 = backend.sketch_decode(qd, cache, ids, lp, state.sketches[0], scale, "tilted_hull", 0.05)
     route = backend.LAST_ROUTE[0]
+    # the forward's route: the centre from the compacted prompt's sums and the tail's values; the same step as
+    # the op's own read of every kept value within one float32 ulp of the centre (a few 1e-7 relative)
+    given, rel0 = backend.sketch_decode(qd, cache, ids, lp, state.sketches[0], scale, "tilted_hull", 0.05, centre)
+    torch.testing.assert_close(given, first, rtol=0, atol=0)
+    torch.testing.assert_close(rel0, rel1, rtol=1e-6, atol=0)
     monkeypatch.setenv("KVCERT_CPU_OP", "0")
     other, rel2 = backend.sketch_decode(qd, cache, ids, lp, state.sketches[0], scale, "tilted_hull", 0.05)
     monkeypatch.delenv("KVCERT_CPU_OP")
@@ -225,6 +243,7 @@ def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypa
     fake.kvcert_states["a"] = worker.Compacted(state.n_prompt, state.m, state.log_pi, None)
     step = worker.Step(fake)
     _forward(backend, impl, step, layer, qd, cache, md)
+    assert step.plan(md, BS).compacted_centres(0) is None  # no sums held: the op would read the centre itself
     plain, _, _ = step.results(BS)
     assert abs(plain["a"] / certs["a"] - 1) > 0.05
 
