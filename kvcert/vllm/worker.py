@@ -142,6 +142,7 @@ class _Plan:
     _compacted_log_pi: torch.Tensor | None = None  # (layers, E, h_kv, M * bs), built at the step's first layer
     _compacted_sums: torch.Tensor | None = None  # (layers, E, h_kv, dv + 1), likewise, when every row has its sums
     _tail_start: torch.Tensor | None = None  # (E,) int64: the slot where each compacted row's tail starts, m bs
+    _has_sums: torch.Tensor | None = None  # (E,) bool: the rows whose state holds its sums (a sketched design)
 
     def compacted_inputs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ids (E, M) and log pi (E, h_kv, M * bs) of the compacted rows at one layer (-inf = not a token:
@@ -162,14 +163,20 @@ class _Plan:
     def compacted_centres(self, layer: int, rows: torch.Tensor | None = None):
         """The sketched decode's value-centre inputs of the compacted rows ``rows`` (all: None) at one layer:
         (float64 (E, h_kv, dv + 1) the compacted prompt's kept value sums and count, int64 (E,) the slot where
-        each row's tail starts, m bs), or None when a row holds no sums (its decode then reads the centre from
-        the slots)."""
-        states = [row.state for row in self.compacted]
-        if any(st.value_sums is None for st in states):
-            return None
-        if self._compacted_sums is None:  # every layer's at the step's first call
-            self._compacted_sums = torch.stack([st.value_sums for st in states], dim=1)
+        each row's tail starts, m bs), or None when one of those rows holds no sums (a row without a sketch; its
+        group's decode then reads the centre from the slots)."""
+        if self._compacted_sums is None:  # every layer's at the step's first call; zeros for a row without sums
+            states = [row.state for row in self.compacted]
+            like = next((st.value_sums for st in states if st.value_sums is not None), None)
+            if like is None:
+                return None
+            self._compacted_sums = torch.stack([like.new_zeros(like.shape) if st.value_sums is None
+                                                else st.value_sums for st in states], dim=1)
             self._tail_start = torch.tensor([st.m * self.block_size for st in states], dtype=torch.int64)
+            self._has_sums = torch.tensor([st.value_sums is not None for st in states])
+        has = self._has_sums if rows is None else self._has_sums[rows]
+        if not bool(has.all()):
+            return None
         sums, start = self._compacted_sums[layer], self._tail_start
         return (sums, start) if rows is None else (sums[rows], start[rows])
 

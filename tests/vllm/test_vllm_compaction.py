@@ -288,3 +288,24 @@ def test_a_group_of_sketched_rows_joins_its_sketches_once_while_the_group_stays_
     assert len(fake.kvcert_joined) == 1
     worker._CertifiedWorker._kvcert_before(fake, out({"b"}))
     assert fake.kvcert_joined == {}
+
+
+def test_value_centres_are_handed_per_row_to_the_rows_that_hold_them():
+    """``_Plan.compacted_centres``: a step may mix a sketched request (its state holds the compacted prompt's
+    kept-value sums) with a paper-design one (no sketch, no sums). The sketched group gets its rows' sums and
+    tail starts (m bs); a selection with a row that holds none gets None (that group's decode reads the centre
+    from the slots), and so does the whole step when no row holds sums."""
+    from kvcert.vllm import worker
+
+    sums = torch.rand(3, H, D + 1, dtype=torch.float64)
+    sketched = worker.Compacted(n_prompt=40, m=1, log_pi=torch.zeros(3, H, BS), value_sums=sums)
+    plain = worker.Compacted(n_prompt=70, m=2, log_pi=torch.zeros(3, H, 2 * BS))
+    rows = [worker._CompactedRow(r, j, TABLE[0, :3], torch.zeros(BS), st)
+            for j, (r, st) in enumerate((("b", plain), ("a", sketched)))]
+    plan = worker._Plan(compacted=rows, block_size=BS)
+    assert plan.compacted_centres(1) is None                                   # row 0 holds no sums
+    got, start = plan.compacted_centres(2, torch.tensor([1]))
+    assert torch.equal(got, sums[2][None]) and start.tolist() == [BS]
+    assert plan.compacted_centres(0, torch.tensor([0])) is None
+    only_plain = worker._Plan(compacted=rows[:1], block_size=BS)
+    assert only_plain.compacted_centres(0) is None
