@@ -50,23 +50,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _rows(cache: torch.Tensor, blocks: torch.Tensor, bs: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values (h, len(blocks) * bs, d) of a ``vec`` cache's blocks (per block and head: the keys
-    transposed [d, bs], then the values [bs, d]), in slot order."""
-    nb, h = cache.shape[:2]
-    flat = cache.view(nb, h, bs * 2 * d)[blocks.long()]                        # (M, h, bs * 2d)
-    M = flat.shape[0]
-    k = flat[..., : bs * d].reshape(M, h, d, bs).permute(1, 0, 3, 2).reshape(h, M * bs, d)
-    v = flat[..., bs * d:].reshape(M, h, bs, d).permute(1, 0, 2, 3).reshape(h, M * bs, d)
-    return k, v
-
-
 def _compacted_states(ids, seq_len: int, bs: int, h: int, d: int, layers: int, caches, table, cfg) -> dict:
     """Each request's :class:`kvcert.vllm.worker.Compacted` state: per (layer, KV head) a Poisson sample of the
     n = seq_len - 1 prompt tokens (pi uniform in (0, 1], kept with probability pi: about n / 2), its slots
     first in the head's row of log pi, padding -inf, m = the most kept slots in blocks; with a sketched design
     each layer's sketch of the evicted tokens built from that layer's cache (the values the step reads)."""
     from kvcert import fast
+    from kvcert.vllm.backend import gather_rows
     from kvcert.vllm.worker import Compacted
 
     n = seq_len - 1
@@ -86,13 +76,13 @@ def _compacted_states(ids, seq_len: int, bs: int, h: int, d: int, layers: int, c
         if design is not None:
             sketches, sums = [], torch.zeros(layers, h, d + 1, dtype=torch.float64)
             for li, c in enumerate(caches):  # the prompt's keys and values of this row's blocks
-                k, v = _rows(c, table[j, : -(-n // bs)], bs, d)
-                k, v = k[None, :, :n].contiguous(), v[None, :, :n].contiguous()
+                k, v = gather_rows(c, table[j : j + 1, : -(-n // bs)].long())
+                k, v = k[:, :, :n].contiguous(), v[:, :, :n].contiguous()
                 tilt = torch.randn(1, h, d) if design.tilt else None
                 sketches.append(fast.cluster_sketch(k, v, pi[li][None].float(), keep[li][None], design, tilt=tilt))
                 # the kept values' sums and count of the compacted slots (what compact_prompt returns): the values
                 # the step reads there, slot i of a head at offset i % bs of the row's block i // bs
-                held = _rows(c, table[j, :m], bs, d)[1].double()               # (h, m * bs, d)
+                held = gather_rows(c, table[j : j + 1, :m].long())[1][0].double()  # (h, m * bs, d)
                 live = torch.isfinite(log_pi[li])                              # (h, m * bs)
                 sums[li, :, :d] = torch.where(live[..., None], held, 0.0).sum(1)
                 sums[li, :, d] = live.sum(-1).double()

@@ -63,7 +63,7 @@ def main(argv=None) -> None:
     from runinfo import git
     from vllm_support import vllm_env
 
-    env = dict(vllm_env(), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = vllm_env(in_process=True)
     runs = {}
     (ROOT / ".cache").mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=str(ROOT / ".cache")) as tmp:

