@@ -586,7 +586,9 @@ def paged_sketch_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_
         and their count (last entry); the op then reads the values of slots ``tail_start[e]`` on only.
     tail_start : int64 (E,), optional, with ``center_sums``
     validate : bool
-        Check that log_pi lies in [-inf, 0] (one host read) and refuse a NaN output or V_cl.
+        Check that log_pi lies in [-inf, 0] and tail_start in [0, M bs] (host reads) and refuse a NaN output or
+        V_cl. (A tail_start outside that range reads no memory outside the rows' slots either way: the op reads
+        the slots from max(tail_start[e], 0) to M bs.)
 
     Returns
     -------
@@ -620,7 +622,7 @@ def paged_sketch_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_
             raise ValueError(f"tail_start must be int64 of shape (E,) = ({E},), got {tail_start.dtype} "
                              f"{tuple(tail_start.shape)}")
         n_slots = log_pi.shape[-1]
-        if E and not bool(((tail_start >= 0) & (tail_start <= n_slots)).all()):
+        if validate and E and not bool(((tail_start >= 0) & (tail_start <= n_slots)).all()):
             raise ValueError(f"tail_start must lie in [0, {n_slots}] (the rows' slots), got {tail_start.tolist()}")
     ops = _state["ops"] if _state["ops"] is not None else load()
     output, lse, var, rad, bnd, rec, _ = ops.hajek_decode_sketch_paged(
