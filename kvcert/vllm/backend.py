@@ -331,6 +331,13 @@ def token_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.T
     where the op cannot be built gather the blocks (:func:`gather_rows`) and call
     :func:`kvcert.dispatch.hajek_attention`. :data:`LAST_ROUTE` says which ran.
     """
+    out, stats = _token_step(query, kv_cache, block_ids, log_pi, scale, kind)
+    return out, radius_from_statistics(kind, delta, **stats)[2]
+
+
+def _token_step(query, kv_cache, block_ids, log_pi, scale: float, kind: str):
+    """:func:`token_decode`'s output and the statistics of its certificate (:func:`certificate_moments`'), the
+    radii not yet taken (:meth:`kvcert.vllm.worker.Step.add_statistics` takes them once per step)."""
     opts = estimate_options(kind)
     lp = log_pi.to(torch.float32)
     if not any(opts.values()) and query.device.type == "cpu" and dispatch.cpu_op_available():
@@ -342,9 +349,7 @@ def token_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.T
         k, v = gather_rows(kv_cache, block_ids)
         est = dispatch.hajek_attention(query, k, v, log_pi=lp, scale=scale, validate=False, **opts)
         LAST_ROUTE[0] = "gather"
-    stats = certificate_moments(est, kind)
-    _, _, rel = radius_from_statistics(kind, delta, **stats)
-    return est.output.to(query.dtype), rel
+    return est.output.to(query.dtype), certificate_moments(est, kind)
 
 
 def sketch_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
@@ -384,6 +389,13 @@ def sketch_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.
     where the op cannot be built gather the blocks (:func:`gather_rows`) and call
     :func:`kvcert.dispatch.sketch_hajek_attention`. :data:`LAST_ROUTE` says which ran.
     """
+    out, stats = _sketch_step(query, kv_cache, block_ids, log_pi, sketch, scale, kind, delta, centre)
+    return out, radius_from_statistics(kind, delta, **stats)[2]
+
+
+def _sketch_step(query, kv_cache, block_ids, log_pi, sketch, scale: float, kind: str, delta: float, centre=None):
+    """:func:`sketch_decode`'s output and the statistics of its certificate (the recorded trace and the output's
+    norm), the radii not yet taken (:meth:`kvcert.vllm.worker.Step.add_statistics` takes them once per step)."""
     lp = log_pi.to(torch.float32)
     if query.device.type == "cpu" and dispatch.cpu_op_available():
         from kvcert.kernels import cpu
@@ -400,9 +412,7 @@ def sketch_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.
         trace = recorded_trace(ce, kind)
         LAST_ROUTE[0] = "sketch_gather_cpu_op" if dispatch.last_route() == "cpu_op" else "sketch_gather"
     out = ce.output
-    _, _, rel = radius_from_statistics(kind, delta, trace=trace,
-                                       output_norm=torch.linalg.vector_norm(out.float(), dim=-1))
-    return out.to(query.dtype), rel
+    return out.to(query.dtype), {"trace": trace, "output_norm": torch.linalg.vector_norm(out.float(), dim=-1)}
 
 
 class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -426,24 +436,23 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
         if plan.compacted:  # the token design: compacted prompt slots + the tokens after the prompt
             index = layer_index(layer)
             ids, log_pi = plan.compacted_inputs(index)
-            groups: dict[tuple, list] = {}  # rows by their request's (kind, delta, sketched)
-            for j, row in enumerate(plan.compacted):
-                groups.setdefault(row.certificate, []).append(j)
-            for (kind, delta, sketched), rows in groups.items():
-                sel = None if len(groups) == 1 else torch.tensor(rows, dtype=torch.int64)
-                if sel is None:
-                    tokens, g_ids, g_log_pi = plan.compacted_tokens, ids, log_pi
-                else:
-                    tokens, g_ids, g_log_pi = plan.compacted_tokens[sel], ids[sel], log_pi[sel]
-                q_rows = query.index_select(0, tokens)
+            # rows by their request's (kind, delta, sketched)
+            for (kind, delta, sketched), rows, sel, tokens, req_ids, in_order in plan.compacted_groups(
+                    query.shape[0]):
+                g_ids, g_log_pi = (ids, log_pi) if sel is None else (ids[sel], log_pi[sel])
+                q_rows = query if in_order else query.index_select(0, tokens)
                 if sketched:  # a row's own sketch, or the group's join kept across steps (Step.group_sketch)
                     sketch = step.group_sketch(index, (kind, delta, sketched), [plan.compacted[j] for j in rows])
                     centre = plan.compacted_centres(index, sel)
-                    o, rel = sketch_decode(q_rows, kv_cache, g_ids, g_log_pi, sketch, self.scale, kind, delta, centre)
+                    o, stats = _sketch_step(q_rows, kv_cache, g_ids, g_log_pi, sketch, self.scale, kind, delta,
+                                            centre)
                 else:
-                    o, rel = token_decode(q_rows, kv_cache, g_ids, g_log_pi, self.scale, kind, delta)
-                output.index_copy_(0, tokens, o.to(output.dtype))
-                step.add_certificates([plan.compacted[j].req_id for j in rows], rel)
+                    o, stats = _token_step(q_rows, kv_cache, g_ids, g_log_pi, self.scale, kind)
+                if in_order:
+                    output.copy_(o)
+                else:
+                    output.index_copy_(0, tokens, o.to(output.dtype))
+                step.add_statistics(req_ids, kind, delta, stats)
         if plan.masked:
             self._masked_rows(step, plan, query, kv_cache, output)
         return self._importance(step, plan, layer, query, kv_cache, output)
@@ -476,9 +485,8 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
             o, trace = block_decode(query.index_select(0, plan.masked_tokens), kv_cache, plan.masked_block_ids,
                                      plan.masked_log_pi, self.scale, plan.block_chunks)
             output.index_copy_(0, plan.masked_tokens, o.to(output.dtype))
-            _, _, rel = radius_from_statistics(cfg.kind, cfg.delta, trace=trace,
-                                               output_norm=torch.linalg.vector_norm(o.float(), dim=-1))
-            step.add_certificates([row.req_id for row in plan.masked], rel)
+            step.add_statistics([row.req_id for row in plan.masked], cfg.kind, cfg.delta,
+                                {"trace": trace, "output_norm": torch.linalg.vector_norm(o.float(), dim=-1)})
             return
         opts = estimate_options(cfg.kind)
         for row in plan.masked:
@@ -488,9 +496,7 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
             est = block_hajek_attention(q, k[None], v[None], row.pi.expand(shape), block_size=bs,
                                         positions=row.positions.expand(shape), scale=self.scale, **opts)
             output[row.token] = est.output[0].to(output.dtype)
-            stats = certificate_moments(est, cfg.kind)
-            _, _, rel = radius_from_statistics(cfg.kind, cfg.delta, **stats)
-            step.add_certificates([row.req_id], rel)
+            step.add_statistics([row.req_id], cfg.kind, cfg.delta, certificate_moments(est, cfg.kind))
 
     def _importance(self, step, plan, layer, query, kv_cache, output):
         """The rows that finish their prompt in this step: the configured scorer on the prompt's keys and

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -238,6 +239,41 @@ def test_step_sums_certificates_over_layers_per_request():
     assert certs == pytest.approx({"a": (0.2 + 0.5) / 2, "b": (1.5 + 4.0 + 9.0) / 3, "c": 0.5}, rel=1e-6)  # float32 radii
     assert imp == {}
     assert step.results(16)[0] == certs  # summing twice adds nothing
+
+
+def test_step_takes_the_radii_of_its_statistics_once_per_step():
+    """add_statistics keeps each layer's certificate statistics; results() gives the relative radii of
+    radius_from_statistics per layer (bit for bit: one call over the stacked layers is the same elementwise map),
+    beside rows given as radii, whatever the order of the calls."""
+    from types import SimpleNamespace
+
+    from kvcert.fast import radius_from_statistics
+    from kvcert.vllm import KVCertConfig, worker
+
+    gen = torch.Generator().manual_seed(0)
+    step = worker.Step(SimpleNamespace(kvcert=KVCertConfig(compression_ratio=0.5)))
+    layers = [{"trace": torch.rand(2, 9, generator=gen), "output_norm": torch.rand(2, 9, generator=gen) + 0.1}
+              for _ in range(3)]
+    hull = [{"trace": torch.rand(1, 9, generator=gen), "output_norm": torch.rand(1, 9, generator=gen) + 0.1,
+             "bound": torch.rand(1, 9, generator=gen)} for _ in range(2)]
+    layers[1]["trace"][0, 0] = 0.0  # a zero radius
+    layers[2]["output_norm"][1, 3] = 0.0  # a zero output: an infinite relative radius
+    for j, stats in enumerate(layers):
+        step.add_statistics(["a", "b"], "chebyshev", 0.05, stats)
+        step.add_certificates(["c"], torch.tensor([[0.25 * (j + 1), 0.75]]))
+        if j < 2:
+            step.add_statistics(["d"], "tilted_hull", 0.1, hull[j])
+    certs, _, _ = step.results(16)
+    rel = [radius_from_statistics("chebyshev", 0.05, **s)[2].double().mean(-1) for s in layers]
+    rel_d = [radius_from_statistics("tilted_hull", 0.1, **s)[2].double().mean(-1) for s in hull]
+    assert certs["a"] == sum(float(r[0]) for r in rel) / 3
+    assert math.isinf(certs["b"]) and all(math.isfinite(float(r[1])) for r in rel[:2])
+    assert certs["d"] == sum(float(r[0]) for r in rel_d) / 2
+    assert certs["c"] == pytest.approx(((0.25 + 0.5 + 0.75) / 3 + 0.75) / 2)
+    # negative control: the hull bound is read (without it the tilted radius is 3 sqrt(V) throughout)
+    uncapped = [radius_from_statistics("tilted_hull", 0.1, trace=s["trace"], output_norm=s["output_norm"])[2]
+                for s in hull]
+    assert certs["d"] != pytest.approx(sum(float(r.double().mean()) for r in uncapped) / 2)
 
 
 @pytest.mark.parametrize("scorer", ["snapkv", "tova", "h2o", "knorm", "lagkv", "random"])

@@ -200,10 +200,10 @@ def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypa
     qd = torch.randn(1, H_Q, D)
     md = _decode_metadata()
     step = worker.Step(fake)
-    seen, sketch_decode = [], backend.sketch_decode  # the centre the forward hands to the sketched decode
-    monkeypatch.setattr(backend, "sketch_decode", lambda *a: seen.append(a[8]) or sketch_decode(*a))
+    seen, sketch_step = [], backend._sketch_step  # the centre the forward hands to the sketched decode
+    monkeypatch.setattr(backend, "_sketch_step", lambda *a: seen.append(a[8]) or sketch_step(*a))
     out = _forward(backend, impl, step, layer, qd, cache, md)
-    monkeypatch.setattr(backend, "sketch_decode", sketch_decode)
+    monkeypatch.setattr(backend, "_sketch_step", sketch_step)
     assert len(seen) == 1 and seen[0] is not None
     certs, _, _ = step.results(BS)
     from kvcert import dispatch
@@ -222,6 +222,9 @@ def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypa
     given, rel0 = backend.sketch_decode(qd, cache, ids, lp, state.sketches[0], scale, "tilted_hull", 0.05, centre)
     torch.testing.assert_close(given, first, rtol=0, atol=0)
     torch.testing.assert_close(rel0, rel1, rtol=1e-6, atol=0)
+    # the step takes the forward's radii once per step (Step.add_statistics): the same numbers, bit for bit, as
+    # sketch_decode's per call
+    assert certs["a"] == float(rel0.double().mean())
     monkeypatch.setenv("KVCERT_CPU_OP", "0")
     other, rel2 = backend.sketch_decode(qd, cache, ids, lp, state.sketches[0], scale, "tilted_hull", 0.05)
     monkeypatch.delenv("KVCERT_CPU_OP")
