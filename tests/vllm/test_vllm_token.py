@@ -318,13 +318,26 @@ def test_systematic_kept_counts_are_fixed():
 
 
 def test_freed_blocks_handed_to_running_requests_change_no_output(freeing, kept_only):
-    # the unit-level negative controls (no copy, no mask: wrong outputs) are in test_vllm_compaction.py
+    """The same requests with and without freeing: the same tokens, and the same certificates up to float32
+    rounding. The two engines batch the requests differently (the freeing one holds twice as many at once),
+    and both vLLM's kernels and the op partition their sums by the batch (the op's slot ranges,
+    ``auto_splits``, from the batch's heads and its longest row), so the same numbers are summed in other
+    orders: the module docstring's bound for float32 reductions in another order, :data:`CERT_RTOL`, applies
+    (measured: 1.0e-6 on an AVX-512 machine, 2026-12-05, also before that day's changes; it passed at 1e-6,
+    this test's former tolerance, on the AVX2 machine of the earlier sessions). Blocks handed on while their
+    owner still reads them would put other requests' keys and values in its slots: tokens and certificates off
+    by far more (the unit-level negative controls, no copy and no mask, are in test_vllm_compaction.py)."""
     assert freeing["stats"]["blocks_reused_while_owner_runs"] > 0
     a, b = freeing["runs"][0]["outputs"], kept_only["runs"][0]["outputs"]
     assert not any(o["report"]["preempted"] for o in list(a.values()) + list(b.values()))
+    worst = 0.0
     for i in a:
         assert a[i]["token_ids"] == b[i]["token_ids"], f"prompt {i}"
-        np.testing.assert_allclose(a[i]["certificates"], b[i]["certificates"], rtol=1e-6, atol=0)
+        np.testing.assert_allclose(a[i]["certificates"], b[i]["certificates"], rtol=CERT_RTOL, atol=0)
+        x, y = np.asarray(a[i]["certificates"]), np.asarray(b[i]["certificates"])
+        worst = max(worst, float(np.max(np.abs(x - y) / np.where(y != 0, np.abs(y), 1.0))))
+    print(f"worst relative certificate difference, freeing vs not: {worst:.2e} (tolerance {CERT_RTOL:g})")
+    for i in a:
         assert a[i]["report"]["kept_counts"] == b[i]["report"]["kept_counts"]
         assert b[i]["report"]["blocks_freed"] == 0 and a[i]["report"]["blocks_freed"] > 0
     assert kept_only["blocks_freed"] == 0
