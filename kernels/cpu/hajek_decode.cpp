@@ -482,26 +482,38 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
       }
     }
     int64_t cnt = 0;
-    // the paged cache's scores are computed run by run (kept slots of one block), straight from its key matrix
-    const bool direct = KV::kDirect && (d == 64 || d == 128);
-    for (int64_t i = 0; i < nt;) {
-      if (!(lt[i] > kNegInf)) {  // kept: offset -log pi >= 0 (pi = 0 slots are never read)
-        ++i;
-        continue;
+    // the paged cache's scores are computed run by run (kept slots of one block), straight from its key matrix;
+    // a dense cache's key rows are read in place (scores_fixed below)
+    bool direct = false;
+    if constexpr (KV::kDirect) direct = d == 64 || d == 128;
+    if (!direct) {
+      for (int64_t i = 0; i < nt; ++i) {
+        if (lt[i] > kNegInf) {  // kept: offset -log pi >= 0 (pi = 0 slots are never read)
+          w.krow[cnt] = kv.key(t0 + i, d, w.kt.data() + cnt * d);
+          w.vrow[cnt] = kv.value(t0 + i, dv, w.vt.data() + cnt * dv);
+          w.off[cnt] = -lt[i];
+          w.omp[cnt] = od[i];
+          if (S.sketch) w.pf[cnt] = pt[i];
+          ++cnt;
+        }
       }
-      int64_t e = i + 1;
-      while (e < nt && lt[e] > kNegInf && kv.same_run(t0 + i, t0 + e)) ++e;
-      if (direct) {
+    } else {
+      for (int64_t i = 0; i < nt;) {
+        if (!(lt[i] > kNegInf)) {
+          ++i;
+          continue;
+        }
+        int64_t e = i + 1;  // a run: consecutive kept slots of one block
+        while (e < nt && lt[e] > kNegInf && kv.same_run(t0 + i, t0 + e)) ++e;
         if (d == 64) kv.template run_scores<64>(t0 + i, e - i, qs, G, sc + cnt);
         else kv.template run_scores<128>(t0 + i, e - i, qs, G, sc + cnt);
-      }
-      for (; i < e; ++i) {
-        if (!direct) w.krow[cnt] = kv.key(t0 + i, d, w.kt.data() + cnt * d);
-        w.vrow[cnt] = kv.value(t0 + i, dv, w.vt.data() + cnt * dv);
-        w.off[cnt] = -lt[i];
-        w.omp[cnt] = od[i];
-        if (S.sketch) w.pf[cnt] = pt[i];
-        ++cnt;
+        for (; i < e; ++i) {
+          w.vrow[cnt] = kv.value(t0 + i, dv, w.vt.data() + cnt * dv);
+          w.off[cnt] = -lt[i];
+          w.omp[cnt] = od[i];
+          if (S.sketch) w.pf[cnt] = pt[i];
+          ++cnt;
+        }
       }
     }
     if (cnt == 0) continue;
