@@ -340,9 +340,6 @@ struct DenseKV {
   const float* key(int64_t i, int64_t d, float* buf) const { return row_ptr(K + i * ksn, d, buf); }
   const float* value(int64_t i, int64_t dv, float* buf) const { return row_ptr(V + i * vsn, dv, buf); }
   static constexpr bool kDirect = false;  // scores from key rows (scores_fixed)
-  bool same_run(int64_t, int64_t) const { return true; }
-  template <int64_t D>
-  void run_scores(int64_t, int64_t, const float*, int64_t, float*) const {}
 };
 
 // Paged (vLLM's CPU "vec" layout, kv_cache (num_blocks, h_kv, bs, 2 d)): slot i of a row lies in physical block
@@ -497,7 +494,7 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
           ++cnt;
         }
       }
-    } else {
+    } else if constexpr (KV::kDirect) {  // compiled for the paged cache only
       for (int64_t i = 0; i < nt;) {
         if (!(lt[i] > kNegInf)) {
           ++i;
