@@ -33,6 +33,10 @@ pass with the weight :math:`\pi_i(1-\pi_i)` for :math:`1-\pi_i` (the kept part o
 per query row (:math:`V_{\mathrm{cl}}`, the radius, the hull bound, the recorded
 trace), from the sketch's decode form.
 
+:func:`decode_step` and :func:`sketch_decode_step` are the same two op calls
+without the argument checks: the Hugging Face decode's per-layer calls, once
+``kvcert.dispatch.decode`` has resolved (once per forward) that the op runs.
+
 Threads: ``at::parallel_for``, i.e. torch's intra-op
 pool (``torch.get_num_threads()``); vector code from ``#pragma omp simd`` and
 ``-march=native``. K and V in float32 or bfloat16 (any strides with a unit
@@ -74,7 +78,7 @@ from kvcert.fast.contract import check_attention_inputs, check_attention_values
 from kvcert.fast.types import Estimate
 
 __all__ = ["ENV_VAR", "SOURCE", "SUPPORTED_DTYPES", "CPUOpUnavailable", "available", "paged_hajek_attention", "build_directory",
-           "sketch_hajek_attention", "enabled", "hajek_attention", "load", "paged_sketch_hajek_attention",
+           "decode_step", "sketch_decode_step", "sketch_hajek_attention", "enabled", "hajek_attention", "load", "paged_sketch_hajek_attention",
            "unavailable_reason"]
 
 #: environment variable: ``0`` (or false/no/off) keeps every call on the torch path
@@ -299,8 +303,12 @@ def _op_kv(q, keys, values):
         raise ValueError(f"kvcert.kernels.cpu needs CPU tensors, got q on {q.device}, keys on {keys.device}")
     if keys.dtype not in SUPPORTED_DTYPES or values.dtype != keys.dtype:
         raise TypeError(f"keys and values must both be float32 or both bfloat16, got {keys.dtype} and {values.dtype}")
-    unit = lambda x: x if x.stride(-1) == 1 else x.contiguous()  # noqa: E731
-    return unit(keys), unit(values)
+    return _unit_stride(keys), _unit_stride(values)
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a contiguous copy where its last stride is not 1 (the op reads rows of unit stride)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _call(q, keys, values, pi, log_pi, scale, per_coordinate, value_center, splits, validate) -> Estimate:
@@ -314,7 +322,6 @@ def _call(q, keys, values, pi, log_pi, scale, per_coordinate, value_center, spli
     b, h_q, h_kv, d, dv = q.shape[0], q.shape[1], keys.shape[1], q.shape[-1], values.shape[-1]
     if q.dim() not in (3, 4) or h_q % h_kv:
         raise ValueError("q must be (b, h_q, d) or (b, h_q, t, d) with h_q a multiple of h_kv")
-    decode = q.dim() == 3
     lp = log_pi if pi is None else pi.log()
     if lp.dtype != torch.float32:
         lp = lp.to(torch.float32)
@@ -322,15 +329,54 @@ def _call(q, keys, values, pi, log_pi, scale, per_coordinate, value_center, spli
                                      or tuple(value_center.shape) != (b, h_kv, dv)):
         raise ValueError(f"value_center must be a tensor of shape (b, h_kv, dv) = ({b}, {h_kv}, {dv}), "
                          f"got {getattr(value_center, 'shape', type(value_center).__name__)}")
-    ops = _state["ops"] if _state["ops"] is not None else load()
-    out, lse, n_eff, trace, var = ops.hajek_decode(q.reshape(b, h_kv, -1, d), keys, values, lp, value_center,
-                                                   check_scale(scale, d), bool(per_coordinate), splits)
-    lead = (b, h_q) if decode else (b, h_q, q.shape[2])
-    output = out.view(*lead, dv)
-    if validate and bool(torch.isnan(output).any()):
+    est = _run_op(q, keys, values, lp, value_center, check_scale(scale, d), bool(per_coordinate), splits)
+    if validate and bool(torch.isnan(est.output).any()):
         raise ValueError("hajek_attention produced NaN: q, keys and values must be finite")
-    return Estimate(output=output, weights=None, variance=var.view(*lead, dv) if per_coordinate else None,
+    return est
+
+
+def _run_op(q, keys, values, log_pi, value_center, scale: float, per_coordinate: bool, splits: int) -> Estimate:
+    """The op's call on checked arguments (log pi float32, K and V with a unit last stride, the scale a
+    float) and its Estimate; shapes are checked by the op."""
+    ops = _state["ops"] if _state["ops"] is not None else load()
+    lead = q.shape[:-1]
+    b, h_kv, d = q.shape[0], keys.shape[1], q.shape[-1]
+    out, lse, n_eff, trace, var = ops.hajek_decode(q.reshape(b, h_kv, -1, d), keys, values, log_pi, value_center,
+                                                   scale, per_coordinate, splits)
+    return Estimate(output=out.view(*lead, out.shape[-1]), weights=None,
+                    variance=var.view(*lead, var.shape[-1]) if per_coordinate else None,
                     trace=trace.view(lead), lse=lse.view(lead), n_eff=n_eff.view(lead))
+
+
+def decode_step(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, log_pi: torch.Tensor,
+                value_center: torch.Tensor | None, scale: float) -> Estimate:
+    r"""One decode query per head, trace only: the Hugging Face decode's per-layer call of the op.
+
+    The same op call and result as ``hajek_attention(q, keys, values, log_pi=log_pi, scale=scale,
+    per_coordinate=False, value_center=value_center, validate=False)`` (bit for bit), without that
+    function's argument checks: the caller (:func:`kvcert.dispatch.decode`, once the route is known
+    to fit the op) passes a cache layer's tensors, whose values the eviction event checked.
+
+    Parameters
+    ----------
+    q : (b, h_q, d), CPU
+    keys, values : (b, h_kv, n, d), (b, h_kv, n, dv), CPU, both float32 or both bfloat16
+    log_pi : (b, h_kv, n)
+        log pi, -inf on padding (cast to float32 if it is not).
+    value_center : (b, h_kv, dv) or None
+        The trace's centre (see :func:`hajek_attention`).
+    scale : float
+        The score scale tau, finite and positive.
+
+    Returns
+    -------
+    Estimate
+        As :func:`hajek_attention` with ``per_coordinate=False``. Shapes the op refuses raise its
+        ``RuntimeError``.
+    """
+    if log_pi.dtype != torch.float32:
+        log_pi = log_pi.to(torch.float32)
+    return _run_op(q, _unit_stride(keys), _unit_stride(values), log_pi, value_center, scale, False, 0)
 
 
 def sketch_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor | None,
@@ -473,11 +519,62 @@ def _cluster_call(q, keys, values, pi, log_pi, sketch, scale, delta, rule, multi
                                                               factor, clip)
     if validate and bool(torch.isnan(output).any() | torch.isnan(var).any()):
         raise ValueError("sketch_hajek_attention produced NaN: q, keys, values and the sketch must be finite")
-    if values.dtype != torch.float32:
-        output = output.to(values.dtype)
+    return _cluster_result(values.dtype, q.dtype == torch.float64, form, rule, delta, record, output, lse, var, rad,
+                           bnd, rec)
+
+
+def sketch_decode_step(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, log_pi: torch.Tensor, sketch,
+                       scale: float, delta: float, value_center: torch.Tensor, record: str):
+    r"""One decode query per head of the cluster design: the Hugging Face decode's per-layer call of the op.
+
+    The same op call and result as ``sketch_hajek_attention(q, keys, values, None, sketch, log_pi=log_pi,
+    scale=scale, delta=delta, value_center=value_center, value_sqdist=..., validate=False, record=record)``
+    (bit for bit), without that function's argument checks: the caller (:func:`kvcert.dispatch.decode`, once
+    the route is known to fit the op) passes a cache layer's tensors and sketch, which the eviction event
+    made and checked. The sketch's decode form is still rebuilt and its shape checked when the layout or
+    the sketch changes (``kvcert.fast.sketch._decode_form``).
+
+    Parameters
+    ----------
+    q : (b, h_q, d), CPU
+    keys, values : (b, h_kv, n, d), (b, h_kv, n, dv), CPU, both float32 or both bfloat16, unit last stride
+    log_pi : (b, h_kv, n) float32
+        log pi, -inf on padding.
+    sketch : kvcert.fast.ClusterSketch
+    scale : float
+        The score scale tau, finite and positive.
+    delta : float
+        The certificate level 1 - delta.
+    value_center : (b, h_kv, dv)
+        The centre mu of the kept pass (:meth:`kvcert.cache.KVCertLayer.value_moments`).
+    record : str
+        The certificate kind whose recorded trace ``estimate.trace`` holds.
+
+    Returns
+    -------
+    kvcert.fast.ClusterEstimate
+        As :func:`sketch_hajek_attention`.
+    """
+    names = _sketch_names or _sketch_imports()
+    b, h_kv, d, dv = keys.shape[0], keys.shape[1], q.shape[-1], values.shape[-1]
+    form = names["form"](sketch, names["Layout"](dtype=torch.float32, scale=scale, b=b, h_kv=h_kv, d=d, dv=dv, q=q))
+    rule, delta, factor = _radius_factor(sketch.rule, delta, sketch.multiplier)
+    ops = _state["ops"] if _state["ops"] is not None else load()
+    out = ops.hajek_decode_sketch(q, keys, values, log_pi, value_center, scale, 0, form.W, form.bias, form.weight,
+                                  form.wnorm, form.tilt, form.mu, form.reach, factor, names["clip"](record, delta))
+    return _cluster_result(values.dtype, q.dtype == torch.float64, form, rule, delta, record, *out)
+
+
+def _cluster_result(out_dtype, double, form, rule, delta, record, output, lse, var, rad, bnd, rec):
+    """The op's sketch outputs as :func:`kvcert.fast.sketch_hajek_attention`'s ClusterEstimate: the output in
+    ``out_dtype`` (the values'), the statistics in float64 where ``double`` (kvcert.fast's compute dtype for a
+    float64 q), the bound where the sketch has a reach, the recorded trace where ``record`` names a kind."""
+    names = _sketch_names
+    if out_dtype != torch.float32:
+        output = output.to(out_dtype)
     bound = bnd if form.reach is not None else None
     trace = None if record is None else var if bound is None else rec
-    if q.dtype == torch.float64:  # kvcert.fast's compute dtype for a float64 q
+    if double:
         lse, var, rad, bound, trace = (x if x is None else x.double() for x in (lse, var, rad, bound, trace))
     est = Estimate(output=output, weights=None, variance=None, trace=trace, lse=lse)
     return names["Result"](estimate=est, variance=var, radius=rad, rule=rule, delta=delta, bound=bound)
@@ -631,9 +728,4 @@ def paged_sketch_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_
         tail_start)
     if validate and bool(torch.isnan(output).any() | torch.isnan(var).any()):
         raise ValueError("paged_sketch_hajek_attention produced NaN: q, the cache and the sketch must be finite")
-    if kv_cache.dtype != torch.float32:
-        output = output.to(kv_cache.dtype)
-    bound = bnd if form.reach is not None else None
-    trace = None if record is None else var if bound is None else rec
-    est = Estimate(output=output, weights=None, variance=None, trace=trace, lse=lse)
-    return names["Result"](estimate=est, variance=var, radius=rad, rule=rule, delta=delta, bound=bound)
+    return _cluster_result(kv_cache.dtype, False, form, rule, delta, record, output, lse, var, rad, bnd, rec)

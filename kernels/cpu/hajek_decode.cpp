@@ -46,6 +46,14 @@ constexpr int64_t kMinSplit = 256;  // slots per range at least
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
+// x as float32 and contiguous: x itself when it already is (no dispatcher call on the per-step path), else a copy.
+inline at::Tensor f32_contiguous(const at::Tensor& x) {
+  return x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
+}
+
+// x as float32, any strides: x itself when it already is.
+inline at::Tensor as_f32(const at::Tensor& x) { return x.scalar_type() == at::kFloat ? x : x.to(at::kFloat); }
+
 inline float bf16_to_float(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;
   float f;
@@ -903,10 +911,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_de
   TORCH_CHECK(q.size(0) == b && q.size(1) == h_kv && q.size(3) == d, "hajek_decode: q must be (b, h_kv, G, d)");
   TORCH_CHECK(values.size(0) == b && values.size(1) == h_kv && values.size(2) == n, "hajek_decode: values shape");
   TORCH_CHECK(log_pi.size(0) == b && log_pi.size(1) == h_kv && log_pi.size(2) == n, "hajek_decode: log_pi shape");
-  const at::Tensor qc = q.to(at::kFloat).contiguous();
+  const at::Tensor qc = f32_contiguous(q);
   at::Tensor cc;
   if (center.has_value()) {
-    cc = center->to(at::kFloat).contiguous();
+    cc = f32_contiguous(*center);
     TORCH_CHECK(cc.numel() == b * h_kv * dv, "hajek_decode: center must be (b, h_kv, dv)");
   }
   const int64_t G = q.size(2), H = b * h_kv;
@@ -941,7 +949,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_dec
 at::Tensor form_tensor(const at::Tensor& x, int64_t numel, const char* name) {
   TORCH_CHECK(x.device().is_cpu(), "hajek_decode_sketch: ", name, " must be a CPU tensor");
   TORCH_CHECK(x.numel() == numel, "hajek_decode_sketch: ", name, " must hold ", numel, " elements, got ", x.numel());
-  return x.to(at::kFloat).contiguous();
+  return f32_contiguous(x);
 }
 
 // The sketch form's tensors (float32, contiguous) and the epilogue's outputs in the rows' leading shape `lead`.
@@ -1007,7 +1015,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                          factor, clip);
   const at::Tensor k = keys.stride(3) == 1 ? keys : keys.contiguous();
   const at::Tensor v = values.stride(3) == 1 ? values : values.contiguous();
-  auto r = decode_dense(q.reshape({b, h_kv, G, d}), k, v, log_pi.to(at::kFloat), center, scale, false, splits, true,
+  auto r = decode_dense(q.reshape({b, h_kv, G, d}), k, v, as_f32(log_pi), center, scale, false, splits, true,
                         &c.form);
   std::vector<int64_t> out_shape(lead.begin(), lead.end());
   out_shape.push_back(dv);
@@ -1050,7 +1058,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_decode_paged(
   check_paged(q, kv_cache, block_ids, log_pi);
   const int64_t h_kv = kv_cache.size(1), bs = kv_cache.size(2), d = kv_cache.size(3) / 2;
   const int64_t E = block_ids.size(0), M = block_ids.size(1), n = M * bs;
-  const at::Tensor qc = q.to(at::kFloat).contiguous();
+  const at::Tensor qc = f32_contiguous(q);
   const int64_t G = q.size(2), H = E * h_kv;
   Shape S{H, h_kv, G, n, d, d, 1, kHead + 2 * d, false};
   S.splits = splits > 0 ? std::min(splits, std::max<int64_t>(1, n)) : auto_splits(H, n);
@@ -1105,7 +1113,7 @@ hajek_decode_sketch_paged(const at::Tensor& q, const at::Tensor& kv_cache, const
     base = base_t.data_ptr<double>();
     start = start_t.data_ptr<int64_t>();
   }
-  const at::Tensor qc = q4.to(at::kFloat).contiguous();
+  const at::Tensor qc = f32_contiguous(q4);
   at::Tensor out = at::empty({E, h_kv, G, d}, f32);
   at::Tensor lse = at::empty({E, h_kv, G}, f32), neff = at::empty({E, h_kv, G}, f32);
   at::Tensor trace = at::empty({E, h_kv, G}, f32), var = at::empty({0}, f32);
