@@ -39,11 +39,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import os
 from dataclasses import dataclass, replace
 
 import torch
 
+from kvcert.fast._checks import check_scale
 from kvcert.fast.contract import check_attention_inputs
 from kvcert.fast.types import Estimate
 
@@ -91,6 +93,15 @@ _CPU_OP_DTYPES = (torch.float32, torch.bfloat16)
 _last: str | None = None
 _last_route: str | None = None
 _cpu_module: dict = {}  # "module": kvcert.kernels.cpu once imported, "error": why it could not be
+#: the token route's backend as resolved for a forward (:attr:`LayerDecode.backend`) when it is "fast" and its
+#: trace-only calls fit the compiled CPU op (checked once: the op is available, KVCERT_CPU_OP not 0, no
+#: option the op lacks); a one-query step then calls :func:`kvcert.kernels.cpu.decode_step` directly
+_FAST_ON_CPU_OP = "fast+cpu_op"
+#: the keywords of a resolved token call :func:`hajek_attention` passes to :func:`kvcert.kernels.cpu.decode_step`
+#: (besides q, K, V, log_pi and the scale; value_sqdist is not read: the op computes the distances in its pass)
+_STEP_KW = frozenset({"value_center", "value_sqdist", "validate"})
+#: the same for a resolved sketch call of :func:`sketch_hajek_attention`
+_SKETCH_STEP_KW = frozenset({"log_pi", "scale", "delta", "value_center", "value_sqdist", "validate"})
 
 
 class BackendUnavailableError(RuntimeError):
@@ -145,6 +156,20 @@ def _cpu_op_fits(q, keys, values, kw: dict) -> bool:
     if any(k not in _CPU_OP_KW for k, v in kw.items() if v is not None and v is not False):
         return False
     return cpu_op_available()
+
+
+def _step_fits(q, keys, values, kw: dict) -> bool:
+    """The per-layer checks of a resolved ``"fast+cpu_op"`` call (the rest was checked once per forward): no value
+    checks asked for (``validate=False``), and this layer's tensors on the CPU with K and V both float32 or both
+    bfloat16."""
+    return (kw.get("validate") is False and q.is_cpu and keys.is_cpu and values.is_cpu
+            and keys.dtype in _CPU_OP_DTYPES and values.dtype == keys.dtype)
+
+
+def _step_scale(scale, q) -> float:
+    """The score scale of a resolved step: a finite positive float as it is (a cache layer's, the common case:
+    one type test), else :func:`kvcert.fast._checks.check_scale`'s (default 1/sqrt(d), or its error)."""
+    return scale if type(scale) is float and 0.0 < scale < math.inf else check_scale(scale, q.shape[-1])
 
 
 def triton_available() -> bool:
@@ -254,6 +279,13 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
         of :func:`select_backend`. On CPU tensors "fast" runs the compiled op
         (:mod:`kvcert.kernels.cpu`) for a trace-only call it covers (module
         docstring; ``KVCERT_CPU_OP=0`` keeps kvcert.fast), see :func:`last_route`.
+        ``"fast+cpu_op"``: :func:`decode`'s token route resolved for a forward
+        ("fast" on the compiled op, its availability checked once); a call
+        with ``log_pi``, ``per_coordinate=False``, ``validate=False`` and at
+        most ``value_center`` / ``value_sqdist`` besides then calls
+        :func:`kvcert.kernels.cpu.decode_step` (the same op call and numbers,
+        without the argument checks a cache layer's tensors do not need per
+        step); any other call runs as "fast".
     **kw
         Passed to the backend. The Triton tuning arguments (``block_n``,
         ``num_splits``, ``num_warps``, ``num_stages``, ``certify``,
@@ -303,6 +335,13 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
     global _last, _last_route
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if backend == _FAST_ON_CPU_OP:  # a forward's resolved token route (decode)
+        if pi is None and not per_coordinate and kw.keys() <= _STEP_KW and _step_fits(q, keys, values, kw):
+            est = _cpu_module["module"].decode_step(q, keys, values, log_pi, kw.get("value_center"),
+                                                    _step_scale(scale, q))
+            _last, _last_route = "fast", "cpu_op"
+            return est
+        backend = "fast"
     name = select_backend(q, backend=backend, **kw)
     out, route = _run(name, q, keys, values, pi, log_pi, scale, per_coordinate, kw)
     _last, _last_route = name, route
@@ -474,7 +513,8 @@ class LayerDecode:
         The certificate statistics, in query order.
     backend : str or None
         The token route's backend for the forward's other layers (the one passed in, or the one
-        resolved here); None when none was resolved (block and sketch routes, a softcapped call).
+        resolved here: a backend name, or ``"fast+cpu_op"`` for "fast" on the compiled CPU op, checked
+        available once); None when none was resolved (block and sketch routes, a softcapped call).
     """
 
     route: str
@@ -533,8 +573,8 @@ def decode(query: torch.Tensor, layer, *, scale: float, options: dict, kind: str
     softcap : float, optional
         The model's attention logit softcap c (token route only).
     backend : str, optional
-        The token route's backend if already resolved for this forward; None resolves it
-        (:func:`select_backend`).
+        The token route's backend if already resolved for this forward (a previous layer's
+        :attr:`LayerDecode.backend`); None resolves it (:func:`select_backend`).
 
     Returns
     -------
@@ -577,6 +617,18 @@ def _seen(layer, qpos: torch.Tensor) -> torch.Tensor:
     return (layer.valid[:, :, None, :] & (layer.positions[:, :, None, :] <= qpos[:, None, :, None])).sum(-1)
 
 
+def _resolve_backend(query, layer, options: dict) -> str:
+    """The token route's backend for a forward (:attr:`LayerDecode.backend`), resolved at its first layer:
+    :func:`select_backend`'s choice, or ``"fast+cpu_op"`` where that is "fast", the certificate is trace-only
+    and the compiled CPU op computes such calls here (:func:`_cpu_op_fits`: available, not switched off,
+    the layer's tensors on the CPU in float32 or bfloat16, no option the op lacks)."""
+    backend = select_backend(query[:, :, 0], **options)
+    if backend == "fast" and not options.get("per_coordinate") and _cpu_op_fits(query, layer.keys, layer.values,
+                                                                                 options):
+        return _FAST_ON_CPU_OP
+    return backend
+
+
 def _decode_token(query, layer, *, scale, options, kind, delta, softcap, backend) -> LayerDecode:
     """The token route of :func:`decode`: :func:`hajek_attention` over the held slots."""
     if softcap is not None:
@@ -586,9 +638,9 @@ def _decode_token(query, layer, *, scale, options, kind, delta, softcap, backend
         moments = False
     else:
         if backend is None:
-            backend = select_backend(query[:, :, 0], **options)
+            backend = _resolve_backend(query, layer, options)
         kw = dict(options, log_pi=layer.log_weights, scale=scale, validate=False, backend=backend)
-        moments = backend == "fast" and not options.get("per_coordinate")
+        moments = backend in ("fast", _FAST_ON_CPU_OP) and not options.get("per_coordinate")
     q_len = query.shape[2]
     if q_len == 1:
         if moments:
@@ -615,17 +667,30 @@ def _decode_block(query, layer, *, scale, options, kind, delta, softcap, backend
 
 
 def sketch_hajek_attention(q, keys, values, pi=None, sketch=None, *, trace: bool = True, record: str | None = None,
-                            **kw):
+                            backend: str | None = None, **kw):
     r"""The cluster (sketched) design's decode step, :func:`kvcert.fast.sketch_hajek_attention`, on the code
     that runs it here: with ``trace=False`` (the certificate reads :math:`V_{\mathrm{cl}}` only) on CPU tensors
     with K and V in float32 or bfloat16, the compiled op (:func:`kvcert.kernels.cpu.sketch_hajek_attention`:
     the same estimate from one C++ pass over K and V and the sketch's epilogue in the same call); else
     kvcert.fast. ``KVCERT_CPU_OP=0`` keeps kvcert.fast; :func:`last_route` says which ran. Arguments and
     result as :func:`kvcert.fast.sketch_hajek_attention`, and ``record``: with ``trace=False``, a certificate
-    kind whose recorded trace (:func:`kvcert.fast.recorded_trace`) is then ``estimate.trace``."""
+    kind whose recorded trace (:func:`kvcert.fast.recorded_trace`) is then ``estimate.trace``. ``backend``: None or
+    ``"fast"`` (the choice above), or ``"fast+cpu_op"``, :func:`decode`'s route resolved for a forward: a one-query
+    call with ``trace=False``, ``record``, ``log_pi``, ``value_center`` and ``validate=False`` then calls
+    :func:`kvcert.kernels.cpu.sketch_decode_step` (the same op call and numbers, without the argument checks a
+    cache layer's tensors do not need per step)."""
     global _last_route
     if record is not None and trace:
         raise TypeError("record= needs trace=False (estimate.trace then holds the recorded trace)")
+    if backend not in (None, "fast", _FAST_ON_CPU_OP):
+        raise ValueError(f"backend must be None or 'fast' (kvcert.fast or the compiled CPU op), got {backend!r}")
+    if (backend == _FAST_ON_CPU_OP and not trace and record is not None and pi is None
+            and kw.get("value_center") is not None and kw.keys() <= _SKETCH_STEP_KW and _step_fits(q, keys, values, kw)):
+        out = _cpu_module["module"].sketch_decode_step(q, keys, values, kw["log_pi"], sketch,
+                                                       _step_scale(kw.get("scale"), q),
+                                                       kw.get("delta", 0.05), kw["value_center"], record)
+        _last_route = "cpu_op"
+        return out
     if not trace and _cpu_op_fits(q, keys, values, {}):
         out = _cpu_module["module"].sketch_hajek_attention(q, keys, values, pi, sketch, record=record, **kw)
         _last_route = "cpu_op"
@@ -645,9 +710,12 @@ def _decode_sketch(query, layer, *, scale, options, kind, delta, softcap, backen
     if kind is None:
         raise ValueError("the sketch route records V_cl clipped for a certificate kind: give kind=")
     q_len = query.shape[2]
+    if backend is None:
+        backend = _resolve_backend(query, layer, options)
     # V_cl is the certificate; the recorded trace is V_cl clipped at (H / c)^2, so that the recorded radius
     # c sqrt(trace) is min(c sqrt(V_cl), H) (kvcert.fast.recorded_trace)
-    kw = dict(scale=scale, delta=delta, validate=False, trace=False, record=kind)
+    kw = dict(scale=scale, delta=delta, validate=False, trace=False, record=kind,
+              backend=_FAST_ON_CPU_OP if backend == _FAST_ON_CPU_OP else None)  # the sketch's code: op or fast
     held = layer.sketch.tokens  # its memory in kept-token units, as the press sized the budget
     outs, records = [], []
     for j in range(q_len):

@@ -678,6 +678,65 @@ def test_sketch_route_refuses_by_name(op):
         op.sketch_hajek_attention(bad, k, v, None, sketch, log_pi=lp, value_center=mu, value_sqdist=r2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_forwards_resolved_op_route_gives_the_checked_calls_numbers(op, monkeypatch, dtype):
+    """kvcert.dispatch.decode resolves its route once per forward: "fast+cpu_op" where the op computes the
+    call. A layer's step on it (kvcert.kernels.cpu.decode_step / sketch_decode_step, without the argument
+    checks) gives the checked op call's numbers bit for bit, on the token and the sketch routes; a call the
+    step does not cover runs as "fast"; KVCERT_CPU_OP=0 resolves to "fast" (the torch path)."""
+    from types import SimpleNamespace
+
+    q, k, v, pi, sketch, mu, r2 = _sketch_case(239, dtype, 3, tilt=True)
+    lp = pi.log()
+    token = SimpleNamespace(keys=k, values=v, log_weights=lp, positions=None, block_size=None, sketch=None,
+                            kept=(pi > 0).sum(-1), value_moments=lambda: (mu, r2))
+    kw = dict(scale=0.125, options={"per_coordinate": False}, kind="chebyshev", delta=0.05)
+    dec = D.decode(q[:, :, None], token, **kw)
+    assert (dec.backend, D.last_backend(), D.last_route()) == ("fast+cpu_op", "fast", "cpu_op")
+    again = D.decode(q[:, :, None], token, backend=dec.backend, **kw)  # the forward's next layer
+    checked = op.hajek_attention(q, k, v, log_pi=lp, scale=0.125, per_coordinate=False, value_center=mu)
+    for est in (dec.records[0].estimate, again.records[0].estimate):
+        for f in ("output", "lse", "trace", "n_eff"):
+            assert torch.equal(getattr(est, f), getattr(checked, f)), f
+    assert torch.equal(dec.output[:, 0], checked.output)
+    other = D.decode(q[:, :, None], replace_log_weights(token, lp.masked_fill(pi < 0.2, float("-inf"))), **kw)
+    assert not torch.equal(other.records[0].estimate.trace, checked.trace)  # negative control: the inputs count
+    full = D.hajek_attention(q, k, v, log_pi=lp, scale=0.125, per_coordinate=True, validate=False,
+                             backend="fast+cpu_op")  # not a step's call: "fast", with the variance
+    assert full.variance is not None and D.last_backend() == "fast"
+
+    layer = SimpleNamespace(**{**vars(token), "sketch": sketch})
+    kw = dict(kw, options={}, kind="tilted_hull")
+    a = D.decode(q[:, :, None], layer, **kw)
+    assert (a.backend, D.last_route()) == ("fast+cpu_op", "cpu_op")
+    ce = op.sketch_hajek_attention(q, k, v, None, sketch, log_pi=lp, scale=0.125, delta=0.05, value_center=mu,
+                                   value_sqdist=r2, record="tilted_hull")
+    est = a.records[0].estimate
+    for got, want in ((est.output, ce.estimate.output), (est.lse, ce.estimate.lse), (est.trace, ce.estimate.trace),
+                      (a.output[:, 0], ce.estimate.output)):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="backend"):
+        D.sketch_hajek_attention(q, k, v, None, sketch, log_pi=lp, backend="triton", trace=False)
+    # another token backend resolved for the forward (the Triton kernel's, on CUDA) leaves the sketch's own choice
+    b = D.decode(q[:, :, None], layer, backend="triton", **kw)
+    assert (b.backend, D.last_route()) == ("triton", "cpu_op") and torch.equal(b.output, a.output)
+
+    monkeypatch.setenv(D.CPU_OP_ENV_VAR, "0")
+    t = D.decode(q[:, :, None], token, **dict(kw, options={"per_coordinate": False}, kind="chebyshev"))
+    assert (t.backend, D.last_route()) == ("fast", "torch")
+    # float32 sums of two codes (atol as above); in bfloat16 both round such values to bfloat16: at most one
+    # bfloat16 spacing apart, 2^-7 relative at most
+    rtol = 2.0 ** -7 if dtype == torch.bfloat16 else 0.0
+    assert torch.allclose(t.output.float(), dec.output.float(), rtol=rtol, atol=1e-5)
+
+
+def replace_log_weights(layer, log_weights):
+    """A copy of a stand-in cache layer with other log pi (and its kept counts)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{**vars(layer), "log_weights": log_weights, "kept": torch.isfinite(log_weights).sum(-1)})
+
+
 def test_dispatch_runs_the_sketch_route_on_the_op_and_the_switch_forces_torch(op, monkeypatch):
     """kvcert.dispatch.decode on a sketch layer: the op's step, the same record as kvcert.fast's, and
     KVCERT_CPU_OP=0 runs kvcert.fast."""
