@@ -458,9 +458,13 @@ def certificate_moments(estimate: Estimate, kind: str = "chebyshev") -> dict:
     with :func:`radius_from_statistics`: the certificate is the same either way.
     """
     spec = _kind(kind)
-    trace = estimate.trace
+    trace, output = estimate.trace, estimate.output
     dt = trace.dtype if trace.is_floating_point() else torch.float32
-    stats = {"trace": trace.to(dt), "output_norm": torch.linalg.vector_norm(estimate.output.to(dt), dim=-1)}
+    if trace.dtype != dt:
+        trace = trace.to(dt)
+    if output.dtype != dt:
+        output = output.to(dt)
+    stats = {"trace": trace, "output_norm": torch.linalg.vector_norm(output, dim=-1)}
     for stat in spec.needs:
         stats.update(_MOMENTS[stat](estimate, dt))
     return stats

@@ -43,6 +43,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import operator
 from dataclasses import dataclass, field, fields, replace
 from statistics import NormalDist
 from types import MappingProxyType
@@ -795,6 +796,7 @@ def _centred(t, cv, sc, o, mu):
 
 #: the tensor fields of a ClusterSketch (the decode form is rebuilt when the sum of their version counters moves)
 _SKETCH_TENSORS = ("mean", "var", "weight", "wnorm", "count", "mu", "tilt", "zmean", "zvar", "shift", "reach")
+_sketch_tensors = operator.attrgetter(*_SKETCH_TENSORS)  # the tuple of them (None where absent), in one call
 
 
 @dataclass(frozen=True)
@@ -831,7 +833,7 @@ def _version(sketch: ClusterSketch) -> int | None:
     """The sum of the version counters of the sketch's tensors: every in-place change moves it up (None when
     one of them is an inference tensor, which keeps no counter)."""
     try:
-        return sum(x._version for name in _SKETCH_TENSORS if (x := getattr(sketch, name)) is not None)
+        return sum([x._version for x in _sketch_tensors(sketch) if x is not None])
     except RuntimeError:  # inference tensors (torch.inference_mode) have no version counter
         return None
 

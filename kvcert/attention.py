@@ -194,6 +194,12 @@ class Session:
         self._real: dict[int, torch.Tensor | None] = {}  # q_len -> the new tokens' real mask of this forward
         self._norms: list[torch.Tensor] = []  # this forward's decode output norms (the NaN check)
         self._backend: str | None = None
+        from .presses.base import BasePress
+
+        #: the press's decode event, None where it is BasePress's (which does nothing): resolved here, so a
+        #: press's own decode_event is the one it has when its context opens
+        event = press.decode_event
+        self._decode_event = None if getattr(event, "__func__", None) is BasePress.decode_event else event
         #: decoding a compressed context after the press context closed (query-agnostic protocol,
         #: :class:`Carrier`): no press events, one record per question
         self.carried = False
@@ -357,11 +363,14 @@ class Session:
             layer.mark_padding(real)
         out = self._decode(layer, layer_idx, query, scaling, softcap)
         if not self.carried:  # the query-agnostic protocol compresses the context only
-            self.press.decode_event(layer, layer_idx, query, scaling)
+            if self._decode_event is not None:
+                self._decode_event(layer, layer_idx, query, scaling)
         elif self._question_tokens is None and self.answers:  # the question's forward: note its length
             self._question_tokens = q_len
             self.answers[-1] = (q_len, self.answers[-1][1])
-        return out.to(query.dtype).contiguous(), None
+        if out.dtype != query.dtype:
+            out = out.to(query.dtype)
+        return out.contiguous(), None
 
     def _decode(self, layer: KVCertLayer, layer_idx: int, query: torch.Tensor, scale: float,
                 softcap: float | None = None) -> torch.Tensor:

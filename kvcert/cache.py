@@ -127,13 +127,17 @@ class KVCertLayer(DynamicLayer):
             self.values, dst = self._append("values", q)
             dst.copy_(value_states)
             self.positions, dst = self._append("positions", q)
-            torch.add(self.next_position[:, None, None].expand(b, h, 1), torch.arange(q, device=self.device), out=dst)
+            if q == 1:  # a decode step: its position is the row's next one
+                dst.copy_(self.next_position[:, None, None])
+            else:
+                torch.add(self.next_position[:, None, None].expand(b, h, 1), torch.arange(q, device=self.device),
+                          out=dst)
             self.log_weights, dst = self._append("log_weights", q)
             dst.zero_()
             if self.value_center is not None:
                 self.value_sqdist, dst = self._append("value_sqdist", q)
-                d = value_states.to(self.stat_dtype) - self.value_center[:, :, None]
-                torch.sum(d.square_(), -1, out=dst)
+                v = value_states if value_states.dtype == self.stat_dtype else value_states.to(self.stat_dtype)
+                torch.sum(torch.sub(v, self.value_center[:, :, None]).square_(), -1, out=dst)
             if self._kept is not None:
                 self._kept = self._kept + q
         self.next_position = self.next_position + q

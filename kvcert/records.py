@@ -196,23 +196,26 @@ class Recorder:
 
     def __init__(self, kind: str, delta: float, target_error: float | None = None):
         self.kind, self.delta, self.target_error = kind, delta, target_error
-        self.rows: dict[int, list[tuple[torch.Tensor, dict, float]]] = {}
+        #: per layer, in step order: (kept, stats, sketch memory, one_step). A one-step row holds the
+        #: tensors :meth:`add` was given, (b, ...); a chunk's, steps first (q, b, ...)
+        self.rows: dict[int, list[tuple[torch.Tensor, dict, float, bool]]] = {}
 
     def add(self, layer: int, stats: dict, kept: torch.Tensor, sketch: float = 0.0) -> None:
         """One step of one layer: ``stats`` (b, h_q) tensors from ``certificate_moments``
         (wald's ``variance`` (b, h_q, dv)), ``kept`` (b, h_kv) or (b, h_q) tokens attended over,
-        ``sketch`` the memory of a sketch of evicted tokens read beside them (kept-token units)."""
-        self.rows.setdefault(layer, []).append((kept[None], {k: v[None] for k, v in stats.items()}, float(sketch)))
+        ``sketch`` the memory of a sketch of evicted tokens read beside them (kept-token units).
+        Kept as given (no tensor op per decode step); :meth:`result` stacks the steps."""
+        self.rows.setdefault(layer, []).append((kept, stats, float(sketch), True))
 
     def add_steps(self, layer: int, stats: dict, kept: torch.Tensor) -> None:
         """q consecutive steps of one layer at once (a chunk of queries): ``stats`` (b, h_q, q)
         tensors (wald's ``variance`` (b, h_q, q, dv)), ``kept`` (b, h_kv, q) or (b, h_q, q); the
         same record as q calls of :meth:`add`, one step per query."""
         self.rows.setdefault(layer, []).append((kept.movedim(2, 0), {k: v.movedim(2, 0) for k, v in stats.items()},
-                                                0.0))
+                                                0.0, False))
 
     def _steps(self, layer: int) -> int:
-        return sum(row[0].shape[0] for row in self.rows[layer])
+        return sum(1 if row[3] else row[0].shape[0] for row in self.rows[layer])
 
     @property
     def steps(self) -> int:
@@ -232,7 +235,7 @@ class Recorder:
             )
 
         def stack(get):  # (steps, b, h, ...) per layer -> (b, steps, layers, h, ...)
-            per_layer = [torch.cat([get(row) for row in self.rows[l]]) for l in layers]
+            per_layer = [_in_steps(self.rows[l], get) for l in layers]
             x = torch.stack(per_layer, dim=1)
             return x.permute(2, 0, 1, *range(3, x.dim())).cpu()
 
@@ -246,3 +249,20 @@ class Recorder:
             sketch = stack(lambda row: torch.full((*row[0].shape[:-1], h_q), row[2], dtype=torch.float64))
         return Certificates(self.kind, self.delta, radius.float(), rel.float(), stats["trace"].float(), kept.long(),
                             sketch, self.target_error)
+
+
+def _in_steps(rows: list, get) -> torch.Tensor:
+    """One layer's recorded rows as one (steps, b, ...) tensor, in step order: ``get(row)`` of each, the
+    runs of one-step rows stacked (one op per run), the chunks' (already steps first) joined to them."""
+    parts, run = [], []
+    for row in rows:
+        if row[3]:
+            run.append(get(row))
+            continue
+        if run:
+            parts.append(torch.stack(run))
+            run = []
+        parts.append(get(row))
+    if run:
+        parts.append(torch.stack(run))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

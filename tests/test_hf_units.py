@@ -296,8 +296,10 @@ def test_recorder_stacks_and_certificates_aggregate():
             kept = torch.randint(1, 50, (2, 2, 5), generator=g)
             for j in range(5):
                 one.add(layer, {k: v[:, :, j] for k, v in st.items()}, kept[:, :, j])
-            chunked.add(layer, {k: v[:, :, 0] for k, v in st.items()}, kept[:, :, 0])
-            chunked.add_steps(layer, {k: v[:, :, 1:] for k, v in st.items()}, kept[:, :, 1:])
+            chunked.add(layer, {k: v[:, :, 0] for k, v in st.items()}, kept[:, :, 0])  # steps 0 | 1, 2 | 3 | 4
+            chunked.add_steps(layer, {k: v[:, :, 1:3] for k, v in st.items()}, kept[:, :, 1:3])
+            for j in (3, 4):
+                chunked.add(layer, {k: v[:, :, j] for k, v in st.items()}, kept[:, :, j])
         a, b = one.result(), chunked.result()
         assert chunked.steps == 5 and a.shape == b.shape == (2, 5, 2, 4)
         for name in ("radius", "relative_radius", "trace", "kept"):
