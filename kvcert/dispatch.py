@@ -149,21 +149,23 @@ def _cpu_op_fits(q, keys, values, kw: dict) -> bool:
     or both bfloat16, and no option it lacks (bias, positions, weights, max_term, covariance, tail_moment)."""
     if not (isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)):
         return False
-    if q.device.type != "cpu" or keys.device.type != "cpu" or values.device.type != "cpu":
-        return False
-    if keys.dtype not in _CPU_OP_DTYPES or values.dtype != keys.dtype:
+    if not _op_tensors(q, keys, values):
         return False
     if any(k not in _CPU_OP_KW for k, v in kw.items() if v is not None and v is not False):
         return False
     return cpu_op_available()
 
 
+def _op_tensors(q, keys, values) -> bool:
+    """The tensors the compiled op reads: on the CPU, K and V both float32 or both bfloat16."""
+    return (q.is_cpu and keys.is_cpu and values.is_cpu and keys.dtype in _CPU_OP_DTYPES
+            and values.dtype == keys.dtype)
+
+
 def _step_fits(q, keys, values, kw: dict) -> bool:
     """The per-layer checks of a resolved ``"fast+cpu_op"`` call (the rest was checked once per forward): no value
-    checks asked for (``validate=False``), and this layer's tensors on the CPU with K and V both float32 or both
-    bfloat16."""
-    return (kw.get("validate") is False and q.is_cpu and keys.is_cpu and values.is_cpu
-            and keys.dtype in _CPU_OP_DTYPES and values.dtype == keys.dtype)
+    checks asked for (``validate=False``), and this layer's tensors fit the op (:func:`_op_tensors`)."""
+    return kw.get("validate") is False and _op_tensors(q, keys, values)
 
 
 def _step_scale(scale, q) -> float:

@@ -323,8 +323,6 @@ def _call(q, keys, values, pi, log_pi, scale, per_coordinate, value_center, spli
     if q.dim() not in (3, 4) or h_q % h_kv:
         raise ValueError("q must be (b, h_q, d) or (b, h_q, t, d) with h_q a multiple of h_kv")
     lp = log_pi if pi is None else pi.log()
-    if lp.dtype != torch.float32:
-        lp = lp.to(torch.float32)
     if value_center is not None and (not isinstance(value_center, torch.Tensor)
                                      or tuple(value_center.shape) != (b, h_kv, dv)):
         raise ValueError(f"value_center must be a tensor of shape (b, h_kv, dv) = ({b}, {h_kv}, {dv}), "
@@ -336,8 +334,10 @@ def _call(q, keys, values, pi, log_pi, scale, per_coordinate, value_center, spli
 
 
 def _run_op(q, keys, values, log_pi, value_center, scale: float, per_coordinate: bool, splits: int) -> Estimate:
-    """The op's call on checked arguments (log pi float32, K and V with a unit last stride, the scale a
-    float) and its Estimate; shapes are checked by the op."""
+    """The op's call on checked arguments (K and V with a unit last stride, the scale a float; log pi read as
+    float32) and its Estimate; shapes are checked by the op."""
+    if log_pi.dtype != torch.float32:
+        log_pi = log_pi.to(torch.float32)
     ops = _state["ops"] if _state["ops"] is not None else load()
     lead = q.shape[:-1]
     b, h_kv, d = q.shape[0], keys.shape[1], q.shape[-1]
@@ -374,8 +374,6 @@ def decode_step(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, log_p
         As :func:`hajek_attention` with ``per_coordinate=False``. Shapes the op refuses raise its
         ``RuntimeError``.
     """
-    if log_pi.dtype != torch.float32:
-        log_pi = log_pi.to(torch.float32)
     return _run_op(q, _unit_stride(keys), _unit_stride(values), log_pi, value_center, scale, False, 0)
 
 
@@ -499,10 +497,6 @@ def _cluster_call(q, keys, values, pi, log_pi, sketch, scale, delta, rule, multi
         raise TypeError("give both value_center= and value_sqdist= (from value_moments), or neither")
     b, h_kv, n, d, dv = keys.shape[0], keys.shape[1], keys.shape[2], q.shape[-1], values.shape[-1]
     tau = check_scale(scale, d)
-    form = names["form"](sketch, names["Layout"](dtype=torch.float32, scale=tau, b=b, h_kv=h_kv, d=d, dv=dv, q=q))
-    rule, delta, factor = _radius_factor(sketch.rule if rule is None else rule, delta,
-                                         sketch.multiplier if multiplier is None else multiplier)
-    clip = 0.0 if record is None else names["clip"](record, delta)
     lp = log_pi if pi is None else pi.log()
     if value_center is None:
         mu = names["value_moments"](values, log_pi=lp)[0]
@@ -513,10 +507,24 @@ def _cluster_call(q, keys, values, pi, log_pi, sketch, scale, delta, rule, multi
                 raise ValueError(f"{name} must be a tensor of shape {text} = {shape}, "
                                  f"got {getattr(x, 'shape', type(x).__name__)}")
         mu = value_center
+    return _sketch_op(q, keys, values, lp, mu, tau, sketch, rule, delta, multiplier, record, validate)
+
+
+def _sketch_op(q, keys, values, log_pi, center, tau: float, sketch, rule, delta, multiplier, record, validate: bool):
+    """The dense sketch op's call and its ClusterEstimate: the sketch's decode form (``kvcert.fast.sketch._decode_form``,
+    float32, built at the first call for a layout and kept on the sketch, its shape check with it), the radius rule's
+    factor (the sketch's rule and multiplier where None), the recorded kind's clip, and with ``validate`` the refusal
+    of a NaN output or variance."""
+    names = _sketch_names or _sketch_imports()
+    b, h_kv, d, dv = keys.shape[0], keys.shape[1], q.shape[-1], values.shape[-1]
+    form = names["form"](sketch, names["Layout"](dtype=torch.float32, scale=tau, b=b, h_kv=h_kv, d=d, dv=dv, q=q))
+    rule, delta, factor = _radius_factor(sketch.rule if rule is None else rule, delta,
+                                         sketch.multiplier if multiplier is None else multiplier)
+    clip = 0.0 if record is None else names["clip"](record, delta)
     ops = _state["ops"] if _state["ops"] is not None else load()
-    output, lse, var, rad, bnd, rec = ops.hajek_decode_sketch(q, keys, values, lp, mu, tau, 0, form.W, form.bias,
-                                                              form.weight, form.wnorm, form.tilt, form.mu, form.reach,
-                                                              factor, clip)
+    output, lse, var, rad, bnd, rec = ops.hajek_decode_sketch(q, keys, values, log_pi, center, tau, 0, form.W,
+                                                              form.bias, form.weight, form.wnorm, form.tilt, form.mu,
+                                                              form.reach, factor, clip)
     if validate and bool(torch.isnan(output).any() | torch.isnan(var).any()):
         raise ValueError("sketch_hajek_attention produced NaN: q, keys, values and the sketch must be finite")
     return _cluster_result(values.dtype, q.dtype == torch.float64, form, rule, delta, record, output, lse, var, rad,
@@ -555,14 +563,7 @@ def sketch_decode_step(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     kvcert.fast.ClusterEstimate
         As :func:`sketch_hajek_attention`.
     """
-    names = _sketch_names or _sketch_imports()
-    b, h_kv, d, dv = keys.shape[0], keys.shape[1], q.shape[-1], values.shape[-1]
-    form = names["form"](sketch, names["Layout"](dtype=torch.float32, scale=scale, b=b, h_kv=h_kv, d=d, dv=dv, q=q))
-    rule, delta, factor = _radius_factor(sketch.rule, delta, sketch.multiplier)
-    ops = _state["ops"] if _state["ops"] is not None else load()
-    out = ops.hajek_decode_sketch(q, keys, values, log_pi, value_center, scale, 0, form.W, form.bias, form.weight,
-                                  form.wnorm, form.tilt, form.mu, form.reach, factor, names["clip"](record, delta))
-    return _cluster_result(values.dtype, q.dtype == torch.float64, form, rule, delta, record, *out)
+    return _sketch_op(q, keys, values, log_pi, value_center, scale, sketch, None, delta, None, record, False)
 
 
 def _cluster_result(out_dtype, double, form, rule, delta, record, output, lse, var, rad, bnd, rec):
