@@ -948,6 +948,18 @@ def test_paged_sketch_route_reads_only_its_slots_and_refuses_by_name(op):
         op.paged_sketch_hajek_attention(nan_q, cache, ids, lp, sketch)
 
 
+def test_build_folders_differ_by_torch_install(monkeypatch):
+    """Two environments with the same torch version (the main venv and the pinned ones) build in folders of their
+    own: the name hashes torch's folder (cpp_extension rebuilt a shared folder at each switch); the same install
+    keeps its name."""
+    from kvcert.kernels import cpu
+
+    here = cpu.build_directory()
+    assert cpu.build_directory() == here
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
+    assert cpu.build_directory() != here and cpu.build_directory().parent == here.parent
+
+
 # ----------------------------------------------------------------------------- the other ISA's register blocking
 _OTHER_ISA = r"""
 import os, sys

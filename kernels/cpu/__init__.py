@@ -46,8 +46,11 @@ Built on first use (``torch.utils.cpp_extension.load``, which needs ``ninja``
 and a C++ compiler) into ``<cache>/torch_extensions/<name>``, ``<cache>`` =
 ``$KVCERT_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvcert``, else
 ``~/.cache/kvcert``; the name hashes the source, the flags, the torch and
-Python versions and the CPU's instruction-set flags, so a cache directory
-shared by different machines never loads a binary built for another CPU.
+Python versions, the CPU's instruction-set flags and the folder torch is
+installed in, so a cache directory shared by different machines never loads
+a binary built for another CPU, and virtual environments with the same torch
+keep a build each (one shared folder was rebuilt at every switch between
+them, the include paths differing).
 :func:`available` builds it once per process and says whether it loaded;
 :func:`unavailable_reason` says why not. ``kvcert.dispatch`` routes CPU
 decodes here and falls back to ``kvcert.fast`` (with one warning) when the
@@ -129,8 +132,10 @@ def _cpu_flags() -> str:
 
 def _name() -> str:
     h = hashlib.sha256()
+    # torch's folder: venvs with the same torch version (the main one and the pinned ones of `make test`) build
+    # apart; sharing one folder, cpp_extension rebuilt the op (~2 min) at each switch, its include paths differing
     for part in (SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode(),
-                 sys.version.encode(), _cpu_flags().encode()):
+                 sys.version.encode(), _cpu_flags().encode(), str(Path(torch.__file__).resolve().parent).encode()):
         h.update(part)
         h.update(b"\0")
     return f"kvcert_cpu_{h.hexdigest()[:16]}"
