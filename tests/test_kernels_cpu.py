@@ -948,6 +948,37 @@ def test_paged_sketch_route_reads_only_its_slots_and_refuses_by_name(op):
         op.paged_sketch_hajek_attention(nan_q, cache, ids, lp, sketch)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_plugins_paged_step_calls_give_the_checked_calls_numbers(op, dtype):
+    """paged_decode_step / paged_sketch_decode_step (the vLLM plugin's per-layer calls, without the Python checks)
+    give the checked calls' numbers bit for bit (validate=False, the same op call), with and without the compacted
+    prompt's sums; the op's own checks remain (a shape it refuses raises its RuntimeError naming the argument);
+    negative control: other log pi moves the trace."""
+    q, k, v, pi = _case(300, dtype, 3, seed=4)
+    cache, ids, lp = _paged(k, v, pi, 32, seed=1)
+    scale = q.shape[-1] ** -0.5
+    a = op.paged_decode_step(q, cache, ids, lp, scale)
+    b = op.paged_hajek_attention(q, cache, ids, lp, scale=scale, validate=False)
+    for f in ("output", "lse", "trace", "n_eff"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    other = lp.clone()
+    other[torch.isfinite(other)] = (other[torch.isfinite(other)] - 0.3).clamp(max=0.0)
+    assert not torch.equal(op.paged_decode_step(q, cache, ids, other, scale).trace, a.trace)
+    with pytest.raises(RuntimeError, match="log_pi must be"):
+        op.paged_decode_step(q, cache, ids, lp[:, :, :-1].contiguous(), scale)
+    q, k, v, pi, sketch, _, _ = _sketch_case(300, dtype, 3, seed=6, tilt=True, clusters=8)
+    cache, ids, lp = _paged(k, v, pi, 32, seed=2)
+    start = torch.full((ids.shape[0],), 64, dtype=torch.int64)
+    for sums, tail in ((None, None), (_head_sums(cache, ids, lp, start), start)):
+        got = op.paged_sketch_decode_step(q, cache, ids, lp, sketch, scale, 0.05, "tilted_hull", sums, tail)
+        want = op.paged_sketch_hajek_attention(q, cache, ids, lp, sketch, scale=scale, delta=0.05, record="tilted_hull",
+                                               center_sums=sums, tail_start=tail, validate=False)
+        for f, x in _sketch_fields(got, "op").items():
+            assert torch.equal(x, _sketch_fields(want, "op")[f]), f
+    with pytest.raises(RuntimeError, match="block_ids must lie in"):
+        op.paged_sketch_decode_step(q, cache, ids + cache.shape[0], lp, sketch, scale, 0.05, "tilted_hull")
+
+
 def test_build_folders_differ_by_torch_install(monkeypatch):
     """Two environments with the same torch version (the main venv and the pinned ones) build in folders of their
     own: the name hashes torch's folder (cpp_extension rebuilt a shared folder at each switch); the same install

@@ -36,6 +36,9 @@ trace), from the sketch's decode form.
 :func:`decode_step` and :func:`sketch_decode_step` are the same two op calls
 without the argument checks: the Hugging Face decode's per-layer calls, once
 ``kvcert.dispatch.decode`` has resolved (once per forward) that the op runs.
+:func:`paged_decode_step` and :func:`paged_sketch_decode_step` are the paged
+routes' calls without the Python checks (the op's own remain): the vLLM
+plugin's per-layer calls.
 
 Threads: ``at::parallel_for``, i.e. torch's intra-op
 pool (``torch.get_num_threads()``); vector code from ``#pragma omp simd`` and
@@ -81,7 +84,7 @@ from kvcert.fast.contract import check_attention_inputs, check_attention_values
 from kvcert.fast.types import Estimate
 
 __all__ = ["ENV_VAR", "SOURCE", "SUPPORTED_DTYPES", "CPUOpUnavailable", "available", "paged_hajek_attention", "build_directory",
-           "decode_step", "sketch_decode_step", "sketch_hajek_attention", "enabled", "hajek_attention", "load", "paged_sketch_hajek_attention",
+           "decode_step", "paged_decode_step", "paged_sketch_decode_step", "sketch_decode_step", "sketch_hajek_attention", "enabled", "hajek_attention", "load", "paged_sketch_hajek_attention",
            "unavailable_reason"]
 
 #: environment variable: ``0`` (or false/no/off) keeps every call on the torch path
@@ -515,17 +518,26 @@ def _cluster_call(q, keys, values, pi, log_pi, sketch, scale, delta, rule, multi
     return _sketch_op(q, keys, values, lp, mu, tau, sketch, rule, delta, multiplier, record, validate)
 
 
+def _sketch_constants(q, sketch, tau: float, b: int, h_kv: int, dv: int, rule, delta, multiplier, record):
+    """What a sketch op call (dense or paged) reads besides the tensors: ``(form, rule, delta, factor, clip)``, the
+    sketch's decode form (``kvcert.fast.sketch._decode_form``, float32, built at the first call for a layout and kept
+    on the sketch, its shape check with it), the checked radius rule and delta and the rule's factor (the sketch's
+    rule and multiplier where None), and the recorded kind's clip (0 without one)."""
+    names = _sketch_names or _sketch_imports()
+    form = names["form"](sketch, names["Layout"](dtype=torch.float32, scale=tau, b=b, h_kv=h_kv, d=q.shape[-1], dv=dv,
+                                                 q=q))
+    rule, delta, factor = _radius_factor(sketch.rule if rule is None else rule, delta,
+                                         sketch.multiplier if multiplier is None else multiplier)
+    return form, rule, delta, factor, 0.0 if record is None else names["clip"](record, delta)
+
+
 def _sketch_op(q, keys, values, log_pi, center, tau: float, sketch, rule, delta, multiplier, record, validate: bool):
     """The dense sketch op's call and its ClusterEstimate: the sketch's decode form (``kvcert.fast.sketch._decode_form``,
     float32, built at the first call for a layout and kept on the sketch, its shape check with it), the radius rule's
     factor (the sketch's rule and multiplier where None), the recorded kind's clip, and with ``validate`` the refusal
     of a NaN output or variance."""
-    names = _sketch_names or _sketch_imports()
-    b, h_kv, d, dv = keys.shape[0], keys.shape[1], q.shape[-1], values.shape[-1]
-    form = names["form"](sketch, names["Layout"](dtype=torch.float32, scale=tau, b=b, h_kv=h_kv, d=d, dv=dv, q=q))
-    rule, delta, factor = _radius_factor(sketch.rule if rule is None else rule, delta,
-                                         sketch.multiplier if multiplier is None else multiplier)
-    clip = 0.0 if record is None else names["clip"](record, delta)
+    form, rule, delta, factor, clip = _sketch_constants(q, sketch, tau, keys.shape[0], keys.shape[1], values.shape[-1],
+                                                        rule, delta, multiplier, record)
     ops = _state["ops"] if _state["ops"] is not None else load()
     output, lse, var, rad, bnd, rec = ops.hajek_decode_sketch(q, keys, values, log_pi, center, tau, 0, form.W,
                                                               form.bias, form.weight, form.wnorm, form.tilt, form.mu,
@@ -645,15 +657,47 @@ def paged_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: to
         Shapes or values outside the contract (naming the argument); block ids outside the cache (always checked).
     """
     h_kv, d, E, lp = _paged_inputs(q, kv_cache, block_ids, log_pi, validate)
-    ops = _state["ops"] if _state["ops"] is not None else load()
-    out, lse, n_eff, trace = ops.hajek_decode_paged(q.reshape(E, h_kv, -1, d), kv_cache.contiguous(),
-                                                    block_ids.contiguous(), lp, check_scale(scale, d), splits)
-    h_q = q.shape[1]
-    output = out.view(E, h_q, d)
-    if validate and bool(torch.isnan(output).any()):
+    est = _paged_op(q, kv_cache.contiguous(), block_ids.contiguous(), lp, check_scale(scale, d), splits)
+    if validate and bool(torch.isnan(est.output).any()):
         raise ValueError("paged_hajek_attention produced NaN: q and the cache must be finite")
-    return Estimate(output=output, weights=None, variance=None, trace=trace.view(E, h_q), lse=lse.view(E, h_q),
-                    n_eff=n_eff.view(E, h_q))
+    return est
+
+
+def _paged_op(q, kv_cache, block_ids, log_pi, scale: float, splits: int) -> Estimate:
+    """The paged token op's call on checked arguments (the op checks shapes, dtypes and block ids itself) and its
+    Estimate."""
+    ops = _state["ops"] if _state["ops"] is not None else load()
+    E, h_q, d = q.shape
+    out, lse, n_eff, trace = ops.hajek_decode_paged(q.reshape(E, kv_cache.shape[1], -1, d), kv_cache, block_ids,
+                                                    log_pi, scale, splits)
+    return Estimate(output=out.view(E, h_q, d), weights=None, variance=None, trace=trace.view(E, h_q),
+                    lse=lse.view(E, h_q), n_eff=n_eff.view(E, h_q))
+
+
+def paged_decode_step(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
+                      scale: float) -> Estimate:
+    r"""One decode query per row from a paged cache, trace only: the vLLM plugin's per-layer call of the op.
+
+    The same op call and result as ``paged_hajek_attention(q, kv_cache, block_ids, log_pi, scale=scale,
+    validate=False)`` (bit for bit), without that function's Python checks: the plugin passes its step's
+    tensors, which the step's plan built. The op itself still checks every shape, dtype and contiguity and
+    that the block ids lie in the cache (a ``RuntimeError`` otherwise).
+
+    Parameters
+    ----------
+    q : (E, h_q, d)
+    kv_cache : (num_blocks, h_kv, bs, 2 d), float32 or bfloat16, contiguous (``vec`` layout)
+    block_ids : int64 (E, M), contiguous
+    log_pi : (E, h_kv, M * bs) float32, contiguous; -inf where the slot holds no token
+    scale : float
+        The score scale tau, finite and positive.
+
+    Returns
+    -------
+    Estimate
+        As :func:`paged_hajek_attention`.
+    """
+    return _paged_op(q, kv_cache, block_ids, log_pi, scale, 0)
 
 
 def paged_sketch_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor,
@@ -708,13 +752,8 @@ def paged_sketch_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_
         Shapes or values outside the contract (naming the argument), a sketch of other rows or heads, block ids
         outside the cache (always checked).
     """
-    names = _sketch_names or _sketch_imports()
     h_kv, d, E, lp = _paged_inputs(q, kv_cache, block_ids, log_pi, validate)
     tau = check_scale(scale, d)
-    form = names["form"](sketch, names["Layout"](dtype=torch.float32, scale=tau, b=E, h_kv=h_kv, d=d, dv=d, q=q))
-    rule, delta, factor = _radius_factor(sketch.rule if rule is None else rule, delta,
-                                         sketch.multiplier if multiplier is None else multiplier)
-    clip = 0.0 if record is None else names["clip"](record, delta)
     if (center_sums is None) != (tail_start is None):
         raise TypeError("center_sums and tail_start go together (the sums of the slots before tail_start)")
     if center_sums is not None:
@@ -727,11 +766,57 @@ def paged_sketch_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_
         n_slots = log_pi.shape[-1]
         if validate and E and not bool(((tail_start >= 0) & (tail_start <= n_slots)).all()):
             raise ValueError(f"tail_start must lie in [0, {n_slots}] (the rows' slots), got {tail_start.tolist()}")
+    return _paged_sketch_op(q, kv_cache if kv_cache.is_contiguous() else kv_cache.contiguous(), block_ids.contiguous(),
+                            lp, tau, sketch, rule, delta, multiplier, record, center_sums, tail_start, validate)
+
+
+def _paged_sketch_op(q, kv_cache, block_ids, log_pi, tau: float, sketch, rule, delta, multiplier, record, center_sums,
+                     tail_start, validate: bool):
+    """The paged sketch op's call and its ClusterEstimate (:func:`_sketch_op`'s constants and result); with
+    ``validate`` the refusal of a NaN output or variance. Shapes, dtypes and block ids are checked by the op."""
+    form, rule, delta, factor, clip = _sketch_constants(q, sketch, tau, q.shape[0], kv_cache.shape[1], q.shape[-1],
+                                                        rule, delta, multiplier, record)
     ops = _state["ops"] if _state["ops"] is not None else load()
     output, lse, var, rad, bnd, rec, _ = ops.hajek_decode_sketch_paged(
-        q, kv_cache if kv_cache.is_contiguous() else kv_cache.contiguous(), block_ids.contiguous(), lp, tau, 0,
-        form.W, form.bias, form.weight, form.wnorm, form.tilt, form.mu, form.reach, factor, clip, center_sums,
-        tail_start)
+        q, kv_cache, block_ids, log_pi, tau, 0, form.W, form.bias, form.weight, form.wnorm, form.tilt, form.mu,
+        form.reach, factor, clip, center_sums, tail_start)
     if validate and bool(torch.isnan(output).any() | torch.isnan(var).any()):
         raise ValueError("paged_sketch_hajek_attention produced NaN: q, the cache and the sketch must be finite")
     return _cluster_result(kv_cache.dtype, False, form, rule, delta, record, output, lse, var, rad, bnd, rec)
+
+
+def paged_sketch_decode_step(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
+                             sketch, scale: float, delta: float, record: str, center_sums: torch.Tensor | None = None,
+                             tail_start: torch.Tensor | None = None):
+    r"""One decode query per row of the cluster design from a paged cache: the vLLM plugin's per-layer call of the op.
+
+    The same op call and result as ``paged_sketch_hajek_attention(q, kv_cache, block_ids, log_pi, sketch,
+    scale=scale, delta=delta, record=record, center_sums=center_sums, tail_start=tail_start, validate=False)``
+    (bit for bit), without that function's Python checks: the plugin passes its step's tensors and the rows'
+    sketch, which the step's plan and the compaction built. The op itself still checks every shape, dtype and
+    contiguity and that the block ids lie in the cache (a ``RuntimeError`` otherwise); the sketch's decode form
+    is rebuilt, with its shape check, when the layout or the sketch changes.
+
+    Parameters
+    ----------
+    q : (E, h_q, d)
+    kv_cache : (num_blocks, h_kv, bs, 2 d), float32 or bfloat16, contiguous (``vec`` layout)
+    block_ids : int64 (E, M), contiguous
+    log_pi : (E, h_kv, M * bs) float32, contiguous; -inf where the slot holds no token
+    sketch : kvcert.fast.ClusterSketch of the E rows
+    scale : float
+        The score scale tau, finite and positive.
+    delta : float
+        The certificate level 1 - delta.
+    record : str
+        The certificate kind whose recorded trace ``estimate.trace`` holds.
+    center_sums, tail_start : optional
+        As :func:`paged_sketch_hajek_attention`.
+
+    Returns
+    -------
+    kvcert.fast.ClusterEstimate
+        As :func:`paged_sketch_hajek_attention`.
+    """
+    return _paged_sketch_op(q, kv_cache, block_ids, log_pi, scale, sketch, None, delta, None, record, center_sums,
+                            tail_start, False)

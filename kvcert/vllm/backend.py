@@ -332,24 +332,27 @@ def token_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.T
     :func:`kvcert.dispatch.hajek_attention`. :data:`LAST_ROUTE` says which ran.
     """
     out, stats = _token_step(query, kv_cache, block_ids, log_pi, scale, kind)
-    return out, radius_from_statistics(kind, delta, **stats)[2]
+    return out, radius_from_statistics(kind, delta, **with_output_norm(stats))[2]
 
 
 def _token_step(query, kv_cache, block_ids, log_pi, scale: float, kind: str):
-    """:func:`token_decode`'s output and the statistics of its certificate (:func:`certificate_moments`'), the
-    radii not yet taken (:meth:`kvcert.vllm.worker.Step.add_statistics` takes them once per step)."""
+    """:func:`token_decode`'s output and the statistics of its certificate (:func:`certificate_moments`'; on the
+    op's route the trace and the output, whose norm :func:`with_output_norm` takes), the radii not yet taken
+    (:meth:`kvcert.vllm.worker.Step.add_statistics` takes them, and the norms, once per step)."""
     opts = estimate_options(kind)
     lp = log_pi.to(torch.float32)
     if not any(opts.values()) and query.device.type == "cpu" and dispatch.cpu_op_available():
         from kvcert.kernels import cpu
 
-        est = cpu.paged_hajek_attention(query, kv_cache, block_ids, lp, scale=scale, validate=False)
+        est = cpu.paged_decode_step(query, kv_cache.contiguous(), block_ids.contiguous(), lp.contiguous(), scale)
         LAST_ROUTE[0] = "paged_cpu_op"
+        stats = {"trace": est.trace, "output": est.output}  # a trace-only kind's statistics, the norm not yet taken
     else:
         k, v = gather_rows(kv_cache, block_ids)
         est = dispatch.hajek_attention(query, k, v, log_pi=lp, scale=scale, validate=False, **opts)
         LAST_ROUTE[0] = "gather"
-    return est.output.to(query.dtype), certificate_moments(est, kind)
+        stats = certificate_moments(est, kind)
+    return est.output.to(query.dtype), stats
 
 
 def sketch_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
@@ -390,19 +393,32 @@ def sketch_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.
     :func:`kvcert.dispatch.sketch_hajek_attention`. :data:`LAST_ROUTE` says which ran.
     """
     out, stats = _sketch_step(query, kv_cache, block_ids, log_pi, sketch, scale, kind, delta, centre)
-    return out, radius_from_statistics(kind, delta, **stats)[2]
+    return out, radius_from_statistics(kind, delta, **with_output_norm(stats))[2]
+
+
+def with_output_norm(stats: dict) -> dict:
+    r"""A step's certificate statistics as :func:`kvcert.fast.radius_from_statistics` reads them: an ``"output"``
+    entry (the estimate, (..., dv); what the decode layers leave, :meth:`kvcert.vllm.worker.Step.add_statistics`)
+    replaced by its norm ``"output_norm"`` :math:`\lVert\hat o\rVert_2` (..., taken in float32); ``stats`` itself
+    when it holds the norm already."""
+    if "output" not in stats:
+        return stats
+    out = dict(stats)
+    out["output_norm"] = torch.linalg.vector_norm(out.pop("output").float(), dim=-1)
+    return out
 
 
 def _sketch_step(query, kv_cache, block_ids, log_pi, sketch, scale: float, kind: str, delta: float, centre=None):
-    """:func:`sketch_decode`'s output and the statistics of its certificate (the recorded trace and the output's
-    norm), the radii not yet taken (:meth:`kvcert.vllm.worker.Step.add_statistics` takes them once per step)."""
+    """:func:`sketch_decode`'s output and the statistics of its certificate (the recorded trace and the output,
+    whose norm :func:`with_output_norm` takes), the radii not yet taken (:meth:`kvcert.vllm.worker.Step.add_statistics`
+    takes them, and the norms, once per step)."""
     lp = log_pi.to(torch.float32)
     if query.device.type == "cpu" and dispatch.cpu_op_available():
         from kvcert.kernels import cpu
 
         sums, start = centre if centre is not None else (None, None)
-        ce = cpu.paged_sketch_hajek_attention(query, kv_cache, block_ids, lp, sketch, scale=scale, delta=delta,
-                                               record=kind, center_sums=sums, tail_start=start, validate=False)
+        ce = cpu.paged_sketch_decode_step(query, kv_cache.contiguous(), block_ids.contiguous(), lp.contiguous(), sketch,
+                                          scale, delta, kind, sums, start)
         trace = ce.estimate.trace
         LAST_ROUTE[0] = "sketch_paged_cpu_op"
     else:
@@ -412,7 +428,7 @@ def _sketch_step(query, kv_cache, block_ids, log_pi, sketch, scale: float, kind:
         trace = recorded_trace(ce, kind)
         LAST_ROUTE[0] = "sketch_gather_cpu_op" if dispatch.last_route() == "cpu_op" else "sketch_gather"
     out = ce.output
-    return out.to(query.dtype), {"trace": trace, "output_norm": torch.linalg.vector_norm(out.float(), dim=-1)}
+    return out.to(query.dtype), {"trace": trace, "output": out}
 
 
 class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -486,7 +502,7 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
                                      plan.masked_log_pi, self.scale, plan.block_chunks)
             output.index_copy_(0, plan.masked_tokens, o.to(output.dtype))
             step.add_statistics([row.req_id for row in plan.masked], cfg.kind, cfg.delta,
-                                {"trace": trace, "output_norm": torch.linalg.vector_norm(o.float(), dim=-1)})
+                                {"trace": trace, "output": o})
             return
         opts = estimate_options(cfg.kind)
         for row in plan.masked:

@@ -367,7 +367,9 @@ class Step:
     def add_statistics(self, req_ids: list, kind: str, delta: float, stats: dict) -> None:
         """:meth:`add_certificates` from the statistics of the rows' certificate of ``kind``: ``stats``, the
         trace, the output's norm and what else the kind reads, (len(req_ids), h_q) each
-        (:func:`kvcert.fast.certificate_moments`' keywords). The relative radii,
+        (:func:`kvcert.fast.certificate_moments`' keywords), or in place of the norm the output itself,
+        ``"output"`` (len(req_ids), h_q, dv), whose norms are then taken for every layer of the step in one
+        call (:func:`kvcert.vllm.backend.with_output_norm`). The relative radii,
         :func:`kvcert.fast.radius_from_statistics`' of them, are computed in :meth:`results` for every layer of
         the step in one call per row group: an elementwise map, so they are those of one call per layer, and
         the step saves that call's fixed cost (about 40 us) at each layer."""
@@ -381,6 +383,7 @@ class Step:
         radii = {}
         for (rids, kind, delta), layers in pending.items():
             stacked = {k: None if layers[0][k] is None else torch.stack([x[k] for x in layers]) for k in layers[0]}
+            stacked = _backend.with_output_norm(stacked)  # the outputs' norms, every layer's in one call
             radii[rids, kind, delta] = iter(radius_from_statistics(kind, delta, **stacked)[2])
         groups: dict[tuple, list] = {}
         for rids, rel, stats in self._certs:
