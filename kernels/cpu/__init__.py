@@ -799,13 +799,9 @@ def paged_sketch_decode_step(q: torch.Tensor, kv_cache: torch.Tensor, block_ids:
 
     Parameters
     ----------
-    q : (E, h_q, d)
-    kv_cache : (num_blocks, h_kv, bs, 2 d), float32 or bfloat16, contiguous (``vec`` layout)
-    block_ids : int64 (E, M), contiguous
-    log_pi : (E, h_kv, M * bs) float32, contiguous; -inf where the slot holds no token
+    q, kv_cache, block_ids, log_pi, scale
+        As :func:`paged_decode_step`.
     sketch : kvcert.fast.ClusterSketch of the E rows
-    scale : float
-        The score scale tau, finite and positive.
     delta : float
         The certificate level 1 - delta.
     record : str
