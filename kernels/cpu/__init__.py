@@ -766,8 +766,8 @@ def paged_sketch_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_
         n_slots = log_pi.shape[-1]
         if validate and E and not bool(((tail_start >= 0) & (tail_start <= n_slots)).all()):
             raise ValueError(f"tail_start must lie in [0, {n_slots}] (the rows' slots), got {tail_start.tolist()}")
-    return _paged_sketch_op(q, kv_cache if kv_cache.is_contiguous() else kv_cache.contiguous(), block_ids.contiguous(),
-                            lp, tau, sketch, rule, delta, multiplier, record, center_sums, tail_start, validate)
+    return _paged_sketch_op(q, kv_cache.contiguous(), block_ids.contiguous(), lp, tau, sketch, rule, delta, multiplier,
+                            record, center_sums, tail_start, validate)
 
 
 def _paged_sketch_op(q, kv_cache, block_ids, log_pi, tau: float, sketch, rule, delta, multiplier, record, center_sums,
