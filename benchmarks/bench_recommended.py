@@ -180,8 +180,8 @@ def decode_inputs(kept: int, seed: int = 0) -> dict:
 class _Layer(SimpleNamespace):
     """The attributes of a cache layer ``kvcert.dispatch.decode`` reads, value moments cached."""
 
-    def value_moments(self):
-        return self.mu, self.r2
+    def value_moments(self, distances=True):
+        return self.mu, self.r2 if distances else None
 
 
 def decode_variants(c: dict) -> dict:

@@ -76,8 +76,8 @@ class KVCertLayer(DynamicLayer):
         #: (b,) float64 budget of each row's prefill event (NaN: none), the target of later events
         self.budgets: torch.Tensor | None = None
         #: (b, h_kv, dv) centre mu of the cached trace (the mean kept value at the last eviction event)
-        #: and (b, h_kv, m) ||v_i - mu||^2 per slot (``hajek_attention``'s ``value_center`` /
-        #: ``value_sqdist``), or None before the first decode step of a layer
+        #: and (b, h_kv, m') ||v_i - mu||^2 of the first m' <= m slots (``hajek_attention``'s ``value_center`` /
+        #: ``value_sqdist``; :meth:`value_moments` brings them up to date), or None before the first decode step
         self.value_center: torch.Tensor | None = None
         self.value_sqdist: torch.Tensor | None = None
         self._kept: torch.Tensor | None = None
@@ -134,10 +134,6 @@ class KVCertLayer(DynamicLayer):
                           out=dst)
             self.log_weights, dst = self._append("log_weights", q)
             dst.zero_()
-            if self.value_center is not None:
-                self.value_sqdist, dst = self._append("value_sqdist", q)
-                v = value_states if value_states.dtype == self.stat_dtype else value_states.to(self.stat_dtype)
-                torch.sum(torch.sub(v, self.value_center[:, :, None]).square_(), -1, out=dst)
             if self._kept is not None:
                 self._kept = self._kept + q
         self.next_position = self.next_position + q
@@ -282,24 +278,40 @@ class KVCertLayer(DynamicLayer):
             self._kept = self.valid.sum(-1)
         return self._kept
 
-    def value_moments(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def value_moments(self, distances: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         r"""The centre and squared distances of the cached trace, ``(value_center, value_sqdist)``.
 
         .. math:: \mu = \frac{1}{|S|}\sum_{i \in S} v_i, \qquad r_i = \lVert v_i - \mu \rVert^2,
 
         over the held tokens S of each KV head (:func:`kvcert.fast.value_moments`),
-        computed from the cache on first use after an eviction event, then
-        extended by :meth:`update` for each new token (mu stays that of the
-        event). Any centre gives the same trace in exact arithmetic; the mean
-        kept value keeps the fp32 expansion of
+        computed from the cache on first use after an eviction event (mu stays
+        that of the event); the distances of the tokens appended since are
+        added when next asked for, so a decode step that reads only the centre
+        (the compiled CPU op computes the distances in its own pass) pays
+        nothing for them. Any centre gives the same trace in exact arithmetic;
+        the mean kept value keeps the fp32 expansion of
         :func:`kvcert.fast.hajek_attention` well conditioned.
+
+        Parameters
+        ----------
+        distances : bool
+            False: ``(value_center, None)``, the distances not brought up to date.
         """
-        if self.value_center is None or self.value_sqdist.shape[-1] != self.physical_length:
+        held = self.physical_length
+        if self.value_center is None or self.value_sqdist.shape[-1] > held:
             from .fast import value_moments
 
             self.value_center, self.value_sqdist = value_moments(self.values, log_pi=self.log_weights)
             self.value_center = self.value_center.to(self.stat_dtype)
             self.value_sqdist = self.value_sqdist.to(self.stat_dtype)
+        if not distances:
+            return self.value_center, None
+        m = self.value_sqdist.shape[-1]
+        if m < held:  # the tokens appended since (pi = 1; padding marked later invalidates): ||v_i - mu||^2
+            self.value_sqdist, dst = self._append("value_sqdist", held - m)
+            v = self.values[:, :, m:]
+            v = v if v.dtype == self.stat_dtype else v.to(self.stat_dtype)
+            torch.sum(torch.sub(v, self.value_center[:, :, None]).square_(), -1, out=dst)
         return self.value_center, self.value_sqdist
 
     def _invalidate(self) -> None:

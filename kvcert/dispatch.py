@@ -539,7 +539,8 @@ def decode(query: torch.Tensor, layer, *, scale: float, options: dict, kind: str
     - ``"token"``: :func:`hajek_attention` (this module's backend choice), the Taylor trace
       :math:`\sum_{i\in S} (1-\pi_i) a_i^2 \lVert v_i - \hat o\rVert^2`; a one-token step on the
       "fast" backend with a trace-only kind reads the layer's cached value moments
-      (``layer.value_moments()``), so the trace takes no pass over V of its own; a softcap enters
+      (``layer.value_moments()``; the centre alone where the compiled op's step runs it), so the
+      trace takes no pass over V of its own; a softcap enters
       as the additive bias :math:`c\tanh(s_i/c) - s_i`;
     - ``"block"``: :func:`kvcert.fast.block_hajek_attention`, the cluster-sampling trace
       :math:`\sum_{b\in S} (1-\pi_b) \lVert\sum_{i\in b} a_i (v_i - \hat o)\rVert^2` with block
@@ -562,7 +563,8 @@ def decode(query: torch.Tensor, layer, *, scale: float, options: dict, kind: str
     layer : kvcert.cache.KVCertLayer
         Or any object with ``keys`` (b, h_kv, n, d), ``values`` (b, h_kv, n, dv),
         ``log_weights`` (b, h_kv, n) (-inf on padding), ``positions`` (b, h_kv, n) int64,
-        ``valid``, ``kept`` (b, h_kv), ``value_moments()``, ``block_size`` and ``sketch``; its
+        ``valid``, ``kept`` (b, h_kv), ``value_moments(distances=True)`` (the centre and the
+        distances, which may be None with ``distances=False``), ``block_size`` and ``sketch``; its
         last t slots are the new tokens.
     scale : float
         The score scale tau.
@@ -631,6 +633,17 @@ def _resolve_backend(query, layer, options: dict) -> str:
     return backend
 
 
+def _add_moments(kw: dict, query, layer, backend: str | None) -> None:
+    """A one-query step's cached value moments into ``kw``: ``value_center`` and ``value_sqdist`` from
+    ``layer.value_moments()``, or the centre alone (``value_moments(distances=False)``) where the compiled op's
+    step runs this layer (``backend`` "fast+cpu_op" and its tensors fit, :func:`_op_tensors`): the op computes
+    the distances in its own pass, so the layer does not bring them up to date."""
+    step = backend == _FAST_ON_CPU_OP and _op_tensors(query, layer.keys, layer.values)
+    kw["value_center"], r2 = layer.value_moments(distances=not step)
+    if r2 is not None:
+        kw["value_sqdist"] = r2
+
+
 def _decode_token(query, layer, *, scale, options, kind, delta, softcap, backend) -> LayerDecode:
     """The token route of :func:`decode`: :func:`hajek_attention` over the held slots."""
     if softcap is not None:
@@ -646,7 +659,7 @@ def _decode_token(query, layer, *, scale, options, kind, delta, softcap, backend
     q_len = query.shape[2]
     if q_len == 1:
         if moments:
-            kw["value_center"], kw["value_sqdist"] = layer.value_moments()
+            _add_moments(kw, query, layer, backend)
         est = hajek_attention(query[:, :, 0], layer.keys, layer.values, **kw)
         return LayerDecode("token", est.output[:, None], (DecodeRecord(est, layer.kept),), backend)
     qpos = _chunk_positions(layer, q_len)
@@ -723,7 +736,7 @@ def _decode_sketch(query, layer, *, scale, options, kind, delta, softcap, backen
     for j in range(q_len):
         if q_len == 1:
             log_pi = layer.log_weights
-            kw["value_center"], kw["value_sqdist"] = layer.value_moments()
+            _add_moments(kw, query, layer, backend)
             kept = layer.kept  # the held slots, log pi > -inf
         else:  # causal: the slots after query j's position are not there yet
             qpos = layer.positions[:, 0, layer.positions.shape[-1] - q_len + j]

@@ -90,6 +90,36 @@ def test_cached_value_moments_follow_appends_and_events():
     assert torch.equal(mu3, F.value_moments(layer.values, log_pi=layer.log_weights)[0])
 
 
+def test_value_distances_are_brought_up_to_date_only_when_asked_for(monkeypatch):
+    """The distances ||v_i - mu||^2 of appended tokens are computed when a step asks for them, once, and equal the
+    per-token formula; a step that reads the centre alone (the compiled op's, which computes them in its pass) leaves
+    them as they were, and then a later ask adds them all. The decode's op route asks for the centre alone, its torch
+    route for both."""
+    from kvcert import dispatch as D
+
+    layer, g = _layer(n=9)
+    mu, r2 = layer.value_moments()
+    for _ in range(5):
+        layer.update(torch.randn(2, 3, 1, 4, generator=g), torch.randn(2, 3, 1, 4, generator=g))
+    assert layer.value_sqdist.shape[-1] == 9, "an append computes no distance"
+    centre, none = layer.value_moments(distances=False)
+    assert centre is mu and none is None and layer.value_sqdist.shape[-1] == 9
+    mu2, r2b = layer.value_moments()
+    assert mu2 is mu and r2b.shape[-1] == 14 and torch.equal(r2b[..., :9], r2)
+    assert torch.equal(r2b[..., 9:], (layer.values[:, :, 9:] - mu[:, :, None]).square().sum(-1))
+    assert layer.value_moments()[1] is r2b, "brought up to date once"
+    layer.update(torch.randn(2, 3, 1, 4, generator=g), torch.randn(2, 3, 1, 4, generator=g))
+    q = torch.randn(2, 6, 1, 4, generator=g)
+    kw = dict(scale=0.5, options={"per_coordinate": False}, kind="chebyshev")
+    dec = D.decode(q, layer, **kw)
+    if dec.backend == "fast+cpu_op":  # the op's step (where the op is built): the centre alone
+        assert layer.value_sqdist.shape[-1] == 14
+    monkeypatch.setenv(D.CPU_OP_ENV_VAR, "0")  # the torch path reads the distances
+    t = D.decode(q, layer, **kw)
+    assert t.backend == "fast" and layer.value_sqdist.shape[-1] == 15
+    torch.testing.assert_close(t.output, dec.output, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("bad", [0.5, float("nan")])
 def test_replace_checks_log_weights_once_per_event(bad):
     layer, _ = _layer()

@@ -689,7 +689,7 @@ def test_a_forwards_resolved_op_route_gives_the_checked_calls_numbers(op, monkey
     q, k, v, pi, sketch, mu, r2 = _sketch_case(239, dtype, 3, tilt=True)
     lp = pi.log()
     token = SimpleNamespace(keys=k, values=v, log_weights=lp, positions=None, block_size=None, sketch=None,
-                            kept=(pi > 0).sum(-1), value_moments=lambda: (mu, r2))
+                            kept=(pi > 0).sum(-1), value_moments=lambda distances=True: (mu, r2 if distances else None))
     kw = dict(scale=0.125, options={"per_coordinate": False}, kind="chebyshev", delta=0.05)
     dec = D.decode(q[:, :, None], token, **kw)
     assert (dec.backend, D.last_backend(), D.last_route()) == ("fast+cpu_op", "fast", "cpu_op")
@@ -730,6 +730,15 @@ def test_a_forwards_resolved_op_route_gives_the_checked_calls_numbers(op, monkey
     assert torch.allclose(t.output.float(), dec.output.float(), rtol=rtol, atol=1e-5)
 
 
+def _sqdist(values, kw):
+    """A decode call's ||v_i - mu||^2: its ``value_sqdist``, or where the op's step was given the centre alone (the
+    op computes them in its pass), the cache layer's formula (0 on padding, as kvcert.fast.value_moments)."""
+    if kw.get("value_sqdist") is not None:
+        return kw["value_sqdist"].clone()
+    r2 = (values.float() - kw["value_center"][:, :, None]).square().sum(-1)
+    return torch.where(kw["log_pi"] > float("-inf"), r2, 0.0)
+
+
 def replace_log_weights(layer, log_weights):
     """A copy of a stand-in cache layer with other log pi (and its kept counts)."""
     from types import SimpleNamespace
@@ -744,7 +753,7 @@ def test_dispatch_runs_the_sketch_route_on_the_op_and_the_switch_forces_torch(op
 
     q, k, v, pi, sketch, mu, r2 = _sketch_case(239, torch.float32, 3, tilt=True, pad="none")
     layer = SimpleNamespace(keys=k, values=v, log_weights=pi.log(), positions=None, block_size=None, sketch=sketch,
-                            kept=(pi > 0).sum(-1), value_moments=lambda: (mu, r2))
+                            kept=(pi > 0).sum(-1), value_moments=lambda distances=True: (mu, r2 if distances else None))
     kw = dict(scale=0.125, options={}, kind="tilted_hull", delta=0.05)
     a = D.decode(q[:, :, None], layer, **kw)
     assert (a.route, D.last_route()) == ("sketch", "cpu_op")
@@ -778,7 +787,7 @@ def test_recorded_sketch_certificates_of_a_decode_are_unchanged(op, monkeypatch)
         def spy(q, keys, values, pi=None, sketch=None, _calls=calls, **kw):
             ce = original(q, keys, values, pi, sketch, **kw)
             _calls.append(dict(q=q.clone(), k=keys.clone(), v=values.clone(), pi=kw["log_pi"].exp(), sketch=sketch,
-                               mu=kw["value_center"].clone(), r2=kw["value_sqdist"].clone(), scale=kw["scale"],
+                               mu=kw["value_center"].clone(), r2=_sqdist(values, kw), scale=kw["scale"],
                                record=kw["record"], ce=ce, route=D.last_route()))
             return ce
 
