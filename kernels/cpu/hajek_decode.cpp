@@ -719,6 +719,10 @@ inline double logaddexp_d(double a, double b) {  // torch.logaddexp: -inf + -inf
 
 inline double max_nan(double a, double b) { return (a != a || b != b) ? kNaN : std::max(a, b); }  // torch.maximum
 
+typedef double vd4 __attribute__((vector_size(32)));  // the epilogue's double lanes
+
+inline vd4 to_vd4(const float* x) { return vd4{x[0], x[1], x[2], x[3]}; }
+
 void sketch_row(const Shape& S, const SketchForm& F, const float* part, const float* q, const float* center,
                 int64_t row, const float* o, float lse, float kappa, float tprime, std::vector<double>& x) {
   const int64_t G = S.G, d = S.d, dv = S.dv, C = F.C, C2 = 2 * C;
@@ -733,13 +737,33 @@ void sketch_row(const Shape& S, const SketchForm& F, const float* part, const fl
   const float* qr = q + row * d;
   const float* q0 = F.tilt ? F.tilt + bh * d : nullptr;
   double* xs = x.data();
-  std::copy(F.bias + bh * C2, F.bias + (bh + 1) * C2, xs);
-  for (int64_t j = 0; j < d; ++j) {
-    const double rj = static_cast<double>(qr[j]) - (q0 ? static_cast<double>(q0[j]) : 0.0), rj2 = rj * rj;
-    const float* w1 = W + j * C2;
-    const float* w2 = W + (d + j) * C2;
-#pragma omp simd
-    for (int64_t c = 0; c < C2; ++c) xs[c] += rj * w1[c] + rj2 * w2[c];
+  // x = bias + [r; r^2] W, 8 columns at a time in two vector accumulators (registers across the d terms: summing
+  // into x itself would make every term wait on the store of the one before); the columns past the last multiple
+  // of 8 (none when C is a multiple of 4) one by one
+  const float* bias = F.bias + bh * C2;
+  int64_t c0 = 0;
+  for (; c0 + 8 <= C2; c0 += 8) {
+    vd4 a0 = vd4{bias[c0], bias[c0 + 1], bias[c0 + 2], bias[c0 + 3]};
+    vd4 a1 = vd4{bias[c0 + 4], bias[c0 + 5], bias[c0 + 6], bias[c0 + 7]};
+    for (int64_t j = 0; j < d; ++j) {
+      const double rj = static_cast<double>(qr[j]) - (q0 ? static_cast<double>(q0[j]) : 0.0), rj2 = rj * rj;
+      const float* w1 = W + j * C2 + c0;
+      const float* w2 = W + (d + j) * C2 + c0;
+      a0 += rj * to_vd4(w1) + rj2 * to_vd4(w2);
+      a1 += rj * to_vd4(w1 + 4) + rj2 * to_vd4(w2 + 4);
+    }
+    for (int c = 0; c < 4; ++c) {
+      xs[c0 + c] = a0[c];
+      xs[c0 + 4 + c] = a1[c];
+    }
+  }
+  for (int64_t c = c0; c < C2; ++c) {
+    double acc = bias[c];
+    for (int64_t j = 0; j < d; ++j) {
+      const double rj = static_cast<double>(qr[j]) - (q0 ? static_cast<double>(q0[j]) : 0.0);
+      acc += rj * W[j * C2 + c] + rj * rj * W[(d + j) * C2 + c];
+    }
+    xs[c] = acc;
   }
   const float* ms = F.mu + bh * dv;
   double a2 = 0.0;  // ||mu_s - o||^2
