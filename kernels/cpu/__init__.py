@@ -347,13 +347,10 @@ def _run_op(q, keys, values, log_pi, value_center, scale: float, per_coordinate:
     if log_pi.dtype != torch.float32:
         log_pi = log_pi.to(torch.float32)
     ops = _state["ops"] if _state["ops"] is not None else load()
-    lead = q.shape[:-1]
-    b, h_kv, d = q.shape[0], keys.shape[1], q.shape[-1]
-    out, lse, n_eff, trace, var = ops.hajek_decode(q.reshape(b, h_kv, -1, d), keys, values, log_pi, value_center,
-                                                   scale, per_coordinate, splits)
-    return Estimate(output=out.view(*lead, out.shape[-1]), weights=None,
-                    variance=var.view(*lead, var.shape[-1]) if per_coordinate else None,
-                    trace=trace.view(lead), lse=lse.view(lead), n_eff=n_eff.view(lead))
+    out, lse, n_eff, trace, var = ops.hajek_decode(q, keys, values, log_pi, value_center, scale, per_coordinate,
+                                                   splits)  # in q's leading shape
+    return Estimate(output=out, weights=None, variance=var if per_coordinate else None, trace=trace, lse=lse,
+                    n_eff=n_eff)
 
 
 def decode_step(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, log_pi: torch.Tensor,

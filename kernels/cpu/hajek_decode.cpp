@@ -963,10 +963,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_de
   return {out, lse, neff, trace, var};
 }
 
+// The dense op: q in the caller's layout, (b, h_q, d) or (b, h_q, t, d) (the g t rows of a KV head share its pass);
+// the outputs in q's leading shape (o and the per-coordinate variance with dv last; the variance empty without
+// per_coordinate), so that the caller makes no view of its own.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_decode(
     const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& log_pi,
     const std::optional<at::Tensor>& center, double scale, bool per_coordinate, int64_t splits) {
-  return decode_dense(q, keys, values, log_pi, center, scale, per_coordinate, splits, false);
+  TORCH_CHECK((q.dim() == 3 || q.dim() == 4) && keys.dim() == 4, "hajek_decode: q must be (b, h_q[, t], d), keys 4-d");
+  const int64_t b = keys.size(0), h_kv = keys.size(1), d = keys.size(3);
+  TORCH_CHECK(q.size(0) == b && q.size(-1) == d && h_kv > 0 && q.size(1) % h_kv == 0,
+              "hajek_decode: q must be (b, h_q[, t], d) with h_q a multiple of h_kv");
+  const int64_t G = q.size(1) / h_kv * (q.dim() == 4 ? q.size(2) : 1);
+  const auto lead = q.sizes().slice(0, q.dim() - 1);
+  auto r = decode_dense(q.reshape({b, h_kv, G, d}), keys, values, log_pi, center, scale, per_coordinate, splits,
+                        false);
+  std::vector<int64_t> row_shape(lead.begin(), lead.end());
+  row_shape.push_back(values.size(3));
+  at::Tensor var = std::get<4>(r);
+  return {std::get<0>(r).view(row_shape), std::get<1>(r).view(lead), std::get<2>(r).view(lead),
+          std::get<3>(r).view(lead), per_coordinate ? var.view(row_shape) : var};
 }
 
 // A float32, contiguous copy of a form tensor (a no-op for the cached form's own) with `numel` elements.
