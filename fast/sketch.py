@@ -838,20 +838,25 @@ def _version(sketch: ClusterSketch) -> int | None:
         return None
 
 
-def _decode_form(sketch, L: _Layout) -> _DecodeForm:
+def _decode_form(sketch, L: _Layout, follow_in_place: bool = True) -> _DecodeForm:
     """The per-step constants (:class:`_DecodeForm`) of ``sketch`` for the layout ``L`` (compute dtype, score
     scale, heads, device), kept on the sketch (its ``_form`` field) so that later steps read them as they are.
 
     Rebuilt, with the sketch's shape check, for another dtype, scale or layout, or when a tensor of the
     sketch was changed in place (the sum of their version counters moved; inference tensors keep none, so a
     sketch of them must not be changed in place, as no ClusterSketch should be: ``map`` and
-    ``dataclasses.replace`` make new ones). TypeError when ``sketch`` is not a :class:`ClusterSketch`."""
+    ``dataclasses.replace`` make new ones). ``follow_in_place=False`` skips that last test (the version
+    counters of its eleven tensors, a few microseconds a call inside a model's forward): for a cache layer's
+    sketch on the per-step path, which the eviction event made and nothing changes in place. TypeError when
+    ``sketch`` is not a :class:`ClusterSketch`."""
     if not isinstance(sketch, ClusterSketch):
         raise TypeError(f"sketch must be a ClusterSketch (kvcert.fast.cluster_sketch), got {type(sketch).__name__}")
     dt = L.dtype
     key = (dt, float(L.scale), L.b, L.h_kv, L.d, L.dv, L.q.device)
-    version = _version(sketch)
     form = sketch._form
+    if form is not None and form.key == key and not follow_in_place:
+        return form
+    version = _version(sketch)
     if form is not None and form.key == key and form.version == version:
         return form
     _check_sketch(sketch, L)

@@ -439,3 +439,22 @@ def test_the_cached_decode_form_follows_the_sketch():
     # a step that built them for these heads
     with pytest.raises(ValueError, match=r"sketch.mean must have shape \(b, h_kv, C, d\)"):
         FS.sketch_hajek_attention(q.repeat(2, 1, 1), K.repeat(2, 1, 1, 1), V.repeat(2, 1, 1, 1), P.repeat(2, 1, 1), sk)
+
+
+def test_the_per_step_path_reads_a_built_form_without_the_version_counters():
+    """``follow_in_place=False`` (the op's per-layer steps, on a cache layer's sketch) returns the form built for
+    the same layout without reading the sketch's version counters, so an in-place change is not followed there
+    (no cache layer's sketch is changed in place); the default follows it, and another layout rebuilds either way."""
+    from types import SimpleNamespace
+
+    *_, sk, q, K, V, P = _small()
+    L = SimpleNamespace(dtype=torch.float32, scale=0.5, b=1, h_kv=2, d=4, dv=3, q=q)
+    built = FS._decode_form(sk, L)
+    assert FS._decode_form(sk, L, follow_in_place=False) is built
+    with torch.no_grad():
+        sk.mean.mul_(1.5)
+    assert FS._decode_form(sk, L, follow_in_place=False) is built        # not followed on the step path
+    moved = FS._decode_form(sk, L)                                        # followed by default
+    assert moved is not built and not torch.equal(moved.W, built.W)
+    other = FS._decode_form(sk, SimpleNamespace(**{**vars(L), "scale": 0.25}), follow_in_place=False)
+    assert other is not moved and other.key[1] == 0.25

@@ -515,26 +515,28 @@ def _cluster_call(q, keys, values, pi, log_pi, sketch, scale, delta, rule, multi
     return _sketch_op(q, keys, values, lp, mu, tau, sketch, rule, delta, multiplier, record, validate)
 
 
-def _sketch_constants(q, sketch, tau: float, b: int, h_kv: int, dv: int, rule, delta, multiplier, record):
+def _sketch_constants(q, sketch, tau: float, b: int, h_kv: int, dv: int, rule, delta, multiplier, record,
+                      follow_in_place: bool = True):
     """What a sketch op call (dense or paged) reads besides the tensors: ``(form, rule, delta, factor, clip)``, the
     sketch's decode form (``kvcert.fast.sketch._decode_form``, float32, built at the first call for a layout and kept
     on the sketch, its shape check with it), the checked radius rule and delta and the rule's factor (the sketch's
     rule and multiplier where None), and the recorded kind's clip (0 without one)."""
     names = _sketch_names or _sketch_imports()
     form = names["form"](sketch, names["Layout"](dtype=torch.float32, scale=tau, b=b, h_kv=h_kv, d=q.shape[-1], dv=dv,
-                                                 q=q))
+                                                 q=q), follow_in_place)
     rule, delta, factor = _radius_factor(sketch.rule if rule is None else rule, delta,
                                          sketch.multiplier if multiplier is None else multiplier)
     return form, rule, delta, factor, 0.0 if record is None else names["clip"](record, delta)
 
 
-def _sketch_op(q, keys, values, log_pi, center, tau: float, sketch, rule, delta, multiplier, record, validate: bool):
+def _sketch_op(q, keys, values, log_pi, center, tau: float, sketch, rule, delta, multiplier, record, validate: bool,
+               follow_in_place: bool = True):
     """The dense sketch op's call and its ClusterEstimate: the sketch's decode form (``kvcert.fast.sketch._decode_form``,
     float32, built at the first call for a layout and kept on the sketch, its shape check with it), the radius rule's
     factor (the sketch's rule and multiplier where None), the recorded kind's clip, and with ``validate`` the refusal
     of a NaN output or variance."""
     form, rule, delta, factor, clip = _sketch_constants(q, sketch, tau, keys.shape[0], keys.shape[1], values.shape[-1],
-                                                        rule, delta, multiplier, record)
+                                                        rule, delta, multiplier, record, follow_in_place)
     ops = _state["ops"] if _state["ops"] is not None else load()
     output, lse, var, rad, bnd, rec = ops.hajek_decode_sketch(q, keys, values, log_pi, center, tau, 0, form.W,
                                                               form.bias, form.weight, form.wnorm, form.tilt, form.mu,
@@ -554,7 +556,8 @@ def sketch_decode_step(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     (bit for bit), without that function's argument checks: the caller (:func:`kvcert.dispatch.decode`, once
     the route is known to fit the op) passes a cache layer's tensors and sketch, which the eviction event
     made and checked. The sketch's decode form is still rebuilt and its shape checked when the layout or
-    the sketch changes (``kvcert.fast.sketch._decode_form``).
+    the sketch object changes (``kvcert.fast.sketch._decode_form``), not when one of its tensors is changed in
+    place (no cache layer's sketch is: each event installs a new one).
 
     Parameters
     ----------
@@ -577,7 +580,7 @@ def sketch_decode_step(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     kvcert.fast.ClusterEstimate
         As :func:`sketch_hajek_attention`.
     """
-    return _sketch_op(q, keys, values, log_pi, value_center, scale, sketch, None, delta, None, record, False)
+    return _sketch_op(q, keys, values, log_pi, value_center, scale, sketch, None, delta, None, record, False, False)
 
 
 def _cluster_result(out_dtype, double, form, rule, delta, record, output, lse, var, rad, bnd, rec):
@@ -768,11 +771,11 @@ def paged_sketch_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_
 
 
 def _paged_sketch_op(q, kv_cache, block_ids, log_pi, tau: float, sketch, rule, delta, multiplier, record, center_sums,
-                     tail_start, validate: bool):
+                     tail_start, validate: bool, follow_in_place: bool = True):
     """The paged sketch op's call and its ClusterEstimate (:func:`_sketch_op`'s constants and result); with
     ``validate`` the refusal of a NaN output or variance. Shapes, dtypes and block ids are checked by the op."""
     form, rule, delta, factor, clip = _sketch_constants(q, sketch, tau, q.shape[0], kv_cache.shape[1], q.shape[-1],
-                                                        rule, delta, multiplier, record)
+                                                        rule, delta, multiplier, record, follow_in_place)
     ops = _state["ops"] if _state["ops"] is not None else load()
     output, lse, var, rad, bnd, rec, _ = ops.hajek_decode_sketch_paged(
         q, kv_cache, block_ids, log_pi, tau, 0, form.W, form.bias, form.weight, form.wnorm, form.tilt, form.mu,
@@ -792,7 +795,8 @@ def paged_sketch_decode_step(q: torch.Tensor, kv_cache: torch.Tensor, block_ids:
     (bit for bit), without that function's Python checks: the plugin passes its step's tensors and the rows'
     sketch, which the step's plan and the compaction built. The op itself still checks every shape, dtype and
     contiguity and that the block ids lie in the cache (a ``RuntimeError`` otherwise); the sketch's decode form
-    is rebuilt, with its shape check, when the layout or the sketch changes.
+    is rebuilt, with its shape check, when the layout or the sketch object changes (not for an in-place change of
+    one of its tensors, which the plugin never makes).
 
     Parameters
     ----------
@@ -812,4 +816,4 @@ def paged_sketch_decode_step(q: torch.Tensor, kv_cache: torch.Tensor, block_ids:
         As :func:`paged_sketch_hajek_attention`.
     """
     return _paged_sketch_op(q, kv_cache, block_ids, log_pi, scale, sketch, None, delta, None, record, center_sums,
-                            tail_start, False)
+                            tail_start, False, False)
