@@ -128,7 +128,7 @@ class KVCertLayer(DynamicLayer):
             dst.copy_(value_states)
             self.positions, dst = self._append("positions", q)
             if q == 1:  # a decode step: its position is the row's next one
-                dst.copy_(self.next_position[:, None, None])
+                dst.copy_(self.next_position.view(b, 1, 1))
             else:
                 torch.add(self.next_position[:, None, None].expand(b, h, 1), torch.arange(q, device=self.device),
                           out=dst)
@@ -159,9 +159,9 @@ class KVCertLayer(DynamicLayer):
             shape[2] = m + q + max(64, (m + q) // 16)
             buf = cur.new_empty(shape)
             buf[:, :, :m] = cur
-        view = buf[:, :, :m + q]
+        view = buf.narrow(2, 0, m + q)  # narrow: the same views as buf[:, :, ...], without the indexing machinery
         self._buffers[name] = (buf, view)
-        return view, buf[:, :, m:m + q]
+        return view, buf.narrow(2, m, q)
 
     def reserved_bytes(self) -> int:
         """Bytes held by this layer's tensors, spare reserved slots included."""

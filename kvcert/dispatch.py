@@ -660,8 +660,8 @@ def _decode_token(query, layer, *, scale, options, kind, delta, softcap, backend
     if q_len == 1:
         if moments:
             _add_moments(kw, query, layer, backend)
-        est = hajek_attention(query[:, :, 0], layer.keys, layer.values, **kw)
-        return LayerDecode("token", est.output[:, None], (DecodeRecord(est, layer.kept),), backend)
+        est = hajek_attention(query.select(2, 0), layer.keys, layer.values, **kw)
+        return LayerDecode("token", est.output.unsqueeze(1), (DecodeRecord(est, layer.kept),), backend)
     qpos = _chunk_positions(layer, q_len)
     est = hajek_attention(query, layer.keys, layer.values, positions=layer.positions, query_positions=qpos, **kw)
     return LayerDecode("token", est.output.transpose(1, 2), (DecodeRecord(est, _seen(layer, qpos)),), backend)
@@ -732,22 +732,20 @@ def _decode_sketch(query, layer, *, scale, options, kind, delta, softcap, backen
     kw = dict(scale=scale, delta=delta, validate=False, trace=False, record=kind,
               backend=_FAST_ON_CPU_OP if backend == _FAST_ON_CPU_OP else None)  # the sketch's code: op or fast
     held = layer.sketch.tokens  # its memory in kept-token units, as the press sized the budget
+    if q_len == 1:  # a decode step: the held slots (log pi > -inf), the cached value moments
+        _add_moments(kw, query, layer, backend)
+        est = sketch_hajek_attention(query.select(2, 0), layer.keys, layer.values, None, layer.sketch,
+                                      log_pi=layer.log_weights, **kw).estimate
+        return LayerDecode("sketch", est.output.unsqueeze(1), (DecodeRecord(est, layer.kept, held),), backend)
     outs, records = [], []
-    for j in range(q_len):
-        if q_len == 1:
-            log_pi = layer.log_weights
-            _add_moments(kw, query, layer, backend)
-            kept = layer.kept  # the held slots, log pi > -inf
-        else:  # causal: the slots after query j's position are not there yet
-            qpos = layer.positions[:, 0, layer.positions.shape[-1] - q_len + j]
-            log_pi = layer.log_weights.masked_fill(layer.positions > qpos[:, None, None], float("-inf"))
-            kept = (log_pi > float("-inf")).sum(-1)
+    for j in range(q_len):  # causal: the slots after query j's position are not there yet
+        qpos = layer.positions[:, 0, layer.positions.shape[-1] - q_len + j]
+        log_pi = layer.log_weights.masked_fill(layer.positions > qpos[:, None, None], float("-inf"))
         est = sketch_hajek_attention(query[:, :, j], layer.keys, layer.values, None, layer.sketch, log_pi=log_pi,
                                       **kw).estimate
-        records.append(DecodeRecord(est, kept, held))
+        records.append(DecodeRecord(est, (log_pi > float("-inf")).sum(-1), held))
         outs.append(est.output)
-    return LayerDecode("sketch", outs[0][:, None] if q_len == 1 else torch.stack(outs, dim=1), tuple(records),
-                       backend)
+    return LayerDecode("sketch", torch.stack(outs, dim=1), tuple(records), backend)
 
 
 _ROUTES = {"token": _decode_token, "block": _decode_block, "sketch": _decode_sketch}
