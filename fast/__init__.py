@@ -85,6 +85,7 @@ from .sketch import (
     cluster_radius,
     cluster_sketch,
     cluster_variance,
+    sketched_variance,
     kmeans_assign,
     recorded_trace,
     window_tilt,
@@ -108,7 +109,8 @@ __all__ = [
     "scorers", "SCORERS", "Scorer", "register_scorer", "expected_attention_scores", "h2o_scores", "knorm_scores", "random_scores", "snapkv_scores",
     "streaming_llm_scores", "tova_scores",
     "CLUSTER_RADII", "RADIUS_RULES", "RadiusRule", "ClusterDesign", "ClusterEstimate", "ClusterSketch",
-    "sketch_hajek_attention", "cluster_radius", "cluster_sketch", "cluster_variance", "kmeans_assign", "recorded_trace", "window_tilt",
+    "sketch_hajek_attention", "cluster_radius", "cluster_sketch", "cluster_variance", "kmeans_assign", "recorded_trace",
+    "sketched_variance", "window_tilt",
     "TARGET_KINDS", "TargetBudget", "predicted_radius", "target_budget", "window_variance_terms",
     "Allocation", "adakv_budgets", "allocate_budgets", "pyramid_budgets", "uniform_budgets",
 ]

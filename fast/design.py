@@ -851,8 +851,9 @@ SKETCHES = {"cluster": ClusterDesign(radius="chebyshev"),
 
 
 #: the kinds a sketched design records -> the radius rule (and multiplier) its ClusterDesign carries:
-#: ``chebyshev`` = sqrt(V_cl / delta); ``tilted_hull`` (the recommended design's kind, with ``sketch="tilted"``)
-#: = c sqrt(V_cl), c = ``TILTED_HULL_MULTIPLIER``; both capped at the hull bound
+#: ``chebyshev`` = sqrt(V / delta); ``tilted_hull`` (the recommended design's kind, with ``sketch="tilted"``)
+#: = c sqrt(V), c = ``TILTED_HULL_MULTIPLIER``; V = max(V_cl, HT trace) (``kvcert.fast.sketched_variance``); both
+#: capped at the hull bound
 SKETCH_KINDS = {"chebyshev": ("chebyshev", None), "tilted_hull": ("fixed", TILTED_HULL_MULTIPLIER)}
 
 
@@ -899,7 +900,8 @@ def default_design(sketch, kind, *, target_error=None):
 def resolve_sketch(sketch, kind: str):
     """A design's ``sketch=``: None, a name of :data:`SKETCHES` or a ClusterDesign-like object -> None or a
     ``kvcert.fast.ClusterDesign`` whose radius rule is the recorded ``kind``'s: ``chebyshev`` records
-    sqrt(V_cl / delta), ``tilted_hull`` (``sketch="tilted"`` only) 3 sqrt(V_cl); both capped at the hull bound.
+    sqrt(V / delta), ``tilted_hull`` (``sketch="tilted"`` only) 3 sqrt(V), V = max(V_cl, HT trace); both capped at
+    the hull bound.
 
     Raises
     ------
@@ -909,7 +911,7 @@ def resolve_sketch(sketch, kind: str):
     rules = SKETCH_KINDS
     if sketch is None:
         if kind == "tilted_hull":
-            raise ValueError("kind='tilted_hull' is the tilted sketch's radius, min(3 sqrt(V_cl), H): use "
+            raise ValueError("kind='tilted_hull' is the tilted sketch's radius, min(3 sqrt(V), H): use "
                              "PoissonPress(sketch='tilted', kind='tilted_hull'); without a sketch it is "
                              "uncalibrated (use kind='chebyshev')")
         return None
@@ -928,8 +930,9 @@ def resolve_sketch(sketch, kind: str):
     if rule is None or design.radius != rule[0] or (rule[1] is not None and design.multiplier != rule[1]) \
             or (kind == "tilted_hull" and not design.tilt):
         raise ValueError(f"sketch: a sketched PoissonPress records kind='chebyshev' (a design with "
-                         f"radius='chebyshev': sqrt(V_cl / delta)) or kind='tilted_hull' (sketch='tilted': "
-                         f"3 sqrt(V_cl)), capped at the hull bound (got kind={kind!r}, radius={design.radius!r}, "
+                         f"radius='chebyshev': sqrt(V / delta)) or kind='tilted_hull' (sketch='tilted': "
+                         f"3 sqrt(V)), V = max(V_cl, HT trace), capped at the hull bound (got kind={kind!r}, "
+                         f"radius={design.radius!r}, "
                          f"multiplier={design.multiplier!r}, tilt={design.tilt!r})")
     return design
 

@@ -20,12 +20,14 @@ attention (h_q = g * h_kv) and several queries, float32 or float64. Never import
   C = ``clusters`` of slots per head: a cluster without an evicted token has
   ``count`` 0 and ``weight`` 0 and contributes nothing (the reference drops it).
 - :func:`cluster_variance`: :math:`V_{\mathrm{cl}}` for a plug-in output.
+- :func:`sketched_variance`: the variance the radius reads, the larger of
+  :math:`V_{\mathrm{cl}}` and the sample's HT trace.
 - :func:`cluster_radius`: radius from a variance (``chebyshev``, ``gaussian``,
   ``fixed``).
 - :func:`sketch_hajek_attention`: the decode step: Hajek output, HT trace,
-  :math:`V_{\mathrm{cl}}` and its radius with one read of K and V (the trace and
-  the kept part of :math:`V_{\mathrm{cl}}` are two more rows of the output's
-  matmul) and O(C d) more work per query for the sketch.
+  :math:`V_{\mathrm{cl}}`, :func:`sketched_variance` and its radius with one read of K
+  and V (the trace and the kept part of :math:`V_{\mathrm{cl}}` are two more rows of the
+  output's matmul) and O(C d) more work per query for the sketch.
 
 Memory (elements of the K/V dtype, one head): C (2d + 3) + dv + 1
 (:meth:`ClusterDesign.elements`), whatever the number of evicted tokens.
@@ -70,6 +72,7 @@ __all__ = [
     "sketch_step",
     "cluster_variance",
     "kmeans_assign",
+    "sketched_variance",
     "window_tilt",
 ]
 
@@ -147,7 +150,7 @@ class ClusterDesign:
     iterations : int >= 0
         Lloyd iterations.
     radius : a name of :data:`RADIUS_RULES`
-    multiplier : float > 0, the ``fixed`` rule's c in c sqrt(V_cl)
+    multiplier : float > 0, the ``fixed`` rule's c in c sqrt(V)
     tilt : bool
         The tilted design (docs/theory.md section 8, fifth slice): the moments are taken at a
         tilt point q0 per KV head given at eviction (:func:`window_tilt`), the decode step in
@@ -307,13 +310,16 @@ class ClusterEstimate:
     estimate : Estimate
         What ``hajek_attention(..., per_coordinate=False)`` returns on the same inputs
         (output, lse and the HT ``trace``; ``weights``, ``variance``, ``n_eff`` None).
-    variance : (b, h_q[, t]) V_cl, the hybrid variance with the sketch's evicted part
-    radius : (b, h_q[, t]) the radius of ``rule`` on V_cl at level 1 - ``delta``, capped at ``bound``
+    variance : (b, h_q[, t]) the variance the radius reads, :func:`sketched_variance`: the larger of
+        V_cl (the hybrid variance with the sketch's evicted part) and the sample's HT trace
+    radius : (b, h_q[, t]) the radius of ``rule`` on ``variance`` at level 1 - ``delta``, capped at ``bound``
     rule : str   delta : float
     bound : (b, h_q[, t]) or None, the deterministic hull bound
         :math:`\lVert\hat o-\mu\rVert + \max(\rho_U, \max_S\lVert v_i - c\rVert + \lVert c-\mu\rVert)` on
         :math:`\lVert\hat o - o\rVert` (``kvcert.reference.sketch.hull_bound``; None for a sketch without
         ``reach``)
+    cluster_variance : (b, h_q[, t]) or None, V_cl alone (the torch and Triton steps; None from the
+        compiled op, which returns ``variance`` only)
     """
 
     estimate: Estimate
@@ -322,6 +328,7 @@ class ClusterEstimate:
     rule: str
     delta: float
     bound: torch.Tensor | None = None
+    cluster_variance: torch.Tensor | None = None
 
     @property
     def output(self) -> torch.Tensor:
@@ -675,11 +682,12 @@ def _radius_per_root_trace(kind: str, delta: float) -> float:
 
 
 def recorded_trace(ce: "ClusterEstimate", kind: str) -> torch.Tensor:
-    r"""The trace a sketched decode records for certificate ``kind``: :math:`V_{\mathrm{cl}}` clipped at
+    r"""The trace a sketched decode records for certificate ``kind``: its variance
+    :math:`V = \max(V_{\mathrm{cl}}, \hat V_{\mathrm{HT}})` (``ce.variance``, :func:`sketched_variance`) clipped at
     :math:`(H/c)^2`,
 
-    .. math:: \mathrm{trace} = \min\big(V_{\mathrm{cl}},\ (H / c)^2\big), \qquad
-              c\sqrt{\mathrm{trace}} = \min\big(c\sqrt{V_{\mathrm{cl}}},\ H\big),
+    .. math:: \mathrm{trace} = \min\big(V,\ (H / c)^2\big), \qquad
+              c\sqrt{\mathrm{trace}} = \min\big(c\sqrt{V},\ H\big),
 
     with :math:`H` the hull bound (``ce.bound``; no clip without one) and :math:`c` the kind's radius per
     unit square-root trace at ``ce.delta`` (:math:`1/\sqrt\delta` for ``chebyshev``, 3 for ``tilted_hull``):
@@ -982,6 +990,18 @@ def cluster_variance(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return L.unrows(variance[..., None]).squeeze(-1)
 
 
+def sketched_variance(cluster_var: torch.Tensor, ht_trace: torch.Tensor) -> torch.Tensor:
+    r"""The variance a sketched design certifies with, elementwise: :math:`\max(V_{\mathrm{cl}}, \hat V_{\mathrm{HT}})`.
+
+    The sketch's model-based estimate of the design variance (:func:`cluster_variance`, which depends on
+    the clusters k-means lands in) and the sample's own HT trace (``hajek_attention(...).trace`` over the
+    kept tokens, which no clustering enters) share the kept tokens' part and differ in how they estimate
+    the evicted tokens' part; the radius reads the larger (``kvcert.reference.sketch.sketched_variance``,
+    docs/theory.md section 8). +inf stays +inf, NaN propagates (``torch.maximum``).
+    """
+    return torch.maximum(cluster_var, ht_trace.to(cluster_var.dtype))
+
+
 def sketch_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor | None,
                             sketch: ClusterSketch, *, scale: float | None = None, delta: float = 0.05,
                             rule: str | None = None, multiplier: float | None = None,
@@ -1079,16 +1099,17 @@ def sketch_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     """
     return sketch_step(q, keys, values, pi, sketch, scale=scale, delta=delta, rule=rule, multiplier=multiplier,
                         log_pi=log_pi, value_center=value_center, value_sqdist=value_sqdist, validate=validate,
-                        kept_pass=functools.partial(_kept_pass, trace=trace), with_trace=trace)
+                        kept_pass=_kept_pass, report_trace=trace)
 
 
 def sketch_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier, log_pi, value_center,
-                 value_sqdist, validate, kept_pass, with_trace: bool = True) -> ClusterEstimate:
+                 value_sqdist, validate, kept_pass, report_trace: bool = True) -> ClusterEstimate:
     """:func:`sketch_hajek_attention` with its one pass over K and V given: ``kept_pass(L, lp, omp, pf, mu, r2)``
-    -> ``(o, cv, t, sc, kappa, lse)`` as :func:`_kept_pass` (this module's torch pass, or the Triton kernel of
-    ``kvcert.kernels.sketch_hajek_attention``), with the c rows of the HT trace iff ``with_trace``. The checks, the
-    value moments and the O(C d) epilogue are shared (the compiled CPU op computes all of it in C++:
-    ``kvcert.kernels.cpu.sketch_hajek_attention``)."""
+    -> ``(o, cv, t, sc, kappa, lse)`` as :func:`_kept_pass` with the c rows of the HT trace (this module's torch
+    pass, or the Triton kernel of ``kvcert.kernels.sketch_hajek_attention``). The checks, the value moments and the
+    O(C d) epilogue are shared (the compiled CPU op computes all of it in C++:
+    ``kvcert.kernels.cpu.sketch_hajek_attention``). The variance is :func:`sketched_variance` of V_cl and the HT
+    trace; ``report_trace=False`` leaves ``estimate.trace`` None."""
     C = check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale)
     L = _Layout(C, q, keys, values)
     form = _decode_form(sketch, L)
@@ -1103,7 +1124,7 @@ def sketch_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier, 
     dt = L.dtype
     if L.n == 0:
         mu = torch.zeros(L.B, 1, L.dv, dtype=dt, device=L.q.device)
-        o, cv, t, sc, kappa, lse = _empty_kept(L, 2 if with_trace else 1)
+        o, cv, t, sc, kappa, lse = _empty_kept(L, 2)
         both = _centred(t, cv, sc, o, mu)
     else:
         if value_center is None:
@@ -1117,13 +1138,16 @@ def sketch_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier, 
                     raise ValueError(f"{name} must have shape {text} = {shape}, got {tuple(x.shape)}")
         mu = _cast(mu, dt).reshape(L.B, 1, L.dv)
         o, cv, t, sc, kappa, lse = kept_pass(L, *probs, mu, _cast(r2, dt).reshape(L.B, L.n))
-        both = _centred(t, cv, sc, o, mu)                      # (B, K, G): [trace,] T'
-    log_num, log_z = _log_variance(L, form, o, lse, kappa, both[:, -1])
-    variance = torch.add(log_num, log_z, alpha=-2.0).exp_()
+        both = _centred(t, cv, sc, o, mu)                      # (B, 2, G): trace, T'
+    log_num, log_z = _log_variance(L, form, o, lse, kappa, both[:, 1])
+    v_cl = torch.add(log_num, log_z, alpha=-2.0).exp_()
     # an empty row (nothing kept): trace, V_cl and the radius +inf, the Estimate convention
     empty = (lse == float("-inf")).unsqueeze_(1)
-    stats = torch.cat((both[:, :-1], variance.unsqueeze(1)), dim=1).masked_fill_(empty, float("inf"))
-    trace, variance = (stats[:, 0] if stats.shape[1] == 2 else None), stats[:, -1]
+    stats = torch.stack((both[:, 0], v_cl), dim=1).masked_fill_(empty, float("inf"))
+    trace, v_cl = stats[:, 0], stats[:, 1]
+    variance = sketched_variance(v_cl, trace)
+    if not report_trace:
+        trace = None
     if validate and bool(torch.isnan(o).any()):
         raise ValueError("sketch_hajek_attention produced NaN: q, keys, values must be finite")
     unrow = lambda x: L.unrows(x[..., None]).squeeze(-1)  # noqa: E731
@@ -1141,4 +1165,5 @@ def sketch_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier, 
         far = torch.maximum(form.reach, inside)                                            # (B, 1)
         bound = unrow(torch.linalg.vector_norm(o - form.mu, dim=-1).add_(far).masked_fill_(empty[:, 0], float("inf")))
         radius = torch.fmin(radius, bound.to(radius.dtype))                            # a NaN bound: no cap
-    return ClusterEstimate(estimate=est, variance=variance, radius=radius, rule=rule, delta=delta, bound=bound)
+    return ClusterEstimate(estimate=est, variance=variance, radius=radius, rule=rule, delta=delta, bound=bound,
+                           cluster_variance=unrow(v_cl))

@@ -546,10 +546,10 @@ def decode(query: torch.Tensor, layer, *, scale: float, options: dict, kind: str
       :math:`\sum_{b\in S} (1-\pi_b) \lVert\sum_{i\in b} a_i (v_i - \hat o)\rVert^2` with block
       b(i) = position_i // ``layer.block_size`` (slots with pi = 1 are units of their own);
     - ``"sketch"``: :func:`kvcert.fast.sketch_hajek_attention` with the layer's sketch, one query
-      at a time; the recorded trace is the hybrid variance :math:`V_{\mathrm{cl}}` clipped at
+      at a time; the recorded trace is :math:`V = \max(V_{\mathrm{cl}}, \hat V_{\mathrm{HT}})` clipped at
       :math:`(H/c)^2`, with :math:`H` the hull bound and :math:`c` the kind's radius per unit
       square-root trace (:math:`1/\sqrt\delta` for chebyshev), so the radius
-      :math:`c\sqrt{\mathrm{trace}}` is :math:`\min(c\sqrt{V_{\mathrm{cl}}}, H)`.
+      :math:`c\sqrt{\mathrm{trace}}` is :math:`\min(c\sqrt{V}, H)`.
 
     Every route runs with ``validate=False``: no host read (the layer's log pi was checked
     when the eviction event installed it; the caller checks the outputs for NaN once per
@@ -727,8 +727,8 @@ def _decode_sketch(query, layer, *, scale, options, kind, delta, softcap, backen
     q_len = query.shape[2]
     if backend is None:
         backend = _resolve_backend(query, layer, options)
-    # V_cl is the certificate; the recorded trace is V_cl clipped at (H / c)^2, so that the recorded radius
-    # c sqrt(trace) is min(c sqrt(V_cl), H) (kvcert.fast.recorded_trace)
+    # V = max(V_cl, HT trace) is the certificate's variance; the recorded trace is V clipped at (H / c)^2, so that the
+    # recorded radius c sqrt(trace) is min(c sqrt(V), H) (kvcert.fast.recorded_trace)
     kw = dict(scale=scale, delta=delta, validate=False, trace=False, record=kind,
               backend=_FAST_ON_CPU_OP if backend == _FAST_ON_CPU_OP else None)  # the sketch's code: op or fast
     held = layer.sketch.tokens  # its memory in kept-token units, as the press sized the budget

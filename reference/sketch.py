@@ -57,6 +57,7 @@ __all__ = [
     "kmeans_assign",
     "memory_fraction",
     "radius_from_variance",
+    "sketched_variance",
 ]
 
 #: per-token scalars held beside each kept key/value (log pi)
@@ -72,7 +73,8 @@ DESIGNS = ("paper", "cluster", "tilted")
 #: design misses the worst-decile and silent-error goals (docs/theory.md section 8). ``"paper"`` stays by name
 RECOMMENDED = "tilted"
 #: the certificate kind of the recommended design's radius (``CERTIFICATE_KINDS["tilted_hull"]``):
-#: min(3 sqrt(V_cl), H), H = :func:`hull_bound`
+#: min(3 sqrt(V), H), V = :func:`sketched_variance` (the larger of V_cl and the sample's HT trace),
+#: H = :func:`hull_bound`
 RECOMMENDED_KIND = "tilted_hull"
 
 
@@ -88,7 +90,9 @@ class EvictionResult:
     design : str, one of :data:`DESIGNS`
     budget : float, expected kept tokens the design sampled with (smaller for a sketched design)
     kept : int, tokens actually kept
-    variance : float, the variance used by the radius (HT trace for paper, V_cl for cluster and tilted)
+    variance : float, the variance used by the radius (HT trace for paper; for cluster and tilted the larger
+        of V_cl and the sample's HT trace, :func:`sketched_variance`)
+    cluster_variance : float or None, V_cl alone (:func:`cluster_variance`; None for the paper design)
     """
 
     output: np.ndarray
@@ -98,6 +102,7 @@ class EvictionResult:
     budget: float
     kept: int
     variance: float
+    cluster_variance: float | None = None
 
 
 def memory_fraction(n: int, d: int, dv: int, *, kept: int, extra: float = 0.0) -> float:
@@ -245,9 +250,10 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
     ``design="cluster"`` or a :class:`ClusterDesign`: sampling at
     ``budget - ClusterDesign.elements(d, dv) / (d + dv + 1)`` (equal expected
     memory), the same Hajek estimate, a :func:`cluster_sketch` of the evicted
-    tokens and the radius of ``design.radius`` on :math:`V_{\mathrm{cl}}`
-    (:func:`cluster_variance`, :func:`radius_from_variance`), capped at the
-    deterministic :func:`hull_bound`.
+    tokens and the radius of ``design.radius`` on
+    :math:`V = \max(V_{\mathrm{cl}}, \hat V_{\mathrm{HT}})` (:func:`sketched_variance` of
+    :func:`cluster_variance` and the sample's HT trace; :func:`radius_from_variance`),
+    capped at the deterministic :func:`hull_bound`.
 
     ``design="tilted"`` (:data:`TILTED`) or a ``ClusterDesign(tilt=True)``: the
     same, with the sketch's moments tilted at ``tilt`` (the observation-window
@@ -259,8 +265,8 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
 
     ``design=None`` is :data:`RECOMMENDED`, the tilted design, whose radius is
     the registered certificate kind ``"tilted_hull"``
-    (``radius_from_moments("tilted_hull", delta, trace=V_cl, bound=hull_bound)``:
-    :math:`\min(3\sqrt{V_{\mathrm{cl}}}, H)`). Pass ``tilt`` (the
+    (``radius_from_moments("tilted_hull", delta, trace=V, bound=hull_bound)``:
+    :math:`\min(3\sqrt{V}, H)`, :math:`V = \max(V_{\mathrm{cl}}, \hat V_{\mathrm{HT}})`). Pass ``tilt`` (the
     observation-window queries, as an engine has them at eviction time: the
     design measured on the held-out split); without it ``design=None`` tilts
     at the certified query ``q`` itself (the hull cap still holds; that
@@ -350,7 +356,8 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
     est = hajek_attention(q, k[keep], v[keep], pi[keep], scale=scale)
     kept = int(keep.sum())
     sk = cluster_sketch(k, v, pi, keep, spec, tilt=tilt, scale=scale)
-    var = cluster_variance(q, k[keep], v[keep], pi[keep], sk, output=est.output, scale=scale)
+    v_cl = cluster_variance(q, k[keep], v[keep], pi[keep], sk, output=est.output, scale=scale)
+    var = sketched_variance(v_cl, est.trace)
     cap = hull_bound(v[keep], pi[keep], sk, output=est.output)
     if spec == TILTED:                                   # the recommended design: its registered certificate kind
         radius = float(radius_from_moments(RECOMMENDED_KIND, delta, trace=var, bound=cap))
@@ -358,7 +365,7 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
         radius = min(radius_from_variance(var, delta=delta, rule=spec.radius, multiplier=spec.multiplier), cap)
     memory = memory_fraction(n, d, dv, kept=kept, extra=spec.elements(d, dv) if kept < n else 0)
     return EvictionResult(output=est.output, radius=radius, memory=memory, design=name,
-                          budget=b_design, kept=kept, variance=float(var))
+                          budget=b_design, kept=kept, variance=float(var), cluster_variance=float(v_cl))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -638,6 +645,41 @@ def hull_bound(values, pi, sketch: ClusterSketch, *, output) -> float:
     c = kept.mean(axis=0)
     inside = float(np.sqrt(np.max(np.sum((kept - c) ** 2, axis=1)))) + float(np.linalg.norm(c - mu))
     return float(np.linalg.norm(o - mu)) + max(float(sketch.reach), inside)
+
+
+def sketched_variance(cluster_var: float, ht_trace: float) -> float:
+    r"""The variance a sketched design certifies with: the larger of the sketch's and the sample's estimates.
+
+    .. math::
+
+        V = \max\big(V_{\mathrm{cl}},\ \hat V_{\mathrm{HT}}\big),\qquad
+        \hat V_{\mathrm{HT}} = \mathrm{tr}\hat\Sigma = \frac{1}{\hat Z^2}\sum_{i\in S}\frac{1-\pi_i}{\pi_i^2}
+            e^{2 s_i}\lVert v_i - \hat o\rVert^2 .
+
+    Both estimate the same design variance and share its kept part
+    :math:`\sum_S \frac{1-\pi_i}{\pi_i} e^{2 s_i}\lVert v_i-\hat o\rVert^2`; they differ in the evicted
+    part :math:`\sum_U \frac{1-\pi_i}{\pi_i} e^{2 s_i}\lVert v_i - o\rVert^2`. :math:`V_{\mathrm{cl}}`
+    (:func:`cluster_variance`) models it from the sketch's per-cluster moments, which depend on the
+    clusters k-means lands in; the HT trace estimates it design-unbiasedly from the kept sample
+    (:math:`\frac{1-\pi}{\pi^2} = \frac{1-\pi}{\pi}\,(1 + \frac{1-\pi}{\pi})`: each kept tail token
+    also stands for the evicted tokens it represents), which no clustering enters. The larger of the two
+    is what the calibrated multiplier of ``tilted_hull`` multiplies, so a clustering whose Gaussian step
+    under-states the evicted mass cannot pull the radius below what the sample itself shows
+    (docs/theory.md section 8, "The recommended design").
+
+    Parameters
+    ----------
+    cluster_var : float, :math:`V_{\mathrm{cl}}`   ht_trace : float, the sample's HT trace
+        (``hajek_attention(...).trace`` over the kept tokens)
+
+    Returns
+    -------
+    float, +inf when either is +inf (an empty sample); NaN in either raises.
+    """
+    a, b = float(cluster_var), float(ht_trace)
+    if np.isnan(a) or np.isnan(b):
+        raise ValueError(f"cluster_var and ht_trace must not be NaN, got {a} and {b}")
+    return max(a, b)
 
 
 def cluster_variance(q, keys, values, pi, sketch: ClusterSketch, *, output, scale: float | None = None) -> float:

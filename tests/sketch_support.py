@@ -213,7 +213,8 @@ def check_float32_step(step, n, g, clusters, device="cpu"):
     ce = step(on(T(q, f32)), on(T(K, f32)), on(T(V, f32)), on(T(P, f32)), sk_dev)
     ce = FS.ClusterEstimate(estimate=type(ce.estimate)(**{f: None if x is None else x.cpu() for f, x in
                                                           vars(ce.estimate).items()}),
-                            variance=ce.variance.cpu(), radius=ce.radius.cpu(), rule=ce.rule, delta=ce.delta)
+                            variance=ce.variance.cpu(), radius=ce.radius.cpu(), rule=ce.rule, delta=ce.delta,
+                            cluster_variance=ce.cluster_variance.cpu())
     assert ce.variance.dtype == f32 and ce.output.dtype == f32
     o = ce.output.double().numpy()
     # the labels the float32 sketch was built with
@@ -229,7 +230,9 @@ def check_float32_step(step, n, g, clusters, device="cpu"):
         S = max(S, float(np.max(tau * np.abs(m64) @ np.abs(q[bi, hq]) + tau ** 2 * s64 @ q[bi, hq] ** 2)))
         tol = 2 * abs(naive[bi, hq] - want) + r * ((1 + 4 * S) * want + _centred_scale(
             q[bi, hq], K[bi, hi][kept], V[bi, hi][kept], P[bi, hi][kept], sk, bi, hi, o[bi, hq]))
-        assert_close(f"V_cl32[{bi}, {hq}]", float(ce.variance[bi, hq]), want, tol)
+        assert_close(f"V_cl32[{bi}, {hq}]", float(ce.cluster_variance[bi, hq]), want, tol)
+        # the radius's variance is the larger of V_cl and the HT trace, elementwise as computed
+        assert float(ce.variance[bi, hq]) == max(float(ce.cluster_variance[bi, hq]), float(ce.estimate.trace[bi, hq]))
         e = ref_hajek(q[bi, hq], K[bi, hi][kept], V[bi, hi][kept], P[bi, hi][kept]) if kept.any() else None
         if e is None:
             assert not ce.output[bi, hq].any() and float(ce.estimate.trace[bi, hq]) == math.inf

@@ -169,14 +169,18 @@ def test_decode_step_matches_reference_float64(n, d, dv, g, clusters, budget, ru
         c_scale = np.sum((1 - pp) * e.weights ** 2 * (np.linalg.norm(vv - mu_k, axis=1) + np.linalg.norm(o - mu_k)) ** 2)
         assert_close(f"trace[{bi}, {hq}]", float(got.estimate.trace[bi, hq]), e.trace, RTOL * e.trace + r64 * c_scale)
         tol = RTOL_V * var + r64 * _centred_scale(q[bi, hq], kk, vv, pp, sk, bi, hi, o)
-        for name, x in (("sketch_hajek_attention", got.variance), ("cluster_variance", var_fn)):
+        for name, x in (("sketch_hajek_attention", got.cluster_variance), ("cluster_variance", var_fn)):
             assert_close(f"{name}[{bi}, {hq}]", float(x[bi, hq]), var, tol)
-        want_r = RS.radius_from_variance(var, delta=0.1, rule=rule, multiplier=2.5)
+        # the radius reads max(V_cl, HT trace): max is 1-Lipschitz, so its error is at most the larger of the two
+        both = RS.sketched_variance(var, e.trace)
+        tol_b = max(tol, RTOL * e.trace + r64 * c_scale)
+        assert_close(f"variance[{bi}, {hq}]", float(got.variance[bi, hq]), both, tol_b)
+        want_r = RS.radius_from_variance(both, delta=0.1, rule=rule, multiplier=2.5)
         # the hull bound: norms and a max of float64 sums, relative rounding r64; the radius is the smaller
         assert_close(f"bound[{bi}, {hq}]", float(got.bound[bi, hq]), hull, r64 * hull)
         # sqrt halves the relative error
         assert_close(f"radius[{bi}, {hq}]", float(got.radius[bi, hq]), min(want_r, hull),
-                     max(want_r * (tol / max(var, 1e-300)), r64 * hull))
+                     max(want_r * (tol_b / max(both, 1e-300)), r64 * hull))
 
 
 def test_cluster_variance_several_queries_and_plug_in():
@@ -217,7 +221,9 @@ def test_all_kept_gives_weight_zero_and_the_exact_kept_part():
             o = ce.output[bi, hq].numpy()
             dist = np.sum((v[bi, hi][kk] - o) ** 2, axis=1)
             want = np.sum((1 - p) / p * np.exp(2 * (s - s.max())) * dist) / np.sum(np.exp(s - s.max())) ** 2
-            assert_close(f"V_cl[{bi}, {hq}]", float(ce.variance[bi, hq]), want, RTOL_V * want + 1e-300)
+            assert_close(f"V_cl[{bi}, {hq}]", float(ce.cluster_variance[bi, hq]), want, RTOL_V * want + 1e-300)
+            assert float(ce.variance[bi, hq]) == max(float(ce.cluster_variance[bi, hq]),
+                                                     float(ce.estimate.trace[bi, hq]))
 
 
 def test_empty_heads():

@@ -102,6 +102,15 @@ def _spy(monkeypatch):
     return calls
 
 
+def _sketched_variance(call):
+    """What the spied decode step's certificate reads: max(V_cl, HT trace) of the call's inputs (torch path)."""
+    pi = call["log_pi"].exp()
+    v_cl = F.cluster_variance(call["q"], call["keys"], call["values"], pi, call["sketch"], output=call["ce"].output,
+                              scale=call["scale"])
+    ht = F.hajek_attention(call["q"], call["keys"], call["values"], pi, scale=call["scale"], per_coordinate=False)
+    return F.sketched_variance(v_cl, ht.trace)
+
+
 @pytest.mark.parametrize("design", [CHEB, TILT], ids=["cluster", "tilted"])
 def test_press_samples_at_equal_memory_and_records_v_cl(monkeypatch, design):
     model = tiny_model()
@@ -124,9 +133,8 @@ def test_press_samples_at_equal_memory_and_records_v_cl(monkeypatch, design):
     for i, c in enumerate(calls):  # layer-major within a step: step s, layer l is call 2 s + l
         s, li = divmod(i, 2)
         assert c["sketch"] is not None and c["q"].shape == (1, 4, 16)
-        want = F.cluster_variance(c["q"], c["keys"], c["values"], c["log_pi"].exp(), c["sketch"],
-                                  output=c["ce"].output, scale=c["scale"])
-        # recorded: V_cl clipped at delta H^2 (H the hull bound), so the radius is min(sqrt(V_cl / delta), H)
+        want = _sketched_variance(c)
+        # recorded: V = max(V_cl, HT trace) clipped at delta H^2 (H the hull bound): radius min(sqrt(V / delta), H)
         hull = c["ce"].bound.double()
         got = certs.trace[s + 1, li]
         assert torch.allclose(got.double(), torch.minimum(want.double(), press.delta * hull ** 2), rtol=1e-5), (s, li)
@@ -265,8 +273,9 @@ def test_sketch_defaults_and_refusals_at_run_time():
 
 
 def test_the_recommended_rule_is_recorded_with_the_tilted_sketch(monkeypatch):
-    """PoissonPress(sketch="tilted", kind="tilted_hull") records min(3 sqrt(V_cl), H): the radius of the
-    registered kind on the tilted sketch's hybrid variance, capped at the hull bound (the reference design's)."""
+    """PoissonPress(sketch="tilted", kind="tilted_hull") records min(3 sqrt(V), H), V = max(V_cl, HT trace): the
+    radius of the registered kind on the larger of the tilted sketch's hybrid variance and the sample's HT trace,
+    capped at the hull bound (the reference design's)."""
     model = tiny_model()
     n, steps = 120, 2
     ids = torch.randint(1, 96, (1, n), generator=torch.Generator().manual_seed(3))
@@ -280,8 +289,7 @@ def test_the_recommended_rule_is_recorded_with_the_tilted_sketch(monkeypatch):
     capped = 0
     for i, c in enumerate(calls):
         s, li = divmod(i, 2)
-        want = F.cluster_variance(c["q"], c["keys"], c["values"], c["log_pi"].exp(), c["sketch"],
-                                  output=c["ce"].output, scale=c["scale"]).double()
+        want = _sketched_variance(c).double()
         hull = c["ce"].bound.double()
         radius = torch.minimum(3.0 * want.sqrt(), hull)
         assert torch.allclose(certs.radius[s + 1, li].double(), radius, rtol=1e-5), (s, li)

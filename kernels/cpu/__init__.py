@@ -408,7 +408,8 @@ def sketch_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
                  \operatorname{logsumexp}_c\,[x_c + \log(Y_c + W_c\lVert\mu_s - \hat o\rVert^2)]\big),\quad
         \log\tilde Z = \operatorname{logaddexp}\big(\log\kappa + \log\hat Z,\ \operatorname{logsumexp}_c x_{C+c}\big),
 
-        V_{\mathrm{cl}} = e^{\log N - 2\log\tilde Z},\quad \mathrm{radius} = \min(c\sqrt{V_{\mathrm{cl}}}, H),\quad
+        V_{\mathrm{cl}} = e^{\log N - 2\log\tilde Z},\quad V = \max(V_{\mathrm{cl}}, \hat V_{\mathrm{HT}}),\quad
+        \mathrm{radius} = \min(c\sqrt{V}, H),\quad
         H = \lVert\hat o-\mu_s\rVert + \max\big(\rho_U,\ \max_S\lVert v_i-\mu\rVert + \lVert\mu-\mu_s\rVert\big)
 
     (:math:`\mu_s` the sketch's value centre, :math:`\rho_U` its ``reach``, c the rule's factor; no H

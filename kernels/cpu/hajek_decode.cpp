@@ -41,7 +41,8 @@ namespace {
 
 constexpr int64_t kTile = 64;     // slots per score tile (scores and weights stay in L1)
 constexpr int64_t kHead = 8;      // scalars at the head of a partial row: m, l, C, R, P2 (padded; the sketch's
-                                  // pass: P[5] = the range's largest ||v - mu||^2 over its kept slots)
+                                  // pass: P[5] = the range's largest ||v - mu||^2 over its kept slots, and the HT
+                                  // trace's sums C_ht = sum (1 - pi) p^2 in P[6], R_ht = sum (1 - pi) p^2 r in P[7])
 constexpr int64_t kMinSplit = 256;  // slots per range at least
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -112,7 +113,8 @@ struct Shape {
   int64_t H, h_kv, G, n, d, dv, splits, stride;
   bool per_coord;
   // the cluster (sketch) design's kept pass: w = pi (1 - pi) p^2 (the c' rows) and, in the place of
-  // P2 = sum p^2, K = sum pi p (the kept share kappa = K / l); see hajek_decode_sketch
+  // P2 = sum p^2, K = sum pi p (the kept share kappa = K / l); beside them the HT trace's rows
+  // w_ht = (1 - pi) p^2 (P[6], P[7] and a third dv-vector S_ht = sum w_ht (v - mu)); see hajek_decode_sketch
   bool sketch = false;
 };
 
@@ -233,20 +235,24 @@ void scores_generic(const float* q, int64_t G, int64_t d, const Tile& t, float* 
 constexpr int64_t pow2_floor(int64_t x) { return x < 2 ? 1 : 2 * pow2_floor(x / 2); }
 
 // Values for rows r0 .. r0 + RB - 1: o += p v and S += w (v - mu) (and, per coordinate,
-// Rd += w (v - mu)^2) accumulated over the tile in registers, then added to the partial rows. The
-// value dimensions go in chunks of CH vectors, so that RB rows' accumulators of one chunk, the
-// chunk's centre and its value row fit in the registers (all of them with AVX-512 at dv = 64).
-template <int64_t DV, int RB, bool PER_COORD>
-void values_block(const Tile& t, const float* p, const float* w, const float* ref, float* part, int64_t stride) {
+// Rd += w (v - mu)^2; or, with HT, the HT trace's S_ht += w2 (v - mu)) accumulated over the tile in
+// registers, then added to the partial rows. The value dimensions go in chunks of CH vectors, so that
+// RB rows' accumulators of one chunk, the chunk's centre and its value row fit in the registers (all
+// of them with AVX-512 at dv = 64).
+template <int64_t DV, int RB, bool PER_COORD, bool HT = false>
+void values_block(const Tile& t, const float* p, const float* w, const float* ref, float* part, int64_t stride,
+                  const float* w2 = nullptr) {
+  static_assert(!(PER_COORD && HT), "the third accumulator is either the per-coordinate or the HT one");
+  constexpr bool THIRD = PER_COORD || HT;
   constexpr int64_t NV = DV / kW;
-  constexpr int64_t PER = (PER_COORD ? 3 : 2) * RB + 3;  // registers per vector of a chunk
+  constexpr int64_t PER = (THIRD ? 3 : 2) * RB + 3;  // registers per vector of a chunk
   constexpr int64_t CH = pow2_floor(std::max<int64_t>(1, std::min<int64_t>(NV, (kRegs - 2) / PER)));
   static_assert(NV % CH == 0, "chunks tile the value row");
   for (int64_t u0 = 0; u0 < NV; u0 += CH) {
-    vf o[RB][CH], s[RB][CH], rd[PER_COORD ? RB : 1][CH], mu[CH];
+    vf o[RB][CH], s[RB][CH], rd[THIRD ? RB : 1][CH], mu[CH];
     for (int64_t u = 0; u < CH; ++u) {
       mu[u] = vload(ref + (u0 + u) * kW);
-      for (int r = 0; r < RB; ++r) o[r][u] = s[r][u] = rd[PER_COORD ? r : 0][u] = vf{};
+      for (int r = 0; r < RB; ++r) o[r][u] = s[r][u] = rd[THIRD ? r : 0][u] = vf{};
     }
     for (int64_t j = 0; j < t.cnt; ++j) {
       const float* v = t.vrow[j] + u0 * kW;
@@ -258,6 +264,7 @@ void values_block(const Tile& t, const float* p, const float* w, const float* re
           o[r][u] += pj * vv;
           s[r][u] += wj * c;
           if (PER_COORD) rd[r][u] += wj * (c * c);
+          if (HT) rd[THIRD ? r : 0][u] += w2[r * kTile + j] * c;
         }
       }
     }
@@ -266,31 +273,32 @@ void values_block(const Tile& t, const float* p, const float* w, const float* re
       for (int64_t u = 0; u < CH; ++u) {
         vstore(P + u * kW, vload(P + u * kW) + o[r][u]);
         vstore(P + DV + u * kW, vload(P + DV + u * kW) + s[r][u]);
-        if (PER_COORD) vstore(P + 2 * DV + u * kW, vload(P + 2 * DV + u * kW) + rd[r][u]);
+        if (THIRD) vstore(P + 2 * DV + u * kW, vload(P + 2 * DV + u * kW) + rd[THIRD ? r : 0][u]);
       }
     }
   }
 }
 
-template <int64_t DV, bool PER_COORD>
+template <int64_t DV, bool PER_COORD, bool HT = false>
 void values_fixed(int64_t G, const Tile& t, const float* p, const float* w, const float* ref, float* part,
-                  int64_t stride) {
+                  int64_t stride, const float* w2 = nullptr) {
   // three rows per block: their accumulators of one chunk beside the chunk's value row and centre
   constexpr int RBMAX = 3;
   for (int64_t r0 = 0; r0 < G; r0 += RBMAX) {
     const int64_t o = r0 * kTile;
     float* P = part + r0 * stride;
+    const float* w2o = HT ? w2 + o : nullptr;
     switch (std::min<int64_t>(RBMAX, G - r0)) {
-      case 3: values_block<DV, 3, PER_COORD>(t, p + o, w + o, ref, P, stride); break;
-      case 2: values_block<DV, 2, PER_COORD>(t, p + o, w + o, ref, P, stride); break;
-      default: values_block<DV, 1, PER_COORD>(t, p + o, w + o, ref, P, stride); break;
+      case 3: values_block<DV, 3, PER_COORD, HT>(t, p + o, w + o, ref, P, stride, w2o); break;
+      case 2: values_block<DV, 2, PER_COORD, HT>(t, p + o, w + o, ref, P, stride, w2o); break;
+      default: values_block<DV, 1, PER_COORD, HT>(t, p + o, w + o, ref, P, stride, w2o); break;
     }
   }
 }
 
-template <bool PER_COORD>
+template <bool PER_COORD, bool HT = false>
 void values_generic(int64_t G, int64_t dv, const Tile& t, const float* p, const float* w, const float* ref,
-                    float* part, int64_t stride) {
+                    float* part, int64_t stride, const float* w2 = nullptr) {
   for (int64_t j = 0; j < t.cnt; ++j) {
     const float* v = t.vrow[j];
     for (int64_t r = 0; r < G; ++r) {
@@ -306,6 +314,12 @@ void values_generic(int64_t G, int64_t dv, const Tile& t, const float* p, const 
         float* rd = s + dv;
 #pragma omp simd
         for (int64_t x = 0; x < dv; ++x) rd[x] += wj * (v[x] - ref[x]) * (v[x] - ref[x]);
+      }
+      if (HT) {
+        const float hj = w2[r * kTile + j];
+        float* sh = s + dv;
+#pragma omp simd
+        for (int64_t x = 0; x < dv; ++x) sh[x] += hj * (v[x] - ref[x]);
       }
     }
   }
@@ -326,11 +340,12 @@ void sqdist_fixed(const Tile& t, const float* ref, float* r2) {
 }
 
 struct Scratch {
-  std::vector<float> q, s, w, kt, vt, off, omp, pf, r2, lt, od, pt;
+  std::vector<float> q, s, w, wh, kt, vt, off, omp, omh, pf, r2, lt, od, oh, pt;
   std::vector<const float*> krow, vrow;
   Scratch(const Shape& S)
-      : q(S.G * S.d), s(S.G * kTile), w(S.G * kTile), kt(kTile * S.d), vt(kTile * S.dv), off(kTile), omp(kTile),
-        pf(kTile), r2(kTile), lt(kTile), od(kTile), pt(kTile), krow(kTile), vrow(kTile) {}
+      : q(S.G * S.d), s(S.G * kTile), w(S.G * kTile), wh(S.sketch ? S.G * kTile : 0), kt(kTile * S.d),
+        vt(kTile * S.dv), off(kTile), omp(kTile), omh(kTile), pf(kTile), r2(kTile), lt(kTile), od(kTile), oh(kTile),
+        pt(kTile), krow(kTile), vrow(kTile) {}
 };
 
 inline const float* row_ptr(const float* base, int64_t, float*) { return base; }
@@ -421,13 +436,14 @@ struct PagedKV {
 };
 
 // One row's tile of scores s -> p = e^{s - m} (in place, m = P[0]) and w = omp p^2, their sums added to the row's
-// partial P: l = sum p (P[1]), C = sum w (P[2]) and P2 = sum p^2 (P[4]; the sketch's kept pass: sum pi p,
-// with pf = pi).
+// partial P: l = sum p (P[1]), C = sum w (P[2]) and P2 = sum p^2 (P[4]). The sketch's kept pass (SKETCH): sum pi p
+// in P[4] (pf = pi), and the HT trace's weights wh = omh p^2 (omh = 1 - pi) and their sum C_ht (P[6]).
 template <bool SKETCH>
-inline void tile_weights(float* s, float* wr, const float* omp, const float* pf, int64_t cnt, float* P) {
+inline void tile_weights(float* s, float* wr, const float* omp, const float* pf, int64_t cnt, float* P,
+                         const float* omh = nullptr, float* wh = nullptr) {
   const float m = P[0];  // the row's running max
-  float l = 0.0f, p2 = 0.0f, c = 0.0f;
-#pragma omp simd reduction(+ : l, p2, c)
+  float l = 0.0f, p2 = 0.0f, c = 0.0f, ch = 0.0f;
+#pragma omp simd reduction(+ : l, p2, c, ch)
   for (int64_t j = 0; j < cnt; ++j) {
     const float p = exp_nonpos(s[j] - m);
     const float pw = omp[j] * p * p;
@@ -436,10 +452,16 @@ inline void tile_weights(float* s, float* wr, const float* omp, const float* pf,
     l += p;
     p2 += (SKETCH ? pf[j] : p) * p;
     c += pw;
+    if (SKETCH) {
+      const float hw = omh[j] * p * p;
+      wh[j] = hw;
+      ch += hw;
+    }
   }
   P[1] += l;
   P[2] += c;
   P[4] += p2;
+  if (SKETCH) P[6] += ch;
 }
 
 // One (head, slot range) task: fills the G partial rows `part` and the range's centre `ref`.
@@ -479,10 +501,12 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
 #pragma omp simd
     for (int64_t i = 0; i < nt; ++i) od[i] = one_minus_exp(lt[i]);  // 1 - pi
     float* pt = w.pt.data();
+    float* oh = w.oh.data();
     if (S.sketch) {
 #pragma omp simd
       for (int64_t i = 0; i < nt; ++i) {
         pt[i] = exp_nonpos(lt[i]);  // pi
+        oh[i] = od[i];              // 1 - pi: the HT trace's factor
         od[i] *= pt[i];             // pi (1 - pi): the c' rows' factor
       }
     }
@@ -498,7 +522,10 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
           w.vrow[cnt] = kv.value(t0 + i, dv, w.vt.data() + cnt * dv);
           w.off[cnt] = -lt[i];
           w.omp[cnt] = od[i];
-          if (S.sketch) w.pf[cnt] = pt[i];
+          if (S.sketch) {
+            w.pf[cnt] = pt[i];
+            w.omh[cnt] = oh[i];
+          }
           ++cnt;
         }
       }
@@ -516,7 +543,10 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
           w.vrow[cnt] = kv.value(t0 + i, dv, w.vt.data() + cnt * dv);
           w.off[cnt] = -lt[i];
           w.omp[cnt] = od[i];
-          if (S.sketch) w.pf[cnt] = pt[i];
+          if (S.sketch) {
+            w.pf[cnt] = pt[i];
+            w.omh[cnt] = oh[i];
+          }
           ++cnt;
         }
       }
@@ -548,16 +578,18 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
         P[2] *= f2;
         P[3] *= f2;
         P[4] *= S.sketch ? f : f2;  // K = sum pi p scales as p, P2 = sum p^2 as p^2
+        P[6] *= f2;                 // the HT trace's C_ht and R_ht (0 outside the sketch's pass)
+        P[7] *= f2;
         float* o = P + kHead;
 #pragma omp simd
         for (int64_t x = 0; x < dv; ++x) o[x] *= f;
         float* rest = o + dv;
-        const int64_t m = (PER_COORD ? 2 : 1) * dv;
+        const int64_t m = (PER_COORD || S.sketch ? 2 : 1) * dv;  // S, and S_ht or the per-coordinate sums
 #pragma omp simd
         for (int64_t x = 0; x < m; ++x) rest[x] *= f2;
         P[0] = mt;
       }
-      if (S.sketch) tile_weights<true>(s, wr, omp, w.pf.data(), cnt, P);
+      if (S.sketch) tile_weights<true>(s, wr, omp, w.pf.data(), cnt, P, w.omh.data(), w.wh.data() + r * kTile);
       else tile_weights<false>(s, wr, omp, nullptr, cnt, P);
     }
     float* r2 = w.r2.data();  // ||v_j - mu||^2, shared by the rows
@@ -577,12 +609,28 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
 #pragma omp simd reduction(+ : acc)
       for (int64_t j = 0; j < cnt; ++j) acc += wr[j] * r2[j];
       part[r * stride + 3] += acc;
+      if (S.sketch) {  // R_ht = sum w_ht r
+        const float* hr = w.wh.data() + r * kTile;
+        float ah = 0.0f;
+#pragma omp simd reduction(+ : ah)
+        for (int64_t j = 0; j < cnt; ++j) ah += hr[j] * r2[j];
+        part[r * stride + 7] += ah;
+      }
     }
     if (S.sketch) {  // the hull bound's max over S of ||v_i - mu||^2 (mu = the caller's centre), NaN sticking
       float mx = part[5];
       for (int64_t j = 0; j < cnt; ++j)
         if (!(r2[j] <= mx) && mx == mx) mx = r2[j];  // a larger one, or the first NaN
       for (int64_t r = 0; r < G; ++r) part[r * stride + 5] = mx;
+    }
+    if constexpr (!PER_COORD) {
+      if (S.sketch) {  // the sketch's pass: the HT trace's S_ht as the third accumulator
+        const float* wh = w.wh.data();
+        if (dv == 64) values_fixed<64, false, true>(G, t, sc, wt, ref, part, stride, wh);
+        else if (dv == 128) values_fixed<128, false, true>(G, t, sc, wt, ref, part, stride, wh);
+        else values_generic<false, true>(G, dv, t, sc, wt, ref, part, stride, wh);
+        continue;
+      }
     }
     if (dv == 64) values_fixed<64, PER_COORD>(G, t, sc, wt, ref, part, stride);
     else if (dv == 128) values_fixed<128, PER_COORD>(G, t, sc, wt, ref, part, stride);
@@ -672,9 +720,9 @@ void merge_row(const Shape& S, const float* part, const float* refs, int64_t row
 //   r = q - q0 (q0 = 0 without a tilt);  x = bias + [r; r^2] W                    (2C: numerator, then Z~ terms)
 //   x_c += log(Y_c + W_c ||mu_s - o||^2)  (c < C; log 0 = -inf: an absent cluster)
 //   log num = logaddexp(log T' + 2 lse, logsumexp_c x_c),  log Z~ = logaddexp(log kappa + lse, logsumexp x_{C+c})
-//   V_cl = exp(log num - 2 log Z~),  radius = factor sqrt(V_cl)
+//   V_cl = exp(log num - 2 log Z~),  V = max(V_cl, HT trace) (ht_trace),  radius = factor sqrt(V)
 //   bound = ||o - mu_s|| + max(reach, sqrt(max_S ||v_i - mu||^2) + ||mu - mu_s||),  radius = fmin(radius, bound)
-//   recorded = min(V_cl, (bound / c_kind)^2)   (kvcert.fast.recorded_trace, with `clip` = c_kind > 0)
+//   recorded = min(V, (bound / c_kind)^2)   (kvcert.fast.recorded_trace, with `clip` = c_kind > 0)
 //
 // An empty row (lse = -inf) gets V_cl, radius, bound and the recorded trace +inf; a NaN bound caps nothing in the
 // radius (fmin) and makes the recorded trace NaN (torch.minimum); NaN elsewhere propagates (torch.maximum,
@@ -722,6 +770,32 @@ inline double max_nan(double a, double b) { return (a != a || b != b) ? kNaN : s
 typedef double vd4 __attribute__((vector_size(32)));  // the epilogue's double lanes
 
 inline vd4 to_vd4(const float* x) { return vd4{x[0], x[1], x[2], x[3]}; }
+
+// The sample's HT trace of one row from the sketch pass's partial rows (its C_ht, R_ht and S_ht; every range's
+// centre is `center`): merge_row's trace with the (1 - pi) a^2 rows, sum over ranges of f^2 (R_ht - 2 (o - mu).S_ht +
+// C_ht ||o - mu||^2) / l^2, in double, clamped at 0. kvcert.fast.sketch_step's `trace`.
+double ht_trace(const Shape& S, const float* part, const float* center, int64_t row, const float* o) {
+  const int64_t G = S.G, dv = S.dv, bh = row / G, r = row % G;
+  auto P = [&](int64_t s) { return part + ((bh * S.splits + s) * G + r) * S.stride; };
+  double M = -std::numeric_limits<double>::infinity();
+  for (int64_t s = 0; s < S.splits; ++s) M = std::max(M, static_cast<double>(P(s)[0]));
+  const float* mu = center + bh * dv;
+  double dd = 0.0;  // ||o - mu||^2
+  for (int64_t x = 0; x < dv; ++x) dd += (static_cast<double>(o[x]) - mu[x]) * (static_cast<double>(o[x]) - mu[x]);
+  double l = 0.0, tr = 0.0;
+  for (int64_t s = 0; s < S.splits; ++s) {
+    const float* p = P(s);
+    if (!(p[0] > kNegInf)) continue;  // no kept slot in this range
+    const double f = std::exp(static_cast<double>(p[0]) - M);
+    l += f * p[1];
+    if (p[6] == 0.0f) continue;  // every kept slot certain
+    const float* Sh = p + kHead + 2 * dv;
+    double dot = 0.0;
+    for (int64_t x = 0; x < dv; ++x) dot += (static_cast<double>(o[x]) - mu[x]) * Sh[x];
+    tr += f * f * (static_cast<double>(p[7]) - 2.0 * dot + static_cast<double>(p[6]) * dd);
+  }
+  return std::max(tr / (l * l), 0.0);
+}
 
 void sketch_row(const Shape& S, const SketchForm& F, const float* part, const float* q, const float* center,
                 int64_t row, const float* o, float lse, float kappa, float tprime, std::vector<double>& x) {
@@ -777,7 +851,7 @@ void sketch_row(const Shape& S, const SketchForm& F, const float* part, const fl
   const double L = lse;
   const double log_num = logaddexp_d(std::log(static_cast<double>(tprime)) + 2.0 * L, logsumexp_d(xs, C));
   const double log_z = logaddexp_d(std::log(static_cast<double>(kappa)) + L, logsumexp_d(xs + C, C));
-  const double var = std::exp(log_num - 2.0 * log_z);
+  const double var = max_nan(std::exp(log_num - 2.0 * log_z), ht_trace(S, part, center, row, o));
   double rad = F.factor * std::sqrt(var);
   if (F.bound) {
     double mx = 0.0;  // max_S ||v_i - mu||^2 over the row's ranges
@@ -942,7 +1016,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> decode_de
     TORCH_CHECK(cc.numel() == b * h_kv * dv, "hajek_decode: center must be (b, h_kv, dv)");
   }
   const int64_t G = q.size(2), H = b * h_kv;
-  Shape S{H, h_kv, G, n, d, dv, 1, kHead + (per_coordinate ? 3 : 2) * dv, per_coordinate, sketch};
+  Shape S{H, h_kv, G, n, d, dv, 1, kHead + (per_coordinate || sketch ? 3 : 2) * dv, per_coordinate, sketch};
   S.splits = splits > 0 ? std::min(splits, std::max<int64_t>(1, n)) : auto_splits(H, n);
   auto f32 = values.options().dtype(at::kFloat);
   // the sketch's output stays float32: its epilogue (V_cl, the hull bound) reads o
@@ -1135,7 +1209,7 @@ hajek_decode_sketch_paged(const at::Tensor& q, const at::Tensor& kv_cache, const
   const int64_t n = block_ids.size(1) * bs, G = h_q / h_kv, H = E * h_kv;
   const auto f32 = kv_cache.options().dtype(at::kFloat);
   FormCall c = form_call(H, d, d, q.sizes().slice(0, 2), f32, W, bias, weight, wnorm, tilt, smu, reach, factor, clip);
-  Shape S{H, h_kv, G, n, d, d, 1, kHead + 2 * d, false, true};
+  Shape S{H, h_kv, G, n, d, d, 1, kHead + 3 * d, false, true};
   S.splits = splits > 0 ? std::min(splits, std::max<int64_t>(1, n)) : auto_splits(H, n);
   at::Tensor mu = at::empty({E, h_kv, d}, f32);
   const double* base = nullptr;

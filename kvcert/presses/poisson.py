@@ -103,7 +103,9 @@ class PoissonPress(BasePress):
         Gaussian step is taken in q - q0 (docs/theory.md section 8, fifth
         slice). Both record ``kind="chebyshev"`` (a design whose ``radius`` is
         ``"chebyshev"``); ``sketch="tilted", kind="tilted_hull"`` records the
-        recommended design's rule instead, :math:`\min(3\sqrt{V_{\mathrm{cl}}}, H)`
+        recommended design's rule instead, :math:`\min(3\sqrt{V}, H)`,
+        :math:`V = \max(V_{\mathrm{cl}}, \hat V_{\mathrm{HT}})` (the sketch's hybrid variance or the
+        sample's HT trace, the larger)
         (the design of ``kvcert.reference.evict_and_certify(design=None)``,
         docs/theory.md section 8). One eviction event per layer (no DecodingPress). A budget that cannot
         hold the sketch and one token evicts nothing.

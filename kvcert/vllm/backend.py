@@ -361,10 +361,11 @@ def sketch_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.
 
     The Hajek output over the held slots (:func:`token_decode`'s) and the sketched design's certificate,
     :func:`kvcert.fast.sketch_hajek_attention` on the held slots and the rows' sketches: the hybrid variance
-    :math:`V_{\mathrm{cl}}` (kept tokens exact, evicted ones through the sketch's Gaussian moments), clipped at
+    :math:`V_{\mathrm{cl}}` (kept tokens exact, evicted ones through the sketch's Gaussian moments) or the sample's HT
+    trace, the larger (:func:`kvcert.fast.sketched_variance`), clipped at
     :math:`(H/c)^2` with :math:`H` the hull bound and :math:`c` the kind's factor (:math:`1/\sqrt\delta` for
     ``chebyshev``, 3 for ``tilted_hull``), so the radius is
-    :math:`\min(c\sqrt{V_{\mathrm{cl}}}, H)`: what the Hugging Face decode of ``PoissonPress(sketch=...)``
+    :math:`\min(c\sqrt{V}, H)`: what the Hugging Face decode of ``PoissonPress(sketch=...)``
     records (``kvcert.attention``).
 
     Parameters

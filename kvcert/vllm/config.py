@@ -92,9 +92,9 @@ class KVCertConfig:
         (:func:`kvcert.fast.resolve_sketch`, as ``PoissonPress(sketch=...)``), held per request in the
         worker beside the compacted blocks; the design samples :meth:`kvcert.fast.TokenDesign.sampled_budget`
         (the budget less the sketch's memory in kept tokens) and decode records the sketch's certificate,
-        :math:`\min(c\sqrt{V_{\mathrm{cl}}}, H)`. ``sketch="tilted", kind="tilted_hull"`` is the recommended
-        design (docs/theory.md section 8). A prompt whose budget cannot hold the sketch plus one token is
-        not evicted (:meth:`evicts`), as in the press.
+        :math:`\min(c\sqrt{V}, H)`, :math:`V = \max(V_{\mathrm{cl}}, \hat V_{\mathrm{HT}})`.
+        ``sketch="tilted", kind="tilted_hull"`` is the recommended design (docs/theory.md section 8). A prompt
+        whose budget cannot hold the sketch plus one token is not evicted (:meth:`evicts`), as in the press.
     target_error : float > 0, optional
         Token design only: instead of a ratio, an error target eps. After each prompt every (layer, KV head)
         keeps the smallest budget B whose *predicted* relative radius for the prompt's last
