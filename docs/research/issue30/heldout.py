@@ -64,19 +64,50 @@ from kvcert.reference import sketch as SK
 DELTA = 0.05
 MEMORIES = (0.15, 0.3, 0.55)
 SINKS, WINDOW, FLOOR, TOP_FRACTION = 4, 32, 0.1, 0.5
-PREFIX, OFFSETS = 1536, (5, 17)
-LAYERS = (2, 8, 13, 19, 25)
-TEXT_SEED = 30
+#: the held-out texts: pydoc topics read by no TUNED_SPANS span and by no earlier text's captured span, joined
+#: in the order of default_rng(seed); per text the layers captured, the prefix and the query offsets. Text 1 is
+#: issue 30's split; text 2 the second text of issue 50's re-measure; text 3 the slice of the held-out guard test
+#: (tests/data/heldout_slice.npz, written by --write-slice; never read by any measurement that chose a rule)
+TEXTS = {1: dict(seed=30, layers=(2, 8, 13, 19, 25), prefix=1536, offsets=(5, 17)),
+         2: dict(seed=50, layers=(2, 8, 15, 22, 28), prefix=1536, offsets=(3, 11, 29)),
+         3: dict(seed=51, layers=(5, 11, 17), prefix=1024, offsets=(4, 13, 29))}
+PREFIX, OFFSETS = TEXTS[1]["prefix"], TEXTS[1]["offsets"]
+LAYERS = TEXTS[1]["layers"]
+TEXT_SEED = TEXTS[1]["seed"]
 #: (text seed, tokens) spans of haystack_text the tilted design was tuned or checked on (RESULTS_T2.md)
 TUNED_SPANS = ((0, 4160), (1, 4160))
 DESIGNS = ("paper", "tilted")
 DERIVED = {"tilted x2.8 (derived)": 2.8, "tilted x2.5 (derived)": 2.5}
+#: the same tilted draws with the radius of the rule before issue 50, min(3 sqrt(V_cl), H) (V_cl alone):
+#: exactly min(3 sqrt(V_cl), radius), since radius = min(3 sqrt(max(V_cl, V_HT)), H)
+PREVIOUS = "tilted, V_cl alone (before issue 50)"
 SILENT = 0.05
 GOALS = "P pooled >= 0.95, W worst decile >= 0.90, S silent <= 0.5%, T tightness <= 1.1x paper, E error <= 1.1x paper"
 
 
-def heldout_topics(tokenizer) -> tuple[list[str], list[str]]:
-    """(held-out topic names in the order of rng(TEXT_SEED), the names excluded: those read by a TUNED_SPANS span)."""
+def span_topics(tokenizer, names, tokens: int) -> list[str]:
+    """The topics (of ``names``, joined in that order) that the first ``tokens`` tokens of their text read."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[n].strip() for n in names)
+    reach = len(tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]))
+    first, acc = [], 0
+    for n in names:
+        first.append(n)
+        acc += len(topics[n].strip()) + 2                  # "\n\n" between topics
+        if acc >= reach:
+            break
+    return first
+
+
+def text_tokens(text: int) -> int:
+    """Tokens a capture of held-out text ``text`` reads: its prefix and the future queries up to the last offset."""
+    return TEXTS[text]["prefix"] + max(TEXTS[text]["offsets"]) + 1
+
+
+def heldout_topics(tokenizer, text: int = 1) -> tuple[list[str], list[str]]:
+    """(topic names of held-out text ``text`` in the order of rng(its seed), the names excluded: those read by a
+    TUNED_SPANS span or by the captured span of an earlier text)."""
     from pydoc_data.topics import topics
 
     from paper_repro.realmodel import haystack_text
@@ -85,8 +116,7 @@ def heldout_topics(tokenizer) -> tuple[list[str], list[str]]:
     used = set()
     for seed, tokens in TUNED_SPANS:
         order = np.random.default_rng(seed).permutation(len(names))
-        text = haystack_text(seed)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
+        ids = tokenizer(haystack_text(seed), add_special_tokens=False)["input_ids"][:tokens]
         reach = len(tokenizer.decode(ids))            # characters the span covers (decode round-trips pydoc text)
         start = 0
         for i in order:
@@ -94,16 +124,21 @@ def heldout_topics(tokenizer) -> tuple[list[str], list[str]]:
                 break
             used.add(names[i])
             start += len(topics[names[i]].strip()) + 2    # "\n\n" between topics
-    rest = [n for n in names if n not in used]
-    order = np.random.default_rng(TEXT_SEED).permutation(len(rest))
-    return [rest[i] for i in order], sorted(used)
+    for earlier in range(1, text + 1):
+        rest = [n for n in names if n not in used]
+        order = np.random.default_rng(TEXTS[earlier]["seed"]).permutation(len(rest))
+        ordered = [rest[i] for i in order]
+        if earlier == text:
+            return ordered, sorted(used)
+        used.update(span_topics(tokenizer, ordered, text_tokens(earlier)))
+    raise ValueError(f"text must be one of {tuple(TEXTS)}, got {text}")
 
 
-def load_capture(path: Path, tokens: int) -> dict:
-    """Post-RoPE q, k, v of LAYERS over the first ``tokens`` tokens of the held-out text (cached)."""
+def load_capture(path: Path, tokens: int, text: int = 1) -> dict:
+    """Post-RoPE q, k, v of the text's layers over the first ``tokens`` tokens of held-out text ``text`` (cached)."""
     if path.exists():
         data = torch.load(path)
-        if data["tokens"] >= tokens:
+        if data["tokens"] >= tokens and data.get("text", 1) == text:
             return data
     import kvcert
     from pydoc_data.topics import topics
@@ -111,38 +146,32 @@ def load_capture(path: Path, tokens: int) -> dict:
     from paper_repro.realmodel import capture
 
     model, tok = kvcert.load_model()
-    names, used = heldout_topics(tok)
-    text = "\n\n".join(topics[n].strip() for n in names)
-    ids = tok(text, add_special_tokens=False)["input_ids"][:tokens]
-    first = []
-    acc = 0
-    for n in names:                                     # the topics the captured span reads
-        first.append(n)
-        acc += len(topics[n].strip()) + 2
-        if acc >= len(tok.decode(ids)):
-            break
+    names, used = heldout_topics(tok, text)
+    ids = tok("\n\n".join(topics[n].strip() for n in names), add_special_tokens=False)["input_ids"][:tokens]
+    layers = TEXTS[text]["layers"]
     c = capture(model, torch.tensor([ids], dtype=torch.long))
-    data = dict(tokens=tokens, scaling=c.scaling, group=c.group, layers=list(LAYERS),
-                q={i: c.queries[i] for i in LAYERS}, k={i: c.keys[i] for i in LAYERS},
-                v={i: c.values[i] for i in LAYERS}, excluded=used, topics=first)
+    data = dict(tokens=tokens, text=text, scaling=c.scaling, group=c.group, layers=list(layers),
+                q={i: c.queries[i] for i in layers}, k={i: c.keys[i] for i in layers},
+                v={i: c.values[i] for i in layers}, excluded=used, topics=span_topics(tok, names, tokens))
     torch.save(data, path)
     return data
 
 
-def snapkv(cap, layer) -> np.ndarray:
-    """(h_kv, PREFIX) SnapKV importance over the prefix from the last WINDOW prefix queries of each group."""
+def snapkv(cap, layer, prefix: int = PREFIX) -> np.ndarray:
+    """(h_kv, prefix) SnapKV importance over the prefix from the last WINDOW prefix queries of each group."""
     q, k, v = cap["q"][layer], cap["k"][layer], cap["v"][layer]
     scorer = F.SCORERS["snapkv"]
-    need = scorer.queries_read(PREFIX, PREFIX, WINDOW)
+    need = scorer.queries_read(prefix, prefix, WINDOW)
     params = {"seed": layer} if "seed" in scorer.params else {}
-    u = scorer(q[None, :, PREFIX - need:PREFIX], k[None, :, :PREFIX], v[None, :, :PREFIX], scale=cap["scaling"],
+    u = scorer(q[None, :, prefix - need:prefix], k[None, :, :prefix], v[None, :, :prefix], scale=cap["scaling"],
                **params)
     return u[0].double().numpy()
 
 
 def run(args) -> dict:
-    tokens = PREFIX + max(args.offsets) + 1
-    cap = load_capture(Path(args.cache), tokens)
+    prefix = TEXTS[args.text]["prefix"]
+    tokens = prefix + max(args.offsets) + 1
+    cap = load_capture(Path(args.cache), tokens, args.text)
     tau, g = float(cap["scaling"]), int(cap["group"])
     d = cap["k"][args.layers[0]].shape[-1]
     dv = cap["v"][args.layers[0]].shape[-1]
@@ -151,28 +180,29 @@ def run(args) -> dict:
     cells = []                           # per cell: dict of arrays per (M, design)
     t0 = time.perf_counter()
     for li, layer in enumerate(args.layers):
-        u_all = snapkv(cap, layer)
+        u_all = snapkv(cap, layer, prefix)
         for h in heads:
             c = li * h_kv + h
             k = cap["k"][layer][h].double().numpy()
             v = cap["v"][layer][h].double().numpy()
-            window_q = cap["q"][layer][h * g:(h + 1) * g, PREFIX - WINDOW:PREFIX].double().numpy().reshape(-1, d)
+            window_q = cap["q"][layer][h * g:(h + 1) * g, prefix - WINDOW:prefix].double().numpy().reshape(-1, d)
             for j in range(h * g, (h + 1) * g):
                 for t in args.offsets:
-                    n = PREFIX + t + 1
-                    q = cap["q"][layer][j, PREFIX + t].double().numpy()
+                    n = prefix + t + 1
+                    q = cap["q"][layer][j, prefix + t].double().numpy()
                     kk, vv = k[:n], v[:n]
                     o = R.attention(q, kk, vv, scale=tau)
                     u = np.concatenate([u_all[h], np.zeros(t + 1)])
                     cell = dict(layer=layer, kv_head=h, query_head=j, offset=t, norm=float(np.linalg.norm(o)), M={})
                     for M in args.memories:
-                        B = M * PREFIX * (d + dv) / (d + dv + 1)
+                        B = M * prefix * (d + dv) / (d + dv + 1)
                         top = F.design_sizes(B, sinks=SINKS, window=WINDOW, top_fraction=TOP_FRACTION).top
                         per = {}
                         for design in DESIGNS:
                             err = np.empty(args.draws)
                             rad = np.empty(args.draws)
                             var = np.empty(args.draws)
+                            vcl = np.full(args.draws, np.nan)
                             mem = np.empty(args.draws)
                             for s in range(args.draws):
                                 r = SK.evict_and_certify(q, kk, vv, u, B + t + 1, seed=c * args.draws + s,
@@ -181,12 +211,17 @@ def run(args) -> dict:
                                                          sampling=args.sampling)
                                 err[s] = np.linalg.norm(r.output - o)
                                 rad[s], var[s], mem[s] = r.radius, r.variance, r.memory
-                            per[design] = dict(err=err, radius=rad, variance=var, memory=mem)
+                                if r.cluster_variance is not None:
+                                    vcl[s] = r.cluster_variance
+                            per[design] = dict(err=err, radius=rad, variance=var, memory=mem, cluster_variance=vcl)
                         tl = per["tilted"]
                         for name, cm in DERIVED.items():
                             capped = np.minimum(cm * np.sqrt(tl["variance"]), tl["radius"])
                             per[name] = dict(err=tl["err"], radius=capped, variance=tl["variance"],
                                              memory=tl["memory"])
+                        per[PREVIOUS] = dict(err=tl["err"], radius=np.minimum(3.0 * np.sqrt(tl["cluster_variance"]),
+                                                                               tl["radius"]),
+                                             variance=tl["cluster_variance"], memory=tl["memory"])
                         cell["M"][M] = per
                     cells.append(cell)
             print(f"layer {layer} kv head {h}: {len(cells)} cells, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
@@ -218,28 +253,65 @@ def lines(row, paper) -> str:
     return "".join(c if m else "-" for c, m in zip("PWSTE", met))
 
 
+def write_slice(args) -> None:
+    """The text's capture as the held-out guard test's slice: per layer L the keys and values ``k{L}``, ``v{L}``
+    (h_kv, prefix + max offset + 1, d), the observation-window queries ``qw{L}`` (h_q, WINDOW, d) and the certified
+    queries ``qt{L}`` (h_q, offsets, d), float16; plus the scale, prefix, offsets, layers and the topics read."""
+    spec = TEXTS[args.text]
+    prefix = spec["prefix"]
+    cap = load_capture(Path(args.cache), prefix + max(args.offsets) + 1, args.text)
+    n = prefix + max(args.offsets) + 1
+    half = lambda x: x.numpy().astype(np.float16)  # noqa: E731
+    arrays = dict(scaling=np.float64(cap["scaling"]), prefix=np.int64(prefix), window=np.int64(WINDOW),
+                  offsets=np.array(args.offsets, dtype=np.int64), layers=np.array(args.layers, dtype=np.int64),
+                  topics=np.array(cap["topics"]), text_seed=np.int64(spec["seed"]))
+    for L in args.layers:
+        arrays[f"k{L}"] = half(cap["k"][L][:, :n])
+        arrays[f"v{L}"] = half(cap["v"][L][:, :n])
+        arrays[f"qw{L}"] = half(cap["q"][L][:, prefix - WINDOW:prefix])
+        arrays[f"qt{L}"] = half(cap["q"][L][:, [prefix + t for t in args.offsets]])
+    np.savez_compressed(args.write_slice, **arrays)
+    print(f"wrote {args.write_slice}: text {args.text} (topics {', '.join(cap['topics'])}), layers {args.layers}, "
+          f"prefix {prefix}, offsets {args.offsets}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke test: one layer, one KV head, one offset, 8 draws")
+    p.add_argument("--text", type=int, choices=tuple(TEXTS), default=1,
+                   help="the held-out text (TEXTS): 1 issue 30's split, 2 the second text, 3 the guard test's slice")
     p.add_argument("--draws", type=int, default=256)
-    p.add_argument("--layers", type=int, nargs="+", default=list(LAYERS))
-    p.add_argument("--offsets", type=int, nargs="+", default=list(OFFSETS))
+    p.add_argument("--layers", type=int, nargs="+", default=None, help="default: the text's layers")
+    p.add_argument("--offsets", type=int, nargs="+", default=None, help="default: the text's offsets")
     p.add_argument("--memories", type=float, nargs="+", default=list(MEMORIES))
     p.add_argument("--kv-heads", type=int, nargs="+", default=None)
-    p.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "kvcert_issue30_heldout.pt"))
+    p.add_argument("--cache", default=None,
+                   help="the capture's cache file (default: kvcert_issue30_heldout[_textN].pt in the temporary folder)")
+    p.add_argument("--write-slice", default=None, metavar="NPZ",
+                   help="write the text's capture as the held-out guard test's slice (float16 .npz) and stop")
     p.add_argument("--sampling", choices=("poisson", "systematic"), default="poisson",
                    help="how every design draws its tail given pi (evict_and_certify(sampling=)); the committed "
                         "run is poisson, systematic_results.json / systematic_table.md the systematic one")
     p.add_argument("--out", default=None, help="folder for results.json and table.md (default: this folder; "
                    "with --quick the system's temporary folder)")
     args = p.parse_args(argv)
+    spec = TEXTS[args.text]
+    args.layers = list(spec["layers"]) if args.layers is None else args.layers
+    args.offsets = list(spec["offsets"]) if args.offsets is None else args.offsets
+    if args.cache is None:
+        suffix = "" if args.text == 1 else f"_text{args.text}"
+        args.cache = str(Path(tempfile.gettempdir()) / f"kvcert_issue30_heldout{suffix}.pt")
     if args.quick:
-        args.draws, args.layers, args.offsets, args.kv_heads = 8, [LAYERS[0]], [OFFSETS[0]], [0]
+        args.draws, args.layers, args.offsets, args.kv_heads = 8, args.layers[:1], args.offsets[:1], [0]
     if args.out is None:
         args.out = tempfile.gettempdir() if args.quick else str(Path(__file__).resolve().parent)
-    bad = [x for x in args.layers if x not in LAYERS]
+    bad = [x for x in args.layers if x not in spec["layers"]]
     if bad:
-        p.error(f"--layers must be among the held-out layers {LAYERS} (the capture keeps only those), got {bad}")
+        p.error(f"--layers must be among text {args.text}'s layers {spec['layers']} (the capture keeps only those), "
+                f"got {bad}")
+    if args.write_slice:
+        write_slice(args)
+        return
     res = run(args)
     cells = res["cells"]
     from paper_repro.replay import noise_floor
@@ -248,7 +320,7 @@ def main(argv=None):
     table, out = [], {}
     for M in args.memories:
         paper = summarize(cells, M, "paper")
-        for design in (*DESIGNS, *DERIVED):
+        for design in (*DESIGNS, PREVIOUS, *DERIVED):
             row = summarize(cells, M, design)
             row["tightness_vs_paper"] = row["tightness"] / paper["tightness"]
             row["error_vs_paper"] = row["mean_rel_error"] / paper["mean_rel_error"]
@@ -261,8 +333,8 @@ def main(argv=None):
     command = " ".join(["OMP_NUM_THREADS=1 .venv/bin/python docs/research/issue30/heldout.py", *given])
     meta = dict(command=command.strip(), seconds=round(res["seconds"], 1), draws=args.draws, cells=len(cells),
                 sampling=args.sampling,
-                layers=args.layers, offsets=args.offsets, kv_heads=args.kv_heads, prefix=PREFIX,
-                text_seed=TEXT_SEED, tuned_spans=TUNED_SPANS, excluded_topics=res["cap"]["excluded"],
+                layers=args.layers, offsets=args.offsets, kv_heads=args.kv_heads, prefix=spec["prefix"],
+                text=args.text, text_seed=spec["seed"], tuned_spans=TUNED_SPANS, excluded_topics=res["cap"]["excluded"],
                 captured_topics=res["cap"]["topics"], noise_floor_worst_decile=floor, goals=GOALS,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     md = [f"<!-- {meta['command']}; {meta['date']}; {meta['seconds']:.0f} s on a loaded 2-core machine -->",
@@ -271,7 +343,8 @@ def main(argv=None):
           f"certificate at this size reads {floor:.3f} (noise floor). Goal lines: {GOALS}.", "",
           "| M | design | memory held | pooled | worst decile | silent | tightness | vs paper | mean rel err "
           "| vs paper | lines met |", "|---|---|---|---|---|---|---|---|---|---|---|", *table]
-    stem = ("quick_" if args.quick else "") + ("systematic_" if args.sampling == "systematic" else "")
+    stem = (("quick_" if args.quick else "") + ("" if args.text == 1 else f"text{args.text}_")
+            + ("systematic_" if args.sampling == "systematic" else ""))
     outdir = Path(args.out)
     (outdir / f"{stem}results.json").write_text(json.dumps(dict(meta=meta, rows=out), indent=1) + "\n")
     (outdir / f"{stem}table.md").write_text("\n".join(md) + "\n")
