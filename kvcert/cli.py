@@ -5,6 +5,12 @@
     kvcert generate --prompt "..." --press poisson --compression-ratio 0.5 --max-new-tokens 32
     kvcert generate --prompt-file long.txt --json
 
+    kvcert build-op
+
+``build-op`` builds the compiled CPU decode op (``kvcert.kernels.cpu``) ahead
+of its first use, with the compiler's progress, and prints where it lives; a
+first certified decode otherwise builds it (a few minutes, announced on stderr).
+
 ``generate`` loads the model (default: SmolLM2-135M-Instruct, offline),
 generates under the chosen press and prints the answer with a certificate
 summary: per layer, the min / median / max relative radius over the decoding
@@ -54,7 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Randomized KV-cache eviction with error certificates (Poisson sampling + Hajek attention).",
         epilog=f"Run 'kvcert generate --help' for its options. For the paper reproduction, {_REPRO_HINT}.",
     )
-    sub = p.add_subparsers(dest="command", metavar="{generate}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{generate,build-op}", parser_class=_Parser)
+    sub.add_parser("build-op", help="build the compiled CPU decode op now (a few minutes, once per torch install)",
+                   description="Build the compiled CPU decode op (kvcert.kernels.cpu) for this torch install, "
+                               "showing the compiler's progress, and print where it lives. Without it the first "
+                               "certified decode on CPU builds it (announced on stderr). Exit status 1 when it "
+                               "cannot be built (the reason is printed; decoding then uses the torch path).")
     g = sub.add_parser(
         "generate",
         help="generate text under a press and print its certificates",
@@ -206,6 +217,23 @@ def _generate(args) -> int:
     return 0
 
 
+def _build_op() -> int:
+    """``kvcert build-op``: build (or find) the compiled CPU op, verbosely; 0 when it loads, 1 with the reason."""
+    from .kernels import cpu
+
+    if not cpu.enabled():
+        print(f"kvcert: {cpu.ENV_VAR} is off here: the CPU op would not be used (unset it to use the op)",
+              file=sys.stderr)
+    built = cpu.is_built()
+    try:
+        cpu.load(verbose=not built)
+    except cpu.CPUOpUnavailable as e:
+        print(f"kvcert: error: the CPU decode op cannot be built: {e}", file=sys.stderr)
+        return 1
+    print(f"kvcert CPU op: {'already built' if built else 'built'} in {cpu.build_directory()}")
+    return 0
+
+
 def _repro_moved() -> int:
     """``kvcert repro``: the reproduction has its own command (nothing is imported here)."""
     print(f"kvcert: error: the paper reproduction is not a kvcert command; {_REPRO_HINT}", file=sys.stderr)
@@ -223,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return 2
+        if args.command == "build-op":
+            return _build_op()
         return _generate(args)
     except UsageError as e:
         print(f"kvcert: error: {e}", file=sys.stderr)

@@ -244,3 +244,24 @@ def test_generate_streaming_json(model_sdpa, monkeypatch, capsys):
     assert pc["max_kept"] == int(direct.prompt_certificates.kept.max()) < direct.prompt_tokens
     rc, out, _ = run(argv[:-2] + ["--no-progress"], capsys)
     assert rc == 0 and "streaming prompt:" in out
+
+
+def test_build_op_reports_the_op_or_the_reason(monkeypatch, capsys):
+    """``kvcert build-op``: 0 and the build folder when the op loads; 1 and the reason when it cannot be built
+    (negative control: a build that fails is not reported as built)."""
+    from kvcert.kernels import cpu
+
+    seen = {}
+    monkeypatch.setattr(cpu, "is_built", lambda: False)
+    monkeypatch.setattr(cpu, "load", lambda verbose=False: seen.setdefault("verbose", verbose))
+    assert cli.main(["build-op"]) == 0
+    assert seen["verbose"] is True  # a build shows the compiler's progress
+    assert f"built in {cpu.build_directory()}" in capsys.readouterr().out
+
+    def fail(verbose=False):
+        raise cpu.CPUOpUnavailable("no C++ compiler found ('c++' is not on PATH; set CXX)")
+
+    monkeypatch.setattr(cpu, "load", fail)
+    assert cli.main(["build-op"]) == 1
+    out = capsys.readouterr()
+    assert "cannot be built: no C++ compiler found" in out.err and "built in" not in out.out

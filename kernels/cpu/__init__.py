@@ -46,7 +46,9 @@ pool (``torch.get_num_threads()``); vector code from ``#pragma omp simd`` and
 last stride, so the cache's views are read in place); every sum in float32.
 
 Built on first use (``torch.utils.cpp_extension.load``, which needs ``ninja``
-and a C++ compiler) into ``<cache>/torch_extensions/<name>``, ``<cache>`` =
+and a C++ compiler; a few minutes, announced on stderr with a progress line
+every 30 s; ``kvcert build-op`` builds it ahead, :func:`is_built` says whether
+it is) into ``<cache>/torch_extensions/<name>``, ``<cache>`` =
 ``$KVCERT_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvcert``, else
 ``~/.cache/kvcert``; the name hashes the source, the flags, the torch and
 Python versions, the CPU's instruction-set flags and the folder torch is
@@ -68,12 +70,14 @@ arXiv 2607.21475.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
 import shutil
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -84,6 +88,7 @@ from kvcert.fast.contract import check_attention_inputs, check_attention_values
 from kvcert.fast.types import Estimate
 
 __all__ = ["ENV_VAR", "SOURCE", "SUPPORTED_DTYPES", "CPUOpUnavailable", "available", "paged_hajek_attention", "build_directory",
+           "is_built",
            "decode_step", "paged_decode_step", "paged_sketch_decode_step", "sketch_decode_step", "sketch_hajek_attention", "enabled", "hajek_attention", "load", "paged_sketch_hajek_attention",
            "unavailable_reason"]
 
@@ -103,6 +108,8 @@ _OFF = ("0", "false", "no", "off")
 
 _lock = threading.Lock()
 _state: dict = {"ops": None, "reason": None, "warned": False}
+#: seconds between the progress lines of a build (stderr)
+_TICK = 30.0
 
 
 class CPUOpUnavailable(RuntimeError):
@@ -169,6 +176,45 @@ def _ninja_on_path() -> str | None:
     raise CPUOpUnavailable("ninja is not installed (pip install ninja)")
 
 
+def is_built() -> bool:
+    """Whether this torch install's op is already built (its library is in :func:`build_directory`): then
+    :func:`load` only loads it, else it compiles first (minutes)."""
+    folder = build_directory()
+    return (folder / f"{folder.name}.so").exists()
+
+
+class _Progress:
+    """Says on stderr that a build starts (where, about how long, how to build ahead or skip it), a line every
+    ``_TICK`` seconds while it runs, and how long it took: a first use compiles for minutes, never silently."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.done = threading.Event()
+        self.t0 = 0.0
+
+    def _say(self, text: str) -> None:
+        print(f"kvcert: {text}", file=sys.stderr, flush=True)
+
+    def _tick(self) -> None:
+        while not self.done.wait(_TICK):
+            self._say(f"still building the CPU decode op ({time.monotonic() - self.t0:.0f} s)")
+
+    def __enter__(self):
+        self.t0 = time.monotonic()
+        self._say(f"building the compiled CPU decode op for this torch install, once (about 2-4 minutes on 2 cores) "
+                  f"into {self.folder}; 'kvcert build-op' builds it ahead, {ENV_VAR}=0 skips it (the torch path "
+                  f"runs)")
+        threading.Thread(target=self._tick, name="kvcert-op-build", daemon=True).start()
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        self.done.set()
+        took = time.monotonic() - self.t0
+        self._say(f"CPU decode op built in {took:.0f} s" if kind is None else
+                  f"the CPU decode op's build failed after {took:.0f} s")
+        return False
+
+
 def _build(verbose: bool):
     from torch.utils import cpp_extension
 
@@ -179,9 +225,10 @@ def _build(verbose: bool):
     try:
         folder = build_directory()
         folder.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name=folder.name, sources=[str(SOURCE)], extra_cflags=list(_CFLAGS),
-                           extra_ldflags=list(_LDFLAGS),
-                           build_directory=str(folder), is_python_module=False, verbose=verbose)
+        with (contextlib.nullcontext() if is_built() else _Progress(folder)):
+            cpp_extension.load(name=folder.name, sources=[str(SOURCE)], extra_cflags=list(_CFLAGS),
+                               extra_ldflags=list(_LDFLAGS),
+                               build_directory=str(folder), is_python_module=False, verbose=verbose)
     except CPUOpUnavailable:
         raise
     except Exception as e:  # a compiler error, a linker error, an unwritable cache directory

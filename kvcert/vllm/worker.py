@@ -624,6 +624,10 @@ class CertifiedCPUWorker(_CertifiedWorker, CPUWorker):
     def __init__(self, vllm_config, *args, **kwargs):
         super().__init__(vllm_config, *args, **kwargs)
         _STEP_DTYPE[0] = vllm_config.model_config.dtype
+        from kvcert.kernels import cpu
+
+        if cpu.enabled():  # build (or load) the compiled op at start-up, announced, not inside a request's step
+            cpu.available(warn=True)
 
     def _kvcert_check_layers(self) -> None:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
