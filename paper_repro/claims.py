@@ -325,9 +325,10 @@ def run(records: list[dict], cfg: Config) -> tuple[Table, dict]:
         "The paper's summary states the three failed claims as findings (e.g. 'eviction is nearly free'); "
         "each row tests the finding as stated, so 'yes' means the paper's finding is reproduced here.",
         "Rows '<claim>:cluster' and '<claim>:tilted' (issue 14): the same test on the runs of "
-        "PoissonPress(sketch='cluster') (certificate: Chebyshev on the hybrid variance V_cl) and of the "
-        "recommended design, PoissonPress's default (the tilted sketch; certificate 3 sqrt(V_cl) capped at the "
-        "hull bound), at the same budgets (same memory), in place of the paper design's; a sketch is kept "
+        "PoissonPress(sketch='cluster') (certificate: Chebyshev on max(V_cl, HT trace)) and of the "
+        "recommended design, PoissonPress's default (the tilted sketch; certificate 3 sqrt(V), V = max(V_cl, HT "
+        "trace), capped at the hull bound), at the same budgets (same memory), in place of the paper design's; "
+        "a sketch is kept "
         "at one eviction event, so it has no streaming runs and its recompute row uses the prefill-compressed "
         "runs.",
         f"value, value_ci_low, value_ci_high (attribution and recompute rows): the claim's figure (attribution "

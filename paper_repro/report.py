@@ -199,8 +199,9 @@ def _sketch_payoff(s: dict) -> list[str]:
         "for `cluster` and 8 (4d + 4) + d + dv + 1 for `tilted`, are taken off the sampled budget) with the "
         "sketched designs; their own answers, so their own failures. `tilted` is the recommended design, "
         "the default of `PoissonPress()`, the CLI, the vLLM plugin and `evict_and_certify(design=None)`: "
-        "moments at the observation window's mean query, certificate 3 sqrt(V_cl) capped at the hull bound "
-        "(kind `tilted_hull`, docs/theory.md section 8); `cluster` records Chebyshev on V_cl. Every paper "
+        "moments at the observation window's mean query, certificate 3 sqrt(V), V = max(V_cl, HT trace), "
+        "capped at the hull bound (kind `tilted_hull`, docs/theory.md section 8); `cluster` records Chebyshev "
+        "on max(V_cl, HT trace). Every paper "
         "table asks for the paper's design by name (`sketch=None`). Table 4's `:cluster` / `:tilted` rows and "
         "Table 3's `*_cluster` / `*_tilted` columns hold the details.",
         "",

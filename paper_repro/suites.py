@@ -45,7 +45,8 @@ STREAM_BUDGET = 0.25
 #: same memory (the sketch's elements are taken off the sampled budget), run as method "poisson_<name>"; the
 #: certificate is Chebyshev on the hybrid variance V_cl (docs/theory.md section 8), except for the
 #: recommended design's sketch (``kvcert.fast.RECOMMENDED``, "tilted"), whose method runs the press's
-#: default, ``PoissonPress()`` with no design arguments (kind ``tilted_hull``: 3 sqrt(V_cl), hull-capped)
+#: default, ``PoissonPress()`` with no design arguments (kind ``tilted_hull``: 3 sqrt(V),
+#: V = max(V_cl, HT trace), hull-capped)
 SKETCHES = ("cluster", "tilted")
 
 
@@ -366,7 +367,8 @@ def table(records: list[dict], cfg: Config) -> Table:
         "with no design arguments: sketch 'tilted', kind tilted_hull), the same with 8 clusters whose moments are "
         "tilted at the mean of the observation window's queries of each KV head's group (8 (4d + 4) + d + dv + 1 "
         "elements per head: about 17 tokens here) and the decode's Gaussian step taken in q - q0; its "
-        "certificate is 3 sqrt(V_cl) capped at the hull bound (docs/theory.md section 8).",
+        "certificate is 3 sqrt(V), V = max(V_cl, HT trace), capped at the hull bound (docs/theory.md "
+        "section 8).",
         "Quick mode runs the needle-type tasks only: SmolLM2-135M answers variable tracking, common words "
         "and key-value retrieval wrongly even with the full cache at these lengths (0 of 3 each in a "
         "check at 500 and 1,000 tokens), so there is no failure to predict; --full runs all six tasks.",

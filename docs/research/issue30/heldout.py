@@ -42,6 +42,16 @@ exceeds 3 sqrt(V_cl) >= c sqrt(V_cl) where it did not).
 Writes ``results.json`` and ``table.md`` into ``--out`` (default: this folder; ``--quick`` writes
 ``quick_results.json`` and ``quick_table.md`` into the system's temporary folder). The capture is cached
 in the system's temporary folder (``--cache``).
+
+Other held-out texts (``TEXTS``; issue 50): ``--text 2`` is a second text (the topics left after text 1's
+captured span, in the order of default_rng(50); layers 2 / 8 / 15 / 22 / 28, queries at prefix + 3 / 11 / 29),
+``--text 3`` the text of the held-out guard test's slice (``--write-slice tests/data/heldout_slice.npz``
+writes it; layers 5 / 11 / 17, prefix 1024, queries at prefix + 4 / 13 / 29). Outputs of another text are
+prefixed ``text2_`` / ``text3_``. Every table also has the row of the rule before issue 50 on the same draws,
+min(3 sqrt(V_cl), H) = min(3 sqrt(V_cl), radius).
+
+    OMP_NUM_THREADS=1 .venv/bin/python docs/research/issue30/heldout.py --text 2 --sampling systematic \
+        --out docs/research/issue50
 """
 
 from __future__ import annotations
