@@ -1050,10 +1050,9 @@ def sketch_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
         Check pi / log_pi values and refuse a NaN output (host synchronisations); ``False`` for a
         caller that checked its inputs once.
     trace : bool, default True
-        Also the paper design's HT trace (``estimate.trace``). ``False``: its c rows are not formed
-        (the pass reads [a; c'] instead of [a; c; c']) and ``estimate.trace`` is None; output,
-        V_cl and radius are the same. The Hugging Face path's decode uses ``False``: the cluster
-        design's certificate reads V_cl only.
+        Report the HT trace as ``estimate.trace``. ``False``: ``estimate.trace`` is None (the
+        Hugging Face path's decode, which records its own trace); the c rows are formed either way,
+        since the variance is :func:`sketched_variance` of V_cl and the HT trace.
 
     Returns
     -------

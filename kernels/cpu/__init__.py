@@ -442,9 +442,10 @@ def sketch_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
 
     .. math::
 
-        T' = \sum_{i\in S} \pi_i (1-\pi_i)\, a_i^2\, \lVert v_i - \hat o\rVert^2
+        T' = \sum_{i\in S} \pi_i (1-\pi_i)\, a_i^2\, \lVert v_i - \hat o\rVert^2,\qquad
+        \hat V_{\mathrm{HT}} = \sum_{i\in S} (1-\pi_i)\, a_i^2\, \lVert v_i - \hat o\rVert^2
 
-    (in the centred form around the value centre :math:`\mu`, as the trace of :func:`hajek_attention`)
+    (both in the centred form around the value centre :math:`\mu`, as the trace of :func:`hajek_attention`)
     and :math:`\max_{i\in S}\lVert v_i-\mu\rVert^2`; then, per row, the sketch's O(C d) epilogue in double
     (``kvcert.fast.sketch._log_variance``): with :math:`r = q - q_0` (:math:`q_0 = 0` untilted) and the
     sketch's decode form :math:`x = b + [r;\ r^2]\,W`,
@@ -479,8 +480,9 @@ def sketch_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     Returns
     -------
     kvcert.fast.ClusterEstimate
-        ``estimate.trace`` None (the paper design's HT trace is not formed), as ``trace=False``, or the
-        recorded trace of ``record``. An empty row (nothing kept): output 0, lse -inf, variance, radius,
+        ``estimate.trace`` None (the op forms the HT trace for the variance, not as a field), as
+        ``trace=False``, or the recorded trace of ``record``; ``variance`` is max(V_cl, HT trace) and
+        ``cluster_variance`` None. An empty row (nothing kept): output 0, lse -inf, variance, radius,
         bound and recorded trace +inf.
 
     Raises
