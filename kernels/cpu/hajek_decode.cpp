@@ -340,12 +340,12 @@ void sqdist_fixed(const Tile& t, const float* ref, float* r2) {
 }
 
 struct Scratch {
-  std::vector<float> q, s, w, wh, kt, vt, off, omp, omh, pf, r2, lt, od, oh, pt;
+  std::vector<float> q, s, w, wh, kt, vt, off, omp, pf, r2, lt, od, pt;
   std::vector<const float*> krow, vrow;
   Scratch(const Shape& S)
       : q(S.G * S.d), s(S.G * kTile), w(S.G * kTile), wh(S.sketch ? S.G * kTile : 0), kt(kTile * S.d),
-        vt(kTile * S.dv), off(kTile), omp(kTile), omh(kTile), pf(kTile), r2(kTile), lt(kTile), od(kTile), oh(kTile),
-        pt(kTile), krow(kTile), vrow(kTile) {}
+        vt(kTile * S.dv), off(kTile), omp(kTile), pf(kTile), r2(kTile), lt(kTile), od(kTile), pt(kTile), krow(kTile),
+        vrow(kTile) {}
 };
 
 inline const float* row_ptr(const float* base, int64_t, float*) { return base; }
@@ -435,25 +435,26 @@ struct PagedKV {
   }
 };
 
-// One row's tile of scores s -> p = e^{s - m} (in place, m = P[0]) and w = omp p^2, their sums added to the row's
-// partial P: l = sum p (P[1]), C = sum w (P[2]) and P2 = sum p^2 (P[4]). The sketch's kept pass (SKETCH): sum pi p
-// in P[4] (pf = pi), and the HT trace's weights wh = omh p^2 (omh = 1 - pi) and their sum C_ht (P[6]).
+// One row's tile of scores s -> p = e^{s - m} (in place, m = P[0]) and w = omp p^2 (omp = 1 - pi), their sums added
+// to the row's partial P: l = sum p (P[1]), C = sum w (P[2]) and P2 = sum p^2 (P[4]). The sketch's kept pass
+// (SKETCH, pf = pi): w = pi (1 - pi) p^2 (the c' rows), sum pi p in P[4], and the HT trace's weights
+// wh = (1 - pi) p^2 and their sum C_ht (P[6]).
 template <bool SKETCH>
 inline void tile_weights(float* s, float* wr, const float* omp, const float* pf, int64_t cnt, float* P,
-                         const float* omh = nullptr, float* wh = nullptr) {
+                         float* wh = nullptr) {
   const float m = P[0];  // the row's running max
   float l = 0.0f, p2 = 0.0f, c = 0.0f, ch = 0.0f;
 #pragma omp simd reduction(+ : l, p2, c, ch)
   for (int64_t j = 0; j < cnt; ++j) {
     const float p = exp_nonpos(s[j] - m);
-    const float pw = omp[j] * p * p;
+    const float hw = omp[j] * p * p;
+    const float pw = SKETCH ? pf[j] * hw : hw;
     s[j] = p;
     wr[j] = pw;
     l += p;
     p2 += (SKETCH ? pf[j] : p) * p;
     c += pw;
     if (SKETCH) {
-      const float hw = omh[j] * p * p;
       wh[j] = hw;
       ch += hw;
     }
@@ -501,14 +502,9 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
 #pragma omp simd
     for (int64_t i = 0; i < nt; ++i) od[i] = one_minus_exp(lt[i]);  // 1 - pi
     float* pt = w.pt.data();
-    float* oh = w.oh.data();
     if (S.sketch) {
 #pragma omp simd
-      for (int64_t i = 0; i < nt; ++i) {
-        pt[i] = exp_nonpos(lt[i]);  // pi
-        oh[i] = od[i];              // 1 - pi: the HT trace's factor
-        od[i] *= pt[i];             // pi (1 - pi): the c' rows' factor
-      }
+      for (int64_t i = 0; i < nt; ++i) pt[i] = exp_nonpos(lt[i]);  // pi (the c' rows' extra factor)
     }
     int64_t cnt = 0;
     // the paged cache's scores are computed run by run (kept slots of one block), straight from its key matrix;
@@ -522,10 +518,7 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
           w.vrow[cnt] = kv.value(t0 + i, dv, w.vt.data() + cnt * dv);
           w.off[cnt] = -lt[i];
           w.omp[cnt] = od[i];
-          if (S.sketch) {
-            w.pf[cnt] = pt[i];
-            w.omh[cnt] = oh[i];
-          }
+          if (S.sketch) w.pf[cnt] = pt[i];
           ++cnt;
         }
       }
@@ -543,10 +536,7 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
           w.vrow[cnt] = kv.value(t0 + i, dv, w.vt.data() + cnt * dv);
           w.off[cnt] = -lt[i];
           w.omp[cnt] = od[i];
-          if (S.sketch) {
-            w.pf[cnt] = pt[i];
-            w.omh[cnt] = oh[i];
-          }
+          if (S.sketch) w.pf[cnt] = pt[i];
           ++cnt;
         }
       }
@@ -589,7 +579,7 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
         for (int64_t x = 0; x < m; ++x) rest[x] *= f2;
         P[0] = mt;
       }
-      if (S.sketch) tile_weights<true>(s, wr, omp, w.pf.data(), cnt, P, w.omh.data(), w.wh.data() + r * kTile);
+      if (S.sketch) tile_weights<true>(s, wr, omp, w.pf.data(), cnt, P, w.wh.data() + r * kTile);
       else tile_weights<false>(s, wr, omp, nullptr, cnt, P);
     }
     float* r2 = w.r2.data();  // ||v_j - mu||^2, shared by the rows
