@@ -1,0 +1,128 @@
+#!/usr/bin/env python
+"""The compiled CPU op's sketch decode step of this tree against the same op built from another git revision.
+
+For a change to ``kernels/cpu/hajek_decode.cpp``: the other revision's source (``git show REV:...``) is
+built once under another library name (``kvcert_cpu_rev``, into ``--build``), and both ops are called with
+the same arguments, the ones ``kvcert.kernels.cpu.sketch_hajek_attention`` passes for a recommended-design
+decode step (the tilted sketch, one query per head). Shapes: the default model's attention (b = 1, h_q = 9,
+h_kv = 3, d = dv = 64, float32), random normal keys, values and queries, kept n in ``--sizes``. Paired and
+interleaved: each round times both ops over ``--reps`` calls, the order alternating every round; per size
+the median time of each and the median [min, max] of the per-round ratios (this tree / the revision).
+The other revision's op must take the same arguments (the op's schema unchanged). Writes JSON (``--out``).
+
+    .venv/bin/python benchmarks/bench_op_revision.py --rev 3cc46a2~2 --threads 1 \\
+        --out benchmarks/op_revision_sketch.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+import kvcert.fast as F
+from kvcert.kernels import cpu
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = "kernels/cpu/hajek_decode.cpp"
+
+
+def build_revision(rev: str, folder: Path):
+    """The op of ``rev``, built under the library name ``kvcert_cpu_rev``; returns its sketch entry."""
+    from torch.utils import cpp_extension
+
+    src = subprocess.run(["git", "show", f"{rev}:{SOURCE}"], cwd=ROOT, check=True, capture_output=True,
+                         text=True).stdout
+    src = src.replace("TORCH_LIBRARY(kvcert_cpu,", "TORCH_LIBRARY(kvcert_cpu_rev,")
+    src = src.replace("TORCH_LIBRARY_IMPL(kvcert_cpu,", "TORCH_LIBRARY_IMPL(kvcert_cpu_rev,")
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "hajek_decode_rev.cpp"
+    if not path.exists() or path.read_text() != src:
+        path.write_text(src)
+    print(f"building the op of {rev} in {folder} (about 2-4 minutes the first time)", flush=True)
+    cpp_extension.load(name="kvcert_cpu_rev", sources=[str(path)], extra_cflags=list(cpu._CFLAGS),
+                       extra_ldflags=list(cpu._LDFLAGS), build_directory=str(folder), is_python_module=False)
+    return torch.ops.kvcert_cpu_rev.hajek_decode_sketch
+
+
+def op_arguments(n: int) -> tuple:
+    """The arguments the library passes to ``hajek_decode_sketch`` for one decode step over n kept tokens."""
+    g = torch.Generator().manual_seed(n)
+    b, h_kv, G, d = 1, 3, 3, 64
+    k, v = torch.randn(b, h_kv, 2 * n, d, generator=g), torch.randn(b, h_kv, 2 * n, d, generator=g)
+    pi = torch.rand(b, h_kv, 2 * n, generator=g).clamp(0.2, 1.0)
+    keep = torch.rand(b, h_kv, 2 * n, generator=g) < 0.5
+    design = F.ClusterDesign(clusters=8, radius="fixed", multiplier=3.0, tilt=True)
+    sketch = F.cluster_sketch(k, v, pi, keep, design, tilt=torch.randn(b, h_kv, d, generator=g))
+    idx = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices[..., :n]
+    K = torch.gather(k, 2, idx[..., None].expand(-1, -1, -1, d)).contiguous()
+    V = torch.gather(v, 2, idx[..., None].expand(-1, -1, -1, d)).contiguous()
+    log_pi = torch.log(torch.gather(pi, 2, idx) * torch.gather(keep, 2, idx)).float().contiguous()
+    q = torch.randn(b, h_kv * G, d, generator=g)
+    mu, r2 = F.value_moments(V, log_pi.exp())
+    seen = {}
+    ops = cpu.load()
+
+    class Spy:  # the library's own call, its arguments recorded
+        def __getattr__(self, name):
+            if name != "hajek_decode_sketch":
+                return getattr(ops, name)
+            return lambda *a: seen.setdefault("args", a) and ops.hajek_decode_sketch(*a)
+
+    cpu._state["ops"] = Spy()
+    try:
+        cpu.sketch_hajek_attention(q, K, V, None, sketch, log_pi=log_pi, value_center=mu, value_sqdist=r2,
+                                   validate=False)
+    finally:
+        cpu._state["ops"] = ops
+    return seen["args"]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rev", required=True, help="the git revision to compare with")
+    p.add_argument("--sizes", type=int, nargs="+", default=[2048, 4096, 8192])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--build", default=str(Path.home() / ".cache" / "kvcert" / "op_revision"))
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    other = build_revision(args.rev, Path(args.build))
+    here = cpu.load().hajek_decode_sketch
+    rows = []
+    for n in args.sizes:
+        a = op_arguments(n)
+        calls = {"this tree": lambda: here(*a), args.rev: lambda: other(*a)}
+        for f in calls.values():
+            f()
+            f()
+        times = {k: [] for k in calls}
+        for r in range(args.rounds):
+            for name in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
+                t0 = time.perf_counter()
+                for _ in range(args.reps):
+                    calls[name]()
+                times[name].append((time.perf_counter() - t0) / args.reps)
+        ratios = [x / y for x, y in zip(times["this tree"], times[args.rev])]
+        row = dict(n=n, this_ms=1e3 * statistics.median(times["this tree"]),
+                   rev_ms=1e3 * statistics.median(times[args.rev]), ratio=statistics.median(ratios),
+                   ratio_min=min(ratios), ratio_max=max(ratios))
+        rows.append(row)
+        print(f"n = {n}: this tree {row['this_ms']:.3f} ms, {args.rev} {row['rev_ms']:.3f} ms, ratio "
+              f"{row['ratio']:.3f} [{row['ratio_min']:.3f}, {row['ratio_max']:.3f}]", flush=True)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    result = dict(rev=args.rev, head=head.strip(), threads=args.threads, rounds=args.rounds, reps=args.reps,
+                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rows=rows)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
