@@ -755,7 +755,7 @@ def _probs(L: _Layout, C) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return lp, -torch.expm1(lp), torch.exp(lp)
 
 
-def _kept_pass(L: _Layout, lp, omp, pf, mu, r2, trace: bool = True):
+def _kept_pass(L: _Layout, lp, omp, pf, mu, r2):
     r"""One pass over K and V: the Hajek output and the HT trace, and the kept pieces of V_cl.
 
     .. math::
@@ -767,25 +767,20 @@ def _kept_pass(L: _Layout, lp, omp, pf, mu, r2, trace: bool = True):
     :math:`[\sum c_i, \sum c'_i]` and the kept share :math:`\kappa = \sum_S \pi_i a_i =
     \hat Z^{-1}\sum_S e^{s_i}`. Empty rows (every slot padding) get a = 0 (so o = 0, kappa = 0,
     every sum 0) and lse = -inf. Returns ``(o (B, G, dv), cv (B, KG, dv), t (B, KG), sc (B, KG, 1),
-    kappa (B, G), lse (B, G))``, the c rows first, K = 2; with ``trace=False`` the c rows (the HT
-    trace's) are not formed, K = 1 and the pass reads [a; c'] (two rows per query instead of three).
+    kappa (B, G), lse (B, G))``, the c rows first (K = 2 kinds of rows).
     """
     dt, B, G, n = L.dtype, L.B, L.G, L.n
     dev = L.q.device
-    K = 2 if trace else 1
     v, s, m = _offset_scores(L, lp, None, "sketch_scores")     # m finite: an empty row gets a = e^{-inf} = 0
-    rows = _WS.get("sketch_rows", B * (K + 1) * G * n, dt, dev).view(B, (K + 1) * G, n)   # [a; c; c'] or [a; c']
+    rows = _WS.get("sketch_rows", B * 3 * G * n, dt, dev).view(B, 3 * G, n)   # [a; c; c']
     a = torch.sub(s, m, out=rows[:, :G]).exp_()
     l = a.sum(-1, keepdim=True)
     lse = torch.log(l).add_(m).squeeze(-1)                     # -inf on empty rows (l = 0)
     a.div_(l.clamp_(min=1.0))                                  # l >= 1 on a non-empty row (its max is e^0)
     c = torch.mul(a, a, out=rows[:, G:2 * G]).mul_(omp.view(B, 1, n))
-    if trace:
-        torch.mul(c, pf.view(B, 1, n), out=rows[:, 2 * G:])
-    else:
-        c.mul_(pf.view(B, 1, n))                               # c' in the place of c
-    oc = torch.bmm(rows, v)                                    # (B, (K + 1)G, dv): [o; sum c v; sum c' v]
-    t = torch.linalg.vecdot(rows[:, G:], r2.view(B, 1, n))    # (B, KG): [sum c r; sum c' r]
+    torch.mul(c, pf.view(B, 1, n), out=rows[:, 2 * G:])
+    oc = torch.bmm(rows, v)                                    # (B, 3G, dv): [o; sum c v; sum c' v]
+    t = torch.linalg.vecdot(rows[:, G:], r2.view(B, 1, n))    # (B, 2G): [sum c r; sum c' r]
     kappa = torch.linalg.vecdot(a, pf.view(B, 1, n))            # (B, G): sum pi a
     sc = rows[:, G:].sum(-1, keepdim=True)
     return oc[:, :G], oc[:, G:], t, sc, kappa, lse
@@ -918,12 +913,12 @@ def _log_variance(L: _Layout, f: _DecodeForm, o, lse, kappa, t_kept):
     return both[..., 0], both[..., 1]
 
 
-def _empty_kept(L: _Layout, K: int = 2):
-    """The kept pieces of a cache with n = 0 slots (as an all-padding one), K kinds of rows."""
+def _empty_kept(L: _Layout):
+    """The kept pieces of a cache with n = 0 slots (as an all-padding one), both kinds of rows (c, c')."""
     dt, dev = L.dtype, L.q.device
     z = torch.zeros(L.B, L.G, dtype=dt, device=dev)
-    zz = torch.zeros(L.B, K * L.G, dtype=dt, device=dev)
-    return (torch.zeros(L.B, L.G, L.dv, dtype=dt, device=dev), torch.zeros(L.B, K * L.G, L.dv, dtype=dt, device=dev),
+    zz = torch.zeros(L.B, 2 * L.G, dtype=dt, device=dev)
+    return (torch.zeros(L.B, L.G, L.dv, dtype=dt, device=dev), torch.zeros(L.B, 2 * L.G, L.dv, dtype=dt, device=dev),
             zz, zz[..., None], z, torch.full_like(z, float("-inf")))
 
 
@@ -1123,7 +1118,7 @@ def sketch_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier, 
     dt = L.dtype
     if L.n == 0:
         mu = torch.zeros(L.B, 1, L.dv, dtype=dt, device=L.q.device)
-        o, cv, t, sc, kappa, lse = _empty_kept(L, 2)
+        o, cv, t, sc, kappa, lse = _empty_kept(L)
         both = _centred(t, cv, sc, o, mu)
     else:
         if value_center is None:
