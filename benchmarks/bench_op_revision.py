@@ -10,8 +10,14 @@ interleaved: each round times both ops over ``--reps`` calls, the order alternat
 the median time of each and the median [min, max] of the per-round ratios (this tree / the revision).
 The other revision's op must take the same arguments (the op's schema unchanged). Writes JSON (``--out``).
 
-    .venv/bin/python benchmarks/bench_op_revision.py --rev 3cc46a2~2 --threads 1 \\
+``--model-decode N``: instead, inside the default model's own decode (``kvcert.generate`` of the first N tokens
+of the pydoc haystack under ``PoissonPress(compression_ratio=--ratio)``, 40 new tokens) every sketch op call is
+timed, the two ops alternating by decode step (30 layers each), so both see the model's cache state.
+
+    .venv/bin/python benchmarks/bench_op_revision.py --rev a4f648b --threads 1 \\
         --out benchmarks/op_revision_sketch.json
+    .venv/bin/python benchmarks/bench_op_revision.py --rev a4f648b --model-decode 2000 --ratio 0.75 \\
+        --out benchmarks/op_revision_sketch_model.json
 """
 
 from __future__ import annotations
@@ -83,6 +89,42 @@ def op_arguments(n: int) -> tuple:
     return seen["args"]
 
 
+def model_decode(other, tokens: int, ratio: float) -> list[dict]:
+    """Per op: the calls, median and mean time of the sketch op inside the model's decode (module docstring)."""
+    import kvcert
+    from paper_repro.realmodel import haystack_ids
+
+    ops = cpu.load()
+    fns = {"this tree": ops.hajek_decode_sketch, "rev": other}
+    times = {k: [] for k in fns}
+    count = [0]
+
+    class Alternate:
+        def __getattr__(self, name):
+            if name != "hajek_decode_sketch":
+                return getattr(ops, name)
+
+            def call(*a):
+                which = "rev" if (count[0] // 30) % 2 == 0 else "this tree"   # by decode step of 30 layers
+                t0 = time.perf_counter()
+                out = fns[which](*a)
+                times[which].append(time.perf_counter() - t0)
+                count[0] += 1
+                return out
+            return call
+
+    model, tok = kvcert.load_model()
+    text = tok.decode(haystack_ids(tok, tokens)[0])
+    cpu._state["ops"] = Alternate()
+    try:
+        kvcert.generate(model, tok, text, press=kvcert.PoissonPress(compression_ratio=ratio, seed=0),
+                        max_new_tokens=40, chat_template=False)
+    finally:
+        cpu._state["ops"] = ops
+    return [dict(op=k, calls=len(v), median_us=1e6 * statistics.median(v), mean_us=1e6 * statistics.mean(v))
+            for k, v in times.items()]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rev", required=True, help="the git revision to compare with")
@@ -92,9 +134,18 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--build", default=str(Path.home() / ".cache" / "kvcert" / "op_revision"))
     p.add_argument("--out", default=None)
+    p.add_argument("--model-decode", type=int, default=None, metavar="N",
+                   help="time the two ops inside the default model's decode of an N-token prompt instead")
+    p.add_argument("--ratio", type=float, default=0.75, help="compression ratio of --model-decode")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
     other = build_revision(args.rev, Path(args.build))
+    if args.model_decode:
+        rows = model_decode(other, args.model_decode, args.ratio)
+        for r in rows:
+            print(f"{r['op']}: {r['calls']} calls, median {r['median_us']:.1f} us, mean {r['mean_us']:.1f} us")
+        write(args, rows, dict(model_decode=args.model_decode, ratio=args.ratio))
+        return
+    torch.set_num_threads(args.threads)
     here = cpu.load().hajek_decode_sketch
     rows = []
     for n in args.sizes:
@@ -117,9 +168,13 @@ def main(argv=None):
         rows.append(row)
         print(f"n = {n}: this tree {row['this_ms']:.3f} ms, {args.rev} {row['rev_ms']:.3f} ms, ratio "
               f"{row['ratio']:.3f} [{row['ratio_min']:.3f}, {row['ratio_max']:.3f}]", flush=True)
+    write(args, rows, dict(threads=args.threads, rounds=args.rounds, reps=args.reps))
+
+
+def write(args, rows, extra: dict) -> None:
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    result = dict(rev=args.rev, head=head.strip(), threads=args.threads, rounds=args.rounds, reps=args.reps,
-                  date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rows=rows)
+    result = dict(rev=args.rev, head=head.strip(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  **extra, rows=rows)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
