@@ -23,6 +23,7 @@ timed, the two ops alternating by decode step (30 layers each), so both see the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -56,6 +57,22 @@ def build_revision(rev: str, folder: Path):
     return torch.ops.kvcert_cpu_rev.hajek_decode_sketch
 
 
+@contextlib.contextmanager
+def sketch_op_replaced(fn):
+    """Within the block, ``kvcert.kernels.cpu``'s loaded op with its ``hajek_decode_sketch`` replaced by ``fn``."""
+    ops = cpu.load()
+
+    class Proxy:
+        def __getattr__(self, name):
+            return fn if name == "hajek_decode_sketch" else getattr(ops, name)
+
+    cpu._state["ops"] = Proxy()
+    try:
+        yield ops
+    finally:
+        cpu._state["ops"] = ops
+
+
 def op_arguments(n: int) -> tuple:
     """The arguments the library passes to ``hajek_decode_sketch`` for one decode step over n kept tokens."""
     g = torch.Generator().manual_seed(n)
@@ -72,20 +89,10 @@ def op_arguments(n: int) -> tuple:
     q = torch.randn(b, h_kv * G, d, generator=g)
     mu, r2 = F.value_moments(V, log_pi.exp())
     seen = {}
-    ops = cpu.load()
-
-    class Spy:  # the library's own call, its arguments recorded
-        def __getattr__(self, name):
-            if name != "hajek_decode_sketch":
-                return getattr(ops, name)
-            return lambda *a: seen.setdefault("args", a) and ops.hajek_decode_sketch(*a)
-
-    cpu._state["ops"] = Spy()
-    try:
+    op = cpu.load().hajek_decode_sketch
+    with sketch_op_replaced(lambda *a: seen.setdefault("args", a) and op(*a)):  # the library's own call, recorded
         cpu.sketch_hajek_attention(q, K, V, None, sketch, log_pi=log_pi, value_center=mu, value_sqdist=r2,
                                    validate=False)
-    finally:
-        cpu._state["ops"] = ops
     return seen["args"]
 
 
@@ -94,33 +101,23 @@ def model_decode(other, tokens: int, ratio: float) -> list[dict]:
     import kvcert
     from paper_repro.realmodel import haystack_ids
 
-    ops = cpu.load()
-    fns = {"this tree": ops.hajek_decode_sketch, "rev": other}
+    fns = {"this tree": cpu.load().hajek_decode_sketch, "rev": other}
     times = {k: [] for k in fns}
     count = [0]
 
-    class Alternate:
-        def __getattr__(self, name):
-            if name != "hajek_decode_sketch":
-                return getattr(ops, name)
-
-            def call(*a):
-                which = "rev" if (count[0] // 30) % 2 == 0 else "this tree"   # by decode step of 30 layers
-                t0 = time.perf_counter()
-                out = fns[which](*a)
-                times[which].append(time.perf_counter() - t0)
-                count[0] += 1
-                return out
-            return call
+    def alternate(*a):
+        which = "rev" if (count[0] // 30) % 2 == 0 else "this tree"   # by decode step of 30 layers
+        t0 = time.perf_counter()
+        out = fns[which](*a)
+        times[which].append(time.perf_counter() - t0)
+        count[0] += 1
+        return out
 
     model, tok = kvcert.load_model()
     text = tok.decode(haystack_ids(tok, tokens)[0])
-    cpu._state["ops"] = Alternate()
-    try:
+    with sketch_op_replaced(alternate):
         kvcert.generate(model, tok, text, press=kvcert.PoissonPress(compression_ratio=ratio, seed=0),
                         max_new_tokens=40, chat_template=False)
-    finally:
-        cpu._state["ops"] = ops
     return [dict(op=k, calls=len(v), median_us=1e6 * statistics.median(v), mean_us=1e6 * statistics.mean(v))
             for k, v in times.items()]
 
