@@ -55,16 +55,6 @@ def prompt_ids(tokenizer, prompt: str) -> torch.Tensor:
     return ids
 
 
-def plain_cache(model, ids):
-    """The uncompressed cache of a plain prefill (transformers' DynamicCache)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return cache
-
-
 def kvpress_prefill(model, press, ids):
     """The cache kvpress's ``press`` leaves after the prefill of ``ids`` (under its own hooks)."""
     from transformers import DynamicCache
@@ -75,19 +65,21 @@ def kvpress_prefill(model, press, ids):
     return cache
 
 
-def kvpress_kept(model, press, ids, plain) -> tuple[list[list[set]], dict]:
+def kvpress_kept(model, press, ids) -> tuple[list[list[set]], dict]:
     """Token positions kvpress's ``press`` keeps, per layer and KV head, and the scores it ranked
-    them by (layer -> (1, h_kv, n)). The compressed keys are found among the plain prefill's keys
-    (kvpress's gather copies them bit for bit)."""
+    them by (layer -> (1, h_kv, n)). The compressed keys are found among the keys the press scored
+    in the same forward (kvpress's gather copies them bit for bit); not among another forward's,
+    which need not be bit-identical to this one (CI once saw a plain prefill's keys differ)."""
     recording = Recording(press)
     cache = kvpress_prefill(model, press, ids)
+    scored = recording.keys_by_layer()
     kept = []
-    for layer, full_layer in zip(cache.layers, plain.layers):
+    for i, layer in enumerate(cache.layers):
         per_head = []
-        for h in range(full_layer.keys.shape[1]):
-            full, small = full_layer.keys[0, h], layer.keys[0, h]  # (n, d), (m, d)
+        for h in range(scored[i].shape[1]):
+            full, small = scored[i][0, h], layer.keys[0, h]  # (n, d), (m, d)
             match = (small[:, None, :] == full[None, :, :]).all(-1)  # (m, n)
-            assert bool((match.sum(-1) >= 1).all()), "a kept key matches no plain key"
+            assert bool((match.sum(-1) >= 1).all()), f"layer {i}, head {h}: a kept key matches no scored key"
             if bool((match.sum(-1) > 1).any()):  # equal keys (a repeated token at layer 0): by position
                 raise AssertionError("two plain keys are equal: the kept positions cannot be told apart")
             per_head.append(set(match.float().argmax(-1).tolist()))
@@ -138,12 +130,17 @@ class Recording:
 
         def recorded(module, hidden_states, keys, values, attentions, kwargs):
             u = score(module, hidden_states, keys, values, attentions, kwargs)
-            self.calls.append((module.layer_idx, u.detach().clone()))
+            self.calls.append((module.layer_idx, u.detach().clone(), keys))
             return u
 
         press.score = recorded
 
     def by_layer(self) -> dict:
-        layers = [i for i, _ in self.calls]
+        layers = [i for i, _, _ in self.calls]
         assert len(layers) == len(set(layers)), f"a layer was scored twice: {layers}"
-        return dict(self.calls)
+        return {i: u for i, u, _ in self.calls}
+
+    def keys_by_layer(self) -> dict:
+        """layer -> the (1, h_kv, n, d) keys the press scored (those its compression gathers from)."""
+        self.by_layer()
+        return {i: k for i, _, k in self.calls}

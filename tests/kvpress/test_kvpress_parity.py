@@ -15,7 +15,7 @@ import dataclasses
 
 import kvpress
 import pytest
-from kvpress_support import (default_model, differences, kvcert_kept, kvpress_kept, needle_prompt, plain_cache,
+from kvpress_support import (default_model, differences, kvcert_kept, kvpress_kept, needle_prompt,
                              prompt_ids, tie_breaks)
 
 import kvcert
@@ -28,19 +28,19 @@ def inputs():
     model, tokenizer = default_model()
     ids = prompt_ids(tokenizer, needle_prompt(1300))
     assert 250 < ids.shape[1] < 450
-    return model, ids, plain_cache(model, ids)
+    return model, ids
 
 
 @pytest.fixture(scope="module")
 def kvpress_sets(inputs):
     """name -> (the kept sets of CASES[name]'s kvpress press, the scores it ranked by), each
     computed once per module."""
-    model, ids, plain = inputs
+    model, ids = inputs
     done = {}
 
     def kept(name):
         if name not in done:
-            done[name] = kvpress_kept(model, CASES[name][0](), ids, plain)
+            done[name] = kvpress_kept(model, CASES[name][0](), ids)
         return done[name]
 
     return kept
@@ -74,7 +74,7 @@ def test_configured_as_kvpress_kvcert_keeps_kvpress_tokens(inputs, kvpress_sets,
     scores tie exactly at the top-k threshold, kvcert keeps the lower positions (documented,
     deterministic) and kvpress whatever torch.topk returns. Exact ties occur with KNorm at layer
     0, where a repeated token has the same key norm at every position (RoPE keeps norms)."""
-    model, ids, _ = inputs
+    model, ids = inputs
     want, scores = kvpress_sets(name)
     got = kvcert_kept(model, CASES[name][1](), ids)
     n = ids.shape[1]
@@ -104,7 +104,7 @@ def test_snapkv_default_pooling_moves_only_the_edges(inputs, kvpress_sets):
     rank the tokens alike except the kernel_size // 2 tokens at either end of the span before the
     window, so a kept set can differ only by such an edge token and the token it displaces at the
     top-k threshold. Pinned: some heads differ, and only so."""
-    model, ids, _ = inputs
+    model, ids = inputs
     n, w, k = ids.shape[1], 64, 5
     want, _ = kvpress_sets("snapkv")  # kvpress.SnapKVPress(compression_ratio=RATIO)
     got = kvcert_kept(model, kvcert.SnapKVPress(compression_ratio=RATIO, sinks=0, window=w, window_size=w,
@@ -123,7 +123,7 @@ def test_tova_group_pooling_is_per_kv_head(inputs, kvpress_sets):
     """kvcert's default TOVA averages the last query's attention over each KV head's query group;
     kvpress's (like the TOVA paper) over all query heads, one kept set for every KV head. Pinned:
     kvpress's sets are the same across heads, kvcert's default ones differ from them."""
-    model, ids, _ = inputs
+    model, ids = inputs
     want, _ = kvpress_sets("tova")  # kvpress.TOVAPress(compression_ratio=RATIO)
     got = kvcert_kept(model, kvcert.TOVAPress(compression_ratio=RATIO, sinks=0, window=1), ids)
     assert all(len({frozenset(s) for s in layer}) == 1 for layer in want)
