@@ -99,14 +99,19 @@ def test_inclusion_frequencies_are_pi_and_size_law():
 
 
 def test_random_order_gives_positive_joint_inclusion_to_neighbours():
-    """In position order, systematic sampling never keeps two neighbours whose pi sum to at most 1 when they
-    sit in one unit interval; the random order (the uniforms) does, as a high-entropy design should:
-    over 2000 draws the pair (0, 1) with pi = 0.5 each is kept together about 1/4 of the time."""
+    """In position order, systematic sampling never keeps tokens 0 and 1 with pi = 0.5 each (they fill
+    the unit interval [0, 1) together); in the random order of the uniforms it does, as a high-entropy
+    design should. With ten tokens of pi = 0.5 in a uniformly random order, the token at rank m
+    covers the half [m / 2, (m + 1) / 2) mod 1, so two tokens can be kept together only when their
+    ranks have the same parity (probability 4 / 9) and then are (probability 1 / 2, the start):
+    P(both) = 2 / 9, checked over 2000 independent draws within 4.5 binomial standard errors (the
+    position order's 0 lies 24 standard errors away)."""
     r = 2000
     pi = torch.full((r, 10), 0.5, dtype=torch.float64)
     keep = F.systematic_sample(pi, seed=3)
     both = (keep[:, 0] & keep[:, 1]).double().mean().item()
-    assert 0.1 < both < 0.4
+    p = 2 / 9
+    assert abs(both - p) <= 4.5 * math.sqrt(p * (1 - p) / r), both
     assert bool((keep.sum(1) == 5).all())
 
 
