@@ -184,6 +184,27 @@ def _centred_scale(q, k, v, p, sk, bi, hi, o):
 
 
 
+def with_error(step, field: str, units: float, n: int):
+    """``step`` with one field of its result moved by ``units`` times the float32 rounding allowance
+    ``rounding(float32, n)`` of its own value (``output`` by that share of its head's largest entry):
+    the negative control of :func:`check_float32_step`, whose tolerances are a few such units."""
+    import dataclasses
+
+    rel = units * rounding(torch.float32, n)
+
+    def wrong(*args, **kwargs):
+        ce = step(*args, **kwargs)
+        est = ce.estimate
+        if field == "output":
+            est = dataclasses.replace(est, output=est.output + rel * est.output.abs().amax(-1, keepdim=True))
+        elif field == "trace":
+            est = dataclasses.replace(est, trace=est.trace * (1 + rel))
+        vcl = ce.cluster_variance * (1 + rel) if field == "cluster_variance" else ce.cluster_variance
+        return dataclasses.replace(ce, estimate=est, cluster_variance=vcl, variance=torch.maximum(vcl, est.trace))
+
+    return wrong
+
+
 def check_float32_step(step, n, g, clusters, device="cpu"):
     """The float32 decode step ``step`` (kvcert.fast's, or the Triton kernel's: tests/test_kernels_sketch.py)
     against the float64 reference on the same rounded inputs: the sketch fields, V_cl, and the output and

@@ -95,3 +95,23 @@ def test_horvitz_thompson_unbiased_by_enumeration():
     Z, N = np.exp(s).sum(), np.exp(s) @ v
     assert abs(prob @ z_hat - Z) <= 1e-12 * Z
     assert np.allclose(prob @ n_hat, N, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", F.KINDS)
+def test_the_reference_check_rejects_a_certificate_of_a_slightly_wrong_variance(kind):
+    """Negative control of ``assert_certificate_matches_reference``: the certificate of an estimate
+    whose variance moments (variance, covariance, trace) are 1e-6 too large relative (its radius
+    moves by 5e-7 relative, far above the check's 1e-9 float64 allowance) fails the check."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((1, 2, 8), (1, 1, 40, 8), (1, 1, 40, 4)))
+    pi = torch.rand(1, 1, 40, generator=gen, dtype=torch.float64) * 0.8 + 0.1
+    est = F.hajek_attention(q, k, v, pi, return_max_term=True, return_covariance=True, return_tail_moment=True)
+    assert_certificate_matches_reference(F.certificate(est, delta=0.05, kind=kind), q, k, v, pi, delta=0.05,
+                                         kind=kind)
+    up = 1 + 1e-6
+    wrong = dataclasses.replace(est, variance=est.variance * up, covariance=est.covariance * up, trace=est.trace * up)
+    with pytest.raises(AssertionError, match=f"{kind} "):
+        assert_certificate_matches_reference(F.certificate(wrong, delta=0.05, kind=kind), q, k, v, pi, delta=0.05,
+                                             kind=kind)

@@ -38,7 +38,8 @@ import kvcert.fast as F
 from kvcert.fast import sketch as FS
 from kvcert.reference import sketch as RS
 from sketch_support import (FLOAT32_CASES, RTOL, RTOL_V, T, _centred_scale, _check_fields, _compact, _full, _heads,
-                            _ref_sketch, _reference_rows, _sketch_tolerances, check_float32_step)
+                            _ref_sketch, _reference_rows, _sketch_tolerances, check_float32_step,
+                            with_error)
 from support import EPS, assert_close, rounding
 
 FEW = settings(max_examples=6, deadline=None)
@@ -259,6 +260,15 @@ def test_empty_heads():
 @pytest.mark.parametrize("n, g, clusters", FLOAT32_CASES)
 def test_float32_within_derived_tolerance(n, g, clusters):
     check_float32_step(FS.sketch_hajek_attention, n, g, clusters)
+
+
+@pytest.mark.parametrize("field", ["output", "trace", "cluster_variance"])
+def test_the_float32_tolerance_rejects_a_step_with_a_deliberate_error(field):
+    """Negative control of :func:`check_float32_step`: the same step with one field moved by 100 units
+    of the float32 rounding allowance (about 1e-3 of its value at n = 113) fails it. Its tolerances
+    are 10-30 such units (the (1 + 4 S) growth of exponents of size S), so a smaller error can pass."""
+    with pytest.raises(AssertionError, match={"output": "output32", "trace": "trace32", "cluster_variance": "V_cl32"}[field]):
+        check_float32_step(with_error(FS.sketch_hajek_attention, field, 100, 113), 113, 1, 6)
 
 
 @pytest.mark.parametrize("n, clusters", [(239, 6), (113, 1), (3, 4)])

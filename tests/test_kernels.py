@@ -189,6 +189,42 @@ def test_tile_breaking_lengths(n, num_splits, dtype, moments):
     assert_matches_oracle(est, q, k, v, pi, dtype, block_n=BLOCK, moments=moments)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_derived_tolerance_rejects_a_kernel_with_a_deliberate_error(dtype):
+    """Negative control of :func:`assert_matches_oracle`: the kernel's estimate passes, and each of
+    these deliberate errors fails it: the -log pi offset dropped (plain attention over the kept
+    tokens), the variance without its (1 - pi) factor, and, for float32 inputs, every field moved by
+    20 units of the tolerance's rounding term (a kernel whose error grows beyond its tiling's bound;
+    for bfloat16 inputs the tolerance is the inputs' own rounding, far larger)."""
+    import dataclasses
+
+    n = 113
+    q, k, v, pi = _make_case(n, 1, 2, 4, n, 64, 64, dtype, pad="ragged", pi_kind="interior")
+    est = KN.hajek_attention(q, k, v, pi, block_n=BLOCK, num_splits=3)
+    assert_matches_oracle(est, q, k, v, pi, dtype, block_n=BLOCK)
+    plain = KN.hajek_attention(q, k, v, torch.where(pi > 0, torch.ones_like(pi), pi), block_n=BLOCK, num_splits=3)
+    wrong = {"output": dataclasses.replace(est, output=plain.output),
+             "variance": dataclasses.replace(est, variance=_without_fpc(est, q, k, v, pi))}
+    step = 20 * rounding(dtype, n, BLOCK)
+    for f in FIELDS if dtype == torch.float32 else ():  # half inputs: their own rounding dominates
+        x = getattr(est, f)
+        wrong[f"{f} + 20 rounding"] = dataclasses.replace(est, **{f: x + step * x.abs().amax(-1, keepdim=True)
+                                                                  if x.dim() == 3 else x + step * x.abs()})
+    for name, bad in wrong.items():
+        field = name.split()[0]
+        with pytest.raises(AssertionError):
+            assert_matches_oracle(bad, q, k, v, pi, dtype, block_n=BLOCK, fields=(field,))
+
+
+def _without_fpc(est, q, k, v, pi):
+    """The variance a kernel would give without the (1 - pi) factor: sum a_i^2 (v_i - o)^2 from the
+    float64 reference's weights (per query head, GQA), cast like the kernel's variance."""
+    out = torch.zeros_like(est.variance)
+    for (bi, h), (e, vv, _) in reference_heads(q, k, v, pi).items():
+        out[bi, h] = torch.as_tensor((e.weights[:, None] ** 2 * (vv - e.output) ** 2).sum(0), dtype=out.dtype)
+    return out
+
+
 @pytest.mark.parametrize("d, dv, g, h_kv", [(128, 128, 4, 2), (40, 24, 3, 1), (16, 16, 20, 1)])
 def test_head_dims_and_groups(d, dv, g, h_kv):
     """d = 128 (the realistic case), non-power-of-two dims, and g = 20 > 16 query heads per KV head

@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 from support import triton_kernels
-from sketch_support import FLOAT32_CASES, check_float32_step
+from sketch_support import FLOAT32_CASES, check_float32_step, with_error
 
 import kvcert.fast as F
 
@@ -25,6 +25,15 @@ KN, DEVICE = triton_kernels()  # skips this module without triton, or without CU
 @pytest.mark.parametrize("n, g, clusters", FLOAT32_CASES)
 def test_kernel_step_within_the_derived_float32_tolerance(n, g, clusters):
     check_float32_step(KN.sketch_hajek_attention, n, g, clusters, device=DEVICE)
+
+
+@pytest.mark.parametrize("field", ["output", "trace", "cluster_variance"])
+def test_the_float32_tolerance_rejects_a_kernel_with_a_deliberate_error(field):
+    """Negative control: the kernel's step with one field moved by 100 units of the float32 rounding
+    allowance (about 1e-3 of its value at n = 113) fails the check its exact output passes."""
+    check_float32_step(KN.sketch_hajek_attention, 113, 1, 6, device=DEVICE)
+    with pytest.raises(AssertionError, match={"output": "output32", "trace": "trace32", "cluster_variance": "V_cl32"}[field]):
+        check_float32_step(with_error(KN.sketch_hajek_attention, field, 100, 113), 113, 1, 6, device=DEVICE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -157,3 +157,23 @@ def test_certificate_and_dispatch():
         got = float(cert.radius[bi, h])
         assert got == want or abs(got - want) <= 4 * EPS32 * want, (bi, h, got, want)
     assert_tail_matches(est, q, k, v, pi, torch.float32, 16)
+
+
+@pytest.mark.parametrize("bug", ["one (1 - pi) factor dropped", "v not centred at o_hat"])
+def test_the_tolerance_rejects_a_tail_moment_with_a_deliberate_error(bug):
+    """Negative control of :func:`assert_tail_matches`: the kernel's tail moment passes, and the s2 a
+    kernel with one of two plausible bugs would return (computed from the float64 reference's own
+    weights, so nothing but the bug differs) fails, on float32 and bfloat16 inputs."""
+    import dataclasses
+
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v, pi = _make_case(1, 1, 2, 4, 113, 16, 16, dtype, regime="typical", pad="ragged", pi_kind="interior")
+        est = KN.hajek_attention(q, k, v, pi, block_n=32, num_splits=3, return_tail_moment=True)
+        assert_tail_matches(est, q, k, v, pi, dtype, 32)
+        bad = torch.empty_like(est.tail_moment)
+        for (bi, h), (e, vv, p) in reference_heads(q, k, v, pi).items():
+            r2 = ((vv - (0.0 if bug.startswith("v not") else e.output)) ** 2).sum(1)
+            x = (1 - p) * e.weights ** 2 * r2
+            bad[bi, h] = float(((1 - p) ** (0 if bug.startswith("one") else 1) * x * x).sum())
+        with pytest.raises(AssertionError, match="tail_moment"):
+            assert_tail_matches(dataclasses.replace(est, tail_moment=bad), q, k, v, pi, dtype, 32)

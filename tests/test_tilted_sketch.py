@@ -131,12 +131,26 @@ def _kept_scale(q, k, v, p, o, tau):
        g=st.sampled_from([1, 3]), clusters=st.sampled_from([1, 6, 8]), budget=st.sampled_from([0.15, 0.5]),
        seed=st.integers(0, 10**6))
 def test_fast_matches_reference_float64(n, d, dv, g, clusters, budget, seed):
+    _check_tilted_against_reference(n, d, dv, g, clusters, budget, seed)
+
+
+@pytest.mark.parametrize("moved", [1e-6, 1e-3])
+def test_the_tilted_check_rejects_a_sketch_tilted_at_another_point(moved):
+    """Negative control: the fast sketch tilted at q0 moved by ``moved`` of its norm (a design that
+    reads the window queries off by one rounding-level step, or by 0.1%) fails the same check."""
+    with pytest.raises(AssertionError):
+        _check_tilted_against_reference(113, 16, 5, 3, 6, 0.15, 11, moved=moved)
+
+
+def _check_tilted_against_reference(n, d, dv, g, clusters, budget, seed, moved=0.0):
+    """kvcert.fast's tilted sketch and step against the float64 reference on the same inputs; the
+    fast sketch is tilted at q0 (1 + ``moved``) (0: the same point; the negative control moves it)."""
     k, v, pi, keep, valid = _full(seed, 2, 2, n, d, dv, budget=budget)
     rng = np.random.default_rng(seed + 7)
     window = rng.normal(size=(2, 2 * g, 5, d))
     q0 = F.window_tilt(T(window), 2)
     design = FS.ClusterDesign(clusters=clusters, iterations=4, radius="fixed", multiplier=3.0, tilt=True)
-    sk = FS.cluster_sketch(T(k), T(v), T(pi), T(keep, torch.bool), design, tilt=q0)
+    sk = FS.cluster_sketch(T(k), T(v), T(pi), T(keep, torch.bool), design, tilt=q0 * (1 + moved))
     assert sk.tilt.shape == (2, 2, d) and sk.zmean.shape == sk.mean.shape and sk.shift.shape == sk.count.shape
     q = 1.5 * rng.normal(size=(2, 2 * g, d))
     K, V, P = _compact(k, v, pi, keep)
