@@ -95,9 +95,9 @@ _last_route: str | None = None
 _cpu_module: dict = {}  # "module": kvcert.kernels.cpu once imported, "error": why it could not be
 #: the token route's backend as resolved for a forward (:attr:`LayerDecode.backend`) when it is "fast" and its
 #: trace-only calls fit the compiled CPU op (checked once: the op is available, KVCERT_CPU_OP not 0, no
-#: option the op lacks); a one-query step then calls :func:`kvcert.kernels.cpu.decode_step` directly
+#: option the op lacks); a one-query step then calls the op's ``hajek_attention(..., validate=False)`` directly
 _FAST_ON_CPU_OP = "fast+cpu_op"
-#: the keywords of a resolved token call :func:`hajek_attention` passes to :func:`kvcert.kernels.cpu.decode_step`
+#: the keywords of a resolved token call :func:`hajek_attention` passes to the op's per-step call
 #: (besides q, K, V, log_pi and the scale; value_sqdist is not read: the op computes the distances in its pass)
 _STEP_KW = frozenset({"value_center", "value_sqdist", "validate"})
 #: the same for a resolved sketch call of :func:`sketch_hajek_attention`
@@ -285,9 +285,9 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
         ("fast" on the compiled op, its availability checked once); a call
         with ``log_pi``, ``per_coordinate=False``, ``validate=False`` and at
         most ``value_center`` / ``value_sqdist`` besides then calls
-        :func:`kvcert.kernels.cpu.decode_step` (the same op call and numbers,
-        without the argument checks a cache layer's tensors do not need per
-        step); any other call runs as "fast".
+        :func:`kvcert.kernels.cpu.hajek_attention` with ``validate=False``
+        directly (the op's per-step call, without the argument checks a cache
+        layer's tensors do not need per step); any other call runs as "fast".
     **kw
         Passed to the backend. The Triton tuning arguments (``block_n``,
         ``num_splits``, ``num_warps``, ``num_stages``, ``certify``,
@@ -339,8 +339,9 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     if backend == _FAST_ON_CPU_OP:  # a forward's resolved token route (decode)
         if pi is None and not per_coordinate and kw.keys() <= _STEP_KW and _step_fits(q, keys, values, kw):
-            est = _cpu_module["module"].decode_step(q, keys, values, log_pi, kw.get("value_center"),
-                                                    _step_scale(scale, q))
+            est = _cpu_module["module"].hajek_attention(q, keys, values, log_pi=log_pi, scale=_step_scale(scale, q),
+                                                        per_coordinate=False, value_center=kw.get("value_center"),
+                                                        validate=False)
             _last, _last_route = "fast", "cpu_op"
             return est
         backend = "fast"
@@ -692,8 +693,8 @@ def sketch_hajek_attention(q, keys, values, pi=None, sketch=None, *, trace: bool
     kind whose recorded trace (:func:`kvcert.fast.recorded_trace`) is then ``estimate.trace``. ``backend``: None or
     ``"fast"`` (the choice above), or ``"fast+cpu_op"``, :func:`decode`'s route resolved for a forward: a one-query
     call with ``trace=False``, ``record``, ``log_pi``, ``value_center`` and ``validate=False`` then calls
-    :func:`kvcert.kernels.cpu.sketch_decode_step` (the same op call and numbers, without the argument checks a
-    cache layer's tensors do not need per step)."""
+    the op's :func:`kvcert.kernels.cpu.sketch_hajek_attention` with ``validate=False`` (its per-step call, without
+    the argument checks a cache layer's tensors do not need per step)."""
     global _last_route
     if record is not None and trace:
         raise TypeError("record= needs trace=False (estimate.trace then holds the recorded trace)")
@@ -701,9 +702,11 @@ def sketch_hajek_attention(q, keys, values, pi=None, sketch=None, *, trace: bool
         raise ValueError(f"backend must be None or 'fast' (kvcert.fast or the compiled CPU op), got {backend!r}")
     if (backend == _FAST_ON_CPU_OP and not trace and record is not None and pi is None
             and kw.get("value_center") is not None and kw.keys() <= _SKETCH_STEP_KW and _step_fits(q, keys, values, kw)):
-        out = _cpu_module["module"].sketch_decode_step(q, keys, values, kw["log_pi"], sketch,
-                                                       _step_scale(kw.get("scale"), q),
-                                                       kw.get("delta", 0.05), kw["value_center"], record)
+        out = _cpu_module["module"].sketch_hajek_attention(q, keys, values, None, sketch, log_pi=kw["log_pi"],
+                                                           scale=_step_scale(kw.get("scale"), q),
+                                                           delta=kw.get("delta", 0.05),
+                                                           value_center=kw["value_center"], validate=False,
+                                                           record=record)
         _last_route = "cpu_op"
         return out
     if not trace and _cpu_op_fits(q, keys, values, {}):

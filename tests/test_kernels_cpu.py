@@ -681,8 +681,8 @@ def test_sketch_route_refuses_by_name(op):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_forwards_resolved_op_route_gives_the_checked_calls_numbers(op, monkeypatch, dtype):
     """kvcert.dispatch.decode resolves its route once per forward: "fast+cpu_op" where the op computes the
-    call. A layer's step on it (kvcert.kernels.cpu.decode_step / sketch_decode_step, without the argument
-    checks) gives the checked op call's numbers bit for bit, on the token and the sketch routes; a call the
+    call. A layer's step on it (the op's hajek_attention / sketch_hajek_attention with validate=False, without
+    the argument checks) gives the checked op call's numbers bit for bit, on the token and the sketch routes; a call the
     step does not cover runs as "fast"; KVCERT_CPU_OP=0 resolves to "fast" (the torch path)."""
     from types import SimpleNamespace
 
@@ -959,33 +959,34 @@ def test_paged_sketch_route_reads_only_its_slots_and_refuses_by_name(op):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_plugins_paged_step_calls_give_the_checked_calls_numbers(op, dtype):
-    """paged_decode_step / paged_sketch_decode_step (the vLLM plugin's per-layer calls, without the Python checks)
-    give the checked calls' numbers bit for bit (validate=False, the same op call), with and without the compacted
-    prompt's sums; the op's own checks remain (a shape it refuses raises its RuntimeError naming the argument);
-    negative control: other log pi moves the trace."""
+    """validate=False (the vLLM plugin's per-layer calls, without the Python checks) gives the checked calls'
+    numbers bit for bit, with and without the compacted prompt's sums; the op's own checks remain, and where it
+    refuses the contract's error names the argument; negative control: other log pi moves the trace."""
     q, k, v, pi = _case(300, dtype, 3, seed=4)
     cache, ids, lp = _paged(k, v, pi, 32, seed=1)
     scale = q.shape[-1] ** -0.5
-    a = op.paged_decode_step(q, cache, ids, lp, scale)
-    b = op.paged_hajek_attention(q, cache, ids, lp, scale=scale, validate=False)
+    a = op.paged_hajek_attention(q, cache, ids, lp, scale=scale, validate=False)
+    b = op.paged_hajek_attention(q, cache, ids, lp, scale=scale)
     for f in ("output", "lse", "trace", "n_eff"):
         assert torch.equal(getattr(a, f), getattr(b, f)), f
     other = lp.clone()
     other[torch.isfinite(other)] = (other[torch.isfinite(other)] - 0.3).clamp(max=0.0)
-    assert not torch.equal(op.paged_decode_step(q, cache, ids, other, scale).trace, a.trace)
-    with pytest.raises(RuntimeError, match="log_pi must be"):
-        op.paged_decode_step(q, cache, ids, lp[:, :, :-1].contiguous(), scale)
+    assert not torch.equal(op.paged_hajek_attention(q, cache, ids, other, scale=scale, validate=False).trace, a.trace)
+    with pytest.raises(ValueError, match="log_pi must be"):
+        op.paged_hajek_attention(q, cache, ids, lp[:, :, :-1].contiguous(), scale=scale, validate=False)
     q, k, v, pi, sketch, _, _ = _sketch_case(300, dtype, 3, seed=6, tilt=True, clusters=8)
     cache, ids, lp = _paged(k, v, pi, 32, seed=2)
     start = torch.full((ids.shape[0],), 64, dtype=torch.int64)
     for sums, tail in ((None, None), (_head_sums(cache, ids, lp, start), start)):
-        got = op.paged_sketch_decode_step(q, cache, ids, lp, sketch, scale, 0.05, "tilted_hull", sums, tail)
-        want = op.paged_sketch_hajek_attention(q, cache, ids, lp, sketch, scale=scale, delta=0.05, record="tilted_hull",
-                                               center_sums=sums, tail_start=tail, validate=False)
+        kw = dict(scale=scale, delta=0.05, record="tilted_hull", center_sums=sums, tail_start=tail)
+        got = op.paged_sketch_hajek_attention(q, cache, ids, lp, sketch, validate=False, **kw)
+        want = op.paged_sketch_hajek_attention(q, cache, ids, lp, sketch, **kw)
         for f, x in _sketch_fields(got, "op").items():
             assert torch.equal(x, _sketch_fields(want, "op")[f]), f
     with pytest.raises(RuntimeError, match="block_ids must lie in"):
-        op.paged_sketch_decode_step(q, cache, ids + cache.shape[0], lp, sketch, scale, 0.05, "tilted_hull")
+        op.paged_sketch_hajek_attention(q, cache, ids + cache.shape[0], lp, sketch, scale=scale, validate=False)
+    with pytest.raises(TypeError, match="center_sums and tail_start go together"):
+        op.paged_sketch_hajek_attention(q, cache, ids, lp, sketch, scale=scale, tail_start=start, validate=False)
 
 
 def test_build_folders_differ_by_torch_install(monkeypatch):

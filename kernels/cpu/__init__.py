@@ -33,12 +33,12 @@ pass with the weight :math:`\pi_i(1-\pi_i)` for :math:`1-\pi_i` (the kept part o
 per query row (:math:`V_{\mathrm{cl}}`, the radius, the hull bound, the recorded
 trace), from the sketch's decode form.
 
-:func:`decode_step` and :func:`sketch_decode_step` are the same two op calls
-without the argument checks: the Hugging Face decode's per-layer calls, once
-``kvcert.dispatch.decode`` has resolved (once per forward) that the op runs.
-:func:`paged_decode_step` and :func:`paged_sketch_decode_step` are the paged
-routes' calls without the Python checks (the op's own remain): the vLLM
-plugin's per-layer calls.
+Each entry point has one ``validate`` switch: ``validate=False`` is the
+per-step call of a decode whose eviction event checked its tensors (the
+Hugging Face decode once ``kvcert.dispatch.decode`` has resolved that the op
+runs, the vLLM plugin's paged calls): no Python checks and no host reads, the
+op's own checks of shapes, dtypes and block ids, and the contract's error
+where the op refuses.
 
 Threads: ``at::parallel_for``, i.e. torch's intra-op
 pool (``torch.get_num_threads()``); vector code from ``#pragma omp simd`` and
@@ -87,10 +87,9 @@ from kvcert.fast._checks import check_scale
 from kvcert.fast.contract import check_attention_inputs, check_attention_values
 from kvcert.fast.types import Estimate
 
-__all__ = ["ENV_VAR", "SOURCE", "SUPPORTED_DTYPES", "CPUOpUnavailable", "available", "paged_hajek_attention", "build_directory",
-           "is_built",
-           "decode_step", "paged_decode_step", "paged_sketch_decode_step", "sketch_decode_step", "sketch_hajek_attention", "enabled", "hajek_attention", "load", "paged_sketch_hajek_attention",
-           "unavailable_reason"]
+__all__ = ["ENV_VAR", "SOURCE", "SUPPORTED_DTYPES", "CPUOpUnavailable", "available", "build_directory", "enabled",
+           "hajek_attention", "is_built", "load", "paged_hajek_attention", "paged_sketch_hajek_attention",
+           "sketch_hajek_attention", "unavailable_reason"]
 
 #: environment variable: ``0`` (or false/no/off) keeps every call on the torch path
 ENV_VAR = "KVCERT_CPU_OP"
@@ -322,7 +321,10 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
         Slot ranges per head (0: automatic, enough tasks for 8 per thread and
         ranges of at least 256 slots).
     validate : bool
-        Check pi / log_pi values and refuse a NaN output (two host reads).
+        Check the arguments and pi / log_pi values and refuse a NaN output (two host reads).
+        ``False`` is the per-step call of a decode whose eviction event checked its tensors: no
+        Python checks and no host reads; the op checks shapes, dtypes and devices, and where it
+        refuses, the contract's error naming the argument is raised.
 
     Returns
     -------
@@ -342,13 +344,38 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
         Arguments outside the contract, tensors not on the CPU, K/V dtypes
         other than float32 / bfloat16.
     """
-    if validate:  # shapes, then the values of pi / log_pi (one host read)
-        check_attention_values(check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale))
-    try:  # the per-step path: the op checks the shapes itself, in C++
-        return _call(q, keys, values, pi, log_pi, scale, per_coordinate, value_center, splits, validate)
-    except (RuntimeError, AttributeError, IndexError, TypeError, ValueError, ZeroDivisionError):
-        check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale)  # the contract's error, if any
+    def explain():  # where the op refused: the contract's error, if any, then the op's own checks
+        check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale)
+        _call(q, keys, values, pi, log_pi, scale, per_coordinate, value_center, splits, False)
+
+    if not validate:  # the per-step call: the op checks shapes, dtypes and devices itself, in C++
+        return _trusted(lambda: _run_op(q, _unit_stride(keys), _unit_stride(values), _one_log_pi(pi, log_pi),
+                                        value_center, check_scale(scale, q.shape[-1]), bool(per_coordinate), splits),
+                        explain)
+    check_attention_values(check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale))
+    return _trusted(lambda: _call(q, keys, values, pi, log_pi, scale, per_coordinate, value_center, splits, True),
+                    lambda: check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale))
+
+
+#: what the op and the argument handling around it raise on arguments outside the contract
+_OP_ERRORS = (RuntimeError, AttributeError, IndexError, TypeError, ValueError, ZeroDivisionError)
+
+
+def _trusted(run, explain):
+    """``run()``; where it raises, ``explain()`` first (it raises the contract's error naming the argument,
+    where there is one), then the original error. Checks cost nothing on a call the op accepts."""
+    try:
+        return run()
+    except _OP_ERRORS:
+        explain()
         raise
+
+
+def _one_log_pi(pi, log_pi):
+    """log pi from exactly one of ``pi`` and ``log_pi``."""
+    if (pi is None) == (log_pi is None):
+        raise TypeError("give exactly one of pi and log_pi, each of shape (b, h_kv, n)")
+    return log_pi if pi is None else pi.log()
 
 
 def _op_kv(q, keys, values):
@@ -369,15 +396,13 @@ def _unit_stride(x: torch.Tensor) -> torch.Tensor:
 def _call(q, keys, values, pi, log_pi, scale, per_coordinate, value_center, splits, validate) -> Estimate:
     """The op's call, with the checks it cannot do (which of pi / log_pi, the GQA grouping, the scale,
     CPU tensors, the dtypes, the options); shapes otherwise checked by the op."""
-    if (pi is None) == (log_pi is None):
-        raise TypeError("give exactly one of pi and log_pi, each of shape (b, h_kv, n)")
+    lp = _one_log_pi(pi, log_pi)
     keys, values = _op_kv(q, keys, values)
     if isinstance(splits, bool) or not isinstance(splits, int) or splits < 0:
         raise ValueError(f"splits must be an int >= 0, got {splits!r}")
     b, h_q, h_kv, d, dv = q.shape[0], q.shape[1], keys.shape[1], q.shape[-1], values.shape[-1]
     if q.dim() not in (3, 4) or h_q % h_kv:
         raise ValueError("q must be (b, h_q, d) or (b, h_q, t, d) with h_q a multiple of h_kv")
-    lp = log_pi if pi is None else pi.log()
     if value_center is not None and (not isinstance(value_center, torch.Tensor)
                                      or tuple(value_center.shape) != (b, h_kv, dv)):
         raise ValueError(f"value_center must be a tensor of shape (b, h_kv, dv) = ({b}, {h_kv}, {dv}), "
@@ -398,35 +423,6 @@ def _run_op(q, keys, values, log_pi, value_center, scale: float, per_coordinate:
                                                    splits)  # in q's leading shape
     return Estimate(output=out, weights=None, variance=var if per_coordinate else None, trace=trace, lse=lse,
                     n_eff=n_eff)
-
-
-def decode_step(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, log_pi: torch.Tensor,
-                value_center: torch.Tensor | None, scale: float) -> Estimate:
-    r"""One decode query per head, trace only: the Hugging Face decode's per-layer call of the op.
-
-    The same op call and result as ``hajek_attention(q, keys, values, log_pi=log_pi, scale=scale,
-    per_coordinate=False, value_center=value_center, validate=False)`` (bit for bit), without that
-    function's argument checks: the caller (:func:`kvcert.dispatch.decode`, once the route is known
-    to fit the op) passes a cache layer's tensors, whose values the eviction event checked.
-
-    Parameters
-    ----------
-    q : (b, h_q, d), CPU
-    keys, values : (b, h_kv, n, d), (b, h_kv, n, dv), CPU, both float32 or both bfloat16
-    log_pi : (b, h_kv, n)
-        log pi, -inf on padding (cast to float32 if it is not).
-    value_center : (b, h_kv, dv) or None
-        The trace's centre (see :func:`hajek_attention`).
-    scale : float
-        The score scale tau, finite and positive.
-
-    Returns
-    -------
-    Estimate
-        As :func:`hajek_attention` with ``per_coordinate=False``. Shapes the op refuses raise its
-        ``RuntimeError``.
-    """
-    return _run_op(q, _unit_stride(keys), _unit_stride(values), log_pi, value_center, scale, False, 0)
 
 
 def sketch_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor | None,
@@ -470,8 +466,11 @@ def sketch_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     ----------
     As :func:`kvcert.fast.sketch_hajek_attention` (no ``trace``). ``value_center`` (b, h_kv, dv) is the
     centre :math:`\mu` (default the mean kept value, :func:`kvcert.fast.value_moments`, one more pass
-    over V); ``validate=False`` skips the checks of pi / log_pi values and of a NaN output (host reads)
-    and leaves the shape checks to the op (the contract's error is raised when it refuses).
+    over V). ``validate=False`` is the per-step call of a decode whose eviction event checked its
+    tensors: no Python checks (the op checks shapes, dtypes and devices; where it refuses, the
+    contract's error is raised), no host reads, and the sketch's decode form built for the layout is
+    reused without looking for in-place changes of the sketch's tensors (an event installs a new
+    sketch; a changed layout or sketch object still rebuilds it).
     record : str, optional
         A certificate kind: ``estimate.trace`` is then the trace the decode records for it,
         :func:`kvcert.fast.recorded_trace` (:math:`\min(V_{\mathrm{cl}}, (H/c_\mathrm{kind})^2)`, computed in
@@ -493,15 +492,24 @@ def sketch_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
         As :func:`kvcert.fast.sketch_hajek_attention`; tensors not on the CPU, K/V dtypes other than
         float32 / bfloat16.
     """
-    if validate:
-        check_attention_values(check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale))
-    try:  # the per-step path: shapes checked by the op, in C++
-        return _cluster_call(q, keys, values, pi, log_pi, sketch, scale, delta, rule, multiplier, value_center,
-                             value_sqdist, validate, record)
-    except (RuntimeError, AttributeError, IndexError, TypeError, ValueError, ZeroDivisionError):
-        check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale)  # the contract's error, if any
-        _op_kv(q, keys, values)  # then the op's own: CPU tensors, K and V float32 or bfloat16
-        raise
+    def explain():  # where the op refused: the contract's error, if any, then the op's own checks
+        check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale)
+        _op_kv(q, keys, values)  # CPU tensors, K and V float32 or bfloat16
+        _check_centre(keys, values, value_center, value_sqdist, pair=validate)
+
+    if not validate:  # the per-step call: shapes, dtypes and devices checked by the op, in C++
+        def run():
+            if value_sqdist is not None and value_center is None:
+                raise TypeError("give both value_center= and value_sqdist= (from value_moments), or neither")
+            lp = _one_log_pi(pi, log_pi)
+            mu = value_center if value_center is not None else _sketch_imports()["value_moments"](values, log_pi=lp)[0]
+            return _sketch_op(q, keys, values, lp, mu, check_scale(scale, q.shape[-1]), sketch, rule, delta,
+                              multiplier, record, False, follow_in_place=False)
+
+        return _trusted(run, explain)
+    check_attention_values(check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale))
+    return _trusted(lambda: _cluster_call(q, keys, values, pi, log_pi, sketch, scale, delta, rule, multiplier,
+                                          value_center, value_sqdist, True, record), explain)
 
 
 _FACTORS: dict = {}  # (rule, delta, multiplier, their types) -> (rule, delta, factor), checked once
@@ -540,28 +548,29 @@ def _sketch_imports() -> dict:
     return _sketch_names
 
 
+def _check_centre(keys, values, value_center, value_sqdist, *, pair: bool) -> None:
+    """The centre arguments of the sketch route: ``value_sqdist`` only with ``value_center`` (and, where ``pair``,
+    the checked call's rule: both or neither), each of its shape. The op reads the centre, not the distances."""
+    if value_sqdist is not None and value_center is None or (pair and value_center is not None and value_sqdist is None):
+        raise TypeError("give both value_center= and value_sqdist= (from value_moments), or neither")
+    b, h_kv, n, dv = keys.shape[0], keys.shape[1], keys.shape[2], values.shape[-1]
+    for name, x, shape, text in (("value_center", value_center, (b, h_kv, dv), "(b, h_kv, dv)"),
+                                 ("value_sqdist", value_sqdist, (b, h_kv, n), "(b, h_kv, n)")):
+        if x is not None and (not isinstance(x, torch.Tensor) or x.shape != shape):
+            raise ValueError(f"{name} must be a tensor of shape {text} = {shape}, "
+                             f"got {getattr(x, 'shape', type(x).__name__)}")
+
+
 def _cluster_call(q, keys, values, pi, log_pi, sketch, scale, delta, rule, multiplier, value_center, value_sqdist,
                   validate, record):
     """:func:`sketch_hajek_attention`'s op call, with the checks the op cannot do; shapes, devices and dtypes
     otherwise checked by the op. The sketch's decode form (``kvcert.fast.sketch._decode_form``, float32) is built at
     the first call for a layout and kept on the sketch, its shape check with it."""
-    names = _sketch_names or _sketch_imports()
-    if (pi is None) == (log_pi is None):
-        raise TypeError("give exactly one of pi and log_pi, each of shape (b, h_kv, n)")
-    if (value_center is None) != (value_sqdist is None):
-        raise TypeError("give both value_center= and value_sqdist= (from value_moments), or neither")
-    b, h_kv, n, d, dv = keys.shape[0], keys.shape[1], keys.shape[2], q.shape[-1], values.shape[-1]
-    tau = check_scale(scale, d)
-    lp = log_pi if pi is None else pi.log()
-    if value_center is None:
-        mu = names["value_moments"](values, log_pi=lp)[0]
-    else:
-        for name, x, shape, text in (("value_center", value_center, (b, h_kv, dv), "(b, h_kv, dv)"),
-                                     ("value_sqdist", value_sqdist, (b, h_kv, n), "(b, h_kv, n)")):
-            if not isinstance(x, torch.Tensor) or x.shape != shape:
-                raise ValueError(f"{name} must be a tensor of shape {text} = {shape}, "
-                                 f"got {getattr(x, 'shape', type(x).__name__)}")
-        mu = value_center
+    names = _sketch_imports()
+    lp = _one_log_pi(pi, log_pi)
+    _check_centre(keys, values, value_center, value_sqdist, pair=True)
+    tau = check_scale(scale, q.shape[-1])
+    mu = names["value_moments"](values, log_pi=lp)[0] if value_center is None else value_center
     return _sketch_op(q, keys, values, lp, mu, tau, sketch, rule, delta, multiplier, record, validate)
 
 
@@ -595,42 +604,6 @@ def _sketch_op(q, keys, values, log_pi, center, tau: float, sketch, rule, delta,
         raise ValueError("sketch_hajek_attention produced NaN: q, keys, values and the sketch must be finite")
     return _cluster_result(values.dtype, q.dtype == torch.float64, form, rule, delta, record, output, lse, var, rad,
                            bnd, rec)
-
-
-def sketch_decode_step(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, log_pi: torch.Tensor, sketch,
-                       scale: float, delta: float, value_center: torch.Tensor, record: str):
-    r"""One decode query per head of the cluster design: the Hugging Face decode's per-layer call of the op.
-
-    The same op call and result as ``sketch_hajek_attention(q, keys, values, None, sketch, log_pi=log_pi,
-    scale=scale, delta=delta, value_center=value_center, value_sqdist=..., validate=False, record=record)``
-    (bit for bit), without that function's argument checks: the caller (:func:`kvcert.dispatch.decode`, once
-    the route is known to fit the op) passes a cache layer's tensors and sketch, which the eviction event
-    made and checked. The sketch's decode form is still rebuilt and its shape checked when the layout or
-    the sketch object changes (``kvcert.fast.sketch._decode_form``), not when one of its tensors is changed in
-    place (no cache layer's sketch is: each event installs a new one).
-
-    Parameters
-    ----------
-    q : (b, h_q, d), CPU
-    keys, values : (b, h_kv, n, d), (b, h_kv, n, dv), CPU, both float32 or both bfloat16, unit last stride
-    log_pi : (b, h_kv, n) float32
-        log pi, -inf on padding.
-    sketch : kvcert.fast.ClusterSketch
-    scale : float
-        The score scale tau, finite and positive.
-    delta : float
-        The certificate level 1 - delta.
-    value_center : (b, h_kv, dv)
-        The centre mu of the kept pass (:meth:`kvcert.cache.KVCertLayer.value_moments`).
-    record : str
-        The certificate kind whose recorded trace ``estimate.trace`` holds.
-
-    Returns
-    -------
-    kvcert.fast.ClusterEstimate
-        As :func:`sketch_hajek_attention`.
-    """
-    return _sketch_op(q, keys, values, log_pi, value_center, scale, sketch, None, delta, None, record, False, False)
 
 
 def _cluster_result(out_dtype, double, form, rule, delta, record, output, lse, var, rad, bnd, rec):
@@ -693,6 +666,8 @@ def paged_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: to
     splits : int, slot ranges per head (0: automatic)
     validate : bool
         Check the shapes, that log_pi lies in [-inf, 0] (one host read) and refuse a NaN output.
+        ``False``: the vLLM plugin's per-step call, no Python checks (the op checks shapes, dtypes and
+        block ids; where it refuses, the contract's error is raised).
 
     Returns
     -------
@@ -706,9 +681,13 @@ def paged_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: to
     ValueError
         Shapes or values outside the contract (naming the argument); block ids outside the cache (always checked).
     """
+    if not validate:  # the per-step call: the op checks shapes, dtypes and block ids; the contract's error where not
+        return _trusted(lambda: _paged_op(q, kv_cache.contiguous(), block_ids.contiguous(), _f32(log_pi),
+                                          check_scale(scale, q.shape[-1]), splits),
+                        lambda: _paged_inputs(q, kv_cache, block_ids, log_pi, False))
     h_kv, d, E, lp = _paged_inputs(q, kv_cache, block_ids, log_pi, validate)
     est = _paged_op(q, kv_cache.contiguous(), block_ids.contiguous(), lp, check_scale(scale, d), splits)
-    if validate and bool(torch.isnan(est.output).any()):
+    if bool(torch.isnan(est.output).any()):
         raise ValueError("paged_hajek_attention produced NaN: q and the cache must be finite")
     return est
 
@@ -722,32 +701,6 @@ def _paged_op(q, kv_cache, block_ids, log_pi, scale: float, splits: int) -> Esti
                                                     log_pi, scale, splits)
     return Estimate(output=out.view(E, h_q, d), weights=None, variance=None, trace=trace.view(E, h_q),
                     lse=lse.view(E, h_q), n_eff=n_eff.view(E, h_q))
-
-
-def paged_decode_step(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
-                      scale: float) -> Estimate:
-    r"""One decode query per row from a paged cache, trace only: the vLLM plugin's per-layer call of the op.
-
-    The same op call and result as ``paged_hajek_attention(q, kv_cache, block_ids, log_pi, scale=scale,
-    validate=False)`` (bit for bit), without that function's Python checks: the plugin passes its step's
-    tensors, which the step's plan built. The op itself still checks every shape, dtype and contiguity and
-    that the block ids lie in the cache (a ``RuntimeError`` otherwise).
-
-    Parameters
-    ----------
-    q : (E, h_q, d)
-    kv_cache : (num_blocks, h_kv, bs, 2 d), float32 or bfloat16, contiguous (``vec`` layout)
-    block_ids : int64 (E, M), contiguous
-    log_pi : (E, h_kv, M * bs) float32, contiguous; -inf where the slot holds no token
-    scale : float
-        The score scale tau, finite and positive.
-
-    Returns
-    -------
-    Estimate
-        As :func:`paged_hajek_attention`.
-    """
-    return _paged_op(q, kv_cache, block_ids, log_pi, scale, 0)
 
 
 def paged_sketch_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor,
@@ -785,7 +738,9 @@ def paged_sketch_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_
     validate : bool
         Check that log_pi lies in [-inf, 0] and tail_start in [0, M bs] (host reads) and refuse a NaN output or
         V_cl. (A tail_start outside that range reads no memory outside the rows' slots either way: the op reads
-        the slots from max(tail_start[e], 0) to M bs.)
+        the slots from max(tail_start[e], 0) to M bs.) ``False``: the vLLM plugin's per-step call, no Python
+        checks (the op checks shapes, dtypes and block ids; where it refuses, the contract's error is raised),
+        and the sketch's decode form reused without looking for in-place changes of its tensors.
 
     Returns
     -------
@@ -802,8 +757,28 @@ def paged_sketch_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_
         Shapes or values outside the contract (naming the argument), a sketch of other rows or heads, block ids
         outside the cache (always checked).
     """
-    h_kv, d, E, lp = _paged_inputs(q, kv_cache, block_ids, log_pi, validate)
-    tau = check_scale(scale, d)
+    def checked():
+        h_kv, d, E, lp = _paged_inputs(q, kv_cache, block_ids, log_pi, validate)
+        _paged_sums(center_sums, tail_start, log_pi, E, h_kv, d, validate)
+        return lp, check_scale(scale, d)
+
+    if not validate:  # the per-step call: the op checks shapes, dtypes and block ids; the contract's error where not
+        return _trusted(lambda: _paged_sketch_op(q, kv_cache.contiguous(), block_ids.contiguous(), _f32(log_pi),
+                                                 check_scale(scale, q.shape[-1]), sketch, rule, delta, multiplier,
+                                                 record, center_sums, tail_start, False, follow_in_place=False),
+                        checked)
+    lp, tau = checked()
+    return _paged_sketch_op(q, kv_cache.contiguous(), block_ids.contiguous(), lp, tau, sketch, rule, delta, multiplier,
+                            record, center_sums, tail_start, True)
+
+
+def _f32(log_pi: torch.Tensor) -> torch.Tensor:
+    """log pi as the op reads it: float32, contiguous (no copy when it already is)."""
+    return log_pi.to(torch.float32).contiguous()
+
+
+def _paged_sums(center_sums, tail_start, log_pi, E: int, h_kv: int, d: int, validate: bool) -> None:
+    """The checks of the paged sketch route's ``center_sums`` / ``tail_start`` (given together or not at all)."""
     if (center_sums is None) != (tail_start is None):
         raise TypeError("center_sums and tail_start go together (the sums of the slots before tail_start)")
     if center_sums is not None:
@@ -816,8 +791,6 @@ def paged_sketch_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_
         n_slots = log_pi.shape[-1]
         if validate and E and not bool(((tail_start >= 0) & (tail_start <= n_slots)).all()):
             raise ValueError(f"tail_start must lie in [0, {n_slots}] (the rows' slots), got {tail_start.tolist()}")
-    return _paged_sketch_op(q, kv_cache.contiguous(), block_ids.contiguous(), lp, tau, sketch, rule, delta, multiplier,
-                            record, center_sums, tail_start, validate)
 
 
 def _paged_sketch_op(q, kv_cache, block_ids, log_pi, tau: float, sketch, rule, delta, multiplier, record, center_sums,
@@ -833,37 +806,3 @@ def _paged_sketch_op(q, kv_cache, block_ids, log_pi, tau: float, sketch, rule, d
     if validate and bool(torch.isnan(output).any() | torch.isnan(var).any()):
         raise ValueError("paged_sketch_hajek_attention produced NaN: q, the cache and the sketch must be finite")
     return _cluster_result(kv_cache.dtype, False, form, rule, delta, record, output, lse, var, rad, bnd, rec)
-
-
-def paged_sketch_decode_step(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
-                             sketch, scale: float, delta: float, record: str, center_sums: torch.Tensor | None = None,
-                             tail_start: torch.Tensor | None = None):
-    r"""One decode query per row of the cluster design from a paged cache: the vLLM plugin's per-layer call of the op.
-
-    The same op call and result as ``paged_sketch_hajek_attention(q, kv_cache, block_ids, log_pi, sketch,
-    scale=scale, delta=delta, record=record, center_sums=center_sums, tail_start=tail_start, validate=False)``
-    (bit for bit), without that function's Python checks: the plugin passes its step's tensors and the rows'
-    sketch, which the step's plan and the compaction built. The op itself still checks every shape, dtype and
-    contiguity and that the block ids lie in the cache (a ``RuntimeError`` otherwise); the sketch's decode form
-    is rebuilt, with its shape check, when the layout or the sketch object changes (not for an in-place change of
-    one of its tensors, which the plugin never makes).
-
-    Parameters
-    ----------
-    q, kv_cache, block_ids, log_pi, scale
-        As :func:`paged_decode_step`.
-    sketch : kvcert.fast.ClusterSketch of the E rows
-    delta : float
-        The certificate level 1 - delta.
-    record : str
-        The certificate kind whose recorded trace ``estimate.trace`` holds.
-    center_sums, tail_start : optional
-        As :func:`paged_sketch_hajek_attention`.
-
-    Returns
-    -------
-    kvcert.fast.ClusterEstimate
-        As :func:`paged_sketch_hajek_attention`.
-    """
-    return _paged_sketch_op(q, kv_cache, block_ids, log_pi, scale, sketch, None, delta, None, record, center_sums,
-                            tail_start, False, False)

@@ -344,7 +344,7 @@ def _token_step(query, kv_cache, block_ids, log_pi, scale: float, kind: str):
     if not any(opts.values()) and query.device.type == "cpu" and dispatch.cpu_op_available():
         from kvcert.kernels import cpu
 
-        est = cpu.paged_decode_step(query, kv_cache.contiguous(), block_ids.contiguous(), lp.contiguous(), scale)
+        est = cpu.paged_hajek_attention(query, kv_cache, block_ids, lp, scale=scale, validate=False)
         LAST_ROUTE[0] = "paged_cpu_op"
         stats = {"trace": est.trace, "output": est.output}  # a trace-only kind's statistics, the norm not yet taken
     else:
@@ -418,8 +418,8 @@ def _sketch_step(query, kv_cache, block_ids, log_pi, sketch, scale: float, kind:
         from kvcert.kernels import cpu
 
         sums, start = centre if centre is not None else (None, None)
-        ce = cpu.paged_sketch_decode_step(query, kv_cache.contiguous(), block_ids.contiguous(), lp.contiguous(), sketch,
-                                          scale, delta, kind, sums, start)
+        ce = cpu.paged_sketch_hajek_attention(query, kv_cache, block_ids, lp, sketch, scale=scale, delta=delta,
+                                              record=kind, center_sums=sums, tail_start=start, validate=False)
         trace = ce.estimate.trace
         LAST_ROUTE[0] = "sketch_paged_cpu_op"
     else:
