@@ -100,6 +100,7 @@ _FAST_ON_CPU_OP = "fast+cpu_op"
 #: the keywords of a resolved token call :func:`hajek_attention` passes to the op's per-step call
 #: (besides q, K, V, log_pi and the scale; value_sqdist is not read: the op computes the distances in its pass)
 _STEP_KW = frozenset({"value_center", "value_sqdist", "validate"})
+_STEP_CALL = {"per_coordinate": False, "validate": False}  # the op's per-step call: trace only, no checks
 #: the same for a resolved sketch call of :func:`sketch_hajek_attention`
 _SKETCH_STEP_KW = frozenset({"log_pi", "scale", "delta", "value_center", "value_sqdist", "validate"})
 
@@ -340,8 +341,7 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
     if backend == _FAST_ON_CPU_OP:  # a forward's resolved token route (decode)
         if pi is None and not per_coordinate and kw.keys() <= _STEP_KW and _step_fits(q, keys, values, kw):
             est = _cpu_module["module"].hajek_attention(q, keys, values, log_pi=log_pi, scale=_step_scale(scale, q),
-                                                        per_coordinate=False, value_center=kw.get("value_center"),
-                                                        validate=False)
+                                                        value_center=kw.get("value_center"), **_STEP_CALL)
             _last, _last_route = "fast", "cpu_op"
             return est
         backend = "fast"
