@@ -88,7 +88,7 @@ repro-kvpress: $(KVPRESS_STAMP)
 		--out paper_repro/out-kvpress --no-docs
 
 bench: $(STAMP)
-	$(PY) -m pytest benchmarks/bench_cpu.py -p no:randomly --benchmark-only --benchmark-json=benchmarks/cpu.json
+	$(PY) -m pytest benchmarks/bench_cpu.py -p no:randomly --benchmark-only --benchmark-json=benchmarks/results/cpu.json
 
 clean:
 	rm -rf $(VENV) $(KVPRESS_VENV) $(VLLM_VENV) .pytest_cache .hypothesis

@@ -32,7 +32,7 @@ Usage::
     .venv/bin/python benchmarks/bench_allocation.py --quick   # L = 1024, 16 draws
     .venv/bin/python benchmarks/bench_allocation.py            # L = 2048, 64 draws
 
-Writes JSON (``--out``, default benchmarks/allocation.json) and prints a markdown table.
+Writes JSON (``--out``, default benchmarks/results/allocation.json) and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -78,11 +78,11 @@ def parse_args(argv=None):
     p.add_argument("--step", type=int, default=1, help="Neyman objective grid step (default 1: every budget)")
     p.add_argument("--layers", type=int, help="first layers only (default all)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    p.add_argument("--out", type=Path, help="JSON path (default benchmarks/allocation.json)")
+    p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/allocation.json)")
     args = p.parse_args(argv)
     args.prefix = args.prefix or (1024 if args.quick else 2048)
     args.draws = args.draws or (16 if args.quick else 64)
-    args.out = args.out or ROOT / "benchmarks" / "allocation.json"
+    args.out = args.out or ROOT / "benchmarks" / "results" / "allocation.json"
     if args.prefix <= 2 * (SINKS + WINDOW + 1):
         p.error(f"--prefix must exceed {2 * (SINKS + WINDOW + 1)}, got {args.prefix}")
     return args

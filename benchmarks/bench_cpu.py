@@ -3,7 +3,7 @@
 Run (about 3-4 minutes on 2 cores):
 
     python -m pytest benchmarks/bench_cpu.py --benchmark-only -p no:randomly \
-        --benchmark-json=benchmarks/cpu.json
+        --benchmark-json=benchmarks/results/cpu.json
 
 Setups (docs/design.md section 6, issue 3):
 
@@ -30,7 +30,7 @@ Setups (docs/design.md section 6, issue 3):
 Every timing test records its median; the ``*_ratios`` tests time the
 variants round-robin in one loop (so machine noise hits them alike) and
 store the medians of the per-round ratios in ``extra_info`` and in
-``benchmarks/cpu_ratios.json``.
+``benchmarks/results/cpu_ratios.json``.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import kvcert.fast as F
 
 B, H_Q, H_KV, D = 4, 32, 8, 128
 SIZES = [1024, 4096, 16384]
-RESULTS = Path(os.environ.get("KVCERT_BENCH_RATIOS", str(Path(__file__).with_name("cpu_ratios.json"))))
+RESULTS = Path(os.environ.get("KVCERT_BENCH_RATIOS", str(Path(__file__).parent / "results" / "cpu_ratios.json")))
 _ratios: dict = {}
 
 

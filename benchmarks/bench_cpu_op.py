@@ -1,6 +1,6 @@
 """The decode attention step on a compressed cache: the compiled CPU op vs the torch path vs SDPA.
 
-    OMP_NUM_THREADS=2 python benchmarks/bench_cpu_op.py            # writes benchmarks/cpu_op.json
+    OMP_NUM_THREADS=2 python benchmarks/bench_cpu_op.py            # writes benchmarks/results/cpu_op.json
     python benchmarks/bench_cpu_op.py --sizes 2048 --rounds 20 --out /tmp/x.json
 
 Setup: the default model's attention shapes (SmolLM2-135M: b = 1, h_q = 9, h_kv = 3, d = dv = 64,
@@ -44,7 +44,7 @@ import kvcert.fast as F
 from kvcert.kernels import cpu
 
 B, H_Q, H_KV, DIM = 1, 9, 3, 64
-OUT = Path(__file__).with_name("cpu_op.json")
+OUT = Path(__file__).parent / "results" / "cpu_op.json"
 
 
 def setup(n: int, seed: int = 0):

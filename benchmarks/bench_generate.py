@@ -99,7 +99,7 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per run (default 32)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     p.add_argument("--quick", action="store_true", help="smoke run: one 1000-token prompt, ratio 0.5, 8 new tokens")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "generate.json", help="JSON output")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "generate.json", help="JSON output")
     p.add_argument("--profile", action="store_true",
                    help="also profile certified decode steps (PoissonPress at the first ratio): cProfile over "
                         "--profile-steps decode forwards, then torch.profiler (CPU) over as many")

@@ -15,9 +15,9 @@ of the pydoc haystack under ``PoissonPress(compression_ratio=--ratio)``, 40 new 
 timed, the two ops alternating by decode step (30 layers each), so both see the model's cache state.
 
     .venv/bin/python benchmarks/bench_op_revision.py --rev a4f648b --threads 1 \\
-        --out benchmarks/op_revision_sketch.json
+        --out benchmarks/results/op_revision_sketch.json
     .venv/bin/python benchmarks/bench_op_revision.py --rev a4f648b --model-decode 2000 --ratio 0.75 \\
-        --out benchmarks/op_revision_sketch_model.json
+        --out benchmarks/results/op_revision_sketch_model.json
 """
 
 from __future__ import annotations

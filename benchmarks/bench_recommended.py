@@ -54,7 +54,7 @@ Cells (each at torch.set_num_threads(1) and (2)):
 Every cell is paired and interleaved: each round times every variant of the cell over ``--reps``
 calls, in an order rotated every round (A, B, A, B ... then B, A ...), after a warm-up; per variant
 the median and [min, max] of the per-call time over rounds, per ratio the median and [min, max] of
-the per-round ratios. Writes JSON (``--out``, default benchmarks/recommended_cost.json) and prints a
+the per-round ratios. Writes JSON (``--out``, default benchmarks/results/recommended_cost.json) and prints a
 progress line per cell.
 
 Usage::
@@ -97,7 +97,7 @@ B, H_Q, H_KV, DIM = 1, 9, 3, 64
 SCALE = 1.0 / math.sqrt(DIM)
 RATIO, DELTA, OBS_WINDOW = 0.5, 0.05, 32
 DECODE_TARGET, EVICT_TARGET = 1.5, 2.0
-OUT = ROOT / "benchmarks" / "recommended_cost.json"
+OUT = ROOT / "benchmarks" / "results" / "recommended_cost.json"
 
 
 def paper_design() -> F.TokenDesign:

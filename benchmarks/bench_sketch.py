@@ -218,7 +218,7 @@ def main(argv=None) -> int:
                    help="tiny sizes (n = 64, 256), 3 rounds, 1 warm-up: checks the script runs; writes JSON "
                         "only to an explicit --out")
     p.add_argument("--out", type=Path, default=None,
-                   help="JSON output (default benchmarks/sketch_decode.json; none with --smoke)")
+                   help="JSON output (default benchmarks/results/sketch_decode.json; none with --smoke)")
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x]
     rounds, warmup = args.rounds, args.warmup
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
         rounds, warmup = 50, 10
     if args.smoke:
         sizes, rounds, warmup = [64, 256], 3, 1
-    out = args.out if (args.out is not None or args.smoke) else ROOT / "benchmarks" / "sketch_decode.json"
+    out = args.out if (args.out is not None or args.smoke) else ROOT / "benchmarks" / "results" / "sketch_decode.json"
     torch.set_num_threads(args.threads)
     rows = [run(n, rounds, warmup) for n in sizes]
     print(table(rows))

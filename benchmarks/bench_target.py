@@ -39,9 +39,9 @@ the fixed design at the target's mean memory (f = its mean kept fraction) beside
 Usage::
 
     .venv/bin/python benchmarks/bench_target.py --quick      # 2 texts, L = 1024, 32 draws, eps 0.05/0.1/0.2
-    .venv/bin/python benchmarks/bench_target.py --out benchmarks/target_full.json   # 4 texts, L = 2048, 128 draws
+    .venv/bin/python benchmarks/bench_target.py --out benchmarks/results/target_full.json   # 4 texts, L = 2048, 128 draws
 
-Writes JSON (``--out``, default benchmarks/target.json) and prints a markdown table.
+Writes JSON (``--out``, default benchmarks/results/target.json) and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -98,14 +98,14 @@ def parse_args(argv=None):
     p.add_argument("--eps", type=float, nargs="+", help="targets (default 0.05 0.1 0.2, full adds 0.3)")
     p.add_argument("--layers", type=int, help="first layers only (default all)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: faster than 2 on the loaded 2-core machine)")
-    p.add_argument("--out", type=Path, help="JSON path (default benchmarks/target.json)")
+    p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/target.json)")
     args = p.parse_args(argv)
     quick = args.quick
     args.texts = args.texts or (2 if quick else 4)
     args.prefix = args.prefix or (1024 if quick else 2048)
     args.draws = args.draws or (32 if quick else 128)
     args.eps = tuple(args.eps or ((0.05, 0.1, 0.2) if quick else (0.05, 0.1, 0.2, 0.3)))
-    args.out = args.out or ROOT / "benchmarks" / "target.json"
+    args.out = args.out or ROOT / "benchmarks" / "results" / "target.json"
     if not 1 <= args.texts <= len(HELD_OUT):
         p.error(f"--texts must be in [1, {len(HELD_OUT)}], got {args.texts}")
     if args.prefix <= 2 * (SINKS + WINDOW + 1):

@@ -31,7 +31,7 @@ Usage::
 
     .venv/bin/python benchmarks/bench_target_tasks.py --quick   # eps 0.1 and 0.3 (about 10 minutes)
 
-Writes JSON (``--out``, default benchmarks/target_tasks.json) and prints a markdown table.
+Writes JSON (``--out``, default benchmarks/results/target_tasks.json) and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--eps", type=float, nargs="+", help="targets (default 0.1 0.3)")
     p.add_argument("--examples", type=int, help="examples per task (default Table 3's quick count, 16)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "target_tasks.json", help="JSON path")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "target_tasks.json", help="JSON path")
     args = p.parse_args(argv)
     args.eps = tuple(args.eps or (0.1, 0.3))
     for e in args.eps:

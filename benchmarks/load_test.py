@@ -1,6 +1,6 @@
 """Load test: the OpenAI-compatible server with the plugin against the stock server, under the same load.
 
-    .venv-vllm/bin/python benchmarks/load_test.py [--requests 64] [--clients 6] [--out benchmarks/load_test.json]
+    .venv-vllm/bin/python benchmarks/load_test.py [--requests 64] [--clients 6] [--out benchmarks/results/load_test.json]
 
 Two servers, one after the other, on 127.0.0.1 only (``python -m vllm.entrypoints.openai.api_server``,
 started and stopped by ``tests/vllm/vllm_support.serve``): **stock** (no plugin loaded, ``VLLM_PLUGINS=""``)
@@ -184,7 +184,7 @@ def main(argv=None) -> None:
     ap.add_argument("--time-limit", type=float, default=900.0, help="seconds per server before no new request")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--servers", nargs="+", default=["stock", "kvcert"], choices=["stock", "kvcert"])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "load_test.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "load_test.json"))
     a = ap.parse_args(argv)
     for name in ("requests", "clients", "min_prompt", "max_tokens", "block_size", "pool_blocks"):
         if getattr(a, name) < 1:
