@@ -94,16 +94,76 @@ def report(name: str, got: np.ndarray, want: np.ndarray, tol: np.ndarray) -> str
             f"got {got[i]!r} want {want[i]!r} tol {np.broadcast_to(tol, diff.shape)[i]:.3g}")
 
 
+def _f64(x) -> np.ndarray:
+    """float64 numpy of an array, scalar or torch tensor (any dtype, any device)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().double().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
 def assert_close(name: str, got, want, tol) -> None:
     """|got - want| <= tol elementwise (equal infinities pass); the message is :func:`report`'s."""
-    got = np.asarray(got, dtype=np.float64)
-    want = np.asarray(want, dtype=np.float64)
-    tol = np.broadcast_to(np.asarray(tol, dtype=np.float64), want.shape)
+    got = _f64(got)
+    want = _f64(want)
+    tol = np.broadcast_to(_f64(tol), want.shape)
     same_inf = (got == want) & ~np.isfinite(want)
     with np.errstate(invalid="ignore"):  # inf - inf where both are inf: handled by same_inf
         ok = same_inf | (np.abs(got - want) <= tol)
     assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
     assert bool(ok.all()), report(name, got, want, tol)
+
+
+#: fields holding one vector per (batch, head[, query]) row: the last axis is the row (covariance: the
+#: last two axes)
+ROW_FIELDS = ("output", "variance", "weights", "covariance")
+
+
+def field_scale(field: str, want) -> np.ndarray:
+    """The magnitude a field's rounding is measured against, broadcast to ``want``'s shape.
+
+    A row of a vector field (:data:`ROW_FIELDS`) against its largest entry: a coordinate near 0 is a sum
+    whose terms are the row's size, so it carries the row's rounding, not its own (an output coordinate
+    of 8.5e-5 in a row of 0.32 moves by ~eps * 0.32, far beyond eps * 8.5e-5). ``lse`` against
+    max(|lse|, 1) (log's rounding is absolute below 1). The per-head sums of non-negative terms (trace,
+    n_eff, max_term, tail_moment) against themselves. A non-finite entry (an empty head's -inf lse,
+    +inf trace) gets scale 0: it must be matched exactly (:func:`assert_close` passes equal infinities).
+    """
+    w = np.abs(_f64(want))
+    w = np.where(np.isfinite(w), w, 0.0)
+    if field in ROW_FIELDS and w.ndim:
+        axes = (-2, -1) if field == "covariance" and w.ndim >= 2 else (-1,)
+        s = np.broadcast_to(w.max(axis=axes, keepdims=True), w.shape) if w.size else w
+    elif field == "lse":
+        s = np.maximum(w, 1.0)
+    else:
+        s = w
+    return np.where(np.isfinite(_f64(want)), s, 0.0)
+
+
+def assert_within_scale(name: str, got, want, rel: float, field: str) -> None:
+    """|got - want| <= rel * :func:`field_scale` (field, want): two results of one quantity (two paths,
+    two devices, a result and its oracle) that agree to ``rel`` units of the field's own scale, never
+    elementwise relative to entries near 0."""
+    assert_close(name, got, want, rel * field_scale(field, want))
+
+
+def variant_tolerance(field: str, dtype: torch.dtype, n: int, block_n: int) -> float:
+    """Allowed difference of two compiled variants of one kernel (constexpr flags that add or drop
+    fields), in units of the field's scale: each within the tiled rounding of the exact value, and a
+    half output one rounding of its own on top (fp32 results a few ulps apart may round to neighbouring
+    half values)."""
+    return 2 * rounding(dtype, n, block_n) + (output_cast(dtype) if field == "output" else 0.0)
+
+
+def assert_same_variant(field: str, x, y, dtype: torch.dtype, n: int, block_n: int, *, exact: bool) -> None:
+    """Two constexpr variants of one kernel give the same field: bit for bit where ``exact`` (Triton's
+    interpreter runs one program for both); compiled, each variant is a kernel of its own whose float32
+    sums the compiler may schedule otherwise: within :func:`variant_tolerance` of the field's scale
+    (:func:`field_scale`, never elementwise relative to entries near 0)."""
+    if exact:
+        assert torch.equal(x, y), field
+        return
+    assert_within_scale(field, x, y, variant_tolerance(field, dtype, n, block_n), field)
 
 
 # ----------------------------------------------------------------------------- oracles

@@ -17,6 +17,7 @@ from kvcert import fast as F
 from kvcert import reference as R
 from kvcert.cache import KVCertLayer
 from model_fixtures import forced_logits, tiny_model
+from support import EPS, assert_close, rounding
 
 SCORERS = tuple(F.SCORERS)
 
@@ -112,7 +113,15 @@ def test_the_default_press_keeps_what_the_recommended_token_design_keeps(n):
         pos, log_w = _held(layer, 0, h)
         assert torch.equal(pos, d.keep[h].nonzero().flatten()), f"head {h}: kept tokens differ"
     sketch = design.sketch_of(k, v, d, queries=q, scale=scale)
-    torch.testing.assert_close(layer.sketch.mean, sketch.mean.to(layer.sketch.mean.dtype), rtol=1e-5, atol=1e-6)
+    # one float32 computation on the same inputs, each within the rounding of a tilted mean of keys: the
+    # length-n sums (rounding(float32, n)) of max|k|, and the weights e^{2 tau q0.k} carry 2 eps S relative
+    # (S = max tau |q0.k|: an exponent's absolute rounding), moving the mean by twice that of max|k|
+    S = scale * (k.abs() * sketch.tilt.abs()[:, :, None]).sum(-1).amax(-1)  # (b, h_kv)
+    tol = (2 * (rounding(torch.float32, n) + 4 * EPS[torch.float32] * S) * k.abs().amax((-2, -1)))[..., None, None]
+    want = sketch.mean.to(layer.sketch.mean.dtype)
+    assert_close("sketch mean", layer.sketch.mean, want, tol.expand_as(want))
+    with pytest.raises(AssertionError):  # negative control: 20 units of that tolerance
+        assert_close("sketch mean", want + 20 * tol, want, tol.expand_as(want))
     # negative control: the paper's design keeps more (the full budget, no sketch)
     paper = _press_event(kvcert.PoissonPress(compression_ratio=0.5, seed=5, sketch=None), q, k, v, layer_idx=3)
     assert paper.sketch is None and int(paper.kept.sum()) > int(layer.kept.sum())

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import kvcert.fast as F
 import kvcert.reference as R
-from support import COMPUTE, EPS, assert_close, expand_kv, naive_hajek, output_cast, problems, rounding
+from support import (COMPUTE, EPS, assert_close, assert_within_scale, expand_kv, field_scale, naive_hajek,
+                     output_cast, problems, rounding)
 
 FIELDS = ("output", "variance", "trace", "lse", "n_eff", "weights", "max_term")
 
@@ -163,7 +164,19 @@ def test_several_queries_with_causal_offset(problem, offset):
     assert torch.equal(est.output, est2.output) and torch.equal(est.trace, est2.trace)
 
 
+def _log_pi_tolerance(pi):
+    """Allowed |pi path - log pi path| in units of each field's scale (support.field_scale): each path is
+    within rounding(float32, n) of the exact estimate; log pi's own rounding (<= eps |log pi_i|, absolute,
+    in a logit) moves each a_i by <= 2 eps max|log pi| relative (the normalization adds the same once),
+    and c_i = (1 - pi_i) a_i^2 by twice that plus 2 eps (1 - pi = -expm1(log pi): the log's relative error
+    propagates as pi |log pi| / (1 - pi) <= 1 times it, expm1 adds one rounding)."""
+    lp = torch.log(pi[pi > 0]).abs().max().item()
+    return 2 * rounding(torch.float32, pi.shape[-1]) + (4 * lp + 2) * EPS[torch.float32]
+
+
 def test_log_pi_equals_pi():
+    """The two routes agree within their rounding against each field's scale (an output or variance row's
+    largest entry, not each entry: a coordinate near 0 carries its row's rounding)."""
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 16), torch.randn(2, 2, 50, 16), torch.randn(2, 2, 50, 8)
     pi = torch.rand(2, 2, 50)
@@ -171,9 +184,18 @@ def test_log_pi_equals_pi():
     pi[..., -5:] = 0.0
     a = F.hajek_attention(q, k, v, pi)
     b = F.hajek_attention(q, k, v, log_pi=torch.log(pi))
+    tol = _log_pi_tolerance(pi)
     for f in ("output", "variance", "trace", "lse", "n_eff"):
-        x, y = getattr(a, f), getattr(b, f)
-        assert torch.allclose(x, y, rtol=4 * rounding(torch.float32, 50), atol=0), f
+        assert_within_scale(f, getattr(b, f), getattr(a, f), tol, f)
+    # negative controls: log pi off by 0.1% (1 - pi and the weights move by about as much), and each field
+    # moved by 20 units of the tolerance, are caught
+    bad = F.hajek_attention(q, k, v, log_pi=torch.log(pi) * (1 + 1e-3))
+    for f in ("output", "variance", "trace", "lse", "n_eff"):
+        x = getattr(a, f)
+        moved = x + 20 * tol * torch.from_numpy(field_scale(f, x)).to(x.dtype)
+        for wrong in (getattr(bad, f), moved):
+            with pytest.raises(AssertionError):
+                assert_within_scale(f, wrong, x, tol, f)
 
 
 def test_all_certain_is_exact_attention_with_zero_variance():
@@ -194,13 +216,31 @@ def test_gqa_equals_repeated_heads():
     torch.manual_seed(2)
     q, k, v = torch.randn(2, 8, 3, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 4) + 7.0
     pi = torch.rand(2, 2, 40).clamp(min=0.1)
-    gqa = F.hajek_attention(q, k, v, pi, offset=37)
-    rep = F.hajek_attention(q, expand_kv(k, 4), expand_kv(v, 4), expand_kv(pi, 4), offset=37)
-    tol = 8 * rounding(torch.float32, 40)
-    assert torch.allclose(gqa.output, rep.output, rtol=tol, atol=tol)
-    assert torch.allclose(gqa.lse, rep.lse, rtol=tol, atol=tol)
-    # the variance differs only by the centring (group mean vs per-row output): rounding-level
-    assert torch.allclose(gqa.variance, rep.variance, rtol=tol * 50, atol=tol * float(rep.variance.max()))
+    gqa = F.hajek_attention(q, k, v, pi, offset=37, return_weights=True)
+    rep = F.hajek_attention(q, expand_kv(k, 4), expand_kv(v, 4), expand_kv(pi, 4), offset=37, return_weights=True)
+    r = rounding(torch.float32, 40)
+    # the same sums, batched otherwise: each within one rounding of the exact value, against its scale
+    for f in ("output", "lse"):
+        assert_within_scale(f, getattr(gqa, f), getattr(rep, f), 2 * r, f)
+    # the variance differs by the centring mu (the group's mean output vs the row's own 3 queries): each
+    # one-pass form sum c (v - mu)^2 - 2 (o - mu) s1 + (o - mu)^2 sum c rounds at the scale it cancels,
+    # sum_i c_i (|v_i - mu| + |o - mu|)^2 + 2 |o - mu| sum_i c_i |v_i| per coordinate
+    scale = _centred_scale(gqa, v, pi, 4) + _centred_scale(rep, expand_kv(v, 4), expand_kv(pi, 4), 1)
+    assert_close("variance", gqa.variance, rep.variance, r * scale)
+    with pytest.raises(AssertionError):  # negative control: 20 units of that tolerance
+        assert_close("variance", gqa.variance + 20 * r * scale.float(), rep.variance, r * scale)
+
+
+def _centred_scale(est, v, pi, g):
+    """Per (b, h_q, t, coordinate): the magnitude the fast path's one-pass variance cancels, about the
+    centre mu of each KV head's group (the mean output of its g query heads' rows), float64."""
+    o = est.output.double()  # (b, h_q, t, dv)
+    b, h_q, t, dv = o.shape
+    mu = o.reshape(b, h_q // g, g * t, dv).mean(2, keepdim=True).repeat_interleave(g, 1)  # (b, h_q, 1, dv)
+    V = expand_kv(v, g).double()[:, :, None]  # (b, h_q, 1, n, dv)
+    c = ((1 - expand_kv(pi, g).double())[:, :, None] * est.weights.double() ** 2)[..., None]  # (b, h_q, t, n, 1)
+    dm = (o - mu).abs()
+    return (c * ((V - mu[..., None, :]).abs() + dm[..., None, :]) ** 2).sum(-2) + 2 * dm * (c * V.abs()).sum(-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -248,8 +288,16 @@ def test_empty_sample_and_fully_masked_rows():
     tiled = F.hajek_attention(q2, k2, v2, p2, per_coordinate=False)
     assert torch.all(one.output[0, 2:] == 0) and torch.all(one.trace[0, 2:] == math.inf)
     assert torch.all(one.lse[0, 2:] == -math.inf)
-    torch.testing.assert_close(one.output, tiled.output)
-    torch.testing.assert_close(one.trace[0, :2], tiled.trace[0, :2])
+    # the same output; the trace in another centring (the mean kept value vs the group's mean output):
+    # each one-pass form rounds at the scale it cancels (test_gqa_equals_repeated_heads), n = 5
+    r = rounding(torch.float32, 5)
+    assert_within_scale("output", one.output, tiled.output, 2 * r, "output")
+    w = F.hajek_attention(q2, k2, v2, p2, return_weights=True)
+    c = (0.5 * w.weights[0, :2].double() ** 2)[:, :, None]  # (1 - pi) a^2 of the live KV head's two query rows
+    vv, o = v2[0, 0].double(), tiled.output[0, :2].double()
+    scale = sum((c * ((vv - m).norm(dim=-1, keepdim=True) + (o - m).norm(dim=-1, keepdim=True)[:, None]) ** 2)
+                .sum((-2, -1)) for m in (mu[0, 0].double(), o.mean(0)))
+    assert_close("trace", one.trace[0, :2], tiled.trace[0, :2], r * scale)
     # n = 0 cache
     est = F.hajek_attention(q, k[:, :, :0], v[:, :, :0], torch.zeros(1, 1, 0))
     assert torch.all(est.lse == -math.inf) and est.output.shape == (1, 2, 3)

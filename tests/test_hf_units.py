@@ -20,6 +20,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from model_fixtures import _cache_kw, _cache_of, forced_logits, reference_certificate, spy_hajek, tiny_model
+from support import EPS, assert_close, rounding
 from press_cases import PRESS_CASES
 from transformers import DynamicCache, StaticCache
 
@@ -249,16 +250,26 @@ def test_recorder_stacks_and_certificates_aggregate():
     c = rec.result()
     assert c.shape == (2, 3, 2, 4) and c.batched
     expect = torch.tensor(rel, dtype=torch.float64).permute(2, 0, 1, 3)
-    torch.testing.assert_close(c.relative_radius, expect.float(), rtol=1e-6, atol=0)
-    torch.testing.assert_close(c.radius, 2 * expect.float(), rtol=1e-6, atol=0)
+    # the radii are computed in float64 and stored in float32: two casts of values a few float64 ulps apart
+    # are at most one float32 ulp apart, <= eps32 |x| (a cast rounds relative to the value: no cancellation)
+    ulp = EPS[torch.float32] * expect.abs()
+    assert_close("relative_radius", c.relative_radius, expect.float(), ulp)
+    assert_close("radius", c.radius, 2 * expect.float(), 2 * ulp)
+    with pytest.raises(AssertionError):  # negative control: 20 units of that tolerance
+        assert_close("relative_radius", c.relative_radius + 20 * ulp, expect.float(), ulp)
     assert torch.equal(c.kept[:, 1], torch.full((2, 2, 4), 11))
     one = c[1]
     assert one.shape == (3, 2, 4) and not one.batched
-    np.testing.assert_allclose(one.per_step().numpy(), rel[:, :, 1].mean(axis=(1, 2)), rtol=1e-6)
+    # per_step: a float32 mean of 2 x 4 positive casts (half an ulp each): one pairwise tile of n = 8 and the
+    # division (support.rounding's tiled bound), relative to the mean
+    want = rel[:, :, 1].mean(axis=(1, 2))
+    assert_close("per_step", one.per_step(), want,
+                 (rounding(torch.float32, 8, 8) + EPS[torch.float32] / 2) * np.abs(want))
     stats = one.per_layer()
     dec = rel[1:, :, 1, :].transpose(1, 0, 2).reshape(2, -1)  # decoding steps only
-    np.testing.assert_allclose(stats["min"].numpy(), dec.min(-1), rtol=1e-6)
-    np.testing.assert_allclose(stats["max"].numpy(), dec.max(-1), rtol=1e-6)
+    # min and max pick one stored value: its float32 cast (half an ulp) of a value a few float64 ulps off
+    assert_close("min", stats["min"], dec.min(-1), EPS[torch.float32] * np.abs(dec.min(-1)))
+    assert_close("max", stats["max"], dec.max(-1), EPS[torch.float32] * np.abs(dec.max(-1)))
     assert torch.equal(stats["kept"], torch.tensor([11.5, 11.5], dtype=torch.float64))
     d = one.to_dict()
     assert d["shape"] == ["step", "layer", "head"] and len(d["radius"]) == 3
