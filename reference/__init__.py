@@ -60,6 +60,17 @@ from .sketch import (
     evict_and_certify,
     memory_fraction,
 )
+from .quantized import (
+    KV_BITS,
+    QuantizedRows,
+    logit_bound,
+    quantization_bound,
+    quantize,
+    quantized_memory_fraction,
+    sampled_budget,
+    token_elements,
+    value_bound,
+)
 from .target import (
     TARGET_KINDS,
     TargetBudget,
@@ -94,6 +105,8 @@ __all__ = [
     "Estimate", "attention", "hajek_attention", "horvitz_thompson_totals",
     "linearized_variance", "linearized_variance_ht", "scores",
     "EvictionResult", "evict_and_certify", "memory_fraction", "ClusterDesign",
+    "KV_BITS", "QuantizedRows", "logit_bound", "quantization_bound", "quantize", "quantized_memory_fraction",
+    "sampled_budget", "token_elements", "value_bound",
     "TARGET_KINDS", "TargetBudget", "predicted_radius", "radius_at_budget", "smallest_budget_scan", "target_budget",
     "window_variance_terms",
 ]

@@ -93,6 +93,9 @@ class EvictionResult:
     variance : float, the variance used by the radius (HT trace for paper; for cluster and tilted the larger
         of V_cl and the sample's HT trace, :func:`sketched_variance`)
     cluster_variance : float or None, V_cl alone (:func:`cluster_variance`; None for the paper design)
+    quantization_bound : float, B_q, the deterministic bound on the rounding's effect ||o_hat_q - o_hat|| of a
+        quantized cache (``kv_bits`` < 16; ``kvcert.reference.quantized.quantization_bound``), already
+        included in ``radius``; 0.0 at 16 bits
     """
 
     output: np.ndarray
@@ -103,6 +106,7 @@ class EvictionResult:
     kept: int
     variance: float
     cluster_variance: float | None = None
+    quantization_bound: float = 0.0
 
 
 def memory_fraction(n: int, d: int, dv: int, *, kept: int, extra: float = 0.0) -> float:
@@ -238,7 +242,8 @@ def _sample(pi, seed: int, sampling: str):
 
 def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: float = 0.05, design=None,
                       sinks: int = 4, window: int = 32, top: int = 0, floor: float = 0.1,
-                      scale: float | None = None, tilt=None, sampling: str = "poisson") -> EvictionResult:
+                      scale: float | None = None, tilt=None, sampling: str = "poisson",
+                      kv_bits: int = 16) -> EvictionResult:
     r"""Evict one KV head's cache at random and certify one query's attention output.
 
     ``design="paper"`` (the paper's design, docs/theory.md):
@@ -276,6 +281,25 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
     (docs/theory.md section 8 has the measurements, on the replay cells and on
     a held-out split).
 
+    ``kv_bits`` = 8 or 4 (every design): the kept tokens' keys and values are
+    stored with per-token absmax scales (``kvcert.reference.quantized.quantize``,
+    formats ``int8`` / ``int4``; two float16 scales per token). ``budget`` keeps
+    its meaning, the memory to compare at, so the design samples more tokens:
+    ``sampled_budget(budget, d, dv, kv_bits, extra=sketch elements)``, equal
+    expected memory at :math:`(d + d_v)\,b/16 + 3` elements per kept token
+    (``quantized.token_elements``); the sketch, when there is one, is taken at
+    eviction from the unquantized cache and held in 16 bits. The output is the
+    Hajek estimate :math:`\hat o_q` over the stored rows, and the radius covers
+    both errors, :math:`\lVert\hat o_q - o\rVert \le B_q + r`: :math:`B_q`
+    (``quantized.quantization_bound``, reported as ``quantization_bound``) is a
+    deterministic bound on :math:`\lVert\hat o_q - \hat o\rVert` computed from
+    the stored rows, scales and q, and r the design's sampling radius computed
+    from the stored rows. A sketched design's hull cap applies to the sum:
+    radius :math:`\min(B_q + r, H_q)`, :math:`H_q` = ``hull_bound`` of the
+    stored kept values plus their largest value bound. When the whole cache
+    fits at ``kv_bits`` it is kept (radius :math:`B_q`, ``budget`` = n).
+    docs/quantized.md has the proofs.
+
     Parameters
     ----------
     q : (d,) query   keys : (n, d)   values : (n, dv), one KV head's full cache
@@ -299,17 +323,24 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
         How the tail is drawn given pi: independently (``poisson_sample``, the default) or by randomized
         systematic sampling (``systematic_sample``: the same pi, a fixed kept count), from the same
         stream ``design_generator(seed)``.
+    kv_bits : {16, 8, 4}
+        Bits per stored key and value element; 16 (the default) stores them
+        unquantized, exactly as without the argument.
 
     Returns
     -------
     EvictionResult
+        At ``kv_bits`` < 16: ``radius`` = :math:`B_q + r` (capped as above),
+        ``memory`` counted in 16-bit elements with the scales included,
+        ``quantization_bound`` = :math:`B_q`.
 
     Raises
     ------
     ValueError
-        Bad shapes (naming the argument and the expected shape), delta outside
-        (0, 1), budget <= 0, a sketched design whose sketch leaves no budget
-        above the certainty set.
+        Bad shapes (naming the argument and the expected shape), non-finite
+        q, keys or values, delta outside (0, 1), budget <= 0, kv_bits not in
+        (16, 8, 4), a sketched design whose sketch leaves no budget above the
+        certainty set.
     """
     q, k, v = _as_qkv(q, keys, values)
     n, d = k.shape
@@ -333,6 +364,11 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
         tilt = _tilt_point(tilt, d)                      # checked for every design, so a wrong shape is never silent
     if spec is None or not spec.tilt:
         tilt = None                                      # a design that does not tilt ignores the tilt point
+    from . import quantized                              # here, not at the top: quantized.py builds on this module
+    if quantized._check_kv_bits(kv_bits) != 16:
+        return quantized._evict_quantized(q, k, v, u, budget, seed=seed, delta=delta, spec=spec, name=name,
+                                          sinks=sinks, window=window, top=top, floor=floor, scale=scale,
+                                          tilt=tilt, sampling=sampling, kv_bits=int(kv_bits))
     if budget >= n:
         return EvictionResult(output=hajek_attention(q, k, v, np.ones(n), scale=scale).output, radius=0.0,
                               memory=1.0, design=name, budget=float(n), kept=n, variance=0.0)

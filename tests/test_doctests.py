@@ -5,10 +5,10 @@ import doctest
 import pytest
 
 from kvcert.fast import sketch as fast_sketch
-from kvcert.reference import certificates, design, estimators
+from kvcert.reference import certificates, design, estimators, quantized
 
 
-@pytest.mark.parametrize("module", [design, estimators, certificates, fast_sketch], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [design, estimators, certificates, quantized, fast_sketch], ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
