@@ -93,9 +93,10 @@ def _refuse_kwargs(kwargs: dict) -> None:
                "engines behind its server (vllm serve --data-parallel-size N, docs/serving.md), not in one LLM")
     if kwargs.get("kv_transfer_config"):
         refuse("kv_transfer_config (KV connector / offload)", "transferred blocks would bypass the mask")
-    dtype = kwargs.get("dtype", "float32")
-    if str(dtype).replace("torch.", "") not in ("float32", "float"):
-        refuse(f"dtype={dtype!r}", "the masked torch path is verified on float32 caches only; pass dtype='float32'")
+    dtype = kwargs.get("dtype", "auto")  # "auto": the model's own, checked on the resolved configuration
+    if str(dtype).replace("torch.", "") not in ("auto", "float32", "float", "bfloat16"):
+        refuse(f"dtype={dtype!r}", "the plugin's routes are verified on float32 and bfloat16 caches; pass "
+               "dtype='float32' or dtype='bfloat16'")
     kv_dtype = kwargs.get("kv_cache_dtype", "auto")
     if kv_dtype not in ("auto", None):
         refuse(f"kv_cache_dtype={kv_dtype!r}", "the torch fallback reads float caches only")
@@ -129,7 +130,6 @@ def engine_kwargs(compression_ratio: float | None = None, seed: int = 0, *, kvce
     extra[CONFIG_KEY] = cfg.to_dict()
     kw.update(additional_config=extra, scheduler_cls=_SCHEDULER, worker_cls=_WORKER,
               enable_prefix_caching=False, async_scheduling=False)
-    kw.setdefault("dtype", "float32")
     kw.setdefault("enforce_eager", True)
     return kw
 
@@ -165,8 +165,9 @@ def certified_llm(model_path: str | None = None, compression_ratio: float | None
         whole blocks (the same as ``kvcert={"granularity": ...}``).
     **llm_kwargs
         Passed to ``vllm.LLM`` (e.g. ``max_model_len``, ``block_size``,
-        ``max_num_seqs``, ``num_gpu_blocks_override``). Defaults added:
-        ``dtype="float32"``, ``enforce_eager=True``; forced:
+        ``max_num_seqs``, ``num_gpu_blocks_override``). ``dtype`` is the
+        model's own unless given (float32 and bfloat16 are served). Default
+        added: ``enforce_eager=True``; forced:
         ``enable_prefix_caching=False``, ``async_scheduling=False`` and the
         plugin's ``scheduler_cls``/``worker_cls``.
 
@@ -175,7 +176,7 @@ def certified_llm(model_path: str | None = None, compression_ratio: float | None
     ValueError
         Naming the option, for every configuration the plugin cannot serve
         (prefix caching, async scheduling, speculative decoding, parallel
-        workers, KV transfer, non-float32 caches, compiled mode, a non-CPU
+        workers, KV transfer, float16 or quantized caches, compiled mode, a non-CPU
         platform, models with sliding windows / softcap / several KV cache
         groups). Checked here on the resolved engine configuration before the
         engine starts, and again inside the engine.

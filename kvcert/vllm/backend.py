@@ -57,7 +57,8 @@ import torch
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.v1.attention.backend import AttentionType
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
+                                                 CPUAttentionMetadataBuilder)
 
 from kvcert import dispatch
 from kvcert.fast import (
@@ -70,7 +71,8 @@ from kvcert.fast import (
     recorded_trace,
 )
 
-__all__ = ["CertifiedCPUAttentionBackend", "CertifiedCPUAttentionImpl", "STEP", "compact_prompt", "token_decode",
+__all__ = ["CertifiedCPUAttentionBackend", "CertifiedCPUAttentionImpl", "CertifiedCPUAttentionMetadataBuilder", "plugin_isa",
+           "STEP", "compact_prompt", "token_decode",
            "gather_blocks", "gather_rows", "layer_index", "block_chunks", "block_decode", "sketch_decode"]
 
 #: most bytes of K/V that :func:`block_decode` gathers at once: rows are processed in chunks
@@ -560,12 +562,37 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
         return output
 
 
+class CertifiedCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    """vLLM's CPU metadata builder, every layer in the ``vec`` cache layout: where vLLM would pick ``amx``
+    (bfloat16 models on CPUs with AMX tiles) it picks ``vec``, the layout the plugin reads and writes (the
+    compaction's copy, :func:`gather_blocks`, the compiled op's paged routes). The stock kernel serves the
+    requests without eviction state in that layout too (the same attention, its ``vec`` code path)."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if self.isa != plugin_isa(self.isa):
+            self.isa = plugin_isa(self.isa)
+            self._set_isa_to_layers(layer_names)
+
+
+def plugin_isa(stock: str) -> str:
+    """The CPU cache layout the plugin's engine uses where vLLM's own choice is ``stock``: ``vec`` for
+    ``amx`` (the same attention, its portable code path), else vLLM's (which the worker refuses unless
+    it is ``vec``)."""
+    return "vec" if stock == "amx" else stock
+
+
 class CertifiedCPUAttentionBackend(CPUAttentionBackend):
-    """vLLM's CPU attention backend with :class:`CertifiedCPUAttentionImpl` (same name, same cache)."""
+    """vLLM's CPU attention backend with :class:`CertifiedCPUAttentionImpl` (same name, same cache) and
+    :class:`CertifiedCPUAttentionMetadataBuilder` (the ``vec`` layout on every CPU)."""
 
     @staticmethod
     def get_impl_cls():
         return CertifiedCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return CertifiedCPUAttentionMetadataBuilder
 
 
 def stock_scheduler_metadata(impl: CPUAttentionBackendImpl, seq_lens, query_start_loc, causal, isa, dtype):

@@ -410,7 +410,7 @@ def check_vllm_config(vllm_config) -> None:
             _refuse(f"model {model.model!r} (M-RoPE)", "only plain decoder models are supported")
         import torch
 
-        if model.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            _refuse(f"dtype={model.dtype}", "unsupported dtype")
+        if model.dtype not in (torch.float32, torch.bfloat16):
+            _refuse(f"dtype={model.dtype}", "the plugin's routes are verified on float32 and bfloat16 caches")
     if cache.block_size is not None and cache.block_size % 32 != 0:
         _refuse(f"block_size={cache.block_size}", "the CPU cache layout read by the fallback needs a multiple of 32")

@@ -641,12 +641,13 @@ class CertifiedCPUWorker(_CertifiedWorker, CPUWorker):
                                           ("attention sinks", impl.sinks is not None)) if on]
             if bad:
                 raise ValueError(f"kvcert.vllm cannot serve model {model!r}: layer {name} uses {', '.join(bad)}")
-            isa = _get_attn_isa(self.vllm_config.model_config.dtype, self.kvcert_block_size, impl.head_size,
-                                self.vllm_config.cache_config.cache_dtype)
+            isa = _backend.plugin_isa(_get_attn_isa(self.vllm_config.model_config.dtype, self.kvcert_block_size,
+                                                    impl.head_size, self.vllm_config.cache_config.cache_dtype))
             if isa != "vec":
                 raise ValueError(f"kvcert.vllm cannot serve dtype={self.vllm_config.model_config.dtype} with "
-                                 f"block_size={self.kvcert_block_size} here: the CPU cache layout would be "
-                                 f"{isa!r}, the torch fallback reads 'vec' (use dtype float32)")
+                                 f"block_size={self.kvcert_block_size} and head size {impl.head_size} here: the "
+                                 f"CPU cache layout would be {isa!r}, the plugin reads 'vec' (a block size and "
+                                 f"head size that are multiples of 32 on x86)")
 
 
 class CertifiedGPUWorker(_CertifiedWorker, GPUWorker):

@@ -13,6 +13,7 @@ Tolerance: float32 attention over at most 153 tokens against float64: rtol 1e-5 
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -34,15 +35,15 @@ def _write(cache, keys, values, positions):
                                    kv_cache_dtype="auto")
 
 
-def _setup(**design):
+def _setup(dtype=torch.float32, **design):
     from kvcert.vllm import KVCertConfig, backend, worker
 
     torch.manual_seed(0)
     scale = D ** -0.5
     impl = backend.CertifiedCPUAttentionImpl(num_heads=H_Q, head_size=D, scale=scale, num_kv_heads=H,
                                              alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
-    cache = torch.zeros(9, H, BS, 2 * D)
-    k, v = torch.randn(Q + T, H, D), torch.randn(Q + T, H, D)
+    cache = torch.zeros(9, H, BS, 2 * D, dtype=dtype)
+    k, v = torch.randn(Q + T, H, D).to(dtype), torch.randn(Q + T, H, D).to(dtype)
     _write(cache, k[:Q], v[:Q], torch.arange(Q))
     cfg = KVCertConfig(compression_ratio=0.6, seed=5, observation_window=8, **design)
     fake = SimpleNamespace(kvcert=cfg, kvcert_states={}, kvcert_decided=set(), kvcert_prompt_len={"a": Q}, kvcert_head_size=D,
@@ -51,13 +52,12 @@ def _setup(**design):
     return backend, worker, impl, cache, k, v, cfg, fake, layer, scale
 
 
-def _prefill_metadata(backend, impl):
+def _prefill_metadata(backend, impl, dtype=torch.float32):
     """The attention metadata of the Q-token prompt's one prefill step (the stock op's work partition)."""
     qsl, seq = torch.tensor([0, Q], dtype=torch.int32), torch.tensor([Q], dtype=torch.int32)
     return SimpleNamespace(query_start_loc=qsl, seq_lens=seq, block_table=TABLE.to(torch.int32), causal=True,
                            dynamic_causal=None, num_actual_tokens=Q,
-                           scheduler_metadata=backend.stock_scheduler_metadata(impl, seq, qsl, True, "vec",
-                                                                               torch.float32))
+                           scheduler_metadata=backend.stock_scheduler_metadata(impl, seq, qsl, True, "vec", dtype))
 
 
 def _decode_metadata():
@@ -312,3 +312,64 @@ def test_value_centres_are_handed_per_row_to_the_rows_that_hold_them():
     assert plan.compacted_centres(0, torch.tensor([0])) is None
     only_plain = worker._Plan(compacted=rows[:1], block_size=BS)
     assert only_plain.compacted_centres(0) is None
+
+
+@pytest.mark.parametrize("design", [{"sketch": None}, {"sketch": "tilted", "kind": "tilted_hull"}],
+                         ids=["paper", "default"])
+def test_a_bfloat16_cache_decodes_as_its_float32_upcast_and_within_its_rounding_of_float64(monkeypatch, design):
+    """bfloat16 models (the cache holds bfloat16 K and V): the compacted decode on both routes (the compiled
+    op's paged route and gather + kvcert.dispatch) computes in float32 from the loaded values, so it equals the
+    same decode on a float32 cache holding the same values, exactly: the trace bit for bit and the output that
+    float32 output rounded to bfloat16 once; the certificate differs only through ||o_hat|| of that rounded
+    output (each coordinate within bfloat16's unit roundoff 2^-8 relative, so the relative radius within
+    2^-8 / (1 - 2^-8)). Against the float64 estimator on the same (bfloat16-rounded) inputs the output is within
+    2^-8 of the head's largest entry plus the float32 rounding (8 eps32 sqrt(n + 1) times the values' scale).
+    Negative control: the same decode on a cache whose values are rounded again (another bfloat16 value per
+    slot) is outside that tolerance."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    bf16 = torch.bfloat16
+    monkeypatch.setattr(cpu_attn, "get_current_vllm_config",
+                        lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=bf16)))
+    backend, worker, impl, cache, k, v, cfg, fake, layer, scale = _setup(bf16, **design)
+    qp = torch.randn(Q, H_Q, D).to(bf16)
+    step = worker.Step(fake)
+    _forward(backend, impl, step, layer, qp, cache, _prefill_metadata(backend, impl, bf16))
+    step.results(BS)
+    state = fake.kvcert_states["a"]
+    assert isinstance(state, worker.Compacted) and state.m < Q // BS  # compacted, blocks freed
+    _write(cache, k[Q:], v[Q:], torch.arange(Q, Q + T))
+    qd = torch.randn(1, H_Q, D).to(bf16)
+    md = _decode_metadata()
+    plan = worker.Step(fake).plan(md, BS)
+    ids, lp = plan.compacted_inputs(0)
+    sketch = state.sketches[0] if state.sketches else None
+
+    def decode(q, c):
+        if sketch is None:
+            return backend.token_decode(q, c, ids, lp, scale, "chebyshev", 0.05)
+        return backend.sketch_decode(q, c, ids, lp, sketch, scale, "tilted_hull", 0.05)
+
+    eps_out = 2.0 ** -8  # bfloat16's unit roundoff: half its relative spacing 2^-7 (torch.finfo(bfloat16).eps)
+    for op in ("1", "0"):
+        monkeypatch.setenv("KVCERT_CPU_OP", op)
+        out, rel = decode(qd, cache)
+        out32, rel32 = decode(qd.float(), cache.float())
+        assert out.dtype == bf16 and out32.dtype == torch.float32, backend.LAST_ROUTE[0]
+        assert torch.equal(out, out32.to(bf16)), backend.LAST_ROUTE[0]
+        assert torch.all((rel.double() / rel32.double() - 1).abs() <= eps_out / (1 - eps_out)), backend.LAST_ROUTE[0]
+    monkeypatch.delenv("KVCERT_CPU_OP")
+    # against the float64 estimator on the same rounded inputs (the kept prompt tokens with their pi, the tail)
+    keep = torch.isfinite(lp[0].reshape(H, -1))
+    pi_kept = lp[0].reshape(H, -1).double().exp()
+    gk, gv = backend.gather_rows(cache, ids)
+    est = F.hajek_attention(qd.double(), gk.double(), gv.double(), torch.where(keep, pi_kept, 0.0)[None], scale=scale,
+                            per_coordinate=False)
+    n = int(keep.sum(-1).max())
+    head = est.output.abs().amax(-1, keepdim=True)
+    vmax = gv.double().abs().amax((-2, -1))[..., None, None].expand(1, H, H_Q // H, 1).reshape(1, H_Q, 1)
+    tol = eps_out * head + 8 * torch.finfo(torch.float32).eps * math.sqrt(n + 1) * vmax
+    if sketch is None:  # the token design's output is the Hajek estimate itself
+        assert torch.all((out.double() - est.output).abs() <= tol), (out.double() - est.output).abs().max()
+        wrong, _ = decode(qd, (cache.float() * (1 + 2 ** -7)).to(bf16))  # every slot one bfloat16 step off
+        assert not torch.all((wrong.double() - est.output).abs() <= tol)

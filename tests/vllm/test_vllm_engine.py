@@ -150,3 +150,22 @@ def test_a_failed_engine_leaves_the_driver_serving(plugin_off):
                    runs=[{"order": [0], "max_tokens": 2}])
     again = run_engine(plugin=True, compression_ratio=0.0, runs=[{"order": [0, 3], "max_tokens": MAX_TOKENS}])
     assert _tokens(again) == {i: t for i, t in _tokens(plugin_off).items() if i in (0, 3)}
+
+
+@pytest.fixture(scope="module")
+def bfloat16():
+    # the default design (token design, tilted sketch) on a bfloat16 model: cache, queries and outputs in bfloat16
+    return run_engine(plugin=True, compression_ratio=0.5, seed=3, dtype="bfloat16",
+                      runs=[{"order": ALL[:4], "max_tokens": MAX_TOKENS}])
+
+
+def test_a_bfloat16_model_is_served_with_eviction_and_certificates(bfloat16):
+    """dtype="bfloat16" is served (the routes' numbers on bfloat16 caches are checked against their float32
+    upcast and float64 in test_vllm_compaction.py): every request evicts, frees blocks, decodes its tokens and
+    gets a finite positive certificate at every step after the first (which reads the full prompt)."""
+    assert bfloat16["blocks_freed"] > 0
+    for i, o in bfloat16["runs"][0]["outputs"].items():
+        c = np.asarray(o["certificates"], dtype=float)
+        assert len(o["token_ids"]) == MAX_TOKENS and c.shape == (MAX_TOKENS,), i
+        assert np.isfinite(c).all() and c[0] == 0.0 and (c[1:] > 0).all(), (i, c)
+

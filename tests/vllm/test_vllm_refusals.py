@@ -27,7 +27,7 @@ from kvcert.vllm import KVCertConfig, certified_llm, engine_kwargs  # noqa: E402
     ({"tensor_parallel_size": 3, "scorer": "random"}, "tensor_parallel_size=3 with scorer='random'"),
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
     ({"kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}}, "kv_transfer_config"),
-    ({"dtype": "bfloat16"}, "dtype"),
+    ({"dtype": "float16"}, "dtype"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
     ({"enforce_eager": False}, "enforce_eager"),
     ({"scheduler_cls": "vllm.v1.core.sched.async_scheduler.AsyncScheduler"}, "scheduler_cls"),
