@@ -77,9 +77,6 @@ def _refuse_kwargs(kwargs: dict) -> None:
     def refuse(option, why):
         raise ValueError(f"kvcert.vllm cannot serve {option}: {why}")
 
-    if kwargs.get("enable_prefix_caching"):
-        refuse("enable_prefix_caching=True", "evicted blocks would be shared through the prefix cache with "
-               "requests that did not evict them; pass enable_prefix_caching=False")
     if kwargs.get("async_scheduling"):
         refuse("async_scheduling=True", "eviction decisions are taken between steps by the synchronous "
                "scheduler; pass async_scheduling=False")
@@ -113,8 +110,9 @@ def engine_kwargs(compression_ratio: float | None = None, seed: int = 0, *, kvce
 
     For users who build the engine themselves (``vllm.LLM(**engine_kwargs(...))``,
     or the same options on ``vllm serve``: ``--scheduler-cls``, ``--worker-cls``,
-    ``--additional-config '{"kvcert": {...}}'``, ``--no-enable-prefix-caching``,
-    ``--no-async-scheduling``).
+    ``--additional-config '{"kvcert": {...}}'``, ``--no-async-scheduling``).
+    Prefix caching stays as vLLM sets it (on by default): requests that may
+    evict stay outside the cache (:mod:`kvcert.vllm.scheduler`).
     """
     options = dict(kvcert or {})
     for name, value in (("scorer", scorer), ("granularity", granularity)):
@@ -128,8 +126,7 @@ def engine_kwargs(compression_ratio: float | None = None, seed: int = 0, *, kvce
     kw = dict(llm_kwargs)
     extra = dict(kw.pop("additional_config", None) or {})
     extra[CONFIG_KEY] = cfg.to_dict()
-    kw.update(additional_config=extra, scheduler_cls=_SCHEDULER, worker_cls=_WORKER,
-              enable_prefix_caching=False, async_scheduling=False)
+    kw.update(additional_config=extra, scheduler_cls=_SCHEDULER, worker_cls=_WORKER, async_scheduling=False)
     kw.setdefault("enforce_eager", True)
     return kw
 
@@ -168,14 +165,14 @@ def certified_llm(model_path: str | None = None, compression_ratio: float | None
         ``max_num_seqs``, ``num_gpu_blocks_override``). ``dtype`` is the
         model's own unless given (float32 and bfloat16 are served). Default
         added: ``enforce_eager=True``; forced:
-        ``enable_prefix_caching=False``, ``async_scheduling=False`` and the
+        ``async_scheduling=False`` and the
         plugin's ``scheduler_cls``/``worker_cls``.
 
     Raises
     ------
     ValueError
         Naming the option, for every configuration the plugin cannot serve
-        (prefix caching, async scheduling, speculative decoding, parallel
+        (async scheduling, speculative decoding, pipeline parallelism
         workers, KV transfer, float16 or quantized caches, compiled mode, a non-CPU
         platform, models with sliding windows / softcap / several KV cache
         groups). Checked here on the resolved engine configuration before the

@@ -370,9 +370,6 @@ def check_vllm_config(vllm_config) -> None:
                 "Triton kernel) and a CUDA worker (kvcert.vllm.worker.CertifiedGPUWorker) exist but are untested on a "
                 "device")
     cache = vllm_config.cache_config
-    if cache.enable_prefix_caching:
-        _refuse("enable_prefix_caching=True", "evicted blocks would be shared through the prefix cache "
-                "with requests that did not evict them; pass enable_prefix_caching=False")
     sched = vllm_config.scheduler_config
     if sched.async_scheduling:
         _refuse("async_scheduling=True", "eviction decisions are taken between steps by the synchronous "

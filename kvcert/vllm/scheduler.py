@@ -33,7 +33,16 @@ synchronous ``Scheduler`` plus these duties:
    scheduler makes, for :class:`kvcert.vllm.metrics.CertifiedStatLogger`
    (``/metrics``; :func:`kvcert.vllm.metrics.encode_stats`).
 
-4. **Per-request options** (token design). A request's ``kvcert_*`` keys of
+4. **Prefix caching** (vLLM's ``enable_prefix_caching``, on by default). Requests
+   without eviction use the prefix cache as in stock vLLM. A request that may
+   evict (its configuration's ratio or error target) neither reads the cache
+   (``Request.skip_reading_prefix_cache``: its eviction event sees the prompt it
+   computed, as without the cache) nor registers its blocks in it (the
+   coordinator's ``cache_blocks`` is skipped for it), so the blocks its
+   compaction overwrites and the blocks it frees are its own, never shared and
+   never found by another request's prefix.
+
+5. **Per-request options** (token design). A request's ``kvcert_*`` keys of
    ``SamplingParams.extra_args`` (:func:`kvcert.vllm.config.request_options`)
    are resolved when it is added and ride to the worker on the
    ``SchedulerOutput`` that first schedules it (``kvcert["options"]``); a
@@ -96,6 +105,27 @@ class CertifiedScheduler(Scheduler):
         self._radius_sum = 0.0
         # the counters ride in SchedulerStats.waiting_lora_adapters, a field read only when LoRA is enabled
         self._send_metrics = getattr(vllm_config, "lora_config", None) is None
+        self._private: set[str] = set()  # requests that may evict: outside the prefix cache (module docstring, 4)
+        if self.cache_config.enable_prefix_caching:
+            coordinator = self.kv_cache_manager.coordinator
+            register = coordinator.cache_blocks
+
+            def cache_blocks(request, num_computed_tokens):
+                if request.request_id not in self._private:
+                    register(request, num_computed_tokens)
+
+            coordinator.cache_blocks = cache_blocks
+
+    def _keeps_private(self, request, options: dict | None) -> bool:
+        """Whether ``request`` stays outside the prefix cache: its configuration (the engine's, with its
+        ``kvcert_*`` overrides) may evict."""
+        if not self.cache_config.enable_prefix_caching:
+            return False
+        if options is None:
+            return self.kvcert.enabled
+        from dataclasses import replace
+
+        return replace(self.kvcert, **options).enabled
 
     # ------------------------------------------------------------------ decide and free
 
@@ -201,6 +231,9 @@ class CertifiedScheduler(Scheduler):
                 return
             if options is not None:
                 self._options[request.request_id] = options
+            if self._keeps_private(request, options):
+                self._private.add(request.request_id)
+                request.skip_reading_prefix_cache = True
         super().add_request(request)
 
     def has_requests(self) -> bool:
@@ -277,6 +310,7 @@ class CertifiedScheduler(Scheduler):
         req_id = request.request_id
         rec = self._records.pop(req_id, None)
         self._options.pop(req_id, None)
+        self._private.discard(req_id)
         self._decided.discard(req_id)
         self._pending.pop(req_id, None)
         if rec is not None:

@@ -187,8 +187,7 @@ def _drive(mode: str, root: str, out_path: str) -> None:
             else:
                 from kvcert.vllm import blocks_freed, certificate_report, certified_llm
 
-                kw = {k: v for k, v in ENGINE_KW.items() if k != "enable_prefix_caching"}
-                llm = certified_llm(folder, compression_ratio=0.0, **kw)
+                llm = certified_llm(folder, compression_ratio=0.0, **ENGINE_KW)
                 outs = llm.generate(prompts, plain, use_tqdm=False)
                 res = {"plain": [list(o.outputs[0].token_ids) for o in outs],
                        "plain_reports": [certificate_report(o) for o in outs],

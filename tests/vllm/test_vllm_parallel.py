@@ -56,9 +56,8 @@ CERT_RTOL = 1e-5
 # ---------------------------------------------------------------------------------------------
 # tensor parallelism: tiny Llama, TP = 1 and TP = 2
 # ---------------------------------------------------------------------------------------------
-#: test_vllm_matrix's model, prompts (32 k + 1 tokens, k in PROMPT_BLOCKS), ratio and engine arguments (the
-#: plugin's engine: without enable_prefix_caching)
-ENGINE_KW = {k: v for k, v in MATRIX_ENGINE_KW.items() if k != "enable_prefix_caching"}
+#: test_vllm_matrix's model, prompts (32 k + 1 tokens, k in PROMPT_BLOCKS), ratio and engine arguments
+ENGINE_KW = dict(MATRIX_ENGINE_KW)
 
 
 def _drive(tp: str, folder: str, out_path: str) -> None:

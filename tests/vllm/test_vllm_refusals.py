@@ -18,7 +18,6 @@ from kvcert.vllm import KVCertConfig, certified_llm, engine_kwargs  # noqa: E402
 
 
 @pytest.mark.parametrize("kwargs, option", [
-    ({"enable_prefix_caching": True}, "enable_prefix_caching"),
     ({"async_scheduling": True}, "async_scheduling"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
      "speculative_config"),
@@ -79,7 +78,7 @@ def test_engine_kwargs_route_and_config_roundtrip():
     kw = engine_kwargs(0.25, 7, kvcert={"top_blocks": 1}, granularity="block", max_model_len=256)
     assert kw["scheduler_cls"] == "kvcert.vllm.scheduler.CertifiedScheduler"
     assert kw["worker_cls"] == "kvcert.vllm.worker.CertifiedCPUWorker"
-    assert kw["enable_prefix_caching"] is False and kw["async_scheduling"] is False
+    assert "enable_prefix_caching" not in kw and kw["async_scheduling"] is False  # vLLM's default: the cache on
     assert kw["max_model_len"] == 256
     cfg = KVCertConfig.from_dict(kw["additional_config"]["kvcert"])
     assert cfg == KVCertConfig(compression_ratio=0.25, seed=7, granularity="block", top_blocks=1)

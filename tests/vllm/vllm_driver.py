@@ -20,7 +20,9 @@ SPEC keys: ``plugin`` (bool), ``model``, ``compression_ratio``, ``seed``,
 {"order": [prompt indices], "max_tokens": int}, generated one ``generate`` call
 each, greedy; optional ``"extra_args"``: a list parallel to ``order`` of
 ``SamplingParams.extra_args`` dicts or None, e.g.
-``{"kvcert_compression_ratio": 0.5}``; a prompt index at most once per run).
+``{"kvcert_compression_ratio": 0.5}``; a prompt index at most once per run); optional ``patch``:
+``"evicting_requests_share_the_prefix_cache"`` runs that engine with the scheduler's prefix-cache privacy
+off (a negative control). Each output records ``num_cached_tokens`` (vLLM's prefix-cache hits) too.
 Each output records ``token_ids`` and ``finish_reason``, and with the plugin
 ``certificates`` and ``report``; the result records ``start_s`` and, per run,
 ``gen_s``, and with the plugin the engine's ``stats`` and ``blocks_freed``.
@@ -41,6 +43,12 @@ def run_spec(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
+    original = None
+    if spec.get("patch") == "evicting_requests_share_the_prefix_cache":  # a negative control's broken plugin
+        from kvcert.vllm.scheduler import CertifiedScheduler
+
+        original = CertifiedScheduler.__dict__["_keeps_private"]
+        CertifiedScheduler._keeps_private = lambda self, request, options: False
     if spec["plugin"]:
         from kvcert.vllm import certified_llm
 
@@ -61,7 +69,8 @@ def run_spec(spec: dict) -> dict:
             gen_s = time.perf_counter() - t
             per = {}
             for i, o in zip(order, outs):
-                item = {"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason}
+                item = {"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason,
+                        "num_cached_tokens": o.num_cached_tokens}
                 if spec["plugin"]:
                     from kvcert.vllm import certificate_report, certificates
 
@@ -81,6 +90,8 @@ def run_spec(spec: dict) -> dict:
             llm.llm_engine.engine_core.shutdown()
         except Exception:  # noqa: BLE001 - best effort: the engine is dropped either way
             pass
+        if original is not None:  # the next engine of this driver gets the plugin as it is
+            CertifiedScheduler._keeps_private = original
 
 
 def _write(out_path: str, result: dict) -> None:

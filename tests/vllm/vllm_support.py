@@ -143,21 +143,21 @@ atexit.register(lambda: [d.stop() for d in _DRIVERS.values()])
 
 def run_engine(*, plugin: bool, runs: list[dict], compression_ratio: float = 0.0, seed: int = 0,
                kvcert: dict | None = None, scorer: str | None = None, timeout: float = 420.0,
-               engine_process: bool = False, **llm_kwargs) -> dict:
+               engine_process: bool = False, prompt_ids: list | None = None, patch: str | None = None,
+               **llm_kwargs) -> dict:
     """Run one engine (the stock one without any plugin) and return the driver's JSON (vllm_driver.py).
 
     By default the engine runs in the session's long-lived driver of its kind, with its engine core
     in-process. ``engine_process=True`` runs it as a user's ``vllm.LLM`` runs by default: a fresh driver
     process, the engine core in a process of its own, outputs (certificates included) serialized between
-    them."""
+    them. ``prompt_ids``: the token-id prompts the runs index (default :func:`prompts`); ``patch``: the
+    driver's negative-control patch (vllm_driver.py)."""
     kw = dict(ENGINE)
     kw.update(llm_kwargs)
-    if plugin:
-        for name in ("enable_prefix_caching",):
-            kw.pop(name, None)
     spec = {"plugin": plugin, "model": model_path(), "compression_ratio": compression_ratio, "seed": seed,
-            "kvcert": kvcert or {}, "scorer": scorer, "llm_kwargs": kw, "prompts": [list(p) for p in prompts()],
-            "runs": runs}
+            "kvcert": kvcert or {}, "scorer": scorer, "llm_kwargs": kw,
+            "prompts": [list(p) for p in (prompts() if prompt_ids is None else prompt_ids)], "runs": runs,
+            "patch": patch}
     if not engine_process:
         return _DRIVERS[plugin].run(spec, timeout)
     env = vllm_env(plugin=plugin)
