@@ -94,8 +94,12 @@ class EvictionResult:
         of V_cl and the sample's HT trace, :func:`sketched_variance`)
     cluster_variance : float or None, V_cl alone (:func:`cluster_variance`; None for the paper design)
     quantization_bound : float, B_q, the deterministic bound on the rounding's effect ||o_hat_q - o_hat|| of a
-        quantized cache (``kv_bits`` < 16; ``kvcert.reference.quantized.quantization_bound``), already
-        included in ``radius``; 0.0 at 16 bits
+        quantized cache (``kv_bits`` < 16; ``kvcert.reference.quantized.quantization_bound``), added to
+        ``radius`` by ``quantized_bound="strict"`` (reported, and a cap only where the whole cache is kept, by
+        ``"variance"``); 0.0 at 16 bits
+    quantization_variance : float, V_q, the variance stochastic rounding adds to o_hat_q
+        (``quantized_bound="variance"``; ``kvcert.reference.quantized.quantization_variance``), already
+        included in ``variance``; 0.0 at 16 bits and with ``"strict"``
     """
 
     output: np.ndarray
@@ -107,6 +111,7 @@ class EvictionResult:
     variance: float
     cluster_variance: float | None = None
     quantization_bound: float = 0.0
+    quantization_variance: float = 0.0
 
 
 def memory_fraction(n: int, d: int, dv: int, *, kept: int, extra: float = 0.0) -> float:
@@ -243,7 +248,8 @@ def _sample(pi, seed: int, sampling: str):
 def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: float = 0.05, design=None,
                       sinks: int = 4, window: int = 32, top: int = 0, floor: float = 0.1,
                       scale: float | None = None, tilt=None, sampling: str = "poisson",
-                      kv_bits: int = 16) -> EvictionResult:
+                      kv_bits: int = 16, kv_layout: str = "channel",
+                      quantized_bound: str = "variance") -> EvictionResult:
     r"""Evict one KV head's cache at random and certify one query's attention output.
 
     ``design="paper"`` (the paper's design, docs/theory.md):
@@ -298,6 +304,20 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
     radius :math:`\min(B_q + r, H_q)`, :math:`H_q` = ``hull_bound`` of the
     stored kept values plus their largest value bound. When the whole cache
     fits at ``kv_bits`` it is kept (radius :math:`B_q`, ``budget`` = n).
+    That is ``quantized_bound="strict"`` (round to nearest).
+    ``quantized_bound="variance"`` rounds stochastically (unbiased codes, the
+    uniforms from ``quantized.rounding_generator(seed)``, independent of the
+    sampling stream) and adds the rounding's variance :math:`V_q`
+    (``quantized.quantization_variance``, reported as
+    ``quantization_variance``) to the design's variance before its radius
+    rule: :math:`\sqrt{(\mathrm{tr}\hat\Sigma + V_q)/\delta}` for the paper
+    design, :math:`\min(3\sqrt{V + V_q}, H_q)` for ``design=None``; where the
+    whole cache fits, the rule on :math:`V_q` capped at :math:`B_q`. Its value
+    part is exact, its key part the delta method's, the rule calibrated.
+    ``kv_layout`` says what is stored: ``"token"`` (per-token scales),
+    ``"channel"`` (keys per channel and group of 32 kept tokens, KIVI; values
+    per token) or ``"values"`` (16-bit keys, values per token), with the
+    budget converted by that layout's per-token memory.
     docs/quantized.md has the proofs.
 
     Parameters
@@ -326,21 +346,31 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
     kv_bits : {16, 8, 4}
         Bits per stored key and value element; 16 (the default) stores them
         unquantized, exactly as without the argument.
+    kv_layout : {"channel", "token", "values"}
+        What a quantized cache stores (``quantized.KV_LAYOUTS``); the default
+        ``"channel"`` (KIVI's key layout) measured best at 8 bits
+        (docs/quantized.md section 7). Checked and unused at 16 bits.
+    quantized_bound : {"variance", "strict"}
+        The rounding term of a quantized certificate: :math:`V_q` added to the
+        variance (stochastic rounding; the default, informative on real keys)
+        or :math:`B_q` added to the radius (round to nearest; holds on every
+        input, vacuous on real keys). Checked and unused at 16 bits.
 
     Returns
     -------
     EvictionResult
-        At ``kv_bits`` < 16: ``radius`` = :math:`B_q + r` (capped as above),
-        ``memory`` counted in 16-bit elements with the scales included,
-        ``quantization_bound`` = :math:`B_q`.
+        At ``kv_bits`` < 16: ``radius`` = :math:`B_q + r` (capped as above) or
+        the rule on :math:`V + V_q`, ``memory`` counted in 16-bit elements
+        with the scales included, ``quantization_bound`` = :math:`B_q`,
+        ``quantization_variance`` = :math:`V_q` (0 with ``"strict"``).
 
     Raises
     ------
     ValueError
         Bad shapes (naming the argument and the expected shape), non-finite
         q, keys or values, delta outside (0, 1), budget <= 0, kv_bits not in
-        (16, 8, 4), a sketched design whose sketch leaves no budget above the
-        certainty set.
+        (16, 8, 4), kv_layout or quantized_bound not one of theirs, a sketched
+        design whose sketch leaves no budget above the certainty set.
     """
     q, k, v = _as_qkv(q, keys, values)
     n, d = k.shape
@@ -365,10 +395,13 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
     if spec is None or not spec.tilt:
         tilt = None                                      # a design that does not tilt ignores the tilt point
     from . import quantized                              # here, not at the top: quantized.py builds on this module
+    kv_layout = quantized._check_layout(kv_layout)                 # checked at every kv_bits, used below 16
+    quantized_bound = quantized._check_quantized_bound(quantized_bound)
     if quantized._check_kv_bits(kv_bits) != 16:
         return quantized._evict_quantized(q, k, v, u, budget, seed=seed, delta=delta, spec=spec, name=name,
                                           sinks=sinks, window=window, top=top, floor=floor, scale=scale,
-                                          tilt=tilt, sampling=sampling, kv_bits=int(kv_bits))
+                                          tilt=tilt, sampling=sampling, kv_bits=int(kv_bits), kv_layout=kv_layout,
+                                          quantized_bound=quantized_bound)
     if budget >= n:
         return EvictionResult(output=hajek_attention(q, k, v, np.ones(n), scale=scale).output, radius=0.0,
                               memory=1.0, design=name, budget=float(n), kept=n, variance=0.0)

@@ -24,7 +24,20 @@ from the stored rows). Beside them: what an exact 0.95 certificate reads at this
 
     OMP_NUM_THREADS=1 .venv/bin/python docs/research/issue54/measure.py --draws 32
 
-Writes ``results.json`` and ``table.md`` into ``--out`` (default: this folder).
+Variants (``evict_and_certify``'s ``kv_layout`` and ``quantized_bound``): ``--layout token|channel|values``
+(per-token scales; KIVI's per-channel key scales per group of 32 kept tokens; 16-bit keys with per-token value
+scales) and ``--bound strict|variance`` (round to nearest and B_q + r; stochastic rounding and the design's
+rule on V + V_q). ``--bits 16,8`` picks the bit widths (16 is the baseline of "vs 16-bit" and of the
+tightness ratio). In a variance row the rounding-term columns read sqrt(V_q) (median over draws of
+sqrt(V_q) / norm(o), and median over cells of sqrt(mean V_q) / RMS of the rounding's error), and B_q, still
+reported, is checked on every draw; "tightness / paper 16" is the row's tightness over the paper design's
+16-bit tightness at the same M (the goal: <= 1.1).
+
+    OMP_NUM_THREADS=1 .venv/bin/python docs/research/issue54/measure.py --draws 16 --bits 16,8 \
+        --layout token --bound variance
+
+Writes ``results.json`` and ``table.md`` into ``--out`` (default: this folder) for the first run's variant
+(token, strict, 16,8,4 bits), ``results_<layout>_<bound>_<bits>.json`` and ``table_<...>.md`` otherwise.
 """
 
 from __future__ import annotations
@@ -70,7 +83,21 @@ def cells(z):
                     yield int(L), h, qt[j, oi], k[h, :n], v[h, :n], u, tilt, int(t), window
 
 
-def run(draws: int) -> list[dict]:
+def stored_rows(kk, vv, keep, bits, layout, bound, seed):
+    """The kept keys and values as ``evict_and_certify`` stores them (public API only: the quantizers, and the
+    stream ``rounding_generator(seed)`` in the variance variant, keys' uniforms first)."""
+    fmt = "int8" if bits == 8 else "int4"
+    kw = dict(rounding="stochastic", generator=R.rounding_generator(seed)) if bound == "variance" else {}
+    if layout == "values":
+        keys = kk[keep]
+    elif layout == "channel":
+        keys = R.quantize_channels(kk[keep], fmt, **kw)
+    else:
+        keys = R.quantize(kk[keep], fmt, **kw)
+    return keys, R.quantize(vv[keep], fmt, **kw)
+
+
+def run(draws: int, bits_list=BITS, layout: str = "token", bound: str = "strict") -> list[dict]:
     z = np.load(SLICE)
     tau, prefix = float(z["scaling"]), int(z["prefix"])
     rows = []
@@ -85,24 +112,28 @@ def run(draws: int) -> list[dict]:
             for design in DESIGNS:
                 for r in range(draws):
                     seed = (L * 3 + h) * draws + r
-                    for bits in BITS:
+                    for bits in bits_list:
                         e = R.evict_and_certify(q, kk, vv, u, B + t + 1, seed=seed,
-                                                design=None if design == "default" else "paper", kv_bits=bits, **kw)
+                                                design=None if design == "default" else "paper", kv_bits=bits,
+                                                kv_layout=layout, quantized_bound=bound, **kw)
                         gap = eta_max = value_part = float("nan")
                         if bits < 16:                       # the same sample's exact-KV Hajek estimate
                             pi = (np.ones(len(u)) if e.budget >= len(u) else R.inclusion_probabilities(
                                 u, e.budget, sinks=SINKS, window=window + t + 1, top=top, floor=FLOOR))
-                            keep = R.systematic_sample(pi, seed=seed)
+                            keep = (np.ones(len(u), dtype=bool) if e.budget >= len(u)
+                                    else R.systematic_sample(pi, seed=seed))
                             exact = R.hajek_attention(q, kk[keep], vv[keep], pi[keep], scale=tau).output
                             gap = float(np.linalg.norm(e.output - exact))
-                            fmt = "int8" if bits == 8 else "int4"
-                            kq, vq = R.quantize(kk[keep], fmt), R.quantize(vv[keep], fmt)
-                            w = R.hajek_attention(q, kq.dequantize(), vq.dequantize(), pi[keep], scale=tau).weights
-                            eta_max = float(R.logit_bound(q, kq, scale=tau).max())
+                            kq, vq = stored_rows(kk, vv, keep, bits, layout, bound, seed)
+                            k_st = kq if layout == "values" else kq.dequantize()
+                            w = R.hajek_attention(q, k_st, vq.dequantize(), pi[keep], scale=tau).weights
+                            eta_max = 0.0 if layout == "values" else float(R.logit_bound(q, kq, scale=tau).max())
                             value_part = float(w @ R.value_bound(vq))
                         rows.append(dict(cell=cell, M=M, design=design, bits=bits, err=float(np.linalg.norm(
                             e.output - o)), norm=float(np.linalg.norm(o)), radius=float(e.radius),
-                            bq=float(e.quantization_bound), gap=gap, eta_max=eta_max, value_part=value_part, memory=float(e.memory), kept=int(e.kept)))
+                            bq=float(e.quantization_bound), vq=float(e.quantization_variance),
+                            variance=float(e.variance), gap=gap, eta_max=eta_max, value_part=value_part,
+                            memory=float(e.memory), kept=int(e.kept)))
     return rows
 
 
@@ -112,12 +143,12 @@ def exact_worst_decile(cells_: int, draws: int, alpha: float = 1e-3, reps: int =
     return float(np.quantile(np.sort(cov, axis=1)[:, :math.ceil(cells_ / 10)].mean(1), alpha))
 
 
-def summarize(rows: list[dict]) -> list[dict]:
+def summarize(rows: list[dict], bits_list=BITS, bound: str = "strict") -> list[dict]:
     out = []
-    base_err = {}
-    for design in DESIGNS:
+    base_err, paper_tight = {}, {}
+    for design in ("paper", "default"):                     # the paper design's 16-bit tightness first
         for M in MEMORIES:
-            for bits in BITS:
+            for bits in bits_list:
                 sel = [r for r in rows if r["design"] == design and r["M"] == M and r["bits"] == bits]
                 cell = np.array([r["cell"] for r in sel])
                 err, norm, rad = (np.array([r[f] for r in sel]) for f in ("err", "norm", "radius"))
@@ -128,35 +159,52 @@ def summarize(rows: list[dict]) -> list[dict]:
                 rel = float(np.mean(err / norm))
                 if bits == 16:
                     base_err[(design, M)] = rel
+                    if design == "paper":
+                        paper_tight[M] = float(np.median(tight))
+                vq = np.array([r["vq"] for r in sel])
+                by_var = bound == "variance" and bits < 16
                 row = dict(design=design, M=M, bits=bits, memory=float(np.mean([r["memory"] for r in sel])),
                            kept=float(np.mean([r["kept"] for r in sel])), rel_error=rel,
                            error_vs_16=rel / base_err[(design, M)], pooled=float(hit.mean()),
                            worst=float(np.sort(per_cell)[:math.ceil(per_cell.size / 10)].mean()),
                            silent=float(np.mean(~hit & (err > SILENT * norm))), tightness=float(np.median(tight)),
-                           bq_rel=float(np.median(bq / norm)), draws=len(sel))
+                           tight_vs_paper16=float(np.median(tight)) / paper_tight[M],
+                           bq_rel=float(np.median(bq / norm)), term_rel=float(np.median(
+                               (np.sqrt(vq) if by_var else bq) / norm)), draws=len(sel))
                 if bits < 16:
                     row["bq_slack"] = float(np.median(bq / np.maximum(gap, 1e-300)))
+                    if by_var:                              # sqrt(mean V_q) / RMS(rounding's error), per cell
+                        row["term_slack"] = float(np.median([math.sqrt(np.mean(vq[cell == c]) / max(
+                            np.mean(gap[cell == c] ** 2), 1e-300)) for c in np.unique(cell)]))
+                        row["vq_ratio_pooled"] = float(np.sum(vq) / np.sum(gap ** 2))
+                    else:
+                        row["term_slack"] = row["bq_slack"]
                     row["rounding_rel_error"] = float(np.mean(gap / norm))
                     row["bq_holds"] = bool(np.all(gap <= bq * (1 + 1e-9)))
                     row["eta_max"] = float(np.median([r["eta_max"] for r in sel]))
                     row["value_part_rel"] = float(np.median(np.array([r["value_part"] for r in sel]) / norm))
-                    if design == "paper":
-                        row["pooled_r_alone"] = float(np.mean(err <= rad - bq))
+                    if design == "paper":                   # the sampling radius alone, from the stored rows
+                        var = np.array([r["variance"] for r in sel])
+                        r_alone = np.sqrt(np.maximum(var - vq, 0.0) / DELTA) if by_var else rad - bq
+                        row["pooled_r_alone"] = float(np.mean(err <= r_alone))
                 out.append(row)
-    return out
+    order = {d: i for i, d in enumerate(DESIGNS)}
+    return sorted(out, key=lambda r: (order[r["design"]], MEMORIES.index(r["M"]), -r["bits"]))
 
 
-def table(summary: list[dict], cells_: int, draws: int) -> str:
+def table(summary: list[dict], cells_: int, draws: int, bound: str = "strict") -> str:
+    term = "sqrt(V_q)" if bound == "variance" else "B_q"
     lines = [f"| design | M | bits | memory held | mean kept | mean rel err | vs 16-bit | pooled | worst decile | "
-             f"silent | tightness | median B_q / norm(o) | B_q / rounding's error | rounding's rel err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"silent | tightness | tightness / paper 16 | median {term} / norm(o) | {term} / rounding's error | "
+             f"rounding's rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
         fmt = lambda x: f"{x:.3g}" if x < 1e4 else f"{x:.1e}"  # noqa: E731
         lines.append(
             f"| {r['design']} | {r['M']} | {r['bits']} | {r['memory']:.3f} | {r['kept']:.0f} | {r['rel_error']:.4f} | "
             f"{r['error_vs_16']:.2f} | {r['pooled']:.3f} | {r['worst']:.3f} | {100 * r['silent']:.2f}% | "
-            f"{fmt(r['tightness'])} | {fmt(r['bq_rel'])} | {fmt(r.get('bq_slack', float('nan')))} | "
-            f"{r.get('rounding_rel_error', float('nan')):.4f} |")
+            f"{fmt(r['tightness'])} | {r['tight_vs_paper16']:.2f} | {fmt(r['term_rel'])} | "
+            f"{fmt(r.get('term_slack', float('nan')))} | {r.get('rounding_rel_error', float('nan')):.4f} |")
     lines.append("")
     lines.append(f"{cells_} cells x {draws} draws per row; an exact 0.95 certificate's worst decile reads "
                  f">= {exact_worst_decile(cells_, draws):.3f} with probability 0.999 at this size.")
@@ -167,6 +215,13 @@ def table(summary: list[dict], cells_: int, draws: int) -> str:
                              for r in quant) + ".")
     lines.append("B_q held on every draw (norm(o_hat_q - o_hat) <= B_q): "
                  + str(all(r["bq_holds"] for r in summary if r["bits"] < 16)) + ".")
+    if bound == "variance":
+        lines.append("Pooled sum V_q / sum norm(o_hat_q - o_hat)^2 (the variance against the rounding's realized "
+                     "mean square): " + ", ".join(f"{r['design']} M {r['M']} / {r['bits']} bits "
+                                                  f"{r['vq_ratio_pooled']:.3g}" for r in summary if r["bits"] < 16)
+                     + "; median B_q / norm(o) (reported, not in the radius): "
+                     + ", ".join(f"{r['design']} M {r['M']} / {r['bits']} bits {r['bq_rel']:.3g}"
+                                 for r in summary if r["bits"] < 16) + ".")
     paper = [r for r in summary if "pooled_r_alone" in r]
     lines.append("Paper design, coverage of r alone (the sampling radius from the stored rows, without B_q): "
                  + ", ".join(f"M {r['M']} / {r['bits']} bits {r['pooled_r_alone']:.3f}" for r in paper) + ".")
@@ -177,17 +232,26 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--draws", type=int, default=32)
     ap.add_argument("--out", type=Path, default=HERE)
+    ap.add_argument("--layout", default="token", choices=R.quantized.KV_LAYOUTS)
+    ap.add_argument("--bound", default="strict", choices=R.quantized.QUANTIZED_BOUNDS)
+    ap.add_argument("--bits", default="16,8,4", help="comma-separated bit widths from 16, 8, 4 (16 first)")
     args = ap.parse_args(argv)
+    bits_list = tuple(int(b) for b in args.bits.split(","))
+    if not bits_list or bits_list[0] != 16 or not set(bits_list) <= set(BITS):
+        ap.error("--bits must start with 16 (the baseline) and hold only 16, 8, 4")
     t0 = time.time()
-    rows = run(args.draws)
-    summary = summarize(rows)
+    rows = run(args.draws, bits_list, args.layout, args.bound)
+    summary = summarize(rows, bits_list, args.bound)
     cells_ = len({r["cell"] for r in rows})
-    text = table(summary, cells_, args.draws)
+    text = table(summary, cells_, args.draws, args.bound)
     seconds = time.time() - t0
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(dict(draws=args.draws, cells=cells_, seconds=seconds,
-                                                           summary=summary), indent=1))
-    (args.out / "table.md").write_text(text + f"\n\n{seconds:.0f} s.\n")
+    first = (args.layout, args.bound, bits_list) == ("token", "strict", BITS)
+    stem = "" if first else f"_{args.layout}_{args.bound}_{'-'.join(map(str, bits_list))}"
+    (args.out / f"results{stem}.json").write_text(json.dumps(dict(
+        draws=args.draws, cells=cells_, seconds=seconds, layout=args.layout, bound=args.bound,
+        bits=list(bits_list), summary=summary), indent=1))
+    (args.out / f"table{stem}.md").write_text(text + f"\n\n{seconds:.0f} s.\n")
     print(text)
     print(f"{seconds:.0f} s")
 
