@@ -3,11 +3,14 @@
 Flash-decoding layout: one program per (batch, KV head, block of the query
 heads that share it, split of the sequence). The program streams its K/V
 tiles once, keeps an online softmax (running max ``m``, normalizer ``l``,
-unnormalized output ``acc``) and, for the variance, the weighted mean and
-centred second moment of the values under the weights
-``w_i = (1 - pi_i) e^{2 (l_i - m)}``, merged tile by tile with Chan's pairwise
-formula. Splits of a long sequence are merged by a second kernel with the same
-formulas. See docs/gpu.md for the derivation.
+unnormalized output ``acc``) and, for the variance, moments of the values
+under the weights ``w_i = (1 - pi_i) e^{2 (l_i - m)}``: either each tile's
+weighted mean and centred second moment merged with Chan's pairwise formula
+(``moments="exact"`` / ``"shifted"``, ``_hajek_decode_kernel``), or the sums
+U, S1, S2 around a centre shared by the query heads, rescaled like the softmax
+sum (``moments="onepass"``, ``_hajek_onepass_kernel``). Splits of a long
+sequence are merged by a second kernel with the same formulas. See docs/gpu.md
+for the derivations.
 
 On request (``return_tail_moment=True``) an epilogue kernel makes a second pass
 over the kept K/V once o_hat and lse are known, for the ``chebyshev_ucb``
@@ -30,6 +33,8 @@ __all__ = ["hajek_attention", "default_config", "default_moments", "SUPPORTED_DT
 
 #: input dtypes the kernel accepts (accumulation is always float32)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: how the variance's moments are formed (``moments=``; "auto" picks :func:`default_moments`)
+MOMENTS = ("onepass", "exact", "shifted")
 _MAX_ROWS = 16  # query heads per program (tl.dot needs M >= 16; more rows -> more programs)
 _MIN_TILES_PER_SPLIT = 4  # a split streams at least this many tiles, so merging stays cheap
 
@@ -324,6 +329,254 @@ def _hajek_merge_kernel(
               Out, Lse, Var, Tr, Neff, DV, CERTIFY, PER_COORD)
 
 
+# ----------------------------------------------------------------------------- one-pass moments
+
+@triton.jit
+def _onepass_finalize(rows, rmask, offs_v, vmask, m, l, l_o, acc, U, S1, S2, Q2, c,
+                      Out, Lse, Var, Tr, Neff, DV,
+                      CERTIFY: tl.constexpr, PER_COORD: tl.constexpr):
+    """o = acc / l_o, lse = m + log l, var = max(S2 - 2 delta S1 + delta^2 U, 0) / l^2 with
+    delta = o - c (per coordinate; the trace from T2 = S2 and delta . S1 when PER_COORD is off),
+    n_eff = l^2 / Q2. Empty rows (l = 0): o = 0, lse = -inf, variance and trace +inf, n_eff 0."""
+    empty = l == 0.0
+    l_safe = tl.where(empty, 1.0, l)
+    o = acc / tl.where(empty, 1.0, l_o)[:, None]
+    omask = rmask[:, None] & vmask[None, :]
+    tl.store(Out + rows[:, None] * DV + offs_v[None, :], o.to(Out.dtype.element_ty), mask=omask)
+    tl.store(Lse + rows, tl.where(empty, float("-inf"), m + tl.log(l_safe)), mask=rmask)
+    if CERTIFY:
+        delta = o - c  # 0 on padded coordinates (acc and c are 0 there), so are S1 and S2
+        l2 = l_safe * l_safe
+        if PER_COORD:
+            num = S2 - delta * (2.0 * S1 - delta * U[:, None])
+            var = tl.where(empty[:, None], float("inf"), tl.maximum(num, 0.0) / l2[:, None])
+            tl.store(Var + rows[:, None] * DV + offs_v[None, :], var, mask=omask)
+            tr = tl.sum(tl.where(vmask[None, :], var, 0.0), axis=1)
+        else:
+            num = S2 - tl.sum(delta * (2.0 * S1 - delta * U[:, None]), axis=1)
+            tr = tl.where(empty, float("inf"), tl.maximum(num, 0.0) / l2)
+        tl.store(Tr + rows, tr, mask=rmask)
+        q2_safe = tl.where(empty, 1.0, Q2)
+        tl.store(Neff + rows, tl.where(empty, 0.0, l2 / q2_safe), mask=rmask)
+
+
+@triton.jit
+def _hajek_onepass_kernel(
+    Q, K, V, P, C, Out, Lse, Var, Tr, Neff, PartS, PartV,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_pb, stride_ph, stride_pn,
+    stride_cb, stride_ch, stride_cd,
+    H_KV, H_Q, N, CHUNK, BH, scale,
+    D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    G: tl.constexpr, G_BLOCK: tl.constexpr, N_RB: tl.constexpr, R_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, LOG_PI: tl.constexpr, CERTIFY: tl.constexpr, PER_COORD: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_F32: tl.constexpr, ROUND_P: tl.constexpr, HAS_CENTER: tl.constexpr,
+):
+    """One (batch, KV head, query-head block, split): online softmax of s_i - log pi_i and the sums
+    U = sum u_i, S1 = sum u_i (v_i - c), S2 = sum u_i (v_i - c)^2 (T2 = sum u_i ||v_i - c||^2 without
+    PER_COORD) of u_i = (1 - pi_i) e^{2 (l_i - m)}, rescaled by e^{2 (m_old - m)} like the softmax sum,
+    around a centre c shared by the block's query heads: the given one (HAS_CENTER), else the value of
+    the token with the largest logit over the block so far (the sums move to a new centre c' exactly:
+    S2 += e (2 S1 + e U), S1 += e U, e = c - c')."""
+    pid = tl.program_id(0)
+    sid = tl.program_id(1)
+    rb = pid % N_RB
+    bk = pid // N_RB
+    kvh = (bk % H_KV).to(tl.int64)
+    bi = (bk // H_KV).to(tl.int64)
+
+    r = tl.arange(0, R_PAD)
+    g_idx = rb * G_BLOCK + r
+    rmask = (r < G_BLOCK) & (g_idx < G)
+    head = kvh * G + g_idx
+    rows = bi * H_Q + head
+    offs_d = tl.arange(0, D_PAD)
+    offs_v = tl.arange(0, DV_PAD)
+    dmask = offs_d < D
+    vmask = offs_v < DV
+
+    q = tl.load(Q + bi * stride_qb + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    k_base = K + bi * stride_kb + kvh * stride_kh
+    v_base = V + bi * stride_vb + kvh * stride_vh
+    p_base = P + bi * stride_pb + kvh * stride_ph
+
+    m = tl.full([R_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([R_PAD], tl.float32)
+    l_o = tl.zeros([R_PAD], tl.float32)
+    acc = tl.zeros([R_PAD, DV_PAD], tl.float32)
+    U = tl.zeros([R_PAD], tl.float32)
+    Q2 = tl.zeros([R_PAD], tl.float32)
+    S1 = tl.zeros([R_PAD, DV_PAD], tl.float32)
+    if PER_COORD:
+        S2 = tl.zeros([R_PAD, DV_PAD], tl.float32)
+    else:
+        S2 = tl.zeros([R_PAD], tl.float32)  # T2
+    c = tl.zeros([DV_PAD], tl.float32)  # the centre shared by the query heads of this block
+    M = tl.full([], float("-inf"), tl.float32)  # the largest logit of the block so far (its token is c)
+    if CERTIFY:
+        if HAS_CENTER:
+            c = tl.load(C + bi * stride_cb + kvh * stride_ch + offs_v * stride_cd, mask=vmask, other=0.0)
+            c = c.to(tl.float32)
+
+    start = sid * CHUNK
+    end = tl.minimum(start + CHUNK, N)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end
+        v, logits, one_minus, present = _tile(q, k_base, v_base, p_base, offs_n, nmask, offs_d, dmask, offs_v,
+                                              vmask, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn,
+                                              scale, LOG_PI, DOT_F32)
+        m_new, alpha, p = _online_step(m, logits)
+        l = l * alpha + tl.sum(p, axis=1)
+        p_lo = p.to(v.dtype)
+        if ROUND_P:
+            l_o = l_o * alpha + tl.sum(p_lo.to(tl.float32), axis=1)
+        if DOT_F32:
+            pv = tl.dot(p_lo.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p_lo, v)
+        acc = acc * alpha[:, None] + pv
+        if CERTIFY:
+            a2 = alpha * alpha  # the squared weights rescale by e^{2 dm}
+            pp = p * p
+            Q2 = Q2 * a2 + tl.sum(pp, axis=1)
+            u = one_minus[None, :] * pp
+            vf = v.to(tl.float32)
+            if not HAS_CENTER:
+                # the centre follows the block's largest logit: a token that dominates a row then adds
+                # exactly 0 to S1 and S2, and no large term cancels in the final combination
+                col = tl.max(tl.where(rmask[:, None], logits, float("-inf")), axis=0)
+                best = tl.max(col, axis=0)
+                j = tl.argmax(col, axis=0)
+                v_j = tl.sum(tl.where((tl.arange(0, BLOCK_N) == j)[:, None], vf, 0.0), axis=0)
+                move = best > M
+                e = tl.where(move, c - v_j, 0.0)  # 0 (an exact no-op below) unless the max moved
+                c = tl.where(move, v_j, c)
+                M = tl.maximum(M, best)
+                if PER_COORD:
+                    S2 = S2 + e[None, :] * (2.0 * S1 + e[None, :] * U[:, None])
+                else:
+                    S2 = S2 + tl.sum(e[None, :] * (2.0 * S1 + e[None, :] * U[:, None]), axis=1)
+                S1 = S1 + e[None, :] * U[:, None]
+            U = U * a2 + tl.sum(u, axis=1)
+            vc = vf - c[None, :]  # 0 on padded coordinates
+            if DOT_F32:
+                S1 = tl.dot(u, vc, S1 * a2[:, None], input_precision="ieee")
+            else:
+                S1 = tl.dot(u, vc, S1 * a2[:, None], input_precision="tf32x3")
+            if PER_COORD:
+                if DOT_F32:
+                    S2 = tl.dot(u, vc * vc, S2 * a2[:, None], input_precision="ieee")
+                else:
+                    S2 = tl.dot(u, vc * vc, S2 * a2[:, None], input_precision="tf32x3")
+            else:
+                S2 = S2 * a2 + tl.sum(u * tl.sum(vc * vc, axis=1)[None, :], axis=1)
+        m = m_new
+
+    if SPLIT:
+        base = sid * BH + rows
+        tl.store(PartS + base * 7 + 0, m, mask=rmask)
+        tl.store(PartS + base * 7 + 1, l, mask=rmask)
+        if ROUND_P:
+            tl.store(PartS + base * 7 + 4, l_o, mask=rmask)
+        vptr = PartV + (base * 4)[:, None] * DV_PAD + offs_v[None, :]
+        pmask = rmask[:, None]
+        tl.store(vptr, acc, mask=pmask)
+        if CERTIFY:
+            tl.store(PartS + base * 7 + 2, U, mask=rmask)
+            tl.store(PartS + base * 7 + 3, Q2, mask=rmask)
+            if not PER_COORD:
+                tl.store(PartS + base * 7 + 5, S2, mask=rmask)
+            tl.store(PartS + base * 7 + 6, M + tl.zeros([R_PAD], tl.float32), mask=rmask)
+            tl.store(vptr + DV_PAD, S1, mask=pmask)
+            if PER_COORD:
+                tl.store(vptr + 2 * DV_PAD, S2, mask=pmask)
+            tl.store(vptr + 3 * DV_PAD, c[None, :] + tl.zeros([R_PAD, DV_PAD], tl.float32), mask=pmask)
+    else:
+        if not ROUND_P:
+            l_o = l
+        _onepass_finalize(rows, rmask, offs_v, vmask, m, l, l_o, acc, U, S1, S2, Q2, c[None, :],
+                          Out, Lse, Var, Tr, Neff, DV, CERTIFY, PER_COORD)
+
+
+@triton.jit
+def _onepass_merge_kernel(
+    PartS, PartV, Out, Lse, Var, Tr, Neff, BH, S,
+    DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+    CERTIFY: tl.constexpr, PER_COORD: tl.constexpr, ROUND_P: tl.constexpr,
+):
+    """Merge S split states of the one-pass kernel per row: move each split's sums to the centre of the
+    split with the largest logit (S2 += e (2 S1 + e U), S1 += e U, e = c_s - c), rescale by
+    e^{m_s - m} (U, S1, S2, Q2 by e^{2 (m_s - m)}) and add, then finalize."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < BH
+    offs_v = tl.arange(0, DV_PAD)
+    vmask = offs_v < DV
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_R], tl.float32)
+    l_o = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, DV_PAD], tl.float32)
+    U = tl.zeros([BLOCK_R], tl.float32)
+    Q2 = tl.zeros([BLOCK_R], tl.float32)
+    S1 = tl.zeros([BLOCK_R, DV_PAD], tl.float32)
+    if PER_COORD:
+        S2 = tl.zeros([BLOCK_R, DV_PAD], tl.float32)
+    else:
+        S2 = tl.zeros([BLOCK_R], tl.float32)
+    cmask = rmask[:, None] & vmask[None, :]
+    c = tl.zeros([BLOCK_R, DV_PAD], tl.float32)
+    if CERTIFY:
+        # the common centre: that of the split with the largest logit (the first on ties, split 0 if none)
+        c = tl.load(PartV + (rows * 4 + 3)[:, None] * DV_PAD + offs_v[None, :], mask=cmask, other=0.0)
+        M = tl.load(PartS + rows * 7 + 6, mask=rmask, other=float("-inf"))
+        for s in range(1, S):
+            base = s * BH + rows
+            M_s = tl.load(PartS + base * 7 + 6, mask=rmask, other=float("-inf"))
+            c_s = tl.load(PartV + (base * 4 + 3)[:, None] * DV_PAD + offs_v[None, :], mask=cmask, other=0.0)
+            c = tl.where((M_s > M)[:, None], c_s, c)
+            M = tl.maximum(M, M_s)
+    for s in range(S):
+        base = s * BH + rows
+        m_s = tl.load(PartS + base * 7 + 0, mask=rmask, other=float("-inf"))
+        l_s = tl.load(PartS + base * 7 + 1, mask=rmask, other=0.0)
+        vptr = PartV + (base * 4)[:, None] * DV_PAD + offs_v[None, :]
+        m_new = tl.maximum(m, m_s)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_use)
+        beta = tl.exp(m_s - m_use)
+        l = l * alpha + l_s * beta
+        if ROUND_P:
+            l_o = l_o * alpha + tl.load(PartS + base * 7 + 4, mask=rmask, other=0.0) * beta
+        acc = acc * alpha[:, None] + tl.load(vptr, mask=rmask[:, None], other=0.0) * beta[:, None]
+        if CERTIFY:
+            a2 = alpha * alpha
+            b2 = beta * beta
+            U_s = tl.load(PartS + base * 7 + 2, mask=rmask, other=0.0)
+            S1_s = tl.load(vptr + DV_PAD, mask=cmask, other=0.0)
+            e = tl.load(vptr + 3 * DV_PAD, mask=cmask, other=0.0) - c  # the split's centre, moved to c
+            if PER_COORD:
+                S2_s = tl.load(vptr + 2 * DV_PAD, mask=cmask, other=0.0)
+                S2_s = S2_s + e * (2.0 * S1_s + e * U_s[:, None])
+                S2 = S2 * a2[:, None] + S2_s * b2[:, None]
+            else:
+                S2_s = tl.load(PartS + base * 7 + 5, mask=rmask, other=0.0)
+                S2_s = S2_s + tl.sum(e * (2.0 * S1_s + e * U_s[:, None]), axis=1)
+                S2 = S2 * a2 + S2_s * b2
+            S1 = S1 * a2[:, None] + (S1_s + e * U_s[:, None]) * b2[:, None]
+            U = U * a2 + U_s * b2
+            Q2 = Q2 * a2 + tl.load(PartS + base * 7 + 3, mask=rmask, other=0.0) * b2
+        m = m_new
+    if not ROUND_P:
+        l_o = l
+    _onepass_finalize(rows, rmask, offs_v, vmask, m, l, l_o, acc, U, S1, S2, Q2, c,
+                      Out, Lse, Var, Tr, Neff, DV, CERTIFY, PER_COORD)
+
+
 @triton.jit
 def _tail_moment_kernel(
     Q, K, V, P, O, Lse, Part, OutLow,
@@ -408,16 +661,21 @@ def _pow2(x: int) -> int:
 
 
 def default_moments(dtype: torch.dtype) -> str:
-    """Tile-moment mode of ``moments="auto"``: "exact" for every input dtype.
+    """Moment mode of ``moments="auto"``: "exact" for every input dtype.
 
     "exact" computes each tile's weighted mean and centred second moment per query head in
-    registers (two passes over the tile held in registers, no cancellation). "shifted" gets them
-    from two tensor-core products (tf32x3) against v - mu, mu the tile's mean kept value:
-    M2 = S2 - S1^2 / W, whose cancellation leaves an absolute floor of about
-    10 eps32 sum_i c_i range(v)^2 on the variance (visible only when the variance is far below
-    the spread of the values). Compiled for sm_90 (ptxas, d = 128, g = 4, bf16) "exact" needs
-    fewer registers (247, no spill at block 64 / 8 warps) than "shifted" (255 and spills), so it
-    is the default until GPU timings say otherwise (benchmarks/gpu_decode.py sweeps both).
+    registers (two passes over the tile held in registers, no cancellation) and merges tiles by
+    Chan's formula. "shifted" gets each tile's moments from two tensor-core products (tf32x3)
+    against v - mu, mu the tile's mean kept value: M2 = S2 - S1^2 / W, whose cancellation leaves
+    an absolute floor of about 10 eps32 sum_i c_i range(v)^2 on the variance. "onepass" keeps the
+    sums U, S1, S2 (or the trace's T2) around one centre shared by the query heads of a program,
+    rescaled like the softmax sum: no per-head loop, no division in the token loop, two tensor-core
+    products per tile. Its rounding floor is gamma sum_i c_i (|v_i - c| + |o_hat - c|)^2, with the
+    centre c the value of the largest logit so far: within the "exact" mode's error allowance
+    except where the query heads of one KV head are dominated by different tokens with pi < 1
+    (the centre can follow only one), where the variance of a dominated head, far below that floor,
+    is off by up to the floor. "exact" stays the default until GPU timings weigh that against the
+    speed (benchmarks/gpu_check.py times every mode).
     """
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
@@ -425,18 +683,21 @@ def default_moments(dtype: torch.dtype) -> str:
 
 
 def default_config(n: int, d: int, programs: int, device: torch.device, block_n: int | None = None,
-                   dtype: torch.dtype = torch.bfloat16) -> dict:
+                   dtype: torch.dtype = torch.bfloat16, moments: str | None = None) -> dict:
     """Block size, warps, stages and split count the wrapper uses when none are given.
 
     ``block_n`` = 64 tokens per tile for float16/bfloat16 with head dimension <= 128, 32 for
-    float32 inputs or larger heads; 8 warps. These are the largest tiles that compiled for sm_90
-    without register spills (ptxas, d = 128, g = 4); GPU timings may move them.
+    float32 inputs or larger heads; 8 warps. With ``moments="onepass"`` half those (32 and 16).
+    These are the largest tiles that compiled for sm_90 without register spills (ptxas, d = 128,
+    g = 4); GPU timings may move them.
     ``num_splits`` makes ``programs * num_splits`` cover about two waves of the GPU's
     streaming multiprocessors, with at least ``_MIN_TILES_PER_SPLIT`` tiles per split (1 on the
     CPU interpreter). ``programs`` is the number of (batch, KV head, query block) programs.
     """
     if block_n is None:
         block_n = 64 if (d <= 128 and dtype != torch.float32) else 32
+        if moments == "onepass":
+            block_n //= 2
     n_tiles = max(1, math.ceil(n / block_n))
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -467,6 +728,24 @@ def _check_dtypes(**named) -> None:
                         f"{', '.join(str(x.dtype) for _, x in xs)}")
 
 
+def _check_center(value_center, layout: AttentionLayout, keys, validate: bool) -> torch.Tensor:
+    """A ``value_center`` of shape (b, h_kv, dv), floating point, on the cache's device, as float32
+    (finite when ``validate``)."""
+    if not isinstance(value_center, torch.Tensor):
+        raise TypeError(f"value_center must be a torch.Tensor, got {type(value_center).__name__}")
+    want = (layout.b, layout.h_kv, layout.dv)
+    if tuple(value_center.shape) != want:
+        raise ValueError(f"value_center must have shape (b, h_kv, dv) = {want}, got {tuple(value_center.shape)}")
+    if not value_center.is_floating_point():
+        raise TypeError(f"value_center must be floating-point, got {value_center.dtype}")
+    if value_center.device != keys.device:
+        raise ValueError(f"value_center is on {value_center.device}, the cache on {keys.device}")
+    value_center = value_center.to(torch.float32)
+    if validate and not bool(torch.isfinite(value_center).all()):
+        raise ValueError("value_center must be finite (found NaN or inf)")
+    return value_center
+
+
 def _check_inputs(q, keys, values, pi, log_pi, scale, validate) -> AttentionLayout:
     """The shared contract (kvcert.fast.contract) and what only this kernel adds: a decode q,
     one input dtype among SUPPORTED_DTYPES, and (``validate``) a finite q."""
@@ -480,7 +759,8 @@ def _check_inputs(q, keys, values, pi, log_pi, scale, validate) -> AttentionLayo
 
 def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_coordinate=True,
                     block_n=None, num_splits=None, num_warps=None, num_stages=None,
-                    certify=True, validate=True, moments="auto", return_tail_moment=False) -> Estimate:
+                    certify=True, validate=True, moments="auto", value_center=None,
+                    return_tail_moment=False) -> Estimate:
     r"""Fused Triton decode kernel for the Hajek estimate and its variance (one pass over K/V).
 
     .. math::
@@ -500,6 +780,26 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
     :math:`\delta = \bar v_b - \bar v_a`, after rescaling each side's ``W`` and
     ``M2`` by :math:`e^{2(m_{side} - m)}`). Also
     :math:`n_\mathrm{eff} = 1/\sum a_i^2 = l^2 / \sum e^{2(\ell_i - m)}`.
+
+    With ``moments="onepass"`` the pass keeps, around a centre :math:`c` shared
+    by the query heads of a KV head, the sums
+
+    .. math::
+
+        U = \sum_{i\in S} w_i, \quad S_1 = \sum_{i\in S} w_i (v_i - c), \quad
+        S_2 = \sum_{i\in S} w_i (v_i - c)^2
+        \quad \Bigl(T_2 = \sum_{i\in S} w_i \lVert v_i - c\rVert^2 \text{ for the trace alone}\Bigr),
+
+        \hat\sigma^2 = \frac{S_2 - 2\,\delta S_1 + \delta^2 U}{l^2}, \qquad \delta = \hat o - c,
+
+    each rescaled by :math:`e^{2(m_{old} - m)}` when the running max moves and
+    merged across splits like the softmax sum (no division, no per-head loop).
+    :math:`c` is ``value_center`` when given, else the value of the token with
+    the largest logit so far over the query heads of the program (those of one
+    KV head, up to 16 of them); when it moves by
+    :math:`e` the sums follow exactly (:math:`S_2 \mathrel{+}= e(2 S_1 + e U)`,
+    :math:`S_1 \mathrel{+}= e U`), and splits move to the centre of the split
+    with the largest logit.
 
     With ``return_tail_moment=True`` a second kernel (an epilogue pass over the
     kept K/V, split like the first) computes
@@ -543,10 +843,19 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
     certify : bool, default True
         False skips the variance state (a benchmarking baseline): the
         Estimate then has ``variance``, ``trace`` and ``n_eff`` None.
-    moments : {"auto", "exact", "shifted"}, default "auto"
-        How each tile's weighted mean and second moment are formed (see
-        :func:`default_moments`; "auto" = "exact"). Both merge across tiles
-        and splits by Chan's update.
+    moments : {"auto", "onepass", "exact", "shifted"}, default "auto"
+        How the variance's moments are formed (see :func:`default_moments`;
+        "auto" = "exact"): "exact" and "shifted" form each tile's weighted mean
+        and second moment and merge them by Chan's update; "onepass" keeps the
+        centred sums above (the trace alone without a per-coordinate second
+        moment when ``per_coordinate=False``).
+    value_center : torch.Tensor, (b, h_kv, dv), optional
+        The centre :math:`c` of ``moments="onepass"`` (any floating dtype, used
+        in float32), e.g. a running mean of the kept values; by default the
+        value of the largest logit. Its rounding floor grows with
+        :math:`\sum_i c_i (|v_i - c| + |\hat o - c|)^2`, so a centre far from
+        the values (0 under a large common offset) loses accuracy. Refused
+        with the other modes.
     validate : bool, default True
         Check that pi lies in [0, 1] (log_pi in [-inf, 0]) and q is finite.
         These checks synchronise with the device; pass False in timed or
@@ -573,6 +882,9 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
     - pi = 1 tokens contribute to the output but not to the variance.
     - Empty heads (all padding, or n = 0): output 0, lse -inf, variance and
       trace +inf, n_eff 0; never NaN.
+    - With ``moments="onepass"`` a rounded-negative variance is clamped at 0;
+      on a GPU its two products per tile run in tf32x3 for half inputs
+      (float32 inputs: IEEE float32).
     - float32 accumulation throughout; for float16/bfloat16 the probabilities
       are rounded to the input dtype before the P V product (as in flash
       attention) and the output is normalized by the sum of the rounded
@@ -594,8 +906,12 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
     layout = _check_inputs(q, keys, values, pi, log_pi, scale, validate)
     if moments == "auto":
         moments = default_moments(values.dtype)
-    if moments not in ("exact", "shifted"):
-        raise ValueError(f"moments must be 'auto', 'exact' or 'shifted', got {moments!r}")
+    if moments not in MOMENTS:
+        raise ValueError(f"moments must be 'auto', 'onepass', 'exact' or 'shifted', got {moments!r}")
+    if value_center is not None:
+        if moments != "onepass":
+            raise ValueError(f"value_center is the centre of moments='onepass', not of moments={moments!r}")
+        value_center = _check_center(value_center, layout, keys, validate)
     if not INTERPRETED and not q.is_cuda:
         raise ValueError(f"q, keys, values are on {q.device}: the Triton kernel needs CUDA tensors, or "
                          "TRITON_INTERPRET=1 set before kvcert.kernels is imported (CPU interpreter)")
@@ -616,7 +932,7 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
     programs = b * h_kv * n_rb
     if block_n is not None and (not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n!r}")
-    cfg = default_config(n, d, programs, q.device, block_n, values.dtype)
+    cfg = default_config(n, d, programs, q.device, block_n, values.dtype, moments)
     if num_splits is not None:
         if not isinstance(num_splits, int) or num_splits < 1:
             raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
@@ -643,15 +959,44 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
     d_pad = max(16, _pow2(d))
     bh = b * h_q
     split = splits > 1
+    onepass = moments == "onepass"
     if split:
-        part_s = torch.empty((splits, bh, 5), device=dev, dtype=torch.float32)
-        part_v = torch.empty((splits, bh, 3, dv_pad), device=dev, dtype=torch.float32)
+        # one-pass state: (m, l, U, Q2, l_o, T2, M) and (acc, S1, S2, c); else (m, l, W, Q2, l_o), (acc, mean, M2)
+        part_s = torch.empty((splits, bh, 7 if onepass else 5), device=dev, dtype=torch.float32)
+        part_v = torch.empty((splits, bh, 4 if onepass else 3, dv_pad), device=dev, dtype=torch.float32)
     else:
         part_s = part_v = dummy
     dot_f32 = values.dtype == torch.float32 or _interpreting()
     round_p = values.dtype != torch.float32
     launch = {} if _interpreting() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-    if programs > 0:
+    if programs > 0 and onepass:
+        center = value_center if value_center is not None else dummy
+        c_strides = (center.stride(0), center.stride(1), center.stride(2)) if value_center is not None else (0, 0, 0)
+        _hajek_onepass_kernel[(programs, splits)](
+            q, keys, values, p, center, out, lse,
+            var if var is not None else dummy, trace if trace is not None else dummy,
+            neff if neff is not None else dummy, part_s, part_v,
+            q.stride(0), q.stride(1), q.stride(2),
+            keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3),
+            values.stride(0), values.stride(1), values.stride(2), values.stride(3),
+            p.stride(0), p.stride(1), p.stride(2), *c_strides,
+            h_kv, h_q, n, chunk, bh, scale,
+            D=d, DV=dv, D_PAD=d_pad, DV_PAD=dv_pad,
+            G=g, G_BLOCK=g_block, N_RB=n_rb, R_PAD=r_pad,
+            BLOCK_N=bn, LOG_PI=use_log, CERTIFY=bool(certify), PER_COORD=var is not None,
+            SPLIT=split, DOT_F32=dot_f32, ROUND_P=round_p, HAS_CENTER=value_center is not None, **launch,
+        )
+        if split:
+            block_r = 16
+            _onepass_merge_kernel[(math.ceil(bh / block_r),)](
+                part_s, part_v, out, lse,
+                var if var is not None else dummy, trace if trace is not None else dummy,
+                neff if neff is not None else dummy, bh, splits,
+                DV=dv, DV_PAD=dv_pad, BLOCK_R=block_r, CERTIFY=bool(certify), PER_COORD=var is not None,
+                ROUND_P=round_p,
+                **({} if _interpreting() else {"num_warps": 4}),
+            )
+    elif programs > 0:
         _hajek_decode_kernel[(programs, splits)](
             q, keys, values, p, out, lse,
             var if var is not None else dummy, trace if trace is not None else dummy,
