@@ -540,14 +540,10 @@ def quantization_bound(q, keys, values, pi, *, scale: float | None = None) -> fl
     float >= 0; 0 when nothing is rounded (all scales 0), +inf for an empty sample or a logit bound
     too large for exp.
     """
-    k_stored, rounded = _stored_keys(keys)
-    _check_stored(values, "values")
-    q, kq, vq = _as_qkv(q, k_stored, values.dequantize())
-    est = hajek_attention(q, kq, vq, pi, scale=scale)
-    w = est.weights
-    on = w > 0
+    q, vq, est, on, rounded = _stored_estimate(q, keys, values, pi, scale)
     if not np.any(on):
         return float("inf")
+    w = est.weights
     eta = logit_bound(q, keys, scale=scale)[on] if rounded else np.zeros(int(on.sum()))
     eps = value_bound(values)[on]
     w, dist = w[on], np.linalg.norm(vq[on] - est.output, axis=1)
@@ -557,6 +553,16 @@ def quantization_bound(q, keys, values, pi, *, scale: float | None = None) -> fl
         g = np.maximum(h_minus_1, -np.expm1(-eta - log_f_high))         # |w_i / w'_i - 1| <= g
         terms = np.where(dist > 0, g * dist, 0.0) + np.where(eps > 0, (1.0 + h_minus_1) * eps, 0.0)
     return float(np.sum(w * terms))
+
+
+def _stored_estimate(q, keys, values, pi, scale):
+    """The Hajek estimate over the stored rows (keys dequantized, or exact keys as given) and what the
+    rounding terms read: ``(q, stored values, estimate, the sample's mask w > 0, whether keys are rounded)``."""
+    k_stored, rounded = _stored_keys(keys)
+    _check_stored(values, "values")
+    q, kq, vq = _as_qkv(q, k_stored, values.dequantize())
+    est = hajek_attention(q, kq, vq, pi, scale=scale)
+    return q, vq, est, est.weights > 0, rounded
 
 
 def quantization_variance(q, keys, values, pi, *, scale: float | None = None) -> float:
@@ -587,17 +593,13 @@ def quantization_variance(q, keys, values, pi, *, scale: float | None = None) ->
     -------
     float >= 0; +inf for an empty sample.
     """
-    k_stored, rounded = _stored_keys(keys)
-    _check_stored(values, "values")
-    if values.rounding != "stochastic":
+    if isinstance(values, QuantizedRows) and values.rounding != "stochastic":
         raise ValueError("values must be stochastically rounded (rounding='stochastic') for a variance: "
                          "round-to-nearest errors are not random")
-    q, kq, vq = _as_qkv(q, k_stored, values.dequantize())
-    est = hajek_attention(q, kq, vq, pi, scale=scale)
-    w = est.weights
-    on = w > 0
+    q, vq, est, on, rounded = _stored_estimate(q, keys, values, pi, scale)
     if not np.any(on):
         return float("inf")
+    w = est.weights
     sigma2 = logit_variance(q, keys, scale=scale)[on] if rounded else 0.0
     dist2 = np.sum((vq[on] - est.output) ** 2, axis=1)
     return float(np.sum(w[on] ** 2 * (sigma2 * dist2 + np.sum(values.variance_bound()[on], axis=1))))
