@@ -1,14 +1,14 @@
 """The one-pass certificate of the fused decode kernel (``moments="onepass"``) against the float64 oracle.
 
 Without a GPU these run on Triton's CPU interpreter (TRITON_INTERPRET=1); on a CUDA device they run the
-compiled kernel. The tolerance is tests/test_kernels.py's (``assert_matches_oracle``): twice the error of
+compiled kernel. The tolerance is tests/kernel_support.py's (``assert_matches_oracle``, test_kernels.py's check): twice the error of
 the reference's formulas at the input precision, plus the tiled rounding, plus the variance's derived
 allowance, which for this mode adds the floor of the centred sums,
 
     gamma * sum_i c_i (|v_i - c_(i)| + sum |e| + |o_hat - c|)^2,
 
 (c_(i) the centre token i's terms were formed around, sum |e| the moves of the centre after that, c the
-final centre; ``test_kernels._variance_rounding`` derives it, ``kernel_centres`` replays the centres).
+final centre; ``kernel_support._variance_rounding`` derives it, ``kernel_centres`` replays the centres).
 With centres that are kept values the floor does not grow with a common offset of the values; with the
 raw form (c = 0, passed as ``value_center``) it grows with the offset squared, and at an offset of 100
 the raw form fails the centred bound (the negative control).
@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from support import assert_same_variant, make_case, triton_kernels
-from test_kernels import FIELDS, _without_fpc, assert_matches_oracle
+from kernel_support import FIELDS, _without_fpc, assert_matches_oracle
 
 KN, DEVICE = triton_kernels()  # skips this module without triton, or without CUDA and TRITON_INTERPRET=1
 _make_case = functools.partial(make_case, device=DEVICE)
