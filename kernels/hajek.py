@@ -40,6 +40,35 @@ _MIN_TILES_PER_SPLIT = 4  # a split streams at least this many tiles, so merging
 
 
 @triton.jit
+def _program_rows(H_KV, H_Q, G: tl.constexpr, G_BLOCK: tl.constexpr, N_RB: tl.constexpr, R_PAD: tl.constexpr):
+    """The program's (batch row or sequence, KV head) and the query heads it serves, packed as the rows of
+    one tile (GQA): ``(bi, kvh, r, rmask, head, rows)``, ``rows = bi * H_Q + head`` the flattened output
+    rows; int64 indices (b * stride_b exceeds 2^31 for large caches). The set-up of every decode kernel."""
+    pid = tl.program_id(0)
+    rb = pid % N_RB
+    bk = pid // N_RB
+    kvh = (bk % H_KV).to(tl.int64)
+    bi = (bk // H_KV).to(tl.int64)
+    r = tl.arange(0, R_PAD)
+    g_idx = rb * G_BLOCK + r  # index of the query head inside its GQA group
+    rmask = (r < G_BLOCK) & (g_idx < G)
+    head = kvh * G + g_idx
+    return bi, kvh, r, rmask, head, bi * H_Q + head
+
+
+@triton.jit
+def _load_rows(Qb, head, rmask, stride_qh, stride_qd, D: tl.constexpr, D_PAD: tl.constexpr, DOT_F32: tl.constexpr):
+    """The program's query rows (R_PAD, D_PAD) from ``Qb`` (the row's base pointer), 0 where masked; float32
+    where DOT_F32."""
+    offs_d = tl.arange(0, D_PAD)
+    q = tl.load(Qb + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=rmask[:, None] & (offs_d < D)[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
 def _exact_tile_moments(w, vf, r, R_PAD: tl.constexpr, DV_PAD: tl.constexpr, G_BLOCK: tl.constexpr):
     """A tile's weighted mean and centred second moment of v under w (R_PAD, T), per query head, in two
     passes over the tile held in registers (the "exact" tile moments; the paged compacted kernel's too)."""
@@ -183,27 +212,14 @@ def _hajek_decode_kernel(
 ):
     """One (batch, KV head, query-head block, split): online softmax of s_i - log pi_i and the
     Chan-merged (1 - pi_i) a_i^2 weighted mean / second moment of v_i."""
-    pid = tl.program_id(0)
     sid = tl.program_id(1)
-    rb = pid % N_RB
-    bk = pid // N_RB
-    kvh = (bk % H_KV).to(tl.int64)  # int64: b * stride_b exceeds 2^31 for large caches
-    bi = (bk // H_KV).to(tl.int64)
-
-    r = tl.arange(0, R_PAD)
-    g_idx = rb * G_BLOCK + r  # index of the query head inside its GQA group
-    rmask = (r < G_BLOCK) & (g_idx < G)
-    head = kvh * G + g_idx
-    rows = bi * H_Q + head  # flattened (b, h_q) row of the outputs
+    bi, kvh, r, rmask, head, rows = _program_rows(H_KV, H_Q, G, G_BLOCK, N_RB, R_PAD)
     offs_d = tl.arange(0, D_PAD)
     offs_v = tl.arange(0, DV_PAD)
     dmask = offs_d < D
     vmask = offs_v < DV
 
-    q = tl.load(Q + bi * stride_qb + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=rmask[:, None] & dmask[None, :], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
+    q = _load_rows(Q + bi * stride_qb, head, rmask, stride_qh, stride_qd, D, D_PAD, DOT_F32)
 
     m = tl.full([R_PAD], float("-inf"), tl.float32)
     l = tl.zeros([R_PAD], tl.float32)
@@ -380,27 +396,14 @@ def _hajek_onepass_kernel(
     around a centre c shared by the block's query heads: the given one (HAS_CENTER), else the value of
     the token with the largest logit over the block so far (the sums move to a new centre c' exactly:
     S2 += e (2 S1 + e U), S1 += e U, e = c - c')."""
-    pid = tl.program_id(0)
     sid = tl.program_id(1)
-    rb = pid % N_RB
-    bk = pid // N_RB
-    kvh = (bk % H_KV).to(tl.int64)
-    bi = (bk // H_KV).to(tl.int64)
-
-    r = tl.arange(0, R_PAD)
-    g_idx = rb * G_BLOCK + r
-    rmask = (r < G_BLOCK) & (g_idx < G)
-    head = kvh * G + g_idx
-    rows = bi * H_Q + head
+    bi, kvh, r, rmask, head, rows = _program_rows(H_KV, H_Q, G, G_BLOCK, N_RB, R_PAD)
     offs_d = tl.arange(0, D_PAD)
     offs_v = tl.arange(0, DV_PAD)
     dmask = offs_d < D
     vmask = offs_v < DV
 
-    q = tl.load(Q + bi * stride_qb + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=rmask[:, None] & dmask[None, :], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
+    q = _load_rows(Q + bi * stride_qb, head, rmask, stride_qh, stride_qd, D, D_PAD, DOT_F32)
     k_base = K + bi * stride_kb + kvh * stride_kh
     v_base = V + bi * stride_vb + kvh * stride_vh
     p_base = P + bi * stride_pb + kvh * stride_ph
@@ -592,27 +595,14 @@ def _tail_moment_kernel(
     """Part[split, row] = sum over the split of (1 - pi_i) x_i^2, x_i = (1 - pi_i) a_i^2 ||v_i - o_hat||^2,
     a_i = exp(s_i - log pi_i - lse): the first pass's o_hat (float32) and lse, recomputed scores.
     STORE_LOW: split 0 also writes o_hat cast to OutLow's dtype (the cast the first pass would do)."""
-    pid = tl.program_id(0)
     sid = tl.program_id(1)
-    rb = pid % N_RB
-    bk = pid // N_RB
-    kvh = (bk % H_KV).to(tl.int64)
-    bi = (bk // H_KV).to(tl.int64)
-
-    r = tl.arange(0, R_PAD)
-    g_idx = rb * G_BLOCK + r
-    rmask = (r < G_BLOCK) & (g_idx < G)
-    head = kvh * G + g_idx
-    rows = bi * H_Q + head
+    bi, kvh, r, rmask, head, rows = _program_rows(H_KV, H_Q, G, G_BLOCK, N_RB, R_PAD)
     offs_d = tl.arange(0, D_PAD)
     offs_v = tl.arange(0, DV_PAD)
     dmask = offs_d < D
     vmask = offs_v < DV
 
-    q = tl.load(Q + bi * stride_qb + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=rmask[:, None] & dmask[None, :], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
+    q = _load_rows(Q + bi * stride_qb, head, rmask, stride_qh, stride_qd, D, D_PAD, DOT_F32)
     omask = rmask[:, None] & vmask[None, :]
     o = tl.load(O + rows[:, None] * DV + offs_v[None, :], mask=omask, other=0.0)
     if STORE_LOW:

@@ -43,6 +43,8 @@ from kvcert.fast.types import Estimate
 
 from .hajek import (
     _exact_tile_moments,
+    _load_rows,
+    _program_rows,
     _MAX_ROWS,
     INTERPRETED,
     _chan_merge,
@@ -166,27 +168,14 @@ def _paged_decode_kernel(
     """One (sequence, KV head, query-head block, split of the block table): online softmax of
     tau q.k_i - log pi_b over the kept blocks, and the Chan-merged (1 - pi_b) A_b^2 weighted
     mean / second moment of the block means m_b = S_b / A_b."""
-    pid = tl.program_id(0)
     sid = tl.program_id(1)
-    rb = pid % N_RB
-    bk = pid // N_RB
-    kvh = (bk % H_KV).to(tl.int64)
-    si = (bk // H_KV).to(tl.int64)
-
-    r = tl.arange(0, R_PAD)
-    g_idx = rb * G_BLOCK + r
-    rmask = (r < G_BLOCK) & (g_idx < G)
-    head = kvh * G + g_idx
-    rows = si * H_Q + head
+    si, kvh, r, rmask, head, rows = _program_rows(H_KV, H_Q, G, G_BLOCK, N_RB, R_PAD)
     offs_d = tl.arange(0, D_PAD)
     offs_v = tl.arange(0, DV_PAD)
     dmask = offs_d < D
     vmask = offs_v < DV
 
-    q = tl.load(Q + si * stride_qs + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=rmask[:, None] & dmask[None, :], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
+    q = _load_rows(Q + si * stride_qs, head, rmask, stride_qh, stride_qd, D, D_PAD, DOT_F32)
 
     m = tl.full([R_PAD], float("-inf"), tl.float32)
     l = tl.zeros([R_PAD], tl.float32)
@@ -497,27 +486,14 @@ def _paged_compacted_kernel(
     """One (sequence, KV head, query-head block, split of the units): online softmax of
     tau q.k_i - log pi_i over the head's compacted slots (log pi_i > -inf) and the certain tail
     [P_s, L_s), with the Chan-merged (1 - pi_i) p_i^2 weighted mean / second moment of v_i."""
-    pid = tl.program_id(0)
     sid = tl.program_id(1)
-    rb = pid % N_RB
-    bk = pid // N_RB
-    kvh = (bk % H_KV).to(tl.int64)
-    si = (bk // H_KV).to(tl.int64)
-
-    r = tl.arange(0, R_PAD)
-    g_idx = rb * G_BLOCK + r
-    rmask = (r < G_BLOCK) & (g_idx < G)
-    head = kvh * G + g_idx
-    rows = si * H_Q + head
+    si, kvh, r, rmask, head, rows = _program_rows(H_KV, H_Q, G, G_BLOCK, N_RB, R_PAD)
     offs_d = tl.arange(0, D_PAD)
     offs_v = tl.arange(0, DV_PAD)
     dmask = offs_d < D
     vmask = offs_v < DV
 
-    q = tl.load(Q + si * stride_qs + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=rmask[:, None] & dmask[None, :], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
+    q = _load_rows(Q + si * stride_qs, head, rmask, stride_qh, stride_qd, D, D_PAD, DOT_F32)
 
     m = tl.full([R_PAD], float("-inf"), tl.float32)
     l = tl.zeros([R_PAD], tl.float32)
