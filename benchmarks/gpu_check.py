@@ -92,25 +92,14 @@ def default_out(dry: bool) -> Path:
 def main(argv=None):
     args = parse_args(argv)
     device = args.device
+    from gpu_decode import Clock, _cuda_available, resolve_device, write_report
+
     if device is None:
         device = "cuda" if _cuda_available() else "cpu"
-    if device == "cpu":
-        if not args.dry_run:
-            raise SystemExit("gpu_check.py: without CUDA only --dry-run runs (the Triton interpreter's timings "
-                             "mean nothing): python benchmarks/gpu_check.py --dry-run")
-        os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
-    sys.path.insert(0, str(ROOT))
-    import torch
-    import triton
-    from gpu_decode import Clock, write_report
-
-    from kvcert import kernels as KN
-
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device visible")
-    if device == "cpu" and not KN.INTERPRETED:
-        raise SystemExit("--device cpu needs the Triton interpreter, but triton was imported before "
-                         "TRITON_INTERPRET=1 could be set")
+    if device == "cpu" and not args.dry_run:
+        raise SystemExit("gpu_check.py: without CUDA only --dry-run runs (the Triton interpreter's timings "
+                         "mean nothing): python benchmarks/gpu_check.py --dry-run")
+    device, torch, triton, KN = resolve_device(device)
     dry = args.dry_run
     cfg = dict(
         correctness=[(2, 2, 2, 100, 16)] if dry else
@@ -170,15 +159,6 @@ def main(argv=None):
     print(json.dumps(report["summary"], indent=2, default=str))
     print(f"wrote {out_path} in {report['elapsed_s']} s")
     return report
-
-
-def _cuda_available():
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:  # pragma: no cover - torch missing
-        return False
 
 
 def _git(*a):

@@ -91,22 +91,7 @@ class Clock:
 
 def main(argv=None):
     args = parse_args(argv)
-    device = args.device
-    if device is None:
-        device = "cuda" if _cuda_available() else "cpu"
-    if device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
-    sys.path.insert(0, str(ROOT))
-    import torch
-    import triton
-
-    from kvcert import kernels as KN
-
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device visible")
-    if device == "cpu" and not KN.INTERPRETED:
-        raise SystemExit("--device cpu needs the Triton interpreter, but triton was imported before "
-                         "TRITON_INTERPRET=1 could be set")
+    device, torch, triton, KN = resolve_device(args.device)
     dry = args.dry_run
     cfg = dict(
         batch=args.batch or ([1, 2] if dry else [1, 8, 32]),
@@ -148,6 +133,28 @@ def main(argv=None):
     print(json.dumps(report["summary"], indent=2))
     print(f"wrote {out_path} in {report['elapsed_s']} s")
     return report
+
+
+def resolve_device(device):
+    """The device to run on (``None``: CUDA where one is visible, else the CPU and Triton's interpreter) and
+    the modules the run needs, ``(device, torch, triton, kvcert.kernels)``; on the CPU, TRITON_INTERPRET=1 is
+    set before anything imports triton."""
+    if device is None:
+        device = "cuda" if _cuda_available() else "cpu"
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
+    sys.path.insert(0, str(ROOT))
+    import torch
+    import triton
+
+    from kvcert import kernels as KN
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device visible")
+    if device == "cpu" and not KN.INTERPRETED:
+        raise SystemExit("--device cpu needs the Triton interpreter, but triton was imported before "
+                         "TRITON_INTERPRET=1 could be set")
+    return device, torch, triton, KN
 
 
 def _cuda_available():
