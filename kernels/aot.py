@@ -77,7 +77,11 @@ def compile_decode(*, arch: int = 90, dtype: str = "bf16", d: int = 128, dv: int
     """Compile the decode kernel for ``sm_<arch>``; returns the compiled kernel.
 
     Defaults for ``block_n`` and ``num_warps`` are those of :func:`kvcert.kernels.default_config`.
+    ``moments`` is ``"exact"`` or ``"shifted"`` (the two-pass kernel's modes); the one-pass kernel
+    (``"onepass"``) is compiled by tests/test_kernels_onepass.py's check, not here.
     """
+    if moments not in ("exact", "shifted"):
+        raise ValueError(f"moments must be 'exact' or 'shifted' (this kernel's modes), got {moments!r}")
     dt, cfg, const = _tile_constants(dtype, d, dv, g, block_n, log_pi)
     const.update(CERTIFY=certify, PER_COORD=per_coordinate, SPLIT=split, ROUND_P=dt != "fp32",
                  EXACT_MOMENTS=moments == "exact")

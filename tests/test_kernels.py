@@ -351,3 +351,13 @@ def test_compiles_for_sm90_without_a_gpu():
     rows = json.loads(proc.stdout)["kernels"]
     assert len(rows) == 5 and all(r["ok"] for r in rows), rows
     assert [r["kernel"] for r in rows] == ["decode"] * 3 + ["merge", "tail_moment"]
+
+
+def test_aot_refuses_a_moments_mode_its_kernel_does_not_have():
+    """kernels.aot compiles the two-pass kernel: a mode it lacks ("onepass", a typo) is refused by name rather
+    than silently compiled as another mode."""
+    from kvcert.kernels import aot
+
+    for bad in ("onepass", "exactt"):
+        with pytest.raises(ValueError, match="moments must be 'exact' or 'shifted'"):
+            aot.compile_decode(moments=bad)
