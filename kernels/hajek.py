@@ -142,6 +142,26 @@ def _online_step(m, logits):
 
 
 @triton.jit
+def _softmax_pv(m, l, l_o, logits, v, ROUND_P: tl.constexpr, DOT_F32: tl.constexpr):
+    """One tile of the online softmax and its P V product: (m', alpha, p, l, l_o, P V, the tile's sum of the
+    p that formed P V); the caller rescales its accumulator by alpha and adds P V. P V runs at the input precision (tensor cores); with ROUND_P, l_o sums the *rounded*
+    p, so that acc / l_o stays a weighted mean of v (unbiased towards 0 by 2^-9 |v|, which would swamp the
+    variance under a value offset)."""
+    m_new, alpha, p = _online_step(m, logits)
+    t = tl.sum(p, axis=1)
+    l = l * alpha + t
+    p_lo = p.to(v.dtype)
+    if ROUND_P:
+        t = tl.sum(p_lo.to(tl.float32), axis=1)
+        l_o = l_o * alpha + t
+    if DOT_F32:
+        pv = tl.dot(p_lo.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p_lo, v)
+    return m_new, alpha, p, l, l_o, pv, t
+
+
+@triton.jit
 def _chan_merge(W_a, mean_a, M2_a, W_b, mean_b, M2_b):
     """Chan's pairwise merge of two weighted (W, mean, M2) states whose W and M2 are already rescaled to
     the common max: W = W_a + W_b, mean = mean_a + delta W_b / W, M2 = M2_a + M2_b + delta^2 W_a W_b / W."""
@@ -242,17 +262,7 @@ def _hajek_decode_kernel(
                                               vmask, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn,
                                               scale, LOG_PI, DOT_F32)
 
-        m_new, alpha, p = _online_step(m, logits)
-        l = l * alpha + tl.sum(p, axis=1)
-        p_lo = p.to(v.dtype)  # the P V product runs at the input precision (tensor cores)
-        if ROUND_P:
-            # normalize acc by the sum of the *rounded* p, so that o_hat stays a weighted mean of v
-            # (unbiased towards 0 by 2^-9 |v|, which would swamp the variance under a value offset)
-            l_o = l_o * alpha + tl.sum(p_lo.to(tl.float32), axis=1)
-        if DOT_F32:
-            pv = tl.dot(p_lo.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p_lo, v)
+        m_new, alpha, p, l, l_o, pv, _ = _softmax_pv(m, l, l_o, logits, v, ROUND_P, DOT_F32)
         acc = acc * alpha[:, None] + pv
 
         if CERTIFY:
@@ -434,15 +444,7 @@ def _hajek_onepass_kernel(
         v, logits, one_minus, present = _tile(q, k_base, v_base, p_base, offs_n, nmask, offs_d, dmask, offs_v,
                                               vmask, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn,
                                               scale, LOG_PI, DOT_F32)
-        m_new, alpha, p = _online_step(m, logits)
-        l = l * alpha + tl.sum(p, axis=1)
-        p_lo = p.to(v.dtype)
-        if ROUND_P:
-            l_o = l_o * alpha + tl.sum(p_lo.to(tl.float32), axis=1)
-        if DOT_F32:
-            pv = tl.dot(p_lo.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p_lo, v)
+        m_new, alpha, p, l, l_o, pv, _ = _softmax_pv(m, l, l_o, logits, v, ROUND_P, DOT_F32)
         acc = acc * alpha[:, None] + pv
         if CERTIFY:
             a2 = alpha * alpha  # the squared weights rescale by e^{2 dm}

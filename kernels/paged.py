@@ -45,6 +45,7 @@ from .hajek import (
     _exact_tile_moments,
     _load_rows,
     _program_rows,
+    _softmax_pv,
     _MAX_ROWS,
     INTERPRETED,
     _chan_merge,
@@ -52,7 +53,6 @@ from .hajek import (
     _finalize,
     _hajek_merge_kernel,
     _neg_expm1,
-    _online_step,
     _pow2,
     _store_split,
     _tile,
@@ -207,18 +207,8 @@ def _paged_decode_kernel(
                 # the block's log pi broadcast to its tokens (stride 0); -inf past the sequence end
                 v, logits, _, _ = _tile(q, k_blk, v_blk, lp_ptr, offs_t, nmask, offs_d, dmask, offs_v, vmask,
                                         stride_kt, stride_kd, stride_vt, stride_vd, 0, scale, True, DOT_F32)
-                m_new, alpha, p = _online_step(m, logits)
-                l = l * alpha + tl.sum(p, axis=1)
-                p_lo = p.to(v.dtype)
-                if ROUND_P:
-                    A_t = tl.sum(p_lo.to(tl.float32), axis=1)  # the normalizer of the rounded p that form S_b
-                    l_o = l_o * alpha + A_t
-                else:
-                    A_t = tl.sum(p, axis=1)
-                if DOT_F32:
-                    pv = tl.dot(p_lo.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-                else:
-                    pv = tl.dot(p_lo, v)
+                # A_t: the normalizer of the (rounded, with ROUND_P) p that form S_b
+                m_new, alpha, p, l, l_o, pv, A_t = _softmax_pv(m, l, l_o, logits, v, ROUND_P, DOT_F32)
                 acc = acc * alpha[:, None] + pv
                 if CERTIFY:
                     a2 = alpha * alpha  # the state is quadratic in p: rescale by e^{2 dm}
@@ -445,15 +435,7 @@ def _token_step(m, l, l_o, acc, W, mean, M2, Q2, v, logits, one_minus, r,
                 R_PAD: tl.constexpr, DV_PAD: tl.constexpr, G_BLOCK: tl.constexpr):
     """One tile of tokens, each its own sampling unit: the online softmax, P V, and (SAMPLED) the Chan merge
     of the tile's (1 - pi_i) p_i^2 weighted moments of v_i; a certain tile (pi = 1) only rescales them."""
-    m_new, alpha, p = _online_step(m, logits)
-    l = l * alpha + tl.sum(p, axis=1)
-    p_lo = p.to(v.dtype)
-    if ROUND_P:
-        l_o = l_o * alpha + tl.sum(p_lo.to(tl.float32), axis=1)
-    if DOT_F32:
-        pv = tl.dot(p_lo.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-    else:
-        pv = tl.dot(p_lo, v)
+    m_new, alpha, p, l, l_o, pv, _ = _softmax_pv(m, l, l_o, logits, v, ROUND_P, DOT_F32)
     acc = acc * alpha[:, None] + pv
     if CERTIFY:
         a2 = alpha * alpha  # the state is quadratic in p: rescale by e^{2 dm}
