@@ -93,6 +93,10 @@ from .sketch import (
 from .allocation import Allocation, adakv_budgets, allocate_budgets, pyramid_budgets, uniform_budgets
 from .target import TARGET_KINDS, TargetBudget, predicted_radius, target_budget, window_variance_terms
 from .types import Certificate, CompressedCache, Estimate
+from .quantized import (CHANNEL_GROUP, FORMATS, KV_BITS, KV_FORMAT, KV_LAYOUTS, QUANTIZED_BOUNDS, ROUNDINGS,
+                        ROUNDING_EVENTS, QuantizedChannels, QuantizedRows, logit_bound, logit_variance,
+                        quantization_bound, quantization_variance, quantize, quantize_channels,
+                        quantized_memory_fraction, rounding_uniforms, sampled_budget, token_elements, value_bound)
 
 __all__ = [
     "Estimate", "Certificate", "CompressedCache",
@@ -113,6 +117,13 @@ __all__ = [
     "sketched_variance", "window_tilt",
     "TARGET_KINDS", "TargetBudget", "predicted_radius", "target_budget", "window_variance_terms",
     "Allocation", "adakv_budgets", "allocate_budgets", "pyramid_budgets", "uniform_budgets",
+]
+
+__all__ += [
+    "CHANNEL_GROUP", "FORMATS", "KV_BITS", "KV_FORMAT", "KV_LAYOUTS", "QUANTIZED_BOUNDS", "ROUNDINGS", "ROUNDING_EVENTS",
+    "QuantizedChannels", "QuantizedRows", "logit_bound", "logit_variance", "quantization_bound",
+    "quantization_variance", "quantize", "quantize_channels", "quantized_memory_fraction", "rounding_uniforms",
+    "sampled_budget", "token_elements", "value_bound",
 ]
 
 #: names of earlier releases (one name per operation, docs/architecture.md "Names"): each still resolves,
