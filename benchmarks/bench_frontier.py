@@ -286,7 +286,7 @@ def _presses():
     import kvcert.fast as F
     from kvcert.fast import TokenDesign, nonnegative_importance
     from kvcert.fast import allocation as A
-    from kvcert.fast.target import TargetBudget, _tops
+    from kvcert.fast.target import TargetBudget, head_tops as _tops
 
     class _AllocatedDesign(TokenDesign):
         """The token design whose per-(row, KV head) budgets are the allocation's (the press's target path)."""

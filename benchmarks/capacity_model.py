@@ -382,7 +382,7 @@ def measured_sources(root: Path = ROOT) -> dict:
         },
         "sketch": {
             "elements": cite_line("fast/sketch.py", "tilted C (4d + 4) + d + dv + 1", root=root),
-            "budget": cite_line("fast/design.py", "B_{\\text{sampled}} = B - \\frac{e_{\\text{sketch}}(d, d_v)}"
+            "budget": cite_line("fast/token_design.py", "B_{\\text{sampled}} = B - \\frac{e_{\\text{sketch}}(d, d_v)}"
                                                   "{d + d_v + 1}", root=root),
             "per_request": cite_line("docs/serving.md", "30 layers x 3 KV heads x 2,209 float32 = 795 KB", root=root),
             "join_copy": cite_line("docs/serving.md", "sketches a second time (their `sketch_bytes` once more",

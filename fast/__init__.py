@@ -52,12 +52,19 @@ from .design import (
     start_uniforms,
     systematic_sample,
     splitmix64,
+)
+from .token_design import (
+    RECOMMENDED,
+    RECOMMENDED_FIELDS,
+    RECOMMENDED_SAMPLING,
+    TOKEN_DESIGNS,
     TokenDecision,
     TokenDesign,
+    TokenEvent,
     default_design,
     default_sampling,
-    RECOMMENDED_SAMPLING,
-    RECOMMENDED,
+    preset_fields,
+    register_design,
     resolve_sketch,
 )
 from .compaction import Compaction, compact_slots
@@ -108,6 +115,7 @@ __all__ = [
     "radius_from_moments", "radius_from_statistics",
     "budget_from_fraction", "certainty_mask", "DesignSizes", "design_sizes", "design_uniforms", "edge_mask",
     "inclusion_probabilities", "poisson_sample", "SAMPLINGS", "start_uniforms", "systematic_sample", "splitmix64", "nonnegative_importance", "TokenDecision",
+    "TokenEvent", "RECOMMENDED_FIELDS", "TOKEN_DESIGNS", "preset_fields", "register_design",
     "TokenDesign", "default_design", "default_sampling", "RECOMMENDED", "RECOMMENDED_SAMPLING", "resolve_sketch",
     "Compaction", "compact_slots", "compact", "evict", "topk_evict",
     "scorers", "SCORERS", "Scorer", "register_scorer", "expected_attention_scores", "h2o_scores", "knorm_scores", "random_scores", "snapkv_scores",

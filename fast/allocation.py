@@ -51,7 +51,7 @@ import torch
 from ._checks import check_nonneg_int, check_tensor
 from .certificates import radius_from_moments
 from .design import inclusion_probabilities, nonnegative_importance
-from .target import TARGET_KINDS, _tops
+from .target import TARGET_KINDS, head_tops
 
 __all__ = ["OBJECTIVES", "Allocation", "ObjectiveTable", "objective_tables", "allocate_from_tables",
            "allocate_budgets", "convexity_gap", "head_objectives", "uniform_budgets", "adakv_budgets", "pyramid_budgets"]
@@ -145,7 +145,7 @@ def _curve(t, o, u, budgets, *, delta, kind, sinks, window, top_fraction, floor,
     """F at budgets (G, K) for G heads of one shape: t (G, m, n), o (G, m), u (G, n); every budget < n."""
     G, K = budgets.shape
     n = u.shape[-1]
-    top = _tops(budgets, sinks, window, top_fraction)
+    top = head_tops(budgets, sinks, window, top_fraction)
     pi = inclusion_probabilities(u.unsqueeze(1).expand(G, K, n), budgets, sinks=sinks, window=window, top=top,
                                  floor=floor)
     var = torch.einsum("gmn,gkn->gkm", t, 1.0 / pi - 1.0)  # (G, K, m)

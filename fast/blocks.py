@@ -47,10 +47,11 @@ import torch
 
 from ._checks import (check_int, check_kernel_size, check_nonneg_int, check_probabilities, check_real, check_tensor,
                       stat_dtype)
-from .design import (_certificate_kind, _registered_scorer, _scorer_params, _set,
-                     inclusion_probabilities, nonnegative_importance, splitmix64)
+from .design import inclusion_probabilities, nonnegative_importance, splitmix64
 from .estimators import hajek_attention
 from .eviction import compact
+from .options import check_kind, check_scorer, scorer_params, set_fields
+from .scorers import SCORERS, queries_needed, queries_read
 from .types import CompressedCache, Estimate
 
 __all__ = [
@@ -562,16 +563,16 @@ class BlockDesign:
     def __post_init__(self):
         if not isinstance(self.reduce, str) or self.reduce not in REDUCTIONS:
             raise ValueError(f"reduce must be one of {BLOCK_REDUCTIONS}, got {self.reduce!r}")
-        _set(self, compression_ratio=check_real("compression_ratio", self.compression_ratio, 0.0, 1.0, hi_open=True),
+        set_fields(self, compression_ratio=check_real("compression_ratio", self.compression_ratio, 0.0, 1.0, hi_open=True),
              block_size=check_int("block_size", self.block_size, low=1, optional=True),
              seed=check_int("seed", self.seed), sink_blocks=check_int("sink_blocks", self.sink_blocks),
              recent_blocks=check_int("recent_blocks", self.recent_blocks, low=1),
              top_blocks=check_int("top_blocks", self.top_blocks),
              floor=check_real("floor", self.floor, 0.0, 1.0, lo_open=True),
              observation_window=check_int("observation_window", self.observation_window, low=1),
-             scorer=_registered_scorer(self.scorer), kernel_size=check_kernel_size(self.kernel_size),
+             scorer=check_scorer(self.scorer), kernel_size=check_kernel_size(self.kernel_size),
              delta=check_real("delta", self.delta, 0.0, 1.0, lo_open=True, hi_open=True),
-             kind=_certificate_kind(self.kind))
+             kind=check_kind(self.kind))
 
     # -- the budget -----------------------------------------------------------------------------
     @property
@@ -599,38 +600,28 @@ class BlockDesign:
     @property
     def query_need(self) -> str:
         """Which prompt queries the scorer reads: ``"window"``, ``"all"`` or ``"none"``."""
-        from .scorers import SCORERS
-
         return SCORERS[self.scorer].queries
 
     def queries_read(self, available: int, n: int) -> int:
         """How many of the last ``available`` prompt queries the scorer is given for a prompt of n tokens:
         the observation window, or all n for a scorer of every query when all n are available
         (``kvcert.fast.scorers.queries_read``)."""
-        from .scorers import queries_read
-
         return queries_read(self.query_need, available, n, self.observation_window)
 
     def queries_needed(self, n: int) -> int:
         """Prompt queries the scorer reads for a prompt of n tokens."""
-        from .scorers import queries_needed
-
         return queries_needed(self.query_need, n, self.observation_window)
 
     @property
     def scorer_params(self) -> dict:
         """The scorer's hyperparameters this design sets (``kernel_size``, ``seed``); the others keep their
         registry defaults."""
-        from .scorers import SCORERS
-
-        return _scorer_params(self, SCORERS[self.scorer])
+        return scorer_params(self, SCORERS[self.scorer])
 
     def score(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None = None, *,
               scale: float | None = None, layer: int = 0) -> torch.Tensor:
         """One layer's token scores (b, h_kv, n): the scorer on keys/values (b, h_kv, n, d) and the last
         :meth:`queries_read` of the queries (b, h_q, w, d) given."""
-        from .scorers import SCORERS
-
         queries = check_tensor("queries", queries, ndim=(4,), floating=True)
         keys = check_tensor("keys", keys, ndim=(4,), floating=True)
         w = self.queries_read(queries.shape[2], keys.shape[2])

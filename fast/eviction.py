@@ -17,6 +17,7 @@ import torch
 from ._checks import check_probabilities, check_tensor, stat_dtype
 from .design import (_at, _certainty_rows, _count_rows, check_sampling, design_uniforms, draw_sample, edge_mask,
                      inclusion_probabilities, poisson_sample, systematic_sample)
+from .sketch import cluster_sketch
 from .types import CompressedCache
 
 __all__ = ["evict", "topk_evict", "compact"]
@@ -234,8 +235,6 @@ def evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tensor, bu
     final = p_e if prev is None else (prev.to(p_e.dtype) * p_e)
     cc = compact(keep, keys, values, final, pos)
     if sketch is not None:
-        from .sketch import cluster_sketch
-
         cc.sketch = cluster_sketch(keys, values, final, keep, sketch, valid=valid, tilt=tilt, scale=scale)
     return cc
 

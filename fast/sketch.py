@@ -54,7 +54,7 @@ from typing import Callable
 import torch
 
 from ._checks import check_tensor, compute_dtype
-from .certificates import _check_delta
+from .certificates import _check_delta, radius_from_moments
 from .contract import check_attention_inputs, check_attention_values
 from .estimators import _WS, _cast, _centred_sum, _Layout, _offset_scores, value_moments
 from .types import Estimate
@@ -676,8 +676,6 @@ def window_tilt(queries: torch.Tensor, h_kv: int, window: int | None = None) -> 
 @functools.lru_cache(maxsize=64)
 def _radius_per_root_trace(kind: str, delta: float) -> float:
     """c with radius = c sqrt(trace) for a norm kind (its radius at trace 1), once per (kind, delta)."""
-    from .certificates import radius_from_moments
-
     return float(radius_from_moments(kind, delta, trace=torch.ones((), dtype=torch.float64)))
 
 

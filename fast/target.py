@@ -49,7 +49,7 @@ from .certificates import CERTIFICATE_KINDS, radius_from_moments
 from .design import inclusion_probabilities, nonnegative_importance
 
 __all__ = ["TARGET_KINDS", "TargetBudget", "target_budget", "window_variance_terms", "predicted_radius",
-           "check_target_error"]
+           "check_target_error", "head_tops"]
 
 #: the certificate kinds a target can be stated in: those whose radius is a function of the variance trace
 #: alone (``CertificateKind.needs == ()``)
@@ -139,7 +139,7 @@ def predicted_radius(terms: torch.Tensor, norm2: torch.Tensor, pi: torch.Tensor,
     return radius_from_moments(kind, delta, trace=rel.mean(-1))
 
 
-def _tops(sampled: torch.Tensor, sinks: int, window: int, top_fraction: float) -> torch.Tensor:
+def head_tops(sampled: torch.Tensor, sinks: int, window: int, top_fraction: float) -> torch.Tensor:
     """:func:`kvcert.fast.design_sizes`'s top slice at each sampled budget (edges unshrunk: sampled >= sinks +
     window + 1)."""
     free = sampled - sinks - window
@@ -215,7 +215,7 @@ def target_budget(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
     def rho(total: torch.Tensor) -> torch.Tensor:
         sampled = total - sketch_tokens
-        top = _tops(sampled, sinks, window, top_fraction)
+        top = head_tops(sampled, sinks, window, top_fraction)
         pi = inclusion_probabilities(u, sampled, sinks=sinks, window=window, top=top, floor=floor)
         return predicted_radius(terms, norm2, pi, kind=kind, delta=delta)
 
@@ -231,7 +231,7 @@ def target_budget(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         lo = torch.where(open_ & ~ok, mid, lo)
     evicts = hi < n
     sampled = torch.where(evicts, hi - sketch_tokens, full)
-    top = torch.where(evicts, _tops(sampled.clamp_min(float(low) - sketch_tokens), sinks, window, top_fraction),
+    top = torch.where(evicts, head_tops(sampled.clamp_min(float(low) - sketch_tokens), sinks, window, top_fraction),
                       torch.zeros_like(sampled, dtype=torch.int64))
     predicted = torch.where(evicts, rho(torch.where(evicts, hi, torch.full_like(hi, float(low)))),
                             torch.zeros_like(hi))

@@ -11,7 +11,7 @@ import torch
 
 from kvcert.fast import inclusion_probabilities, predicted_radius, window_variance_terms
 from kvcert.fast import allocation as A
-from kvcert.fast.target import _tops
+from kvcert.fast.target import head_tops as _tops
 
 SMALL = dict(sinks=1, window=2)  # B_min = 4: tiny heads still have a range of budgets
 

@@ -18,6 +18,7 @@ import inspect
 import math
 import numbers
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -279,9 +280,8 @@ class BasePress(Press):
 
     @property
     def compresses(self) -> bool:
-        """Whether this press may remove anything at the prefill event (a ratio, a size or an error target)."""
-        return self.compression_ratio > 0 or self.target_size is not None or \
-            getattr(self, "target_error", None) is not None
+        """Whether this press may remove anything at the prefill event (a ratio or a size)."""
+        return self.compression_ratio > 0 or self.target_size is not None
 
     # -- what a subclass provides ----------------------------------------------------------------
     def _score(self, queries, keys, values, *, scale: float, layer: int, event: int) -> torch.Tensor:
@@ -306,19 +306,11 @@ class BasePress(Press):
         keys/values (R, h_kv, m, d), importance (R, h_kv, m) (0 on padding), budget (R, h_kv)
         float64 expected kept counts, sinks/window ints, top (R, 1) int64 (each row's
         :func:`kvcert.fast.design_sizes` top), valid/log_weights/positions (R, h_kv, m) of the
-        layer; tilt (R, h_kv, d) the tilt points of a tilted sketch (:meth:`_tilt`, else None) and
-        scale the attention's. Row i must be evicted as if alone (a sequence's sample does not
+        layer; tilt (R, h_kv, d) the tilt points of a tilted sketch (None: a prefill's sketch is the
+        design's event, :meth:`_prefill_row`) and scale the attention's. Row i must be evicted as if alone (a sequence's sample does not
         depend on its batch).
         """
         raise NotImplementedError
-
-    def _record_target(self, layer_idx: int, row: int, chosen) -> None:
-        """Keep what an error target chose for one layer and row (:class:`PoissonPress`)."""
-
-    def _tilt(self, queries: torch.Tensor, h_kv: int):
-        """The tilt points (1, h_kv, d) of one row's tilted sketch from its prefill queries, or None (no
-        tilted sketch: every press but a ``PoissonPress(sketch="tilted")``)."""
-        return None
 
     # -- the events (called by the session) ------------------------------------------------------
     def prefill_event(self, layer, layer_idx: int, queries: torch.Tensor, scale: float) -> None:
@@ -336,8 +328,7 @@ class BasePress(Press):
         return b if self._randomized else float(max(int(b), 1))
 
     def _sampled_budget(self, n: int, layer) -> float:
-        """The expected kept count of a prefill event over n tokens: the budget (:meth:`_budget`), less
-        the memory of a sketch of the evicted tokens where the design keeps one (:class:`PoissonPress`)."""
+        """The expected kept count of a prefill event over n tokens: the budget (:meth:`_budget`)."""
         return self._budget(n)
 
     def design_sizes(self, n: int):
@@ -376,44 +367,29 @@ class BasePress(Press):
             u[0, h, idx] = uh[0, 0].to(dtype)
         return u
 
+    def _prefill_row(self, layer, r: int, queries, scale: float, *, layer_idx: int, event: int):
+        """One row's prefill event -> :class:`RowEvent`: the row done (its slots after the event), or the plan
+        of :meth:`_prefill_plan` for the batched :meth:`_evict` (a deterministic press's top-k)."""
+        idx, plan = self._prefill_plan(layer, r, queries, scale, layer_idx=layer_idx, event=event)
+        return RowEvent(_row_slots(layer, r, idx)) if plan is None else RowEvent(None, plan=plan)
+
     def _prefill_plan(self, layer, r: int, queries, scale: float, *, layer_idx: int, event: int):
         """One row's prefill event: ``(idx, plan)``, ``idx`` the row's real slots (None: all) and ``plan``
         None when the row keeps every token, else (importance on the layer's slots (1, h_kv, slots), budget
-        per KV head (h_kv,), DesignSizes, tilt, top per KV head or None); sets ``layer.budgets[r]``.
-
-        Every head holds the same tokens: the row's real tokens are scored in one scorer call. With an
-        error target each KV head's budget is :func:`kvcert.fast.target_budget`'s.
-        """
-        sl = slice(r, r + 1)
-        valid = layer.valid[sl]
-        n_slots, h_kv = valid.shape[-1], valid.shape[1]
-        idx = None if bool(valid.all()) else valid[0, 0].nonzero().squeeze(-1)
-        n = n_slots if idx is None else idx.numel()
-        targeted = getattr(self, "target_error", None) is not None
-        budget = self._sampled_budget(n, layer) if n and not targeted else float(n)
+        per KV head (h_kv,), DesignSizes, tilt (None), top per KV head (None: the sizes')); sets
+        ``layer.budgets[r]``. Every head holds the same tokens: the row's real tokens are scored in one
+        scorer call."""
+        idx, n = _real_slots(layer, r)
+        budget = self._sampled_budget(n, layer) if n else 0.0
         layer.budgets[r] = budget
-        if n == 0 or (budget >= n and not targeted):
+        if n == 0 or budget >= n:
             return idx, None
-        k, v, q_r = layer.keys[sl], layer.values[sl], queries[sl]
-        if idx is not None:
-            k, v = k[:, :, idx], v[:, :, idx]
-            # the queries may be the last few of the prefill only (a shared kvcert.prefill)
-            offset = n_slots - queries.shape[2]
-            q_r = q_r[:, :, idx[idx >= offset] - offset]
+        k, v, q_r = _row_tokens(layer, r, idx, queries)
         u = self._prefill_importance(q_r, k, v, scale=scale, layer_idx=layer_idx, event=event, row=r, tokens=idx)
-        sizes, top = self._sizes(budget), None
-        head_budget = torch.full((h_kv,), float(budget), dtype=torch.float64)
-        if targeted:
-            chosen = self.design.target_budget(q_r, k, v, u, scale=scale)
-            self._record_target(layer_idx, r, chosen)
-            if not bool(chosen.evicts.any()):
-                return idx, None
-            head_budget, top = chosen.sampled[0].cpu(), chosen.top[0].cpu()
-            sizes = self._sizes(float(head_budget[chosen.evicts[0].cpu()].min()))
-            layer.budgets[r] = float(head_budget.max())
+        h_kv, n_slots = k.shape[1], layer.valid.shape[-1]
         if idx is not None:  # back onto the layer's slots (0 on padding)
             u = u.new_zeros((1, h_kv, n_slots)).index_copy_(-1, idx, u)
-        return idx, (u, head_budget, sizes, self._tilt(q_r, h_kv), top)
+        return idx, (u, torch.full((h_kv,), float(budget), dtype=torch.float64), self._sizes(budget), None, None)
 
     def _compress(self, layer, layer_idx: int, queries, scale: float, *, prefill: bool,
                   target: float | None = None) -> None:
@@ -446,15 +422,19 @@ class BasePress(Press):
         plans = {}  # row -> (importance (1, h_kv, slots), budget (h_kv,), DesignSizes, tilt, top)
         rows = {}  # row -> its (keys, values, log_weights, positions) after the event
         sketches = {}  # row -> its ClusterSketch (1, h_kv, ...) when the design keeps one
+        evicted = False  # a row evicted by its design's event (:meth:`_prefill_row`)
         for r in range(b):
             sl = slice(r, r + 1)
             valid = valid_all[sl]
             if prefill:
-                idx, plan = self._prefill_plan(layer, r, queries, scale, layer_idx=layer_idx, event=event)
-                if plan is None:
-                    rows[r] = _row_slots(layer, r, idx)
+                done = self._prefill_row(layer, r, queries, scale, layer_idx=layer_idx, event=event)
+                if done.plan is None:
+                    rows[r] = done.row
+                    evicted |= done.evicted
+                    if done.sketch is not None:
+                        sketches[r] = done.sketch
                     continue
-                plans[r] = plan
+                plans[r] = done.plan
             else:
                 row_target = target
                 if row_target is None and layer.budgets is not None and not math.isnan(float(layer.budgets[r])):
@@ -468,7 +448,7 @@ class BasePress(Press):
                 u = self._row_importance(queries[sl][:, :, -seen:], layer.keys[sl], layer.values[sl], valid, scale,
                                          layer_idx=layer_idx, event=event)
                 plans[r] = (u, budget, self._sizes(float(budget.max())), None, None)
-        if not plans:
+        if not plans and not evicted:
             return
         groups = {}
         for r, (_, _, sz, _, _) in plans.items():
@@ -488,7 +468,7 @@ class BasePress(Press):
                              valid=pick(valid_all), log_weights=pick(layer.log_weights),
                              positions=pick(layer.positions), layer_idx=layer_idx, event=event, tilt=tilt,
                              scale=scale)
-            if sel is None and len(groups) == 1:
+            if sel is None and len(groups) == 1 and not evicted:
                 layer.replace(cc.keys, cc.values, torch.log(cc.pi), cc.positions, cc.sketch)
                 return
             for i, r in enumerate(members):
@@ -502,8 +482,39 @@ class BasePress(Press):
         layer.replace(*_pad_rows([rows[r] for r in range(b)]), sketch)
 
 
+class RowEvent(NamedTuple):
+    """One batch row's prefill event (:meth:`Press._prefill_row`): ``row`` its (keys, values, log_weights,
+    positions) after the event and ``sketch`` its sketch (1, h_kv, ...) or None, with ``evicted`` whether the
+    event removed any token; or ``plan``, the row's share of a batched :meth:`Press._evict`."""
+
+    row: tuple | None
+    sketch: object = None
+    plan: tuple | None = None
+    evicted: bool = False
+
+
 #: the fields every press shares with :class:`kvcert.fast.TokenDesign`, which checks them
 _BASE_FIELDS = ("compression_ratio", "target_size", "sinks", "window", "delta", "kind")
+
+
+def _real_slots(layer, r: int):
+    """Row r's real slots ``idx`` (None: every slot, no padding) and their count n (every head holds the same
+    tokens at a prefill event)."""
+    valid = layer.valid[r:r + 1]
+    idx = None if bool(valid.all()) else valid[0, 0].nonzero().squeeze(-1)
+    return idx, (valid.shape[-1] if idx is None else idx.numel())
+
+
+def _row_tokens(layer, r: int, idx, queries):
+    """Row r's keys, values (1, h_kv, n, d) at its real slots ``idx`` and its prefill queries (1, h_q, w, d)
+    at those slots (the queries may be the last few of the prefill only: a shared kvcert.prefill)."""
+    sl = slice(r, r + 1)
+    k, v, q_r = layer.keys[sl], layer.values[sl], queries[sl]
+    if idx is not None:
+        k, v = k[:, :, idx], v[:, :, idx]
+        offset = layer.valid.shape[-1] - queries.shape[2]
+        q_r = q_r[:, :, idx[idx >= offset] - offset]
+    return k, v, q_r
 
 
 def _row_slots(layer, r: int, idx):

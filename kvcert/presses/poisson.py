@@ -6,9 +6,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..fast import SCORERS, TokenDesign, default_design, default_sampling, nonnegative_importance, window_tilt
+from ..fast import SCORERS, TokenDesign, compact, default_design, default_sampling, nonnegative_importance
 from ..fast import design as _fast_design
-from .base import BasePress, _accept_kvpress_names, _held_design
+from .base import BasePress, RowEvent, _accept_kvpress_names, _held_design, _real_slots, _row_slots, _row_tokens
 from .kvpress_interop import _is_kvpress_scorer, _KvpressInputs, _row_slice
 from .scorer import ScorerPress
 
@@ -236,7 +236,41 @@ class PoissonPress(BasePress):
         fields = {name: getattr(self, name) for name in self._design_fields}
         if not isinstance(self.scorer, str):  # a ScorerPress, kvpress scorer or callable scores here
             fields["scorer"] = "snapkv"
+            # the queries the scores are of: the tilt and an error target read the same window
+            fields["observation_window"] = self._observation_window()
         return TokenDesign(**fields)
+
+    @property
+    def compresses(self) -> bool:
+        """Whether the prefill event may remove anything (a ratio, a size or an error target)."""
+        return self.design.compresses
+
+    def _prefill_row(self, layer, r: int, queries, scale: float, *, layer_idx: int, event: int) -> RowEvent:
+        """One row's prefill event: the design's whole event on the row's real tokens
+        (:meth:`kvcert.fast.TokenDesign.event`: scores, budget or an error target's, decision, sketch), laid
+        out here: the kept tokens packed to the front of each head (:func:`kvcert.fast.compact`), padded.
+        Sets ``layer.budgets[r]`` (the sampled budget; the largest head's under a target)."""
+        idx, n = _real_slots(layer, r)
+        design = self.design
+        d, dv = layer.keys.shape[-1], layer.values.shape[-1]
+        if n == 0 or not design.evicts(n, d, dv):
+            layer.budgets[r] = float(n) if n == 0 or design.target_error is not None else \
+                design.sampled_budget(n, d, dv)
+            return RowEvent(_row_slots(layer, r, idx))
+        k, v, q_r = _row_tokens(layer, r, idx, queries)
+        u = None if isinstance(self.scorer, str) else \
+            self._prefill_importance(q_r, k, v, scale=scale, layer_idx=layer_idx, event=event, row=r, tokens=idx)
+        ev = design.event(q_r, k, v, scale=scale, layer=layer_idx, event=event, scores=u)
+        if ev.target is not None:
+            self._record_target(layer_idx, r, ev.target)
+        budget = ev.budget
+        layer.budgets[r] = float(budget.max()) if isinstance(budget, torch.Tensor) else float(budget)
+        if not ev.sampled:  # an error target under which no head evicts: every token kept, pi 1
+            return RowEvent(_row_slots(layer, r, idx))
+        _, _, log_w, pos = _row_slots(layer, r, idx)
+        keep, pi = ev.decision.keep[None], ev.decision.pi[None]
+        cc = compact(keep, k, v, log_w.exp().to(pi.dtype) * pi, pos)
+        return RowEvent((cc.keys, cc.values, torch.log(cc.pi), cc.positions), ev.sketch, evicted=True)
 
     @property
     def design(self) -> TokenDesign:
@@ -330,12 +364,6 @@ class PoissonPress(BasePress):
                                             sinks=sizes.sinks, window=sizes.window, top=sizes.top,
                                             floor=self.floor)
 
-    def _sampled_budget(self, n: int, layer) -> float:
-        r"""The budget B, less the sketch's memory in kept tokens,
-        ``ClusterDesign.tokens``: :math:`(C(2d+3)+d_v+1)/(d+d_v+1)`, tilted :math:`(C(4d+4)+d+d_v+1)/(d+d_v+1)`
-        (a kept token holds its key, value and log pi)."""
-        return self.design.sampled_budget(n, layer.keys.shape[-1], layer.values.shape[-1])
-
     def _budget(self, n: int) -> float:
         return self.design.budget(n)
 
@@ -351,16 +379,6 @@ class PoissonPress(BasePress):
         return self.design.evict(keys, values, importance, budget, sinks=sinks, window=window, top=top, valid=valid,
                                  pi=log_weights.exp(), positions=positions, layer=layer_idx, event=event,
                                  sketch=self.sketch, tilt=tilt, scale=scale)
-
-    def _tilt(self, queries: torch.Tensor, h_kv: int):
-        """A tilted sketch's tilt points: the mean of the last ``observation_window`` prefill queries
-        over each KV head's query group (:func:`kvcert.fast.window_tilt`)."""
-        if self.sketch is None or not self.sketch.tilt:
-            return None
-        if queries.shape[2] == 0:
-            raise ValueError("sketch: a tilted sketch needs the prefill's observation-window queries, and this "
-                             "prefill kept none (a shared kvcert.prefill made for a scorer that reads no query)")
-        return window_tilt(queries, h_kv, window=self._observation_window())
 
     def queries_needed(self, n: int) -> int:
         """Prefill queries the scorer reads, and at least the observation window with a tilted sketch or an

@@ -518,14 +518,13 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
             step.add_statistics([row.req_id], cfg.kind, cfg.delta, certificate_moments(est, cfg.kind))
 
     def _importance(self, step, plan, layer, query, kv_cache, output):
-        """The rows that finish their prompt in this step: the configured scorer on the prompt's keys and
-        values and its last queries of this chunk (``design.score``). Token design: the layer's decision
-        (:meth:`kvcert.fast.TokenDesign.decide`, the press's stream: layer index, event 0) and the copy of the
-        kept tokens into the first blocks (:func:`compact_prompt`), now, after the stock kernel has attended
-        the chunk. Under an error target (``KVCertConfig.target_error``) each KV head samples its own budget,
-        :meth:`kvcert.fast.TokenDesign.target_budget` on the chunk's last ``observation_window`` queries and
-        the prompt; a layer where no head evicts keeps every token (pi = 1, so the request frees no block:
-        blocks are shared by the layers). Block design: the scores, aggregated over layers by the worker."""
+        """The rows that finish their prompt in this step, at their eviction event. Token design: the layer's
+        event (:meth:`kvcert.fast.TokenDesign.event`: the scores, the budget or an error target's per-head
+        budgets, the decision on the press's stream (layer index, event 0) and the sketch) on the prompt's keys
+        and values and this chunk's last queries, now, after the stock kernel has attended the chunk; then the
+        copy of the kept tokens into the first blocks (:func:`compact_prompt`). A layer where nothing is
+        evicted keeps every token (pi = 1, so the request frees no block: blocks are shared by the layers).
+        Block design: the scores (``design.score``), aggregated over layers by the worker."""
         if not plan.importance:
             return output
         index = layer_index(layer)
@@ -536,29 +535,18 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
             nbt = -(-row.seq_len // bs)
             k, v = gather_blocks(kv_cache, row.all_block_ids[:nbt])
             k, v = k[:, : row.seq_len], v[:, : row.seq_len]
-            targeted = cfg.tokens and design.target_error is not None
-            w = design.queries_read(row.q_len, row.seq_len)
-            if targeted:  # the target's prediction reads the observation window (the scorer its own last w)
-                w = max(w, min(design.observation_window, row.q_len))
+            w = design.event_queries(row.q_len, row.seq_len) if cfg.tokens else \
+                design.queries_read(row.q_len, row.seq_len)
             q = query[row.q_end - w : row.q_end].permute(1, 0, 2)[None]  # (1, h_q, w, d)
-            u = design.score(q, k[None], v[None], scale=self.scale, layer=index)
             if not cfg.tokens:
-                step.add_importance(row.req_id, u[0])
+                step.add_importance(row.req_id, design.score(q, k[None], v[None], scale=self.scale, layer=index)[0])
                 continue
-            if targeted:  # each KV head's budget from the error target (kvcert.fast.TokenDesign.target_budget)
-                chosen = design.target_budget(q, k[None], v[None], u, scale=self.scale)
-                # no head of this layer evicts: every token kept (pi = 1), the layout of the prompt as it is
-                budget = chosen.sampled[0] if bool(chosen.evicts.any()) else float(row.seq_len)
-            else:
-                budget = design.sampled_budget(row.seq_len, k.shape[-1], v.shape[-1])  # less a sketch's memory
             # a tensor-parallel rank's heads draw the layer's streams of those heads (the stream is keyed by KV head)
-            decision = design.decide(u[0], layer=index, event=0, budget=budget,
-                                     head_offset=step.tp_rank * u.shape[1])
-            # the sketch of the evicted tokens (with a sketched design), from the prompt before the copy
-            sketch = design.sketch_of(k[None], v[None], decision, queries=q, scale=self.scale)
-            layout = compact_slots(decision.keep, decision.pi, bs)
+            ev = design.event(q, k[None], v[None], scale=self.scale, layer=index, event=0,
+                              head_offset=step.tp_rank * k.shape[0])
+            layout = compact_slots(ev.decision.keep, ev.decision.pi, bs)
             sums = compact_prompt(kv_cache, row.all_block_ids, k, v, layout.positions)
-            step.add_compaction(row.req_id, index, layout, sketch, sums if sketch is not None else None)
+            step.add_compaction(row.req_id, index, layout, ev.sketch, sums if ev.sketch is not None else None)
         return output
 
 
