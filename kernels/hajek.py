@@ -29,7 +29,8 @@ import triton.language as tl
 from kvcert.fast.contract import AttentionLayout, check_attention_inputs
 from kvcert.fast.types import Estimate
 
-__all__ = ["hajek_attention", "default_config", "default_moments", "SUPPORTED_DTYPES", "INTERPRETED"]
+__all__ = ["hajek_attention", "default_config", "default_moments", "num_splits_heuristic", "SUPPORTED_DTYPES",
+           "INTERPRETED"]
 
 #: input dtypes the kernel accepts (accumulation is always float32)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -37,6 +38,9 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MOMENTS = ("onepass", "exact", "shifted")
 _MAX_ROWS = 16  # query heads per program (tl.dot needs M >= 16; more rows -> more programs)
 _MIN_TILES_PER_SPLIT = 4  # a split streams at least this many tiles, so merging stays cheap
+_MIN_TOKENS_PER_SPLIT = 1024  # ... and at least this many tokens (flash decoding's splits are ~1k tokens or more)
+_WAVE_EFFICIENCY = 0.85  # the fewest splits within this fraction of the best wave efficiency (FlashAttention-3)
+_MAX_SPLITS = 128  # FlashAttention-3's cap on the split count
 
 
 @triton.jit
@@ -674,29 +678,112 @@ def default_moments(dtype: torch.dtype) -> str:
     return "exact"
 
 
+def num_splits_heuristic(programs: int, n: int, block_n: int, sms: int, *, ctas_per_sm: int = 1,
+                         min_tokens: int = _MIN_TOKENS_PER_SPLIT, min_tiles: int = _MIN_TILES_PER_SPLIT,
+                         max_splits: int = _MAX_SPLITS, threshold: float = _WAVE_EFFICIENCY) -> int:
+    r"""Split count of a split-K decode launch: the fewest splits whose wave efficiency is within
+    ``threshold`` of the best (FlashAttention-3's ``num_splits_heuristic``).
+
+    A launch of :math:`P` programs per split over a GPU that runs :math:`C` = ``sms * ctas_per_sm``
+    programs at once takes :math:`\lceil P s / C\rceil` waves with :math:`s` splits, of which
+
+    .. math:: e(s) = \frac{P s}{\lceil P s / C \rceil \, C}
+
+    is busy (the wave efficiency). Among :math:`s = 1 .. s_{max}`,
+
+    .. math:: s_{max} = \max\bigl(1, \min(\text{max\_splits},\ C,\ \lfloor n / \text{min\_tokens} \rfloor,
+              \ \lfloor \lceil n / \text{block\_n} \rceil / \text{min\_tiles} \rfloor)\bigr),
+
+    it returns the smallest :math:`s` with :math:`e(s) \ge` ``threshold`` :math:`\max_{s'} e(s')`: each
+    extra split costs one more state store and merge input, so a split is added only while it buys
+    efficiency. A launch that already fills its waves (:math:`P` a multiple of :math:`C`, or more
+    than :math:`6 C` programs: :math:`e(1) > 6/7`) gets one split; a short sequence (fewer than
+    ``2 min_tokens`` tokens, or ``2 min_tiles`` tiles) is never split; a launch that stays within
+    one wave (:math:`P s_{max} \le C`, where :math:`e` grows with :math:`s`) takes the least
+    :math:`s \ge` ``threshold`` :math:`s_{max}`.
+
+    Parameters
+    ----------
+    programs : int >= 0
+        Programs of one split: (batch row or sequence, KV head, block of query heads).
+    n : int >= 0
+        Tokens each program streams (the longest sequence; for the paged kernels the units times the
+        tokens per unit).
+    block_n : int >= 1
+        Tokens per tile (a paged kernel's unit).
+    sms : int >= 1
+        Streaming multiprocessors of the GPU (``torch.cuda.get_device_properties(dev).multi_processor_count``:
+        132 on an H100 SXM or an H200).
+    ctas_per_sm : int >= 1, default 1
+        Programs resident per SM (registers and shared memory allowing; 1 for the default tiles of the
+        certified kernels, whose register counts exceed half the register file).
+    min_tokens, min_tiles : int >= 1
+        Least tokens and tiles per split (1024 and 4).
+    max_splits : int >= 1
+        Cap on the split count (128, FlashAttention-3's).
+    threshold : float in (0, 1]
+        Fraction of the best efficiency that suffices (0.85).
+
+    Returns
+    -------
+    int >= 1
+
+    Examples
+    --------
+    >>> num_splits_heuristic(8, 65536, 64, 132)       # b = 1, h_kv = 8: 15 splits fill 120 of 132 SMs
+    15
+    >>> num_splits_heuristic(256, 65536, 64, 132)     # b = 32: 256 of 264 slots busy with one split
+    1
+
+    References
+    ----------
+    Shah et al. (2024), "FlashAttention-3" (``hopper/heuristics.h``, ``num_splits_heuristic``);
+    Dao et al. (2023), flash-decoding.
+    """
+    for name, x, low in (("programs", programs, 0), ("n", n, 0), ("block_n", block_n, 1), ("sms", sms, 1),
+                         ("ctas_per_sm", ctas_per_sm, 1), ("min_tokens", min_tokens, 1),
+                         ("min_tiles", min_tiles, 1), ("max_splits", max_splits, 1)):
+        if isinstance(x, bool) or not isinstance(x, int) or x < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {x!r}")
+    if not 0.0 < threshold <= 1.0:
+        raise ValueError(f"threshold must lie in (0, 1], got {threshold!r}")
+    if programs == 0 or n == 0:
+        return 1
+    slots = sms * ctas_per_sm
+    n_tiles = math.ceil(n / block_n)
+    s_max = max(1, min(max_splits, slots, n // min_tokens, n_tiles // min_tiles))
+    eff = [programs * s / (math.ceil(programs * s / slots) * slots) for s in range(1, s_max + 1)]
+    best = max(eff)
+    return next(s for s, e in enumerate(eff, 1) if e >= threshold * best)
+
+
+def _device_sms(device: torch.device) -> int | None:
+    """Streaming multiprocessors of a CUDA device; None elsewhere (the CPU interpreter: one split)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def default_config(n: int, d: int, programs: int, device: torch.device, block_n: int | None = None,
-                   dtype: torch.dtype = torch.bfloat16, moments: str | None = None) -> dict:
+                   dtype: torch.dtype = torch.bfloat16, moments: str | None = None, *,
+                   sms: int | None = None) -> dict:
     """Block size, warps, stages and split count the wrapper uses when none are given.
 
     ``block_n`` = 64 tokens per tile for float16/bfloat16 with head dimension <= 128, 32 for
     float32 inputs or larger heads; 8 warps. With ``moments="onepass"`` half those (32 and 16).
     These are the largest tiles that compiled for sm_90 without register spills (ptxas, d = 128,
     g = 4); GPU timings may move them.
-    ``num_splits`` makes ``programs * num_splits`` cover about two waves of the GPU's
-    streaming multiprocessors, with at least ``_MIN_TILES_PER_SPLIT`` tiles per split (1 on the
-    CPU interpreter). ``programs`` is the number of (batch, KV head, query block) programs.
+    ``num_splits`` is :func:`num_splits_heuristic` of the ``programs`` (batch, KV head, query block)
+    programs over n tokens on the device's ``sms`` streaming multiprocessors (default: the CUDA
+    device's count), one program per SM; 1 without a CUDA device (the CPU interpreter).
     """
     if block_n is None:
         block_n = 64 if (d <= 128 and dtype != torch.float32) else 32
         if moments == "onepass":
             block_n //= 2
-    n_tiles = max(1, math.ceil(n / block_n))
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        want = max(1, math.ceil(2 * sms / max(programs, 1)))
-        num_splits = max(1, min(want, n_tiles // _MIN_TILES_PER_SPLIT))
-    else:
-        num_splits = 1
+    if sms is None:
+        sms = _device_sms(device)
+    num_splits = 1 if sms is None else num_splits_heuristic(max(int(programs), 0), max(int(n), 0), block_n, int(sms))
     return {"block_n": block_n, "num_splits": num_splits, "num_warps": 8, "num_stages": 2}
 
 
@@ -829,7 +916,9 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
     num_splits : int, optional
         Split-K: the sequence is cut into this many chunks streamed by
         separate programs and merged by a second kernel. Default from
-        :func:`default_config` (about two waves of the GPU; 1 on CPU).
+        :func:`default_config` (:func:`num_splits_heuristic`: the fewest
+        splits within 85% of the best wave efficiency, >= 1024 tokens per
+        split; 1 on the CPU interpreter).
     num_warps, num_stages : int, optional
         Triton launch parameters (ignored by the interpreter).
     certify : bool, default True

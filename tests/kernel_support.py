@@ -243,3 +243,35 @@ def _without_fpc(est, q, k, v, pi):
     return out
 
 
+# ----------------------------------------------------------------------------- the split count
+
+class MergeSpy:
+    """Stands in for a split-merge kernel and records the split count of each launch (its ninth argument, S)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.splits = kernel, []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kw):
+            self.splits.append(int(args[8]))
+            return launch(*args, **kw)
+
+        return run
+
+
+def as_on_sms(monkeypatch, sms):
+    """Make the kernel wrappers pick their split count as on a GPU of ``sms`` streaming multiprocessors (the
+    interpreter has none: ``kvcert.kernels.hajek._device_sms``), and spy on the merge kernels: returns
+    ``(spy, spy_onepass)``, the :class:`MergeSpy` of ``_hajek_merge_kernel`` (the two-pass and paged kernels')
+    and of ``_onepass_merge_kernel``."""
+    from kvcert.kernels import hajek as H
+    from kvcert.kernels import paged as P
+
+    monkeypatch.setattr(H, "_device_sms", lambda device: sms)
+    spy, spy1 = MergeSpy(H._hajek_merge_kernel), MergeSpy(H._onepass_merge_kernel)
+    monkeypatch.setattr(H, "_hajek_merge_kernel", spy)
+    monkeypatch.setattr(P, "_hajek_merge_kernel", spy)
+    monkeypatch.setattr(H, "_onepass_merge_kernel", spy1)
+    return spy, spy1

@@ -238,8 +238,8 @@ def test_gpu_check_dry_run(tmp_path):
     out = tmp_path / "gpu_check.json"
     mod.main(["--dry-run", "--device", DEVICE, "--out", str(out)])
     rep = json.loads(out.read_text())
-    for key in ("environment", "copy_bandwidth", "correctness", "timings", "sweep", "compiled", "targets", "errors",
-                "summary"):
+    for key in ("environment", "copy_bandwidth", "correctness", "timings", "sweep", "eviction", "compiled", "targets",
+                "errors", "summary"):
         assert key in rep, key
     assert rep["dry_run"] and rep["errors"] == [], rep["errors"]
     assert rep["summary"]["correctness_ok"] is True
@@ -255,6 +255,8 @@ def test_gpu_check_dry_run(tmp_path):
         assert key in t, key
     assert t["certified_over_uncertified_max"] > 0 and t["certified_vs_sdpa_min_4k"] > 0
     assert set(t["by_variant"]) >= {"onepass_trace", "onepass_var", "exact_trace", "exact_var"}
+    ev = rep["eviction"][0]  # the eviction event against the prefill (tests/test_kernels_gpu_check.py: the section)
+    assert ev["checks"]["ok"] and t["eviction_over_prefill_max"] == ev["event_over_prefill"] > 0
 
 
 def test_gpu_check_refuses_a_full_run_without_cuda():
