@@ -27,7 +27,11 @@ merged block by block (and split by split, by the same merge kernel as
 :func:`paged_hajek_attention` serves the token design by compaction
 (docs/design.md section 7): each KV head's kept prompt tokens in logical slots
 0 .. C_h - 1 with a per-slot log pi, the later tokens certain at their
-positions; its variance is the same state with every token its own unit.
+positions; its variance is the same state with every token its own unit. It reads
+tiles of ``block_t`` tokens (64 by default) gathered row by row through the block
+table (token p: physical block ``block_table[s, p // block_size]``, row
+``p % block_size``), so a tile spans blocks, and masks the padding slots instead
+of branching on them.
 """
 
 from __future__ import annotations
@@ -102,21 +106,21 @@ class _LaunchPlan:
 
 
 def _launch_plan(q, value_cache, S, h_q, d, dv, bs, units, programs, certify, per_coordinate, num_splits, block_t,
-                 num_warps, num_stages) -> _LaunchPlan:
-    """The split-K plan (``default_config`` over ``units`` blocks of ``bs`` tokens, or ``num_splits``), the
-    block's tile (``block_t``), the outputs and the split partials of one launch of a paged kernel."""
-    cfg = default_config(units * bs, d, programs, q.device, bs, value_cache.dtype)
+                 num_warps, num_stages, *, compacted=False) -> _LaunchPlan:
+    """The split-K plan (``default_config`` over ``units`` units, or ``num_splits``), the tile (``block_t``), the
+    outputs and the split partials of one launch of a paged kernel. A unit is a block of ``bs`` tokens streamed
+    in sub-tiles of ``block_t`` (the block kernel), or one tile of ``block_t`` gathered tokens (``compacted``)."""
+    block_t = _check_block_t(default_block_t(bs, d, value_cache.dtype, compacted=compacted) if block_t is None
+                             else block_t)
+    bs_pad = max(16, _pow2(bs))
+    unit = block_t if compacted else bs
+    cfg = default_config(units * unit, d, programs, q.device, unit, value_cache.dtype)
     if num_splits is not None:
         if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
             raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
         cfg["num_splits"] = num_splits
     chunk = max(1, math.ceil(units / cfg["num_splits"]))
     splits = max(1, math.ceil(units / chunk))
-    bs_pad = max(16, _pow2(bs))
-    if block_t is None:
-        block_t = default_block_t(bs, d, value_cache.dtype)
-    if isinstance(block_t, bool) or not isinstance(block_t, int) or block_t < 16 or block_t & (block_t - 1):
-        raise ValueError(f"block_t must be a power of two >= 16, got {block_t!r}")
     dev = q.device
     f32 = dict(device=dev, dtype=torch.float32)
     lse = torch.empty((S, h_q), **f32)
@@ -126,9 +130,12 @@ def _launch_plan(q, value_cache, S, h_q, d, dv, bs, units, programs, certify, pe
         part_s, part_v = torch.empty((splits, bh, 5), **f32), torch.empty((splits, bh, 3, dv_pad), **f32)
     else:
         part_s = part_v = lse
-    constexprs = dict(BS=bs, BS_PAD=bs_pad, BLOCK_T=min(block_t, bs_pad), D=d, DV=dv, D_PAD=max(16, _pow2(d)),
-                      DV_PAD=dv_pad, DOT_F32=value_cache.dtype == torch.float32 or INTERPRETED,
+    constexprs = dict(BS=bs, BLOCK_T=block_t if compacted else min(block_t, bs_pad), D=d, DV=dv,
+                      D_PAD=max(16, _pow2(d)), DV_PAD=dv_pad,
+                      DOT_F32=value_cache.dtype == torch.float32 or INTERPRETED,
                       ROUND_P=value_cache.dtype != torch.float32)
+    if not compacted:
+        constexprs["BS_PAD"] = bs_pad
     launch = {} if INTERPRETED else {"num_warps": int(num_warps or cfg["num_warps"]),
                                      "num_stages": int(num_stages or cfg["num_stages"])}
     return _LaunchPlan(
@@ -136,6 +143,12 @@ def _launch_plan(q, value_cache, S, h_q, d, dv, bs, units, programs, certify, pe
         torch.empty((S, h_q, dv), **f32) if certify and per_coordinate else None,
         torch.empty((S, h_q), **f32) if certify else None, torch.empty((S, h_q), **f32) if certify else None,
         part_s, part_v, constexprs, launch)
+
+
+def _check_block_t(block_t) -> int:
+    if isinstance(block_t, bool) or not isinstance(block_t, int) or block_t < 16 or block_t & (block_t - 1):
+        raise ValueError(f"block_t must be a power of two >= 16, got {block_t!r}")
+    return block_t
 
 
 def _merge(L: _LaunchPlan, certify: bool) -> None:
@@ -190,11 +203,15 @@ def _paged_decode_kernel(
     n_blk = (seq_len + BS - 1) // BS
     j0 = sid * CHUNK_B
     j1 = tl.minimum(j0 + CHUNK_B, n_blk)
+    lp_row = LP + si * stride_ls  # the sequence's log pi_b and block table rows
+    bt_row = BT + si * stride_bs
     for j in range(j0, j1):
-        lp_ptr = LP + si * stride_ls + j * stride_lm
+        lp_ptr = lp_row + j * stride_lm
         log_pi = tl.load(lp_ptr)
-        if log_pi > float("-inf"):  # evicted blocks: neither the id nor the memory is read
-            phys = tl.load(BT + si * stride_bs + j * stride_bm).to(tl.int64)
+        # evicted blocks: neither the id nor the memory is read (the unit of the certificate is the block, so
+        # the branch skips one unit's whole state update, not a tile of a token loop)
+        if log_pi > float("-inf"):
+            phys = tl.load(bt_row + j * stride_bm).to(tl.int64)
             k_blk = KC + phys * stride_kb + kvh * stride_kh
             v_blk = VC + phys * stride_vb + kvh * stride_vh
             omp = _neg_expm1(log_pi)  # 1 - pi_b
@@ -235,12 +252,15 @@ def _paged_decode_kernel(
                   Out, Lse, Var, Tr, Neff, DV, CERTIFY, PER_COORD)
 
 
-def default_block_t(block_size: int, d: int, dtype: torch.dtype) -> int:
-    """Sub-tile of a block: the whole block up to 64 tokens for float16/bfloat16 with d <= 128, up to 32
-    otherwise (the contiguous kernel's ``default_config`` tiles; from sm_90 ptxas counts only: whole
-    128-token blocks spill registers at d = 128, docs/gpu.md)."""
+def default_block_t(block_size: int, d: int, dtype: torch.dtype, *, compacted: bool = False) -> int:
+    """Tokens per tile of the paged kernels at their default, from sm_90 ptxas counts only (docs/gpu.md).
+
+    The block kernel streams each block in sub-tiles: the whole block up to 64 tokens for float16/bfloat16
+    with d <= 128, up to 32 otherwise (the contiguous kernel's ``default_config`` tiles; whole 128-token
+    blocks spill registers at d = 128). The compacted kernel (``compacted=True``) gathers its tiles token by
+    token across blocks, so the block size does not bound them: those same 64 or 32 tokens."""
     cap = 64 if (d <= 128 and dtype != torch.float32) else 32
-    return min(max(16, _pow2(block_size)), cap)
+    return cap if compacted else min(max(16, _pow2(block_size)), cap)
 
 
 def kv_cache_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,8 +372,9 @@ def paged_block_hajek_attention(q, key_cache, value_cache, block_table, seq_lens
         False skips the variance state (a benchmarking baseline).
     num_splits : int, optional
         Split the block table into this many chunks (flash decoding), merged
-        by :mod:`kvcert.kernels.hajek`'s merge kernel. Default: about two
-        waves of the GPU with >= 4 blocks per split (1 on the interpreter).
+        by :mod:`kvcert.kernels.hajek`'s merge kernel. Default:
+        :func:`kvcert.kernels.hajek.num_splits_heuristic` with blocks as tiles
+        (>= 4 blocks and >= 1024 tokens per split; 1 on the interpreter).
     max_seq_len : int, optional
         Upper bound of ``seq_lens`` for sizing the splits (default
         ``seq_lens.max()``, which synchronizes with the device). It must
@@ -452,6 +473,27 @@ def _token_step(m, l, l_o, acc, W, mean, M2, Q2, v, logits, one_minus, r,
 
 
 @triton.jit
+def _gathered_tile(q, k_head, v_head, bt_row, stride_bm, pos, mask, log_p, offs_d, dmask, offs_v, vmask,
+                   stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, scale,
+                   BS: tl.constexpr, DOT_F32: tl.constexpr):
+    """A tile of tokens at the sequence's logical positions ``pos`` read row by row through its block table
+    (token p: physical block ``bt_row[p // BS]``, row ``p % BS``): V and the logits tau q.k_i - log pi_i,
+    -inf where ``mask`` is off (those tokens read neither their table entry nor their K and V)."""
+    phys = tl.load(bt_row + (pos // BS) * stride_bm, mask=mask, other=0).to(tl.int64)
+    row = (pos % BS).to(tl.int64)
+    k = tl.load(k_head + (phys * stride_kb + row * stride_kt)[:, None] + offs_d[None, :] * stride_kd,
+                mask=mask[:, None] & dmask[None, :], other=0.0)
+    v = tl.load(v_head + (phys * stride_vb + row * stride_vt)[:, None] + offs_v[None, :] * stride_vd,
+                mask=mask[:, None] & vmask[None, :], other=0.0)
+    if DOT_F32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    logits = tl.where(mask[None, :], s * scale - log_p[None, :], float("-inf"))
+    return v, logits
+
+
+@triton.jit
 def _paged_compacted_kernel(
     Q, KC, VC, BT, SL, PL, LPS, Out, Lse, Var, Tr, Neff, PartS, PartV,
     stride_qs, stride_qh, stride_qd,
@@ -459,7 +501,7 @@ def _paged_compacted_kernel(
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_bs, stride_bm, stride_ls, stride_lh, stride_lj,
     H_KV, H_Q, CMAX, NC, CHUNK_U, BH, scale,
-    BS: tl.constexpr, BS_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    BS: tl.constexpr, BLOCK_T: tl.constexpr,
     D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     G: tl.constexpr, G_BLOCK: tl.constexpr, N_RB: tl.constexpr, R_PAD: tl.constexpr,
     CERTIFY: tl.constexpr, PER_COORD: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
@@ -467,11 +509,13 @@ def _paged_compacted_kernel(
 ):
     """One (sequence, KV head, query-head block, split of the units): online softmax of
     tau q.k_i - log pi_i over the head's compacted slots (log pi_i > -inf) and the certain tail
-    [P_s, L_s), with the Chan-merged (1 - pi_i) p_i^2 weighted mean / second moment of v_i."""
+    [P_s, L_s), with the Chan-merged (1 - pi_i) p_i^2 weighted mean / second moment of v_i; both in
+    tiles of BLOCK_T tokens gathered row by row through the block table (masked, no branch)."""
     sid = tl.program_id(1)
     si, kvh, r, rmask, head, rows = _program_rows(H_KV, H_Q, G, G_BLOCK, N_RB, R_PAD)
     offs_d = tl.arange(0, D_PAD)
     offs_v = tl.arange(0, DV_PAD)
+    offs_t = tl.arange(0, BLOCK_T)
     dmask = offs_d < D
     vmask = offs_v < DV
 
@@ -491,49 +535,32 @@ def _paged_compacted_kernel(
     c_end = tl.minimum(p_len, CMAX)  # slots at or past the prompt length are never compacted slots
     u0 = sid * CHUNK_U
     u1 = u0 + CHUNK_U
-    # units 0 .. NC-1: the logical blocks of the compacted slots (slot j: block j // BS, offset j % BS)
+    # the sequence's rows of the block table and of log pi, and the KV head's K and V, outside the loops
+    bt_row = BT + si * stride_bs
     lp_head = LPS + si * stride_ls + kvh * stride_lh
-    for j in range(u0, tl.minimum(u1, (c_end + BS - 1) // BS)):
-        phys = tl.load(BT + si * stride_bs + j * stride_bm).to(tl.int64)
-        k_blk = KC + phys * stride_kb + kvh * stride_kh
-        v_blk = VC + phys * stride_vb + kvh * stride_vh
-        for t0 in range(0, BS_PAD, BLOCK_T):
-            offs_t = t0 + tl.arange(0, BLOCK_T)
-            slot = j * BS + offs_t
-            inside = (offs_t < BS) & (slot < c_end)
-            lp = tl.load(lp_head + slot * stride_lj, mask=inside, other=float("-inf"))
-            kept = lp > float("-inf")  # padding slots: neither K nor V is read
-            if tl.max(kept.to(tl.int32), axis=0) > 0:
-                v, logits, one_minus, _ = _tile(q, k_blk, v_blk, lp_head + j * BS * stride_lj, offs_t, kept,
-                                                offs_d, dmask, offs_v, vmask, stride_kt, stride_kd, stride_vt,
-                                                stride_vd, stride_lj, scale, True, DOT_F32)
-                m, l, l_o, acc, W, mean, M2, Q2 = _token_step(m, l, l_o, acc, W, mean, M2, Q2, v, logits,
-                                                              one_minus, r, True, CERTIFY, DOT_F32, ROUND_P,
-                                                              R_PAD, DV_PAD, G_BLOCK)
-    # units NC, NC+1, ...: the tail's logical blocks P_s // BS, ... (positions [P_s, L_s), log pi = 0)
-    t_first = p_len // BS
-    n_tail = tl.where(seq_len > p_len, (seq_len + BS - 1) // BS - t_first, 0)
+    k_head = KC + kvh * stride_kh
+    v_head = VC + kvh * stride_vh
+    # units 0 .. NC-1: tiles of compacted slots (slot j: block j // BS, row j % BS); padding slots masked
+    for u in range(u0, tl.minimum(u1, (c_end + BLOCK_T - 1) // BLOCK_T)):
+        slot = u * BLOCK_T + offs_t
+        lp = tl.load(lp_head + slot * stride_lj, mask=slot < c_end, other=float("-inf"))
+        kept = lp > float("-inf")
+        v, logits = _gathered_tile(q, k_head, v_head, bt_row, stride_bm, slot, kept, lp, offs_d, dmask, offs_v,
+                                   vmask, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, scale,
+                                   BS, DOT_F32)
+        one_minus = tl.where(kept, _neg_expm1(lp), 0.0)
+        m, l, l_o, acc, W, mean, M2, Q2 = _token_step(m, l, l_o, acc, W, mean, M2, Q2, v, logits, one_minus, r,
+                                                      True, CERTIFY, DOT_F32, ROUND_P, R_PAD, DV_PAD, G_BLOCK)
+    # units NC, NC+1, ...: tiles of the tail's positions P_s, P_s + 1, ... < L_s (log pi = 0)
+    n_tail = (tl.maximum(seq_len - p_len, 0) + BLOCK_T - 1) // BLOCK_T
+    zero = tl.zeros([BLOCK_T], tl.float32)
     for u in range(tl.maximum(u0, NC), tl.minimum(u1, NC + n_tail)):
-        j = t_first + (u - NC)
-        phys = tl.load(BT + si * stride_bs + j * stride_bm).to(tl.int64)
-        k_blk = KC + phys * stride_kb + kvh * stride_kh
-        v_blk = VC + phys * stride_vb + kvh * stride_vh
-        for t0 in range(0, BS_PAD, BLOCK_T):
-            offs_t = t0 + tl.arange(0, BLOCK_T)
-            pos = j * BS + offs_t
-            nmask = (offs_t < BS) & (pos >= p_len) & (pos < seq_len)
-            k = tl.load(k_blk + offs_t[:, None] * stride_kt + offs_d[None, :] * stride_kd,
-                        mask=nmask[:, None] & dmask[None, :], other=0.0)
-            v = tl.load(v_blk + offs_t[:, None] * stride_vt + offs_v[None, :] * stride_vd,
-                        mask=nmask[:, None] & vmask[None, :], other=0.0)
-            if DOT_F32:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            logits = tl.where(nmask[None, :], s * scale, float("-inf"))
-            m, l, l_o, acc, W, mean, M2, Q2 = _token_step(m, l, l_o, acc, W, mean, M2, Q2, v, logits, logits,
-                                                          r, False, CERTIFY, DOT_F32, ROUND_P,
-                                                          R_PAD, DV_PAD, G_BLOCK)
+        pos = p_len + (u - NC) * BLOCK_T + offs_t
+        v, logits = _gathered_tile(q, k_head, v_head, bt_row, stride_bm, pos, pos < seq_len, zero, offs_d, dmask,
+                                   offs_v, vmask, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+                                   scale, BS, DOT_F32)
+        m, l, l_o, acc, W, mean, M2, Q2 = _token_step(m, l, l_o, acc, W, mean, M2, Q2, v, logits, zero, r,
+                                                      False, CERTIFY, DOT_F32, ROUND_P, R_PAD, DV_PAD, G_BLOCK)
 
     if SPLIT:
         _store_split(PartS, PartV, sid * BH + rows, rmask, offs_v, m, l, l_o, acc, W, mean, M2, Q2,
@@ -626,7 +653,8 @@ def paged_hajek_attention(q, key_cache, value_cache, block_table, seq_lens, prom
 
     the token design's variance. It is the block kernel's cluster variance with block size 1 (every
     token its own unit: A_i = a_i, vbar_i = v_i, w_i = (1 - pi_i) a_i^2), so the state is the block
-    kernel's (W, mean, M2) with tokens as points: each tile's weighted moments of v_i under
+    kernel's (W, mean, M2) with tokens as points: each tile's (``block_t`` tokens gathered through the
+    block table, across blocks) weighted moments of v_i under
     :math:`w_i = (1-\pi_i) e^{2(\ell_i - m)}` (two exact passes over the tile in registers) join the
     running state by Chan's merge after rescaling W and M2 by :math:`e^{2(m_{old} - m_{new})}`, and
     :math:`\mathrm{trace} = [M_2 + W \lVert\bar w - \hat o\rVert^2] / l^2` at the end (docs/gpu.md).
@@ -653,13 +681,16 @@ def paged_hajek_attention(q, key_cache, value_cache, block_table, seq_lens, prom
     certify : bool, default True
         False skips the variance state (a benchmarking baseline).
     num_splits : int, optional
-        Split the units (the ceil(Cmax / block_size) compacted blocks, then the tail's blocks) into this
-        many chunks merged by :mod:`kvcert.kernels.hajek`'s merge kernel. Default as the block kernel.
+        Split the units (the ceil(Cmax / block_t) tiles of compacted slots, then the tiles of the longest
+        tail) into this many chunks merged by :mod:`kvcert.kernels.hajek`'s merge kernel. Default:
+        :func:`kvcert.kernels.hajek.num_splits_heuristic` over those tiles (1 on the interpreter).
     max_tail_len : int, optional
         Upper bound of L_s - P_s, for sizing the splits (default: computed, a device sync). Checked
-        with ``validate``: tail blocks past it would not be visited.
+        with ``validate``: tail tokens past it would not be visited.
     block_t : int, optional
-        Tokens per sub-tile (power of two >= 16), default :func:`default_block_t`.
+        Tokens per tile (power of two >= 16), gathered row by row through the block table, so a
+        tile spans blocks of any size; default :func:`default_block_t` (``compacted=True``: 64 for
+        float16/bfloat16 with d <= 128, else 32).
     num_warps, num_stages : int, optional
         Triton launch parameters (ignored by the interpreter).
     validate : bool, default True
@@ -702,20 +733,22 @@ def paged_hajek_attention(q, key_cache, value_cache, block_table, seq_lens, prom
     n_rb = math.ceil(g / g_block)
     r_pad = max(16, _pow2(g_block))
     programs = S * h_kv * n_rb
-    nc = min(M, -(-C // bs))  # compacted units (logical blocks 0 .. nc - 1)
+    bt = _check_block_t(default_block_t(bs, d, value_cache.dtype, compacted=True) if block_t is None else block_t)
+    nc = -(-min(C, M * bs) // bt)  # compacted units: tiles of slots 0 .. bt - 1, bt .. 2 bt - 1, ...
+    lens = seq_lens.to(torch.int64) - prompt_lens.to(torch.int64)
     if max_tail_len is None:
-        nt = int(((seq_lens.to(torch.int64) + bs - 1) // bs - prompt_lens.to(torch.int64) // bs).max()) if S else 0
+        tail = int(lens.max()) if S else 0
     else:
         if isinstance(max_tail_len, bool) or not isinstance(max_tail_len, int) or max_tail_len < 0:
             raise ValueError(f"max_tail_len must be a non-negative int, got {max_tail_len!r}")
-        if validate and S and int((seq_lens.to(torch.int64) - prompt_lens.to(torch.int64)).max()) > max_tail_len:
+        if validate and S and int(lens.max()) > max_tail_len:
             raise ValueError(f"max_tail_len = {max_tail_len} is below the longest tail (seq_lens - prompt_lens = "
-                             f"{int((seq_lens.to(torch.int64) - prompt_lens.to(torch.int64)).max())})")
-        nt = -(-max_tail_len // bs) + 1  # a tail of t tokens spans at most ceil(t / bs) + 1 blocks
-    nt = max(0, min(M, nt))
+                             f"{int(lens.max())})")
+        tail = max_tail_len
+    nt = -(-max(0, min(M * bs, tail)) // bt)  # tail units: tiles of positions P_s .. P_s + bt - 1, ...
     units = max(1, nc + nt)
     L = _launch_plan(q, value_cache, S, h_q, d, dv, bs, units, programs, certify, per_coordinate, num_splits,
-                     block_t, num_warps, num_stages)
+                     bt, num_warps, num_stages, compacted=True)
     lps = log_pi_slots if C else torch.full((S, h_kv, 1), float("-inf"), device=q.device, dtype=torch.float32)
     if programs > 0:
         _paged_compacted_kernel[(programs, L.splits)](
@@ -732,12 +765,27 @@ def paged_hajek_attention(q, key_cache, value_cache, block_table, seq_lens, prom
     return L.estimate()
 
 
+#: the arguments the JIT specializes when the kernels read vLLM's FlashAttention layout (:func:`kv_cache_views`),
+#: a contiguous q, block table and log pi: the innermost strides are 1 (a constexpr for the compiler), and
+#: with d and dv multiples of 16 the other strides of q, K and V are multiples of 16 (``tt.divisibility``)
+_UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_bm", "stride_lm", "stride_lj")
+_ALIGNED_STRIDES = ("stride_qs", "stride_qh", "stride_kb", "stride_kt", "stride_kh",
+                    "stride_vb", "stride_vt", "stride_vh")
+
+
 def compile_paged(*, arch: int = 90, dtype: str = "bf16", d: int = 128, dv: int | None = None, g: int = 4,
-                  block_size: int = 16, block_t: int | None = None, num_warps: int = 8, num_stages: int = 2, certify: bool = True,
-                  per_coordinate: bool = False, split: bool = True, compacted: bool = False) -> dict:
+                  block_size: int = 16, block_t: int | None = None, num_warps: int = 8, num_stages: int = 2,
+                  certify: bool = True, per_coordinate: bool = False, split: bool = True, compacted: bool = False,
+                  specialize: bool = True) -> dict:
     """Lower the paged decode kernel (``compacted=True``: the compacted token-slot kernel of
     :func:`paged_hajek_attention`) to a ``sm_<arch>`` cubin without a GPU (Triton's bundled ptxas)
     and return its resource usage (:func:`kvcert.kernels.aot.resource_usage`: registers, spills, shared memory).
+
+    ``specialize`` (default): compile what the JIT compiles for a launch on vLLM's cache views, a
+    contiguous q, block table and log pi: unit innermost strides as constants, 16-byte aligned pointers and
+    (d, dv multiples of 16) strides of q, K and V divisible by 16, which lets the loads vectorize.
+    ``specialize=False``: no such assumption (every stride a runtime int), the code a launch with a
+    non-unit innermost stride gets.
 
     Static evidence only, like ``python -m kvcert.kernels.aot`` for the contiguous kernel; run it
     without ``TRITON_INTERPRET``.
@@ -752,16 +800,26 @@ def compile_paged(*, arch: int = 90, dtype: str = "bf16", d: int = 128, dv: int 
     dv = d if dv is None else dv
     g_block = min(g, _MAX_ROWS)
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
-    bt = min(block_t or default_block_t(block_size, d, tdt), aot._pow2(block_size))
-    const = dict(BS=block_size, BS_PAD=aot._pow2(block_size), BLOCK_T=bt, D=d, DV=dv, D_PAD=aot._pow2(d), DV_PAD=aot._pow2(dv),
+    bt = block_t or default_block_t(block_size, d, tdt, compacted=compacted)
+    const = dict(BS=block_size, D=d, DV=dv, D_PAD=aot._pow2(d), DV_PAD=aot._pow2(dv),
                  G=g, G_BLOCK=g_block, N_RB=-(-g // g_block), R_PAD=aot._pow2(g_block), CERTIFY=certify,
                  PER_COORD=per_coordinate, SPLIT=split, DOT_F32=dt == "fp32", ROUND_P=dt != "fp32")
+    if compacted:  # tiles gathered across blocks: the block size does not bound them
+        const.update(BLOCK_T=bt)
+    else:
+        bt = min(bt, aot._pow2(block_size))
+        const.update(BS_PAD=aot._pow2(block_size), BLOCK_T=bt)
     ptr = {"Q": dt, "KC": dt, "VC": dt, "Out": dt, "BT": "i32", "SL": "i32", "PL": "i32", "LP": "fp32", "LPS": "fp32",
            **{name: "fp32" for name in ("Lse", "Var", "Tr", "Neff", "PartS", "PartV")}}
     kern = _paged_compacted_kernel if compacted else _paged_decode_kernel
-    src = ASTSource(kern, aot._signature(kern, const, ptr), constexprs=const)
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps,
-                                                                         "num_stages": num_stages})
+    if specialize:
+        const.update({name: 1 for name in _UNIT_STRIDES if name in kern.arg_names})
+    sig = aot._signature(kern, const, ptr)
+    aligned = set(_ALIGNED_STRIDES) if specialize and d % 16 == 0 and dv % 16 == 0 else set()
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kern.arg_names)
+             if specialize and (sig[name].startswith("*") or name in aligned)}
+    k = triton.compile(ASTSource(kern, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", arch, 32),
+                       options={"num_warps": num_warps, "num_stages": num_stages})
     return dict(kernel="paged_compacted" if compacted else "paged_decode", arch=f"sm_{arch}", dtype=dt, d=d, g=g,
-                block_size=block_size, block_t=bt,
-                num_warps=num_warps, certify=certify, split=split, **aot.resource_usage(k))
+                block_size=block_size, block_t=bt, num_warps=num_warps, certify=certify, split=split,
+                specialize=specialize, **aot.resource_usage(k))

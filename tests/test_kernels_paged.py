@@ -33,6 +33,7 @@ triton = pytest.importorskip("triton")
 
 from kvcert import fast  # noqa: E402
 from kvcert import reference as ref  # noqa: E402
+from kernel_support import as_on_sms  # noqa: E402
 from support import EPS, rounding, store_eps  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -57,13 +58,14 @@ def paged(*args, **kwargs):
     return dataclasses.replace(est, **back)
 
 
-def allowance(dtype, field, n, bs, extra_tiles=0):
+def allowance(dtype, field, n, bs, extra_tiles=0, block_t=None):
     """Rounding allowance of a paged kernel's ``field`` over n slots, relative to the field's scale: the
     shared table's tiled accumulation bound ``rounding(dtype, n, block_t)`` for whichever sub-tile
-    block_t in [16, bs] the kernel picks (``extra_tiles``: tile merges beyond ceil(n / block_t), e.g. the
+    block_t in [16, bs] the kernel picks, and ``block_t`` when given (the compacted kernel's tiles, gathered
+    across blocks, are not bounded by bs) (``extra_tiles``: tile merges beyond ceil(n / block_t), e.g. the
     compacted kernel's second unit loop), one store of the field (``store_eps``), and for half inputs
     the probabilities rounded to the input dtype before P V (half an ulp each: one eps_dtype in a_i^2)."""
-    tiles = [t for t in (16, 32, 64, 128, 256) if t <= max(bs, 16)]
+    tiles = [t for t in (16, 32, 64, 128, 256) if t <= max(bs, 16)] + ([block_t] if block_t else [])
     r = max(rounding(dtype, max(n, 1) + extra_tiles * t, t) for t in tiles) + store_eps(field, dtype)
     return r + (EPS[dtype] if dtype != torch.float32 else 0.0)
 
@@ -424,8 +426,9 @@ def test_hypothesis_random_tables(bs, h_kv, g, lens, evict, splits, block_t, see
 
 def test_compiles_for_sm90_without_a_gpu():
     """The compiled (non-interpreted) paged kernel lowers to sm_90 cubins (bf16 split and fp32 unsplit, blocks
-    of 16 and 128, default sub-tiles, d = 128, g = 4): the interpreter cannot catch type or layout errors of
-    the compiled path."""
+    of 16 and 128, default sub-tiles, d = 128, g = 4; compiled as the JIT compiles a launch on vLLM's cache
+    views, ``compile_paged``'s ``specialize``): the interpreter cannot catch type or layout errors of the
+    compiled path."""
     import json
     import subprocess
     import sys
@@ -560,9 +563,10 @@ def gathered_tokens(case, s):
     return K, V, LP
 
 
-def check_compacted(case, est, nudge=None):
+def check_compacted(case, est, nudge=None, block_t=None):
     """Every field of the estimate against the float64 token oracle (per sequence), empty heads by convention.
-    Returns the max error per field. ``nudge``: as :func:`check_against_fast`'s."""
+    Returns the max error per field. ``nudge``: as :func:`check_against_fast`'s; ``block_t``: the kernel's
+    tile, when the allowance must count it (:func:`allowance`)."""
     dt = case["q"].dtype
     half = dt != torch.float32
     g = case["q"].shape[1] // case["key_cache"].shape[2]
@@ -588,7 +592,7 @@ def check_compacted(case, est, nudge=None):
 
         def tol(fld, scl):  # the kept slots and the tail: two unit loops, one more tile merge
             base = 2 * (getattr(e32, fld)[0].double() - getattr(e64, fld)[0]).abs() if e32 is not None else 0.0
-            return base + allowance(dt, fld, K.shape[2], case["bs"], extra_tiles=1) * scl + 1e-30
+            return base + allowance(dt, fld, K.shape[2], case["bs"], extra_tiles=1, block_t=block_t) * scl + 1e-30
 
         for fld, scl in (("output", (2 * vmax)[:, None]), ("lse", e64.lse[0].abs() + 1),
                          ("trace", W * v2max + e64.trace[0].abs()),
@@ -598,7 +602,7 @@ def check_compacted(case, est, nudge=None):
                 continue
             got = got[s].double()
             if nudge is not None and nudge[0] == fld:
-                a = allowance(dt, fld, K.shape[2], case["bs"], extra_tiles=1)
+                a = allowance(dt, fld, K.shape[2], case["bs"], extra_tiles=1, block_t=block_t)
                 got = got + nudge[1] * a * torch.as_tensor(scl, dtype=torch.float64)
             t = torch.as_tensor(tol(fld, scl)).expand_as(getattr(e64, fld)[0])
             errs[fld] = max(errs.get(fld, 0.0), _report(f"seq {s} {fld}", got[full], getattr(e64, fld)[0][full],
@@ -631,6 +635,67 @@ def test_compacted_matches_token_estimator_float32(bs, h_kv, g, splits):
     # the one-head-empty sequence: a C_h = 0 head sees only its (certain) tail, trace 0
     if h_kv > 1:
         assert bool((est.trace[0, g:2 * g] == 0).all()) and bool(torch.isfinite(est.lse[0]).all())
+
+
+def gathered_tile_seqs(bs):
+    """(P_s, L_s, C_h) whose slots and tails cross the 64-token tiles and the blocks at odd places: 150 of
+    150 slots (tiles 0-63, 64-127, 128-149) with a 39-token tail from mid-block, a random head count with a
+    113-token tail (two tiles, the second ragged), a head with no slot and a one-token tail, a one-slot
+    prompt with a tail of exactly one tile, and a tail starting at P_s = bs + 1 (mid-block, mid-tile)."""
+    return [(200, 239, [150, 63]), (130, 243, None), (65, 66, [64, 0]), (1, 65, [1, 1]), (bs + 1, bs + 1 + 3 * bs + 5,
+                                                                                           [bs + 1, 7])]
+
+
+@pytest.mark.parametrize("bs", [16, 128])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compacted_gathered_tiles_cross_blocks(bs, splits, dtype):
+    """The compacted kernel's 64-token tiles, gathered row by row through the block table, at blocks of 16
+    (a tile spans four blocks) and 128 (a block spans two tiles), ragged slot counts and tails that start
+    mid-block: every field within the derived allowance (with the 64-token tile counted), the poison in
+    padding slots and freed blocks never read. Negative control: the same estimate from a block table with
+    two kept blocks swapped (the gather reading the wrong blocks) fails the check."""
+    cmax = 150
+    case = make_compacted(seqs=gathered_tile_seqs(bs), h_kv=2, g=2, d=16, bs=bs, cmax=cmax, seed=bs + splits,
+                          dtype=dtype)
+    est = run_compacted(case, per_coordinate=True, num_splits=splits, block_t=64)
+    errs = check_compacted(case, est, block_t=64)
+    assert set(errs) == {"output", "lse", "trace", "variance", "n_eff"}
+    for x in (est.output, est.lse, est.trace, est.variance, est.n_eff):
+        assert not bool(torch.isnan(x).any())
+    assert bool((est.trace[2, 2:] == 0).all())  # head 1 of sequence 2 keeps no slot: its certain tail only
+    # the control: sequence 0's logical blocks 0 and 1 (both hold kept slots of both heads) swapped
+    tab = case["block_table"].clone()
+    tab[0, [0, 1]] = tab[0, [1, 0]]
+    bad = run_compacted({**case, "block_table": tab}, per_coordinate=True, num_splits=splits, block_t=64)
+    with pytest.raises(AssertionError, match="seq 0"):
+        check_compacted(case, bad, block_t=64)
+
+
+def test_compacted_any_tile_size():
+    """Tiles of 16, 32, 64 and 128 gathered tokens over the same case (blocks of 16): each within the derived
+    allowance of its own tile (only the grouping of the sums changes with the tile)."""
+    case = make_compacted(seqs=gathered_tile_seqs(16), h_kv=2, g=2, d=16, bs=16, cmax=150, seed=5)
+    for bt in (16, 32, 64, 128):
+        check_compacted(case, run_compacted(case, per_coordinate=True, block_t=bt), block_t=bt)
+
+
+def test_paged_kernels_at_the_heuristics_splits(monkeypatch):
+    """The paged kernels at the split count ``num_splits_heuristic`` picks on a 132-SM GPU when none is given
+    (tests/test_kernels_splits.py derives it; the merge kernel sees it): the block kernel over 188 blocks of
+    16 (3008 tokens, two programs: s_max = 3008 // 1024 = 2, under-filled: 2 splits) and the compacted kernel
+    over 63 + 32 tiles of 32 gathered tokens (3040 tokens: 2 splits), each against its oracle."""
+    spy, _ = as_on_sms(monkeypatch, 132)
+    case = make_case(seq_lens=[3000], h_kv=2, g=2, d=16, bs=16, seed=1)
+    est = paged(*(case[k] for k in ("q", "key_cache", "value_cache", "block_table", "seq_lens", "log_pi_blocks")),
+                per_coordinate=True)
+    assert spy.splits == [2], spy.splits
+    check_against_fast(case, est)
+    spy.splits.clear()
+    comp = make_compacted(seqs=[(2100, 3100, [1500, 2000])], h_kv=2, g=2, d=16, bs=16, cmax=2000, seed=2)
+    est = run_compacted(comp, per_coordinate=True)
+    assert spy.splits == [2], spy.splits
+    check_compacted(comp, est, block_t=32)
 
 
 def test_compacted_matches_numpy_reference():
@@ -753,8 +818,10 @@ def test_compacted_refuses_bad_inputs():
 
 def test_compacted_compiles_for_sm90_without_a_gpu():
     """The compiled compacted kernel lowers to sm_90 cubins (bf16 split at blocks of 16 and 128, fp32 unsplit
-    at 16; d = 128, g = 4, default sub-tiles) without register spills: the interpreter cannot catch type or
-    layout errors of the compiled path (the scalar branch on a tile's kept count, the two unit loops)."""
+    at 16; d = 128, g = 4, the default gathered tiles: 64 tokens for bf16, 32 for fp32) without register
+    spills, compiled as the JIT compiles a launch on vLLM's cache views (``compile_paged``'s ``specialize``:
+    unit innermost strides, aligned pointers and strides): the interpreter cannot catch type or layout errors
+    of the compiled path (the per-token row gather, the two unit loops)."""
     import json
     import subprocess
     import sys
@@ -771,5 +838,6 @@ def test_compacted_compiles_for_sm90_without_a_gpu():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(rows) == 3 and all(r["arch"] == "sm_90" and r["kernel"] == "paged_compacted" for r in rows)
+    assert [r["block_t"] for r in rows] == [64, 64, 32] and all(r["specialize"] for r in rows)
     counted = [r for r in rows if r["stack_bytes"] is not None]
     assert all(r["stack_bytes"] == 0 for r in counted), counted
