@@ -29,14 +29,26 @@ in the JSON (``errors``) and the next part runs.
    - ``flashinfer_decode``: FlashInfer's batch decode over the same K/V (no bias) when it imports,
    with GB/s (bytes of K, V and log pi) and the fraction of the measured copy bandwidth.
 5. ``sweep``: block_n x warps of the one-pass kernel (trace and variance) in three cells.
-6. ``compiled``: registers and spills of every compiled variant (``n_regs`` / ``n_spills`` of
+6. ``eviction``: the eviction event of one layer at prefill on the device, b = 1, n in {4k, 8k, 16k,
+   32k} prompt tokens (bfloat16, h_q 32, h_kv 8, d 128), the recommended design
+   (``kvcert.fast.TokenDesign`` with the tilted sketch, its radius and systematic sampling, compression
+   0.5), each step timed by ``do_bench`` beside the same layer's prefill attention (torch SDPA, causal,
+   ``enable_gqa=True``): ``score`` (the design's scorer over the observation window),
+   ``decide`` (the inclusion probabilities and the systematic sample, ``TokenDesign.decide``),
+   ``compact`` (``kvcert.fast.compact_slots`` and the gather of the kept K and V into the compacted
+   slots of blocks of 16), ``sketch`` (``TokenDesign.sketch_of``: the k-means and the cluster sums of
+   the evicted tokens), ``event`` (the four in one call) and ``prefill_sdpa``; ``event_over_prefill``
+   = event / prefill (target <= 0.10), ``parts_over_prefill`` per step, and ``checks`` (kept counts of
+   a systematic sample, the compacted slots holding the kept tokens in order).
+7. ``compiled``: registers and spills of every compiled variant (``n_regs`` / ``n_spills`` of
    Triton's compiled kernels, where this Triton exposes them).
-7. ``targets`` (top level): ``card``; ``certified_over_uncertified_max`` (the largest certified /
+8. ``targets`` (top level): ``card``; ``certified_over_uncertified_max`` (the largest certified /
    uncertified time ratio measured, of ``headline``: the one-pass trace path) and
    ``certified_vs_sdpa_min_4k`` (the smallest fastest-SDPA time / certified time, i.e. throughput
-   ratio, at kept n >= 4k), each also per variant (``by_variant``), and the targets of docs/design.md
+   ratio, at kept n >= 4k), each also per variant (``by_variant``); ``eviction_over_prefill_max`` (the
+   largest event / prefill time ratio over the eviction sizes); and the targets of docs/design.md
    section 6 they are read against (certificate <= 1.10x, >= 0.9x SDPA, >= 0.75 of the copy
-   bandwidth at n >= 16k).
+   bandwidth at n >= 16k, eviction <= 0.10 of the prefill).
 
 Usage::
 
@@ -81,6 +93,9 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, nargs="+", default=None, help="timing batch sizes (default 1 8 32)")
     p.add_argument("--kept", type=int, nargs="+", default=None, help="timing kept tokens (default 4096 16384 65536)")
     p.add_argument("--no-sweep", action="store_true", help="skip the block_n x warps sweep")
+    p.add_argument("--eviction-n", type=int, nargs="+", default=None,
+                   help="prompt tokens of the eviction event (default 4096 8192 16384 32768)")
+    p.add_argument("--no-eviction", action="store_true", help="skip the eviction event against the prefill")
     return p.parse_args(argv)
 
 
@@ -112,6 +127,8 @@ def main(argv=None):
         dtype="bfloat16", modes=list(MODES), budget_s=args.budget_s,
         # the kept lengths the SDPA and copy-bandwidth targets are read at (all of them in a dry run)
         sdpa_min_n=0 if dry else 4096, copy_min_n=0 if dry else 16384,
+        # the eviction event: prompt lengths, the paged engine's block size
+        eviction_n=args.eviction_n or ([200] if dry else [4096, 8192, 16384, 32768]), block_size=16,
     )
     out_path = args.out or default_out(dry)
     clock = Clock(args.budget_s)
@@ -123,7 +140,8 @@ def main(argv=None):
                  "the measured copy bandwidth"),
         "command": " ".join(["python", "benchmarks/gpu_check.py", *(sys.argv[1:] if argv is None else argv)]),
         "git_commit": _git("rev-parse", "--short", "HEAD"), "config": cfg, "environment": {},
-        "copy_bandwidth": {}, "correctness": [], "timings": [], "sweep": [], "compiled": [], "targets": {},
+        "copy_bandwidth": {}, "correctness": [], "timings": [], "sweep": [], "eviction": [], "compiled": [],
+        "targets": {},
         "skipped": [], "errors": [],
     }
 
@@ -150,6 +168,9 @@ def main(argv=None):
                                         lambda: write_report(report, out_path)))
     if not args.no_sweep:
         part("sweep", lambda: run_sweep(report, torch, KN, device, cfg, bench, clock, dry))
+    if not args.no_eviction:
+        part("eviction", lambda: run_eviction(report, torch, device, cfg, bench, clock,
+                                              lambda: write_report(report, out_path)))
     part("compiled", lambda: report.update(compiled=compiled_kernels(KN)))
     report["summary"] = {"errors": len(report["errors"]), "skipped": len(report["skipped"]),
                          "correctness_ok": (all(r.get("ok", False) for r in report["correctness"])
@@ -387,6 +408,102 @@ def run_sweep(report, torch, KN, device, cfg, bench, clock, dry):
         _free(torch, device)
 
 
+# ----------------------------------------------------------------------------- the eviction event
+
+def eviction_design():
+    """The recommended design at compression 0.5 (the tilted sketch, its radius, systematic sampling)."""
+    import kvcert.fast as fast
+
+    return fast.TokenDesign(compression_ratio=0.5, sketch=fast.RECOMMENDED[0], kind=fast.RECOMMENDED[1],
+                            sampling=fast.RECOMMENDED_SAMPLING, seed=0)
+
+
+def compact_kv(torch, keys, values, decision, block_size):
+    """The compaction of one sequence's layer as a paged engine does it: the layout
+    (``kvcert.fast.compact_slots``) and the kept K and V gathered into the compacted slots, (h_kv, m bs, d)
+    each (padding slots repeat token 0; the kernel masks them by log pi = -inf)."""
+    import kvcert.fast as fast
+
+    comp = fast.compact_slots(decision.keep, decision.pi, block_size)
+    idx = comp.positions.clamp_min(0)
+    k = torch.gather(keys[0], 1, idx[..., None].expand(-1, -1, keys.shape[-1]))
+    v = torch.gather(values[0], 1, idx[..., None].expand(-1, -1, values.shape[-1]))
+    return comp, k, v
+
+
+def eviction_checks(torch, keys, decision, comp, packed_keys, budget):
+    """What the timed steps must have produced: a systematic sample keeps floor(B) or ceil(B) tokens per
+    head (B = sum pi); the compacted slots hold the kept tokens in position order (their keys), padding
+    after them; m = ceil(max kept / block size) blocks."""
+    kept = decision.keep.sum(-1)
+    total = decision.pi.sum(-1)
+    counts = bool(((kept >= torch.floor(total - 1e-6)) & (kept <= torch.ceil(total + 1e-6))).all())
+    slots_ok = True
+    for h in range(keys.shape[1]):
+        pos = torch.nonzero(decision.keep[h]).flatten()
+        c = int(pos.numel())
+        slots_ok &= bool(torch.equal(comp.positions[h, :c], pos)) and bool((comp.positions[h, c:] == -1).all())
+        slots_ok &= bool(torch.equal(packed_keys[h, :c], keys[0, h, pos]))
+    blocks = comp.m == -(-int(kept.max()) // comp.block_size)
+    return {"systematic_counts": counts, "slots_hold_kept_tokens": slots_ok, "blocks": blocks,
+            "budget": budget, "ok": counts and slots_ok and blocks}
+
+
+def run_eviction(report, torch, device, cfg, bench, clock, flush):
+    """The eviction event of one layer (b = 1) against the layer's causal prefill attention, per prompt length."""
+    import torch.nn.functional as F
+    from gpu_decode import _guarded
+
+    dtype = torch.bfloat16
+    h_q, h_kv, d, bs = cfg["h_q"], cfg["h_kv"], cfg["d"], cfg["block_size"]
+    design = eviction_design()
+    for n in cfg["eviction_n"]:
+        if clock.out_of_time():
+            report["skipped"].append(f"eviction n={n}: time budget")
+            continue
+        gen = torch.Generator(device=device).manual_seed(n)
+        q = torch.randn(1, h_q, n, d, generator=gen, device=device).to(dtype)
+        k = torch.randn(1, h_kv, n, d, generator=gen, device=device).to(dtype)
+        v = torch.randn(1, h_kv, n, d, generator=gen, device=device).to(dtype)
+        window = q[:, :, -design.queries_read(n, n):]
+        budget = design.sampled_budget(n, d, d)  # the budget less the sketch's memory in kept tokens
+        scores = design.score(window, k, v)
+        decision = design.decide(scores[0], budget=budget)
+
+        def event():
+            sc = design.score(window, k, v)
+            dec = design.decide(sc[0], budget=budget)
+            return compact_kv(torch, k, v, dec, bs), design.sketch_of(k, v, dec, queries=window)
+
+        steps = {
+            "score": lambda: design.score(window, k, v),
+            "decide": lambda: design.decide(scores[0], budget=budget),
+            "compact": lambda: compact_kv(torch, k, v, decision, bs),
+            "sketch": lambda: design.sketch_of(k, v, decision, queries=window),
+            "event": event,
+            "prefill_sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        }
+        comp, kc, _ = compact_kv(torch, k, v, decision, bs)
+        row = {"n": n, "b": 1, "h_q": h_q, "h_kv": h_kv, "d": d, "dtype": "bfloat16", "block_size": bs,
+               "design": repr(design), "kept": decision.keep.sum(-1).tolist(), "m_blocks": comp.m,
+               "checks": eviction_checks(torch, k, decision, comp, kc, budget), "results": {}}
+        for name, fn in steps.items():
+            med = _guarded(lambda fn=fn: bench(fn))
+            row["results"][name] = (med if isinstance(med, dict) else
+                                    {"median_ms": med[0], "q20_ms": med[1], "q80_ms": med[2]})
+        pre = row["results"]["prefill_sdpa"].get("median_ms")
+        if pre:
+            row["parts_over_prefill"] = {k_: r_["median_ms"] / pre for k_, r_ in row["results"].items()
+                                         if "median_ms" in r_ and k_ != "prefill_sdpa"}
+            row["event_over_prefill"] = row["parts_over_prefill"].get("event")
+        report["eviction"].append(row)
+        flush()
+        print(f"[gpu_check] eviction n={n}: " + ", ".join(
+            f"{k_}={r_['median_ms']:.3f}ms" for k_, r_ in row["results"].items() if "median_ms" in r_), flush=True)
+        del q, k, v, window, scores, decision, comp, kc
+        _free(torch, device)
+
+
 # ----------------------------------------------------------------------------- compiled kernels
 
 def compiled_kernels(KN):
@@ -458,6 +575,7 @@ def targets(report):
             "copy_fraction_min_16k": min(t["copy_fraction_16k"], default=None),
         }
     head = summary.get(HEADLINE, {})
+    ev = [r["event_over_prefill"] for r in report.get("eviction", []) if r.get("event_over_prefill") is not None]
     return {
         "card": card,
         "measured_on_gpu": report.get("measured_on_gpu"),
@@ -465,8 +583,9 @@ def targets(report):
         "certified_over_uncertified_max": head.get("certified_over_uncertified_max"),
         "certified_vs_sdpa_min_4k": head.get("certified_vs_sdpa_min_4k"),
         "copy_fraction_min_16k": head.get("copy_fraction_min_16k"),
+        "eviction_over_prefill_max": max(ev, default=None),
         "goal": {"certified_over_uncertified_max": "<= 1.10", "certified_vs_sdpa_min_4k": ">= 0.9",
-                 "copy_fraction_min_16k": ">= 0.75"},
+                 "copy_fraction_min_16k": ">= 0.75", "eviction_over_prefill_max": "<= 0.10"},
         "by_variant": summary,
     }
 
