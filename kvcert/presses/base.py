@@ -14,6 +14,7 @@ evict), so a press says only how it scores (``_score``) and evicts
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import numbers
@@ -24,6 +25,7 @@ import torch
 
 from ..fast import SCORERS, ClusterSketch, TokenDesign, design_sizes
 from ..fast._checks import check_int, check_kernel_size
+from ..fast.options import declare_fields
 from ..fast.scorers import HEAD_POOLINGS, SNAPKV_POOLINGS, queries_needed, queries_read
 
 
@@ -76,6 +78,21 @@ def _validate_params(press) -> None:
 #: ``window_size`` (SnapKV) is the *observation* window, kvcert's ``window`` the recent tokens kept
 #: with certainty; kvpress's ``n_sink`` (StreamingLLM, ExpectedAttention) is kvcert's ``sinks``
 KVPRESS_NAMES = {"window_size": "observation_window", "n_sink": "sinks"}
+
+
+def _records_given(cls):
+    """Let ``cls(...)`` remember which fields its caller named (``_given``: the keywords and the positional
+    fields), so a named design (``preset=``) fills only the others. ``dataclasses.replace`` names every field."""
+    init = cls.__init__
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        self.__dict__["_given"] = frozenset(names[:len(args)]) | frozenset(kwargs)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
 
 
 def _accept_kvpress_names(cls):
@@ -222,7 +239,12 @@ class Press:
 # ---------------------------------------------------------------------------------------------
 # the compression engine
 # ---------------------------------------------------------------------------------------------
+#: the fields every press shares with :class:`kvcert.fast.TokenDesign`, which declares and checks them
+_BASE_FIELDS = ("compression_ratio", "target_size", "sinks", "window", "delta", "kind")
+
+
 @dataclass
+@declare_fields(TokenDesign, _BASE_FIELDS)
 class BasePress(Press):
     r"""Common fields and the compression engine of every press that evicts.
 
@@ -261,12 +283,7 @@ class BasePress(Press):
     shrinks first, then the sinks (:func:`kvcert.fast.design_sizes`).
     """
 
-    compression_ratio: float = 0.0
-    target_size: int | None = None
-    sinks: int = 4
-    window: int = 32
-    delta: float = 0.05
-    kind: str = "chebyshev"
+    # the fields (compression_ratio, target_size, sinks, window, delta, kind) are TokenDesign's: declare_fields
 
     #: Poisson design (expected budget, top slice) or deterministic top-k (exact budget)
     _randomized = False
@@ -493,8 +510,6 @@ class RowEvent(NamedTuple):
     evicted: bool = False
 
 
-#: the fields every press shares with :class:`kvcert.fast.TokenDesign`, which checks them
-_BASE_FIELDS = ("compression_ratio", "target_size", "sinks", "window", "delta", "kind")
 
 
 def _real_slots(layer, r: int):

@@ -9,12 +9,19 @@ from dataclasses import dataclass
 import torch
 
 from ..fast import BlockDecision, BlockDesign
+from ..fast.options import declare_fields
 from .base import Press, _held_design, _pad_rows
 
 __all__ = ["BlockDecision", "BlockPoissonPress"]  # BlockDecision: kvcert.fast's, re-exported
 
 
+#: the fields of :class:`kvcert.fast.BlockDesign` the press declares (all but ``kernel_size``), in its order
+_BLOCK_FIELDS = ("compression_ratio", "block_size", "seed", "sink_blocks", "recent_blocks", "top_blocks", "floor",
+                 "observation_window", "reduce", "delta", "kind", "scorer")
+
+
 @dataclass
+@declare_fields(BlockDesign, _BLOCK_FIELDS)
 class BlockPoissonPress(Press):
     r"""The block design of the vLLM plugin in the Hugging Face path: whole blocks sampled once per sequence.
 
@@ -125,22 +132,10 @@ class BlockPoissonPress(Press):
     (4.0, None)
     """
 
-    compression_ratio: float = 0.0
-    block_size: int = 16
-    seed: int = 0
-    sink_blocks: int = 1
-    recent_blocks: int = 1
-    top_blocks: int = 0
-    floor: float = 0.1
-    observation_window: int = 16
-    reduce: str = "mean"
-    delta: float = 0.05
-    kind: str = "chebyshev"
-    scorer: str = "snapkv"
+    # the fields are BlockDesign's (_design_fields), declared by declare_fields
 
     #: the press fields the :class:`kvcert.fast.BlockDesign` holds (and checks)
-    _design_fields = ("compression_ratio", "block_size", "seed", "sink_blocks", "recent_blocks", "top_blocks",
-                      "floor", "observation_window", "reduce", "scorer", "delta", "kind")
+    _design_fields = _BLOCK_FIELDS
 
     def __post_init__(self):
         if self.block_size is None:  # the design's "engine's block size" has no meaning in the press

@@ -6,14 +6,18 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..fast import SCORERS, TokenDesign, compact, default_design, default_sampling, nonnegative_importance
+from ..fast import SCORERS, TokenDesign, compact, default_design, default_sampling, nonnegative_importance, preset_fields
+from ..fast.options import declare_fields
 from ..fast import design as _fast_design
-from .base import BasePress, RowEvent, _accept_kvpress_names, _held_design, _real_slots, _row_slots, _row_tokens
+from .base import (BasePress, RowEvent, _accept_kvpress_names, _held_design, _real_slots, _records_given, _row_slots,
+                   _row_tokens)
 from .kvpress_interop import _is_kvpress_scorer, _KvpressInputs, _row_slice
 from .scorer import ScorerPress
 
 
 @dataclass
+@declare_fields(TokenDesign, ("top_fraction", "floor", "scorer", "seed", "observation_window", "kernel_size", "sketch",
+                              "kind", "target_error", "sampling"), sketch="auto", kind=None, sampling="auto")
 class PoissonPress(BasePress):
     r"""Randomized eviction with known inclusion probabilities (by default the recommended design: the
     paper's sample plus a tilted sketch of the evicted tokens, at equal memory).
@@ -138,6 +142,13 @@ class PoissonPress(BasePress):
         other sketches (:func:`kvcert.fast.default_sampling`);
         after construction the field holds the resolved name.
 
+    preset : str, optional
+        A named design of :data:`kvcert.fast.TOKEN_DESIGNS` (``"paper"``, ``"recommended"``, or one
+        registered with :func:`kvcert.fast.register_design`): its fields replace those not named here (the
+        budget and the seed are always this press's), e.g. ``PoissonPress(compression_ratio=0.5,
+        preset="paper")`` is ``PoissonPress(compression_ratio=0.5, sketch=None)``. The same name serves the
+        design in the vLLM plugin (``KVCertConfig(preset=...)``, the request option ``kvcert_preset``).
+
     Notes
     -----
     A kvpress scorer is called once per layer, batch row and prefill event,
@@ -168,16 +179,9 @@ class PoissonPress(BasePress):
     'chebyshev'
     """
 
-    top_fraction: float = 0.5
-    floor: float = 0.1
-    scorer: object = "snapkv"
-    seed: int = 0
-    observation_window: int = 32
-    kernel_size: int = 7
-    sketch: object = "auto"
-    kind: str | None = None
-    target_error: float | None = None
-    sampling: str = "auto"
+    # the fields (top_fraction, floor, scorer, seed, observation_window, kernel_size, sketch, kind,
+    # target_error, sampling) are TokenDesign's, declared by declare_fields below the class; preset is the press's
+    preset: str | None = None
 
     _randomized = True
 
@@ -194,6 +198,10 @@ class PoissonPress(BasePress):
                             f"or kvpress's: an object with score(module, hidden_states, keys, values, attentions, "
                             f"kwargs)) or a callable, got {type(s).__name__}")
         self._layer_inputs = {}  # layer -> (attention module, its forward kwargs) of the forward under way
+        if self.preset is not None:  # a named design's fields, under those given
+            for name, value in preset_fields(self.preset).items():
+                if name not in self.__dict__.get("_given", ()):
+                    setattr(self, name, value)
         #: (layer, batch row) -> the kvcert.fast.TargetBudget its last prefill event chose (target_error only)
         self.chosen_budgets = {}
         # the defaults (sketch="auto", kind=None): the recommended design, or the paper's when a plain kind is named
@@ -396,7 +404,7 @@ SKETCHES = _fast_design.SKETCHES
 SKETCH_KINDS = _fast_design.SKETCH_KINDS
 
 
-_accept_kvpress_names(PoissonPress)
+_accept_kvpress_names(_records_given(PoissonPress))
 
 
 def _checked_scores(u, keys: torch.Tensor, name: str, layer: int) -> torch.Tensor:

@@ -13,6 +13,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
+from kvcert.fast.blocks import BlockDesign as _BlockDesign
+from kvcert.fast.options import declare_fields as _declare_fields
+from kvcert.fast.token_design import TokenDesign as _TokenDesign
+
 if TYPE_CHECKING:
     from kvcert.fast import BlockDesign, TokenDesign
 
@@ -31,14 +35,19 @@ _ENGINE_FIELDS = ("granularity", "free_blocks", "track_reuse", "report_kept")
 #: design fields of one granularity only (the shared ones: floor, observation_window, scorer, delta, kind)
 #: the per-request keys of ``SamplingParams.extra_args`` (token design): key -> :class:`KVCertConfig` field
 #: (in the order they are applied: a sketch before the kind its radius needs)
-REQUEST_KEYS = {"kvcert_compression_ratio": "compression_ratio", "kvcert_seed": "seed", "kvcert_delta": "delta",
-                "kvcert_sketch": "sketch", "kvcert_kind": "kind", "kvcert_target_error": "target_error",
+REQUEST_KEYS = {"kvcert_preset": "preset", "kvcert_compression_ratio": "compression_ratio", "kvcert_seed": "seed",
+                "kvcert_delta": "delta", "kvcert_sketch": "sketch", "kvcert_kind": "kind", "kvcert_target_error": "target_error",
                 "kvcert_sampling": "sampling"}
 _ONLY = {"token": ("sinks", "window", "top_fraction", "kernel_size", "sketch", "target_error", "sampling"),
          "block": ("sink_blocks", "recent_blocks", "top_blocks", "reduce")}
+#: the token design's fields the settings declare (the block design's own: ``_ONLY["block"]``), in their order
+_TOKEN_FIELDS = ("compression_ratio", "seed", "sinks", "window", "top_fraction", "kernel_size", "floor",
+                 "observation_window", "scorer", "delta", "kind", "sketch", "target_error", "sampling")
 
 
 @dataclass(frozen=True)
+@_declare_fields(_TokenDesign, _TOKEN_FIELDS, default=None, seed=0, sketch="auto")
+@_declare_fields(_BlockDesign, _ONLY["block"], default=None)
 class KVCertConfig:
     r"""Design, certificate and engine knobs of the plugin (numpy/kvpress-style dataclass).
 
@@ -123,38 +132,35 @@ class KVCertConfig:
     report_kept : bool
         Token design: add the kept prompt positions of every (layer, KV head) to the request's report
         (``kept_positions``; large: for tests and audits).
+    preset : str, optional
+        Token design: a named design of :data:`kvcert.fast.TOKEN_DESIGNS` (``"paper"``, ``"recommended"``, or
+        one registered with :func:`kvcert.fast.register_design`) whose fields fill those left None (and
+        ``sketch="auto"``); the budget and the seed stay these settings'. Per request: ``kvcert_preset``.
     """
 
-    compression_ratio: float | None = None
-    seed: int = 0
+    # the design fields (None: the design's own default) are TokenDesign's and BlockDesign's, declared by
+    # declare_fields above the class; these are the engine's, and the named design
     granularity: str = "token"
-    sinks: int | None = None
-    window: int | None = None
-    top_fraction: float | None = None
-    kernel_size: int | None = None
-    sink_blocks: int | None = None
-    recent_blocks: int | None = None
-    top_blocks: int | None = None
-    reduce: str | None = None
-    floor: float | None = None
-    observation_window: int | None = None
-    scorer: str | None = None
-    delta: float | None = None
-    kind: str | None = None
-    sketch: str | None = "auto"
     free_blocks: bool = True
     track_reuse: bool = True
     report_kept: bool = False
-    target_error: float | None = None
-    sampling: str | None = None
+    preset: str | None = None
 
     def __post_init__(self):
         from kvcert.fast import SERVED_KINDS, BlockDesign, TokenDesign
 
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
-        from kvcert.fast.design import SKETCH_KINDS, SKETCHES, default_design, default_sampling
+        from kvcert.fast.token_design import SKETCH_KINDS, SKETCHES, default_design, default_sampling, preset_fields
 
+        if self.preset is not None:  # a named token design's fields, where none is given
+            if self.granularity != "token":
+                raise ValueError(f"preset={self.preset!r}: a named token design; granularity={self.granularity!r} "
+                                 f"serves the block design")
+            for name, value in preset_fields(self.preset).items():
+                unset = self.sketch == "auto" if name == "sketch" else getattr(self, name) is None
+                if unset:
+                    object.__setattr__(self, name, value)
         if self.compression_ratio is None:  # the default: 0.5, or nothing by ratio under an error target
             object.__setattr__(self, "compression_ratio", 0.5 if self.target_error is None else 0.0)
         if isinstance(self.sketch, str) and self.sketch == "auto":  # the default: the design of default_design
@@ -177,7 +183,8 @@ class KVCertConfig:
         if given:
             raise ValueError(f"{', '.join(given)}: option(s) of the {'block' if self.granularity == 'token' else 'token'}"
                              f" design, not of granularity={self.granularity!r}")
-        names = [f.name for f in fields(self) if f.name not in _ENGINE_FIELDS and f.name not in other]
+        names = [f.name for f in fields(self) if f.name not in _ENGINE_FIELDS and f.name not in other
+                 and f.name != "preset"]
         values = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         if self.granularity == "token":
             design = TokenDesign(**values)
@@ -307,6 +314,15 @@ def request_options(config: KVCertConfig, extra_args: dict | None) -> dict | Non
                 implied["kind"] = None
     elif "kvcert_compression_ratio" in given and config.target_error is not None:
         implied["target_error"] = None
+    if "kvcert_preset" in given:  # a named design: its fields, except those the request names
+        from kvcert.fast.token_design import preset_fields
+
+        try:
+            preset = preset_fields(given["kvcert_preset"])
+        except ValueError as e:
+            raise ValueError(f"kvcert_preset={given['kvcert_preset']!r}: {e}") from None
+        named = {REQUEST_KEYS[k] for k in given}
+        implied.update({name: "auto" if name == "sketch" else None for name in preset if name not in named})
     if "kvcert_kind" in given and "kvcert_sketch" not in given:
         given["kvcert_sketch"] = "auto"  # a kind alone picks its design, as PoissonPress(kind=...) does
     if "kvcert_sampling" not in given and ("kvcert_sketch" in given or "sketch" in implied):
