@@ -17,7 +17,7 @@ What must agree, and how closely:
   so a point within rounding of the boundary between two consecutive tokens may pick the other one. Such a
   swap is accepted only as exactly that: one token for the next (or previous) sampled-tail token in the
   uniforms' order, the boundary between them within :data:`TIE_TOL` of a point in the Hugging Face draw's
-  own pi (recorded from ``kvcert.fast.eviction.draw_sample``), at most :data:`MAX_TIES` per design run;
+  own pi (recorded from ``kvcert.fast.token_design.draw_sample``), at most :data:`MAX_TIES` per design run;
 - greedy tokens: identical (a near tie in the two engines' float32 logits would show here);
 - the per-token certificates (mean relative radius over layers and query heads; the same definition in
   ``kvcert.vllm.certificates`` and ``Certificates.per_step``) within :data:`CERT_RTOL`.
@@ -75,7 +75,7 @@ MAX_TIES = 2
 #: the designs compared, the same options on both sides: the default (no design argument on either side: the
 #: recommended design, the tilted sketch with its radius min(3 sqrt(V_cl), H), docs/theory.md section 8) and
 #: the paper's, by name (sketch=None), an error target, and the default drawn by Poisson sampling (the default
-#: draws systematically: kvcert.fast.default_sampling)
+#: draws systematically: kvcert.fast.default_sampling))
 DESIGNS = {"default": {}, "paper": {"sketch": None}, "target": {"target_error": 1.0},
            "poisson": {"sampling": "poisson"}}
 
@@ -155,16 +155,17 @@ def hf(design):
     systematic = _systematic(design)
     draws = []  # systematic: each layer's (pi, u, start) per KV head, for the tie check
 
-    def record(sampling, pi, u, seed, *, layer, event, row_streams):
+    def record(sampling, pi, u, seed, *, layer, event, row_streams, head_offset=0):
         from kvcert.fast.design import start_uniforms
 
         start = start_uniforms(tuple(pi.shape[:-1]), seed, layer=layer, event=event, device=pi.device,
-                               row_streams=row_streams)
+                               row_streams=row_streams, head_offset=head_offset)
         draws.append((layer, pi.double().reshape(-1, pi.shape[-1]), u.double().reshape(-1, u.shape[-1]),
                       start.double().reshape(-1)))
-        return draw_sample(sampling, pi, u, seed, layer=layer, event=event, row_streams=row_streams)
+        return draw_sample(sampling, pi, u, seed, layer=layer, event=event, row_streams=row_streams,
+                           head_offset=head_offset)
 
-    import kvcert.fast.eviction as eviction
+    import kvcert.fast.token_design as eviction  # the press's prefill event draws there (TokenDesign._draw)
     from kvcert.fast.design import draw_sample
 
     res = {}
@@ -181,6 +182,7 @@ def hf(design):
         with torch.no_grad(), press(model), mock.patch.object(eviction, "draw_sample",
                                                               record if systematic else draw_sample):
             cache = model(input_ids=torch.tensor([ids]), use_cache=True)[ckw]
+        assert draws or not systematic, "the press's systematic draws were not recorded (draw_sample moved?)"
         kept = []
         for layer in cache.layers:
             pos = layer.positions[0]  # (h_kv, slots), -1 = padding
