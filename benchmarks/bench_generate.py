@@ -268,8 +268,9 @@ def _rss_mib() -> float:
 # the runs
 # ---------------------------------------------------------------------------------------------
 def _cache_keyword(model) -> str:
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    from kvcert.cache import cache_keyword
+
+    return cache_keyword(model)
 
 
 def greedy_loop(model, cache, first_logits, start_pos: int, new_tokens: int) -> list[int]:

@@ -42,7 +42,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 __all__ = ["KVCertLayer", "KVCertCache", "SlidingWindowLayer", "as_kvcert_cache", "attention_layout",
-           "compressed_layers"]
+           "cache_keyword", "compressed_layers"]
 
 
 class KVCertLayer(DynamicLayer):
@@ -609,6 +609,14 @@ def attention_layout(config) -> list[int | None]:
             "sequence it runs can set config.sliding_window = None)"
         )
     return [None if t == "full_attention" else int(window) for t in types]
+
+
+def cache_keyword(module) -> str:
+    """The cache argument of a model's (or decoder's) ``forward``: ``"cache"`` where transformers names it so,
+    else ``"past_key_values"`` (the name of transformers releases before the rename, and of most models)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
 def compressed_layers(config) -> tuple[int, ...]:

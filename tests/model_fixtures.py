@@ -170,9 +170,9 @@ def tiny_family_model(family: str, seed: int = 0):
 
 def _cache_kw(model) -> str:
     """The cache keyword of model.forward: ``cache`` (transformers >= 5.23) or ``past_key_values``."""
-    import inspect
+    from kvcert.cache import cache_keyword
 
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return cache_keyword(model)
 
 
 def _cache_of(out):

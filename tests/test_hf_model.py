@@ -19,6 +19,7 @@ from model_fixtures import SHORT_PROMPT, long_prompt, topics, model_sdpa, smollm
 from press_cases import PRESS_CASES
 
 import kvcert
+from kvcert.cache import cache_keyword
 import kvcert.dispatch
 from kvcert import reference as R
 from kvcert.cache import KVCertLayer
@@ -27,13 +28,6 @@ pytestmark = pytest.mark.model
 
 EPS32 = float(torch.finfo(torch.float32).eps)
 N_LAYERS, H_Q, H_KV = 30, 9, 3
-
-
-def _cache_kw(model) -> str:
-    """The cache keyword of model.forward: ``cache`` (transformers >= 5.23) or ``past_key_values``."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _cache_of(out):
@@ -49,7 +43,7 @@ def forced_logits(model, ids, cont, press=None):
         out = model(input_ids=ids, use_cache=True)
         cache, logits = _cache_of(out), [out.logits[0, -1]]
         for t in cont:
-            out = model(input_ids=t.view(1, 1), use_cache=True, **{_cache_kw(model): cache})
+            out = model(input_ids=t.view(1, 1), use_cache=True, **{cache_keyword(model): cache})
             cache = _cache_of(out)
             logits.append(out.logits[0, -1])
     return torch.stack(logits), cache

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention import Certificates
+from ..cache import cache_keyword
 
 __all__ = ["GenerationResult", "encode_prompts", "QUERY_AWARE", "QUERY_AGNOSTIC"]
 
@@ -234,7 +235,7 @@ def _forward_kwargs(model) -> tuple[dict, str]:
     """(extra forward kwargs, the cache keyword) of a causal LM's forward."""
     params = inspect.signature(model.forward).parameters
     fwd_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-    return fwd_kwargs, ("cache" if "cache" in params else "past_key_values")
+    return fwd_kwargs, cache_keyword(model)
 
 
 def _position_ids(attention_mask):

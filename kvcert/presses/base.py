@@ -160,15 +160,14 @@ class _PressContext:
 
     def __enter__(self):
         from .. import attention as A
-        from ..cache import attention_layout
+        from ..cache import attention_layout, cache_keyword
 
         model, config = self.model, self.model.config
         attention_layout(config)  # refuses the layer types kvcert cannot run correctly
         self._previous = config._attn_implementation
         decoder = self._decoder()
-        params = inspect.signature(decoder.forward).parameters
         session = A.Session(self.press._for_model(config), A.resolve_base(self._previous), config,
-                            "cache" if "cache" in params else "past_key_values")
+                            cache_keyword(decoder))
         A.activate(session)
         self._session = self.press._session = session
 

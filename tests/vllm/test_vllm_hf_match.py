@@ -71,9 +71,9 @@ def hf(engine):
 
     model = AutoModelForCausalLM.from_pretrained(model_path(), dtype=torch.float32).eval()
     model.set_attn_implementation("sdpa")
-    import inspect
+    from kvcert.cache import cache_keyword
 
-    ckw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    ckw = cache_keyword(model)
     outs = engine["runs"][0]["outputs"]
     res = {}
     for i in PROMPTS:

@@ -149,9 +149,9 @@ def hf(design):
     tok = AutoTokenizer.from_pretrained(model_path())
     model = AutoModelForCausalLM.from_pretrained(model_path(), dtype=torch.float32).eval()
     model.set_attn_implementation("sdpa")
-    import inspect
+    from kvcert.cache import cache_keyword
 
-    ckw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    ckw = cache_keyword(model)
     systematic = _systematic(design)
     draws = []  # systematic: each layer's (pi, u, start) per KV head, for the tie check
 
