@@ -2,7 +2,7 @@
 
 :class:`GenerationResult` is what :func:`kvcert.generate` and
 :func:`kvcert.answer` return; :func:`encode_prompts` turns prompts into
-left-padded ids through the chat template; :func:`_decode_loop` chooses the
+left-padded ids through the chat template; :func:`decode_loop` chooses the
 generated tokens, one forward over the (compressed) cache per token.
 """
 
@@ -170,7 +170,7 @@ def encode_prompts(tokenizer, prompts: list[str], *, chat_template: bool | None 
     return enc["input_ids"], enc["attention_mask"]
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
+def eos_token_ids(model, tokenizer) -> set[int]:
     ids = set()
     for src in (getattr(model, "generation_config", None), model.config):
         e = getattr(src, "eos_token_id", None) if src is not None else None
@@ -183,7 +183,7 @@ def _eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-class _LayerProgress:
+class LayerProgress:
     """A tqdm bar advanced by each decoder layer of one forward (prefill progress)."""
 
     def __init__(self, model, desc: str):
@@ -207,7 +207,7 @@ def _prompt_name(single: bool, i: int, name: str = "prompt") -> str:
     return name if single else f"{name}[{i}]"
 
 
-def _prompt_list(prompt, action: str) -> tuple[bool, list]:
+def as_prompt_list(prompt, action: str) -> tuple[bool, list]:
     """(single, prompts) of a ``prompt`` argument: a str or a non-empty list of str, none empty or
     whitespace only."""
     single = isinstance(prompt, str)
@@ -221,7 +221,7 @@ def _prompt_list(prompt, action: str) -> tuple[bool, list]:
     return single, prompts
 
 
-def _check_tokens(tokenizer, texts, single: bool, name: str = "prompt") -> None:
+def check_tokens(tokenizer, texts, single: bool, name: str = "prompt") -> None:
     """Refuse a text the tokenizer encodes to no token (it drops every character): after the chat
     template such a prompt would add nothing of its own. ``name`` is the argument's, for the error."""
     for i, text in enumerate(texts):
@@ -231,33 +231,33 @@ def _check_tokens(tokenizer, texts, single: bool, name: str = "prompt") -> None:
                              f"its text {shown}): nothing of it would follow the chat template")
 
 
-def _forward_kwargs(model) -> tuple[dict, str]:
+def forward_kwargs(model) -> tuple[dict, str]:
     """(extra forward kwargs, the cache keyword) of a causal LM's forward."""
     params = inspect.signature(model.forward).parameters
     fwd_kwargs = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
     return fwd_kwargs, cache_keyword(model)
 
 
-def _position_ids(attention_mask):
+def mask_positions(attention_mask):
     """RoPE positions of left-padded rows (b, n): 0 at each row's first real token (padding at 0)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
-def _prompt_ids(model, tokenizer, prompts, chat_template, system_prompt, prefilled=None, single=False):
+def prompt_ids(model, tokenizer, prompts, chat_template, system_prompt, prefilled=None, single=False):
     """``(input_ids, attention_mask)`` (b, n) on the model's device: encoded, or the shared prefill's.
 
     A prompt that encodes to no token is refused (ValueError naming it)."""
     if prefilled is not None:
         return prefilled.input_ids, prefilled.attention_mask
-    _check_tokens(tokenizer, prompts, single)
+    check_tokens(tokenizer, prompts, single)
     device = next(model.parameters()).device
     input_ids, attention_mask = encode_prompts(tokenizer, list(prompts), chat_template=chat_template,
                                                system_prompt=system_prompt)
     return input_ids.to(device), attention_mask.to(device)
 
 
-def _prefill_forward(model, input_ids, attention_mask, position_ids, fwd_kwargs, progress):
-    bar = _LayerProgress(model, "prefill") if progress else None
+def prefill_forward(model, input_ids, attention_mask, position_ids, fwd_kwargs, progress):
+    bar = LayerProgress(model, "prefill") if progress else None
     try:
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                      use_cache=True, **fwd_kwargs)
@@ -288,7 +288,7 @@ def _choose_token(logits, generator, temperature, device):
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
-def _decode_loop(model, tokenizer, cache, logits, attention_mask, max_new_tokens, *, do_sample, temperature,
+def decode_loop(model, tokenizer, cache, logits, attention_mask, max_new_tokens, *, do_sample, temperature,
                  sample_seed, stop_at_eos, progress) -> _Decoded:
     """Choose up to ``max_new_tokens`` tokens per row, one forward over ``cache`` per token after the first.
 
@@ -298,15 +298,15 @@ def _decode_loop(model, tokenizer, cache, logits, attention_mask, max_new_tokens
     every row has or after ``max_new_tokens`` tokens.
     """
     device = next(model.parameters()).device
-    fwd_kwargs, cache_kw = _forward_kwargs(model)
-    eos = _eos_ids(model, tokenizer)
+    fwd_kwargs, cache_kw = forward_kwargs(model)
+    eos = eos_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos), 0)
     eos_ids = torch.tensor(sorted(eos), device=device) if stop_at_eos and eos else None
     generator = torch.Generator(device="cpu").manual_seed(int(sample_seed)) if do_sample else None
     b = attention_mask.shape[0]
     done = torch.zeros(b, dtype=torch.bool, device=device)
     lengths = torch.zeros(b, dtype=torch.long, device=device)
-    next_pos = _position_ids(attention_mask)[:, -1]
+    next_pos = mask_positions(attention_mask)[:, -1]
     tokens, logps = [], []
     t0 = time.perf_counter()
     steps = range(max_new_tokens)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import _forward_kwargs, _position_ids, _prefill_forward, _prompt_ids, _prompt_list
+from .common import forward_kwargs, mask_positions, prefill_forward, prompt_ids, as_prompt_list
 
 __all__ = ["Prefill", "prefill"]
 
@@ -120,32 +120,32 @@ def prefill(
     -------
     Prefill
     """
-    single, prompts = _prompt_list(prompt, "prefilled")
-    _check_query_window(query_window)
+    single, prompts = as_prompt_list(prompt, "prefilled")
+    check_query_window(query_window)
     use_chat = getattr(tokenizer, "chat_template", None) is not None if chat_template is None else chat_template
-    input_ids, attention_mask = _prompt_ids(model, tokenizer, prompts, chat_template, system_prompt, single=single)
-    out, cache, elapsed = _recorded_prefill(model, input_ids, attention_mask, query_window, progress)
+    input_ids, attention_mask = prompt_ids(model, tokenizer, prompts, chat_template, system_prompt, single=single)
+    out, cache, elapsed = recorded_prefill(model, input_ids, attention_mask, query_window, progress)
     return Prefill(list(prompts), input_ids, attention_mask, out.logits[:, -1].detach(), cache, query_window,
                    elapsed, bool(use_chat), system_prompt, id(model))
 
 
-def _check_query_window(query_window) -> None:
+def check_query_window(query_window) -> None:
     if query_window is not None and (isinstance(query_window, bool) or not isinstance(query_window, int)
                                      or query_window < 1):
         raise ValueError(f"query_window must be an int >= 1 or None, got {query_window!r}")
 
 
-def _recorded_prefill(model, input_ids, attention_mask, query_window, progress):
+def recorded_prefill(model, input_ids, attention_mask, query_window, progress):
     """One exact forward over the prompt(s), recording the last ``query_window`` queries per layer;
     returns ``(model output, cache, wall seconds)``."""
-    from ..presses.base import _QueryRecorder
+    from ..presses.base import QueryRecorder
 
-    position_ids = _position_ids(attention_mask)
-    fwd_kwargs, cache_kw = _forward_kwargs(model)
-    recorder = _QueryRecorder(query_window=query_window)
+    position_ids = mask_positions(attention_mask)
+    fwd_kwargs, cache_kw = forward_kwargs(model)
+    recorder = QueryRecorder(query_window=query_window)
     with torch.no_grad(), recorder(model):
         t0 = time.perf_counter()
-        out = _prefill_forward(model, input_ids, attention_mask, position_ids, fwd_kwargs, progress)
+        out = prefill_forward(model, input_ids, attention_mask, position_ids, fwd_kwargs, progress)
         elapsed = time.perf_counter() - t0
     return out, getattr(out, cache_kw, None), elapsed
 

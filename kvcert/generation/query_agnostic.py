@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention import Certificates
-from .common import (QUERY_AGNOSTIC, GenerationResult, _eos_ids, _forward_kwargs, _LayerProgress, _check_tokens,
+from .common import (QUERY_AGNOSTIC, GenerationResult, eos_token_ids, forward_kwargs, LayerProgress, check_tokens,
                      _prompt_name, _step_slice)
-from .prefilled import Prefill, _check_query_window, _recorded_prefill
+from .prefilled import Prefill, check_query_window, recorded_prefill
 
 __all__ = ["CompressedContext", "compress_context", "prefill_context", "answer", "answer_certificates"]
 
@@ -214,9 +214,9 @@ def _prefill_context_cache(model, ids, scope, progress):
     from transformers import DynamicCache
 
     decoder = getattr(model, "base_model", model)
-    _, cache_kw = _forward_kwargs(decoder)
+    _, cache_kw = forward_kwargs(decoder)
     cache = DynamicCache()
-    bar = _LayerProgress(model, "prefill") if progress else None
+    bar = LayerProgress(model, "prefill") if progress else None
     t0 = time.perf_counter()
     try:
         with torch.no_grad(), scope:
@@ -236,7 +236,7 @@ def _context_ids(model, tokenizer, context, chat_template, system_prompt, enable
         raise TypeError("context must be a non-empty str (one context; pass several questions to answer)")
     if not context.strip():
         raise ValueError("context: a whitespace-only context cannot be compressed; give it some text")
-    _check_tokens(tokenizer, [context], True, "context")
+    check_tokens(tokenizer, [context], True, "context")
     if max_context_length is not None and (isinstance(max_context_length, bool)
                                            or not isinstance(max_context_length, int) or max_context_length < 1):
         raise ValueError(f"max_context_length must be an int >= 1, got {max_context_length!r}")
@@ -297,25 +297,25 @@ def prefill_context(
     Prefill
         Of the one formatted context (``prompts == [context]``).
     """
-    _check_query_window(query_window)
+    check_query_window(query_window)
     ids, _, use_chat = _context_ids(model, tokenizer, context, chat_template, system_prompt, enable_thinking,
                                     max_context_length)
-    out, cache, elapsed = _recorded_prefill(model, ids, torch.ones_like(ids), query_window, progress)
+    out, cache, elapsed = recorded_prefill(model, ids, torch.ones_like(ids), query_window, progress)
     return Prefill([context], ids, torch.ones_like(ids), out.logits[:, -1].detach(), cache, query_window, elapsed,
                    bool(use_chat), system_prompt, id(model))
 
 
 def _stop_ids(model, tokenizer) -> set[int]:
-    """The answer's stop tokens: the generation config's EOS ids (kvpress's pipeline), else :func:`_eos_ids`."""
+    """The answer's stop tokens: the generation config's EOS ids (kvpress's pipeline), else :func:`eos_token_ids`."""
     e = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if isinstance(e, int):
         return {e}
     if isinstance(e, (list, tuple)) and e:
         return {int(x) for x in e}
-    return _eos_ids(model, tokenizer)
+    return eos_token_ids(model, tokenizer)
 
 
-def _check_context_call(context, press, prefilled, prefill_chunk, do_sample, chat_template, system_prompt) -> None:
+def check_context_call(context, press, prefilled, prefill_chunk, do_sample, chat_template, system_prompt) -> None:
     if not isinstance(context, CompressedContext):
         raise TypeError(f"context must be a kvcert.CompressedContext (from kvcert.compress_context), "
                         f"got {type(context).__name__}")
@@ -392,7 +392,7 @@ def _answer_inputs(model, tokenizer, context, question, max_new_tokens, answer_p
 
     An empty question is kvpress's "no question"; a non-empty one that is whitespace only or that the
     tokenizer drops entirely is refused, naming it (``question`` or ``question[i]``)."""
-    _check_context_call(context, None, None, None, False, None, None)
+    check_context_call(context, None, None, None, False, None, None)
     single = isinstance(question, str)
     questions = [question] if single else question
     if not isinstance(questions, (list, tuple)) or not questions or not all(isinstance(q, str) for q in questions):
@@ -407,7 +407,7 @@ def _answer_inputs(model, tokenizer, context, question, max_new_tokens, answer_p
         if q and not q.strip():
             raise ValueError(f"{_prompt_name(single, i, 'question')}: a whitespace-only question; give it some "
                              f"text, or '' for no question (kvpress's default)")
-    _check_tokens(tokenizer, questions, single, "question")
+    check_tokens(tokenizer, questions, single, "question")
     device = next(model.parameters()).device
     encoded = []
     for i, q in enumerate(questions):
@@ -441,7 +441,7 @@ def _answer_one(model, tokenizer, context: CompressedContext, q_ids: torch.Tenso
     """One question over the compressed context (kvpress 0.5.5 ``generate_answer``, with certificates):
     ``q_ids`` (1, q) the question, its suffix and the answer prefix, encoded."""
     device = q_ids.device
-    fwd_kwargs, cache_kw = _forward_kwargs(model)
+    fwd_kwargs, cache_kw = forward_kwargs(model)
     q = int(q_ids.shape[1])
     n = context.context_tokens
     stop = _stop_ids(model, tokenizer) if stop_at_eos else set()

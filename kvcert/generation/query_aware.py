@@ -20,10 +20,10 @@ import time
 import torch
 
 from ..escalation import check_escalate, next_target
-from .common import (GenerationResult, _decode_loop, _forward_kwargs, _position_ids, _prefill_forward, _prompt_ids,
-                     _prompt_list, _step_slice)
+from .common import (GenerationResult, decode_loop, forward_kwargs, mask_positions, prefill_forward, prompt_ids,
+                     as_prompt_list, _step_slice)
 from .prefilled import Prefill
-from .query_agnostic import CompressedContext, _check_context_call, answer
+from .query_agnostic import CompressedContext, check_context_call, answer
 
 __all__ = ["generate"]
 
@@ -107,7 +107,7 @@ def generate(model, tokenizer, prompt: str | list[str], press=None, max_new_toke
     >>> r.certificates.per_step()   # mean relative radius per step     # doctest: +SKIP
     """
     if context is not None:
-        _check_context_call(context, press, prefilled, prefill_chunk, do_sample, chat_template, system_prompt)
+        check_context_call(context, press, prefilled, prefill_chunk, do_sample, chat_template, system_prompt)
         return answer(model, tokenizer, context, prompt, max_new_tokens=max_new_tokens, stop_at_eos=stop_at_eos,
                       progress=progress)
     single, prompts = _check_generate_args(model, prompt, press, max_new_tokens, do_sample, temperature,
@@ -118,12 +118,12 @@ def generate(model, tokenizer, prompt: str | list[str], press=None, max_new_toke
             model, tokenizer, prompt, p, max_new_tokens, do_sample=do_sample, temperature=temperature,
             sample_seed=sample_seed, chat_template=chat_template, system_prompt=system_prompt,
             stop_at_eos=stop_at_eos, progress=progress, prefilled=prefilled, prefill_chunk=prefill_chunk))
-    input_ids, attention_mask = _prompt_ids(model, tokenizer, prompts, chat_template, system_prompt, prefilled, single)
+    input_ids, attention_mask = prompt_ids(model, tokenizer, prompts, chat_template, system_prompt, prefilled, single)
     scope = press(model) if press is not None else contextlib.nullcontext()
     with torch.no_grad(), scope:
         cache, logits, prompt_rows, timings = _prefill_phase(model, input_ids, attention_mask, press, prefilled,
                                                              prefill_chunk, progress)
-        decoded = _decode_loop(model, tokenizer, cache, logits, attention_mask, max_new_tokens, do_sample=do_sample,
+        decoded = decode_loop(model, tokenizer, cache, logits, attention_mask, max_new_tokens, do_sample=do_sample,
                                temperature=temperature, sample_seed=sample_seed, stop_at_eos=stop_at_eos,
                                progress=progress)
     certs = press.certificates if press is not None else None
@@ -176,10 +176,10 @@ def _check_sampling(do_sample, temperature, sample_seed) -> None:
 
 def _check_generate_args(model, prompt, press, max_new_tokens, do_sample, temperature, sample_seed, chat_template,
                          system_prompt, prefilled, prefill_chunk) -> tuple[bool, list]:
-    """Validate :func:`generate`'s arguments; returns ``(single, prompts)`` as :func:`_prompt_list`."""
+    """Validate :func:`generate`'s arguments; returns ``(single, prompts)`` as :func:`as_prompt_list`."""
     from ..presses import Press
 
-    single, prompts = _prompt_list(prompt, "generated from")
+    single, prompts = as_prompt_list(prompt, "generated from")
     if press is not None and not isinstance(press, Press):
         raise TypeError(f"press must be a kvcert press (e.g. kvcert.PoissonPress), got {type(press).__name__}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -223,12 +223,12 @@ def _prefill_phase(model, input_ids, attention_mask, press, prefilled, prefill_c
         timings = {"prefill_s": prefilled.prefill_s,  # the shared exact prefill (not repeated)
                    "compress_s": time.perf_counter() - t0}
         return cache, prefilled.logits, 1, timings
-    fwd_kwargs, cache_kw = _forward_kwargs(model)
-    position_ids = _position_ids(attention_mask)
+    fwd_kwargs, cache_kw = forward_kwargs(model)
+    position_ids = mask_positions(attention_mask)
     t0 = time.perf_counter()
     n = input_ids.shape[1]
     chunk = n if prefill_chunk is None else min(prefill_chunk, n)
-    out = _prefill_forward(model, input_ids[:, :chunk], attention_mask[:, :chunk],
+    out = prefill_forward(model, input_ids[:, :chunk], attention_mask[:, :chunk],
                            position_ids[:, :chunk], fwd_kwargs, progress)
     cache = getattr(out, cache_kw, None)
     for start in range(chunk, n, chunk):  # streaming: later chunks over the compressed cache

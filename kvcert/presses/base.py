@@ -33,19 +33,19 @@ from ..fast.scorers import HEAD_POOLINGS, SNAPKV_POOLINGS, queries_needed, queri
 # validation helpers
 # ---------------------------------------------------------------------------------------------
 # the argument checks (check_int, check_kernel_size) are kvcert.fast._checks', shared with the design objects
-def _held_design(press):
+def held_design(press):
     """The design object ``press`` holds: ``press._make_design()`` of its fields ``press._design_fields``,
     built (and so checked) again when one of them was reassigned. The press's fields take the design's
     checked values, so the checks live in the design only."""
     key = tuple(getattr(press, name) for name in press._design_fields)
-    held = press.__dict__.get("_held_design")
+    held = press.__dict__.get("held_design")
     if held is not None and held[0] == key:
         return held[1]
     design = press._make_design()
     for name in press._design_fields:
         if isinstance(getattr(press, name), (str, numbers.Real, type(None))):  # not a scorer object
             setattr(press, name, getattr(design, name))
-    press.__dict__["_held_design"] = (tuple(getattr(press, name) for name in press._design_fields), design)
+    press.__dict__["held_design"] = (tuple(getattr(press, name) for name in press._design_fields), design)
     return design
 
 
@@ -80,7 +80,7 @@ def _validate_params(press) -> None:
 KVPRESS_NAMES = {"window_size": "observation_window", "n_sink": "sinks"}
 
 
-def _records_given(cls):
+def records_given(cls):
     """Let ``cls(...)`` remember which fields its caller named (``_given``: the keywords and the positional
     fields), so a named design (``preset=``) fills only the others. ``dataclasses.replace`` names every field."""
     init = cls.__init__
@@ -95,7 +95,7 @@ def _records_given(cls):
     return cls
 
 
-def _accept_kvpress_names(cls):
+def accept_kvpress_names(cls):
     """Let ``cls(...)`` take kvpress's names (:data:`KVPRESS_NAMES`) of the fields it has, as
     keyword aliases, and read them back as properties; the fields keep kvcert's names (repr,
     ``dataclasses.fields``, ``dataclasses.replace``). A name that is a field of its own (LagKV's
@@ -387,7 +387,7 @@ class BasePress(Press):
         """One row's prefill event -> :class:`RowEvent`: the row done (its slots after the event), or the plan
         of :meth:`_prefill_plan` for the batched :meth:`_evict` (a deterministic press's top-k)."""
         idx, plan = self._prefill_plan(layer, r, queries, scale, layer_idx=layer_idx, event=event)
-        return RowEvent(_row_slots(layer, r, idx)) if plan is None else RowEvent(None, plan=plan)
+        return RowEvent(row_slots(layer, r, idx)) if plan is None else RowEvent(None, plan=plan)
 
     def _prefill_plan(self, layer, r: int, queries, scale: float, *, layer_idx: int, event: int):
         """One row's prefill event: ``(idx, plan)``, ``idx`` the row's real slots (None: all) and ``plan``
@@ -395,12 +395,12 @@ class BasePress(Press):
         per KV head (h_kv,), DesignSizes, tilt (None), top per KV head (None: the sizes')); sets
         ``layer.budgets[r]``. Every head holds the same tokens: the row's real tokens are scored in one
         scorer call."""
-        idx, n = _real_slots(layer, r)
+        idx, n = real_slots(layer, r)
         budget = self._sampled_budget(n, layer) if n else 0.0
         layer.budgets[r] = budget
         if n == 0 or budget >= n:
             return idx, None
-        k, v, q_r = _row_tokens(layer, r, idx, queries)
+        k, v, q_r = row_tokens(layer, r, idx, queries)
         u = self._prefill_importance(q_r, k, v, scale=scale, layer_idx=layer_idx, event=event, row=r, tokens=idx)
         h_kv, n_slots = k.shape[1], layer.valid.shape[-1]
         if idx is not None:  # back onto the layer's slots (0 on padding)
@@ -457,7 +457,7 @@ class BasePress(Press):
                     row_target = float(layer.budgets[r])
                 n_h = valid.sum(-1)  # (1, h)
                 if row_target is None or int(n_h.max()) <= row_target:
-                    rows[r] = _row_slots(layer, r, None)
+                    rows[r] = row_slots(layer, r, None)
                     continue
                 budget = torch.clamp(n_h[0].to(torch.float64), max=float(row_target))
                 seen = min(queries.shape[2], int(layer.next_position[r]))  # no left-padding queries
@@ -495,7 +495,7 @@ class BasePress(Press):
         if sketches:  # a row that evicted nothing has an empty sketch (count 0: no term)
             blank = next(iter(sketches.values())).map(torch.zeros_like)
             sketch = ClusterSketch.cat([sketches.get(r, blank) for r in range(b)])
-        layer.replace(*_pad_rows([rows[r] for r in range(b)]), sketch)
+        layer.replace(*pad_rows([rows[r] for r in range(b)]), sketch)
 
 
 class RowEvent(NamedTuple):
@@ -511,7 +511,7 @@ class RowEvent(NamedTuple):
 
 
 
-def _real_slots(layer, r: int):
+def real_slots(layer, r: int):
     """Row r's real slots ``idx`` (None: every slot, no padding) and their count n (every head holds the same
     tokens at a prefill event)."""
     valid = layer.valid[r:r + 1]
@@ -519,7 +519,7 @@ def _real_slots(layer, r: int):
     return idx, (valid.shape[-1] if idx is None else idx.numel())
 
 
-def _row_tokens(layer, r: int, idx, queries):
+def row_tokens(layer, r: int, idx, queries):
     """Row r's keys, values (1, h_kv, n, d) at its real slots ``idx`` and its prefill queries (1, h_q, w, d)
     at those slots (the queries may be the last few of the prefill only: a shared kvcert.prefill)."""
     sl = slice(r, r + 1)
@@ -531,13 +531,13 @@ def _row_tokens(layer, r: int, idx, queries):
     return k, v, q_r
 
 
-def _row_slots(layer, r: int, idx):
+def row_slots(layer, r: int, idx):
     """Row r of a layer as (keys, values, log_weights, positions), its slots ``idx`` only if given."""
     out = (layer.keys[r:r + 1], layer.values[r:r + 1], layer.log_weights[r:r + 1], layer.positions[r:r + 1])
     return out if idx is None else tuple(x[:, :, idx] for x in out)
 
 
-def _pad_rows(rows):
+def pad_rows(rows):
     """Stack per-row (keys, values, log_weights, positions) padded to a common length."""
     m = max(r[0].shape[2] for r in rows)
     out = [[], [], [], []]
@@ -556,7 +556,7 @@ def _pad_rows(rows):
 # ---------------------------------------------------------------------------------------------
 # the query recorder of kvcert.prefill
 # ---------------------------------------------------------------------------------------------
-class _QueryRecorder(Press):
+class QueryRecorder(Press):
     """Keeps everything and records each layer's last ``query_window`` prefill
     queries and scale in the cache (``layer.queries``, ``layer.query_scale``)
     for :func:`kvcert.prefill`. Records no certificate, counts no event."""

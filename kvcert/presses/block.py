@@ -10,7 +10,7 @@ import torch
 
 from ..fast import BlockDecision, BlockDesign
 from ..fast.options import declare_fields
-from .base import Press, _held_design, _pad_rows
+from .base import Press, held_design, pad_rows
 
 __all__ = ["BlockDecision", "BlockPoissonPress"]  # BlockDecision: kvcert.fast's, re-exported
 
@@ -140,7 +140,7 @@ class BlockPoissonPress(Press):
     def __post_init__(self):
         if self.block_size is None:  # the design's "engine's block size" has no meaning in the press
             raise TypeError("block_size must be an int, got NoneType")
-        _held_design(self)  # the fields' checks are the design's
+        held_design(self)  # the fields' checks are the design's
         self.decisions: list = []
         self._pending: dict = {}  # layer -> (layer, per-row importance) of the prefill under way
 
@@ -151,7 +151,7 @@ class BlockPoissonPress(Press):
     def design(self) -> BlockDesign:
         """The :class:`kvcert.fast.BlockDesign` of the press's fields (budget, scorer, block importance,
         decision), the one the vLLM plugin holds; rebuilt, and so checked, when a field is reassigned."""
-        return _held_design(self)
+        return held_design(self)
 
     @property
     def compresses(self) -> bool:
@@ -252,5 +252,5 @@ class BlockPoissonPress(Press):
                     raise RuntimeError("BlockPoissonPress: a prefill's tokens must sit at positions 0 .. n - 1")
                 cc = block_compact(d.kept[None].to(k.device), d.pi[None].to(k.device), k, v, block_size=bs)
                 out.append((cc.keys, cc.values, torch.log(cc.pi), cc.positions))
-            layer.replace(*_pad_rows(out))
+            layer.replace(*pad_rows(out))
             layer.block_size = bs

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from ..fast import SCORERS
-from .base import _accept_kvpress_names
-from .scorer import ScorerPress, _RegistryScorer
+from .base import accept_kvpress_names
+from .scorer import ScorerPress, RegistryScorer
 
 
-@_accept_kvpress_names
+@accept_kvpress_names
 @dataclass
-class ExpectedAttentionPress(_RegistryScorer, ScorerPress):
+class ExpectedAttentionPress(RegistryScorer, ScorerPress):
     r"""Expected attention: SnapKV mixed with the attention expected under a Gaussian fit of the window's queries.
 
     .. math:: u_i = \tfrac12\, \frac{\mathrm{snapkv}_i}{\sum_j \mathrm{snapkv}_j}

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from ..fast import SCORERS
-from .base import _accept_kvpress_names
-from .scorer import ScorerPress, _RegistryScorer
+from .base import accept_kvpress_names
+from .scorer import ScorerPress, RegistryScorer
 
 
-@_accept_kvpress_names
+@accept_kvpress_names
 @dataclass
-class H2OPress(_RegistryScorer, ScorerPress):
+class H2OPress(RegistryScorer, ScorerPress):
     r"""H2O (Zhang et al. 2023): keep the heavy hitters of the accumulated causal attention.
 
     .. math:: u_j = \frac{1}{g}\sum_{h} \sum_{t \ge j} \operatorname{softmax}_{i \le t}(\tau\, q_{ht}\cdot k_i)_j

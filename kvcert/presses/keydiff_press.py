@@ -7,13 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from ..fast import SCORERS
-from .base import _accept_kvpress_names
-from .scorer import ScorerPress, _RegistryScorer
+from .base import accept_kvpress_names
+from .scorer import ScorerPress, RegistryScorer
 
 
-@_accept_kvpress_names
+@accept_kvpress_names
 @dataclass
-class KeyDiffPress(_RegistryScorer, ScorerPress):
+class KeyDiffPress(RegistryScorer, ScorerPress):
     r"""KeyDiff (Park et al. 2025): keep the keys far from the mean key direction.
 
     The score is minus the cosine of each key with the mean normalized key of its head

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from ..fast import SCORERS
-from .base import _accept_kvpress_names
-from .scorer import ScorerPress, _RegistryScorer
+from .base import accept_kvpress_names
+from .scorer import ScorerPress, RegistryScorer
 
 
-@_accept_kvpress_names
+@accept_kvpress_names
 @dataclass
-class KNormPress(_RegistryScorer, ScorerPress):
+class KNormPress(RegistryScorer, ScorerPress):
     r"""K-norm (Devoto et al. 2024): keep the keys of small L2 norm.
 
     The score is :math:`u_i = -\lVert k_i \rVert_2` (:func:`kvcert.fast.knorm_scores`): small-norm

@@ -2,7 +2,7 @@
 
 kvcert never imports kvpress: a scorer is recognised by the shape of its
 ``score(module, hidden_states, keys, values, attentions, kwargs)``
-(:func:`_is_kvpress_scorer`), and :class:`_KvpressInputs` hooks each attention
+(:func:`is_kvpress_scorer`), and :class:`KvpressInputs` hooks each attention
 module's forward to keep the inputs kvpress's forward hook would give that
 ``score`` (docs/kvpress.md).
 """
@@ -16,7 +16,7 @@ import torch
 _KVPRESS_SCORE = ("module", "hidden_states", "keys", "values", "attentions", "kwargs")
 
 
-def _is_kvpress_scorer(s) -> bool:
+def is_kvpress_scorer(s) -> bool:
     """Whether ``s`` is a kvpress-style scorer: ``s.score(module, hidden_states, keys, values,
     attentions, kwargs)``. Raises ``TypeError`` for a kvpress press without ``score`` (it has
     ``compress``/``forward_hook`` only) and for a ``score`` of another signature."""
@@ -46,7 +46,7 @@ def _is_kvpress_scorer(s) -> bool:
     return True
 
 
-def _row_slice(t, row: int, tokens):
+def row_slice(t, row: int, tokens):
     """Batch row ``row`` of a (b, n, ...) tensor (a batch of one is shared), its ``tokens`` only."""
     if not isinstance(t, torch.Tensor):
         return t
@@ -65,7 +65,7 @@ def _attention_modules(model) -> list:
     return [m for name, m in model.named_modules() if name.endswith("self_attn") and hasattr(m, "layer_idx")]
 
 
-class _KvpressInputs:
+class KvpressInputs:
     """The context of a PoissonPress with a kvpress scorer: the press's own context, plus forward
     hooks on every attention module that keep its inputs (module, kwargs with ``hidden_states``)
     while the module runs, for the prefill event (kvpress's scorers read them)."""

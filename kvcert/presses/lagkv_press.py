@@ -7,13 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from ..fast import SCORERS
-from .base import _accept_kvpress_names
-from .scorer import ScorerPress, _RegistryScorer
+from .base import accept_kvpress_names
+from .scorer import ScorerPress, RegistryScorer
 
 
-@_accept_kvpress_names
+@accept_kvpress_names
 @dataclass
-class LagKVPress(_RegistryScorer, ScorerPress):
+class LagKVPress(RegistryScorer, ScorerPress):
     r"""LagKV (Liang et al. 2025): keep the tokens whose keys and values vary most within their chunk.
 
     Per chunk of ``lag_size`` tokens after the first ``n_sink``, the spread over the channels of

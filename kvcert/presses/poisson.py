@@ -9,9 +9,9 @@ import torch
 from ..fast import SCORERS, TokenDesign, compact, default_design, default_sampling, nonnegative_importance, preset_fields
 from ..fast.options import declare_fields
 from ..fast import design as _fast_design
-from .base import (BasePress, RowEvent, _accept_kvpress_names, _held_design, _real_slots, _records_given, _row_slots,
-                   _row_tokens)
-from .kvpress_interop import _is_kvpress_scorer, _KvpressInputs, _row_slice
+from .base import (BasePress, RowEvent, accept_kvpress_names, held_design, real_slots, records_given, row_slots,
+                   row_tokens)
+from .kvpress_interop import is_kvpress_scorer, KvpressInputs, row_slice
 from .scorer import ScorerPress
 
 
@@ -192,7 +192,7 @@ class PoissonPress(BasePress):
 
     def __post_init__(self):
         s = self.scorer
-        if not isinstance(s, str) and not isinstance(s, ScorerPress) and not _is_kvpress_scorer(s) \
+        if not isinstance(s, str) and not isinstance(s, ScorerPress) and not is_kvpress_scorer(s) \
                 and not callable(s):
             raise TypeError(f"scorer must be a registry name {tuple(SCORERS)}, a ScorerPress instance (kvcert's, "
                             f"or kvpress's: an object with score(module, hidden_states, keys, values, attentions, "
@@ -209,7 +209,7 @@ class PoissonPress(BasePress):
             self.target_error is None
         self.sketch, self.kind = default_design(self.sketch, self.kind, target_error=self.target_error)
         self.sampling = default_sampling(self.sampling, self.sketch)
-        self.sketch = _held_design(self).sketch  # the fields' checks are the design's (the sketch resolved)
+        self.sketch = held_design(self).sketch  # the fields' checks are the design's (the sketch resolved)
 
     def _for_model(self, config) -> "PoissonPress":
         """The press that runs on a model of ``config``: itself, except that the default design (the
@@ -258,14 +258,14 @@ class PoissonPress(BasePress):
         (:meth:`kvcert.fast.TokenDesign.event`: scores, budget or an error target's, decision, sketch), laid
         out here: the kept tokens packed to the front of each head (:func:`kvcert.fast.compact`), padded.
         Sets ``layer.budgets[r]`` (the sampled budget; the largest head's under a target)."""
-        idx, n = _real_slots(layer, r)
+        idx, n = real_slots(layer, r)
         design = self.design
         d, dv = layer.keys.shape[-1], layer.values.shape[-1]
         if n == 0 or not design.evicts(n, d, dv):
             layer.budgets[r] = float(n) if n == 0 or design.target_error is not None else \
                 design.sampled_budget(n, d, dv)
-            return RowEvent(_row_slots(layer, r, idx))
-        k, v, q_r = _row_tokens(layer, r, idx, queries)
+            return RowEvent(row_slots(layer, r, idx))
+        k, v, q_r = row_tokens(layer, r, idx, queries)
         u = None if isinstance(self.scorer, str) else \
             self._prefill_importance(q_r, k, v, scale=scale, layer_idx=layer_idx, event=event, row=r, tokens=idx)
         ev = design.event(q_r, k, v, scale=scale, layer=layer_idx, event=event, scores=u)
@@ -274,8 +274,8 @@ class PoissonPress(BasePress):
         budget = ev.budget
         layer.budgets[r] = float(budget.max()) if isinstance(budget, torch.Tensor) else float(budget)
         if not ev.sampled:  # an error target under which no head evicts: every token kept, pi 1
-            return RowEvent(_row_slots(layer, r, idx))
-        _, _, log_w, pos = _row_slots(layer, r, idx)
+            return RowEvent(row_slots(layer, r, idx))
+        _, _, log_w, pos = row_slots(layer, r, idx)
         keep, pi = ev.decision.keep[None], ev.decision.pi[None]
         cc = compact(keep, k, v, log_w.exp().to(pi.dtype) * pi, pos)
         return RowEvent((cc.keys, cc.values, torch.log(cc.pi), cc.positions), ev.sketch, evicted=True)
@@ -284,18 +284,18 @@ class PoissonPress(BasePress):
     def design(self) -> TokenDesign:
         """The :class:`kvcert.fast.TokenDesign` of the press's fields (its budget, certainty set, scorer and
         decision); rebuilt, and so checked, when a field is reassigned."""
-        return _held_design(self)
+        return held_design(self)
 
     @property
     def _external(self) -> bool:
         """The importance comes from a kvpress-style ``score(module, hidden_states, ...)``."""
-        return not isinstance(self.scorer, (str, ScorerPress)) and _is_kvpress_scorer(self.scorer)
+        return not isinstance(self.scorer, (str, ScorerPress)) and is_kvpress_scorer(self.scorer)
 
     def __call__(self, model):
         """Context manager: ``with press(model):``; with a kvpress scorer it also hooks the
         attention modules to hand their inputs (module, hidden states, kwargs) to ``score``."""
         context = super().__call__(model)
-        return _KvpressInputs(self, model, context) if self._external else context
+        return KvpressInputs(self, model, context) if self._external else context
 
     def _query_need(self) -> str:
         s = self.scorer
@@ -337,10 +337,10 @@ class PoissonPress(BasePress):
             )
         module, kwargs = entry
         kw = dict(kwargs)
-        kw["hidden_states"] = _row_slice(kwargs["hidden_states"], row, tokens)
+        kw["hidden_states"] = row_slice(kwargs["hidden_states"], row, tokens)
         pe = kwargs.get("position_embeddings")
         if isinstance(pe, (tuple, list)):
-            kw["position_embeddings"] = tuple(_row_slice(t, row, tokens) for t in pe)
+            kw["position_embeddings"] = tuple(row_slice(t, row, tokens) for t in pe)
         if tokens is not None:
             kw["attention_mask"] = None  # the padding is gone; the row is one causal sequence
         hidden = kw["hidden_states"]
@@ -404,7 +404,7 @@ SKETCHES = _fast_design.SKETCHES
 SKETCH_KINDS = _fast_design.SKETCH_KINDS
 
 
-_accept_kvpress_names(_records_given(PoissonPress))
+accept_kvpress_names(records_given(PoissonPress))
 
 
 def _checked_scores(u, keys: torch.Tensor, name: str, layer: int) -> torch.Tensor:

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from ..fast import SCORERS
-from .base import _accept_kvpress_names
-from .scorer import ScorerPress, _RegistryScorer
+from .base import accept_kvpress_names
+from .scorer import ScorerPress, RegistryScorer
 
 
-@_accept_kvpress_names
+@accept_kvpress_names
 @dataclass
-class RandomPress(_RegistryScorer, ScorerPress):
+class RandomPress(RegistryScorer, ScorerPress):
     r"""Random eviction: keep a uniformly random subset, without correction (the contrast to PoissonPress).
 
     The score is :math:`u_i \sim U[0, 1)` (:func:`kvcert.fast.random_scores`), drawn from the stream

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..fast import SCORERS
-from .base import SCORER_PARAMS, BasePress, _accept_kvpress_names
+from .base import SCORER_PARAMS, BasePress, accept_kvpress_names
 
 
 @dataclass
@@ -63,7 +63,7 @@ def _scorer_params(press, scorer) -> dict:
     return {p: getattr(press, p) for p in scorer.params if p in own}
 
 
-class _RegistryScorer:
+class RegistryScorer:
     """What a press of a ``kvcert.fast.SCORERS`` entry reads from the registry: ``query_need`` (the
     scorer's ``queries``) and, for a press made by :func:`make_scorer_press`, ``score`` (the scorer
     called with the press's fields of the same names). The built-in presses name their scorer in
@@ -97,7 +97,7 @@ def make_scorer_press(name: str) -> type:
     doc = (f"Deterministic {scorer.summary} Keeps the sinks, the window and the top of the score "
            f"(scorer ``{name}``, :data:`kvcert.fast.SCORERS`); pi = 1 on kept tokens: certificates "
            "are 0 (uninformative).")
-    cls = dataclasses.make_dataclass(scorer.press, fields, bases=(_RegistryScorer, ScorerPress),
+    cls = dataclasses.make_dataclass(scorer.press, fields, bases=(RegistryScorer, ScorerPress),
                                      namespace={"scorer_name": name, "__doc__": doc})
     cls.__module__ = __package__  # kvcert.presses, whose __getattr__ finds it again
-    return _accept_kvpress_names(cls)
+    return accept_kvpress_names(cls)

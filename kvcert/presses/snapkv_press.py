@@ -7,13 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from ..fast import SCORERS
-from .base import _accept_kvpress_names
-from .scorer import ScorerPress, _RegistryScorer
+from .base import accept_kvpress_names
+from .scorer import ScorerPress, RegistryScorer
 
 
-@_accept_kvpress_names
+@accept_kvpress_names
 @dataclass
-class SnapKVPress(_RegistryScorer, ScorerPress):
+class SnapKVPress(RegistryScorer, ScorerPress):
     r"""SnapKV (Li et al. 2024): keep the tokens the last ``observation_window`` queries attend to.
 
     .. math:: u_j = \frac{1}{g}\sum_{h \in \text{group}} \sum_{t=1}^{w}

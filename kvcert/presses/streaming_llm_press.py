@@ -7,13 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from ..fast import SCORERS
-from .base import _accept_kvpress_names
-from .scorer import ScorerPress, _RegistryScorer
+from .base import accept_kvpress_names
+from .scorer import ScorerPress, RegistryScorer
 
 
-@_accept_kvpress_names
+@accept_kvpress_names
 @dataclass
-class StreamingLLMPress(_RegistryScorer, ScorerPress):
+class StreamingLLMPress(RegistryScorer, ScorerPress):
     r"""StreamingLLM (Xiao et al. 2024): keep the attention sinks and the most recent tokens.
 
     The score is recency, :math:`u_i = i` (:func:`kvcert.fast.streaming_llm_scores`), so after the

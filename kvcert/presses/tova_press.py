@@ -7,13 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from ..fast import SCORERS
-from .base import _accept_kvpress_names
-from .scorer import ScorerPress, _RegistryScorer
+from .base import accept_kvpress_names
+from .scorer import ScorerPress, RegistryScorer
 
 
-@_accept_kvpress_names
+@accept_kvpress_names
 @dataclass
-class TOVAPress(_RegistryScorer, ScorerPress):
+class TOVAPress(RegistryScorer, ScorerPress):
     r"""TOVA (Oren et al. 2024): keep the tokens the last query attends to.
 
     .. math:: u_j = \frac{1}{g}\sum_h \operatorname{softmax}_i(\tau\, q_{h,\mathrm{last}}\cdot k_i)_j
