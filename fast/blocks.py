@@ -794,14 +794,23 @@ def block_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
                           positions=positions if causal else None, query_positions=query_positions, offset=offset,
                           return_weights=True, validate=validate)
     b, h_kv, n, dv = values.shape
-    h_q = q.shape[1]
-    g = h_q // h_kv
+    g = q.shape[1] // h_kv
     t = 1 if q.ndim == 3 else q.shape[2]
     B, G = b * h_kv, g * t
-    lead = tuple(est.lse.shape)  # (b, h_q[, t])
     a = est.weights.reshape(B, G, n)
-    dt = a.dtype
-    v = values.to(dt).reshape(B, n, dv)
+    v = values.to(a.dtype).reshape(B, n, dv)
+    seg, ompb, pib = _block_units(pi, log_pi, positions, bs, a.dtype, (b, h_kv, n), v.device, validate)
+    stats = _block_moments(a, v, seg, ompb, pib, per_coordinate, return_covariance, return_tail_moment,
+                           return_max_term, chunk_bytes)
+    return _block_estimate(est, (B, G), return_weights, *stats)
+
+
+def _block_units(pi, log_pi, positions, bs: int, dt, shape, device, validate: bool):
+    """The sampling units of each (batch row, KV head) row: :func:`_clusters` of the slots' blocks
+    (``positions // block_size``, default the slot index), with pi_b (not log pi_b) per cluster; ``validate``
+    checks pi = 0 on padding (positions -1) and pi equal on the sampled tokens of a block."""
+    b, h_kv, n = shape
+    B = b * h_kv
     if positions is not None:
         positions = check_tensor("positions", positions)
         if positions.dtype not in (torch.int64, torch.int32) or tuple(positions.shape) != (b, h_kv, n):
@@ -809,7 +818,7 @@ def block_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
                              f"got {positions.dtype} of shape {tuple(positions.shape)}")
         pos = positions.to(torch.int64).reshape(B, n)
     else:
-        pos = torch.arange(n, device=v.device).expand(B, n)
+        pos = torch.arange(n, device=device).expand(B, n)
     if pi is not None:
         p = pi.to(dt).reshape(B, n)
         present, omp, name = p > 0, 1.0 - p, "pi"
@@ -821,6 +830,17 @@ def block_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     seg, ompb, pib = _clusters(p, omp, present, torch.div(pos, bs, rounding_mode="floor"), name, validate)
     if pi is None:
         pib = torch.exp(pib)
+    return seg, ompb, pib
+
+
+def _block_moments(a, v, seg, ompb, pib, per_coordinate, return_covariance, return_tail_moment, return_max_term,
+                   chunk_bytes):
+    """The cluster sums z_b = sum_{i in b} a_i (v_i - o_hat) and A_b = sum_{i in b} a_i, chunk by chunk of rows
+    (at most ``chunk_bytes`` of temporaries), reduced to (trace, n_eff, variance, covariance, max_term,
+    tail_moment) per (row, query row); the optional ones None when not asked for."""
+    B, G, n = a.shape
+    dv = v.shape[-1]
+    dt = a.dtype
     o = torch.bmm(a, v)  # o_hat in the compute dtype (est.output is in the dtype of values)
     trace = torch.empty(B, G, dtype=dt, device=v.device)
     n_eff = torch.empty(B, G, dtype=dt, device=v.device)
@@ -857,7 +877,14 @@ def block_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
             terms = torch.maximum(1.0 - pb, pb) * z2.sqrt()
             live = (c > 0) & (A > 0)
             max_term[r0:r1] = torch.where(live, terms, 0.0).amax(-1) if n else 0.0
-    empty = (est.lse == float("-inf")).reshape(B, G)
+    return trace, n_eff, variance, covariance, max_term, tail
+
+
+def _block_estimate(est: Estimate, rows: tuple[int, int], return_weights: bool, trace, n_eff, variance, covariance,
+                    max_term, tail) -> Estimate:
+    """The Estimate: the token estimator's output, weights and lse, the cluster statistics in its shape
+    (b, h_q[, t], ...), and the empty-sample convention on the rows that see no token."""
+    empty = (est.lse == float("-inf")).reshape(rows)
     inf = float("inf")
     trace = trace.masked_fill(empty, inf)
     n_eff = n_eff.masked_fill(empty, 0.0)
@@ -869,6 +896,7 @@ def block_hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
         max_term = max_term.masked_fill(empty, inf)
     if tail is not None:
         tail = tail.masked_fill(empty, inf)
+    lead = tuple(est.lse.shape)  # (b, h_q[, t])
     shape = lambda x: None if x is None else x.reshape(*lead, *x.shape[2:])  # noqa: E731
     return Estimate(output=est.output, weights=est.weights if return_weights else None, variance=shape(variance),
                     trace=shape(trace), lse=est.lse, n_eff=shape(n_eff), max_term=shape(max_term),

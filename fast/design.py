@@ -565,13 +565,7 @@ def inclusion_probabilities(importance: torch.Tensor, budget, *, sinks: int = 4,
     rows = u.shape[0]
     if n == 0:
         raise ValueError("importance is empty (n = 0): there is nothing to evict")
-    if isinstance(floor, bool) or not isinstance(floor, numbers.Real):
-        raise TypeError(f"floor must be a float, got {type(floor).__name__}")
-    floor = float(floor)
-    if not (0.0 < floor <= 1.0):
-        raise ValueError(
-            f"floor must be in (0, 1] (a zero floor gives pi = 0 to zero-importance "
-            f"tokens, which breaks unbiasedness), got {floor}")
+    floor = _check_floor(floor)
     vr = _valid_rows(valid, shape, u.device)
     top = _count_rows("top", top, rows, lead, u.device)
     uv = u if vr is None else u.masked_fill(~vr, 0.0)
@@ -579,7 +573,30 @@ def inclusion_probabilities(importance: torch.Tensor, budget, *, sinks: int = 4,
     bud = _budget_rows(budget, rows, lead, u.device)
     if not bool(torch.isfinite(bud).all()):
         raise ValueError("budget must be finite")
-    dev = u.device
+    free, ntop, t, c = _design_sets(vr, top, bud, n, rows, lead, sinks, window, u.device)
+    tail = _tail_mask(uv, free, top, ntop, n, rows, vr)
+    pi = _tail_probabilities(uv, tail, t, c, bud, floor, rows, u.device)
+    if vr is not None:
+        pi = pi.masked_fill_(~vr, 0.0)
+    return pi.to(out_dtype).reshape(shape)
+
+
+def _check_floor(floor) -> float:
+    """The defensive mixture weight as a float in (0, 1]."""
+    if isinstance(floor, bool) or not isinstance(floor, numbers.Real):
+        raise TypeError(f"floor must be a float, got {type(floor).__name__}")
+    floor = float(floor)
+    if not (0.0 < floor <= 1.0):
+        raise ValueError(
+            f"floor must be in (0, 1] (a zero floor gives pi = 0 to zero-importance "
+            f"tokens, which breaks unbiasedness), got {floor}")
+    return floor
+
+
+def _design_sets(vr, top, bud, n: int, rows: int, lead: tuple[int, ...], sinks: int, window: int, dev):
+    """Per row: the free slots (valid, off the edges), the top count, the tail size t and the certainty set size
+    c = n_valid - t; a budget above n_valid, or not above c while there is a tail, is refused (naming the first
+    offending head)."""
     nv = torch.full((rows,), n, dtype=torch.int64, device=dev) if vr is None else vr.sum(-1)
     edge = edge_mask(n, sinks=sinks, window=window, valid=vr, device=dev)  # (n,) or (R, n)
     free = ~edge if vr is None else vr & ~edge
@@ -603,26 +620,34 @@ def inclusion_probabilities(importance: torch.Tensor, budget, *, sinks: int = 4,
         raise ValueError(
             f"budget must exceed the certainty set size |C| = {int(c[i])} "
             f"(sinks={sinks}, window={window}, top={_at(top, i)}), got {float(bud[i])}{_first_bad(bad, lead)}")
+    return free, ntop, t, c
 
-    # top set: the `top` largest free importances, ties to the lower index (exact, no sort)
+
+def _tail_mask(uv, free, top, ntop, n: int, rows: int, vr) -> torch.Tensor:
+    """The tail T (R, n): the free slots less the top set, the ``ntop`` largest free importances of each row,
+    ties to the lower index (exact, no sort)."""
     if isinstance(top, torch.Tensor):
         kmax = min(int(top.max()), n) if top.numel() else 0
     else:
         kmax = min(top, n)
-    if kmax > 0:
-        key = uv.masked_fill(~free, float("-inf"))
-        if isinstance(top, torch.Tensor):  # per-row counts: the ntop-th largest (+inf where ntop = 0)
-            vals = torch.topk(key, kmax, dim=-1, sorted=True).values
-            thr = vals.gather(-1, (ntop - 1).clamp(min=0)[:, None])
-            thr = torch.where(ntop[:, None] > 0, thr, float("inf"))
-        else:
-            thr = torch.topk(key, kmax, dim=-1, sorted=False).values.amin(-1, keepdim=True)
-        gt = key > thr
-        eq = (key == thr) & free
-        need = ntop[:, None] - gt.sum(-1, keepdim=True)
-        tail = free & ~(gt | (eq & (eq.cumsum(-1) <= need)))
+    if kmax <= 0:
+        return free.expand(rows, n) if vr is None else free
+    key = uv.masked_fill(~free, float("-inf"))
+    if isinstance(top, torch.Tensor):  # per-row counts: the ntop-th largest (+inf where ntop = 0)
+        vals = torch.topk(key, kmax, dim=-1, sorted=True).values
+        thr = vals.gather(-1, (ntop - 1).clamp(min=0)[:, None])
+        thr = torch.where(ntop[:, None] > 0, thr, float("inf"))
     else:
-        tail = free.expand(rows, n) if vr is None else free
+        thr = torch.topk(key, kmax, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    gt = key > thr
+    eq = (key == thr) & free
+    need = ntop[:, None] - gt.sum(-1, keepdim=True)
+    return free & ~(gt | (eq & (eq.cumsum(-1) <= need)))
+
+
+def _tail_probabilities(uv, tail, t, c, bud, floor: float, rows: int, dev) -> torch.Tensor:
+    """pi (R, n) float64: the capped PPS probabilities of the defensive mixture on the tail at its expected kept
+    count ``bud - c``, 1 on the certainty set and on every slot of a row that keeps its whole tail."""
     m = (bud - c)[:, None]  # expected kept count of the tail
     tf = t.to(torch.float64)[:, None].clamp(min=1.0)
     ut = uv.to(torch.float64).masked_fill(~tail, 0.0)
@@ -639,9 +664,7 @@ def inclusion_probabilities(importance: torch.Tensor, budget, *, sinks: int = 4,
     full = ((t == 0) | (m[:, 0] >= t)) if rows else torch.zeros(0, dtype=torch.bool, device=dev)
     if bool(full.any()):
         pi = torch.where(full[:, None], 1.0, pi)
-    if vr is not None:
-        pi = pi.masked_fill_(~vr, 0.0)
-    return pi.to(out_dtype).reshape(shape)
+    return pi
 
 
 def _capped_pps_iterative(w: torch.Tensor, tail: torch.Tensor, m: torch.Tensor, max_iter: int = 12):

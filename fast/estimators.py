@@ -607,30 +607,16 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     C = check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale, bias=bias, positions=positions,
                                query_positions=query_positions, offset=offset)
     L = _Layout(C, q, keys, values)
-    kw = dict(scale=scale, per_coordinate=per_coordinate, log_pi=log_pi, positions=positions,
-              return_weights=return_weights, return_max_term=return_max_term,
-              return_covariance=return_covariance, value_center=value_center, value_sqdist=value_sqdist,
-              chunk_bytes=chunk_bytes, return_tail_moment=return_tail_moment, validate=validate)
     tc = _query_chunk(L, query_chunk_bytes)
     if tc < L.t:  # many queries: bound the (b * h_q * t * n) score memory, query block by query block
-        qp = _query_positions(L, query_positions, offset, q.device)
-        full = None if bias is None else _broadcast_bias(bias, L)
-        parts = [hajek_attention(q[:, :, t0:t0 + tc], keys, values, pi,
-                                 bias=None if full is None else full[:, :, t0:t0 + tc],
-                                 query_positions=None if qp is None else qp[:, t0:t0 + tc],
-                                 query_chunk_bytes=1 << 62, **kw)
-                 for t0 in range(0, L.t, tc)]
-        return _cat_estimates(parts)
+        kw = dict(scale=scale, per_coordinate=per_coordinate, log_pi=log_pi, positions=positions,
+                  return_weights=return_weights, return_max_term=return_max_term,
+                  return_covariance=return_covariance, value_center=value_center, value_sqdist=value_sqdist,
+                  chunk_bytes=chunk_bytes, return_tail_moment=return_tail_moment, validate=validate)
+        return _by_query_blocks(L, tc, pi, bias, query_positions, offset, kw)
     if validate:  # pi / log_pi and bias values; a call split above checks them per block
         check_attention_values(C, bias)
-    dt = L.dtype
-    if C.p_name == "pi":
-        pf = _cast(C.p, dt).reshape(L.B, L.n)
-        lp = torch.log(pf)  # -inf on padding: the logit becomes -inf, never +inf
-        omp = 1.0 - pf
-    else:
-        lp = _cast(C.p, dt).reshape(L.B, L.n)
-        omp = -torch.expm1(lp)
+    lp, omp = _log_pi(C, L)
     if L.n == 0:
         return _empty_estimate(L, return_weights, return_max_term, return_covariance, per_coordinate,
                                return_tail_moment)
@@ -639,31 +625,82 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
                 and query_positions is None and offset is None)
     mu_all, r2_all = _cached_moments(L, value_center, value_sqdist)
     if one_pass:
-        o, trace, lse = _one_pass(L, lp, omp, bias, mu_all, r2_all)
-        empty = lse == float("-inf") if validate else None
-        if validate and bool(empty.any()):
-            o = o.masked_fill(empty[..., None], 0.0)
-            trace = trace.masked_fill(empty, float("inf"))
-        if validate and bool(torch.isnan(o).any()):
-            raise ValueError("hajek_attention produced NaN: q, keys, values (and bias) must be finite")
-        return Estimate(output=_cast(L.unrows(o), values.dtype), weights=None, variance=None,
-                        trace=L.unrows(trace[..., None]).squeeze(-1), lse=L.unrows(lse[..., None]).squeeze(-1))
-    ws = _WS.get("scores", L.B * L.G * L.n, dt, q.device).view(L.B, L.G, L.n)
+        return _one_pass_estimate(L, lp, omp, bias, mu_all, r2_all, validate)
+    a, lse, empty, stats = _tiled_path(L, lp, omp, mu_all, r2_all, bias, positions, query_positions, offset,
+                                       per_coordinate, return_max_term, return_covariance, return_tail_moment,
+                                       chunk_bytes)
+    return _tiled_estimate(L, a, lse, empty, *stats, validate=validate, return_weights=return_weights)
+
+
+def _by_query_blocks(L: _Layout, tc: int, pi, bias, query_positions, offset, kw: dict) -> Estimate:
+    """:func:`hajek_attention` block by block of ``tc`` queries (the bias and the query positions sliced
+    alike), the blocks' estimates concatenated along the queries."""
+    q, keys, values = L.q, L.keys, L.values
+    qp = _query_positions(L, query_positions, offset, q.device)
+    full = None if bias is None else _broadcast_bias(bias, L)
+    parts = [hajek_attention(q[:, :, t0:t0 + tc], keys, values, pi,
+                             bias=None if full is None else full[:, :, t0:t0 + tc],
+                             query_positions=None if qp is None else qp[:, t0:t0 + tc],
+                             query_chunk_bytes=1 << 62, **kw)
+             for t0 in range(0, L.t, tc)]
+    return _cat_estimates(parts)
+
+
+def _log_pi(C: AttentionLayout, L: _Layout):
+    """log pi and 1 - pi (B, n) in the compute dtype, from pi (log 0 = -inf on padding: the logit becomes -inf,
+    never +inf) or from log pi (1 - pi = -expm1(log pi))."""
+    dt = L.dtype
+    if C.p_name == "pi":
+        pf = _cast(C.p, dt).reshape(L.B, L.n)
+        lp = torch.log(pf)  # -inf on padding: the logit becomes -inf, never +inf
+        omp = 1.0 - pf
+    else:
+        lp = _cast(C.p, dt).reshape(L.B, L.n)
+        omp = -torch.expm1(lp)
+    return lp, omp
+
+
+def _one_pass_estimate(L: _Layout, lp, omp, bias, mu_all, r2_all, validate: bool) -> Estimate:
+    """The one-pass path's Estimate (:func:`_one_pass`): output, trace and lse; with ``validate`` the empty
+    rows get the empty-sample convention and a NaN output is refused."""
+    o, trace, lse = _one_pass(L, lp, omp, bias, mu_all, r2_all)
+    empty = lse == float("-inf") if validate else None
+    if validate and bool(empty.any()):
+        o = o.masked_fill(empty[..., None], 0.0)
+        trace = trace.masked_fill(empty, float("inf"))
+    if validate and bool(torch.isnan(o).any()):
+        raise ValueError("hajek_attention produced NaN: q, keys, values (and bias) must be finite")
+    return Estimate(output=_cast(L.unrows(o), L.values.dtype), weights=None, variance=None,
+                    trace=L.unrows(trace[..., None]).squeeze(-1), lse=L.unrows(lse[..., None]).squeeze(-1))
+
+
+def _tiled_path(L: _Layout, lp, omp, mu_all, r2_all, bias, positions, query_positions, offset, per_coordinate: bool,
+                return_max_term: bool, return_covariance: bool, return_tail_moment: bool, chunk_bytes):
+    """The default path: the logits (causal mask and bias included) and their softmax a (B, G, n) with lse and the
+    rows that see no token, then c = (1 - pi) a^2 and :func:`_tiled_moments` over the centred V tiles; returns
+    (a, lse, empty, (o, variance, trace, max_term, covariance, tail_moment, n_eff))."""
+    dt, dev = L.dtype, L.q.device
+    ws = _WS.get("scores", L.B * L.G * L.n, dt, dev).view(L.B, L.G, L.n)
     s = _logits(L, log_pi=lp.reshape(L.b, L.h_kv, L.n), bias=bias, positions=positions,
                 query_positions=query_positions, offset=offset, out=ws)
     a, lse, empty = _softmax(s)  # (B, G, n), (B, G), (B, G)
-    ac = _WS.get("rows", L.B * 2 * L.G * L.n, dt, q.device).view(L.B, 2 * L.G, L.n)  # rows [a; c]
+    ac = _WS.get("rows", L.B * 2 * L.G * L.n, dt, dev).view(L.B, 2 * L.G, L.n)  # rows [a; c]
     ac[:, : L.G] = a
     a = ac[:, : L.G]
     c = torch.mul(a, a, out=ac[:, L.G:]).mul_(omp[:, None, :])  # (1 - pi) a^2: 0 on pi = 1 and on padding
     v = L.values.to(dt).reshape(L.B, L.n, L.dv)
     sc = c.sum(-1, keepdim=True)  # (B, G, 1) sum_S c_i
-    o, variance, trace, max_term, covariance, tail = _tiled_moments(
-        L, ac, sc, v, lp, omp, empty, mu_all, r2_all, per_coordinate, return_max_term, return_covariance,
-        chunk_bytes, want_tail=bool(return_tail_moment))
+    stats = _tiled_moments(L, ac, sc, v, lp, omp, empty, mu_all, r2_all, per_coordinate, return_max_term,
+                           return_covariance, chunk_bytes, want_tail=bool(return_tail_moment))
     n_eff = torch.linalg.vector_norm(a, dim=-1).square_().reciprocal_()  # 1 / sum a^2
-    # rows that see no token: output 0, the statistics +inf, n_eff 0 (filled unconditionally: no host read)
-    e = empty
+    return a, lse, empty, (*stats, n_eff)
+
+
+def _tiled_estimate(L: _Layout, a, lse, e, o, variance, trace, max_term, covariance, tail, n_eff, *,
+                    validate: bool, return_weights: bool) -> Estimate:
+    """The default path's Estimate in the caller's shape: the rows ``e`` that see no token get output 0, the
+    statistics +inf and n_eff 0 (filled unconditionally: no host read); with ``validate`` a NaN output is
+    refused."""
     o = o.masked_fill(e[..., None], 0.0)
     trace = trace.masked_fill(e, float("inf"))
     n_eff = n_eff.masked_fill(e, 0.0)
@@ -680,7 +717,7 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
         raise ValueError("hajek_attention produced NaN: q, keys, values (and bias) must be finite")
     weights = L.unrows(a.clone()) if return_weights else None  # never hand out the workspace
     return Estimate(
-        output=L.unrows(o).to(values.dtype),
+        output=L.unrows(o).to(L.values.dtype),
         weights=weights,
         variance=None if variance is None else L.unrows(variance),
         trace=L.unrows(trace[..., None]).squeeze(-1),

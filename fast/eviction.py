@@ -212,26 +212,39 @@ def evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tensor, bu
     (True, True)
     """
     keys, values, importance = _check_cache(keys, values, importance)
+    valid, prev, pos = _event_prior(keys, pi, positions, seed, uniforms, generator)
+    p_e = inclusion_probabilities(importance, budget, sinks=sinks, window=window, top=top, floor=floor, valid=valid)
+    keep = _event_sample(p_e, check_sampling(sampling), None if positions is None else pos, seed, layer, event,
+                         row_streams, uniforms, generator, start)
+    return _event_cache(keys, values, p_e, keep, prev, pos, valid, sketch, tilt, scale)
+
+
+def _event_prior(keys, pi, positions, seed, uniforms, generator):
+    """A source of randomness given, then the validity, previous pi and positions of the slots (:func:`_prior`)."""
     if seed is None and uniforms is None and generator is None:
         raise TypeError("pass seed= (an int), uniforms= or generator=")
-    b, h, n, _ = keys.shape
-    valid, prev, pos = _prior(pi, positions, (b, h, n), keys.device)
-    p_e = inclusion_probabilities(importance, budget, sinks=sinks, window=window, top=top, floor=floor,
-                                  valid=valid)
-    sampling = check_sampling(sampling)
+    return _prior(pi, positions, tuple(keys.shape[:3]), keys.device)
+
+
+def _event_sample(p_e, sampling, positions, seed, layer, event, row_streams, uniforms, generator, start):
+    """The event's sample of p_e: from the design's stream (each token's counter its original position, or its
+    slot when the cache carries no ``positions``), or from the given ``uniforms`` / ``generator``."""
     if uniforms is None and generator is None:
-        # counter = original position (slot index when the cache carries no positions)
-        index = None if positions is None else pos.clamp(min=0)
+        index = None if positions is None else positions.clamp(min=0)
         u = design_uniforms(tuple(p_e.shape), seed, layer=layer, event=event, index=index, device=p_e.device,
                             row_streams=row_streams)
         # poisson_sample's / systematic_sample's rule, without re-validating the pi we just made
-        keep = draw_sample(sampling, p_e, u, seed, layer=layer, event=event, row_streams=row_streams)
-    elif sampling == "systematic":
+        return draw_sample(sampling, p_e, u, seed, layer=layer, event=event, row_streams=row_streams)
+    if sampling == "systematic":
         if generator is not None:
             raise TypeError("sampling='systematic' draws from seed= or from uniforms= with start=, not generator=")
-        keep = systematic_sample(p_e, uniforms=uniforms, start=start)
-    else:
-        keep = poisson_sample(p_e, uniforms=uniforms, generator=generator)
+        return systematic_sample(p_e, uniforms=uniforms, start=start)
+    return poisson_sample(p_e, uniforms=uniforms, generator=generator)
+
+
+def _event_cache(keys, values, p_e, keep, prev, pos, valid, sketch, tilt, scale) -> CompressedCache:
+    """The kept slots compacted with their final pi (the earlier pi times this event's), and the cluster sketch
+    of the evicted ones when ``sketch`` is given."""
     final = p_e if prev is None else (prev.to(p_e.dtype) * p_e)
     cc = compact(keep, keys, values, final, pos)
     if sketch is not None:

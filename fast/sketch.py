@@ -519,8 +519,50 @@ def cluster_sketch(keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor, k
     weight overflows float32 (:math:`\pi_i \lesssim 3\cdot 10^{-39}`): then the sketch is float64.
     """
     design = _as_design(design)
-    keys = check_tensor("keys", keys, ndim=(4,), floating=True)
+    keys, values, p, keep, valid = _check_sketch_inputs(keys, values, pi, keep, valid)
     b, h, n, d = keys.shape
+    dev = keys.device
+    gone = valid & ~keep
+    if bool((gone & ~(p > 0)).any()):
+        raise ValueError("pi must be > 0 for every evicted token (an evicted token with pi = 0 is unobservable)")
+    C = design.clusters
+    lab = _sketch_labels(keys, labels, valid, design)
+    B = b * h
+    dv = values.shape[-1]
+    g = gone.reshape(B, n)
+    w, dt = _evicted_weights(g, p.reshape(B, n), compute_dtype(keys, values))
+    q0 = None
+    if design.tilt:
+        q0 = _tilt_tensor(tilt, (b, h, d), dev)
+    elif tilt is not None:
+        raise ValueError("tilt is for a tilted design (ClusterDesign(tilt=True)); this design has tilt=False")
+    k = _cast(keys, dt).reshape(B, n, d)
+    v = _cast(values, dt).reshape(B, n, dv)
+    okf = valid.reshape(B, n).to(dt)
+    mu = (okf[:, None, :] @ v).squeeze(1) / okf.sum(-1, keepdim=True).clamp(min=1.0)   # (B, dv)
+    lab = torch.where(g, lab.reshape(B, n), 0)
+    nu2 = (v - mu[:, None, :]).square().sum(-1)                             # (B, n)
+    reach = nu2.masked_fill(~g, 0.0).amax(-1).sqrt() if n else torch.zeros(B, dtype=dt, device=dev)
+    out = dict(mu=mu.reshape(b, h, dv), rule=design.radius, multiplier=float(design.multiplier),
+               reach=reach.reshape(b, h))
+    if q0 is None:
+        W, mean, var = _weighted_moments(lab, C, w, k)
+        N = _cluster_sums(lab, C, g.to(dt))
+    else:
+        tau = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        w, W, mean, var, N, tilted = _tilted_moments(lab, C, w, k, g, q0, tau, (b, h))
+        out.update(tilted)
+    Y = _cluster_sums(lab, C, w * nu2)
+    return ClusterSketch(mean=mean.reshape(b, h, C, d), var=var.reshape(b, h, C, d), weight=W.reshape(b, h, C),
+                         wnorm=Y.reshape(b, h, C), count=N.reshape(b, h, C), **out)
+
+
+def _check_sketch_inputs(keys, values, pi, keep, valid):
+    """:func:`cluster_sketch`'s arguments checked: keys (b, h_kv, n, d), values (b, h_kv, n, dv) on its device,
+    pi in [0, 1] (returned as ``p``, at the compute precision of keys, values and pi), the bool mask keep, and
+    valid (default ``pi > 0``)."""
+    keys = check_tensor("keys", keys, ndim=(4,), floating=True)
+    b, h, n, _ = keys.shape
     values = check_tensor("values", values, floating=True)
     if values.ndim != 4 or tuple(values.shape[:3]) != (b, h, n):
         raise ValueError(f"values must have shape (b, h_kv, n, dv) = ({b}, {h}, {n}, dv), "
@@ -542,65 +584,57 @@ def cluster_sketch(keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor, k
     valid = _valid_mask("valid", valid, (b, h, n), dev)
     if valid is None:
         valid = p > 0
-    gone = valid & ~keep
-    if bool((gone & ~(p > 0)).any()):
-        raise ValueError("pi must be > 0 for every evicted token (an evicted token with pi = 0 is unobservable)")
+    return keys, values, p, keep, valid
+
+
+def _sketch_labels(keys, labels, valid, design) -> torch.Tensor:
+    """The cluster labels (b, h_kv, n) int64: :func:`kmeans_assign` of the valid keys, or the given ``labels``
+    checked to lie in [0, clusters) on every valid token."""
+    b, h, n, _ = keys.shape
     C = design.clusters
     if labels is None:
-        lab = kmeans_assign(keys, C, iterations=design.iterations, valid=valid)
-    else:
-        lab = check_tensor("labels", labels)
-        if lab.dtype.is_floating_point or lab.dtype == torch.bool or tuple(lab.shape) != (b, h, n):
-            raise ValueError(f"labels must be an integer tensor of shape (b, h_kv, n) = {(b, h, n)}, "
-                             f"got {lab.dtype} {tuple(lab.shape)}")
-        lab = lab.to(device=dev, dtype=torch.int64)
-        bad = valid & ((lab < 0) | (lab >= C))
-        if bool(bad.any()):
-            raise ValueError(f"labels must lie in [0, clusters) = [0, {C}) on every valid token")
-    B = b * h
-    dv = values.shape[-1]
-    g = gone.reshape(B, n)
-    w = torch.where(g, (1.0 - p.reshape(B, n)) / torch.where(g, p.reshape(B, n), 1.0), 0.0)   # 0 off U
-    dt = compute_dtype(keys, values)
+        return kmeans_assign(keys, C, iterations=design.iterations, valid=valid)
+    lab = check_tensor("labels", labels)
+    if lab.dtype.is_floating_point or lab.dtype == torch.bool or tuple(lab.shape) != (b, h, n):
+        raise ValueError(f"labels must be an integer tensor of shape (b, h_kv, n) = {(b, h, n)}, "
+                         f"got {lab.dtype} {tuple(lab.shape)}")
+    lab = lab.to(device=keys.device, dtype=torch.int64)
+    bad = valid & ((lab < 0) | (lab >= C))
+    if bool(bad.any()):
+        raise ValueError(f"labels must lie in [0, clusters) = [0, {C}) on every valid token")
+    return lab
+
+
+def _evicted_weights(g, p, dt):
+    """w_i = (1 - pi_i) / pi_i on the evicted tokens g (B, n), 0 elsewhere, and the dtype of the moments: the
+    compute dtype ``dt`` of keys and values, unless a weight of float64 pi overflows it (then float64)."""
+    w = torch.where(g, (1.0 - p) / torch.where(g, p, 1.0), 0.0)   # 0 off U
     if w.dtype != dt:   # float64 pi, float32 keys: the moments in float32 unless a weight overflows it
         w32 = w.to(dt)
         if bool(torch.isfinite(w32).all()):
             w = w32
         else:
             dt = w.dtype
-    q0 = None
-    if design.tilt:
-        q0 = _tilt_tensor(tilt, (b, h, d), dev)
-    elif tilt is not None:
-        raise ValueError("tilt is for a tilted design (ClusterDesign(tilt=True)); this design has tilt=False")
-    k = _cast(keys, dt).reshape(B, n, d)
-    v = _cast(values, dt).reshape(B, n, dv)
-    okf = valid.reshape(B, n).to(dt)
-    mu = (okf[:, None, :] @ v).squeeze(1) / okf.sum(-1, keepdim=True).clamp(min=1.0)   # (B, dv)
-    lab = torch.where(g, lab.reshape(B, n), 0)
-    nu2 = (v - mu[:, None, :]).square().sum(-1)                             # (B, n)
-    reach = nu2.masked_fill(~g, 0.0).amax(-1).sqrt() if n else torch.zeros(B, dtype=dt, device=dev)
-    out = dict(mu=mu.reshape(b, h, dv), rule=design.radius, multiplier=float(design.multiplier),
-               reach=reach.reshape(b, h))
-    if q0 is None:
-        W, mean, var = _weighted_moments(lab, C, w, k)
-        N = _cluster_sums(lab, C, g.to(dt))
-    else:
-        tau = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        e = torch.bmm(k, _cast(q0, dt).reshape(B, d, 1)).squeeze(-1).mul_(tau)   # (B, n): tau q0.k
-        hc = torch.full((B, C), float("-inf"), dtype=dt, device=dev).scatter_reduce_(
-            1, lab, e.masked_fill(~g, float("-inf")), reduce="amax")
-        hc = torch.where(torch.isfinite(hc), hc, 0.0)                        # 0 on a slot without evicted tokens
-        x = (e - torch.gather(hc, 1, lab)).masked_fill_(~g, 0.0)             # <= 0 on U
-        ex = torch.exp(x) * g.to(dt)
-        w = w * ex.square()
-        W, mean, var = _weighted_moments(lab, C, w, k)
-        N, zmean, zvar = _weighted_moments(lab, C, ex, k)
-        out.update(tilt=_cast(q0, dt).reshape(b, h, d), zmean=zmean.reshape(b, h, C, d),
-                   zvar=zvar.reshape(b, h, C, d), shift=hc.reshape(b, h, C))
-    Y = _cluster_sums(lab, C, w * nu2)
-    return ClusterSketch(mean=mean.reshape(b, h, C, d), var=var.reshape(b, h, C, d), weight=W.reshape(b, h, C),
-                         wnorm=Y.reshape(b, h, C), count=N.reshape(b, h, C), **out)
+    return w, dt
+
+
+def _tilted_moments(lab, C, w, k, g, q0, tau: float, bh: tuple[int, int]):
+    """A tilted sketch's moments at q0 (b, h_kv, d): with e_i = tau q0.k_i and h_c its largest value on the
+    evicted tokens of cluster c, the tilted weights w_i e^{2(e_i - h_c)} (for the value moment) with their
+    (W, mean, var), the count N = sum e^{e_i - h_c}, and the fields only a tilted sketch has (tilt, zmean, zvar
+    under e^{e_i - h_c}, shift h_c)."""
+    (b, h), (B, n, d), dt, dev = bh, k.shape, k.dtype, k.device
+    e = torch.bmm(k, _cast(q0, dt).reshape(B, d, 1)).squeeze(-1).mul_(tau)   # (B, n): tau q0.k
+    hc = torch.full((B, C), float("-inf"), dtype=dt, device=dev).scatter_reduce_(
+        1, lab, e.masked_fill(~g, float("-inf")), reduce="amax")
+    hc = torch.where(torch.isfinite(hc), hc, 0.0)                        # 0 on a slot without evicted tokens
+    x = (e - torch.gather(hc, 1, lab)).masked_fill_(~g, 0.0)             # <= 0 on U
+    ex = torch.exp(x) * g.to(dt)
+    w = w * ex.square()
+    W, mean, var = _weighted_moments(lab, C, w, k)
+    N, zmean, zvar = _weighted_moments(lab, C, ex, k)
+    return w, W, mean, var, N, dict(tilt=_cast(q0, dt).reshape(b, h, d), zmean=zmean.reshape(b, h, C, d),
+                                    zvar=zvar.reshape(b, h, C, d), shift=hc.reshape(b, h, C))
 
 
 def _cluster_sums(lab: torch.Tensor, C: int, x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ inside the sum, so it cannot join the first pass without dv^2 accumulators).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -391,6 +392,52 @@ def _onepass_finalize(rows, rmask, offs_v, vmask, m, l, l_o, acc, U, S1, S2, Q2,
 
 
 @triton.jit
+def _follow_centre(logits, rmask, vf, c, M, U, S1, S2, BLOCK_N: tl.constexpr, PER_COORD: tl.constexpr):
+    """Move the centre c to the value of the tile's largest logit over the block's rows when it beats M, the
+    largest so far, and the sums with it exactly (S2 += e (2 S1 + e U), S1 += e U, e = c - c'): a token
+    that dominates a row then adds exactly 0 to S1 and S2, and no large term cancels at the end."""
+    col = tl.max(tl.where(rmask[:, None], logits, float("-inf")), axis=0)
+    best = tl.max(col, axis=0)
+    j = tl.argmax(col, axis=0)
+    v_j = tl.sum(tl.where((tl.arange(0, BLOCK_N) == j)[:, None], vf, 0.0), axis=0)
+    move = best > M
+    e = tl.where(move, c - v_j, 0.0)  # 0 (an exact no-op below) unless the max moved
+    c = tl.where(move, v_j, c)
+    M = tl.maximum(M, best)
+    if PER_COORD:
+        S2 = S2 + e[None, :] * (2.0 * S1 + e[None, :] * U[:, None])
+    else:
+        S2 = S2 + tl.sum(e[None, :] * (2.0 * S1 + e[None, :] * U[:, None]), axis=1)
+    S1 = S1 + e[None, :] * U[:, None]
+    return c, M, S1, S2
+
+
+@triton.jit
+def _onepass_store_split(PartS, PartV, base, rmask, offs_v, m, l, l_o, acc, U, Q2, S1, S2, M, c,
+                         R_PAD: tl.constexpr, DV_PAD: tl.constexpr, CERTIFY: tl.constexpr,
+                         PER_COORD: tl.constexpr, ROUND_P: tl.constexpr):
+    """One split's one-pass state to the float32 workspace read by ``_onepass_merge_kernel``:
+    PartS[base] = (m, l, U, Q2, l_o, T2, M), PartV[base] = (acc, S1, S2, c)."""
+    tl.store(PartS + base * 7 + 0, m, mask=rmask)
+    tl.store(PartS + base * 7 + 1, l, mask=rmask)
+    if ROUND_P:
+        tl.store(PartS + base * 7 + 4, l_o, mask=rmask)
+    vptr = PartV + (base * 4)[:, None] * DV_PAD + offs_v[None, :]
+    pmask = rmask[:, None]
+    tl.store(vptr, acc, mask=pmask)
+    if CERTIFY:
+        tl.store(PartS + base * 7 + 2, U, mask=rmask)
+        tl.store(PartS + base * 7 + 3, Q2, mask=rmask)
+        if not PER_COORD:
+            tl.store(PartS + base * 7 + 5, S2, mask=rmask)
+        tl.store(PartS + base * 7 + 6, M + tl.zeros([R_PAD], tl.float32), mask=rmask)
+        tl.store(vptr + DV_PAD, S1, mask=pmask)
+        if PER_COORD:
+            tl.store(vptr + 2 * DV_PAD, S2, mask=pmask)
+        tl.store(vptr + 3 * DV_PAD, c[None, :] + tl.zeros([R_PAD, DV_PAD], tl.float32), mask=pmask)
+
+
+@triton.jit
 def _hajek_onepass_kernel(
     Q, K, V, P, C, Out, Lse, Var, Tr, Neff, PartS, PartV,
     stride_qb, stride_qh, stride_qd,
@@ -457,21 +504,7 @@ def _hajek_onepass_kernel(
             u = one_minus[None, :] * pp
             vf = v.to(tl.float32)
             if not HAS_CENTER:
-                # the centre follows the block's largest logit: a token that dominates a row then adds
-                # exactly 0 to S1 and S2, and no large term cancels in the final combination
-                col = tl.max(tl.where(rmask[:, None], logits, float("-inf")), axis=0)
-                best = tl.max(col, axis=0)
-                j = tl.argmax(col, axis=0)
-                v_j = tl.sum(tl.where((tl.arange(0, BLOCK_N) == j)[:, None], vf, 0.0), axis=0)
-                move = best > M
-                e = tl.where(move, c - v_j, 0.0)  # 0 (an exact no-op below) unless the max moved
-                c = tl.where(move, v_j, c)
-                M = tl.maximum(M, best)
-                if PER_COORD:
-                    S2 = S2 + e[None, :] * (2.0 * S1 + e[None, :] * U[:, None])
-                else:
-                    S2 = S2 + tl.sum(e[None, :] * (2.0 * S1 + e[None, :] * U[:, None]), axis=1)
-                S1 = S1 + e[None, :] * U[:, None]
+                c, M, S1, S2 = _follow_centre(logits, rmask, vf, c, M, U, S1, S2, BLOCK_N, PER_COORD)
             U = U * a2 + tl.sum(u, axis=1)
             vc = vf - c[None, :]  # 0 on padded coordinates
             if DOT_F32:
@@ -488,24 +521,8 @@ def _hajek_onepass_kernel(
         m = m_new
 
     if SPLIT:
-        base = sid * BH + rows
-        tl.store(PartS + base * 7 + 0, m, mask=rmask)
-        tl.store(PartS + base * 7 + 1, l, mask=rmask)
-        if ROUND_P:
-            tl.store(PartS + base * 7 + 4, l_o, mask=rmask)
-        vptr = PartV + (base * 4)[:, None] * DV_PAD + offs_v[None, :]
-        pmask = rmask[:, None]
-        tl.store(vptr, acc, mask=pmask)
-        if CERTIFY:
-            tl.store(PartS + base * 7 + 2, U, mask=rmask)
-            tl.store(PartS + base * 7 + 3, Q2, mask=rmask)
-            if not PER_COORD:
-                tl.store(PartS + base * 7 + 5, S2, mask=rmask)
-            tl.store(PartS + base * 7 + 6, M + tl.zeros([R_PAD], tl.float32), mask=rmask)
-            tl.store(vptr + DV_PAD, S1, mask=pmask)
-            if PER_COORD:
-                tl.store(vptr + 2 * DV_PAD, S2, mask=pmask)
-            tl.store(vptr + 3 * DV_PAD, c[None, :] + tl.zeros([R_PAD, DV_PAD], tl.float32), mask=pmask)
+        _onepass_store_split(PartS, PartV, sid * BH + rows, rmask, offs_v, m, l, l_o, acc, U, Q2, S1, S2, M, c,
+                             R_PAD, DV_PAD, CERTIFY, PER_COORD, ROUND_P)
     else:
         if not ROUND_P:
             l_o = l
@@ -836,6 +853,182 @@ def _check_inputs(q, keys, values, pi, log_pi, scale, validate) -> AttentionLayo
     return layout
 
 
+def _check_moments(moments, value_center, layout: AttentionLayout, keys, values, validate: bool):
+    """``moments`` resolved ("auto": :func:`default_moments`) and checked, and ``value_center`` checked
+    (:func:`_check_center`; refused with any mode but "onepass")."""
+    if moments == "auto":
+        moments = default_moments(values.dtype)
+    if moments not in MOMENTS:
+        raise ValueError(f"moments must be 'auto', 'onepass', 'exact' or 'shifted', got {moments!r}")
+    if value_center is not None:
+        if moments != "onepass":
+            raise ValueError(f"value_center is the centre of moments='onepass', not of moments={moments!r}")
+        value_center = _check_center(value_center, layout, keys, validate)
+    return moments, value_center
+
+
+@dataclass
+class _DecodePlan:
+    """One call of :func:`hajek_attention` laid out for its kernels (:func:`_decode_plan`): the grid
+    (``programs`` x ``splits``), the probabilities as the kernels read them, the arguments every kernel takes
+    alike, and the outputs and split partials."""
+
+    programs: int
+    splits: int
+    p: torch.Tensor
+    strides: tuple  # of q (3), keys (4), values (4) and p (3)
+    sizes: tuple  # h_kv, h_q, n, chunk, bh = b * h_q, scale
+    meta: dict  # the shape constexprs, BLOCK_N, LOG_PI and DOT_F32
+    launch: dict
+    round_p: bool
+    out: torch.Tensor
+    lse: torch.Tensor
+    var: torch.Tensor | None
+    trace: torch.Tensor | None
+    neff: torch.Tensor | None
+    part_s: torch.Tensor
+    part_v: torch.Tensor
+
+    @property
+    def split(self) -> bool:
+        return self.splits > 1
+
+    @property
+    def bh(self) -> int:
+        return self.sizes[4]
+
+    def outputs(self) -> tuple:
+        """The kernels' output arguments: out, lse, var, trace, n_eff (lse stands in for the absent ones) and
+        the split partials."""
+        dummy = self.lse  # placeholder pointer for outputs a constexpr branch never touches
+        return (self.out, self.lse, self.var if self.var is not None else dummy,
+                self.trace if self.trace is not None else dummy, self.neff if self.neff is not None else dummy,
+                self.part_s, self.part_v)
+
+
+def _split_plan(n, d, programs, device, dtype, moments, block_n, num_splits, num_warps, num_stages):
+    """The launch configuration (:func:`default_config`, overridden by the arguments given), the tokens per
+    split (whole tiles) and the split count, recomputed so that no split is empty."""
+    if block_n is not None and (not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1)):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n!r}")
+    cfg = default_config(n, d, programs, device, block_n, dtype, moments)
+    if num_splits is not None:
+        if not isinstance(num_splits, int) or num_splits < 1:
+            raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+        cfg["num_splits"] = num_splits
+    if num_warps is not None:
+        cfg["num_warps"] = int(num_warps)
+    if num_stages is not None:
+        cfg["num_stages"] = int(num_stages)
+    bn = cfg["block_n"]
+    # chunk = whole tiles; recompute the split count so that no split is empty
+    chunk = max(bn, math.ceil(math.ceil(max(n, 1) / cfg["num_splits"]) / bn) * bn)
+    return cfg, chunk, max(1, math.ceil(n / chunk))
+
+
+def _decode_plan(layout: AttentionLayout, q, keys, values, moments, block_n, num_splits, num_warps, num_stages, *,
+                 certify, per_coordinate, return_tail_moment) -> _DecodePlan:
+    """The probabilities the kernels read (float64 ones as float32 log pi), the query heads packed per program,
+    the split-K plan (:func:`_split_plan`), the outputs and the split partials of one call."""
+    b, h_q, h_kv, g, n, d, dv = layout.b, layout.h_q, layout.h_kv, layout.g, layout.n, layout.d, layout.dv
+    use_log = layout.p_name == "log_pi"
+    p = layout.p
+    if p.dtype == torch.float64:
+        # float64 probabilities below float32's range would round to 0 (padding): pass log pi
+        p = (p if use_log else torch.log(p)).to(torch.float32)
+        use_log = True
+    g_block = min(g, _MAX_ROWS)
+    n_rb = math.ceil(g / g_block)
+    r_pad = max(16, _pow2(g_block))
+    programs = b * h_kv * n_rb
+    cfg, chunk, splits = _split_plan(n, d, programs, q.device, values.dtype, moments, block_n, num_splits,
+                                     num_warps, num_stages)
+    dev = q.device
+    # the tail pass needs o_hat unrounded: then the first pass stores it in float32 and the tail
+    # kernel writes the input-dtype output
+    out = torch.empty((b, h_q, dv), device=dev, dtype=torch.float32 if return_tail_moment else values.dtype)
+    lse = torch.empty((b, h_q), device=dev, dtype=torch.float32)
+    var = torch.empty((b, h_q, dv), device=dev, dtype=torch.float32) if certify and per_coordinate else None
+    trace = torch.empty((b, h_q), device=dev, dtype=torch.float32) if certify else None
+    neff = torch.empty((b, h_q), device=dev, dtype=torch.float32) if certify else None
+    dv_pad = max(16, _pow2(dv))
+    bh = b * h_q
+    if splits > 1:
+        # one-pass state: (m, l, U, Q2, l_o, T2, M) and (acc, S1, S2, c); else (m, l, W, Q2, l_o), (acc, mean, M2)
+        onepass = moments == "onepass"
+        part_s = torch.empty((splits, bh, 7 if onepass else 5), device=dev, dtype=torch.float32)
+        part_v = torch.empty((splits, bh, 4 if onepass else 3, dv_pad), device=dev, dtype=torch.float32)
+    else:
+        part_s = part_v = lse
+    meta = dict(D=d, DV=dv, D_PAD=max(16, _pow2(d)), DV_PAD=dv_pad, G=g, G_BLOCK=g_block, N_RB=n_rb, R_PAD=r_pad,
+                BLOCK_N=cfg["block_n"], LOG_PI=use_log, DOT_F32=values.dtype == torch.float32 or _interpreting())
+    launch = {} if _interpreting() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    strides = (q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3),
+               values.stride(0), values.stride(1), values.stride(2), values.stride(3), p.stride(0), p.stride(1),
+               p.stride(2))
+    return _DecodePlan(programs=programs, splits=splits, p=p, strides=strides,
+                       sizes=(h_kv, h_q, n, chunk, bh, layout.scale), meta=meta, launch=launch,
+                       round_p=values.dtype != torch.float32, out=out, lse=lse, var=var, trace=trace, neff=neff,
+                       part_s=part_s, part_v=part_v)
+
+
+def _merge_splits(kernel, P: _DecodePlan, certify) -> None:
+    """The split-K merge of the plan's partials into its outputs (``kernel``: :func:`_hajek_merge_kernel`, or
+    :func:`_onepass_merge_kernel` for the one-pass state)."""
+    block_r = 16
+    kernel[(math.ceil(P.bh / block_r),)](
+        P.part_s, P.part_v, *P.outputs()[:5], P.bh, P.splits,
+        DV=P.meta["DV"], DV_PAD=P.meta["DV_PAD"], BLOCK_R=block_r, CERTIFY=bool(certify), PER_COORD=P.var is not None,
+        ROUND_P=P.round_p,
+        **({} if _interpreting() else {"num_warps": 4}),
+    )
+
+
+def _launch_onepass(P: _DecodePlan, q, keys, values, value_center, certify) -> None:
+    """``moments="onepass"``: the one-pass kernel over the plan's grid, then its merge when the sequence is split."""
+    center = value_center if value_center is not None else P.lse
+    c_strides = (center.stride(0), center.stride(1), center.stride(2)) if value_center is not None else (0, 0, 0)
+    _hajek_onepass_kernel[(P.programs, P.splits)](
+        q, keys, values, P.p, center, *P.outputs(), *P.strides, *c_strides, *P.sizes, **P.meta,
+        CERTIFY=bool(certify), PER_COORD=P.var is not None, SPLIT=P.split, ROUND_P=P.round_p,
+        HAS_CENTER=value_center is not None, **P.launch,
+    )
+    if P.split:
+        _merge_splits(_onepass_merge_kernel, P, certify)
+
+
+def _launch_two_pass(P: _DecodePlan, q, keys, values, moments, certify) -> None:
+    """``moments="exact"`` or ``"shifted"``: the decode kernel over the plan's grid, then the merge when the
+    sequence is split."""
+    _hajek_decode_kernel[(P.programs, P.splits)](
+        q, keys, values, P.p, *P.outputs(), *P.strides, *P.sizes, **P.meta,
+        CERTIFY=bool(certify), PER_COORD=P.var is not None, SPLIT=P.split, ROUND_P=P.round_p,
+        EXACT_MOMENTS=moments == "exact", **P.launch,
+    )
+    if P.split:
+        _merge_splits(_hajek_merge_kernel, P, certify)
+
+
+def _tail_moment(P: _DecodePlan, q, keys, values):
+    """``return_tail_moment``: the epilogue pass's s2 (b, h_q), summed over the splits and +inf on empty heads,
+    and the output in the input dtype (the first pass left o_hat in float32 for it)."""
+    b, h_q, dv = P.out.shape
+    dev = P.out.device
+    low = values.dtype != torch.float32
+    out_low = torch.empty((b, h_q, dv), device=dev, dtype=values.dtype) if low else P.out
+    if P.programs > 0:
+        part = torch.empty((P.splits, P.bh), device=dev, dtype=torch.float32)
+        _tail_moment_kernel[(P.programs, P.splits)](
+            q, keys, values, P.p, P.out, P.lse, part, out_low, *P.strides, *P.sizes, **P.meta, STORE_LOW=low,
+            **P.launch,
+        )
+        tail = part.sum(0).view(b, h_q) if P.splits > 1 else part.view(b, h_q)
+        tail = tail.masked_fill(torch.isneginf(P.lse), float("inf"))  # empty heads: +inf
+    else:
+        tail = torch.full((b, h_q), float("inf"), device=dev, dtype=torch.float32)
+    return out_low, tail
+
+
 def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_coordinate=True,
                     block_n=None, num_splits=None, num_warps=None, num_stages=None,
                     certify=True, validate=True, moments="auto", value_center=None,
@@ -985,146 +1178,23 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
     Sarndal, Swensson & Wretman (1992), sec. 5.6-5.7; arXiv 2607.21475.
     """
     layout = _check_inputs(q, keys, values, pi, log_pi, scale, validate)
-    if moments == "auto":
-        moments = default_moments(values.dtype)
-    if moments not in MOMENTS:
-        raise ValueError(f"moments must be 'auto', 'onepass', 'exact' or 'shifted', got {moments!r}")
-    if value_center is not None:
-        if moments != "onepass":
-            raise ValueError(f"value_center is the centre of moments='onepass', not of moments={moments!r}")
-        value_center = _check_center(value_center, layout, keys, validate)
+    moments, value_center = _check_moments(moments, value_center, layout, keys, values, validate)
     if not INTERPRETED and not q.is_cuda:
         raise ValueError(f"q, keys, values are on {q.device}: the Triton kernel needs CUDA tensors, or "
                          "TRITON_INTERPRET=1 set before kvcert.kernels is imported (CPU interpreter)")
     squeeze_t = q.dim() == 4
     if squeeze_t:
         q = q[:, :, 0]
-    b, h_q, h_kv, g, n, d, dv = layout.b, layout.h_q, layout.h_kv, layout.g, layout.n, layout.d, layout.dv
-    scale = layout.scale
-    use_log = layout.p_name == "log_pi"
-    p = layout.p
-    if p.dtype == torch.float64:
-        # float64 probabilities below float32's range would round to 0 (padding): pass log pi
-        p = (p if use_log else torch.log(p)).to(torch.float32)
-        use_log = True
-    g_block = min(g, _MAX_ROWS)
-    n_rb = math.ceil(g / g_block)
-    r_pad = max(16, _pow2(g_block))
-    programs = b * h_kv * n_rb
-    if block_n is not None and (not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1)):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n!r}")
-    cfg = default_config(n, d, programs, q.device, block_n, values.dtype, moments)
-    if num_splits is not None:
-        if not isinstance(num_splits, int) or num_splits < 1:
-            raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-        cfg["num_splits"] = num_splits
-    if num_warps is not None:
-        cfg["num_warps"] = int(num_warps)
-    if num_stages is not None:
-        cfg["num_stages"] = int(num_stages)
-    bn = cfg["block_n"]
-    # chunk = whole tiles; recompute the split count so that no split is empty
-    chunk = max(bn, math.ceil(math.ceil(max(n, 1) / cfg["num_splits"]) / bn) * bn)
-    splits = max(1, math.ceil(n / chunk))
-
-    dev = q.device
-    # the tail pass needs o_hat unrounded: then the first pass stores it in float32 and the tail
-    # kernel writes the input-dtype output
-    out = torch.empty((b, h_q, dv), device=dev, dtype=torch.float32 if return_tail_moment else values.dtype)
-    lse = torch.empty((b, h_q), device=dev, dtype=torch.float32)
-    var = torch.empty((b, h_q, dv), device=dev, dtype=torch.float32) if certify and per_coordinate else None
-    trace = torch.empty((b, h_q), device=dev, dtype=torch.float32) if certify else None
-    neff = torch.empty((b, h_q), device=dev, dtype=torch.float32) if certify else None
-    dummy = lse  # placeholder pointer for outputs a constexpr branch never touches
-    dv_pad = max(16, _pow2(dv))
-    d_pad = max(16, _pow2(d))
-    bh = b * h_q
-    split = splits > 1
-    onepass = moments == "onepass"
-    if split:
-        # one-pass state: (m, l, U, Q2, l_o, T2, M) and (acc, S1, S2, c); else (m, l, W, Q2, l_o), (acc, mean, M2)
-        part_s = torch.empty((splits, bh, 7 if onepass else 5), device=dev, dtype=torch.float32)
-        part_v = torch.empty((splits, bh, 4 if onepass else 3, dv_pad), device=dev, dtype=torch.float32)
-    else:
-        part_s = part_v = dummy
-    dot_f32 = values.dtype == torch.float32 or _interpreting()
-    round_p = values.dtype != torch.float32
-    launch = {} if _interpreting() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-    if programs > 0 and onepass:
-        center = value_center if value_center is not None else dummy
-        c_strides = (center.stride(0), center.stride(1), center.stride(2)) if value_center is not None else (0, 0, 0)
-        _hajek_onepass_kernel[(programs, splits)](
-            q, keys, values, p, center, out, lse,
-            var if var is not None else dummy, trace if trace is not None else dummy,
-            neff if neff is not None else dummy, part_s, part_v,
-            q.stride(0), q.stride(1), q.stride(2),
-            keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3),
-            values.stride(0), values.stride(1), values.stride(2), values.stride(3),
-            p.stride(0), p.stride(1), p.stride(2), *c_strides,
-            h_kv, h_q, n, chunk, bh, scale,
-            D=d, DV=dv, D_PAD=d_pad, DV_PAD=dv_pad,
-            G=g, G_BLOCK=g_block, N_RB=n_rb, R_PAD=r_pad,
-            BLOCK_N=bn, LOG_PI=use_log, CERTIFY=bool(certify), PER_COORD=var is not None,
-            SPLIT=split, DOT_F32=dot_f32, ROUND_P=round_p, HAS_CENTER=value_center is not None, **launch,
-        )
-        if split:
-            block_r = 16
-            _onepass_merge_kernel[(math.ceil(bh / block_r),)](
-                part_s, part_v, out, lse,
-                var if var is not None else dummy, trace if trace is not None else dummy,
-                neff if neff is not None else dummy, bh, splits,
-                DV=dv, DV_PAD=dv_pad, BLOCK_R=block_r, CERTIFY=bool(certify), PER_COORD=var is not None,
-                ROUND_P=round_p,
-                **({} if _interpreting() else {"num_warps": 4}),
-            )
-    elif programs > 0:
-        _hajek_decode_kernel[(programs, splits)](
-            q, keys, values, p, out, lse,
-            var if var is not None else dummy, trace if trace is not None else dummy,
-            neff if neff is not None else dummy, part_s, part_v,
-            q.stride(0), q.stride(1), q.stride(2),
-            keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3),
-            values.stride(0), values.stride(1), values.stride(2), values.stride(3),
-            p.stride(0), p.stride(1), p.stride(2),
-            h_kv, h_q, n, chunk, bh, scale,
-            D=d, DV=dv, D_PAD=d_pad, DV_PAD=dv_pad,
-            G=g, G_BLOCK=g_block, N_RB=n_rb, R_PAD=r_pad,
-            BLOCK_N=bn, LOG_PI=use_log, CERTIFY=bool(certify), PER_COORD=var is not None,
-            SPLIT=split, DOT_F32=dot_f32, ROUND_P=round_p, EXACT_MOMENTS=moments == "exact", **launch,
-        )
-        if split:
-            block_r = 16
-            _hajek_merge_kernel[(math.ceil(bh / block_r),)](
-                part_s, part_v, out, lse,
-                var if var is not None else dummy, trace if trace is not None else dummy,
-                neff if neff is not None else dummy, bh, splits,
-                DV=dv, DV_PAD=dv_pad, BLOCK_R=block_r, CERTIFY=bool(certify), PER_COORD=var is not None,
-                ROUND_P=round_p,
-                **({} if _interpreting() else {"num_warps": 4}),
-            )
-    tail = None
+    P = _decode_plan(layout, q, keys, values, moments, block_n, num_splits, num_warps, num_stages, certify=certify,
+                     per_coordinate=per_coordinate, return_tail_moment=return_tail_moment)
+    if P.programs > 0 and moments == "onepass":
+        _launch_onepass(P, q, keys, values, value_center, certify)
+    elif P.programs > 0:
+        _launch_two_pass(P, q, keys, values, moments, certify)
+    out, tail = P.out, None
     if return_tail_moment:
-        low = values.dtype != torch.float32
-        out_low = torch.empty((b, h_q, dv), device=dev, dtype=values.dtype) if low else out
-        if programs > 0:
-            part = torch.empty((splits, bh), device=dev, dtype=torch.float32)
-            _tail_moment_kernel[(programs, splits)](
-                q, keys, values, p, out, lse, part, out_low,
-                q.stride(0), q.stride(1), q.stride(2),
-                keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3),
-                values.stride(0), values.stride(1), values.stride(2), values.stride(3),
-                p.stride(0), p.stride(1), p.stride(2),
-                h_kv, h_q, n, chunk, bh, scale,
-                D=d, DV=dv, D_PAD=d_pad, DV_PAD=dv_pad,
-                G=g, G_BLOCK=g_block, N_RB=n_rb, R_PAD=r_pad,
-                BLOCK_N=bn, LOG_PI=use_log, DOT_F32=dot_f32, STORE_LOW=low, **launch,
-            )
-            tail = part.sum(0).view(b, h_q) if splits > 1 else part.view(b, h_q)
-            tail = tail.masked_fill(torch.isneginf(lse), float("inf"))  # empty heads: +inf
-        else:
-            tail = torch.full((b, h_q), float("inf"), device=dev, dtype=torch.float32)
-        out = out_low
-    est = Estimate(output=out, weights=None, variance=var, trace=trace, lse=lse, n_eff=neff, max_term=None,
+        out, tail = _tail_moment(P, q, keys, values)
+    est = Estimate(output=out, weights=None, variance=P.var, trace=P.trace, lse=P.lse, n_eff=P.neff, max_term=None,
                    tail_moment=tail)
     if squeeze_t:
         est = Estimate(**{f: (x.unsqueeze(2) if x is not None else None) for f, x in vars(est).items()})

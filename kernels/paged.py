@@ -83,6 +83,7 @@ class _LaunchPlan:
     part_v: torch.Tensor
     constexprs: dict
     launch: dict
+    programs: int  # of one split: (sequence, KV head, block of query heads)
 
     @property
     def split(self) -> bool:
@@ -142,7 +143,7 @@ def _launch_plan(q, value_cache, S, h_q, d, dv, bs, units, programs, certify, pe
         splits, chunk, bh, torch.empty((S, h_q, dv), device=dev, dtype=value_cache.dtype), lse,
         torch.empty((S, h_q, dv), **f32) if certify and per_coordinate else None,
         torch.empty((S, h_q), **f32) if certify else None, torch.empty((S, h_q), **f32) if certify else None,
-        part_s, part_v, constexprs, launch)
+        part_s, part_v, constexprs, launch, programs)
 
 
 def _check_block_t(block_t) -> int:
@@ -414,38 +415,62 @@ def paged_block_hajek_attention(q, key_cache, value_cache, block_table, seq_lens
       :func:`kvcert.kernels.hajek_attention`.
     """
     scale = _check(q, key_cache, value_cache, block_table, seq_lens, log_pi_blocks, scale, validate)
+    _check_cuda(q)
+    L, rows = _block_plan(q, key_cache, value_cache, block_table, seq_lens, max_seq_len, certify, per_coordinate,
+                          num_splits, block_t, num_warps, num_stages, validate)
+    _launch_blocks(L, rows, q, key_cache, value_cache, block_table, seq_lens, log_pi_blocks, scale, certify)
+    return L.estimate()
+
+
+def _check_cuda(q) -> None:
+    """CUDA tensors, unless the kernels were built by Triton's interpreter."""
     if not INTERPRETED and not q.is_cuda:
         raise ValueError(f"q is on {q.device}: the Triton kernel needs CUDA tensors, or TRITON_INTERPRET=1 set "
                          "before kvcert.kernels is imported (CPU interpreter)")
-    S, h_q, d = q.shape
-    nb, bs, h_kv, _ = key_cache.shape
-    dv = value_cache.shape[-1]
+
+
+def _query_rows(S: int, h_q: int, h_kv: int) -> tuple[int, dict]:
+    """The programs of one split, (sequence, KV head, block of at most 16 of its query heads), and the
+    constexprs that pack a block's query heads as the rows of one tile."""
     g = h_q // h_kv
-    M = block_table.shape[1]
     g_block = min(g, _MAX_ROWS)
     n_rb = math.ceil(g / g_block)
-    r_pad = max(16, _pow2(g_block))
-    programs = S * h_kv * n_rb
+    return S * h_kv * n_rb, dict(G=g, G_BLOCK=g_block, N_RB=n_rb, R_PAD=max(16, _pow2(g_block)))
+
+
+def _block_plan(q, key_cache, value_cache, block_table, seq_lens, max_seq_len, certify, per_coordinate, num_splits,
+                block_t, num_warps, num_stages, validate) -> tuple[_LaunchPlan, dict]:
+    """The launch plan of the block kernel over the logical blocks up to ``max_seq_len`` (default: the longest
+    sequence, a device sync; checked to bound it with ``validate``), and its rows (:func:`_query_rows`)."""
+    S, h_q, d = q.shape
+    nb, bs, h_kv, _ = key_cache.shape
+    M = block_table.shape[1]
+    programs, rows = _query_rows(S, h_q, h_kv)
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if S else 0
     elif validate and S and int(seq_lens.max()) > int(max_seq_len):
         raise ValueError(f"max_seq_len = {max_seq_len} is below the longest sequence ({int(seq_lens.max())})")
     n_blk = max(1, min(M, -(-int(max_seq_len) // bs)))
-    L = _launch_plan(q, value_cache, S, h_q, d, dv, bs, n_blk, programs, certify, per_coordinate, num_splits,
-                     block_t, num_warps, num_stages)
-    if programs > 0:
-        _paged_decode_kernel[(programs, L.splits)](
+    L = _launch_plan(q, value_cache, S, h_q, d, value_cache.shape[-1], bs, n_blk, programs, certify, per_coordinate,
+                     num_splits, block_t, num_warps, num_stages)
+    return L, rows
+
+
+def _launch_blocks(L: _LaunchPlan, rows: dict, q, key_cache, value_cache, block_table, seq_lens, log_pi_blocks,
+                   scale, certify) -> None:
+    """The block kernel over the plan's grid, then the merge when the table is split (nothing without programs)."""
+    h_q, h_kv = q.shape[1], key_cache.shape[2]
+    if L.programs > 0:
+        _paged_decode_kernel[(L.programs, L.splits)](
             q, key_cache, value_cache, block_table, seq_lens, log_pi_blocks, *L.outputs(),
             q.stride(0), q.stride(1), q.stride(2),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
             block_table.stride(0), block_table.stride(1), log_pi_blocks.stride(0), log_pi_blocks.stride(1),
-            h_kv, h_q, L.chunk, L.bh, scale,
-            G=g, G_BLOCK=g_block, N_RB=n_rb, R_PAD=r_pad, **L.meta(certify),
+            h_kv, h_q, L.chunk, L.bh, scale, **rows, **L.meta(certify),
         )
         if L.split:
             _merge(L, certify)
-    return L.estimate()
 
 
 # ----------------------------------------------------------------------------- compacted token slots
@@ -720,19 +745,26 @@ def paged_hajek_attention(q, key_cache, value_cache, block_table, seq_lens, prom
     """
     scale = _check_compacted(q, key_cache, value_cache, block_table, seq_lens, prompt_lens, log_pi_slots, scale,
                              validate)
-    if not INTERPRETED and not q.is_cuda:
-        raise ValueError(f"q is on {q.device}: the Triton kernel needs CUDA tensors, or TRITON_INTERPRET=1 set "
-                         "before kvcert.kernels is imported (CPU interpreter)")
+    _check_cuda(q)
+    L, rows, nc = _compacted_plan(q, key_cache, value_cache, block_table, seq_lens, prompt_lens, log_pi_slots,
+                                  max_tail_len, certify, per_coordinate, num_splits, block_t, num_warps, num_stages,
+                                  validate)
+    _launch_compacted(L, rows, nc, q, key_cache, value_cache, block_table, seq_lens, prompt_lens, log_pi_slots, scale,
+                      certify)
+    return L.estimate()
+
+
+def _compacted_plan(q, key_cache, value_cache, block_table, seq_lens, prompt_lens, log_pi_slots, max_tail_len,
+                    certify, per_coordinate, num_splits, block_t, num_warps, num_stages,
+                    validate) -> tuple[_LaunchPlan, dict, int]:
+    """The launch plan of the compacted kernel, its rows (:func:`_query_rows`) and its count of compacted units
+    (tiles of ``block_t`` slots), the tail's units after them up to ``max_tail_len`` (default: the longest
+    tail, a device sync; checked to bound it with ``validate``)."""
     S, h_q, d = q.shape
     nb, bs, h_kv, _ = key_cache.shape
-    dv = value_cache.shape[-1]
-    g = h_q // h_kv
     M = block_table.shape[1]
     C = log_pi_slots.shape[2]
-    g_block = min(g, _MAX_ROWS)
-    n_rb = math.ceil(g / g_block)
-    r_pad = max(16, _pow2(g_block))
-    programs = S * h_kv * n_rb
+    programs, rows = _query_rows(S, h_q, h_kv)
     bt = _check_block_t(default_block_t(bs, d, value_cache.dtype, compacted=True) if block_t is None else block_t)
     nc = -(-min(C, M * bs) // bt)  # compacted units: tiles of slots 0 .. bt - 1, bt .. 2 bt - 1, ...
     lens = seq_lens.to(torch.int64) - prompt_lens.to(torch.int64)
@@ -747,22 +779,30 @@ def paged_hajek_attention(q, key_cache, value_cache, block_table, seq_lens, prom
         tail = max_tail_len
     nt = -(-max(0, min(M * bs, tail)) // bt)  # tail units: tiles of positions P_s .. P_s + bt - 1, ...
     units = max(1, nc + nt)
-    L = _launch_plan(q, value_cache, S, h_q, d, dv, bs, units, programs, certify, per_coordinate, num_splits,
-                     bt, num_warps, num_stages, compacted=True)
+    L = _launch_plan(q, value_cache, S, h_q, d, value_cache.shape[-1], bs, units, programs, certify, per_coordinate,
+                     num_splits, bt, num_warps, num_stages, compacted=True)
+    return L, rows, nc
+
+
+def _launch_compacted(L: _LaunchPlan, rows: dict, nc: int, q, key_cache, value_cache, block_table, seq_lens,
+                      prompt_lens, log_pi_slots, scale, certify) -> None:
+    """The compacted kernel over the plan's grid, then the merge when the units are split (nothing without
+    programs); a head without slots reads a one-slot padding row of log pi."""
+    S, h_q, _ = q.shape
+    h_kv = key_cache.shape[2]
+    C = log_pi_slots.shape[2]
     lps = log_pi_slots if C else torch.full((S, h_kv, 1), float("-inf"), device=q.device, dtype=torch.float32)
-    if programs > 0:
-        _paged_compacted_kernel[(programs, L.splits)](
+    if L.programs > 0:
+        _paged_compacted_kernel[(L.programs, L.splits)](
             q, key_cache, value_cache, block_table, seq_lens, prompt_lens, lps, *L.outputs(),
             q.stride(0), q.stride(1), q.stride(2),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
             block_table.stride(0), block_table.stride(1), lps.stride(0), lps.stride(1), lps.stride(2),
-            h_kv, h_q, C, nc, L.chunk, L.bh, scale,
-            G=g, G_BLOCK=g_block, N_RB=n_rb, R_PAD=r_pad, **L.meta(certify),
+            h_kv, h_q, C, nc, L.chunk, L.bh, scale, **rows, **L.meta(certify),
         )
         if L.split:
             _merge(L, certify)
-    return L.estimate()
 
 
 #: the arguments the JIT specializes when the kernels read vLLM's FlashAttention layout (:func:`kv_cache_views`),

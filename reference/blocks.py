@@ -37,7 +37,7 @@ import numpy as np
 from scipy.special import logsumexp
 
 from .design import _check_nonneg_int, inclusion_probabilities
-from .estimators import Estimate, _as_qkv, _check_vector, scores
+from .estimators import Estimate, _as_qkv, _check_pi, _check_vector, _empty_estimate, _hajek_logits, scores
 
 __all__ = [
     "BLOCK_REDUCTIONS",
@@ -466,25 +466,23 @@ def block_hajek_attention(q, keys, values, pi, *, block_size: int, positions=Non
     """
     q, k, v = _as_qkv(q, keys, values)
     n, dv = v.shape
-    p = _check_vector("pi", pi, n)
-    if not np.all((p >= 0) & (p <= 1)):
-        raise ValueError("pi must lie in [0, 1] (found a value outside, or NaN)")
+    p = _check_pi(pi, n)
     labels = block_labels(n, block_size, positions)
     _, member, pib = _clusters(p, labels)
-    s = scores(q, k, scale=scale, bias=bias)
-    present = p > 0
-    logits = np.full(n, -np.inf)
-    logits[present] = s[present] - np.log(p[present])
+    logits = _hajek_logits(scores(q, k, scale=scale, bias=bias), p)
     if n == 0 or np.all(logits == -np.inf):
-        inf = np.full(dv, np.inf)
-        return Estimate(np.zeros(dv), np.zeros(n), inf, np.full((dv, dv), np.inf), np.inf, -np.inf, 0.0, np.inf,
-                        tail_moment=np.inf)
+        return _empty_estimate(n, dv)
     lse = float(logsumexp(logits))
-    a = np.exp(logits - lse)
+    return _cluster_estimate(np.exp(logits - lse), lse, v, member, pib)
+
+
+def _cluster_estimate(a: np.ndarray, lse: float, v: np.ndarray, member: np.ndarray, pib: np.ndarray) -> Estimate:
+    """The estimate of the Hajek weights a (n,) under block sampling: o_hat = a v, the block sums z_b and A_b
+    over the clusters ``member`` (-1 = padding) and the cluster-sampling covariance and statistics."""
     out = a @ v
     r = v - out
     nc = pib.size
-    z = np.zeros((nc, dv))  # z_b = sum_{i in b} a_i (v_i - o_hat)
+    z = np.zeros((nc, v.shape[1]))  # z_b = sum_{i in b} a_i (v_i - o_hat)
     wb = np.zeros(nc)  # A_b = sum_{i in b} a_i
     for i in np.flatnonzero(member >= 0):
         z[member[i]] += a[i] * r[i]

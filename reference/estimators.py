@@ -199,19 +199,17 @@ def hajek_attention(q, keys, values, pi, *, scale: float | None = None, per_coor
     """
     q, k, v = _as_qkv(q, keys, values)
     n, dv = v.shape
-    p = _check_vector("pi", pi, n)
-    if not np.all((p >= 0) & (p <= 1)):
-        raise ValueError("pi must lie in [0, 1] (found a value outside, or NaN)")
-    s = scores(q, k, scale=scale, bias=bias)
-    present = p > 0
-    logits = np.full(n, -np.inf)
-    logits[present] = s[present] - np.log(p[present])
+    p = _check_pi(pi, n)
+    logits = _hajek_logits(scores(q, k, scale=scale, bias=bias), p)
     if n == 0 or np.all(logits == -np.inf):
-        inf = np.full(dv, np.inf)
-        return Estimate(np.zeros(dv), np.zeros(n), inf, np.full((dv, dv), np.inf), np.inf, -np.inf, 0.0, np.inf,
-                        tail_moment=np.inf)
+        return _empty_estimate(n, dv)
     lse = float(logsumexp(logits))
-    a = np.exp(logits - lse)
+    return _linearized_estimate(np.exp(logits - lse), lse, v, p)
+
+
+def _linearized_estimate(a: np.ndarray, lse: float, v: np.ndarray, p: np.ndarray) -> Estimate:
+    """The estimate of the Hajek weights a (n,): o_hat = a v, the HT covariance of its linearization and the
+    statistics derived from it (trace, n_eff, max_term, tail_moment)."""
     out = a @ v
     c = (1.0 - p) * a * a  # 0 for pi = 1 and for padding (a = 0)
     r = v - out
@@ -233,6 +231,29 @@ def hajek_attention(q, keys, values, pi, *, scale: float | None = None, per_coor
         max_term=float(terms[tail].max()) if np.any(tail) else 0.0,
         tail_moment=float(np.sum((1.0 - p) * x * x)),
     )
+
+
+def _check_pi(pi, n: int) -> np.ndarray:
+    """pi as a float64 (n,) array in [0, 1]."""
+    p = _check_vector("pi", pi, n)
+    if not np.all((p >= 0) & (p <= 1)):
+        raise ValueError("pi must lie in [0, 1] (found a value outside, or NaN)")
+    return p
+
+
+def _hajek_logits(s: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """The Hajek logits s_i - log pi_i, -inf on padding (pi = 0: never -log 0 = +inf)."""
+    present = p > 0
+    logits = np.full(p.size, -np.inf)
+    logits[present] = s[present] - np.log(p[present])
+    return logits
+
+
+def _empty_estimate(n: int, dv: int) -> Estimate:
+    """The estimate of an empty sample: output 0, lse -inf, the variance statistics +inf, n_eff 0."""
+    inf = np.full(dv, np.inf)
+    return Estimate(np.zeros(dv), np.zeros(n), inf, np.full((dv, dv), np.inf), np.inf, -np.inf, 0.0, np.inf,
+                    tail_moment=np.inf)
 
 
 def horvitz_thompson_totals(q, keys, values, pi, *, scale: float | None = None, bias=None):

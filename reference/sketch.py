@@ -373,8 +373,32 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
         design whose sketch leaves no budget above the certainty set.
     """
     q, k, v = _as_qkv(q, keys, values)
-    n, d = k.shape
-    dv = v.shape[1]
+    u, delta, budget = _check_eviction(k, importance, delta, budget, sampling)
+    spec = _design(design)
+    name = _design_name(spec)
+    tilt = _design_tilt(spec, design, tilt, q, k.shape[1])
+    from . import quantized                              # here, not at the top: quantized.py builds on this module
+    kv_layout = quantized._check_layout(kv_layout)                 # checked at every kv_bits, used below 16
+    quantized_bound = quantized._check_quantized_bound(quantized_bound)
+    if quantized._check_kv_bits(kv_bits) != 16:
+        return quantized._evict_quantized(q, k, v, u, budget, seed=seed, delta=delta, spec=spec, name=name,
+                                          sinks=sinks, window=window, top=top, floor=floor, scale=scale,
+                                          tilt=tilt, sampling=sampling, kv_bits=int(kv_bits), kv_layout=kv_layout,
+                                          quantized_bound=quantized_bound)
+    n = k.shape[0]
+    if budget >= n:
+        return EvictionResult(output=hajek_attention(q, k, v, np.ones(n), scale=scale).output, radius=0.0,
+                              memory=1.0, design=name, budget=float(n), kept=n, variance=0.0)
+    certainty = dict(sinks=sinks, window=window, top=top, floor=floor)
+    if spec is None:
+        return _evict_paper(q, k, v, u, budget, seed, delta, scale, sampling, name, **certainty)
+    return _evict_sketched(q, k, v, u, budget, seed, delta, scale, sampling, spec, name, tilt, **certainty)
+
+
+def _check_eviction(k, importance, delta, budget, sampling):
+    """:func:`evict_and_certify`'s checks of the cache (n >= 1 tokens), the sampling, the importance (n,), delta in
+    (0, 1) and the budget: (importance as float64, delta, budget)."""
+    n = k.shape[0]
     if n == 0:
         raise ValueError("keys must hold at least one token, got n = 0")
     if sampling not in SAMPLINGS:
@@ -385,34 +409,42 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
     delta = float(delta)
     if not (0.0 < delta < 1.0):
         raise ValueError(f"delta must be in (0, 1), got {delta}")
-    budget = _check_budget(budget, n)
-    spec = _design(design)
-    name = _design_name(spec)
+    return u, delta, _check_budget(budget, n)
+
+
+def _design_tilt(spec, design, tilt, q, d: int):
+    """The tilt point a design uses: the given one (checked for every design, so a wrong shape is never
+    silent), the certified query for ``design=None`` without one, None for a design that does not tilt."""
     if design is None and spec is not None and spec.tilt and tilt is None:
         tilt = q  # design=None without a tilt point: tilt at the certified query (docstring)
     if tilt is not None or (spec is not None and spec.tilt):
-        tilt = _tilt_point(tilt, d)                      # checked for every design, so a wrong shape is never silent
+        tilt = _tilt_point(tilt, d)
     if spec is None or not spec.tilt:
         tilt = None                                      # a design that does not tilt ignores the tilt point
-    from . import quantized                              # here, not at the top: quantized.py builds on this module
-    kv_layout = quantized._check_layout(kv_layout)                 # checked at every kv_bits, used below 16
-    quantized_bound = quantized._check_quantized_bound(quantized_bound)
-    if quantized._check_kv_bits(kv_bits) != 16:
-        return quantized._evict_quantized(q, k, v, u, budget, seed=seed, delta=delta, spec=spec, name=name,
-                                          sinks=sinks, window=window, top=top, floor=floor, scale=scale,
-                                          tilt=tilt, sampling=sampling, kv_bits=int(kv_bits), kv_layout=kv_layout,
-                                          quantized_bound=quantized_bound)
-    if budget >= n:
-        return EvictionResult(output=hajek_attention(q, k, v, np.ones(n), scale=scale).output, radius=0.0,
-                              memory=1.0, design=name, budget=float(n), kept=n, variance=0.0)
-    if spec is None:
-        pi = inclusion_probabilities(u, budget, sinks=sinks, window=window, top=top, floor=floor)
-        keep = _sample(pi, seed, sampling)
-        est = hajek_attention(q, k[keep], v[keep], pi[keep], scale=scale)
-        cert = certificate(est, delta=delta, kind="chebyshev")
-        return EvictionResult(output=est.output, radius=float(cert.radius),
-                              memory=memory_fraction(n, d, dv, kept=int(keep.sum())), design=name,
-                              budget=budget, kept=int(keep.sum()), variance=float(est.trace))
+    return tilt
+
+
+def _evict_paper(q, k, v, u, budget, seed, delta, scale, sampling, name, *, sinks, window, top,
+                 floor) -> EvictionResult:
+    """The paper's design: pi at ``budget``, the sample, the Hajek estimate over it and the Chebyshev radius of
+    its HT trace."""
+    n, d = k.shape
+    pi = inclusion_probabilities(u, budget, sinks=sinks, window=window, top=top, floor=floor)
+    keep = _sample(pi, seed, sampling)
+    est = hajek_attention(q, k[keep], v[keep], pi[keep], scale=scale)
+    cert = certificate(est, delta=delta, kind="chebyshev")
+    return EvictionResult(output=est.output, radius=float(cert.radius),
+                          memory=memory_fraction(n, d, v.shape[1], kept=int(keep.sum())), design=name,
+                          budget=budget, kept=int(keep.sum()), variance=float(est.trace))
+
+
+def _evict_sketched(q, k, v, u, budget, seed, delta, scale, sampling, spec, name, tilt, *, sinks, window, top,
+                    floor) -> EvictionResult:
+    """A sketched design: pi at the budget the sketch leaves (equal expected memory), the sample, the Hajek
+    estimate, the cluster sketch of the evicted tokens and the design's radius on max(V_cl, V_HT), capped at
+    the hull bound."""
+    n, d = k.shape
+    dv = v.shape[1]
     certain = certainty_mask(u, sinks=sinks, window=window, top=top)
     b_design = budget - spec.tokens(d, dv)
     if b_design <= certain.sum():
