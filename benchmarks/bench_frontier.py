@@ -293,7 +293,7 @@ def _presses():
 
         def target_budget(self, queries, keys, values, scores, *, scale=None):
             press = object.__getattribute__(self, "_press")
-            budget = press._budgets[press._at].to(torch.float64).reshape(1, -1)
+            budget = press._budgets[press.value_at].to(torch.float64).reshape(1, -1)
             n = keys.shape[2]
             evicts = budget < n
             sampled = torch.where(evicts, budget, torch.full_like(budget, float(n)))
@@ -326,7 +326,7 @@ def _presses():
             return design
 
         def _prefill_plan(self, layer, r, queries, scale, *, layer_idx, event):
-            self._at = (layer_idx, r)
+            self.value_at = (layer_idx, r)
             return super()._prefill_plan(layer, r, queries, scale, layer_idx=layer_idx, event=event)
 
         def _row_tables(self, cache, r):

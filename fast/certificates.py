@@ -46,7 +46,7 @@ _OPTIONS = {
 }
 
 
-def _check_delta(delta) -> float:
+def check_delta(delta) -> float:
     if isinstance(delta, bool) or not isinstance(delta, numbers.Real):
         raise TypeError(f"delta must be a float, got {type(delta).__name__}")
     delta = float(delta)
@@ -376,7 +376,7 @@ def radius_from_moments(kind: str, delta: float, *, trace: torch.Tensor, varianc
     -------
     radius : (..., dv) for ``wald``, (...,) otherwise; +inf where trace is +inf.
     """
-    delta = _check_delta(delta)
+    delta = check_delta(delta)
     if not isinstance(trace, torch.Tensor):
         raise TypeError(f"trace must be a torch.Tensor, got {type(trace).__name__}")
     return _kind(kind).radius(delta, trace, variance=variance, sum_sq_eigenvalues=sum_sq_eigenvalues,
@@ -436,7 +436,7 @@ def certificate(estimate: Estimate, *, delta: float = 0.05, kind: str = "chebysh
     if not isinstance(estimate, Estimate):
         raise TypeError(f"estimate must be a kvcert.fast.types.Estimate, got {type(estimate).__name__}")
     spec = _kind(kind)
-    delta = _check_delta(delta)
+    delta = check_delta(delta)
     trace = estimate.trace
     dt = trace.dtype if trace.is_floating_point() else torch.float32
     o = estimate.output.to(dt)
@@ -484,7 +484,7 @@ def radius_from_statistics(kind: str, delta: float, *, trace: torch.Tensor, outp
     -------
     (radius, norm_radius, relative_radius)
     """
-    delta = _check_delta(delta)
+    delta = check_delta(delta)
     spec = _kind(kind)
     radius = spec.radius(delta, trace, **moments)
     norm_r = torch.linalg.vector_norm(radius, dim=-1) if spec.per_coordinate else radius

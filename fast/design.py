@@ -413,7 +413,7 @@ def certainty_mask(importance: torch.Tensor, *, sinks: int = 4, window: int = 32
     top = check_nonneg_int("top", top)
     vr = _valid_rows(valid, shape, u.device)
     _check_importance(u if vr is None else u.masked_fill(~vr, 0.0))
-    return _certainty_rows(u, sinks, window, top, vr).reshape(shape)
+    return certainty_rows(u, sinks, window, top, vr).reshape(shape)
 
 
 def _check_importance(u: torch.Tensor) -> None:
@@ -424,7 +424,7 @@ def _check_importance(u: torch.Tensor) -> None:
         raise ValueError(f"importance must be >= 0, found min {float(u.min()):.3g}")
 
 
-def _certainty_rows(u: torch.Tensor, sinks: int, window: int, top, vr: torch.Tensor | None) -> torch.Tensor:
+def certainty_rows(u: torch.Tensor, sinks: int, window: int, top, vr: torch.Tensor | None) -> torch.Tensor:
     """(R, n) certainty mask; ``top`` an int or an int64 (R,) tensor of per-row counts."""
     n = u.shape[-1]
     certain = edge_mask(n, sinks=sinks, window=window, valid=vr, device=u.device)
@@ -458,7 +458,7 @@ def _budget_rows(budget, rows: int, lead: tuple[int, ...], device) -> torch.Tens
     return torch.full((rows,), float(budget), dtype=torch.float64, device=device)
 
 
-def _count_rows(name: str, x, rows: int, lead: tuple[int, ...], device):
+def count_rows(name: str, x, rows: int, lead: tuple[int, ...], device):
     """A count >= 0 as an int, or as an int64 (rows,) tensor when given per head (an integer tensor
     broadcast to ``lead``): ``top`` here, ``budget`` of :func:`kvcert.fast.topk_evict`."""
     if not isinstance(x, torch.Tensor):
@@ -475,7 +475,7 @@ def _count_rows(name: str, x, rows: int, lead: tuple[int, ...], device):
     return t.reshape(rows).to(device)
 
 
-def _at(x, i: int):
+def value_at(x, i: int):
     """Row i's value of a per-row tensor, or the int itself (for messages)."""
     return int(x[i]) if isinstance(x, torch.Tensor) else x
 
@@ -567,7 +567,7 @@ def inclusion_probabilities(importance: torch.Tensor, budget, *, sinks: int = 4,
         raise ValueError("importance is empty (n = 0): there is nothing to evict")
     floor = _check_floor(floor)
     vr = _valid_rows(valid, shape, u.device)
-    top = _count_rows("top", top, rows, lead, u.device)
+    top = count_rows("top", top, rows, lead, u.device)
     uv = u if vr is None else u.masked_fill(~vr, 0.0)
     _check_importance(uv)
     bud = _budget_rows(budget, rows, lead, u.device)
@@ -613,13 +613,13 @@ def _design_sets(vr, top, bud, n: int, rows: int, lead: tuple[int, ...], sinks: 
         i = int(torch.nonzero(bad)[0, 0])
         raise ValueError(
             f"budget = {float(bud[i])} < n = {int(nv[i])}, but every token is in the certainty set "
-            f"(sinks={sinks}, window={window}, top={_at(top, i)}){_first_bad(bad, lead)}")
+            f"(sinks={sinks}, window={window}, top={value_at(top, i)}){_first_bad(bad, lead)}")
     bad = (t > 0) & (bud <= c)
     if bool(bad.any()):
         i = int(torch.nonzero(bad)[0, 0])
         raise ValueError(
             f"budget must exceed the certainty set size |C| = {int(c[i])} "
-            f"(sinks={sinks}, window={window}, top={_at(top, i)}), got {float(bud[i])}{_first_bad(bad, lead)}")
+            f"(sinks={sinks}, window={window}, top={value_at(top, i)}), got {float(bud[i])}{_first_bad(bad, lead)}")
     return free, ntop, t, c
 
 

@@ -48,15 +48,15 @@ class _Workspace(threading.local):
         return buf[:numel]
 
 
-_WS = _Workspace()
+WORKSPACE = _Workspace()
 
 
 def clear_workspace() -> None:
     """Free the scratch buffers kept by :func:`hajek_attention` in this thread."""
-    _WS.buffers.clear()
+    WORKSPACE.buffers.clear()
 
 
-class _Layout:
+class QueryLayout:
     """The checked sizes of one call (a contract.AttentionLayout) and the (b*h_kv, g*t, .) views."""
 
     def __init__(self, C: AttentionLayout, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
@@ -81,14 +81,14 @@ class _Layout:
         return x.reshape(self.b, self.h_q, self.t, *tail)
 
 
-def _per_kv(name: str, x: torch.Tensor, L: _Layout) -> torch.Tensor:
+def _per_kv(name: str, x: torch.Tensor, L: QueryLayout) -> torch.Tensor:
     x = check_tensor(name, x)
     if tuple(x.shape) != (L.b, L.h_kv, L.n):
         raise ValueError(f"{name} must have shape (b, h_kv, n) = ({L.b}, {L.h_kv}, {L.n}), got {tuple(x.shape)}")
     return x
 
 
-def _logits(L: _Layout, *, log_pi: torch.Tensor | None, bias, positions, query_positions, offset,
+def _logits(L: QueryLayout, *, log_pi: torch.Tensor | None, bias, positions, query_positions, offset,
             out: torch.Tensor | None = None) -> torch.Tensor:
     """s_i - log pi_i (+ bias, causal mask) as (B, G, n) in the compute dtype (into ``out``).
 
@@ -116,12 +116,12 @@ def _logits(L: _Layout, *, log_pi: torch.Tensor | None, bias, positions, query_p
     return s
 
 
-def _broadcast_bias(bias: torch.Tensor, L: _Layout) -> torch.Tensor:
+def _broadcast_bias(bias: torch.Tensor, L: QueryLayout) -> torch.Tensor:
     """The (checked) bias as a (b, h_q, [t,] n) view."""
     return torch.broadcast_to(bias, L.bias_shape)
 
 
-def _query_positions(L: _Layout, query_positions, offset, device) -> torch.Tensor | None:
+def _query_positions(L: QueryLayout, query_positions, offset, device) -> torch.Tensor | None:
     """(b, t) int64 positions of the queries (checked arguments), or None without a causal mask."""
     if query_positions is None and offset is None:
         return None
@@ -132,7 +132,7 @@ def _query_positions(L: _Layout, query_positions, offset, device) -> torch.Tenso
     return torch.broadcast_to(qp.to(device), (L.b, L.t))
 
 
-def _query_chunk(L: "_Layout", query_chunk_bytes: int) -> int:
+def _query_chunk(L: "QueryLayout", query_chunk_bytes: int) -> int:
     """Queries per block so that a (b*h_q, block, n) fp32 score tensor fits the budget."""
     if L.decode or L.t <= 1:
         return max(L.t, 1)
@@ -206,7 +206,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scal
     """
     C = check_attention_inputs(q, keys, values, scale=scale, bias=bias, positions=positions,
                                query_positions=query_positions, offset=offset, probabilities=False, validate=True)
-    L = _Layout(C, q, keys, values)
+    L = QueryLayout(C, q, keys, values)
     if L.n == 0:
         raise ValueError("attention over an empty (or fully masked) cache is undefined")
     s = _logits(L, log_pi=None, bias=bias, positions=positions, query_positions=query_positions, offset=offset)
@@ -248,12 +248,12 @@ def value_moments(values: torch.Tensor, pi: torch.Tensor | None = None, *, log_p
     return mu, r
 
 
-def _cast(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+def cast_to(x: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
     """``x.to(dt)``, without a dispatcher call when it is a no-op (the per-step path makes many)."""
     return x if x.dtype == dt else x.to(dt)
 
 
-def _cached_moments(L: _Layout, value_center, value_sqdist):
+def _cached_moments(L: QueryLayout, value_center, value_sqdist):
     """The checked ``value_center`` (B, 1, dv) and ``value_sqdist`` (B, n) in the compute dtype, or None."""
     mu_all = r2_all = None
     if value_center is not None:
@@ -261,15 +261,15 @@ def _cached_moments(L: _Layout, value_center, value_sqdist):
         if tuple(mu_all.shape) != (L.b, L.h_kv, L.dv):
             raise ValueError(f"value_center must have shape (b, h_kv, dv) = ({L.b}, {L.h_kv}, {L.dv}), "
                              f"got {tuple(mu_all.shape)}")
-        mu_all = _cast(mu_all, L.dtype).reshape(L.B, 1, L.dv)
+        mu_all = cast_to(mu_all, L.dtype).reshape(L.B, 1, L.dv)
     if value_sqdist is not None:
         if value_center is None:
             raise TypeError("value_sqdist= needs the value_center= it was computed with")
-        r2_all = _cast(_per_kv("value_sqdist", value_sqdist, L), L.dtype).reshape(L.B, L.n)
+        r2_all = cast_to(_per_kv("value_sqdist", value_sqdist, L), L.dtype).reshape(L.B, L.n)
     return mu_all, r2_all
 
 
-def _tiled_moments(L: _Layout, ac, sc, v, lp, omp, empty, mu_all, r2_all, per_coordinate: bool,
+def _tiled_moments(L: QueryLayout, ac, sc, v, lp, omp, empty, mu_all, r2_all, per_coordinate: bool,
                    want_max: bool, want_cov: bool, chunk_bytes, want_tail: bool = False):
     """Output and centred moments, one cache-resident chunk of V at a time.
 
@@ -298,7 +298,7 @@ def _tiled_moments(L: _Layout, ac, sc, v, lp, omp, empty, mu_all, r2_all, per_co
     # so that no host read decides whether any row is empty (with none empty it is the plain mean)
     live = (~empty).to(dt).unsqueeze(-1) if mu_all is None else None
     hc, nc = _tiles(L.n, dv, dt, dev, chunk_bytes)
-    buf = _WS.get("tile", min(hc, L.B) * min(nc, L.n) * dv, dt, dev)
+    buf = WORKSPACE.get("tile", min(hc, L.B) * min(nc, L.n) * dv, dt, dev)
     for h0 in range(0, L.B, hc):
         h1 = min(L.B, h0 + hc)
         vh = v[h0:h1]
@@ -369,7 +369,7 @@ def _tiled_moments(L: _Layout, ac, sc, v, lp, omp, empty, mu_all, r2_all, per_co
     return o.contiguous(), variance, trace, max_term, covariance, tail
 
 
-def _one_pass(L: _Layout, lp: torch.Tensor, omp: torch.Tensor, bias, mu: torch.Tensor, r2: torch.Tensor):
+def _one_pass(L: QueryLayout, lp: torch.Tensor, omp: torch.Tensor, bias, mu: torch.Tensor, r2: torch.Tensor):
     r"""Output, log-normalizer and trace with the cached centre: one matmul over V, no tiles.
 
     The trace-only path with ``value_center`` / ``value_sqdist`` (docs/design.md
@@ -390,8 +390,8 @@ def _one_pass(L: _Layout, lp: torch.Tensor, omp: torch.Tensor, bias, mu: torch.T
     or masked: lse -inf) come back NaN and are fixed by the caller.
     """
     dt, B, G, n, dev = L.dtype, L.B, L.G, L.n, L.q.device
-    v, s, m = _offset_scores(L, lp, bias, "scores")
-    ac = _WS.get("rows", B * 2 * G * n, dt, dev).view(B, 2 * G, n)  # rows [a; c]
+    v, s, m = offset_scores(L, lp, bias, "scores")
+    ac = WORKSPACE.get("rows", B * 2 * G * n, dt, dev).view(B, 2 * G, n)  # rows [a; c]
     a = torch.sub(s, m, out=ac[:, :G]).exp_()  # the softmax, written into the [a; c] rows
     l = a.sum(-1, keepdim=True)
     a.div_(l)
@@ -401,28 +401,28 @@ def _one_pass(L: _Layout, lp: torch.Tensor, omp: torch.Tensor, bias, mu: torch.T
     o, cv = oc[:, :G], oc[:, G:]
     sc = c.sum(-1, keepdim=True)  # (B, G, 1)
     t1 = torch.linalg.vecdot(c, r2.view(B, 1, n))  # sum c_i ||v_i - mu||^2
-    return o, _centred_sum(t1, cv, sc, o - mu, mu), lse
+    return o, centred_sum(t1, cv, sc, o - mu, mu), lse
 
 
-def _offset_scores(L: _Layout, lp: torch.Tensor, bias, name: str):
+def offset_scores(L: QueryLayout, lp: torch.Tensor, bias, name: str):
     r"""The one-pass paths' scores: ``(v, s, m)`` with v the values as (B, n, dv),
     :math:`s = \tau q K^\top - \log\pi` (+ bias) (B, G, n) written into the workspace buffer
     ``name`` by one ``baddbmm`` (-log pi as its input; -inf, not +inf, on padding slots), and the
     row max m (B, G, 1) clamped to a finite value, so that on an empty row (every slot padding or
     masked) s - m stays -inf (not NaN) and the log-normalizer comes out -inf, which callers detect."""
     dt, B, G, n = L.dtype, L.B, L.G, L.n
-    qf = _cast(L.q, dt).reshape(B, G, L.d)
-    kf = _cast(L.keys, dt).reshape(B, n, L.d)
-    v = _cast(L.values, dt).reshape(B, n, L.dv)
+    qf = cast_to(L.q, dt).reshape(B, G, L.d)
+    kf = cast_to(L.keys, dt).reshape(B, n, L.d)
+    v = cast_to(L.values, dt).reshape(B, n, L.dv)
     off = lp.neg().nan_to_num_(nan=float("nan"), posinf=float("-inf")).view(B, 1, n)  # NaN stays NaN
     if bias is not None:
         off = off + _broadcast_bias(bias, L).to(dt).reshape(B, G, n)
-    s = _WS.get(name, B * G * n, dt, L.q.device).view(B, G, n)
+    s = WORKSPACE.get(name, B * G * n, dt, L.q.device).view(B, G, n)
     torch.baddbmm(off, qf, kf.transpose(1, 2), alpha=L.scale, out=s)
     return v, s, s.amax(-1, keepdim=True).clamp_(min=torch.finfo(dt).min)
 
 
-def _centred_sum(t: torch.Tensor, cv: torch.Tensor, sc: torch.Tensor, dm: torch.Tensor, mu: torch.Tensor):
+def centred_sum(t: torch.Tensor, cv: torch.Tensor, sc: torch.Tensor, dm: torch.Tensor, mu: torch.Tensor):
     r"""The centred form of :math:`\sum_S c_i \lVert v_i - \hat o\rVert^2`, clamped at 0:
 
     .. math:: \textstyle\sum c_i r_i - 2 (\hat o-\mu)\cdot(\sum c_i v_i - \mu \sum c_i)
@@ -434,7 +434,7 @@ def _centred_sum(t: torch.Tensor, cv: torch.Tensor, sc: torch.Tensor, dm: torch.
     return torch.add(t, torch.linalg.vecdot(dm, half), alpha=-2.0).clamp_(min=0.0)
 
 
-def _empty_estimate(L: _Layout, weights: bool, max_term: bool, covariance: bool, per_coordinate: bool,
+def empty_estimate(L: QueryLayout, weights: bool, max_term: bool, covariance: bool, per_coordinate: bool,
                     tail_moment: bool = False) -> Estimate:
     """The reference's convention for an empty sample, for every query row (n = 0)."""
     dt, dev = L.dtype, L.q.device
@@ -606,7 +606,7 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     """
     C = check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale, bias=bias, positions=positions,
                                query_positions=query_positions, offset=offset)
-    L = _Layout(C, q, keys, values)
+    L = QueryLayout(C, q, keys, values)
     tc = _query_chunk(L, query_chunk_bytes)
     if tc < L.t:  # many queries: bound the (b * h_q * t * n) score memory, query block by query block
         kw = dict(scale=scale, per_coordinate=per_coordinate, log_pi=log_pi, positions=positions,
@@ -618,7 +618,7 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
         check_attention_values(C, bias)
     lp, omp = _log_pi(C, L)
     if L.n == 0:
-        return _empty_estimate(L, return_weights, return_max_term, return_covariance, per_coordinate,
+        return empty_estimate(L, return_weights, return_max_term, return_covariance, per_coordinate,
                                return_tail_moment)
     one_pass = (value_sqdist is not None and not per_coordinate and not return_weights and not return_max_term
                 and not return_covariance and not return_tail_moment and positions is None
@@ -632,7 +632,7 @@ def hajek_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, p
     return _tiled_estimate(L, a, lse, empty, *stats, validate=validate, return_weights=return_weights)
 
 
-def _by_query_blocks(L: _Layout, tc: int, pi, bias, query_positions, offset, kw: dict) -> Estimate:
+def _by_query_blocks(L: QueryLayout, tc: int, pi, bias, query_positions, offset, kw: dict) -> Estimate:
     """:func:`hajek_attention` block by block of ``tc`` queries (the bias and the query positions sliced
     alike), the blocks' estimates concatenated along the queries."""
     q, keys, values = L.q, L.keys, L.values
@@ -646,21 +646,21 @@ def _by_query_blocks(L: _Layout, tc: int, pi, bias, query_positions, offset, kw:
     return _cat_estimates(parts)
 
 
-def _log_pi(C: AttentionLayout, L: _Layout):
+def _log_pi(C: AttentionLayout, L: QueryLayout):
     """log pi and 1 - pi (B, n) in the compute dtype, from pi (log 0 = -inf on padding: the logit becomes -inf,
     never +inf) or from log pi (1 - pi = -expm1(log pi))."""
     dt = L.dtype
     if C.p_name == "pi":
-        pf = _cast(C.p, dt).reshape(L.B, L.n)
+        pf = cast_to(C.p, dt).reshape(L.B, L.n)
         lp = torch.log(pf)  # -inf on padding: the logit becomes -inf, never +inf
         omp = 1.0 - pf
     else:
-        lp = _cast(C.p, dt).reshape(L.B, L.n)
+        lp = cast_to(C.p, dt).reshape(L.B, L.n)
         omp = -torch.expm1(lp)
     return lp, omp
 
 
-def _one_pass_estimate(L: _Layout, lp, omp, bias, mu_all, r2_all, validate: bool) -> Estimate:
+def _one_pass_estimate(L: QueryLayout, lp, omp, bias, mu_all, r2_all, validate: bool) -> Estimate:
     """The one-pass path's Estimate (:func:`_one_pass`): output, trace and lse; with ``validate`` the empty
     rows get the empty-sample convention and a NaN output is refused."""
     o, trace, lse = _one_pass(L, lp, omp, bias, mu_all, r2_all)
@@ -670,21 +670,21 @@ def _one_pass_estimate(L: _Layout, lp, omp, bias, mu_all, r2_all, validate: bool
         trace = trace.masked_fill(empty, float("inf"))
     if validate and bool(torch.isnan(o).any()):
         raise ValueError("hajek_attention produced NaN: q, keys, values (and bias) must be finite")
-    return Estimate(output=_cast(L.unrows(o), L.values.dtype), weights=None, variance=None,
+    return Estimate(output=cast_to(L.unrows(o), L.values.dtype), weights=None, variance=None,
                     trace=L.unrows(trace[..., None]).squeeze(-1), lse=L.unrows(lse[..., None]).squeeze(-1))
 
 
-def _tiled_path(L: _Layout, lp, omp, mu_all, r2_all, bias, positions, query_positions, offset, per_coordinate: bool,
+def _tiled_path(L: QueryLayout, lp, omp, mu_all, r2_all, bias, positions, query_positions, offset, per_coordinate: bool,
                 return_max_term: bool, return_covariance: bool, return_tail_moment: bool, chunk_bytes):
     """The default path: the logits (causal mask and bias included) and their softmax a (B, G, n) with lse and the
     rows that see no token, then c = (1 - pi) a^2 and :func:`_tiled_moments` over the centred V tiles; returns
     (a, lse, empty, (o, variance, trace, max_term, covariance, tail_moment, n_eff))."""
     dt, dev = L.dtype, L.q.device
-    ws = _WS.get("scores", L.B * L.G * L.n, dt, dev).view(L.B, L.G, L.n)
+    ws = WORKSPACE.get("scores", L.B * L.G * L.n, dt, dev).view(L.B, L.G, L.n)
     s = _logits(L, log_pi=lp.reshape(L.b, L.h_kv, L.n), bias=bias, positions=positions,
                 query_positions=query_positions, offset=offset, out=ws)
     a, lse, empty = _softmax(s)  # (B, G, n), (B, G), (B, G)
-    ac = _WS.get("rows", L.B * 2 * L.G * L.n, dt, dev).view(L.B, 2 * L.G, L.n)  # rows [a; c]
+    ac = WORKSPACE.get("rows", L.B * 2 * L.G * L.n, dt, dev).view(L.B, 2 * L.G, L.n)  # rows [a; c]
     ac[:, : L.G] = a
     a = ac[:, : L.G]
     c = torch.mul(a, a, out=ac[:, L.G:]).mul_(omp[:, None, :])  # (1 - pi) a^2: 0 on pi = 1 and on padding
@@ -696,7 +696,7 @@ def _tiled_path(L: _Layout, lp, omp, mu_all, r2_all, bias, positions, query_posi
     return a, lse, empty, (*stats, n_eff)
 
 
-def _tiled_estimate(L: _Layout, a, lse, e, o, variance, trace, max_term, covariance, tail, n_eff, *,
+def _tiled_estimate(L: QueryLayout, a, lse, e, o, variance, trace, max_term, covariance, tail, n_eff, *,
                     validate: bool, return_weights: bool) -> Estimate:
     """The default path's Estimate in the caller's shape: the rows ``e`` that see no token get output 0, the
     statistics +inf and n_eff 0 (filled unconditionally: no host read); with ``validate`` a NaN output is

@@ -15,7 +15,7 @@ import numbers
 import torch
 
 from ._checks import check_probabilities, check_tensor, stat_dtype
-from .design import (_at, _certainty_rows, _count_rows, check_sampling, design_uniforms, draw_sample, edge_mask,
+from .design import (value_at, certainty_rows, count_rows, check_sampling, design_uniforms, draw_sample, edge_mask,
                      inclusion_probabilities, poisson_sample, systematic_sample)
 from .sketch import cluster_sketch
 from .types import CompressedCache
@@ -282,7 +282,7 @@ def topk_evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tenso
     keys, values, importance = _check_cache(keys, values, importance)
     b, h, n, _ = keys.shape
     if isinstance(budget, torch.Tensor):  # one kept count per (b, h_kv) head, broadcast
-        budget = _count_rows("budget", budget, b * h, (b, h), keys.device)
+        budget = count_rows("budget", budget, b * h, (b, h), keys.device)
     elif isinstance(budget, bool) or not isinstance(budget, numbers.Integral):
         raise TypeError(f"budget must be an int (a kept count), got {type(budget).__name__}")
     else:
@@ -299,9 +299,9 @@ def topk_evict(keys: torch.Tensor, values: torch.Tensor, importance: torch.Tenso
     bad = (budget < ne) | (budget > nv)
     if bool(bad.any()):
         i = int(torch.nonzero(bad)[0, 0])
-        raise ValueError(f"budget must be in [{int(ne[i])}, {int(nv[i])}] (sinks + window .. n), got {_at(budget, i)}")
+        raise ValueError(f"budget must be in [{int(ne[i])}, {int(nv[i])}] (sinks + window .. n), got {value_at(budget, i)}")
     ur = u.reshape(b * h, n).to(torch.float64)
-    keep = _certainty_rows(ur, sinks, window, budget - ne, vr).reshape(b, h, n)
+    keep = certainty_rows(ur, sinks, window, budget - ne, vr).reshape(b, h, n)
     one = torch.ones((b, h, n), dtype=stat_dtype(importance), device=keys.device)
     final = one if prev is None else prev.to(one.dtype)
     return compact(keep, keys, values, final, pos)

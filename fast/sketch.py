@@ -54,9 +54,9 @@ from typing import Callable
 import torch
 
 from ._checks import check_tensor, compute_dtype
-from .certificates import _check_delta, radius_from_moments
+from .certificates import check_delta, radius_from_moments
 from .contract import check_attention_inputs, check_attention_values
-from .estimators import _WS, _cast, _centred_sum, _Layout, _offset_scores, value_moments
+from .estimators import WORKSPACE, cast_to, centred_sum, QueryLayout, offset_scores, value_moments
 from .types import Estimate
 
 __all__ = [
@@ -185,7 +185,7 @@ class ClusterDesign:
         return self.elements(d, dv) / (d + dv + 1)
 
 
-def _as_design(design) -> ClusterDesign:
+def as_design(design) -> ClusterDesign:
     """None -> ClusterDesign(); a ClusterDesign as is; any object with the four fields (and ``tilt``,
     default False) -> a checked copy."""
     if design is None:
@@ -433,7 +433,7 @@ def kmeans_assign(keys: torch.Tensor, clusters: int, *, iterations: int = 10,
         valid = torch.ones((b, h, n), dtype=torch.bool, device=keys.device)
     dt = compute_dtype(keys)
     B = b * h
-    k = _cast(keys, dt).reshape(B, n, d)
+    k = cast_to(keys, dt).reshape(B, n, d)
     ok = valid.reshape(B, n)
     if n == 0 or d == 0:
         return torch.full((b, h, n), -1, dtype=torch.int64, device=keys.device)
@@ -518,7 +518,7 @@ def cluster_sketch(keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor, k
     only the precision of :math:`w_i`, computed in float64 and rounded once to float32, unless a
     weight overflows float32 (:math:`\pi_i \lesssim 3\cdot 10^{-39}`): then the sketch is float64.
     """
-    design = _as_design(design)
+    design = as_design(design)
     keys, values, p, keep, valid = _check_sketch_inputs(keys, values, pi, keep, valid)
     b, h, n, d = keys.shape
     dev = keys.device
@@ -536,8 +536,8 @@ def cluster_sketch(keys: torch.Tensor, values: torch.Tensor, pi: torch.Tensor, k
         q0 = _tilt_tensor(tilt, (b, h, d), dev)
     elif tilt is not None:
         raise ValueError("tilt is for a tilted design (ClusterDesign(tilt=True)); this design has tilt=False")
-    k = _cast(keys, dt).reshape(B, n, d)
-    v = _cast(values, dt).reshape(B, n, dv)
+    k = cast_to(keys, dt).reshape(B, n, d)
+    v = cast_to(values, dt).reshape(B, n, dv)
     okf = valid.reshape(B, n).to(dt)
     mu = (okf[:, None, :] @ v).squeeze(1) / okf.sum(-1, keepdim=True).clamp(min=1.0)   # (B, dv)
     lab = torch.where(g, lab.reshape(B, n), 0)
@@ -576,7 +576,7 @@ def _check_sketch_inputs(keys, values, pi, keep, valid):
         raise ValueError(f"keep must be a bool tensor of shape (b, h_kv, n) = {(b, h, n)}, "
                          f"got {keep.dtype} {tuple(keep.shape)}")
     keep = keep.to(dev)
-    p = _cast(pi, compute_dtype(keys, values, pi))                   # checks and weights at pi's precision
+    p = cast_to(pi, compute_dtype(keys, values, pi))                   # checks and weights at pi's precision
     if p.numel():
         lo, hi = torch.stack(torch.aminmax(p)).tolist()
         if not (lo >= 0.0 and hi <= 1.0):
@@ -624,7 +624,7 @@ def _tilted_moments(lab, C, w, k, g, q0, tau: float, bh: tuple[int, int]):
     (W, mean, var), the count N = sum e^{e_i - h_c}, and the fields only a tilted sketch has (tilt, zmean, zvar
     under e^{e_i - h_c}, shift h_c)."""
     (b, h), (B, n, d), dt, dev = bh, k.shape, k.dtype, k.device
-    e = torch.bmm(k, _cast(q0, dt).reshape(B, d, 1)).squeeze(-1).mul_(tau)   # (B, n): tau q0.k
+    e = torch.bmm(k, cast_to(q0, dt).reshape(B, d, 1)).squeeze(-1).mul_(tau)   # (B, n): tau q0.k
     hc = torch.full((B, C), float("-inf"), dtype=dt, device=dev).scatter_reduce_(
         1, lab, e.masked_fill(~g, float("-inf")), reduce="amax")
     hc = torch.where(torch.isfinite(hc), hc, 0.0)                        # 0 on a slot without evicted tokens
@@ -633,7 +633,7 @@ def _tilted_moments(lab, C, w, k, g, q0, tau: float, bh: tuple[int, int]):
     w = w * ex.square()
     W, mean, var = _weighted_moments(lab, C, w, k)
     N, zmean, zvar = _weighted_moments(lab, C, ex, k)
-    return w, W, mean, var, N, dict(tilt=_cast(q0, dt).reshape(b, h, d), zmean=zmean.reshape(b, h, C, d),
+    return w, W, mean, var, N, dict(tilt=cast_to(q0, dt).reshape(b, h, d), zmean=zmean.reshape(b, h, C, d),
                                     zvar=zvar.reshape(b, h, C, d), shift=hc.reshape(b, h, C))
 
 
@@ -744,7 +744,7 @@ def cluster_radius(variance: torch.Tensor, *, delta: float, rule: str, multiplie
         ``variance``.
     """
     variance = check_tensor("variance", variance, floating=True)
-    delta = _check_delta(delta)
+    delta = check_delta(delta)
     rule = _check_rule(rule)
     multiplier = _check_multiplier(multiplier)
     if bool(torch.isnan(variance).any()):
@@ -757,7 +757,7 @@ def _radius(variance: torch.Tensor, delta: float, rule: str, multiplier: float, 
     return (variance.clamp(min=0.0) if clamp else variance).sqrt().mul_(factor)
 
 
-def _check_sketch(sketch: ClusterSketch, L: _Layout) -> None:
+def _check_sketch(sketch: ClusterSketch, L: QueryLayout) -> None:
     """The tensors of ``sketch`` must be those of the KV heads of these keys and values (shapes, device)."""
     C = sketch.mean.shape[-2] if isinstance(sketch.mean, torch.Tensor) and sketch.mean.ndim == 4 else "C"
     want = {"mean": ("(b, h_kv, C, d)", (L.b, L.h_kv, C, L.d)), "var": ("(b, h_kv, C, d)", (L.b, L.h_kv, C, L.d)),
@@ -777,17 +777,17 @@ def _check_sketch(sketch: ClusterSketch, L: _Layout) -> None:
             raise ValueError(f"sketch.{name} must be on the device of q ({L.q.device}), got {x.device}")
 
 
-def _probs(L: _Layout, C) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _probs(L: QueryLayout, C) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log pi, 1 - pi, pi) as (B, n) in the compute dtype, from ``pi`` or ``log_pi`` (as hajek_attention)."""
     dt = L.dtype
     if C.p_name == "pi":
-        pf = _cast(C.p, dt).reshape(L.B, L.n)
+        pf = cast_to(C.p, dt).reshape(L.B, L.n)
         return torch.log(pf), 1.0 - pf, pf
-    lp = _cast(C.p, dt).reshape(L.B, L.n)
+    lp = cast_to(C.p, dt).reshape(L.B, L.n)
     return lp, -torch.expm1(lp), torch.exp(lp)
 
 
-def _kept_pass(L: _Layout, lp, omp, pf, mu, r2):
+def _kept_pass(L: QueryLayout, lp, omp, pf, mu, r2):
     r"""One pass over K and V: the Hajek output and the HT trace, and the kept pieces of V_cl.
 
     .. math::
@@ -803,8 +803,8 @@ def _kept_pass(L: _Layout, lp, omp, pf, mu, r2):
     """
     dt, B, G, n = L.dtype, L.B, L.G, L.n
     dev = L.q.device
-    v, s, m = _offset_scores(L, lp, None, "sketch_scores")     # m finite: an empty row gets a = e^{-inf} = 0
-    rows = _WS.get("sketch_rows", B * 3 * G * n, dt, dev).view(B, 3 * G, n)   # [a; c; c']
+    v, s, m = offset_scores(L, lp, None, "sketch_scores")     # m finite: an empty row gets a = e^{-inf} = 0
+    rows = WORKSPACE.get("sketch_rows", B * 3 * G * n, dt, dev).view(B, 3 * G, n)   # [a; c; c']
     a = torch.sub(s, m, out=rows[:, :G]).exp_()
     l = a.sum(-1, keepdim=True)
     lse = torch.log(l).add_(m).squeeze(-1)                     # -inf on empty rows (l = 0)
@@ -821,12 +821,12 @@ def _kept_pass(L: _Layout, lp, omp, pf, mu, r2):
 def _centred(t, cv, sc, o, mu):
     r"""The kept sums :math:`\sum c_i\lVert v_i - \hat o\rVert^2` (c rows, then c' rows), (B, K, G):
     :math:`\sum c_i r_i - 2(\hat o-\mu)\cdot(\sum c_i v_i - \mu\sum c_i) + \lVert\hat o-\mu\rVert^2
-    \sum c_i` (:func:`kvcert.fast.estimators._centred_sum`, for the two kinds of rows at once), clamped at 0."""
+    \sum c_i` (:func:`kvcert.fast.estimators.centred_sum`, for the two kinds of rows at once), clamped at 0."""
     B, KG, dv = cv.shape
     G = o.shape[1]
     K = KG // G
     dm = (o - mu).view(B, 1, G, dv)
-    return _centred_sum(t.view(B, K, G), cv.view(B, K, G, dv), sc.view(B, K, G, 1), dm, mu.view(B, 1, 1, dv))
+    return centred_sum(t.view(B, K, G), cv.view(B, K, G, dv), sc.view(B, K, G, 1), dm, mu.view(B, 1, 1, dv))
 
 
 #: the tensor fields of a ClusterSketch (the decode form is rebuilt when the sum of their version counters moves)
@@ -873,7 +873,7 @@ def _version(sketch: ClusterSketch) -> int | None:
         return None
 
 
-def _decode_form(sketch, L: _Layout, follow_in_place: bool = True) -> _DecodeForm:
+def _decode_form(sketch, L: QueryLayout, follow_in_place: bool = True) -> _DecodeForm:
     """The per-step constants (:class:`_DecodeForm`) of ``sketch`` for the layout ``L`` (compute dtype, score
     scale, heads, device), kept on the sketch (its ``_form`` field) so that later steps read them as they are.
 
@@ -898,12 +898,12 @@ def _decode_form(sketch, L: _Layout, follow_in_place: bool = True) -> _DecodeFor
     mean, var = sketch.mean, sketch.var
     b, h, C, d = mean.shape
     B = b * h
-    col = lambda x: _cast(x, dt).reshape(B, C, d).transpose(1, 2)  # noqa: E731  (B, d, C)
+    col = lambda x: cast_to(x, dt).reshape(B, C, d).transpose(1, 2)  # noqa: E731  (B, d, C)
     zmean, zvar = (mean, var) if sketch.zmean is None else (sketch.zmean, sketch.zvar)
     t1, t2 = float(L.scale), float(L.scale) ** 2
     W = torch.cat((torch.cat((col(mean) * (2.0 * t1), col(zmean) * t1), dim=-1),
                    torch.cat((col(var) * (2.0 * t2), col(zvar) * (0.5 * t2)), dim=-1)), dim=1).contiguous()
-    row = lambda x: _cast(x, dt).reshape(B, 1, -1)  # noqa: E731
+    row = lambda x: cast_to(x, dt).reshape(B, 1, -1)  # noqa: E731
     log_count = torch.log(row(sketch.count))
     if sketch.shift is None:
         bias = torch.cat((torch.zeros_like(log_count), log_count), dim=-1)
@@ -912,13 +912,13 @@ def _decode_form(sketch, L: _Layout, follow_in_place: bool = True) -> _DecodeFor
         bias = torch.cat((2.0 * h, log_count + h), dim=-1)
     form = _DecodeForm(W=W, bias=bias, weight=row(sketch.weight), wnorm=row(sketch.wnorm),
                        tilt=None if sketch.tilt is None else row(sketch.tilt), mu=row(sketch.mu),
-                       reach=None if sketch.reach is None else _cast(sketch.reach, dt).reshape(B, 1),
+                       reach=None if sketch.reach is None else cast_to(sketch.reach, dt).reshape(B, 1),
                        kept=torch.tensor([2.0, 1.0], dtype=dt, device=mean.device), key=key, version=version)
     object.__setattr__(sketch, "_form", form)  # a cache on a frozen dataclass: not a field anyone sets
     return form
 
 
-def _log_variance(L: _Layout, f: _DecodeForm, o, lse, kappa, t_kept):
+def _log_variance(L: QueryLayout, f: _DecodeForm, o, lse, kappa, t_kept):
     r"""log of V_cl's numerator and of Z~ from the kept pieces and the sketch, (B, G) each.
 
     Kept part: :math:`\sum_S \frac{1-\pi_i}{\pi_i} e^{2 s_i}\lVert v_i - \hat o\rVert^2 = \hat Z^2 T'`
@@ -932,7 +932,7 @@ def _log_variance(L: _Layout, f: _DecodeForm, o, lse, kappa, t_kept):
     """
     dt, B, G = L.dtype, L.B, L.G
     C = f.weight.shape[-1]
-    r = _cast(L.q, dt).reshape(B, G, L.d)
+    r = cast_to(L.q, dt).reshape(B, G, L.d)
     if f.tilt is not None:                                                                # r = q - q0
         r = r - f.tilt
     x = torch.baddbmm(f.bias, torch.cat((r, r * r), dim=-1), f.W)                         # (B, G, 2C)
@@ -945,7 +945,7 @@ def _log_variance(L: _Layout, f: _DecodeForm, o, lse, kappa, t_kept):
     return both[..., 0], both[..., 1]
 
 
-def _empty_kept(L: _Layout):
+def _empty_kept(L: QueryLayout):
     """The kept pieces of a cache with n = 0 slots (as an all-padding one), both kinds of rows (c, c')."""
     dt, dev = L.dtype, L.q.device
     z = torch.zeros(L.B, L.G, dtype=dt, device=dev)
@@ -995,13 +995,13 @@ def cluster_variance(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     (the reference's ``0.0``).
     """
     C = check_attention_inputs(q, keys, values, pi, scale=scale, validate=True)
-    L = _Layout(C, q, keys, values)
+    L = QueryLayout(C, q, keys, values)
     form = _decode_form(sketch, L)
     output = check_tensor("output", output, floating=True)
     want = (L.b, L.h_q, L.dv) if L.decode else (L.b, L.h_q, L.t, L.dv)
     if tuple(output.shape) != want:
         raise ValueError(f"output must have shape (b, h_q[, t], dv) = {want}, got shape {tuple(output.shape)}")
-    o = _cast(output, L.dtype).reshape(L.B, L.G, L.dv)
+    o = cast_to(output, L.dtype).reshape(L.B, L.G, L.dv)
     lp, omp, pf = _probs(L, C)
     if L.n == 0:
         mu = torch.zeros(L.B, 1, L.dv, dtype=L.dtype, device=o.device)
@@ -1137,9 +1137,9 @@ def sketch_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier, 
     ``kvcert.kernels.cpu.sketch_hajek_attention``). The variance is :func:`sketched_variance` of V_cl and the HT
     trace; ``report_trace=False`` leaves ``estimate.trace`` None."""
     C = check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale)
-    L = _Layout(C, q, keys, values)
+    L = QueryLayout(C, q, keys, values)
     form = _decode_form(sketch, L)
-    delta = _check_delta(delta)
+    delta = check_delta(delta)
     rule = _check_rule(sketch.rule if rule is None else rule)
     multiplier = _check_multiplier(sketch.multiplier if multiplier is None else multiplier)
     if (value_center is None) != (value_sqdist is None):
@@ -1162,8 +1162,8 @@ def sketch_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier, 
                 check_tensor(name, x)
                 if tuple(x.shape) != shape:
                     raise ValueError(f"{name} must have shape {text} = {shape}, got {tuple(x.shape)}")
-        mu = _cast(mu, dt).reshape(L.B, 1, L.dv)
-        o, cv, t, sc, kappa, lse = kept_pass(L, *probs, mu, _cast(r2, dt).reshape(L.B, L.n))
+        mu = cast_to(mu, dt).reshape(L.B, 1, L.dv)
+        o, cv, t, sc, kappa, lse = kept_pass(L, *probs, mu, cast_to(r2, dt).reshape(L.B, L.n))
         both = _centred(t, cv, sc, o, mu)                      # (B, 2, G): trace, T'
     log_num, log_z = _log_variance(L, form, o, lse, kappa, both[:, 1])
     v_cl = torch.add(log_num, log_z, alpha=-2.0).exp_()
@@ -1177,7 +1177,7 @@ def sketch_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier, 
     if validate and bool(torch.isnan(o).any()):
         raise ValueError("sketch_hajek_attention produced NaN: q, keys, values must be finite")
     unrow = lambda x: L.unrows(x[..., None]).squeeze(-1)  # noqa: E731
-    est = Estimate(output=_cast(L.unrows(o.contiguous()), values.dtype), weights=None, variance=None,
+    est = Estimate(output=cast_to(L.unrows(o.contiguous()), values.dtype), weights=None, variance=None,
                    trace=None if trace is None else unrow(trace), lse=unrow(lse))
     variance = unrow(variance)
     radius = _radius(variance, delta, rule, multiplier, clamp=False)
@@ -1186,7 +1186,7 @@ def sketch_step(q, keys, values, pi, sketch, *, scale, delta, rule, multiplier, 
         if L.n == 0:
             inside = torch.zeros(L.B, 1, dtype=dt, device=o.device)
         else:  # value_sqdist is 0 on padding (value_moments); other values there only loosen the bound
-            inside = _cast(r2, dt).reshape(L.B, L.n).amax(-1, keepdim=True).sqrt_()
+            inside = cast_to(r2, dt).reshape(L.B, L.n).amax(-1, keepdim=True).sqrt_()
             inside += torch.linalg.vector_norm(mu - form.mu, dim=-1)
         far = torch.maximum(form.reach, inside)                                            # (B, 1)
         bound = unrow(torch.linalg.vector_norm(o - form.mu, dim=-1).add_(far).masked_fill_(empty[:, 0], float("inf")))

@@ -22,7 +22,7 @@ from .design import (DesignSizes, check_sampling, design_sizes, design_uniforms,
 from .eviction import evict as _evict
 from .options import check_kind, check_scorer, scorer_params, set_fields
 from .scorers import SCORERS, queries_needed, queries_read
-from .sketch import ClusterDesign, _as_design, cluster_sketch, window_tilt
+from .sketch import ClusterDesign, as_design, cluster_sketch, window_tilt
 from . import target as _target
 from .target import TARGET_KINDS, check_target_error, head_tops
 
@@ -116,7 +116,7 @@ def resolve_sketch(sketch, kind: str):
     elif isinstance(sketch, bool) or not hasattr(sketch, "clusters"):
         raise TypeError(f"sketch must be None, one of {tuple(SKETCHES)} or a kvcert.fast.ClusterDesign, "
                         f"got {type(sketch).__name__}")
-    design = _as_design(sketch)
+    design = as_design(sketch)
     rule = rules.get(kind)
     if rule is None or design.radius != rule[0] or (rule[1] is not None and design.multiplier != rule[1]) \
             or (kind == "tilted_hull" and not design.tilt):
@@ -676,3 +676,6 @@ def preset_fields(name) -> dict:
 
 register_design("paper", TokenDesign())
 register_design("recommended", TokenDesign(**RECOMMENDED_FIELDS))
+#: pi equal for every token outside the certainty set (the sinks and the window; no top slice): the floor's
+#: mixture weight 1 makes every tail token's share 1/|T|, whatever its score; drawn systematically
+register_design("uniform", TokenDesign(floor=1.0, top_fraction=0.0, scorer="random", sampling="systematic"))

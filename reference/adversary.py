@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.special import logsumexp
 
-from .estimators import _as_qkv, attention, scores
+from .estimators import as_qkv, attention, scores
 
 __all__ = ["AdversarialCache", "adversarial_cache"]
 
@@ -65,7 +65,7 @@ def adversarial_cache(q, keys, values, keep, *, target_error: float, direction=N
     direction : (dv,), optional; default the first coordinate axis
     scale : float, default 1/sqrt(d)
     """
-    q, k, v = _as_qkv(q, keys, values)
+    q, k, v = as_qkv(q, keys, values)
     keep = np.asarray(keep)
     if keep.dtype != bool or keep.shape != (k.shape[0],):
         raise ValueError(f"keep must be a bool mask of shape ({k.shape[0]},), got {keep.dtype} {keep.shape}")

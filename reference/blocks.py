@@ -36,8 +36,8 @@ from types import MappingProxyType
 import numpy as np
 from scipy.special import logsumexp
 
-from .design import _check_nonneg_int, inclusion_probabilities
-from .estimators import Estimate, _as_qkv, _check_pi, _check_vector, _empty_estimate, _hajek_logits, scores
+from .design import check_nonneg_int, inclusion_probabilities
+from .estimators import Estimate, as_qkv, check_pi, check_vector, empty_estimate, hajek_logits, scores
 
 __all__ = [
     "BLOCK_REDUCTIONS",
@@ -102,8 +102,8 @@ def block_stream_key(seed: int, event: int = 0) -> int:
     the block choice is shared by every layer and head of a sequence, and a
     sequence draws the same blocks whatever batch it is served in.
     """
-    seed = _check_nonneg_int("seed", seed)
-    event = _check_nonneg_int("event", event)
+    seed = check_nonneg_int("seed", seed)
+    event = check_nonneg_int("event", event)
     k = _mix_int(seed + _GOLDEN)
     k = _mix_int((k ^ BLOCK_STREAM_TAG) + _GOLDEN)
     return _mix_int((k ^ event) + _GOLDEN)
@@ -129,7 +129,7 @@ def block_uniforms(n_blocks: int, seed: int, *, event: int = 0, index=None) -> n
     -------
     U : ndarray (n_blocks,), float64
     """
-    n_blocks = _check_nonneg_int("n_blocks", n_blocks)
+    n_blocks = check_nonneg_int("n_blocks", n_blocks)
     key = block_stream_key(seed, event)
     if index is None:
         idx = np.arange(n_blocks, dtype=np.uint64)
@@ -158,7 +158,7 @@ def _check_block_size(block_size) -> int:
 
 def block_count(n: int, block_size: int) -> int:
     """Number of blocks ``ceil(n / block_size)`` covering n tokens (the last one may be partial)."""
-    n = _check_nonneg_int("n", n)
+    n = check_nonneg_int("n", n)
     bs = _check_block_size(block_size)
     return -(-n // bs)
 
@@ -300,7 +300,7 @@ def block_inclusion_probabilities(
     ((10,), 5.0, 1.0, 1.0)
     """
     for name, value in (("sink_blocks", sink_blocks), ("recent_blocks", recent_blocks), ("top_blocks", top_blocks)):
-        _check_nonneg_int(name, value)
+        check_nonneg_int(name, value)
     ub = block_importance(importance, block_size, reduce=reduce, normalize=normalize)
     try:
         return inclusion_probabilities(ub, budget, sinks=sink_blocks, window=recent_blocks, top=top_blocks,
@@ -464,14 +464,14 @@ def block_hajek_attention(q, keys, values, pi, *, block_size: int, positions=Non
     >>> bool(np.allclose(est.output, attention(q, k, v))), est.trace
     (True, 0.0)
     """
-    q, k, v = _as_qkv(q, keys, values)
+    q, k, v = as_qkv(q, keys, values)
     n, dv = v.shape
-    p = _check_pi(pi, n)
+    p = check_pi(pi, n)
     labels = block_labels(n, block_size, positions)
     _, member, pib = _clusters(p, labels)
-    logits = _hajek_logits(scores(q, k, scale=scale, bias=bias), p)
+    logits = hajek_logits(scores(q, k, scale=scale, bias=bias), p)
     if n == 0 or np.all(logits == -np.inf):
-        return _empty_estimate(n, dv)
+        return empty_estimate(n, dv)
     lse = float(logsumexp(logits))
     return _cluster_estimate(np.exp(logits - lse), lse, v, member, pib)
 
@@ -530,8 +530,8 @@ def block_linearized_variance(q, keys, values, pi, *, block_size: int, positions
     ``pi`` (n,) is the per-token pi (pi_b on every token of block b, all > 0). Needs every token
     (the truth); :func:`block_hajek_attention` estimates it from the sample.
     """
-    q, k, v = _as_qkv(q, keys, values)
-    p = _check_vector("pi", pi, k.shape[0])
+    q, k, v = as_qkv(q, keys, values)
+    p = check_vector("pi", pi, k.shape[0])
     if np.any(p <= 0) or np.any(p > 1):
         raise ValueError("pi must lie in (0, 1] over the population")
     labels = block_labels(k.shape[0], block_size, positions)
@@ -559,9 +559,9 @@ def block_linearized_variance_ht(q, keys, values, pi, keep, *, block_size: int, 
         sample (whole blocks).
     output, lse : the true attention output o and log Z (or o_hat, log Z_hat).
     """
-    q, k, v = _as_qkv(q, keys, values)
+    q, k, v = as_qkv(q, keys, values)
     n = k.shape[0]
-    p = _check_vector("pi", pi, n)
+    p = check_vector("pi", pi, n)
     keep = np.asarray(keep)
     if keep.shape != (n,) or keep.dtype != bool:
         raise ValueError(f"keep must be a bool array of shape (n,) = ({n},), got {keep.dtype} of shape {keep.shape}")

@@ -59,7 +59,7 @@ class Certificate:
     upper: np.ndarray
 
 
-def _check_delta(delta) -> float:
+def check_delta(delta) -> float:
     delta = float(delta)
     if not (0.0 < delta < 1.0):
         raise ValueError(f"delta must be in (0, 1), got {delta}")
@@ -328,7 +328,7 @@ def radius_from_moments(kind: str, delta: float, *, trace: float, variance=None,
         ``delta`` outside (0, 1); an unknown kind (the message lists
         :data:`KINDS`); a statistic the kind needs is None.
     """
-    delta = _check_delta(delta)
+    delta = check_delta(delta)
     trace = float(trace)
     return _kind(kind).radius(delta, trace, variance=variance, eigenvalues=eigenvalues, max_term=max_term,
                               tail_moment=tail_moment, bound=bound)

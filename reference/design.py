@@ -22,7 +22,7 @@ __all__ = [
 ]
 
 
-def _check_nonneg_int(name: str, value) -> int:
+def check_nonneg_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < 0:
@@ -45,9 +45,9 @@ def _check_importance(importance) -> np.ndarray:
 
 def edge_mask(n: int, *, sinks: int = 4, window: int = 32) -> np.ndarray:
     """Boolean mask (n,) of the first ``sinks`` and the last ``window`` tokens."""
-    n = _check_nonneg_int("n", n)
-    sinks = _check_nonneg_int("sinks", sinks)
-    window = _check_nonneg_int("window", window)
+    n = check_nonneg_int("n", n)
+    sinks = check_nonneg_int("sinks", sinks)
+    window = check_nonneg_int("window", window)
     mask = np.zeros(n, dtype=bool)
     mask[: min(sinks, n)] = True
     if window:
@@ -75,7 +75,7 @@ def certainty_mask(importance, *, sinks: int = 4, window: int = 32, top: int = 0
     ndarray of bool, shape (n,)
     """
     u = _check_importance(importance)
-    top = _check_nonneg_int("top", top)
+    top = check_nonneg_int("top", top)
     certain = edge_mask(u.size, sinks=sinks, window=window)
     free = np.flatnonzero(~certain)
     if top and free.size:
@@ -91,7 +91,7 @@ def budget_from_fraction(n: int, fraction: float) -> float:
     ``budget = fraction * n``; kvpress's ``compression_ratio`` is
     ``1 - fraction``.
     """
-    n = _check_nonneg_int("n", n)
+    n = check_nonneg_int("n", n)
     fraction = float(fraction)
     if not (0.0 < fraction <= 1.0):
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
@@ -231,7 +231,7 @@ def design_generator(seed: int, layer: int = 0, kv_head: int = 0, event: int = 0
     replays the same draws.
     """
     for name, v in (("seed", seed), ("layer", layer), ("kv_head", kv_head), ("event", event)):
-        _check_nonneg_int(name, v)
+        check_nonneg_int(name, v)
     return np.random.default_rng(np.random.SeedSequence([int(seed), int(layer), int(kv_head), int(event)]))
 
 
@@ -240,7 +240,7 @@ def design_uniforms(n: int, seed: int, layer: int = 0, kv_head: int = 0, event: 
 
     Other backends that want masks identical to the reference consume these.
     """
-    return design_generator(seed, layer, kv_head, event).random(_check_nonneg_int("n", n))
+    return design_generator(seed, layer, kv_head, event).random(check_nonneg_int("n", n))
 
 
 def poisson_sample(pi, *, seed: int | None = None, generator: np.random.Generator | None = None,
@@ -376,7 +376,7 @@ def compact_slots(keep, pi, block_size: int) -> dict:
         raise ValueError(f"keep must be a 1-d bool array (n,), got {keep.dtype} of shape {keep.shape}")
     if pi.shape != keep.shape:
         raise ValueError(f"pi must have keep's shape {keep.shape}, got {pi.shape}")
-    block_size = _check_nonneg_int("block_size", block_size)
+    block_size = check_nonneg_int("block_size", block_size)
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
     if np.any((pi[keep] <= 0) | (pi[keep] > 1)):

@@ -56,7 +56,7 @@ class Estimate:
     tail_moment: float | None = None
 
 
-def _as_qkv(q, keys, values):
+def as_qkv(q, keys, values):
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(keys, dtype=np.float64)
     v = np.asarray(values, dtype=np.float64)
@@ -72,7 +72,7 @@ def _as_qkv(q, keys, values):
     return q, k, v
 
 
-def _check_vector(name: str, x, n: int) -> np.ndarray:
+def check_vector(name: str, x, n: int) -> np.ndarray:
     x = np.asarray(x, dtype=np.float64)
     if x.shape != (n,):
         raise ValueError(f"{name} must have shape (n,) = ({n},), got shape {x.shape}")
@@ -91,7 +91,7 @@ def scores(q, keys, *, scale: float | None = None, bias=None) -> np.ndarray:
         scale = 1.0 / np.sqrt(q.shape[-1])
     s = float(scale) * (k @ q)
     if bias is not None:
-        b = _check_vector("bias", bias, k.shape[0])
+        b = check_vector("bias", bias, k.shape[0])
         if np.any(np.isnan(b)) or np.any(b == np.inf):
             raise ValueError("bias must not contain NaN or +inf (use -inf to mask a token)")
         s = s + b
@@ -113,7 +113,7 @@ def attention(q, keys, values, *, scale: float | None = None, bias=None) -> np.n
     -------
     output : (dv,)
     """
-    q, k, v = _as_qkv(q, keys, values)
+    q, k, v = as_qkv(q, keys, values)
     s = scores(q, k, scale=scale, bias=bias)
     if k.shape[0] == 0 or np.all(s == -np.inf):
         raise ValueError("attention over an empty (or fully masked) cache is undefined")
@@ -197,12 +197,12 @@ def hajek_attention(q, keys, values, pi, *, scale: float | None = None, per_coor
     >>> bool(np.allclose(est.output, attention(q, k, v))), est.trace
     (True, 0.0)
     """
-    q, k, v = _as_qkv(q, keys, values)
+    q, k, v = as_qkv(q, keys, values)
     n, dv = v.shape
-    p = _check_pi(pi, n)
-    logits = _hajek_logits(scores(q, k, scale=scale, bias=bias), p)
+    p = check_pi(pi, n)
+    logits = hajek_logits(scores(q, k, scale=scale, bias=bias), p)
     if n == 0 or np.all(logits == -np.inf):
-        return _empty_estimate(n, dv)
+        return empty_estimate(n, dv)
     lse = float(logsumexp(logits))
     return _linearized_estimate(np.exp(logits - lse), lse, v, p)
 
@@ -233,15 +233,15 @@ def _linearized_estimate(a: np.ndarray, lse: float, v: np.ndarray, p: np.ndarray
     )
 
 
-def _check_pi(pi, n: int) -> np.ndarray:
+def check_pi(pi, n: int) -> np.ndarray:
     """pi as a float64 (n,) array in [0, 1]."""
-    p = _check_vector("pi", pi, n)
+    p = check_vector("pi", pi, n)
     if not np.all((p >= 0) & (p <= 1)):
         raise ValueError("pi must lie in [0, 1] (found a value outside, or NaN)")
     return p
 
 
-def _hajek_logits(s: np.ndarray, p: np.ndarray) -> np.ndarray:
+def hajek_logits(s: np.ndarray, p: np.ndarray) -> np.ndarray:
     """The Hajek logits s_i - log pi_i, -inf on padding (pi = 0: never -log 0 = +inf)."""
     present = p > 0
     logits = np.full(p.size, -np.inf)
@@ -249,7 +249,7 @@ def _hajek_logits(s: np.ndarray, p: np.ndarray) -> np.ndarray:
     return logits
 
 
-def _empty_estimate(n: int, dv: int) -> Estimate:
+def empty_estimate(n: int, dv: int) -> Estimate:
     """The estimate of an empty sample: output 0, lse -inf, the variance statistics +inf, n_eff 0."""
     inf = np.full(dv, np.inf)
     return Estimate(np.zeros(dv), np.zeros(n), inf, np.full((dv, dv), np.inf), np.inf, -np.inf, 0.0, np.inf,
@@ -269,8 +269,8 @@ def horvitz_thompson_totals(q, keys, values, pi, *, scale: float | None = None, 
     -------
     N_hat : (dv,), Z_hat : float
     """
-    q, k, v = _as_qkv(q, keys, values)
-    p = _check_vector("pi", pi, k.shape[0])
+    q, k, v = as_qkv(q, keys, values)
+    p = check_vector("pi", pi, k.shape[0])
     s = scores(q, k, scale=scale, bias=bias)
     present = p > 0
     w = np.zeros_like(s)
@@ -286,8 +286,8 @@ def linearized_variance(q, keys, values, pi, *, scale: float | None = None, bias
 
     Needs every token (the truth); :func:`hajek_attention` estimates it from S.
     """
-    q, k, v = _as_qkv(q, keys, values)
-    p = _check_vector("pi", pi, k.shape[0])
+    q, k, v = as_qkv(q, keys, values)
+    p = check_vector("pi", pi, k.shape[0])
     if np.any(p <= 0) or np.any(p > 1):
         raise ValueError("pi must lie in (0, 1] over the population")
     s = scores(q, k, scale=scale, bias=bias)
@@ -312,8 +312,8 @@ def linearized_variance_ht(q, keys, values, pi, keep, *, output, lse, scale: flo
     keys, values, pi : the full population; keep : (n,) bool, the sample S.
     output, lse : the true attention output o and log Z.
     """
-    q, k, v = _as_qkv(q, keys, values)
-    p = _check_vector("pi", pi, k.shape[0])
+    q, k, v = as_qkv(q, keys, values)
+    p = check_vector("pi", pi, k.shape[0])
     keep = np.asarray(keep, dtype=bool)
     s = scores(q, k, scale=scale, bias=bias)
     w = np.exp(s - float(lse))

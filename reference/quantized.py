@@ -50,8 +50,8 @@ import numpy as np
 from scipy.special import logsumexp
 
 from .certificates import certificate, radius_from_moments
-from .design import _check_nonneg_int, certainty_mask, inclusion_probabilities
-from .estimators import _as_qkv, hajek_attention
+from .design import check_nonneg_int, certainty_mask, inclusion_probabilities
+from .estimators import as_qkv, hajek_attention
 from .sketch import (
     RECOMMENDED_KIND,
     TILTED,
@@ -319,7 +319,7 @@ def rounding_generator(seed: int, layer: int = 0, kv_head: int = 0, event: int =
     replayable. ``evict_and_certify(quantized_bound="variance")`` draws from it the kept keys' uniforms
     (kept x d, row-major; none in the ``"values"`` layout), then the kept values' (kept x dv)."""
     for name, v in (("seed", seed), ("layer", layer), ("kv_head", kv_head), ("event", event)):
-        _check_nonneg_int(name, v)
+        check_nonneg_int(name, v)
     return np.random.default_rng(np.random.SeedSequence([int(seed), int(layer), int(kv_head), int(event),
                                                          ROUNDING_STREAM]))
 
@@ -560,7 +560,7 @@ def _stored_estimate(q, keys, values, pi, scale):
     rounding terms read: ``(q, stored values, estimate, the sample's mask w > 0, whether keys are rounded)``."""
     k_stored, rounded = _stored_keys(keys)
     _check_stored(values, "values")
-    q, kq, vq = _as_qkv(q, k_stored, values.dequantize())
+    q, kq, vq = as_qkv(q, k_stored, values.dequantize())
     est = hajek_attention(q, kq, vq, pi, scale=scale)
     return q, vq, est, est.weights > 0, rounded
 

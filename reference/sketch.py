@@ -38,7 +38,7 @@ from scipy.special import logsumexp
 
 from .certificates import TILTED_HULL_MULTIPLIER, certificate, radius_from_moments
 from .design import SAMPLINGS, certainty_mask, inclusion_probabilities, poisson_sample, systematic_sample
-from .estimators import _as_qkv, hajek_attention, scores
+from .estimators import as_qkv, hajek_attention, scores
 
 __all__ = [
     "DESIGNS",
@@ -141,7 +141,7 @@ def memory_fraction(n: int, d: int, dv: int, *, kept: int, extra: float = 0.0) -
 def _kept_inputs(q, keys, values, pi, output):
     """``(q, keys, values, pi, output)`` of a sketched variance as float64 arrays, checked: the kept
     tokens' pi must be in (0, 1]."""
-    q, k, v = _as_qkv(q, keys, values)
+    q, k, v = as_qkv(q, keys, values)
     p = np.asarray(pi, dtype=np.float64)
     if p.shape != (k.shape[0],) or np.any(~(p > 0)) or np.any(p > 1):
         raise ValueError(f"pi must have shape ({k.shape[0]},) with values in (0, 1]")
@@ -372,7 +372,7 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
         (16, 8, 4), kv_layout or quantized_bound not one of theirs, a sketched
         design whose sketch leaves no budget above the certainty set.
     """
-    q, k, v = _as_qkv(q, keys, values)
+    q, k, v = as_qkv(q, keys, values)
     u, delta, budget = _check_eviction(k, importance, delta, budget, sampling)
     spec = _design(design)
     name = _design_name(spec)

@@ -245,7 +245,7 @@ def test_design_memory_and_names():
         a, r = FS.ClusterDesign(**kw), RS.ClusterDesign(**kw)
         assert a.elements(64, 48) == r.elements(64, 48) == a.clusters * (4 * 64 + 4) + 64 + 48 + 1
     assert RS.TILTED.elements(64, 64) == 8 * 260 + 128 + 1 and "tilted" in RS.DESIGNS
-    assert FS._as_design(RS.TILTED).tilt is True
+    assert FS.as_design(RS.TILTED).tilt is True
     with pytest.raises(ValueError, match="tilt must be a bool"):
         FS.ClusterDesign(tilt="window")
 

@@ -522,10 +522,10 @@ def _radius_factor(rule, delta, multiplier) -> tuple[str, float, float]:
         return _FACTORS[key]
     except (KeyError, TypeError):  # TypeError: an unhashable argument, refused by the checks below
         pass
-    from kvcert.fast.certificates import _check_delta
+    from kvcert.fast.certificates import check_delta
     from kvcert.fast.sketch import RADIUS_RULES, _check_multiplier, _check_rule
 
-    delta = _check_delta(delta)
+    delta = check_delta(delta)
     rule = _check_rule(rule)
     out = (rule, delta, float(RADIUS_RULES[rule].factor(delta, _check_multiplier(multiplier))))
     if len(_FACTORS) < 256:
