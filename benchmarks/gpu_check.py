@@ -511,7 +511,7 @@ def compiled_kernels(KN):
     from kvcert.kernels import hajek as H
 
     rows = []
-    for name in ("_hajek_onepass_kernel", "_onepass_merge_kernel", "_hajek_decode_kernel", "_hajek_merge_kernel"):
+    for name in ("_hajek_onepass_kernel", "_onepass_merge_kernel", "_hajek_decode_kernel", "hajek_merge_kernel"):
         fn = getattr(H, name, None)
         caches = getattr(fn, "device_caches", None) or getattr(fn, "cache", None) or {}
         for _, entry in (caches.items() if isinstance(caches, dict) else []):

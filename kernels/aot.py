@@ -33,7 +33,7 @@ __all__ = ["compile_decode", "compile_merge", "resource_usage"]
 _DT = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "fp32": "fp32", "float32": "fp32"}
 
 
-def _pow2(x):
+def pow2(x):
     return max(16, 1 << max(0, int(x) - 1).bit_length())
 
 
@@ -101,9 +101,9 @@ def _tile_constants(dtype: str, d: int, dv: int | None, g: int, block_n: int | N
 
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
     cfg = H.default_config(1, d, 1, torch.device("cpu"), block_n, tdt)
-    g_block = min(g, H._MAX_ROWS)
-    const = dict(D=d, DV=dv, D_PAD=_pow2(d), DV_PAD=_pow2(dv), G=g, G_BLOCK=g_block, N_RB=-(-g // g_block),
-                 R_PAD=_pow2(g_block), BLOCK_N=cfg["block_n"], LOG_PI=log_pi, DOT_F32=dt == "fp32")
+    g_block = min(g, H.MAX_ROWS)
+    const = dict(D=d, DV=dv, D_PAD=pow2(d), DV_PAD=pow2(dv), G=g, G_BLOCK=g_block, N_RB=-(-g // g_block),
+                 R_PAD=pow2(g_block), BLOCK_N=cfg["block_n"], LOG_PI=log_pi, DOT_F32=dt == "fp32")
     return dt, cfg, const
 
 
@@ -118,11 +118,11 @@ def compile_merge(*, arch: int = 90, dtype: str = "bf16", dv: int = 128, certify
     """Compile the split-merge kernel for ``sm_<arch>``; returns the compiled kernel."""
     _check_compiled()
     dt = _DT[dtype]
-    const = dict(DV=dv, DV_PAD=_pow2(dv), BLOCK_R=16, CERTIFY=certify, PER_COORD=per_coordinate,
+    const = dict(DV=dv, DV_PAD=pow2(dv), BLOCK_R=16, CERTIFY=certify, PER_COORD=per_coordinate,
                  ROUND_P=dt != "fp32")
     ptr = {"Out": dt, **{name: "fp32" for name in ("PartS", "PartV", "Lse", "Var", "Tr", "Neff")}}
-    sig = _signature(H._hajek_merge_kernel, const, ptr)
-    return triton.compile(ASTSource(H._hajek_merge_kernel, sig, constexprs=const),
+    sig = _signature(H.hajek_merge_kernel, const, ptr)
+    return triton.compile(ASTSource(H.hajek_merge_kernel, sig, constexprs=const),
                           target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
 
 

@@ -37,7 +37,7 @@ __all__ = ["hajek_attention", "default_config", "default_moments", "num_splits_h
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: how the variance's moments are formed (``moments=``; "auto" picks :func:`default_moments`)
 MOMENTS = ("onepass", "exact", "shifted")
-_MAX_ROWS = 16  # query heads per program (tl.dot needs M >= 16; more rows -> more programs)
+MAX_ROWS = 16  # query heads per program (tl.dot needs M >= 16; more rows -> more programs)
 _MIN_TILES_PER_SPLIT = 4  # a split streams at least this many tiles, so merging stays cheap
 _MIN_TOKENS_PER_SPLIT = 1024  # ... and at least this many tokens (flash decoding's splits are ~1k tokens or more)
 _WAVE_EFFICIENCY = 0.85  # the fewest splits within this fraction of the best wave efficiency (FlashAttention-3)
@@ -45,7 +45,7 @@ _MAX_SPLITS = 128  # FlashAttention-3's cap on the split count
 
 
 @triton.jit
-def _program_rows(H_KV, H_Q, G: tl.constexpr, G_BLOCK: tl.constexpr, N_RB: tl.constexpr, R_PAD: tl.constexpr):
+def program_rows(H_KV, H_Q, G: tl.constexpr, G_BLOCK: tl.constexpr, N_RB: tl.constexpr, R_PAD: tl.constexpr):
     """The program's (batch row or sequence, KV head) and the query heads it serves, packed as the rows of
     one tile (GQA): ``(bi, kvh, r, rmask, head, rows)``, ``rows = bi * H_Q + head`` the flattened output
     rows; int64 indices (b * stride_b exceeds 2^31 for large caches). The set-up of every decode kernel."""
@@ -62,7 +62,7 @@ def _program_rows(H_KV, H_Q, G: tl.constexpr, G_BLOCK: tl.constexpr, N_RB: tl.co
 
 
 @triton.jit
-def _load_rows(Qb, head, rmask, stride_qh, stride_qd, D: tl.constexpr, D_PAD: tl.constexpr, DOT_F32: tl.constexpr):
+def load_rows(Qb, head, rmask, stride_qh, stride_qd, D: tl.constexpr, D_PAD: tl.constexpr, DOT_F32: tl.constexpr):
     """The program's query rows (R_PAD, D_PAD) from ``Qb`` (the row's base pointer), 0 where masked; float32
     where DOT_F32."""
     offs_d = tl.arange(0, D_PAD)
@@ -74,7 +74,7 @@ def _load_rows(Qb, head, rmask, stride_qh, stride_qd, D: tl.constexpr, D_PAD: tl
 
 
 @triton.jit
-def _exact_tile_moments(w, vf, r, R_PAD: tl.constexpr, DV_PAD: tl.constexpr, G_BLOCK: tl.constexpr):
+def exact_tile_moments(w, vf, r, R_PAD: tl.constexpr, DV_PAD: tl.constexpr, G_BLOCK: tl.constexpr):
     """A tile's weighted mean and centred second moment of v under w (R_PAD, T), per query head, in two
     passes over the tile held in registers (the "exact" tile moments; the paged compacted kernel's too)."""
     t_mean = tl.zeros([R_PAD, DV_PAD], tl.float32)
@@ -92,7 +92,7 @@ def _exact_tile_moments(w, vf, r, R_PAD: tl.constexpr, DV_PAD: tl.constexpr, G_B
 
 
 @triton.jit
-def _neg_expm1(x):
+def neg_expm1(x):
     """1 - e^x for x <= 0, accurate to float32 rounding near x = 0 (where 1 - e^x cancels)."""
     # Taylor series of -(e^x - 1) = -x (1 + x/2 + x^2/6 + ... + x^6/5040) for |x| <= 1/4:
     # the truncated term x^8/8! is below 4e-10 relative there.
@@ -109,7 +109,7 @@ def _neg_expm1(x):
 
 
 @triton.jit
-def _tile(q, k_base, v_base, p_base, offs_n, nmask, offs_d, dmask, offs_v, vmask,
+def load_tile(q, k_base, v_base, p_base, offs_n, nmask, offs_d, dmask, offs_v, vmask,
           stride_kn, stride_kd, stride_vn, stride_vd, stride_pn, scale,
           LOG_PI: tl.constexpr, DOT_F32: tl.constexpr):
     """One tile of kept tokens, shared by both passes: V, the Hajek logits tau q.k_i - log pi_i
@@ -120,7 +120,7 @@ def _tile(q, k_base, v_base, p_base, offs_n, nmask, offs_d, dmask, offs_v, vmask
                 mask=nmask[:, None] & vmask[None, :], other=0.0)
     if LOG_PI:
         log_p = tl.load(p_base + offs_n * stride_pn, mask=nmask, other=float("-inf")).to(tl.float32)
-        one_minus = _neg_expm1(log_p)
+        one_minus = neg_expm1(log_p)
     else:
         pi = tl.load(p_base + offs_n * stride_pn, mask=nmask, other=0.0).to(tl.float32)
         log_p = tl.where(pi > 0.0, tl.log(tl.where(pi > 0.0, pi, 1.0)), float("-inf"))  # padding
@@ -136,7 +136,7 @@ def _tile(q, k_base, v_base, p_base, offs_n, nmask, offs_d, dmask, offs_v, vmask
 
 
 @triton.jit
-def _online_step(m, logits):
+def online_step(m, logits):
     """Online-softmax step over one tile: m' = max(m, max_i l_i), alpha = e^{m - m'}, p_i = e^{l_i - m'}
     (a row still all -inf uses m' = 0 for the exponents, so no -inf - -inf is evaluated)."""
     m_new = tl.maximum(m, tl.max(logits, axis=1))
@@ -147,12 +147,12 @@ def _online_step(m, logits):
 
 
 @triton.jit
-def _softmax_pv(m, l, l_o, logits, v, ROUND_P: tl.constexpr, DOT_F32: tl.constexpr):
+def softmax_pv(m, l, l_o, logits, v, ROUND_P: tl.constexpr, DOT_F32: tl.constexpr):
     """One tile of the online softmax and its P V product: (m', alpha, p, l, l_o, P V, the tile's sum of the
     p that formed P V); the caller rescales its accumulator by alpha and adds P V. P V runs at the input precision (tensor cores); with ROUND_P, l_o sums the *rounded*
     p, so that acc / l_o stays a weighted mean of v (unbiased towards 0 by 2^-9 |v|, which would swamp the
     variance under a value offset)."""
-    m_new, alpha, p = _online_step(m, logits)
+    m_new, alpha, p = online_step(m, logits)
     t = tl.sum(p, axis=1)
     l = l * alpha + t
     p_lo = p.to(v.dtype)
@@ -167,7 +167,7 @@ def _softmax_pv(m, l, l_o, logits, v, ROUND_P: tl.constexpr, DOT_F32: tl.constex
 
 
 @triton.jit
-def _chan_merge(W_a, mean_a, M2_a, W_b, mean_b, M2_b):
+def chan_merge(W_a, mean_a, M2_a, W_b, mean_b, M2_b):
     """Chan's pairwise merge of two weighted (W, mean, M2) states whose W and M2 are already rescaled to
     the common max: W = W_a + W_b, mean = mean_a + delta W_b / W, M2 = M2_a + M2_b + delta^2 W_a W_b / W."""
     W_n = W_a + W_b
@@ -179,9 +179,9 @@ def _chan_merge(W_a, mean_a, M2_a, W_b, mean_b, M2_b):
 
 
 @triton.jit
-def _store_split(PartS, PartV, base, smask, offs_v, m, l, l_o, acc, W, mean, M2, Q2,
+def store_split(PartS, PartV, base, smask, offs_v, m, l, l_o, acc, W, mean, M2, Q2,
                  DV_PAD: tl.constexpr, CERTIFY: tl.constexpr, ROUND_P: tl.constexpr):
-    """One split's state to the float32 workspace read by ``_hajek_merge_kernel``:
+    """One split's state to the float32 workspace read by ``hajek_merge_kernel``:
     PartS[base] = (m, l, W, Q2, l_o), PartV[base] = (acc, mean, M2)."""
     tl.store(PartS + base * 5 + 0, m, mask=smask)
     tl.store(PartS + base * 5 + 1, l, mask=smask)
@@ -198,7 +198,7 @@ def _store_split(PartS, PartV, base, smask, offs_v, m, l, l_o, acc, W, mean, M2,
 
 
 @triton.jit
-def _finalize(rows, rmask, offs_v, vmask, m, l, l_o, acc, W, mean, M2, Q2,
+def finalize_rows(rows, rmask, offs_v, vmask, m, l, l_o, acc, W, mean, M2, Q2,
               Out, Lse, Var, Tr, Neff, DV,
               CERTIFY: tl.constexpr, PER_COORD: tl.constexpr):
     """o = acc / l_o, lse = m + log l, var = [M2 + W (mean - o)^2] / l^2, n_eff = l^2 / Q2
@@ -238,13 +238,13 @@ def _hajek_decode_kernel(
     """One (batch, KV head, query-head block, split): online softmax of s_i - log pi_i and the
     Chan-merged (1 - pi_i) a_i^2 weighted mean / second moment of v_i."""
     sid = tl.program_id(1)
-    bi, kvh, r, rmask, head, rows = _program_rows(H_KV, H_Q, G, G_BLOCK, N_RB, R_PAD)
+    bi, kvh, r, rmask, head, rows = program_rows(H_KV, H_Q, G, G_BLOCK, N_RB, R_PAD)
     offs_d = tl.arange(0, D_PAD)
     offs_v = tl.arange(0, DV_PAD)
     dmask = offs_d < D
     vmask = offs_v < DV
 
-    q = _load_rows(Q + bi * stride_qb, head, rmask, stride_qh, stride_qd, D, D_PAD, DOT_F32)
+    q = load_rows(Q + bi * stride_qb, head, rmask, stride_qh, stride_qd, D, D_PAD, DOT_F32)
 
     m = tl.full([R_PAD], float("-inf"), tl.float32)
     l = tl.zeros([R_PAD], tl.float32)
@@ -263,11 +263,11 @@ def _hajek_decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
-        v, logits, one_minus, present = _tile(q, k_base, v_base, p_base, offs_n, nmask, offs_d, dmask, offs_v,
+        v, logits, one_minus, present = load_tile(q, k_base, v_base, p_base, offs_n, nmask, offs_d, dmask, offs_v,
                                               vmask, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn,
                                               scale, LOG_PI, DOT_F32)
 
-        m_new, alpha, p, l, l_o, pv, _ = _softmax_pv(m, l, l_o, logits, v, ROUND_P, DOT_F32)
+        m_new, alpha, p, l, l_o, pv, _ = softmax_pv(m, l, l_o, logits, v, ROUND_P, DOT_F32)
         acc = acc * alpha[:, None] + pv
 
         if CERTIFY:
@@ -279,7 +279,7 @@ def _hajek_decode_kernel(
             t_W = tl.sum(w, axis=1)
             if EXACT_MOMENTS:
                 # exact two-pass moments of the tile, one query head at a time (V stays in registers)
-                t_mean, t_M2 = _exact_tile_moments(w, vf, r, R_PAD, DV_PAD, G_BLOCK)
+                t_mean, t_M2 = exact_tile_moments(w, vf, r, R_PAD, DV_PAD, G_BLOCK)
             else:
                 # shifted sums on the tensor cores: mu = the tile's mean kept value (shared by the
                 # query heads), S1 = sum w (v - mu), S2 = sum w (v - mu)^2, M2 = S2 - S1^2 / W
@@ -297,21 +297,21 @@ def _hajek_decode_kernel(
                 t_mean = mu[None, :] + d1
                 t_M2 = tl.maximum(S2 - S1 * d1, 0.0)
             # Chan's pairwise merge of (W, mean, M2) with the tile's moments
-            W, mean, M2 = _chan_merge(W * a2, mean, M2 * a2[:, None], t_W, t_mean, t_M2)
+            W, mean, M2 = chan_merge(W * a2, mean, M2 * a2[:, None], t_W, t_mean, t_M2)
         m = m_new
 
     if SPLIT:
-        _store_split(PartS, PartV, sid * BH + rows, rmask, offs_v, m, l, l_o, acc, W, mean, M2, Q2,
+        store_split(PartS, PartV, sid * BH + rows, rmask, offs_v, m, l, l_o, acc, W, mean, M2, Q2,
                      DV_PAD, CERTIFY, ROUND_P)
     else:
         if not ROUND_P:
             l_o = l
-        _finalize(rows, rmask, offs_v, vmask, m, l, l_o, acc, W, mean, M2, Q2,
+        finalize_rows(rows, rmask, offs_v, vmask, m, l, l_o, acc, W, mean, M2, Q2,
                   Out, Lse, Var, Tr, Neff, DV, CERTIFY, PER_COORD)
 
 
 @triton.jit
-def _hajek_merge_kernel(
+def hajek_merge_kernel(
     PartS, PartV, Out, Lse, Var, Tr, Neff, BH, S,
     DV: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
     CERTIFY: tl.constexpr, PER_COORD: tl.constexpr, ROUND_P: tl.constexpr,
@@ -351,12 +351,12 @@ def _hajek_merge_kernel(
             M2_s = tl.load(vptr + 2 * DV_PAD, mask=rmask[:, None], other=0.0)
             a2 = alpha * alpha
             b2 = beta * beta
-            W, mean, M2 = _chan_merge(W * a2, mean, M2 * a2[:, None], W_s * b2, mean_s, M2_s * b2[:, None])
+            W, mean, M2 = chan_merge(W * a2, mean, M2 * a2[:, None], W_s * b2, mean_s, M2_s * b2[:, None])
             Q2 = Q2 * a2 + Q2_s * b2
         m = m_new
     if not ROUND_P:
         l_o = l
-    _finalize(rows, rmask, offs_v, vmask, m, l, l_o, acc, W, mean, M2, Q2,
+    finalize_rows(rows, rmask, offs_v, vmask, m, l, l_o, acc, W, mean, M2, Q2,
               Out, Lse, Var, Tr, Neff, DV, CERTIFY, PER_COORD)
 
 
@@ -458,13 +458,13 @@ def _hajek_onepass_kernel(
     the token with the largest logit over the block so far (the sums move to a new centre c' exactly:
     S2 += e (2 S1 + e U), S1 += e U, e = c - c')."""
     sid = tl.program_id(1)
-    bi, kvh, r, rmask, head, rows = _program_rows(H_KV, H_Q, G, G_BLOCK, N_RB, R_PAD)
+    bi, kvh, r, rmask, head, rows = program_rows(H_KV, H_Q, G, G_BLOCK, N_RB, R_PAD)
     offs_d = tl.arange(0, D_PAD)
     offs_v = tl.arange(0, DV_PAD)
     dmask = offs_d < D
     vmask = offs_v < DV
 
-    q = _load_rows(Q + bi * stride_qb, head, rmask, stride_qh, stride_qd, D, D_PAD, DOT_F32)
+    q = load_rows(Q + bi * stride_qb, head, rmask, stride_qh, stride_qd, D, D_PAD, DOT_F32)
     k_base = K + bi * stride_kb + kvh * stride_kh
     v_base = V + bi * stride_vb + kvh * stride_vh
     p_base = P + bi * stride_pb + kvh * stride_ph
@@ -492,10 +492,10 @@ def _hajek_onepass_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
-        v, logits, one_minus, present = _tile(q, k_base, v_base, p_base, offs_n, nmask, offs_d, dmask, offs_v,
+        v, logits, one_minus, present = load_tile(q, k_base, v_base, p_base, offs_n, nmask, offs_d, dmask, offs_v,
                                               vmask, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn,
                                               scale, LOG_PI, DOT_F32)
-        m_new, alpha, p, l, l_o, pv, _ = _softmax_pv(m, l, l_o, logits, v, ROUND_P, DOT_F32)
+        m_new, alpha, p, l, l_o, pv, _ = softmax_pv(m, l, l_o, logits, v, ROUND_P, DOT_F32)
         acc = acc * alpha[:, None] + pv
         if CERTIFY:
             a2 = alpha * alpha  # the squared weights rescale by e^{2 dm}
@@ -619,13 +619,13 @@ def _tail_moment_kernel(
     a_i = exp(s_i - log pi_i - lse): the first pass's o_hat (float32) and lse, recomputed scores.
     STORE_LOW: split 0 also writes o_hat cast to OutLow's dtype (the cast the first pass would do)."""
     sid = tl.program_id(1)
-    bi, kvh, r, rmask, head, rows = _program_rows(H_KV, H_Q, G, G_BLOCK, N_RB, R_PAD)
+    bi, kvh, r, rmask, head, rows = program_rows(H_KV, H_Q, G, G_BLOCK, N_RB, R_PAD)
     offs_d = tl.arange(0, D_PAD)
     offs_v = tl.arange(0, DV_PAD)
     dmask = offs_d < D
     vmask = offs_v < DV
 
-    q = _load_rows(Q + bi * stride_qb, head, rmask, stride_qh, stride_qd, D, D_PAD, DOT_F32)
+    q = load_rows(Q + bi * stride_qb, head, rmask, stride_qh, stride_qd, D, D_PAD, DOT_F32)
     omask = rmask[:, None] & vmask[None, :]
     o = tl.load(O + rows[:, None] * DV + offs_v[None, :], mask=omask, other=0.0)
     if STORE_LOW:
@@ -643,7 +643,7 @@ def _tail_moment_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
-        v, logits, one_minus, _ = _tile(q, k_base, v_base, p_base, offs_n, nmask, offs_d, dmask, offs_v,
+        v, logits, one_minus, _ = load_tile(q, k_base, v_base, p_base, offs_n, nmask, offs_d, dmask, offs_v,
                                         vmask, stride_kn, stride_kd, stride_vn, stride_vd, stride_pn,
                                         scale, LOG_PI, DOT_F32)
         a = tl.exp(logits - lse[:, None])  # the normalized weights; 0 on padding
@@ -669,7 +669,7 @@ def _interpreting() -> bool:
     return INTERPRETED
 
 
-def _pow2(x: int) -> int:
+def pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
@@ -804,14 +804,14 @@ def default_config(n: int, d: int, programs: int, device: torch.device, block_n:
     return {"block_n": block_n, "num_splits": num_splits, "num_warps": 8, "num_stages": 2}
 
 
-def _check_decode_q(q, fallback: str = "kvcert.fast") -> None:
+def check_decode_q(q, fallback: str = "kvcert.fast") -> None:
     """A decode query, (b, h_q, d) or (b, h_q, 1, d) (the kernels are decode kernels)."""
     if isinstance(q, torch.Tensor) and not (q.dim() == 3 or (q.dim() == 4 and q.shape[2] == 1)):
         raise ValueError(f"the Triton kernel is a decode kernel: q must have shape (b, h_q, d) or "
                          f"(b, h_q, 1, d), got shape {tuple(q.shape)} (use {fallback} for t > 1)")
 
 
-def _check_dtypes(**named) -> None:
+def check_dtypes(**named) -> None:
     """Every named tensor in SUPPORTED_DTYPES, all in one dtype (arguments that are not tensors are left
     to the shape checks)."""
     xs = [(name, x) for name, x in named.items() if isinstance(x, torch.Tensor)]
@@ -845,9 +845,9 @@ def _check_center(value_center, layout: AttentionLayout, keys, validate: bool) -
 def _check_inputs(q, keys, values, pi, log_pi, scale, validate) -> AttentionLayout:
     """The shared contract (kvcert.fast.contract) and what only this kernel adds: a decode q,
     one input dtype among SUPPORTED_DTYPES, and (``validate``) a finite q."""
-    _check_decode_q(q)
+    check_decode_q(q)
     layout = check_attention_inputs(q, keys, values, pi, log_pi=log_pi, scale=scale, validate=validate)
-    _check_dtypes(q=q, keys=keys, values=values)
+    check_dtypes(q=q, keys=keys, values=values)
     if validate and not bool(torch.isfinite(q).all()):
         raise ValueError("q must be finite (found NaN or inf)")
     return layout
@@ -937,9 +937,9 @@ def _decode_plan(layout: AttentionLayout, q, keys, values, moments, block_n, num
         # float64 probabilities below float32's range would round to 0 (padding): pass log pi
         p = (p if use_log else torch.log(p)).to(torch.float32)
         use_log = True
-    g_block = min(g, _MAX_ROWS)
+    g_block = min(g, MAX_ROWS)
     n_rb = math.ceil(g / g_block)
-    r_pad = max(16, _pow2(g_block))
+    r_pad = max(16, pow2(g_block))
     programs = b * h_kv * n_rb
     cfg, chunk, splits = _split_plan(n, d, programs, q.device, values.dtype, moments, block_n, num_splits,
                                      num_warps, num_stages)
@@ -951,7 +951,7 @@ def _decode_plan(layout: AttentionLayout, q, keys, values, moments, block_n, num
     var = torch.empty((b, h_q, dv), device=dev, dtype=torch.float32) if certify and per_coordinate else None
     trace = torch.empty((b, h_q), device=dev, dtype=torch.float32) if certify else None
     neff = torch.empty((b, h_q), device=dev, dtype=torch.float32) if certify else None
-    dv_pad = max(16, _pow2(dv))
+    dv_pad = max(16, pow2(dv))
     bh = b * h_q
     if splits > 1:
         # one-pass state: (m, l, U, Q2, l_o, T2, M) and (acc, S1, S2, c); else (m, l, W, Q2, l_o), (acc, mean, M2)
@@ -960,7 +960,7 @@ def _decode_plan(layout: AttentionLayout, q, keys, values, moments, block_n, num
         part_v = torch.empty((splits, bh, 4 if onepass else 3, dv_pad), device=dev, dtype=torch.float32)
     else:
         part_s = part_v = lse
-    meta = dict(D=d, DV=dv, D_PAD=max(16, _pow2(d)), DV_PAD=dv_pad, G=g, G_BLOCK=g_block, N_RB=n_rb, R_PAD=r_pad,
+    meta = dict(D=d, DV=dv, D_PAD=max(16, pow2(d)), DV_PAD=dv_pad, G=g, G_BLOCK=g_block, N_RB=n_rb, R_PAD=r_pad,
                 BLOCK_N=cfg["block_n"], LOG_PI=use_log, DOT_F32=values.dtype == torch.float32 or _interpreting())
     launch = {} if _interpreting() else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     strides = (q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3),
@@ -973,7 +973,7 @@ def _decode_plan(layout: AttentionLayout, q, keys, values, moments, block_n, num
 
 
 def _merge_splits(kernel, P: _DecodePlan, certify) -> None:
-    """The split-K merge of the plan's partials into its outputs (``kernel``: :func:`_hajek_merge_kernel`, or
+    """The split-K merge of the plan's partials into its outputs (``kernel``: :func:`hajek_merge_kernel`, or
     :func:`_onepass_merge_kernel` for the one-pass state)."""
     block_r = 16
     kernel[(math.ceil(P.bh / block_r),)](
@@ -1006,7 +1006,7 @@ def _launch_two_pass(P: _DecodePlan, q, keys, values, moments, certify) -> None:
         EXACT_MOMENTS=moments == "exact", **P.launch,
     )
     if P.split:
-        _merge_splits(_hajek_merge_kernel, P, certify)
+        _merge_splits(hajek_merge_kernel, P, certify)
 
 
 def _tail_moment(P: _DecodePlan, q, keys, values):

@@ -46,20 +46,20 @@ import triton.language as tl
 from kvcert.fast.types import Estimate
 
 from .hajek import (
-    _exact_tile_moments,
-    _load_rows,
-    _program_rows,
-    _softmax_pv,
-    _MAX_ROWS,
+    exact_tile_moments,
+    load_rows,
+    program_rows,
+    softmax_pv,
+    MAX_ROWS,
     INTERPRETED,
-    _chan_merge,
-    _check_dtypes,
-    _finalize,
-    _hajek_merge_kernel,
-    _neg_expm1,
-    _pow2,
-    _store_split,
-    _tile,
+    chan_merge,
+    check_dtypes,
+    finalize_rows,
+    hajek_merge_kernel,
+    neg_expm1,
+    pow2,
+    store_split,
+    load_tile,
     default_config,
 )
 
@@ -113,7 +113,7 @@ def _launch_plan(q, value_cache, S, h_q, d, dv, bs, units, programs, certify, pe
     in sub-tiles of ``block_t`` (the block kernel), or one tile of ``block_t`` gathered tokens (``compacted``)."""
     block_t = _check_block_t(default_block_t(bs, d, value_cache.dtype, compacted=compacted) if block_t is None
                              else block_t)
-    bs_pad = max(16, _pow2(bs))
+    bs_pad = max(16, pow2(bs))
     unit = block_t if compacted else bs
     cfg = default_config(units * unit, d, programs, q.device, unit, value_cache.dtype)
     if num_splits is not None:
@@ -125,14 +125,14 @@ def _launch_plan(q, value_cache, S, h_q, d, dv, bs, units, programs, certify, pe
     dev = q.device
     f32 = dict(device=dev, dtype=torch.float32)
     lse = torch.empty((S, h_q), **f32)
-    dv_pad = max(16, _pow2(dv))
+    dv_pad = max(16, pow2(dv))
     bh = S * h_q
     if splits > 1:
         part_s, part_v = torch.empty((splits, bh, 5), **f32), torch.empty((splits, bh, 3, dv_pad), **f32)
     else:
         part_s = part_v = lse
     constexprs = dict(BS=bs, BLOCK_T=block_t if compacted else min(block_t, bs_pad), D=d, DV=dv,
-                      D_PAD=max(16, _pow2(d)), DV_PAD=dv_pad,
+                      D_PAD=max(16, pow2(d)), DV_PAD=dv_pad,
                       DOT_F32=value_cache.dtype == torch.float32 or INTERPRETED,
                       ROUND_P=value_cache.dtype != torch.float32)
     if not compacted:
@@ -153,10 +153,10 @@ def _check_block_t(block_t) -> int:
 
 
 def _merge(L: _LaunchPlan, certify: bool) -> None:
-    """The split-K merge of a paged launch (the contiguous kernel's :func:`_hajek_merge_kernel`)."""
+    """The split-K merge of a paged launch (the contiguous kernel's :func:`hajek_merge_kernel`)."""
     block_r = 16
     dummy = L.lse
-    _hajek_merge_kernel[(math.ceil(L.bh / block_r),)](
+    hajek_merge_kernel[(math.ceil(L.bh / block_r),)](
         L.part_s, L.part_v, L.out, L.lse,
         L.var if L.var is not None else dummy, L.trace if L.trace is not None else dummy,
         L.neff if L.neff is not None else dummy, L.bh, L.splits,
@@ -183,13 +183,13 @@ def _paged_decode_kernel(
     tau q.k_i - log pi_b over the kept blocks, and the Chan-merged (1 - pi_b) A_b^2 weighted
     mean / second moment of the block means m_b = S_b / A_b."""
     sid = tl.program_id(1)
-    si, kvh, r, rmask, head, rows = _program_rows(H_KV, H_Q, G, G_BLOCK, N_RB, R_PAD)
+    si, kvh, r, rmask, head, rows = program_rows(H_KV, H_Q, G, G_BLOCK, N_RB, R_PAD)
     offs_d = tl.arange(0, D_PAD)
     offs_v = tl.arange(0, DV_PAD)
     dmask = offs_d < D
     vmask = offs_v < DV
 
-    q = _load_rows(Q + si * stride_qs, head, rmask, stride_qh, stride_qd, D, D_PAD, DOT_F32)
+    q = load_rows(Q + si * stride_qs, head, rmask, stride_qh, stride_qd, D, D_PAD, DOT_F32)
 
     m = tl.full([R_PAD], float("-inf"), tl.float32)
     l = tl.zeros([R_PAD], tl.float32)
@@ -215,7 +215,7 @@ def _paged_decode_kernel(
             phys = tl.load(bt_row + j * stride_bm).to(tl.int64)
             k_blk = KC + phys * stride_kb + kvh * stride_kh
             v_blk = VC + phys * stride_vb + kvh * stride_vh
-            omp = _neg_expm1(log_pi)  # 1 - pi_b
+            omp = neg_expm1(log_pi)  # 1 - pi_b
             A_b = tl.zeros([R_PAD], tl.float32)  # sum_{i in b} p_i   (rescaled with the running max)
             S_b = tl.zeros([R_PAD, DV_PAD], tl.float32)  # sum_{i in b} p_i v_i
             Q_b = tl.zeros([R_PAD], tl.float32)  # sum_{i in b} p_i^2 (n_eff of a certain block)
@@ -223,10 +223,10 @@ def _paged_decode_kernel(
                 offs_t = t0 + tl.arange(0, BLOCK_T)
                 nmask = (offs_t < BS) & (j * BS + offs_t < seq_len)
                 # the block's log pi broadcast to its tokens (stride 0); -inf past the sequence end
-                v, logits, _, _ = _tile(q, k_blk, v_blk, lp_ptr, offs_t, nmask, offs_d, dmask, offs_v, vmask,
+                v, logits, _, _ = load_tile(q, k_blk, v_blk, lp_ptr, offs_t, nmask, offs_d, dmask, offs_v, vmask,
                                         stride_kt, stride_kd, stride_vt, stride_vd, 0, scale, True, DOT_F32)
                 # A_t: the normalizer of the (rounded, with ROUND_P) p that form S_b
-                m_new, alpha, p, l, l_o, pv, A_t = _softmax_pv(m, l, l_o, logits, v, ROUND_P, DOT_F32)
+                m_new, alpha, p, l, l_o, pv, A_t = softmax_pv(m, l, l_o, logits, v, ROUND_P, DOT_F32)
                 acc = acc * alpha[:, None] + pv
                 if CERTIFY:
                     a2 = alpha * alpha  # the state is quadratic in p: rescale by e^{2 dm}
@@ -241,15 +241,15 @@ def _paged_decode_kernel(
                 # Kish's n_eff counts a sampled block as one unit, a certain block's tokens one by one
                 Q2 = Q2 + tl.where(omp > 0.0, A_b * A_b, Q_b)
                 t_mean = S_b / tl.where(A_b > 0.0, A_b, 1.0)[:, None]  # block mean m_b; one point: M2_b = 0
-                W, mean, M2 = _chan_merge(W, mean, M2, omp * A_b * A_b, t_mean, 0.0)
+                W, mean, M2 = chan_merge(W, mean, M2, omp * A_b * A_b, t_mean, 0.0)
 
     if SPLIT:
-        _store_split(PartS, PartV, sid * BH + rows, rmask, offs_v, m, l, l_o, acc, W, mean, M2, Q2,
+        store_split(PartS, PartV, sid * BH + rows, rmask, offs_v, m, l, l_o, acc, W, mean, M2, Q2,
                      DV_PAD, CERTIFY, ROUND_P)
     else:
         if not ROUND_P:
             l_o = l
-        _finalize(rows, rmask, offs_v, vmask, m, l, l_o, acc, W, mean, M2, Q2,
+        finalize_rows(rows, rmask, offs_v, vmask, m, l, l_o, acc, W, mean, M2, Q2,
                   Out, Lse, Var, Tr, Neff, DV, CERTIFY, PER_COORD)
 
 
@@ -261,7 +261,7 @@ def default_block_t(block_size: int, d: int, dtype: torch.dtype, *, compacted: b
     blocks spill registers at d = 128). The compacted kernel (``compacted=True``) gathers its tiles token by
     token across blocks, so the block size does not bound them: those same 64 or 32 tokens."""
     cap = 64 if (d <= 128 and dtype != torch.float32) else 32
-    return cap if compacted else min(max(16, _pow2(block_size)), cap)
+    return cap if compacted else min(max(16, pow2(block_size)), cap)
 
 
 def kv_cache_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,7 +305,7 @@ def _check(q, key_cache, value_cache, block_table, seq_lens, log_pi_blocks, scal
     if tuple(log_pi_blocks.shape) != (S, M) or log_pi_blocks.dtype != torch.float32:
         raise ValueError(f"log_pi_blocks must be a float32 tensor of shape (num_seqs, max_blocks) = ({S}, {M}), "
                          f"got {log_pi_blocks.dtype} of shape {tuple(log_pi_blocks.shape)}")
-    _check_dtypes(q=q, key_cache=key_cache, value_cache=value_cache)
+    check_dtypes(q=q, key_cache=key_cache, value_cache=value_cache)
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0.0 < float(scale) < math.inf):
@@ -433,9 +433,9 @@ def _query_rows(S: int, h_q: int, h_kv: int) -> tuple[int, dict]:
     """The programs of one split, (sequence, KV head, block of at most 16 of its query heads), and the
     constexprs that pack a block's query heads as the rows of one tile."""
     g = h_q // h_kv
-    g_block = min(g, _MAX_ROWS)
+    g_block = min(g, MAX_ROWS)
     n_rb = math.ceil(g / g_block)
-    return S * h_kv * n_rb, dict(G=g, G_BLOCK=g_block, N_RB=n_rb, R_PAD=max(16, _pow2(g_block)))
+    return S * h_kv * n_rb, dict(G=g, G_BLOCK=g_block, N_RB=n_rb, R_PAD=max(16, pow2(g_block)))
 
 
 def _block_plan(q, key_cache, value_cache, block_table, seq_lens, max_seq_len, certify, per_coordinate, num_splits,
@@ -481,7 +481,7 @@ def _token_step(m, l, l_o, acc, W, mean, M2, Q2, v, logits, one_minus, r,
                 R_PAD: tl.constexpr, DV_PAD: tl.constexpr, G_BLOCK: tl.constexpr):
     """One tile of tokens, each its own sampling unit: the online softmax, P V, and (SAMPLED) the Chan merge
     of the tile's (1 - pi_i) p_i^2 weighted moments of v_i; a certain tile (pi = 1) only rescales them."""
-    m_new, alpha, p, l, l_o, pv, _ = _softmax_pv(m, l, l_o, logits, v, ROUND_P, DOT_F32)
+    m_new, alpha, p, l, l_o, pv, _ = softmax_pv(m, l, l_o, logits, v, ROUND_P, DOT_F32)
     acc = acc * alpha[:, None] + pv
     if CERTIFY:
         a2 = alpha * alpha  # the state is quadratic in p: rescale by e^{2 dm}
@@ -489,8 +489,8 @@ def _token_step(m, l, l_o, acc, W, mean, M2, Q2, v, logits, one_minus, r,
         Q2 = Q2 * a2 + tl.sum(pp, axis=1)
         if SAMPLED:
             w = one_minus[None, :] * pp  # block size 1: w_i = (1 - pi_i) A_i^2 with A_i = p_i, vbar_i = v_i
-            t_mean, t_M2 = _exact_tile_moments(w, v.to(tl.float32), r, R_PAD, DV_PAD, G_BLOCK)
-            W, mean, M2 = _chan_merge(W * a2, mean, M2 * a2[:, None], tl.sum(w, axis=1), t_mean, t_M2)
+            t_mean, t_M2 = exact_tile_moments(w, v.to(tl.float32), r, R_PAD, DV_PAD, G_BLOCK)
+            W, mean, M2 = chan_merge(W * a2, mean, M2 * a2[:, None], tl.sum(w, axis=1), t_mean, t_M2)
         else:  # pi = 1: w_i = 0, no unit joins the variance state
             W = W * a2
             M2 = M2 * a2[:, None]
@@ -537,14 +537,14 @@ def _paged_compacted_kernel(
     [P_s, L_s), with the Chan-merged (1 - pi_i) p_i^2 weighted mean / second moment of v_i; both in
     tiles of BLOCK_T tokens gathered row by row through the block table (masked, no branch)."""
     sid = tl.program_id(1)
-    si, kvh, r, rmask, head, rows = _program_rows(H_KV, H_Q, G, G_BLOCK, N_RB, R_PAD)
+    si, kvh, r, rmask, head, rows = program_rows(H_KV, H_Q, G, G_BLOCK, N_RB, R_PAD)
     offs_d = tl.arange(0, D_PAD)
     offs_v = tl.arange(0, DV_PAD)
     offs_t = tl.arange(0, BLOCK_T)
     dmask = offs_d < D
     vmask = offs_v < DV
 
-    q = _load_rows(Q + si * stride_qs, head, rmask, stride_qh, stride_qd, D, D_PAD, DOT_F32)
+    q = load_rows(Q + si * stride_qs, head, rmask, stride_qh, stride_qd, D, D_PAD, DOT_F32)
 
     m = tl.full([R_PAD], float("-inf"), tl.float32)
     l = tl.zeros([R_PAD], tl.float32)
@@ -573,7 +573,7 @@ def _paged_compacted_kernel(
         v, logits = _gathered_tile(q, k_head, v_head, bt_row, stride_bm, slot, kept, lp, offs_d, dmask, offs_v,
                                    vmask, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, scale,
                                    BS, DOT_F32)
-        one_minus = tl.where(kept, _neg_expm1(lp), 0.0)
+        one_minus = tl.where(kept, neg_expm1(lp), 0.0)
         m, l, l_o, acc, W, mean, M2, Q2 = _token_step(m, l, l_o, acc, W, mean, M2, Q2, v, logits, one_minus, r,
                                                       True, CERTIFY, DOT_F32, ROUND_P, R_PAD, DV_PAD, G_BLOCK)
     # units NC, NC+1, ...: tiles of the tail's positions P_s, P_s + 1, ... < L_s (log pi = 0)
@@ -588,12 +588,12 @@ def _paged_compacted_kernel(
                                                       False, CERTIFY, DOT_F32, ROUND_P, R_PAD, DV_PAD, G_BLOCK)
 
     if SPLIT:
-        _store_split(PartS, PartV, sid * BH + rows, rmask, offs_v, m, l, l_o, acc, W, mean, M2, Q2,
+        store_split(PartS, PartV, sid * BH + rows, rmask, offs_v, m, l, l_o, acc, W, mean, M2, Q2,
                      DV_PAD, CERTIFY, ROUND_P)
     else:
         if not ROUND_P:
             l_o = l
-        _finalize(rows, rmask, offs_v, vmask, m, l, l_o, acc, W, mean, M2, Q2,
+        finalize_rows(rows, rmask, offs_v, vmask, m, l, l_o, acc, W, mean, M2, Q2,
                   Out, Lse, Var, Tr, Neff, DV, CERTIFY, PER_COORD)
 
 
@@ -838,17 +838,17 @@ def compile_paged(*, arch: int = 90, dtype: str = "bf16", d: int = 128, dv: int 
     aot._check_compiled()
     dt = aot._DT[dtype]
     dv = d if dv is None else dv
-    g_block = min(g, _MAX_ROWS)
+    g_block = min(g, MAX_ROWS)
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
     bt = block_t or default_block_t(block_size, d, tdt, compacted=compacted)
-    const = dict(BS=block_size, D=d, DV=dv, D_PAD=aot._pow2(d), DV_PAD=aot._pow2(dv),
-                 G=g, G_BLOCK=g_block, N_RB=-(-g // g_block), R_PAD=aot._pow2(g_block), CERTIFY=certify,
+    const = dict(BS=block_size, D=d, DV=dv, D_PAD=aot.pow2(d), DV_PAD=aot.pow2(dv),
+                 G=g, G_BLOCK=g_block, N_RB=-(-g // g_block), R_PAD=aot.pow2(g_block), CERTIFY=certify,
                  PER_COORD=per_coordinate, SPLIT=split, DOT_F32=dt == "fp32", ROUND_P=dt != "fp32")
     if compacted:  # tiles gathered across blocks: the block size does not bound them
         const.update(BLOCK_T=bt)
     else:
-        bt = min(bt, aot._pow2(block_size))
-        const.update(BS_PAD=aot._pow2(block_size), BLOCK_T=bt)
+        bt = min(bt, aot.pow2(block_size))
+        const.update(BS_PAD=aot.pow2(block_size), BLOCK_T=bt)
     ptr = {"Q": dt, "KC": dt, "VC": dt, "Out": dt, "BT": "i32", "SL": "i32", "PL": "i32", "LP": "fp32", "LPS": "fp32",
            **{name: "fp32" for name in ("Lse", "Var", "Tr", "Neff", "PartS", "PartV")}}
     kern = _paged_compacted_kernel if compacted else _paged_decode_kernel

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from kvcert.fast.sketch import ClusterEstimate, sketch_step
 
-from .hajek import _check_decode_q, _check_dtypes, _neg_expm1, _online_step, _pow2
+from .hajek import check_decode_q, check_dtypes, neg_expm1, online_step, pow2
 
 __all__ = ["sketch_hajek_attention"]
 
@@ -87,10 +87,10 @@ def _sketch_kept_kernel(
         present = lp > float("-inf")
         lp0 = tl.where(present, lp, 0.0)
         pi = tl.where(present, tl.exp(lp0), 0.0)
-        om = tl.where(present, _neg_expm1(lp0), 0.0)  # 1 - pi without cancellation near pi = 1
+        om = tl.where(present, neg_expm1(lp0), 0.0)  # 1 - pi without cancellation near pi = 1
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
         logits = tl.where(present[None, :], s * scale - lp0[None, :], float("-inf"))
-        m_new, alpha, p = _online_step(m, logits)
+        m_new, alpha, p = online_step(m, logits)
         a2 = alpha * alpha
         l = l * alpha + tl.sum(p, axis=1)
         kap = kap * alpha + tl.sum(p * pi[None, :], axis=1)
@@ -144,8 +144,8 @@ def _kernel_pass(block_n: int | None):
             q.stride(0), q.stride(1), q.stride(2),
             *L.keys.stride(), *L.values.stride(),
             L.h_kv, n, float(L.scale),
-            D=L.d, DV=dv, D_PAD=max(16, _pow2(L.d)), DV_PAD=max(16, _pow2(dv)),
-            G=G, R_PAD=max(16, _pow2(G)), BLOCK_N=bn,
+            D=L.d, DV=dv, D_PAD=max(16, pow2(L.d)), DV_PAD=max(16, pow2(dv)),
+            G=G, R_PAD=max(16, pow2(G)), BLOCK_N=bn,
         )
         return o, cv, t, sc[..., None], kappa, lse
 
@@ -175,8 +175,8 @@ def sketch_hajek_attention(q, keys, values, pi=None, sketch=None, *, scale=None,
     -------
     ClusterEstimate (output in the dtype of ``values``; the statistics float32)
     """
-    _check_decode_q(q, "kvcert.fast.sketch_hajek_attention")
-    _check_dtypes(q=q, keys=keys, values=values)
+    check_decode_q(q, "kvcert.fast.sketch_hajek_attention")
+    check_dtypes(q=q, keys=keys, values=values)
     if block_n is not None and (isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16
                                 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n!r}")

@@ -264,14 +264,14 @@ class MergeSpy:
 def as_on_sms(monkeypatch, sms):
     """Make the kernel wrappers pick their split count as on a GPU of ``sms`` streaming multiprocessors (the
     interpreter has none: ``kvcert.kernels.hajek._device_sms``), and spy on the merge kernels: returns
-    ``(spy, spy_onepass)``, the :class:`MergeSpy` of ``_hajek_merge_kernel`` (the two-pass and paged kernels')
+    ``(spy, spy_onepass)``, the :class:`MergeSpy` of ``hajek_merge_kernel`` (the two-pass and paged kernels')
     and of ``_onepass_merge_kernel``."""
     from kvcert.kernels import hajek as H
     from kvcert.kernels import paged as P
 
     monkeypatch.setattr(H, "_device_sms", lambda device: sms)
-    spy, spy1 = MergeSpy(H._hajek_merge_kernel), MergeSpy(H._onepass_merge_kernel)
-    monkeypatch.setattr(H, "_hajek_merge_kernel", spy)
-    monkeypatch.setattr(P, "_hajek_merge_kernel", spy)
+    spy, spy1 = MergeSpy(H.hajek_merge_kernel), MergeSpy(H._onepass_merge_kernel)
+    monkeypatch.setattr(H, "hajek_merge_kernel", spy)
+    monkeypatch.setattr(P, "hajek_merge_kernel", spy)
     monkeypatch.setattr(H, "_onepass_merge_kernel", spy1)
     return spy, spy1
