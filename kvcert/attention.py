@@ -181,12 +181,9 @@ class Session:
         layout = attention_layout(config)
         #: model indices of the layers the press compresses (full attention): the certificates' layer axis
         self.compressed = tuple(i for i, w in enumerate(layout) if w is None)
-        if len(self.compressed) < len(layout):
-            from .presses import BlockPoissonPress
-
-            if isinstance(press, BlockPoissonPress):
-                raise ValueError("BlockPoissonPress decides for every layer at once; models with sliding-window "
-                                 "layers (left uncompressed) are not supported by it: use PoissonPress")
+        if len(self.compressed) < len(layout) and getattr(press, "decides_every_layer", False):
+            raise ValueError(f"{type(press).__name__} decides for every layer at once; models with sliding-window "
+                             "layers (left uncompressed) are not supported by it: use PoissonPress")
         self.cache = None
         self.mask2d: torch.Tensor | None = None
         self.input_ids: torch.Tensor | None = None
@@ -194,12 +191,9 @@ class Session:
         self._real: dict[int, torch.Tensor | None] = {}  # q_len -> the new tokens' real mask of this forward
         self._norms: list[torch.Tensor] = []  # this forward's decode output norms (the NaN check)
         self._backend: str | None = None
-        from .presses.base import BasePress
-
-        #: the press's decode event, None where it is BasePress's (which does nothing): resolved here, so a
-        #: press's own decode_event is the one it has when its context opens
-        event = press.decode_event
-        self._decode_event = None if getattr(event, "__func__", None) is BasePress.decode_event else event
+        #: the press's decode event, None where it has none that does anything (``compresses_at_decode``):
+        #: resolved here, so a press's own decode_event is the one it has when its context opens
+        self._decode_event = press.decode_event if getattr(press, "compresses_at_decode", True) else None
         #: decoding a compressed context after the press context closed (query-agnostic protocol,
         #: :class:`Carrier`): no press events, one record per question
         self.carried = False

@@ -208,9 +208,19 @@ class Press:
 
     The base of every kvcert press (:class:`BasePress`, :class:`DecodingPress`); the
     session (:class:`kvcert.attention.Session`) calls a press at its events through
-    ``prefill_event``, ``decode_event``, ``queries_needed``, ``kind`` and ``delta``."""
+    ``prefill_event``, ``decode_event``, ``queries_needed``, ``kind`` and ``delta``, and reads
+    its capabilities (never its class): :attr:`decides_every_layer` and :attr:`compresses_at_decode`."""
 
     _session = None
+    #: the press decides for every layer at once (the block design): a model with layers it leaves
+    #: uncompressed (sliding-window layers) cannot run it
+    decides_every_layer = False
+
+    @property
+    def compresses_at_decode(self) -> bool:
+        """Whether the session calls ``decode_event`` after decode steps (a press whose decode event does
+        nothing says False, so the session skips the call)."""
+        return True
 
     def _for_model(self, config) -> "Press":
         """The press that runs on a model of this config: the press itself, unless its design cannot run
@@ -334,6 +344,11 @@ class BasePress(Press):
 
     def decode_event(self, layer, layer_idx: int, queries: torch.Tensor, scale: float) -> None:
         """Nothing: decode-time compression is :class:`DecodingPress`'s."""
+
+    @property
+    def compresses_at_decode(self) -> bool:
+        """False unless a subclass has a decode event of its own (this class's does nothing)."""
+        return type(self).decode_event is not BasePress.decode_event
 
     # -- budgets --------------------------------------------------------------------------------
     def _budget(self, n: int) -> float:

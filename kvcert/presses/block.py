@@ -136,6 +136,7 @@ class BlockPoissonPress(Press):
 
     #: the press fields the :class:`kvcert.fast.BlockDesign` holds (and checks)
     _design_fields = _BLOCK_FIELDS
+    decides_every_layer = True
 
     def __post_init__(self):
         if self.block_size is None:  # the design's "engine's block size" has no meaning in the press
