@@ -676,3 +676,6 @@ def preset_fields(name) -> dict:
 
 register_design("paper", TokenDesign())
 register_design("recommended", TokenDesign(**RECOMMENDED_FIELDS))
+#: pi equal for every token outside the certainty set (the sinks and the window; no top slice): the floor's
+#: mixture weight 1 makes every tail token's share 1/|T|, whatever its score; drawn systematically
+register_design("uniform", TokenDesign(floor=1.0, top_fraction=0.0, scorer="random", sampling="systematic"))

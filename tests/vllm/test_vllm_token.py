@@ -75,9 +75,10 @@ MAX_TIES = 2
 #: the designs compared, the same options on both sides: the default (no design argument on either side: the
 #: recommended design, the tilted sketch with its radius min(3 sqrt(V_cl), H), docs/theory.md section 8) and
 #: the paper's, by name (sketch=None), an error target, and the default drawn by Poisson sampling (the default
-#: draws systematically: kvcert.fast.default_sampling))
+#: draws systematically: kvcert.fast.default_sampling), and a named design added by one registry line
+#: (kvcert.fast.TOKEN_DESIGNS["uniform"]: pi equal on the tail), served by name on both sides (preset=)
 DESIGNS = {"default": {}, "paper": {"sketch": None}, "target": {"target_error": 1.0},
-           "poisson": {"sampling": "poisson"}}
+           "poisson": {"sampling": "poisson"}, "uniform": {"preset": "uniform"}}
 
 
 def _systematic(design: str) -> bool:
