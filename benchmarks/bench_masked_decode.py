@@ -128,7 +128,6 @@ def measure(seq_len: int, rows: int = 4, layers: int = 30, reps: int = 15, desig
     q = torch.randn(rows, h_q, d)
     qsl = torch.arange(rows + 1, dtype=torch.int32)
     seq = torch.full((rows,), seq_len, dtype=torch.int32)
-    md = SimpleNamespace(query_start_loc=qsl, seq_lens=seq, block_table=table, causal=True, dynamic_causal=None)
     layer = SimpleNamespace(isa="vec", _k_scale_float=1.0, _v_scale_float=1.0)
     out = torch.empty_like(q)
     sched = ops.cpu_attn_get_scheduler_metadata(
@@ -147,12 +146,11 @@ def measure(seq_len: int, rows: int = 4, layers: int = 30, reps: int = 15, desig
 
     def kvcert():
         step = worker.Step(fake)
-        backend.STEP.ctx = step
-        try:
-            for c in caches:
-                impl.forward(layer, q, None, None, c, md, out)
-        finally:
-            backend.STEP.ctx = None
+        step_md = backend.CertifiedCPUAttentionMetadata(
+            num_actual_tokens=rows, max_query_len=1, query_start_loc=qsl, max_seq_len=seq_len, seq_lens=seq,
+            block_table=table, slot_mapping=None, scheduler_metadata=sched, kvcert_step=step)
+        for c in caches:
+            impl.forward(layer, q, None, None, c, step_md, out)
         step.results(bs)
 
     times = {"stock": [], "kvcert": []}

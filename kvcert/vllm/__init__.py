@@ -23,8 +23,10 @@ request may carry its own settings (``SamplingParams(extra_args={"kvcert_compres
 serves certified and plain requests side by side, and a request with a bad
 value fails alone (``certificate_report(output) == {"error": ...}``). Pieces:
 :mod:`.config` (settings, start-up refusals), :mod:`.scheduler` (decide,
-free), :mod:`.worker` (step context), :mod:`.backend` (attention),
-:mod:`.model` (the default model as a Hugging Face folder). docs/serving.md
+free), :mod:`.worker` (step context), :mod:`.handoff` (the typed records the
+scheduler, the worker and the attention layers hand each other on vLLM's own
+per-step objects), :mod:`.backend` (attention), :mod:`.model` (the default
+model as a Hugging Face folder). docs/serving.md
 describes the design, the certificate channel and the limits.
 
 This module imports vLLM only inside its functions, and never imports

@@ -1,11 +1,15 @@
 """The plugin's CPU attention backend: the stock C++ kernel, plus the Hajek path for rows that evicted tokens.
 
 Registered over vLLM's ``CPU_ATTN`` (on CPU, ``CpuPlatform.get_attn_backend_cls``
-ignores any other selection). Outside a step of the plugin's worker
-(:class:`kvcert.vllm.worker.CertifiedCPUWorker` sets :data:`STEP`), and for
-every request that has not evicted anything, it runs the stock
-``CPUAttentionBackendImpl.forward`` unchanged, so an engine without eviction
-is the stock engine token for token.
+ignores any other selection). The step's context (:class:`kvcert.vllm.worker.Step`)
+arrives on vLLM's per-step attention metadata: the plugin's worker
+(:class:`kvcert.vllm.worker.CertifiedCPUWorker`) hands it to
+:class:`CertifiedCPUAttentionMetadataBuilder` for the step's forward, whose
+metadata (:class:`CertifiedCPUAttentionMetadata`) carries it in ``kvcert_step``
+to every layer. Outside such a step (``kvcert_step`` None: warm-up and dummy
+runs, an engine without the plugin's worker), and for every request that has
+not evicted anything, it runs the stock ``CPUAttentionBackendImpl.forward``
+unchanged, so an engine without eviction is the stock engine token for token.
 
 Token design (the default, docs/design.md section 7): on the prompt's last
 chunk, after the stock kernel has attended it, every layer scores the prompt
@@ -52,12 +56,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.v1.attention.backend import AttentionType
-from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
+from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadata,
                                                  CPUAttentionMetadataBuilder)
 
 from kvcert import dispatch
@@ -71,8 +76,13 @@ from kvcert.fast import (
     recorded_trace,
 )
 
-__all__ = ["CertifiedCPUAttentionBackend", "CertifiedCPUAttentionImpl", "CertifiedCPUAttentionMetadataBuilder", "plugin_isa",
-           "STEP", "compact_prompt", "token_decode",
+from .handoff import extend
+
+if TYPE_CHECKING:
+    from .worker import Step
+
+__all__ = ["CertifiedCPUAttentionBackend", "CertifiedCPUAttentionImpl", "CertifiedCPUAttentionMetadataBuilder",
+           "CertifiedCPUAttentionMetadata", "plugin_isa", "compact_prompt", "token_decode",
            "gather_blocks", "gather_rows", "layer_index", "block_chunks", "block_decode", "sketch_decode"]
 
 #: most bytes of K/V that :func:`block_decode` gathers at once: rows are processed in chunks
@@ -80,9 +90,6 @@ __all__ = ["CertifiedCPUAttentionBackend", "CertifiedCPUAttentionImpl", "Certifi
 #: (a fraction of a server L3; the sizes tried and their step times: docs/serving.md, measured by
 #: benchmarks/bench_masked_decode.py)
 GATHER_BYTES = 8 << 20
-
-#: per-thread pointer to the running step's context (set by the plugin's worker around execute_model)
-STEP = threading.local()
 
 
 def layer_index(layer) -> int:
@@ -439,8 +446,8 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
-        step = getattr(STEP, "ctx", None)
-        if step is None or attn_metadata is None or self.attn_type != AttentionType.DECODER:
+        step = attn_metadata.kvcert_step if isinstance(attn_metadata, CertifiedCPUAttentionMetadata) else None
+        if step is None or self.attn_type != AttentionType.DECODER:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
         plan = step.plan(attn_metadata, kv_cache.shape[2])
@@ -481,7 +488,7 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
         num_blocks, h_kv, bs, _ = kv_cache.shape
         kvv = kv_cache.view((num_blocks, h_kv, bs * 2, -1))
         key_cache, value_cache = kvv.chunk(2, dim=2)
-        sub = plan.stock_metadata(self)
+        sub = plan.stock_metadata(self, attn_metadata, query.dtype)
         q_sub = query.index_select(0, sub.token_index)
         out_sub = torch.empty_like(q_sub)
         ops.cpu_attention_with_kv_cache(
@@ -550,17 +557,32 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
         return output
 
 
+@dataclass
+class CertifiedCPUAttentionMetadata(CPUAttentionMetadata):
+    """vLLM's CPU attention metadata of one step, with the step's context: the plugin's worker's
+    :class:`kvcert.vllm.worker.Step` while it runs the step, else None (the stock attention)."""
+
+    kvcert_step: Step | None = None
+
+
 class CertifiedCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     """vLLM's CPU metadata builder, every layer in the ``vec`` cache layout: where vLLM would pick ``amx``
     (bfloat16 models on CPUs with AMX tiles) it picks ``vec``, the layout the plugin reads and writes (the
     compaction's copy, :func:`gather_blocks`, the compiled op's paged routes). The stock kernel serves the
-    requests without eviction state in that layout too (the same attention, its ``vec`` code path)."""
+    requests without eviction state in that layout too (the same attention, its ``vec`` code path).
+
+    Its metadata is :class:`CertifiedCPUAttentionMetadata`, carrying :attr:`kvcert_step`: the step's context the
+    plugin's worker hands it for the step's forward (None outside)."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         if self.isa != plugin_isa(self.isa):
             self.isa = plugin_isa(self.isa)
             self._set_isa_to_layers(layer_names)
+        self.kvcert_step: Step | None = None
+
+    def build(self, *args, **kwargs) -> CertifiedCPUAttentionMetadata:
+        return extend(CertifiedCPUAttentionMetadata, super().build(*args, **kwargs), kvcert_step=self.kvcert_step)
 
 
 def plugin_isa(stock: str) -> str:

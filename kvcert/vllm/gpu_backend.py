@@ -5,7 +5,7 @@ Meant for vLLM 0.32's ``AttentionBackendEnum.CUSTOM`` route on CUDA
 then ``attention_config={"backend": "CUSTOM"}``; see :func:`register_cuda`).
 It mirrors :mod:`kvcert.vllm.backend` (the CPU route):
 
-- outside a step context (:data:`STEP` unset), for encoder layers, and for
+- outside a step context (the metadata's ``kvcert_step`` None), for encoder layers, and for
   every row without an eviction decision, the stock ``FlashAttentionImpl.forward``
   runs (on the sub-batch of those rows when some rows are masked), so an
   engine without eviction is the stock engine;
@@ -32,12 +32,17 @@ on first use: the backend and impl classes are built on first attribute
 access (module ``__getattr__``, which is how vLLM's registry resolves a
 class path), so the module imports on a CPU-only machine.
 
-The step context is a protocol (the GPU twin of
-:class:`kvcert.vllm.worker.Step`, which implements it; :class:`kvcert.vllm.worker.CertifiedGPUWorker` sets it):
+The step context arrives on vLLM's per-step attention metadata, as on CPU:
+:class:`kvcert.vllm.worker.CertifiedGPUWorker` hands it to
+``CertifiedFlashAttentionMetadataBuilder`` for the step's forward, whose
+metadata (``CertifiedFlashAttentionMetadata``, vLLM's ``FlashAttentionMetadata``
+with one field ``kvcert_step``) carries it to every layer. It is a protocol
+(:class:`kvcert.vllm.worker.Step` implements it):
 ``ctx.row_states(attn_metadata)`` -> a list with one :class:`RowState` per
 batch row, ``ctx.config`` (a :class:`kvcert.vllm.config.KVCertConfig`),
 ``ctx.add_certificates(req_ids, rel)`` and ``ctx.add_importance(req_id, u)``;
-the plan is cached on ``ctx.paged_plan`` (one context per step, as on CPU).
+the plan is kept in ``ctx.paged_plan`` (None until the step's first layer; one
+context per step, as on CPU).
 The metadata builder declares no full-CUDA-graph support
 (``AttentionCGSupport.NEVER``): a captured graph would freeze the Python row split.
 Only the ``chebyshev`` certificate is served (the kernel returns the trace).
@@ -46,18 +51,17 @@ Only the ``chebyshev`` certificate is served (the kernel returns the trace).
 from __future__ import annotations
 
 import dataclasses
-import threading
 from dataclasses import dataclass, field
 
 import torch
 
-# (plus CertifiedFlashAttentionBackend, CertifiedFlashAttentionImpl and CertifiedFlashAttentionMetadataBuilder,
-# built lazily by __getattr__)
-__all__ = ["RowState", "PagedPlan", "plan_rows", "log_pi_table", "stock_sub_metadata", "block_decode", "STEP",
+# (plus CertifiedFlashAttentionBackend, CertifiedFlashAttentionImpl, CertifiedFlashAttentionMetadata and
+# CertifiedFlashAttentionMetadataBuilder, built lazily by __getattr__)
+__all__ = ["RowState", "PagedPlan", "plan_rows", "log_pi_table", "stock_sub_metadata", "block_decode",
            "register_cuda"]
 
-#: per-thread pointer to the running step's context (set by CertifiedGPUWorker around execute_model)
-STEP = threading.local()
+_CLASS_NAMES = ("CertifiedFlashAttentionBackend", "CertifiedFlashAttentionImpl", "CertifiedFlashAttentionMetadata",
+                "CertifiedFlashAttentionMetadataBuilder")
 
 _NEG_INF = float("-inf")
 
@@ -248,30 +252,50 @@ def _importance(ctx, plan, md, query, kv_cache, head_size, scale, layer=None):
 
 
 def _build_classes():
-    """CertifiedFlashAttentionImpl / CertifiedFlashAttentionBackend over vLLM's FlashAttention ones."""
+    """The CUDA backend's classes over vLLM's FlashAttention ones (metadata, builder, impl, backend)."""
     from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
     from vllm.v1.attention.backends.flash_attn import (
         FlashAttentionBackend,
         FlashAttentionImpl,
+        FlashAttentionMetadata,
         FlashAttentionMetadataBuilder,
     )
 
+    from .handoff import extend
+
+    @dataclass
+    class CertifiedFlashAttentionMetadata(FlashAttentionMetadata):
+        """vLLM's FlashAttention metadata of one step, with the step's context (the plugin's worker's
+        :class:`kvcert.vllm.worker.Step` while it runs the step, else None: the stock attention)."""
+
+        kvcert_step: object = None
+
     class CertifiedFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
         """FlashAttention's builder, declaring no full-CUDA-graph support: the row split is Python that
-        a captured graph would freeze, so vLLM runs attention eagerly (piecewise graphs around it)."""
+        a captured graph would freeze, so vLLM runs attention eagerly (piecewise graphs around it). Its
+        metadata carries ``kvcert_step``, the step context the plugin's worker hands it for the step's
+        forward (None outside)."""
 
         _cudagraph_support = AttentionCGSupport.NEVER
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.kvcert_step = None
+
+        def build(self, *args, **kwargs):
+            return extend(CertifiedFlashAttentionMetadata, super().build(*args, **kwargs),
+                          kvcert_step=self.kvcert_step)
 
     class CertifiedFlashAttentionImpl(FlashAttentionImpl):
         """``FlashAttentionImpl`` with the paged Hajek kernel for decode rows with evicted blocks."""
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                     output_block_scale=None):
-            ctx = getattr(STEP, "ctx", None)
-            if ctx is None or attn_metadata is None or self.attn_type != AttentionType.DECODER:
+            ctx = attn_metadata.kvcert_step if isinstance(attn_metadata, CertifiedFlashAttentionMetadata) else None
+            if ctx is None or self.attn_type != AttentionType.DECODER:
                 return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                        output_block_scale)
-            plan = getattr(ctx, "paged_plan", None)
+            plan = ctx.paged_plan
             if plan is None:
                 md = attn_metadata
                 plan = plan_rows(md.query_start_loc, md.seq_lens, md.block_table, ctx.row_states(md),
@@ -298,7 +322,8 @@ def _build_classes():
             return output
 
     class CertifiedFlashAttentionBackend(FlashAttentionBackend):
-        """vLLM's FlashAttention backend with :class:`CertifiedFlashAttentionImpl` (same cache, same metadata)."""
+        """vLLM's FlashAttention backend with :class:`CertifiedFlashAttentionImpl` and
+        :class:`CertifiedFlashAttentionMetadataBuilder` (the same cache; the metadata with the step context)."""
 
         @staticmethod
         def get_name() -> str:
@@ -314,6 +339,7 @@ def _build_classes():
 
     classes = {"CertifiedFlashAttentionImpl": CertifiedFlashAttentionImpl,
                "CertifiedFlashAttentionBackend": CertifiedFlashAttentionBackend,
+               "CertifiedFlashAttentionMetadata": CertifiedFlashAttentionMetadata,
                "CertifiedFlashAttentionMetadataBuilder": CertifiedFlashAttentionMetadataBuilder}
     for c in classes.values():
         c.__module__ = __name__
@@ -324,8 +350,7 @@ _CLASSES: dict = {}
 
 
 def __getattr__(name):  # PEP 562: the vLLM classes are built on first access (vLLM imported then)
-    if name in ("CertifiedFlashAttentionBackend", "CertifiedFlashAttentionImpl",
-                "CertifiedFlashAttentionMetadataBuilder"):
+    if name in _CLASS_NAMES:
         if not _CLASSES:
             _CLASSES.update(_build_classes())
         return _CLASSES[name]

@@ -1,13 +1,19 @@
 r"""The plugin's scheduler: frees a prompt's evicted blocks after its prefill, reports.
 
 ``CertifiedScheduler`` (engine argument ``scheduler_cls``) is vLLM's
-synchronous ``Scheduler`` plus these duties:
+synchronous ``Scheduler`` plus these duties. Its hand-offs with the worker
+ride as vLLM's KV connector's do (:mod:`kvcert.vllm.handoff`): each step's
+orders (:class:`~kvcert.vllm.handoff.StepOrders`) on the ``SchedulerOutput``
+it returns (a :class:`~kvcert.vllm.handoff.CertifiedSchedulerOutput`), the
+worker's :class:`~kvcert.vllm.handoff.StepReport` on the ``ModelRunnerOutput``
+it reads (a :class:`~kvcert.vllm.handoff.CertifiedModelRunnerOutput`; any other
+output is refused, naming the worker it needs).
 
 1. **Free, token design** (``granularity="token"``, the default). The worker
    draws the token design and compacts the kept tokens of every (layer, KV
    head) into the request's first m blocks on the step that processes the
-   prompt's last chunk (:mod:`kvcert.vllm.worker`), and returns
-   ``ModelRunnerOutput.kvcert_compacted`` = {request: {m, n_prompt, counts}}.
+   prompt's last chunk (:mod:`kvcert.vllm.worker`), and reports
+   ``StepReport.compacted`` = {request: {m, n_prompt, counts}}.
    The prompt's full blocks m .. floor(n_prompt / block_size) - 1 are swapped
    for vLLM's ``null_block`` in the request's block table and returned to the
    pool (``BlockPool.free_blocks``), as vLLM's
@@ -15,16 +21,16 @@ synchronous ``Scheduler`` plus these duties:
    happened inside that step, before its output reached this scheduler, so
    before any freed block can be scheduled for another request's writes.
 2. **Decide and free, block design** (``granularity="block"``). The worker
-   returns the prompt's block importance (``kvcert_importance``); the
+   reports the prompt's block importance (``StepReport.importance``); the
    configuration's :class:`kvcert.fast.BlockDesign` turns it into a decision
    (:meth:`~kvcert.fast.BlockDesign.decide`: pi_b at the budget
    ``(1 - compression_ratio) * n_blocks`` and the sample from the block stream
    keyed by the seed and :func:`prompt_event`, a hash of the prompt's token
    ids), the evicted blocks are freed as above, and the decision rides to the
-   worker on the next ``SchedulerOutput`` (attribute ``kvcert``): the worker
+   worker with the next step (``StepOrders.decisions``): the worker
    masks evicted blocks and adds -log pi_b to the sampled kept ones.
-3. **Report.** Per-token certificates come back on
-   ``ModelRunnerOutput.kvcert_certs`` and leave with the finished request in
+3. **Report.** Per-token certificates come back in
+   ``StepReport.certs`` and leave with the finished request in
    ``RequestOutput.kv_transfer_params["kvcert"]`` (docs/serving.md, "The
    certificate channel"). The cumulative counters (``kvcert_stats``, plus
    ``requests_certified`` and the histogram of the per-request mean relative
@@ -44,8 +50,8 @@ synchronous ``Scheduler`` plus these duties:
 
 5. **Per-request options** (token design). A request's ``kvcert_*`` keys of
    ``SamplingParams.extra_args`` (:func:`kvcert.vllm.config.request_options`)
-   are resolved when it is added and ride to the worker on the
-   ``SchedulerOutput`` that first schedules it (``kvcert["options"]``); a
+   are resolved when it is added and ride to the worker with the step
+   that first schedules it (``StepOrders.options``); a
    request without them follows the engine's configuration. A request with a
    bad value is never scheduled: it finishes as aborted, with
    ``kv_transfer_params["kvcert"] = {"error": message naming the key}``, and
@@ -53,7 +59,7 @@ synchronous ``Scheduler`` plus these duties:
 
 Preemption of a request that evicted: vLLM recomputes it from its tokens,
 which restores the full cache; the worker is told to drop its state
-(``clear``) and the request continues without eviction (certificate 0 for
+(``StepOrders.clear``) and the request continues without eviction (certificate 0 for
 the tokens after the resumption, flagged ``preempted`` in the report).
 """
 
@@ -68,6 +74,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from kvcert.fast import prompt_event
 
 from .config import KVCertConfig, check_vllm_config, request_options
+from .handoff import CertifiedSchedulerOutput, StepOrders, report_of
 from .metrics import RADIUS_BUCKETS, encode_stats, radius_bucket
 
 __all__ = ["CertifiedScheduler", "prompt_event"]
@@ -92,7 +99,7 @@ class CertifiedScheduler(Scheduler):
         self._manager = self.kv_cache_manager.coordinator.single_type_managers[0]
         self._bs = int(groups[0].kv_cache_spec.block_size)
         self._design = self.kvcert.design  # kvcert.fast.TokenDesign or BlockDesign
-        self._pending: dict[str, dict] = {}  # decisions for the next SchedulerOutput
+        self._pending: dict[str, list] = {}  # block design: log pi_b of the decisions for the next step
         self._clear: set[str] = set()  # requests whose mask the worker must drop
         self._records: dict[str, dict] = {}  # per evicted request: decision, certificates, pool counts
         self._decided: set[str] = set()  # requests already decided (never twice)
@@ -190,7 +197,7 @@ class CertifiedScheduler(Scheduler):
             return
         pi, keep, evicted = decision.pi, decision.kept, decision.evicted
         freed, free_before, free_after = self._free(req_id, evicted)
-        self._pending[req_id] = {"n_prompt_tokens": n_prompt, "log_pi": decision.log_pi.tolist()}
+        self._pending[req_id] = decision.log_pi.tolist()
         self._records[req_id] = {
             "importance": ub.tolist(), "pi": pi.tolist(), "kept": [bool(k) for k in keep.tolist()], "evicted": evicted,
             "blocks_freed": freed, "free_before": free_before, "free_after": free_after,
@@ -239,18 +246,20 @@ class CertifiedScheduler(Scheduler):
     def has_requests(self) -> bool:
         return bool(self._errors) or super().has_requests()
 
-    def schedule(self, *args, **kwargs):
+    def schedule(self, *args, **kwargs) -> CertifiedSchedulerOutput:
+        """vLLM's step with the plugin's orders for it (:class:`kvcert.vllm.handoff.StepOrders`)."""
         out = super().schedule(*args, **kwargs)
         if self.kvcert.track_reuse:
             self._check_reuse(out)
         options = {r.req_id: self._options[r.req_id] for r in out.scheduled_new_reqs if r.req_id in self._options}
-        out.kvcert = {"decisions": self._pending, "clear": sorted(self._clear), "stats": dict(self.kvcert_stats),
-                      "block_size": self._bs, "options": options}
+        orders = StepOrders(decisions=self._pending, clear=sorted(self._clear), options=options,
+                            stats=dict(self.kvcert_stats))
         self._pending, self._clear = {}, set()
-        return out
+        return CertifiedSchedulerOutput.of(out, orders)
 
     def update_from_output(self, scheduler_output, model_runner_output):
-        certs = getattr(model_runner_output, "kvcert_certs", None) or {}
+        report = report_of(model_runner_output)  # the worker's StepReport of the step
+        certs = report.certs
         sampled = model_runner_output.sampled_token_ids
         index = model_runner_output.req_id_to_index
         for req_id, rec in self._records.items():  # before super(): a request may finish in it
@@ -258,12 +267,11 @@ class CertifiedScheduler(Scheduler):
             if i is not None and sampled and len(sampled[i]) > 0 and req_id in scheduler_output.num_scheduled_tokens:
                 rec["certificates"].extend([float(certs.get(req_id, 0.0))] * len(sampled[i]))
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        for req_id, info in (getattr(model_runner_output, "kvcert_compacted", None) or {}).items():
+        for req_id, info in report.compacted.items():
             request = self.requests.get(req_id)
             if request is not None and not request.is_finished() and req_id not in self._decided:
                 self._compacted(request, info)
-        importance = getattr(model_runner_output, "kvcert_importance", None) or {}
-        for req_id, imp in importance.items():
+        for req_id, imp in report.importance.items():
             request = self.requests.get(req_id)
             if request is None or request.is_finished() or req_id in self._decided:
                 continue

@@ -1,35 +1,43 @@
 """The plugin's worker: holds the eviction decisions, runs each step with them, reports back.
 
 ``CertifiedCPUWorker`` (engine argument ``worker_cls``) is vLLM's ``CPUWorker``
-plus a per-step context (:class:`Step`) that the attention backend reads.
+plus a per-step context (:class:`Step`) that the attention backend reads. The
+hand-offs (:mod:`kvcert.vllm.handoff`) are vLLM's own carriers, as its KV
+connector's: the scheduler's :class:`~kvcert.vllm.handoff.StepOrders` arrive on
+the step's ``SchedulerOutput`` (a :class:`~kvcert.vllm.handoff.CertifiedSchedulerOutput`);
+the step's context reaches the attention layers on the attention metadata
+(the worker hands it to the plugin's metadata builders for the step's forward,
+which put it on :attr:`kvcert.vllm.backend.CertifiedCPUAttentionMetadata.kvcert_step`);
+the step's :class:`~kvcert.vllm.handoff.StepReport` leaves on the model
+runner's output (a :class:`~kvcert.vllm.handoff.CertifiedModelRunnerOutput`).
 
 Token design (``granularity="token"``, the default): the worker decides. On the
 step that processes a prompt's last chunk, every layer of the backend draws
 the token design and compacts the kept tokens into the request's first blocks
 (:mod:`kvcert.vllm.backend`); after the step the worker holds the request's
 :class:`Compacted` state (log pi per layer, KV head and slot) and reports
-``ModelRunnerOutput.kvcert_compacted`` = {request: {m, n_prompt, counts, ...}},
+``StepReport.compacted`` = {request: {m, n_prompt, counts, ...}},
 from which the scheduler frees the prompt's full blocks past the first m. The
 copy is done within that step, before the step's output reaches the
 scheduler, so before any freed block can be handed to another request.
 
 Block design:
 
-- before the step: the decisions that came on ``SchedulerOutput.kvcert``
+- before the step: the decisions of ``StepOrders.decisions``
   (log pi_b per prompt block, -inf = evicted) become per-request states;
-  ``clear`` and finished requests drop theirs;
+  ``StepOrders.clear`` and finished requests drop theirs;
 - during the step (in the backend): rows with a state take the masked,
   bias-corrected torch path and add their relative radii; rows that finish
   their prompt add their token scores (the configured scorer, per layer and
   KV head: ``kvcert.fast.BlockDesign.score``);
-- after the step: ``ModelRunnerOutput.kvcert_certs`` = {request: mean relative
-  radius over layers and query heads} and ``kvcert_importance`` =
+- after the step: ``StepReport.certs`` = {request: mean relative
+  radius over layers and query heads} and ``StepReport.importance`` =
   {request: block importance (n_blocks,)} (``kvcert.fast.BlockDesign.block_importance``
   over the stacked (layer, KV head) scores, normalized per head, ``reduce``
   over them), read by :class:`kvcert.vllm.scheduler.CertifiedScheduler`.
 
 Per-request options (token design): a request whose ``SamplingParams.extra_args``
-carry ``kvcert_*`` keys arrives with its overrides on ``SchedulerOutput.kvcert["options"]``
+carry ``kvcert_*`` keys arrives with its overrides on ``StepOrders.options``
 (:func:`kvcert.vllm.config.request_options`); the worker keeps the request's
 :class:`KVCertConfig` (:meth:`Step.config_of`), whose design decides whether
 and how its prompt is sampled and whose kind and delta certify its decode rows.
@@ -45,6 +53,7 @@ refusal of :func:`kvcert.vllm.config.check_vllm_config` keeps it from starting).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -57,8 +66,11 @@ from kvcert.fast import ClusterSketch, radius_from_statistics
 from . import backend as _backend
 from . import gpu_backend as _gpu_backend
 from .config import KVCertConfig, check_vllm_config
+from .handoff import StepReport, orders_of, with_report
 
 __all__ = ["CertifiedCPUWorker", "CertifiedGPUWorker", "Compacted", "Step"]
+
+_NEG_INF = float("-inf")
 
 
 @dataclass
@@ -68,6 +80,7 @@ class _Masked:
     block_ids: torch.Tensor  # physical ids of the kept blocks (m,)
     pi: torch.Tensor  # (1, 1, m * bs) pi_b per token, 0 past seq_len
     positions: torch.Tensor  # (1, 1, m * bs) token positions, -1 past seq_len
+    log_pi: torch.Tensor  # (m, bs) float32 log pi_b per slot, -inf past seq_len
 
 
 @dataclass
@@ -136,7 +149,6 @@ class _Plan:
     compacted_block_ids: torch.Tensor | None = None  # (E, M) blocks read per row, padded
     importance: list = field(default_factory=list)
     stock_rows: list = field(default_factory=list)
-    metadata: object = None
     block_size: int = 0
     _sub: _SubBatch | None = None
     _compacted_log_pi: torch.Tensor | None = None  # (layers, E, h_kv, M * bs), built at the step's first layer
@@ -201,9 +213,27 @@ class _Plan:
                                      in_order))
         return self._groups
 
-    def stock_metadata(self, impl) -> _SubBatch:
+    def stack(self) -> None:
+        """The batched inputs of the compacted and the masked rows, each row padded to the longest (a compacted
+        row with its first block, a masked row with block 0 and log pi -inf)."""
+        if self.compacted:
+            M = max(len(c.block_ids) for c in self.compacted)
+            self.compacted_tokens = torch.tensor([c.token for c in self.compacted], dtype=torch.int64)
+            pad = [c.block_ids[:1].expand(M - len(c.block_ids)) for c in self.compacted]
+            self.compacted_block_ids = torch.stack([torch.cat([c.block_ids, p]) for c, p in zip(self.compacted, pad)])
+        if self.masked:
+            E, M = len(self.masked), max(len(m.block_ids) for m in self.masked)
+            self.masked_tokens = torch.tensor([m.token for m in self.masked], dtype=torch.int64)
+            self.masked_block_ids = torch.zeros(E, M, dtype=torch.int64)
+            self.masked_log_pi = torch.full((E, M, self.block_size), _NEG_INF)
+            for j, m in enumerate(self.masked):
+                self.masked_block_ids[j, : len(m.block_ids)] = m.block_ids
+                self.masked_log_pi[j, : m.log_pi.shape[0]] = m.log_pi
+
+    def stock_metadata(self, impl, md, dtype: torch.dtype) -> _SubBatch:
+        """The stock rows as a sub-batch of the step's attention metadata ``md``, with the C++ op's work partition
+        for the model's ``dtype`` (the query's)."""
         if self._sub is None:
-            md = self.metadata
             qsl = md.query_start_loc.tolist()
             rows = self.stock_rows
             tokens = torch.cat([torch.arange(qsl[r], qsl[r + 1]) for r in rows])
@@ -213,101 +243,176 @@ class _Plan:
             idx = torch.tensor(rows)
             seq = md.seq_lens.index_select(0, idx).contiguous()
             table = md.block_table.index_select(0, idx).contiguous()
-            sched = _backend.stock_scheduler_metadata(impl, seq, sub_qsl, md.causal, "vec", _STEP_DTYPE[0])
+            sched = _backend.stock_scheduler_metadata(impl, seq, sub_qsl, md.causal, "vec", dtype)
             self._sub = _SubBatch(tokens, sub_qsl, seq, table, sched)
         return self._sub
 
 
-_STEP_DTYPE = [torch.float32]  # the model's dtype (set by the worker), for the C++ op's work partition
+class _Certificates:
+    """The certificates a step's layers leave, per request: each layer's relative radii (rows, query heads) or
+    the statistics they are taken from, kept as given and summed once per step (:meth:`means`)."""
+
+    def __init__(self):
+        self.sum: dict[str, float] = {}
+        self.n: dict[str, int] = {}
+        self._layers: list[tuple] = []  # (rows, relative radii or None, (kind, delta, statistics) or None)
+
+    def add(self, req_ids: list, rel: torch.Tensor) -> None:
+        self._layers.append((tuple(req_ids), rel, None))
+
+    def add_statistics(self, req_ids: list, kind: str, delta: float, stats: dict) -> None:
+        self._layers.append((tuple(req_ids), None, (kind, delta, stats)))
+
+    def means(self) -> dict[str, float]:
+        """{request: mean over the step's layers of the mean relative radius over query heads}."""
+        self._sum()
+        return {r: self.sum[r] / self.n[r] for r in self.sum}
+
+    def _sum(self) -> None:
+        pending: dict[tuple, list] = {}  # (rows, kind, delta) -> the layers' statistics, in call order
+        for rids, _, stats in self._layers:
+            if stats is not None:
+                pending.setdefault((rids,) + stats[:2], []).append(stats[2])
+        radii = {}
+        for (rids, kind, delta), layers in pending.items():
+            stacked = {k: None if layers[0][k] is None else torch.stack([x[k] for x in layers]) for k in layers[0]}
+            stacked = _backend.with_output_norm(stacked)  # the outputs' norms, every layer's in one call
+            radii[rids, kind, delta] = iter(radius_from_statistics(kind, delta, **stacked)[2])
+        groups: dict[tuple, list] = {}
+        for rids, rel, stats in self._layers:
+            groups.setdefault(rids, []).append(rel if stats is None else next(radii[(rids,) + stats[:2]]))
+        for rids, rels in groups.items():
+            for means in torch.stack(rels).double().mean(-1).tolist():  # layer by layer, in call order
+                for rid, mean in zip(rids, means):
+                    self.sum[rid] = self.sum.get(rid, 0.0) + mean
+                    self.n[rid] = self.n.get(rid, 0) + 1
+        self._layers = []
+
+
+def _compacted_state(rid: str, entries: dict) -> tuple[Compacted, dict]:
+    """A compacted request's :class:`Compacted` state from its layers' entries ({layer: (layout, sketch,
+    value sums)}, :meth:`Step.add_compaction`), and its layouts by layer; refuses a request compacted in
+    some layers only, or sketched in some layers only."""
+    n_layers = max(entries) + 1
+    if sorted(entries) != list(range(n_layers)):
+        raise RuntimeError(f"kvcert.vllm: request {rid} was compacted in layers {sorted(entries)}, not in "
+                           f"every layer 0..{n_layers - 1}")
+    layers = {i: e[0] for i, e in entries.items()}
+    sketches = [entries[i][1] for i in range(n_layers)]
+    if any(sk is None for sk in sketches):
+        if any(sk is not None for sk in sketches):
+            raise RuntimeError(f"kvcert.vllm: request {rid} has a sketch in some layers only")
+        sketches = None
+    sums = [entries[i][2] for i in range(n_layers)]
+    sums = None if sketches is None or any(x is None for x in sums) else torch.stack(sums)
+    first = layers[0]
+    bs = first.block_size
+    m = max(layout.m for layout in layers.values())
+    log_pi = torch.full((n_layers, first.counts.shape[0], m * bs), _NEG_INF)
+    for idx, layout in layers.items():
+        log_pi[idx, :, : layout.log_pi.shape[-1]] = layout.log_pi.float()
+    return Compacted(first.n_tokens, m, log_pi, sketches, sums), layers
+
+
+def _compaction_report(state: Compacted, layers: dict, kept: bool) -> dict:
+    """What the scheduler learns of a compacted request (``StepReport.compacted``), with the kept positions per
+    layer and KV head when ``kept``."""
+    counts = torch.stack([layers[i].counts for i in range(len(layers))])
+    report = {"m": state.m, "n_prompt": state.n_prompt, "counts": counts.tolist(), "sketch_bytes": state.sketch_bytes}
+    if kept:
+        report["kept_positions"] = [[p[p >= 0].tolist() for p in layers[i].positions] for i in range(len(layers))]
+    return report
 
 
 class Step:
-    """What the attention backend needs during one step, and what it leaves for the scheduler."""
+    """One step of the plugin's worker: the plan of its rows, read by every attention layer; the certificates,
+    importance and compactions the layers leave; and the results the worker reports to the scheduler."""
 
-    def __init__(self, worker: "CertifiedCPUWorker"):
+    def __init__(self, worker: CertifiedCPUWorker):
         self.worker = worker
         self.config = worker.kvcert
         # tensor parallelism: this rank holds KV heads tp_rank * h .. (tp_rank + 1) * h - 1 of every layer
         self.tp_rank, self.tp_size = getattr(worker, "kvcert_tp", (0, 1))  # (0, 1): a test's stand-in worker
         self._plan: _Plan | None = None
-        self.cert_sum: dict[str, float] = {}
-        self.cert_n: dict[str, int] = {}
-        self._certs: list[tuple] = []  # (rows, relative radii or None, (kind, delta, statistics) or None)
+        #: the CUDA backend's plan of the step (:func:`kvcert.vllm.gpu_backend.plan_rows`), made at its first layer
+        self.paged_plan = None
+        self.certificates = _Certificates()
         self.importance: dict[str, list] = {}
         self.compactions: dict[str, dict] = {}
 
+    # ------------------------------------------------------------------ the plan of the rows
+
     def plan(self, md, block_size: int) -> _Plan:
+        """The step's rows by kind, made at the step's first layer from its attention metadata ``md`` and read by
+        every layer: decode rows of compacted requests (token design), decode rows with a block decision (block
+        design), and the stock rows, among them those that finish a prompt (scored, or sampled and compacted)."""
         if self._plan is not None:
             return self._plan
-        w = self.worker
-        plan = _Plan(metadata=md, block_size=block_size)
-        row_log_pi = []
-        qsl = md.query_start_loc.tolist()
-        seq_lens = md.seq_lens.tolist()
-        req_ids = w.model_runner.input_batch.req_ids
-        for r in range(len(seq_lens)):
-            rid = req_ids[r] if r < len(req_ids) else None
+        plan = _Plan(block_size=block_size)
+        qsl, seq_lens = md.query_start_loc.tolist(), md.seq_lens.tolist()
+        req_ids = self.worker.model_runner.input_batch.req_ids
+        for r, seq_len in enumerate(seq_lens):
             q_len = qsl[r + 1] - qsl[r]
             if q_len <= 0:
                 continue
-            seq_len = seq_lens[r]
-            state = w.kvcert_states.get(rid) if rid is not None else None
-            if isinstance(state, Compacted) and q_len == 1:
-                row = self._compacted_row(rid, qsl[r], md.block_table[r], seq_len, state, block_size)
+            rid = req_ids[r] if r < len(req_ids) else None
+            state = self.worker.kvcert_states.get(rid) if rid is not None else None
+            if state is not None and q_len != 1:
+                raise RuntimeError(f"kvcert.vllm: request {rid} has evicted blocks and {q_len} query tokens "
+                                   f"in one step; only single-token decode steps are supported")
+            if isinstance(state, Compacted):
                 cfg = self.config_of(rid)
-                row.certificate = (cfg.kind, cfg.delta, state.sketches is not None)
-                plan.compacted.append(row)
-            elif state is not None and q_len == 1:
-                nbt = -(-seq_len // block_size)
-                log_pi = state  # (nb_prompt,) float64, -inf = evicted
-                nbp = log_pi.shape[0]
-                full = torch.zeros(nbt, dtype=torch.float64)
-                full[: min(nbp, nbt)] = log_pi[: min(nbp, nbt)]
-                kept = torch.nonzero(full > float("-inf")).flatten()
-                ids = md.block_table[r, kept].to(torch.int64)
-                pos = (kept[:, None] * block_size + torch.arange(block_size)[None]).flatten()
-                pi = torch.exp(full[kept]).repeat_interleave(block_size)
-                inside = pos < seq_len
-                pi = torch.where(inside, pi, 0.0).to(torch.float32)
-                pos = torch.where(inside, pos, -1)
-                plan.masked.append(_Masked(rid, qsl[r], ids, pi[None, None], pos[None, None]))
-                row_log_pi.append(torch.where(inside, torch.log(pi.double()), float("-inf")).float()
-                                  .reshape(-1, block_size))
+                plan.compacted.append(self._compacted_row(rid, qsl[r], md.block_table[r], seq_len, state, block_size,
+                                                          (cfg.kind, cfg.delta, state.sketches is not None)))
+            elif state is not None:
+                plan.masked.append(self._masked_row(rid, qsl[r], md.block_table[r], seq_len, state, block_size))
             else:
-                if state is not None:
-                    raise RuntimeError(f"kvcert.vllm: request {rid} has evicted blocks and {q_len} query tokens "
-                                       f"in one step; only single-token decode steps are supported")
                 plan.stock_rows.append(r)
                 if self._wants_importance(rid, seq_len, block_size):
-                    nbt = -(-seq_len // block_size)
-                    plan.importance.append(_Importance(rid, q_len, qsl[r + 1], seq_len,
-                                                       md.block_table[r, :nbt].to(torch.int64), self.config_of(rid)))
-        if plan.compacted:
-            E, M = len(plan.compacted), max(len(c.block_ids) for c in plan.compacted)
-            plan.compacted_tokens = torch.tensor([c.token for c in plan.compacted], dtype=torch.int64)
-            plan.compacted_block_ids = torch.stack([torch.cat([c.block_ids, c.block_ids[:1].expand(M - len(c.block_ids))])
-                                                    for c in plan.compacted])
-        if plan.masked:
-            E, M = len(plan.masked), max(len(m.block_ids) for m in plan.masked)
-            plan.masked_tokens = torch.tensor([m.token for m in plan.masked], dtype=torch.int64)
-            plan.masked_block_ids = torch.zeros(E, M, dtype=torch.int64)
-            plan.masked_log_pi = torch.full((E, M, block_size), float("-inf"))
-            for j, (m, lp) in enumerate(zip(plan.masked, row_log_pi)):
-                plan.masked_block_ids[j, : len(m.block_ids)] = m.block_ids
-                plan.masked_log_pi[j, : lp.shape[0]] = lp
+                    plan.importance.append(self._importance_row(rid, q_len, qsl[r + 1], seq_len, md.block_table[r],
+                                                                block_size))
+        plan.stack()
         self._plan = plan
         return plan
 
     @staticmethod
-    def _compacted_row(rid, token: int, table: torch.Tensor, seq_len: int, state: Compacted,
-                       block_size: int) -> _CompactedRow:
-        """The blocks a compacted request's decode row reads: its first m (the compacted prompt), then those of
-        positions n_prompt .. seq_len - 1 (the last prompt block, partly filled, and the decode blocks)."""
+    def _compacted_row(rid, token: int, table: torch.Tensor, seq_len: int, state: Compacted, block_size: int,
+                       certificate: tuple | None = None) -> _CompactedRow:
+        """A decode row of a compacted request (token design): the blocks it reads, its first m (the compacted
+        prompt), then those of positions n_prompt .. seq_len - 1 (the last prompt block, partly filled, and the
+        decode blocks), and the request's ``certificate`` (kind, delta, sketched)."""
         first, last = state.n_prompt // block_size, -(-seq_len // block_size)
         ids = torch.cat([table[: state.m], table[first:last]]).to(torch.int64)
         pos = torch.arange(first * block_size, last * block_size)
-        tail = torch.where((pos >= state.n_prompt) & (pos < seq_len), 0.0, float("-inf"))
-        return _CompactedRow(rid, token, ids, tail, state)
+        tail = torch.where((pos >= state.n_prompt) & (pos < seq_len), 0.0, _NEG_INF)
+        return _CompactedRow(rid, token, ids, tail, state, certificate)
+
+    @staticmethod
+    def _masked_row(rid, token: int, table: torch.Tensor, seq_len: int, log_pi: torch.Tensor,
+                    block_size: int) -> _Masked:
+        """A decode row of a request with a block decision (block design; ``log_pi`` (nb_prompt,) float64,
+        -inf = evicted): its kept blocks (the prompt's sampled and certain ones, then the decode blocks, pi = 1),
+        pi and the position of every slot (0 and -1 past seq_len), and log pi per slot."""
+        nbt = -(-seq_len // block_size)
+        nbp = log_pi.shape[0]
+        full = torch.zeros(nbt, dtype=torch.float64)
+        full[: min(nbp, nbt)] = log_pi[: min(nbp, nbt)]
+        kept = torch.nonzero(full > _NEG_INF).flatten()
+        ids = table[kept].to(torch.int64)
+        pos = (kept[:, None] * block_size + torch.arange(block_size)[None]).flatten()
+        pi = torch.exp(full[kept]).repeat_interleave(block_size)
+        inside = pos < seq_len
+        pi = torch.where(inside, pi, 0.0).to(torch.float32)
+        pos = torch.where(inside, pos, -1)
+        slot_log_pi = torch.where(inside, torch.log(pi.double()), _NEG_INF).float().reshape(-1, block_size)
+        return _Masked(rid, token, ids, pi[None, None], pos[None, None], slot_log_pi)
+
+    def _importance_row(self, rid, q_len: int, q_end: int, seq_len: int, table: torch.Tensor,
+                        block_size: int) -> _Importance:
+        """A stock row that finishes a prompt to be scored (block design) or sampled and compacted (token
+        design): its query tokens, its blocks and its request's settings."""
+        nbt = -(-seq_len // block_size)
+        return _Importance(rid, q_len, q_end, seq_len, table[:nbt].to(torch.int64), self.config_of(rid))
 
     def config_of(self, rid) -> KVCertConfig:
         """The settings of request ``rid``: its per-request options over the engine's, or the engine's."""
@@ -357,12 +462,14 @@ class Step:
         cache[(layer, group)] = (states, joined)
         return joined
 
+    # ------------------------------------------------------------------ the certificates
+
     def add_certificates(self, req_ids: list, rel: torch.Tensor) -> None:
         """Add each row's mean relative radius over query heads to its request: ``rel`` (len(req_ids), h_q).
 
         Kept as given and summed in :meth:`results`, once per step: the layers of a step certify the same rows,
         so their means are taken in one conversion instead of one per layer."""
-        self._certs.append((tuple(req_ids), rel, None))
+        self.certificates.add(req_ids, rel)
 
     def add_statistics(self, req_ids: list, kind: str, delta: float, stats: dict) -> None:
         """:meth:`add_certificates` from the statistics of the rows' certificate of ``kind``: ``stats``, the
@@ -373,29 +480,12 @@ class Step:
         :func:`kvcert.fast.radius_from_statistics`' of them, are computed in :meth:`results` for every layer of
         the step in one call per row group: an elementwise map, so they are those of one call per layer, and
         the step saves that call's fixed cost (about 40 us) at each layer."""
-        self._certs.append((tuple(req_ids), None, (kind, delta, stats)))
+        self.certificates.add_statistics(req_ids, kind, delta, stats)
 
-    def _sum_certificates(self) -> None:
-        pending: dict[tuple, list] = {}  # (rows, kind, delta) -> the layers' statistics, in call order
-        for rids, _, stats in self._certs:
-            if stats is not None:
-                pending.setdefault((rids,) + stats[:2], []).append(stats[2])
-        radii = {}
-        for (rids, kind, delta), layers in pending.items():
-            stacked = {k: None if layers[0][k] is None else torch.stack([x[k] for x in layers]) for k in layers[0]}
-            stacked = _backend.with_output_norm(stacked)  # the outputs' norms, every layer's in one call
-            radii[rids, kind, delta] = iter(radius_from_statistics(kind, delta, **stacked)[2])
-        groups: dict[tuple, list] = {}
-        for rids, rel, stats in self._certs:
-            groups.setdefault(rids, []).append(rel if stats is None else next(radii[(rids,) + stats[:2]]))
-        for rids, rels in groups.items():
-            for means in torch.stack(rels).double().mean(-1).tolist():  # layer by layer, in call order
-                for rid, mean in zip(rids, means):
-                    self.cert_sum[rid] = self.cert_sum.get(rid, 0.0) + mean
-                    self.cert_n[rid] = self.cert_n.get(rid, 0) + 1
-        self._certs = []
+    # ------------------------------------------------------------------ the importance and the compactions
 
     def add_importance(self, req_id: str, u: torch.Tensor) -> None:
+        """One layer's token scores (h_kv, n) of a request that finished its prompt (block design)."""
         self.importance.setdefault(req_id, []).append(u.detach().to(torch.float64))
 
     def add_compaction(self, req_id: str, layer: int, layout, sketch=None, value_sums=None) -> None:
@@ -404,52 +494,30 @@ class Step:
         kept values' sums and count (h_kv, dv + 1) float64 (:func:`kvcert.vllm.backend.compact_prompt`'s)."""
         self.compactions.setdefault(req_id, {})[layer] = (layout, sketch, value_sums)
 
-    def _compacted(self) -> dict:
-        """Each compacted request's state (installed in the worker) and its report for the scheduler."""
+    def _install_compactions(self) -> dict:
+        """Install each compacted request's :class:`Compacted` state in the worker; their reports for the
+        scheduler."""
         out = {}
         for rid, entries in self.compactions.items():
-            n_layers = max(entries) + 1
-            if sorted(entries) != list(range(n_layers)):
-                raise RuntimeError(f"kvcert.vllm: request {rid} was compacted in layers {sorted(entries)}, not in "
-                                   f"every layer 0..{n_layers - 1}")
-            layers = {i: e[0] for i, e in entries.items()}
-            sketches = [entries[i][1] for i in range(n_layers)]
-            if any(sk is None for sk in sketches):
-                if any(sk is not None for sk in sketches):
-                    raise RuntimeError(f"kvcert.vllm: request {rid} has a sketch in some layers only")
-                sketches = None
-            sums = [entries[i][2] for i in range(n_layers)]
-            sums = None if sketches is None or any(x is None for x in sums) else torch.stack(sums)
-            first = layers[0]
-            bs, n = first.block_size, first.n_tokens
-            m = max(layout.m for layout in layers.values())
-            h = first.counts.shape[0]
-            log_pi = torch.full((n_layers, h, m * bs), float("-inf"))
-            for idx, layout in layers.items():
-                log_pi[idx, :, : layout.log_pi.shape[-1]] = layout.log_pi.float()
-            state = Compacted(n, m, log_pi, sketches, sums)
+            state, layers = _compacted_state(rid, entries)
             self.worker.kvcert_states[rid] = state
-            counts = torch.stack([layers[i].counts for i in range(n_layers)])
-            report = {"m": m, "n_prompt": n, "counts": counts.tolist(), "sketch_bytes": state.sketch_bytes}
-            if self.config.report_kept:
-                report["kept_positions"] = [[p[p >= 0].tolist() for p in layers[i].positions]
-                                            for i in range(n_layers)]
-            out[rid] = report
+            out[rid] = _compaction_report(state, layers, self.config.report_kept)
         return out
 
-    def results(self, block_size: int) -> tuple[dict, dict, dict]:
-        """What the step leaves for the scheduler: ({request: mean relative radius over layers and query heads},
-        {request: block importance}, {request: compaction report}); under tensor parallelism, those of every
-        head of the layer (:func:`_tp_combine`)."""
-        self._sum_certificates()
-        certs = {r: self.cert_sum[r] / self.cert_n[r] for r in self.cert_sum}
+    # ------------------------------------------------------------------ the results
+
+    def results(self, block_size: int) -> StepReport:
+        """What the step leaves for the scheduler: the certificates ({request: mean relative radius over layers
+        and query heads}), the block importance and the compaction reports; under tensor parallelism, those of
+        every head of the layer (:func:`_tp_combine`)."""
+        certs = self.certificates.means()
         scores = {r: torch.stack(us) for r, us in self.importance.items()}  # (layers, h_kv, n)
-        compacted = self._compacted()
+        compacted = self._install_compactions()
         if self.tp_size > 1:
             certs, scores, compacted = _tp_combine(self.worker.kvcert_tp_group(), certs, scores, compacted)
         imp = {r: self.config.design.block_importance(u[None], block_size=block_size)[0].tolist()
                for r, u in scores.items()}
-        return certs, imp, compacted
+        return StepReport(certs=certs, importance=imp, compacted=compacted)
 
 
 def _tp_combine(group, certs: dict, scores: dict, compacted: dict) -> tuple[dict, dict, dict]:
@@ -491,11 +559,10 @@ def _tp_combine(group, certs: dict, scores: dict, compacted: dict) -> tuple[dict
 class _CertifiedWorker:
     """The kvcert step context around a vLLM worker (module docstring), shared by the CPU and CUDA workers.
 
-    A subclass sets ``_kvcert_slot``, the attention backend's per-thread ``STEP``, and
-    ``_kvcert_check_layers`` (run after the model is loaded: refuse layers it cannot serve).
+    A subclass names ``_kvcert_builder_cls``, its attention backend's metadata builder, which puts the step on the
+    metadata it builds, and ``_kvcert_check_layers`` (run after the model is loaded: refuse layers it cannot
+    serve).
     """
-
-    _kvcert_slot = None
 
     def __init__(self, vllm_config, *args, **kwargs):
         check_vllm_config(vllm_config)
@@ -509,7 +576,7 @@ class _CertifiedWorker:
         self.kvcert_block_size = int(vllm_config.cache_config.block_size)
         # the head size d = dv, which sizes a sketch's memory in kept tokens (KVCertConfig.evicts)
         self.kvcert_head_size = int(vllm_config.model_config.get_head_size())
-        self._kvcert_pending: tuple[dict, dict, dict] | None = None
+        self._kvcert_pending: StepReport | None = None
         # (layer, certificate group) -> (the group's Compacted states, their joined sketch): Step.group_sketch
         self.kvcert_joined: dict[tuple, tuple] = {}
 
@@ -546,6 +613,9 @@ class _CertifiedWorker:
     def _kvcert_check_layers(self) -> None:
         raise NotImplementedError
 
+    def _kvcert_builder_cls(self) -> type:
+        raise NotImplementedError
+
     def load_model(self, *args, **kwargs):
         out = super().load_model(*args, **kwargs)
         self._kvcert_check_layers()
@@ -554,60 +624,70 @@ class _CertifiedWorker:
     # ------------------------------------------------------------------ the step
 
     def _kvcert_before(self, scheduler_output) -> None:
+        """The scheduler's orders for the step (:class:`kvcert.vllm.handoff.StepOrders`) and its finished
+        requests, applied to the worker's states before the step runs."""
+        orders = orders_of(scheduler_output)
         for req in scheduler_output.scheduled_new_reqs:
             if req.prompt_token_ids is not None:
                 self.kvcert_prompt_len[req.req_id] = len(req.prompt_token_ids)
             else:
                 self.kvcert_prompt_len[req.req_id] = req.prompt_len
-        info = getattr(scheduler_output, "kvcert", None) or {}
-        if info.get("clear") or scheduler_output.finished_req_ids:
+        if orders.clear or scheduler_output.finished_req_ids:
             self.kvcert_joined.clear()  # a compacted state leaves: no join may outlive its requests
-        for rid in info.get("clear", ()):
+        for rid in orders.clear:
             self.kvcert_states.pop(rid, None)
-        for rid, overrides in info.get("options", {}).items():
+        for rid, overrides in orders.options.items():
             self.kvcert_request[rid] = replace(self.kvcert, **overrides)
-        for rid, d in info.get("decisions", {}).items():
-            self.kvcert_states[rid] = torch.tensor(d["log_pi"], dtype=torch.float64)
-        if "stats" in info:
-            self.kvcert_last_stats = info["stats"]
+        for rid, log_pi in orders.decisions.items():
+            self.kvcert_states[rid] = torch.tensor(log_pi, dtype=torch.float64)
+        self.kvcert_last_stats = orders.stats
         for rid in scheduler_output.finished_req_ids:
             self.kvcert_states.pop(rid, None)
             self.kvcert_prompt_len.pop(rid, None)
             self.kvcert_decided.discard(rid)
             self.kvcert_request.pop(rid, None)
 
+    def _kvcert_builders(self) -> list:
+        """The model runner's attention metadata builders of the plugin's backend (one per attention group)."""
+        cls = self._kvcert_builder_cls()
+        builders = [b for groups in self.model_runner.attn_groups for group in groups
+                    for b in group.metadata_builders if isinstance(b, cls)]
+        if not builders:
+            raise RuntimeError(f"kvcert.vllm: the model runner has no {cls.__name__} (the plugin's attention "
+                               "backend is not the one vLLM selected; plugin not registered?)")
+        return builders
+
+    @contextmanager
+    def _kvcert_step_on_metadata(self, step: Step):
+        """Hand ``step`` to the plugin's metadata builders for the step's forward: the attention metadata they
+        build carries it (``kvcert_step``) to every attention layer; none is handed outside the step."""
+        builders = self._kvcert_builders()
+        for b in builders:
+            b.kvcert_step = step
+        try:
+            yield
+        finally:
+            for b in builders:
+                b.kvcert_step = None
+
     def execute_model(self, scheduler_output, *args, **kwargs):
         self._kvcert_before(scheduler_output)
         step = Step(self)
-        self._kvcert_slot.ctx = step
-        try:
+        with self._kvcert_step_on_metadata(step):
             out = super().execute_model(scheduler_output, *args, **kwargs)
-        finally:
-            self._kvcert_slot.ctx = None
         self._kvcert_pending = step.results(self.kvcert_block_size)
-        self.kvcert_decided.update(self._kvcert_pending[2])
-        if out is not None:
-            self._kvcert_attach(out)
-        return out
+        self.kvcert_decided.update(self._kvcert_pending.compacted)
+        return None if out is None else self._kvcert_attach(out)
 
-    def _kvcert_attach(self, out) -> None:
-        if self._kvcert_pending is None:
-            return
-        certs, imp, compacted = self._kvcert_pending
-        self._kvcert_pending = None
-        try:
-            out.kvcert_certs = certs
-            out.kvcert_importance = imp
-            out.kvcert_compacted = compacted
-        except AttributeError:  # an output type without a __dict__ (not expected with the sync scheduler)
-            raise RuntimeError("kvcert.vllm: cannot attach certificates to the model runner's output "
-                               f"({type(out).__name__}); is async scheduling on?") from None
+    def _kvcert_attach(self, out):
+        """The step's output with its report (:func:`kvcert.vllm.handoff.with_report`); an empty report when the
+        step left none (an output without a forward)."""
+        report, self._kvcert_pending = self._kvcert_pending or StepReport(), None
+        return with_report(out, report)
 
     def sample_tokens(self, *args, **kwargs):
         out = super().sample_tokens(*args, **kwargs)
-        if out is not None:
-            self._kvcert_attach(out)
-        return out
+        return None if out is None else self._kvcert_attach(out)
 
     # ------------------------------------------------------------------ RPC (LLM.collective_rpc)
 
@@ -619,15 +699,15 @@ class _CertifiedWorker:
 class CertifiedCPUWorker(_CertifiedWorker, CPUWorker):
     """vLLM's CPU worker with the kvcert step context (module docstring)."""
 
-    _kvcert_slot = _backend.STEP
-
     def __init__(self, vllm_config, *args, **kwargs):
         super().__init__(vllm_config, *args, **kwargs)
-        _STEP_DTYPE[0] = vllm_config.model_config.dtype
         from kvcert.kernels import cpu
 
         if cpu.enabled():  # build (or load) the compiled op at start-up, announced, not inside a request's step
             cpu.available(warn=True)
+
+    def _kvcert_builder_cls(self) -> type:
+        return _backend.CertifiedCPUAttentionMetadataBuilder
 
     def _kvcert_check_layers(self) -> None:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -659,7 +739,8 @@ class CertifiedGPUWorker(_CertifiedWorker, GPUWorker):
     feeds the CUDA backend), tested on CPU in tests/vllm/test_vllm_gpu_backend.py.
     """
 
-    _kvcert_slot = _gpu_backend.STEP
+    def _kvcert_builder_cls(self) -> type:
+        return _gpu_backend.CertifiedFlashAttentionMetadataBuilder
 
     def _kvcert_check_layers(self) -> None:
         self._kvcert_layers(_gpu_backend.CertifiedFlashAttentionImpl)

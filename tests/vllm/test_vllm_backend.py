@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from vllm_support import ROOT, vllm_env
+from vllm_support import ROOT, step_metadata, vllm_env
 
 
 def test_gather_blocks_reads_what_the_cpu_cache_op_wrote():
@@ -128,11 +128,7 @@ def test_masked_forward_matches_the_block_estimator_on_a_compact_cache(monkeypat
                          causal=True, dynamic_causal=None)
     layer = SimpleNamespace(isa="vec", _k_scale_float=1.0, _v_scale_float=1.0)
     step = worker.Step(fake)
-    backend.STEP.ctx = step
-    try:
-        out = impl.forward(layer, query, None, None, cache, md, torch.empty_like(query))
-    finally:
-        backend.STEP.ctx = None
+    out = impl.forward(layer, query, None, None, cache, step_metadata(md, step), torch.empty_like(query))
     # row "b": causal attention over its own prompt
     ref_b = torch.nn.functional.scaled_dot_product_attention(
         qb.transpose(0, 1)[None], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None], is_causal=True,
@@ -145,7 +141,8 @@ def test_masked_forward_matches_the_block_estimator_on_a_compact_cache(monkeypat
                                 per_coordinate=False)
     torch.testing.assert_close(out[Q:], est.output, rtol=1e-5, atol=1e-6)
     _, _, rel = radius_from_statistics("chebyshev", 0.05, **certificate_moments(est, "chebyshev"))
-    certs, imp, _ = step.results(bs)
+    report = step.results(bs)
+    certs, imp = report.certs, report.importance
     assert certs["a"] == pytest.approx(float(rel.double().mean()), rel=1e-5)
     assert certs["a"] > 0
     # the importance of the prompt that finished in this step: SnapKV of its last 8 queries, per KV head
@@ -155,12 +152,8 @@ def test_masked_forward_matches_the_block_estimator_on_a_compact_cache(monkeypat
     # with the default design the 2-block prompt cannot be evicted: its importance is not even computed
     fake.kvcert = KVCertConfig(compression_ratio=0.5, granularity="block")
     step = worker.Step(fake)
-    backend.STEP.ctx = step
-    try:
-        impl.forward(layer, query, None, None, cache, md, torch.empty_like(query))
-    finally:
-        backend.STEP.ctx = None
-    assert step.importance == {} and set(step.results(bs)[0]) == {"a"}
+    impl.forward(layer, query, None, None, cache, step_metadata(md, step), torch.empty_like(query))
+    assert step.importance == {} and set(step.results(bs).certs) == {"a"}
 
 
 def test_masked_decode_is_the_block_estimator_and_batch_invariant(monkeypatch):
@@ -235,10 +228,11 @@ def test_step_sums_certificates_over_layers_per_request():
         step.add_certificates(["a", "b"], r)
     step.add_certificates(["c"], torch.tensor([[0.25, 0.75]]))
     step.add_certificates(["b"], torch.tensor([[8.0, 10.0]]))
-    certs, imp, _ = step.results(16)
+    report = step.results(16)
+    certs = report.certs
     assert certs == pytest.approx({"a": (0.2 + 0.5) / 2, "b": (1.5 + 4.0 + 9.0) / 3, "c": 0.5}, rel=1e-6)  # float32 radii
-    assert imp == {}
-    assert step.results(16)[0] == certs  # summing twice adds nothing
+    assert report.importance == {}
+    assert step.results(16).certs == certs  # summing twice adds nothing
 
 
 def test_step_takes_the_radii_of_its_statistics_once_per_step():
@@ -263,7 +257,7 @@ def test_step_takes_the_radii_of_its_statistics_once_per_step():
         step.add_certificates(["c"], torch.tensor([[0.25 * (j + 1), 0.75]]))
         if j < 2:
             step.add_statistics(["d"], "tilted_hull", 0.1, hull[j])
-    certs, _, _ = step.results(16)
+    certs = step.results(16).certs
     rel = [radius_from_statistics("chebyshev", 0.05, **s)[2].double().mean(-1) for s in layers]
     rel_d = [radius_from_statistics("tilted_hull", 0.1, **s)[2].double().mean(-1) for s in hull]
     assert certs["a"] == sum(float(r[0]) for r in rel) / 3
@@ -321,7 +315,8 @@ def test_prompt_importance_is_the_configured_registry_scorer(monkeypatch, scorer
     # the same function on the same float32 values, gathered in another memory layout (the first test's tolerance)
     got = step.importance["b"][0].to(expected.dtype)
     torch.testing.assert_close(got, expected[0], rtol=1e-5, atol=1e-7)
-    _, imp, compacted = step.results(bs)
-    assert compacted == {}  # the block design compacts nothing
+    report = step.results(bs)
+    imp = report.importance
+    assert report.compacted == {}  # the block design compacts nothing
     ub = F.block_importance(F.nonnegative_importance(step.importance["b"][0][None].double()), bs)
     assert imp["b"] == ub[0].tolist() and len(imp["b"]) == 5

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import kvcert.fast as F
+from vllm_support import step_metadata
 
 H_Q, H, D, BS = 6, 2, 64, 32
 Q, T = 150, 3  # prompt tokens (4 full blocks + 22), decode tokens after it
@@ -68,11 +69,9 @@ def _decode_metadata():
 
 
 def _forward(backend, impl, step, layer, query, cache, md):
-    backend.STEP.ctx = step
-    try:
-        return impl.forward(layer, query, None, None, cache, md, torch.empty_like(query))
-    finally:
-        backend.STEP.ctx = None
+    """One layer's forward in a step of the plugin's worker: ``md`` carries ``step`` as the plugin's builder
+    puts it there."""
+    return impl.forward(layer, query, None, None, cache, step_metadata(md, step), torch.empty_like(query))
 
 
 def test_prefill_compacts_and_decode_equals_the_estimator_after_the_freed_blocks_are_reused(monkeypatch):
@@ -90,7 +89,7 @@ def test_prefill_compacts_and_decode_equals_the_estimator_after_the_freed_blocks
         qp.transpose(0, 1)[None], k[:Q].transpose(0, 1)[None], v[:Q].transpose(0, 1)[None], is_causal=True,
         enable_gqa=True, scale=scale)[0].transpose(0, 1)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
-    _, _, compacted = step.results(BS)
+    compacted = step.results(BS).compacted
     state = fake.kvcert_states["a"]
     assert isinstance(state, worker.Compacted) and state.n_prompt == Q and set(compacted) == {"a"}
     # the design the backend drew: the press's, on the scorer's scores of this layer
@@ -119,7 +118,7 @@ def test_prefill_compacts_and_decode_equals_the_estimator_after_the_freed_blocks
     md = _decode_metadata()
     step = worker.Step(fake)
     out = _forward(backend, impl, step, layer, qd, cache, md)
-    certs, _, _ = step.results(BS)
+    certs = step.results(BS).certs
     # the estimator over the kept prompt tokens (pi) and the decode tokens (pi = 1), in float64
     pi = torch.cat([torch.where(dec.keep, dec.pi, 0.0), torch.ones(H, T, dtype=torch.float64)], dim=1)
     est = F.hajek_attention(qd.double(), k.transpose(0, 1)[None].double(), v.transpose(0, 1)[None].double(),
@@ -175,7 +174,7 @@ def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypa
     md = _prefill_metadata(backend, impl)
     step = worker.Step(fake)
     _forward(backend, impl, step, layer, qp, cache, md)
-    _, _, compacted = step.results(BS)
+    compacted = step.results(BS).compacted
     state = fake.kvcert_states["a"]
     design = cfg.design
     kk, vv = k[:Q].transpose(0, 1)[None], v[:Q].transpose(0, 1)[None]
@@ -205,7 +204,7 @@ def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypa
     out = _forward(backend, impl, step, layer, qd, cache, md)
     monkeypatch.setattr(backend, "_sketch_step", sketch_step)
     assert len(seen) == 1 and seen[0] is not None
-    certs, _, _ = step.results(BS)
+    certs = step.results(BS).certs
     from kvcert import dispatch
 
     assert backend.LAST_ROUTE[0] == ("sketch_paged_cpu_op" if dispatch.cpu_op_available() else "sketch_gather")
@@ -247,7 +246,7 @@ def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypa
     step = worker.Step(fake)
     _forward(backend, impl, step, layer, qd, cache, md)
     assert step.plan(md, BS).compacted_centres(0) is None  # no sums held: the op would read the centre itself
-    plain, _, _ = step.results(BS)
+    plain = step.results(BS).certs
     assert abs(plain["a"] / certs["a"] - 1) > 0.05
 
 
@@ -285,8 +284,15 @@ def test_a_group_of_sketched_rows_joins_its_sketches_once_while_the_group_stays_
     again = worker.Step(fake).group_sketch(0, group, rows)
     assert again is not first and torch.equal(again.mean[:1], first.mean[:1]) and not torch.equal(again.mean, first.mean)
     # the scheduler's output of the next step: nothing finished keeps the joins, a finished request drops them
+    from dataclasses import replace
+
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from kvcert.vllm.handoff import CertifiedSchedulerOutput, StepOrders
+
     fake.__dict__.update(kvcert_states={"a": a}, kvcert_prompt_len={}, kvcert_decided=set(), kvcert_request={})
-    out = lambda finished: SimpleNamespace(scheduled_new_reqs=[], finished_req_ids=finished, kvcert=None)  # noqa: E731
+    out = lambda finished: CertifiedSchedulerOutput.of(  # noqa: E731
+        replace(SchedulerOutput.make_empty(), finished_req_ids=finished), StepOrders())
     worker._CertifiedWorker._kvcert_before(fake, out(set()))
     assert len(fake.kvcert_joined) == 1
     worker._CertifiedWorker._kvcert_before(fake, out({"b"}))

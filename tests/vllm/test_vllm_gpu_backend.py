@@ -235,14 +235,15 @@ def test_refusal_names_the_gpu_backend():
 def exercise_forward():
     """CertifiedFlashAttentionImpl.forward with the stock FlashAttention forward replaced by a marker
     (it needs CUDA): the stock rows go to it as a sub-batch, the masked rows to the paged kernel, the
-    certificates and importance reach the step context, the plan is built once per step. Run in a
-    subprocess with TRITON_INTERPRET=1."""
+    certificates and importance reach the step context (carried by the metadata, as the plugin's builder
+    makes it), the plan is built once per step. Run in a subprocess with TRITON_INTERPRET=1."""
     from types import SimpleNamespace
 
     from vllm.v1.attention.backend import AttentionType
     from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl, FlashAttentionMetadata
 
     from kvcert.vllm import gpu_backend as gb
+    from kvcert.vllm.handoff import extend
 
     calls = []
 
@@ -261,6 +262,9 @@ def exercise_forward():
     query, key, value = torch.randn(8, h * g, d), torch.randn(8, h, d), torch.randn(8, h, d)
     md = FlashAttentionMetadata(num_actual_tokens=8, max_query_len=5, query_start_loc=qsl, max_seq_len=50,
                                 seq_lens=seq_lens, block_table=table, slot_mapping=torch.arange(8))
+
+    def with_step(ctx):  # the metadata of a step of the plugin's worker, as its builder makes it
+        return extend(gb.CertifiedFlashAttentionMetadata, md, kvcert_step=ctx)
     impl = object.__new__(gb.CertifiedFlashAttentionImpl)
     impl.attn_type, impl.scale, impl.head_size, impl.kv_cache_dtype = AttentionType.DECODER, 0.25, d, "auto"
 
@@ -268,6 +272,7 @@ def exercise_forward():
 
     class Ctx:
         config = KVCertConfig(granularity="block", kind="chebyshev", delta=0.05, observation_window=3)
+        paged_plan = None
 
         def __init__(self):
             self.certs, self.imp, self.n_plans = {}, {}, 0
@@ -283,20 +288,17 @@ def exercise_forward():
         def add_importance(self, rid, u):
             self.imp[rid] = u
 
-    # outside a step: the stock forward on the whole batch
-    gb.STEP.ctx = None
-    out = torch.zeros(8, h * g, d)
-    impl.forward(None, query, key, value, flash, md, out)
-    assert calls[-1] is md and torch.equal(out, 2 * query)
-    # inside a step, two layers
+    # outside a step (vLLM's own metadata, or the plugin's without a step): the stock forward on the whole batch
+    for outside in (md, with_step(None)):
+        out = torch.zeros(8, h * g, d)
+        impl.forward(None, query, key, value, flash, outside, out)
+        assert calls[-1] is outside and torch.equal(out, 2 * query)
+    # inside a step, two layers reading the step's one metadata
     ctx = Ctx()
-    gb.STEP.ctx = ctx
-    try:
-        for _ in range(2):
-            out = torch.zeros(8, h * g, d)
-            impl.forward(None, query, key, value, flash, md, out)
-    finally:
-        gb.STEP.ctx = None
+    step_md = with_step(ctx)
+    for _ in range(2):
+        out = torch.zeros(8, h * g, d)
+        impl.forward(None, query, key, value, flash, step_md, out)
     assert ctx.n_plans == 1  # the plan is built once per step
     sub = calls[-1]
     assert sub.num_actual_tokens == 6 and sub.query_start_loc.tolist() == [0, 5, 6]
@@ -311,14 +313,11 @@ def exercise_forward():
     # a certificate kind the kernel cannot serve is refused
     ctx = Ctx()
     ctx.config = KVCertConfig(granularity="block", kind="chi2", delta=0.05, observation_window=3)
-    gb.STEP.ctx = ctx
     try:
-        impl.forward(None, query, key, value, flash, md, torch.zeros(8, h * g, d))
+        impl.forward(None, query, key, value, flash, with_step(ctx), torch.zeros(8, h * g, d))
         raise AssertionError("kind='chi2' was not refused")
     except RuntimeError as e:
         assert "chebyshev" in str(e)
-    finally:
-        gb.STEP.ctx = None
     print("forward ok")
 
 
@@ -331,13 +330,17 @@ def test_forward_routes_rows_with_a_stubbed_flash_attention():
 
 def test_step_row_states_feed_the_cuda_backend(monkeypatch):
     """The CUDA worker's step context: Step.row_states gives each row its request, decision and whether to
-    score it (the CPU plan's rule); CertifiedGPUWorker.execute_model sets gpu_backend.STEP around the
-    stock step, applies the scheduler's decisions first and attaches the results to the output."""
+    score it (the CPU plan's rule); CertifiedGPUWorker.execute_model hands the step to the CUDA backend's
+    metadata builder for the stock step (and takes it back after), applies the scheduler's decisions first and
+    returns the output with the step's report."""
     from types import SimpleNamespace
 
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.worker.gpu_worker import Worker
 
     from kvcert.vllm import KVCertConfig, backend, gpu_backend, worker
+    from kvcert.vllm.handoff import CertifiedModelRunnerOutput, CertifiedSchedulerOutput, StepOrders
 
     lp = torch.tensor([0.0, NEG_INF, math.log(0.4), 0.0, 0.0, 0.0], dtype=torch.float64)
     fake = SimpleNamespace(kvcert=KVCertConfig(compression_ratio=0.5, granularity="block"), kvcert_states={"b": lp}, kvcert_decided=set(), kvcert_block_size=16,
@@ -352,25 +355,62 @@ def test_step_row_states_feed_the_cuda_backend(monkeypatch):
     assert states[1].log_pi is lp and all(st.log_pi is None for k, st in enumerate(states) if k != 1)
 
     assert issubclass(worker.CertifiedGPUWorker, Worker)
-    assert worker.CertifiedGPUWorker._kvcert_slot is gpu_backend.STEP
-    assert worker.CertifiedCPUWorker._kvcert_slot is backend.STEP
+    # the model runner's builders: the CUDA backend's is handed the step for the forward, any other is not
+    cuda_builder = object.__new__(gpu_backend.CertifiedFlashAttentionMetadataBuilder)
+    cpu_builder = object.__new__(backend.CertifiedCPUAttentionMetadataBuilder)
+    cuda_builder.kvcert_step = cpu_builder.kvcert_step = None
     seen = []
 
     def stock_step(self, scheduler_output, *args, **kwargs):
-        ctx = gpu_backend.STEP.ctx
-        seen.append((ctx, dict(self.kvcert_states), getattr(backend.STEP, "ctx", None)))
+        ctx = cuda_builder.kvcert_step
+        seen.append((ctx, dict(self.kvcert_states), cpu_builder.kvcert_step))
         ctx.add_certificates(["b"], torch.tensor([[0.25, 0.75]]))
-        return SimpleNamespace()
+        return ModelRunnerOutput(req_ids=["b"], req_id_to_index={"b": 0}, sampled_token_ids=[[7]])
 
     monkeypatch.setattr(Worker, "execute_model", stock_step)
     w = object.__new__(worker.CertifiedGPUWorker)
     w.__dict__.update(fake.__dict__)
+    w.model_runner = SimpleNamespace(input_batch=fake.model_runner.input_batch,
+                                     attn_groups=[[SimpleNamespace(metadata_builders=[b])
+                                                   for b in (cuda_builder, cpu_builder)]])
     w.kvcert_states = {}
     w.kvcert_last_stats, w._kvcert_pending, w.kvcert_joined = {}, None, {}  # what __init__ sets
-    so = SimpleNamespace(scheduled_new_reqs=[], finished_req_ids=set(),
-                         kvcert={"decisions": {"b": {"log_pi": lp.tolist()}}})
+    so = CertifiedSchedulerOutput.of(SchedulerOutput.make_empty(), StepOrders(decisions={"b": lp.tolist()}))
     out = w.execute_model(so)
     ctx, states_seen, cpu_ctx = seen[0]
-    assert isinstance(ctx, worker.Step) and cpu_ctx is None and getattr(gpu_backend.STEP, "ctx", None) is None
+    assert isinstance(ctx, worker.Step) and cpu_ctx is None and cuda_builder.kvcert_step is None
     assert torch.equal(states_seen["b"], lp)  # decisions are applied before the step runs
-    assert out.kvcert_certs == {"b": pytest.approx(0.5)} and out.kvcert_importance == {}
+    assert isinstance(out, CertifiedModelRunnerOutput) and out.sampled_token_ids == [[7]]
+    assert out.kvcert.certs == {"b": pytest.approx(0.5)} and out.kvcert.importance == {}
+    # a model runner without the CUDA backend's builder is refused, naming the builder
+    w.model_runner.attn_groups = [[SimpleNamespace(metadata_builders=[cpu_builder])]]
+    with pytest.raises(RuntimeError, match="CertifiedFlashAttentionMetadataBuilder"):
+        w.execute_model(so)
+
+
+def test_the_builders_put_the_step_they_hold_on_their_metadata(monkeypatch):
+    """Both backends' metadata builders return vLLM's metadata (every field, the same objects) as their
+    subclass carrying the step context they hold (None outside a step)."""
+    from dataclasses import fields
+
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata, CPUAttentionMetadataBuilder
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata, FlashAttentionMetadataBuilder
+
+    from kvcert.vllm import backend, gpu_backend
+
+    tensors = dict(query_start_loc=torch.tensor([0, 3]), seq_lens=torch.tensor([3]), block_table=torch.zeros(1, 2),
+                   slot_mapping=torch.arange(3))
+    for base_builder, builder_cls, base_md, md_cls in (
+            (FlashAttentionMetadataBuilder, gpu_backend.CertifiedFlashAttentionMetadataBuilder, FlashAttentionMetadata,
+             gpu_backend.CertifiedFlashAttentionMetadata),
+            (CPUAttentionMetadataBuilder, backend.CertifiedCPUAttentionMetadataBuilder, CPUAttentionMetadata,
+             backend.CertifiedCPUAttentionMetadata)):
+        extra = {"scheduler_metadata": None} if base_md is CPUAttentionMetadata else {}
+        stock = base_md(num_actual_tokens=3, max_query_len=3, max_seq_len=3, **tensors, **extra)
+        monkeypatch.setattr(base_builder, "build", lambda self, *a, **k: stock)
+        builder = object.__new__(builder_cls)
+        for step in (None, object()):
+            builder.kvcert_step = step
+            md = builder.build(0, None)
+            assert type(md) is md_cls and issubclass(md_cls, base_md) and md.kvcert_step is step
+            assert all(getattr(md, f.name) is getattr(stock, f.name) for f in fields(base_md))

@@ -22,7 +22,10 @@ each, greedy; optional ``"extra_args"``: a list parallel to ``order`` of
 ``SamplingParams.extra_args`` dicts or None, e.g.
 ``{"kvcert_compression_ratio": 0.5}``; a prompt index at most once per run); optional ``patch``:
 ``"evicting_requests_share_the_prefix_cache"`` runs that engine with the scheduler's prefix-cache privacy
-off (a negative control). Each output records ``num_cached_tokens`` (vLLM's prefix-cache hits) too.
+off (a negative control); ``"record_handoffs"`` records what the plugin's scheduler, worker and attention
+layers receive from vLLM (:class:`HandoffRecorder`, the result's ``handoffs``), and
+``"record_handoffs_adding_an_attribute"`` does so with a worker that also adds an attribute to its output (its
+negative control). Each output records ``num_cached_tokens`` (vLLM's prefix-cache hits) too.
 Each output records ``token_ids`` and ``finish_reason``, and with the plugin
 ``certificates`` and ``report``; the result records ``start_s`` and, per run,
 ``gen_s``, and with the plugin the engine's ``stats`` and ``blocks_freed``.
@@ -30,6 +33,7 @@ Each output records ``token_ids`` and ``finish_reason``, and with the plugin
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -44,6 +48,9 @@ def run_spec(spec: dict) -> dict:
 
     t0 = time.perf_counter()
     original = None
+    recorder = None
+    if spec.get("patch", "") and spec["patch"].startswith("record_handoffs"):
+        recorder = HandoffRecorder(add_attribute=spec["patch"] == "record_handoffs_adding_an_attribute")
     if spec.get("patch") == "evicting_requests_share_the_prefix_cache":  # a negative control's broken plugin
         from kvcert.vllm.scheduler import CertifiedScheduler
 
@@ -84,14 +91,109 @@ def run_spec(spec: dict) -> dict:
 
             result["stats"] = stats(llm)
             result["blocks_freed"] = blocks_freed(llm)
+        if recorder is not None:
+            result["handoffs"] = recorder.summary()
         return result
     finally:
+        if recorder is not None:
+            recorder.undo()
         try:
             llm.llm_engine.engine_core.shutdown()
         except Exception:  # noqa: BLE001 - best effort: the engine is dropped either way
             pass
         if original is not None:  # the next engine of this driver gets the plugin as it is
             CertifiedScheduler._keeps_private = original
+
+
+def ad_hoc_attributes(obj) -> list[str]:
+    """The ``kvcert*`` attributes of ``obj`` that its class does not declare as dataclass fields: attributes
+    added to an object of vLLM's (the plugin's subclasses declare theirs, ``kvcert`` and ``kvcert_step``)."""
+    declared = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
+    return sorted(k for k in getattr(obj, "__dict__", {}) if k.startswith("kvcert") and k not in declared)
+
+
+class HandoffRecorder:
+    """Wraps the plugin's entry points in this process (an in-process engine: scheduler, worker and attention
+    layers all run here) and records what each receives from vLLM: the type of the scheduler output the worker
+    and the scheduler see, of the model runner output the scheduler reads, of the attention metadata each
+    layer reads (and whether it carries a step), with every ad-hoc ``kvcert*`` attribute found on them
+    (:func:`ad_hoc_attributes`), and how many steps carried orders and reports with content.
+    ``add_attribute``: the worker also sets ``kvcert_certs`` on its output, as the plugin once did (the
+    negative control: the recorder must see it)."""
+
+    def __init__(self, add_attribute: bool = False):
+        from kvcert.vllm.backend import CertifiedCPUAttentionImpl
+        from kvcert.vllm.scheduler import CertifiedScheduler
+        from kvcert.vllm.worker import _CertifiedWorker
+
+        self.types: dict[str, set] = {}
+        self.ad_hoc: dict[str, set] = {}
+        self.counts: dict[str, int] = {}
+        self._undo = []
+        rec = self
+
+        def wrap(cls, name, make):
+            original = cls.__dict__[name]
+            setattr(cls, name, make(original))
+            self._undo.append((cls, name, original))
+
+        def update_from_output(original):
+            def f(sched, scheduler_output, model_runner_output):
+                rec.note("scheduler: model runner output", model_runner_output)
+                rec.note("scheduler: scheduler output", scheduler_output)
+                report = getattr(model_runner_output, "kvcert", None)
+                for key in ("certs", "compacted"):
+                    rec.count(f"reports with {key}", bool(getattr(report, key, None)))
+                return original(sched, scheduler_output, model_runner_output)
+            return f
+
+        def execute_model(original):
+            def f(worker, scheduler_output, *args, **kwargs):
+                rec.note("worker: scheduler output", scheduler_output)
+                rec.note("worker: cached requests", scheduler_output.scheduled_cached_reqs)
+                for req in scheduler_output.scheduled_new_reqs:
+                    rec.note("worker: new request", req)
+                orders = getattr(scheduler_output, "kvcert", None)
+                for key in ("options", "clear"):
+                    rec.count(f"orders with {key}", bool(getattr(orders, key, None)))
+                return original(worker, scheduler_output, *args, **kwargs)
+            return f
+
+        def attach(original):
+            def f(worker, out):
+                out = original(worker, out)
+                if add_attribute:
+                    out.kvcert_certs = out.kvcert.certs
+                return out
+            return f
+
+        def forward(original):
+            def f(impl, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+                rec.note("attention: metadata", attn_metadata)
+                rec.count("forwards with a step", getattr(attn_metadata, "kvcert_step", None) is not None)
+                return original(impl, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+            return f
+
+        wrap(CertifiedScheduler, "update_from_output", update_from_output)
+        wrap(_CertifiedWorker, "execute_model", execute_model)
+        wrap(_CertifiedWorker, "_kvcert_attach", attach)
+        wrap(CertifiedCPUAttentionImpl, "forward", forward)
+
+    def note(self, where: str, obj) -> None:
+        self.types.setdefault(where, set()).add(f"{type(obj).__module__}.{type(obj).__qualname__}")
+        self.ad_hoc.setdefault(where, set()).update(ad_hoc_attributes(obj))
+
+    def count(self, what: str, yes: bool) -> None:
+        self.counts[what] = self.counts.get(what, 0) + int(yes)
+
+    def summary(self) -> dict:
+        return {"types": {k: sorted(v) for k, v in self.types.items()},
+                "ad_hoc": {k: sorted(v) for k, v in self.ad_hoc.items()}, "counts": dict(self.counts)}
+
+    def undo(self) -> None:
+        for cls, name, original in reversed(self._undo):
+            setattr(cls, name, original)
+        self._undo = []
 
 
 def _write(out_path: str, result: dict) -> None:

@@ -45,6 +45,20 @@ def vllm_env(*, plugin: bool = True, in_process: bool = False) -> dict:
     return env
 
 
+def step_metadata(md, step):
+    """The attention metadata a test sets (a ``SimpleNamespace`` of some of its fields: query_start_loc, seq_lens,
+    block_table, ...) as the plugin's builder makes it for a step of the plugin's worker: a
+    ``kvcert.vllm.backend.CertifiedCPUAttentionMetadata`` carrying ``step`` (None: outside a step). The fields
+    the test leaves out take their values from those it sets, or None."""
+    from kvcert.vllm.backend import CertifiedCPUAttentionMetadata
+
+    qsl, seq = md.query_start_loc, md.seq_lens
+    given = dict(num_actual_tokens=int(qsl[-1]), max_query_len=int((qsl[1:] - qsl[:-1]).max()),
+                 max_seq_len=int(seq.max()), slot_mapping=None, scheduler_metadata=None)
+    given.update(vars(md))
+    return CertifiedCPUAttentionMetadata(**given, kvcert_step=step)
+
+
 @lru_cache(maxsize=1)
 def model_path() -> str:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
