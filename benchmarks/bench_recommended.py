@@ -25,7 +25,7 @@ Cells (each at torch.set_num_threads(1) and (2)):
 
    - ``paper_op``: today's trace certificate, ``kvcert.dispatch.hajek_attention(q, K, V, log_pi=...,
      per_coordinate=False, value_center=mu, value_sqdist=r2, validate=False, backend="fast")``: on CPU
-     the compiled op (``kvcert.kernels.cpu``; the script checks ``kvcert.dispatch.last_route()``);
+     the compiled op (``kvcert.kernels.cpu``; the script checks the estimate's ``route``);
    - ``paper_torch``: the same call with ``KVCERT_CPU_OP=0`` (set outside the timer): ``kvcert.fast``;
    - ``rec``: the recommended decode, ``kvcert.fast.sketch_hajek_attention(q, K, V, None, sketch,
      log_pi=..., value_center=mu, value_sqdist=r2, validate=False, trace=False)`` and
@@ -217,10 +217,10 @@ def check_decode(c: dict, fns: dict) -> str | None:
     the route variants are dropped from ``fns`` (the error returned) when ``kvcert.dispatch.decode`` fails."""
     with cpu_op(True):
         a = fns["paper_op"][0]()
-        assert D.last_route() == "cpu_op", f"paper_op ran {D.last_route()!r}, not the compiled op"
+        assert a.route == "cpu_op", f"paper_op ran {a.route!r}, not the compiled op"
     with cpu_op(False):
         b = fns["paper_torch"][0]()
-        assert D.last_route() == "torch", f"paper_torch ran {D.last_route()!r}"
+        assert b.route == "torch", f"paper_torch ran {b.route!r}"
     ce = F.sketch_hajek_attention(c["q"], c["K"], c["V"], None, c["sketch"], log_pi=c["log_pi"], trace=False)
     for name, x in (("paper_torch", b.output), ("rec", ce.output)):
         err = float((x - a.output).abs().max())

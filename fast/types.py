@@ -33,6 +33,11 @@ class Estimate:
     tail_moment : (...,) float32 s2 = sum_i (1 - pi_i)^3 a_i^4 ||v_i - o_hat||^4, the HT
                estimate of the design variance of the trace itself, or None (only on request:
                ``return_tail_moment=True``; the chebyshev_ucb certificate uses it)
+    backend  : str or None, the backend that computed the estimate ("reference", "fast" or
+               "triton"), set by ``kvcert.dispatch`` (None from a backend called directly)
+    route    : str or None, the code of that backend that ran: "reference", "torch"
+               (kvcert.fast), "cpu_op" (the compiled CPU op) or "triton"; set by
+               ``kvcert.dispatch`` (``kvcert.dispatch.Route``), None from a direct call
 
     Empty sample (every slot padding): output 0, lse -inf, variance, trace
     and tail_moment +inf (the reference's convention).
@@ -47,6 +52,8 @@ class Estimate:
     max_term: torch.Tensor | None = None
     covariance: torch.Tensor | None = None
     tail_moment: torch.Tensor | None = None
+    backend: str | None = None
+    route: str | None = None
 
 
 @dataclass

@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 _LAZY = {
     # backend dispatch (Triton on CUDA, kvcert.fast otherwise)
     "hajek_attention": "kvcert.dispatch",
-    "last_backend": "kvcert.dispatch",
+    "last_backend": "kvcert.dispatch",  # deprecated: the result's ``backend`` field (Estimate.backend)
     "select_backend": "kvcert.dispatch",
     "BackendUnavailableError": "kvcert.dispatch",
     # batched torch building blocks

@@ -190,7 +190,7 @@ class Session:
         self.recorder: Recorder | None = self._new_recorder()
         self._real: dict[int, torch.Tensor | None] = {}  # q_len -> the new tokens' real mask of this forward
         self._norms: list[torch.Tensor] = []  # this forward's decode output norms (the NaN check)
-        self._backend: str | None = None
+        self._backend: dispatch.Route | None = None  # the token route resolved for the forward
         #: the press's decode event, None where it has none that does anything (``compresses_at_decode``):
         #: resolved here, so a press's own decode_event is the one it has when its context opens
         self._decode_event = press.decode_event if getattr(press, "compresses_at_decode", True) else None

@@ -1,4 +1,4 @@
-"""Backend dispatch for the Hajek attention estimator.
+"""Every route into the Hajek estimators: which code computes a decode step, and the call.
 
 ``kvcert.hajek_attention`` runs one of three backends with one signature:
 
@@ -22,25 +22,37 @@
   the float64 NumPy oracle :func:`kvcert.reference.hajek_attention` and packs
   a torch :class:`~kvcert.fast.types.Estimate`. Slow; for debugging.
 
+The code a call ran is a :class:`Route` (a backend and its code: :data:`CPU_OP`,
+:data:`TORCH`, :data:`TRITON`, :data:`REFERENCE`), chosen by one table, :data:`ROUTER`:
+(design, cache layout, device) -> the codes that may compute the step, in order of
+preference, the first that fits the call running. Every result says which ran: the
+estimate's ``backend`` and ``route`` fields (:class:`kvcert.fast.types.Estimate`; for
+:func:`sketch_hajek_attention`, ``result.estimate``); no module state records it (the
+deprecated :func:`last_backend` / :func:`last_route` read a ContextVar kept for them alone).
+
 The decode of one cache layer under a press has one entry, :func:`decode`: it picks the
-route from what the layer holds (:func:`decode_route`; ``"token"``, ``"block"`` or
+design's route from what the layer holds (:func:`decode_route`; ``"token"``, ``"block"`` or
 ``"sketch"``, docs/design.md sections 5, 7 and 8) and runs it without host reads (the
 values were checked when the eviction event installed them), so that a decode forward
-reads the device once, for the caller's NaN check.
+reads the device once, for the caller's NaN check. The token route's code is resolved once
+per forward, at its first layer: :attr:`LayerDecode.backend`, a :class:`Route`, handed back
+to :func:`decode` for the forward's other layers.
 
 The environment variable ``KVCERT_BACKEND`` (``reference``, ``fast`` or
 ``triton``; empty or ``auto`` for automatic) or the ``backend=`` argument
-forces one. :func:`last_backend` tells which backend ran last,
-:func:`last_route` which code (``"cpu_op"`` or ``"torch"`` for "fast"), and
-:func:`select_backend` which backend would run.
+forces one; :func:`select_backend` says which backend would run.
+:func:`last_backend` and :func:`last_route` are deprecated (read the result's fields).
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import importlib
 import importlib.util
 import math
 import os
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -51,12 +63,18 @@ from kvcert.fast.types import Estimate
 
 __all__ = [
     "BACKENDS",
+    "CPU_OP",
     "CPU_OP_ENV_VAR",
     "ENV_VAR",
     "DECODE_ROUTES",
+    "REFERENCE",
+    "ROUTER",
+    "TORCH",
+    "TRITON",
     "BackendUnavailableError",
     "DecodeRecord",
     "LayerDecode",
+    "Route",
     "sketch_hajek_attention",
     "cpu_op_available",
     "decode",
@@ -85,18 +103,11 @@ _FAST_ONLY = ("bias", "positions", "query_positions", "offset", "return_weights"
 
 #: environment variable: 0 (false/no/off) keeps the "fast" backend on kvcert.fast for CPU tensors
 CPU_OP_ENV_VAR = "KVCERT_CPU_OP"
-#: options of a "fast" call the compiled CPU op honours (value_sqdist, chunk_bytes and
-#: query_chunk_bytes are accepted and have no effect: the op computes the distances in its pass)
+#: options of a "fast" call the compiled CPU op honours or ignores (value_sqdist, chunk_bytes and
+#: query_chunk_bytes have no effect: the op computes the distances in its pass; the Triton tuning
+#: arguments are dropped for every other backend)
 _CPU_OP_KW = frozenset({"value_center", "value_sqdist", "validate", "chunk_bytes", "query_chunk_bytes"})
 _CPU_OP_DTYPES = (torch.float32, torch.bfloat16)
-
-_last: str | None = None
-_last_route: str | None = None
-_cpu_module: dict = {}  # "module": kvcert.kernels.cpu once imported, "error": why it could not be
-#: the token route's backend as resolved for a forward (:attr:`LayerDecode.backend`) when it is "fast" and its
-#: trace-only calls fit the compiled CPU op (checked once: the op is available, KVCERT_CPU_OP not 0, no
-#: option the op lacks); a one-query step then calls the op's ``hajek_attention(..., validate=False)`` directly
-_FAST_ON_CPU_OP = "fast+cpu_op"
 #: the keywords of a resolved token call :func:`hajek_attention` passes to the op's per-step call
 #: (besides q, K, V, log_pi and the scale; value_sqdist is not read: the op computes the distances in its pass)
 _STEP_KW = frozenset({"value_center", "value_sqdist", "validate"})
@@ -109,31 +120,126 @@ class BackendUnavailableError(RuntimeError):
     """A forced backend cannot run on these tensors in this environment."""
 
 
+# ---------------------------------------------------------------------------------------------
+# routes: the code that computes a call, and the table that chooses it
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Route:
+    """The code that computes a decode step.
+
+    Attributes
+    ----------
+    backend : str
+        The backend (:data:`BACKENDS`): ``"reference"``, ``"fast"`` or ``"triton"``.
+    code : str
+        What ran it: ``"reference"`` (the float64 oracle), ``"torch"`` (kvcert.fast), ``"cpu_op"``
+        (the compiled CPU op, :mod:`kvcert.kernels.cpu`, a code of the "fast" backend) or ``"triton"``.
+
+    A result carries the two as its estimate's ``backend`` and ``route`` fields. Handed back to
+    :func:`decode` (or as ``backend=`` to :func:`hajek_attention` / :func:`sketch_hajek_attention`),
+    a route is a forward's resolution: :data:`CPU_OP` calls the op's per-step form (no argument
+    checks) where the layer's tensors fit it; any other route stands for its backend, the code
+    chosen per call.
+    """
+
+    backend: str
+    code: str
+
+
+#: the compiled CPU op of the "fast" backend (:mod:`kvcert.kernels.cpu`)
+CPU_OP = Route("fast", "cpu_op")
+#: kvcert.fast, batched PyTorch on any device
+TORCH = Route("fast", "torch")
+#: the Triton kernel (:mod:`kvcert.kernels`)
+TRITON = Route("triton", "triton")
+#: the float64 NumPy oracle, slice by slice
+REFERENCE = Route("reference", "reference")
+#: a forced backend other than "fast" runs its one code, without a fit test (a kernel that cannot run says why)
+_FORCED = {"reference": REFERENCE, "triton": TRITON}
+
+#: The router: (design, cache layout, device type) -> the codes that may compute the design's decode step,
+#: in order of preference; the first that fits the call runs (the op: a trace-only call on CPU tensors in
+#: float32 / bfloat16 with no option it lacks; Triton: a decode query in a kernel dtype, no kvcert.fast-only
+#: option, Triton installed), :data:`TORCH` always fits. A device not listed runs :data:`TORCH`. The paged
+#: layout (a block table) is the vLLM plugin's (:mod:`kvcert.vllm.backend`); a forced backend keeps its codes.
+ROUTER = {
+    ("token", "dense", "cpu"): (CPU_OP, TORCH),
+    ("token", "dense", "cuda"): (TRITON, TORCH),
+    ("block", "dense", "cpu"): (TORCH,),
+    ("block", "dense", "cuda"): (TORCH,),
+    ("sketch", "dense", "cpu"): (CPU_OP, TORCH),
+    ("sketch", "dense", "cuda"): (TORCH,),
+}
+
+
+def _route(design: str, q: torch.Tensor, fits, backend: str | None = None) -> Route:
+    """The first of :data:`ROUTER`'s codes for ``design`` on a dense cache on ``q``'s device that ``fits(route)``
+    (of ``backend``'s codes only, when it is given)."""
+    for route in ROUTER.get((design, "dense", q.device.type), (TORCH,)):
+        if (backend is None or route.backend == backend) and (route == TORCH or fits(route)):
+            return route
+    return TORCH
+
+
+def _mark(est: Estimate, route: Route) -> Estimate:
+    """``est`` with the route that computed it: its ``backend`` and ``route`` fields (set on the estimate the
+    code just returned, no copy)."""
+    est.backend, est.route = route.backend, route.code
+    return est
+
+
+def _ran(est: Estimate, route: Route) -> Estimate:
+    """:func:`_mark`, for an entry point's result: also noted for the deprecated :func:`last_backend` /
+    :func:`last_route`."""
+    _LAST.set(route)
+    return _mark(est, route)
+
+
+# ---------------------------------------------------------------------------------------------
+# deprecated: the route of the last call
+# ---------------------------------------------------------------------------------------------
+#: for the deprecated :func:`last_backend` and :func:`last_route` only: the route of the last
+#: :func:`hajek_attention` or :func:`sketch_hajek_attention` call of the calling context (a ContextVar: each
+#: thread, and each asyncio task, reads its own calls'). Results carry their route; this is kept only for the
+#: callers of the deprecated functions.
+_LAST: contextvars.ContextVar[Route | None] = contextvars.ContextVar("kvcert_dispatch_last_route", default=None)
+
+
 def last_backend() -> str | None:
-    """Name of the backend that ran the last :func:`hajek_attention` call (None before any)."""
-    return _last
+    """Deprecated: the backend of this thread's last :func:`hajek_attention` or :func:`sketch_hajek_attention`
+    call (None before any). Read the result's ``backend`` field instead (``estimate.backend``;
+    ``result.estimate.backend`` for a sketch call)."""
+    warnings.warn("kvcert.dispatch.last_backend() is deprecated: read the result's `backend` field "
+                  "(Estimate.backend; ClusterEstimate.estimate.backend for sketch_hajek_attention)",
+                  DeprecationWarning, stacklevel=2)
+    route = _LAST.get()
+    return None if route is None else route.backend
 
 
 def last_route() -> str | None:
-    """The code that ran the last :func:`hajek_attention` call or sketch-route :func:`decode`: ``"cpu_op"``
-    (the compiled CPU op of the "fast" backend), ``"torch"`` (kvcert.fast), ``"triton"`` or ``"reference"``;
-    None before any call."""
-    return _last_route
+    """Deprecated: the code that ran this thread's last :func:`hajek_attention` or :func:`sketch_hajek_attention`
+    call, ``"cpu_op"``, ``"torch"``, ``"triton"`` or ``"reference"`` (None before any). Read the result's
+    ``route`` field instead (``estimate.route``; ``result.estimate.route`` for a sketch call)."""
+    warnings.warn("kvcert.dispatch.last_route() is deprecated: read the result's `route` field "
+                  "(Estimate.route; ClusterEstimate.estimate.route for sketch_hajek_attention)",
+                  DeprecationWarning, stacklevel=2)
+    route = _LAST.get()
+    return None if route is None else route.code
 
 
+# ---------------------------------------------------------------------------------------------
+# what each code computes
+# ---------------------------------------------------------------------------------------------
+@functools.cache
 def _cpu_op_module():
     """kvcert.kernels.cpu, or None (with one warning naming the cause) when it cannot be imported."""
-    if "module" not in _cpu_module and "error" not in _cpu_module:
-        try:
-            _cpu_module["module"] = importlib.import_module("kvcert.kernels.cpu")
-        except ImportError as e:  # kvcert.kernels imports Triton
-            _cpu_module["error"] = e
-            import warnings
-
-            warnings.warn(f"kvcert: the compiled CPU decode op is unavailable: kvcert.kernels could not be imported "
-                          f"({e}); decoding uses the torch path (kvcert.fast). Set {CPU_OP_ENV_VAR}=0 to choose "
-                          "the torch path explicitly.", RuntimeWarning, stacklevel=4)
-    return _cpu_module.get("module")
+    try:
+        return importlib.import_module("kvcert.kernels.cpu")
+    except ImportError as e:  # kvcert.kernels imports Triton
+        warnings.warn(f"kvcert: the compiled CPU decode op is unavailable: kvcert.kernels could not be imported "
+                      f"({e}); decoding uses the torch path (kvcert.fast). Set {CPU_OP_ENV_VAR}=0 to choose "
+                      "the torch path explicitly.", RuntimeWarning, stacklevel=5)
+        return None
 
 
 def cpu_op_available() -> bool:
@@ -152,7 +258,7 @@ def _cpu_op_fits(q, keys, values, kw: dict) -> bool:
         return False
     if not _op_tensors(q, keys, values):
         return False
-    if any(k not in _CPU_OP_KW for k, v in kw.items() if v is not None and v is not False):
+    if any(k not in _CPU_OP_KW and k not in _TRITON_ONLY for k, v in kw.items() if v is not None and v is not False):
         return False
     return cpu_op_available()
 
@@ -164,7 +270,7 @@ def _op_tensors(q, keys, values) -> bool:
 
 
 def _step_fits(q, keys, values, kw: dict) -> bool:
-    """The per-layer checks of a resolved ``"fast+cpu_op"`` call (the rest was checked once per forward): no value
+    """The per-layer checks of a resolved :data:`CPU_OP` call (the rest was checked once per forward): no value
     checks asked for (``validate=False``), and this layer's tensors fit the op (:func:`_op_tensors`)."""
     return kw.get("validate") is False and _op_tensors(q, keys, values)
 
@@ -204,6 +310,12 @@ def _kernel_fits(q: torch.Tensor) -> bool:
     return q.dim() == 3 or (q.dim() == 4 and q.shape[2] == 1)
 
 
+def _triton_fits(q: torch.Tensor, kw: dict) -> bool:
+    """Whether the Triton kernel computes this automatic call: a CUDA decode query (b, h_q, d) or (b, h_q, 1, d)
+    in float16 / bfloat16 / float32, no kvcert.fast-only option, Triton installed."""
+    return q.is_cuda and q.dtype in _TRITON_DTYPES and _kernel_fits(q) and not _fast_only(kw) and triton_available()
+
+
 def select_backend(q: torch.Tensor | None = None, *, backend: str | None = None, **kw) -> str:
     """Name of the backend :func:`hajek_attention` would run for query ``q``.
 
@@ -226,15 +338,29 @@ def select_backend(q: torch.Tensor | None = None, *, backend: str | None = None,
         ``backend`` if given, else ``KVCERT_BACKEND`` if set, else
         ``"triton"`` for a decode query (b, h_q, d) or (b, h_q, 1, d) on CUDA
         of dtype float16/bfloat16/float32 when Triton is installed and no
-        fast-only option is set, else ``"fast"``.
+        fast-only option is set, else ``"fast"`` (:data:`ROUTER`'s token row).
     """
     forced = _forced(backend)
     if forced is not None:
         return forced
-    if (isinstance(q, torch.Tensor) and q.is_cuda and q.dtype in _TRITON_DTYPES and _kernel_fits(q)
-            and not _fast_only(kw) and triton_available()):
-        return "triton"
-    return "fast"
+    if not isinstance(q, torch.Tensor):
+        return "fast"
+    return _route("token", q, lambda route: route == TRITON and _triton_fits(q, kw)).backend
+
+
+def _token_route(q, keys, values, per_coordinate, kw: dict, backend: str | None) -> Route:
+    """The code :func:`hajek_attention` runs for this call (:data:`ROUTER`'s token row; ``backend``, or
+    ``KVCERT_BACKEND``, forces a backend)."""
+    forced = _forced(backend)
+    if forced in _FORCED:
+        return _FORCED[forced]
+
+    def fits(route: Route) -> bool:
+        if route == CPU_OP:
+            return not per_coordinate and _cpu_op_fits(q, keys, values, kw)
+        return route == TRITON and _triton_fits(q, kw)
+
+    return _route("token", q, fits, forced)
 
 
 def _check_triton_runnable(q: torch.Tensor) -> None:
@@ -277,39 +403,36 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
     per_coordinate : bool
         If False the fast and Triton backends may return ``variance=None``
         and compute only ``trace``.
-    backend : {"reference", "fast", "triton"}, optional
+    backend : {"reference", "fast", "triton"} or Route, optional
         Force a backend; default ``KVCERT_BACKEND`` or the automatic choice
         of :func:`select_backend`. On CPU tensors "fast" runs the compiled op
         (:mod:`kvcert.kernels.cpu`) for a trace-only call it covers (module
-        docstring; ``KVCERT_CPU_OP=0`` keeps kvcert.fast), see :func:`last_route`.
-        ``"fast+cpu_op"``: :func:`decode`'s token route resolved for a forward
-        ("fast" on the compiled op, its availability checked once); a call
-        with ``log_pi``, ``per_coordinate=False``, ``validate=False`` and at
-        most ``value_center`` / ``value_sqdist`` besides then calls
-        :func:`kvcert.kernels.cpu.hajek_attention` with ``validate=False``
-        directly (the op's per-step call, without the argument checks a cache
-        layer's tensors do not need per step); any other call runs as "fast".
+        docstring; ``KVCERT_CPU_OP=0`` keeps kvcert.fast). A :class:`Route`:
+        :func:`decode`'s resolution for a forward. :data:`CPU_OP` with ``log_pi``,
+        ``per_coordinate=False``, ``validate=False`` and at most ``value_center`` /
+        ``value_sqdist`` besides calls :func:`kvcert.kernels.cpu.hajek_attention`
+        with ``validate=False`` directly (the op's per-step call); any other call,
+        or route, runs as its backend.
     **kw
         Passed to the backend. The Triton tuning arguments (``block_n``,
         ``num_splits``, ``num_warps``, ``num_stages``, ``certify``,
         ``moments``) are dropped when another backend runs. ``validate=False``
         (fast and triton) skips the checks that read tensor values, the only
         host synchronisations of a call; the reference always checks. The kvcert.fast
-        options the kernel lacks (``return_max_term``, ``bias``,
-        ``positions``, ...; see :func:`select_backend`) route an automatic
-        call to "fast": e.g. ``return_max_term=True`` for the ``bernstein``
-        certificate, whose max_term the one-pass kernel cannot compute.
-        ``return_tail_moment=True`` (for the ``chebyshev_ucb`` certificate)
-        is implemented by every backend (the kernel runs an epilogue pass)
-        and does not change the choice.
+        options the kernel lacks (``return_max_term``, ``bias``, ``positions``, ...;
+        see :func:`select_backend`) route an automatic call to "fast" (the
+        ``bernstein`` certificate's max_term). ``return_tail_moment=True`` (for the
+        ``chebyshev_ucb`` certificate) is implemented by every backend and does not
+        change the choice.
 
     Returns
     -------
     kvcert.fast.types.Estimate
-        Leading dimensions (b, h_q) or (b, h_q, t). See the backends for
-        which optional fields they fill (the Triton kernel leaves
-        ``weights`` and ``max_term`` as None; ``tail_moment`` is filled on
-        ``return_tail_moment=True`` by fast and triton, always by reference).
+        Leading dimensions (b, h_q) or (b, h_q, t); ``backend`` and ``route`` name the
+        code that ran (:class:`Route`). See the backends for which optional fields they
+        fill (the Triton kernel leaves ``weights`` and ``max_term`` as None;
+        ``tail_moment`` is filled on ``return_tail_moment=True`` by fast and triton,
+        always by reference).
 
     Raises
     ------
@@ -329,53 +452,62 @@ def hajek_attention(q, keys, values, pi=None, *, log_pi=None, scale=None, per_co
     Examples
     --------
     >>> import torch
-    >>> from kvcert.dispatch import hajek_attention, last_backend
+    >>> from kvcert.dispatch import hajek_attention
     >>> q, k, v = torch.randn(1, 2, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8)
     >>> est = hajek_attention(q, k, v, torch.ones(1, 1, 5), backend="reference")
-    >>> last_backend(), float(est.trace.abs().max())
-    ('reference', 0.0)
+    >>> est.backend, est.route, float(est.trace.abs().max())
+    ('reference', 'reference', 0.0)
     """
-    global _last, _last_route
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-    if backend == _FAST_ON_CPU_OP:  # a forward's resolved token route (decode)
-        if pi is None and not per_coordinate and kw.keys() <= _STEP_KW and _step_fits(q, keys, values, kw):
-            est = _cpu_module["module"].hajek_attention(q, keys, values, log_pi=log_pi, scale=_step_scale(scale, q),
-                                                        value_center=kw.get("value_center"), **_STEP_CALL)
-            _last, _last_route = "fast", "cpu_op"
-            return est
-        backend = "fast"
-    name = select_backend(q, backend=backend, **kw)
-    out, route = _run(name, q, keys, values, pi, log_pi, scale, per_coordinate, kw)
-    _last, _last_route = name, route
-    return out
+    if isinstance(backend, Route):  # a forward's resolved token route (decode)
+        if (backend == CPU_OP and pi is None and not per_coordinate and kw.keys() <= _STEP_KW
+                and _step_fits(q, keys, values, kw)):
+            est = _cpu_op_module().hajek_attention(q, keys, values, log_pi=log_pi, scale=_step_scale(scale, q),
+                                                   value_center=kw.get("value_center"), **_STEP_CALL)
+            return _ran(est, CPU_OP)
+        backend = backend.backend
+    route = _token_route(q, keys, values, per_coordinate, kw, backend)
+    return _ran(_RUN["token", route](q, keys, values, pi, log_pi, scale, per_coordinate, kw), route)
 
 
-def _run(name: str, q, keys, values, pi, log_pi, scale, per_coordinate, kw: dict) -> tuple[Estimate, str]:
-    """Run backend ``name``; returns the estimate and the route (see :func:`last_route`)."""
-    if name == "triton":
-        _check_triton_runnable(q)
-        unsupported = _fast_only(kw)
-        if unsupported:
-            raise TypeError(f"backend 'triton' does not support {', '.join(unsupported)} "
-                            "(use backend='fast', or leave the backend automatic)")
-        from kvcert import kernels
+def _untuned(kw: dict) -> dict:
+    """``kw`` without the Triton tuning arguments (the backends other than Triton do not take them)."""
+    return {k: v for k, v in kw.items() if k not in _TRITON_ONLY}
 
-        return kernels.hajek_attention(q, keys, values, pi, log_pi=log_pi, scale=scale,
-                                       per_coordinate=per_coordinate, **kw), "triton"
-    kw = {k: v for k, v in kw.items() if k not in _TRITON_ONLY}
-    if name == "reference":
-        return _reference(q, keys, values, pi, log_pi=log_pi, scale=scale, per_coordinate=per_coordinate,
-                          **kw), "reference"
-    if not per_coordinate and _cpu_op_fits(q, keys, values, kw):
-        op = _cpu_module["module"].hajek_attention
-        return op(q, keys, values, pi, log_pi=log_pi, scale=scale, per_coordinate=per_coordinate,
-                  value_center=kw.get("value_center"), validate=kw.get("validate", True)), "cpu_op"
-    fast = importlib.import_module("kvcert.fast")
-    fn = getattr(fast, "hajek_attention", None)
+
+def _token_triton(q, keys, values, pi, log_pi, scale, per_coordinate, kw: dict) -> Estimate:
+    """:func:`kvcert.kernels.hajek_attention`, after the checks that say why it cannot run."""
+    _check_triton_runnable(q)
+    unsupported = _fast_only(kw)
+    if unsupported:
+        raise TypeError(f"backend 'triton' does not support {', '.join(unsupported)} "
+                        "(use backend='fast', or leave the backend automatic)")
+    from kvcert import kernels
+
+    return kernels.hajek_attention(q, keys, values, pi, log_pi=log_pi, scale=scale, per_coordinate=per_coordinate,
+                                   **kw)
+
+
+def _token_reference(q, keys, values, pi, log_pi, scale, per_coordinate, kw: dict) -> Estimate:
+    """:func:`_reference`: the float64 oracle slice by slice."""
+    return _reference(q, keys, values, pi, log_pi=log_pi, scale=scale, per_coordinate=per_coordinate,
+                      **_untuned(kw))
+
+
+def _token_cpu_op(q, keys, values, pi, log_pi, scale, per_coordinate, kw: dict) -> Estimate:
+    """:func:`kvcert.kernels.cpu.hajek_attention` (its checks as ``validate`` asks)."""
+    return _cpu_op_module().hajek_attention(q, keys, values, pi, log_pi=log_pi, scale=scale,
+                                            per_coordinate=per_coordinate, value_center=kw.get("value_center"),
+                                            validate=kw.get("validate", True))
+
+
+def _token_torch(q, keys, values, pi, log_pi, scale, per_coordinate, kw: dict) -> Estimate:
+    """:func:`kvcert.fast.hajek_attention`."""
+    fn = getattr(importlib.import_module("kvcert.fast"), "hajek_attention", None)
     if fn is None:
         raise BackendUnavailableError("kvcert.fast.hajek_attention is not available yet (use backend='reference')")
-    return fn(q, keys, values, pi, log_pi=log_pi, scale=scale, per_coordinate=per_coordinate, **kw), "torch"
+    return fn(q, keys, values, pi, log_pi=log_pi, scale=scale, per_coordinate=per_coordinate, **_untuned(kw))
 
 
 _REFERENCE_KW = frozenset(_FAST_ONLY) | {"validate"}
@@ -461,6 +593,70 @@ def _reference(q, keys, values, pi=None, *, log_pi=None, scale=None, per_coordin
     )
 
 
+def sketch_hajek_attention(q, keys, values, pi=None, sketch=None, *, trace: bool = True, record: str | None = None,
+                            backend=None, **kw):
+    r"""The cluster (sketched) design's decode step, :func:`kvcert.fast.sketch_hajek_attention`, on the code
+    that runs it here (:data:`ROUTER`'s sketch row): with ``trace=False`` (the certificate reads
+    :math:`V_{\mathrm{cl}}` only) on CPU tensors with K and V in float32 or bfloat16, the compiled op
+    (:func:`kvcert.kernels.cpu.sketch_hajek_attention`: the same estimate from one C++ pass over K and V and the
+    sketch's epilogue in the same call); else kvcert.fast. ``KVCERT_CPU_OP=0`` keeps kvcert.fast. Arguments and
+    result as :func:`kvcert.fast.sketch_hajek_attention` (``result.estimate.backend`` / ``.route`` name the code
+    that ran), and ``record``: with ``trace=False``, a certificate kind whose recorded trace
+    (:func:`kvcert.fast.recorded_trace`) is then ``estimate.trace``. ``backend``: None or ``"fast"`` (the choice
+    above), or a :class:`Route` of the "fast" backend, :func:`decode`'s resolution for a forward: with
+    :data:`CPU_OP`, a one-query call with ``trace=False``, ``record``, ``log_pi``, ``value_center`` and
+    ``validate=False`` calls the op's :func:`kvcert.kernels.cpu.sketch_hajek_attention` with ``validate=False``
+    (its per-step call, without the argument checks a cache layer's tensors do not need per step)."""
+    if record is not None and trace:
+        raise TypeError("record= needs trace=False (estimate.trace then holds the recorded trace)")
+    if not (backend is None or backend == "fast" or (isinstance(backend, Route) and backend.backend == "fast")):
+        raise ValueError(f"backend must be None or 'fast' (kvcert.fast or the compiled CPU op), got {backend!r}")
+    if (backend == CPU_OP and not trace and record is not None and pi is None
+            and kw.get("value_center") is not None and kw.keys() <= _SKETCH_STEP_KW and _step_fits(q, keys, values, kw)):
+        out = _cpu_op_module().sketch_hajek_attention(q, keys, values, None, sketch, log_pi=kw["log_pi"],
+                                                      scale=_step_scale(kw.get("scale"), q),
+                                                      delta=kw.get("delta", 0.05), value_center=kw["value_center"],
+                                                      validate=False, record=record)
+        _ran(out.estimate, CPU_OP)
+        return out
+    route = _route("sketch", q, lambda r: not trace and _cpu_op_fits(q, keys, values, {}))
+    out = _RUN["sketch", route](q, keys, values, pi, sketch, trace, record, kw)
+    _ran(out.estimate, route)
+    return out
+
+
+def _sketch_cpu_op(q, keys, values, pi, sketch, trace: bool, record: str | None, kw: dict):
+    """:func:`kvcert.kernels.cpu.sketch_hajek_attention` (``trace=False``: the op's call)."""
+    return _cpu_op_module().sketch_hajek_attention(q, keys, values, pi, sketch, record=record, **kw)
+
+
+def _sketch_torch(q, keys, values, pi, sketch, trace: bool, record: str | None, kw: dict):
+    """:func:`kvcert.fast.sketch_hajek_attention`, its estimate's trace the recorded one of ``record``."""
+    fast = importlib.import_module("kvcert.fast")
+    out = fast.sketch_hajek_attention(q, keys, values, pi, sketch, trace=trace, **kw)
+    if record is not None:
+        out = replace(out, estimate=replace(out.estimate, trace=fast.recorded_trace(out, record)))
+    return out
+
+
+def _block_torch(q, keys, values, **kw) -> Estimate:
+    """:func:`kvcert.fast.block_hajek_attention` (torch, any device)."""
+    return importlib.import_module("kvcert.fast").block_hajek_attention(q, keys, values, **kw)
+
+
+#: the function that runs each (design, code) :data:`ROUTER` can choose; one signature per design
+#: (token: :func:`hajek_attention`'s call; sketch: :func:`sketch_hajek_attention`'s; block: the torch call)
+_RUN = {
+    ("token", TRITON): _token_triton,
+    ("token", REFERENCE): _token_reference,
+    ("token", CPU_OP): _token_cpu_op,
+    ("token", TORCH): _token_torch,
+    ("sketch", CPU_OP): _sketch_cpu_op,
+    ("sketch", TORCH): _sketch_torch,
+    ("block", TORCH): _block_torch,
+}
+
+
 # ---------------------------------------------------------------------------------------------
 # the decode of one cache layer: one entry, one route per design the layer can hold
 # ---------------------------------------------------------------------------------------------
@@ -490,7 +686,8 @@ class DecodeRecord:
     Attributes
     ----------
     estimate : kvcert.fast.types.Estimate
-        Leading dimensions (b, h_q) for one query, (b, h_q, t) for t consecutive queries.
+        Leading dimensions (b, h_q) for one query, (b, h_q, t) for t consecutive queries; its
+        ``backend`` and ``route`` fields name the code that computed it (:attr:`ran`).
     kept : torch.Tensor, int64
         The slots each query attended over: (b, h_kv), or (b, h_kv, t) for t queries.
     memory : float
@@ -501,6 +698,11 @@ class DecodeRecord:
     kept: torch.Tensor
     memory: float = 0.0
 
+    @property
+    def ran(self) -> Route:
+        """The code that computed :attr:`estimate` (its ``backend`` and ``route`` fields)."""
+        return Route(self.estimate.backend, self.estimate.route)
+
 
 @dataclass(frozen=True)
 class LayerDecode:
@@ -509,25 +711,32 @@ class LayerDecode:
     Attributes
     ----------
     route : str
-        The route that ran (:data:`DECODE_ROUTES`).
+        The design's route that ran (:data:`DECODE_ROUTES`).
     output : torch.Tensor, (b, t, h_q, dv)
         The Hajek estimate of each new token's attention output.
     records : tuple of DecodeRecord
-        The certificate statistics, in query order.
-    backend : str or None
-        The token route's backend for the forward's other layers (the one passed in, or the one
-        resolved here: a backend name, or ``"fast+cpu_op"`` for "fast" on the compiled CPU op, checked
-        available once); None when none was resolved (block and sketch routes, a softcapped call).
+        The certificate statistics, in query order; each estimate names the code that computed it
+        (:attr:`ran`).
+    backend : Route or None
+        The token route's resolution for the forward's other layers (the one passed in, or the one
+        resolved here at the forward's first layer: :data:`CPU_OP` where the compiled CPU op computes
+        its calls, checked available once, else the route of the backend chosen); None when none was
+        resolved (block route, a softcapped call).
     """
 
     route: str
     output: torch.Tensor
     records: tuple
-    backend: str | None = None
+    backend: Route | None = None
+
+    @property
+    def ran(self) -> Route:
+        """The code that computed the layer's estimates (every query of a layer runs on the same)."""
+        return self.records[0].ran
 
 
 def decode(query: torch.Tensor, layer, *, scale: float, options: dict, kind: str | None = None,
-           delta: float = 0.05, softcap: float | None = None, backend: str | None = None) -> LayerDecode:
+           delta: float = 0.05, softcap: float | None = None, backend: Route | str | None = None) -> LayerDecode:
     r"""Hajek attention of the new tokens over one cache layer's held slots, by the layer's route.
 
     .. math::
@@ -577,13 +786,14 @@ def decode(query: torch.Tensor, layer, *, scale: float, options: dict, kind: str
         The certificate level 1 - delta (the sketch route).
     softcap : float, optional
         The model's attention logit softcap c (token route only).
-    backend : str, optional
-        The token route's backend if already resolved for this forward (a previous layer's
-        :attr:`LayerDecode.backend`); None resolves it (:func:`select_backend`).
+    backend : Route or str, optional
+        The token route's resolution for this forward (a previous layer's :attr:`LayerDecode.backend`);
+        None resolves it here (:data:`ROUTER`), a backend name resolves it with that backend forced.
 
     Returns
     -------
     LayerDecode
+        Its ``records``' estimates name the code that ran (``backend``, ``route``; :attr:`LayerDecode.ran`).
 
     Raises
     ------
@@ -595,8 +805,8 @@ def decode(query: torch.Tensor, layer, *, scale: float, options: dict, kind: str
         raise ValueError("kvcert: attention logit softcapping (the model's softcap) is supported on the token "
                          "design only, not with block eviction (BlockPoissonPress) or a sketch "
                          "(PoissonPress(sketch=...))")
-    return _ROUTES[route](query, layer, scale=scale, options=options, kind=kind, delta=delta, softcap=softcap,
-                          backend=backend)
+    return _DECODERS[route, "dense"](query, layer, scale=scale, options=options, kind=kind, delta=delta,
+                                     softcap=softcap, backend=backend)
 
 
 def _softcap_bias(query: torch.Tensor, keys: torch.Tensor, scale: float, cap: float) -> torch.Tensor:
@@ -622,24 +832,24 @@ def _seen(layer, qpos: torch.Tensor) -> torch.Tensor:
     return (layer.valid[:, :, None, :] & (layer.positions[:, :, None, :] <= qpos[:, None, :, None])).sum(-1)
 
 
-def _resolve_backend(query, layer, options: dict) -> str:
-    """The token route's backend for a forward (:attr:`LayerDecode.backend`), resolved at its first layer:
-    :func:`select_backend`'s choice, or ``"fast+cpu_op"`` where that is "fast", the certificate is trace-only
-    and the compiled CPU op computes such calls here (:func:`_cpu_op_fits`: available, not switched off,
-    the layer's tensors on the CPU in float32 or bfloat16, no option the op lacks)."""
-    backend = select_backend(query[:, :, 0], **options)
-    if backend == "fast" and not options.get("per_coordinate") and _cpu_op_fits(query, layer.keys, layer.values,
-                                                                                 options):
-        return _FAST_ON_CPU_OP
-    return backend
+def _resolve(query, layer, options: dict, backend: Route | str | None) -> Route:
+    """The token route's code for a forward (:attr:`LayerDecode.backend`), resolved at its first layer: ``backend``
+    as it is when already a :class:`Route`, else :data:`ROUTER`'s choice for a trace-only call (``backend`` a name:
+    that backend forced) on the layer's tensors: :data:`CPU_OP` where the certificate is trace-only and the
+    compiled CPU op computes such calls here (available, not switched off, the layer's tensors on the CPU in
+    float32 or bfloat16, no option the op lacks)."""
+    if isinstance(backend, Route):
+        return backend
+    return _token_route(query[:, :, 0], layer.keys, layer.values, bool(options.get("per_coordinate")), options,
+                        backend)
 
 
-def _add_moments(kw: dict, query, layer, backend: str | None) -> None:
+def _add_moments(kw: dict, query, layer, backend: Route) -> None:
     """A one-query step's cached value moments into ``kw``: ``value_center`` and ``value_sqdist`` from
     ``layer.value_moments()``, or the centre alone (``value_moments(distances=False)``) where the compiled op's
-    step runs this layer (``backend`` "fast+cpu_op" and its tensors fit, :func:`_op_tensors`): the op computes
+    step runs this layer (``backend`` :data:`CPU_OP` and its tensors fit, :func:`_op_tensors`): the op computes
     the distances in its own pass, so the layer does not bring them up to date."""
-    step = backend == _FAST_ON_CPU_OP and _op_tensors(query, layer.keys, layer.values)
+    step = backend == CPU_OP and _op_tensors(query, layer.keys, layer.values)
     kw["value_center"], r2 = layer.value_moments(distances=not step)
     if r2 is not None:
         kw["value_sqdist"] = r2
@@ -647,16 +857,15 @@ def _add_moments(kw: dict, query, layer, backend: str | None) -> None:
 
 def _decode_token(query, layer, *, scale, options, kind, delta, softcap, backend) -> LayerDecode:
     """The token route of :func:`decode`: :func:`hajek_attention` over the held slots."""
-    if softcap is not None:
+    if softcap is not None:  # the bias is a kvcert.fast option: no resolution for the forward
         bias = _softcap_bias(query, layer.keys, scale, float(softcap))
         chosen = select_backend(query[:, :, 0], bias=bias, **options)
         kw = dict(options, log_pi=layer.log_weights, scale=scale, validate=False, backend=chosen, bias=bias)
         moments = False
     else:
-        if backend is None:
-            backend = _resolve_backend(query, layer, options)
+        backend = _resolve(query, layer, options, backend)
         kw = dict(options, log_pi=layer.log_weights, scale=scale, validate=False, backend=backend)
-        moments = backend in ("fast", _FAST_ON_CPU_OP) and not options.get("per_coordinate")
+        moments = backend.backend == "fast" and not options.get("per_coordinate")
     q_len = query.shape[2]
     if q_len == 1:
         if moments:
@@ -669,56 +878,18 @@ def _decode_token(query, layer, *, scale, options, kind, delta, softcap, backend
 
 
 def _decode_block(query, layer, *, scale, options, kind, delta, softcap, backend) -> LayerDecode:
-    """The block route of :func:`decode`: :func:`kvcert.fast.block_hajek_attention` (torch, any device)."""
-    fast = importlib.import_module("kvcert.fast")
+    """The block route of :func:`decode`: :data:`ROUTER`'s block row (:func:`kvcert.fast.block_hajek_attention`)."""
+    route = _route("block", query, lambda r: False)
+    run = _RUN["block", route]
     kw = dict(options, log_pi=layer.log_weights, block_size=layer.block_size, positions=layer.positions,
               scale=scale, validate=False)
     q_len = query.shape[2]
     if q_len == 1:
-        est = fast.block_hajek_attention(query[:, :, 0], layer.keys, layer.values, **kw)
+        est = _mark(run(query[:, :, 0], layer.keys, layer.values, **kw), route)
         return LayerDecode("block", est.output[:, None], (DecodeRecord(est, layer.kept),), backend)
     qpos = _chunk_positions(layer, q_len)
-    est = fast.block_hajek_attention(query, layer.keys, layer.values, query_positions=qpos, **kw)
+    est = _mark(run(query, layer.keys, layer.values, query_positions=qpos, **kw), route)
     return LayerDecode("block", est.output.transpose(1, 2), (DecodeRecord(est, _seen(layer, qpos)),), backend)
-
-
-def sketch_hajek_attention(q, keys, values, pi=None, sketch=None, *, trace: bool = True, record: str | None = None,
-                            backend: str | None = None, **kw):
-    r"""The cluster (sketched) design's decode step, :func:`kvcert.fast.sketch_hajek_attention`, on the code
-    that runs it here: with ``trace=False`` (the certificate reads :math:`V_{\mathrm{cl}}` only) on CPU tensors
-    with K and V in float32 or bfloat16, the compiled op (:func:`kvcert.kernels.cpu.sketch_hajek_attention`:
-    the same estimate from one C++ pass over K and V and the sketch's epilogue in the same call); else
-    kvcert.fast. ``KVCERT_CPU_OP=0`` keeps kvcert.fast; :func:`last_route` says which ran. Arguments and
-    result as :func:`kvcert.fast.sketch_hajek_attention`, and ``record``: with ``trace=False``, a certificate
-    kind whose recorded trace (:func:`kvcert.fast.recorded_trace`) is then ``estimate.trace``. ``backend``: None or
-    ``"fast"`` (the choice above), or ``"fast+cpu_op"``, :func:`decode`'s route resolved for a forward: a one-query
-    call with ``trace=False``, ``record``, ``log_pi``, ``value_center`` and ``validate=False`` then calls
-    the op's :func:`kvcert.kernels.cpu.sketch_hajek_attention` with ``validate=False`` (its per-step call, without
-    the argument checks a cache layer's tensors do not need per step)."""
-    global _last_route
-    if record is not None and trace:
-        raise TypeError("record= needs trace=False (estimate.trace then holds the recorded trace)")
-    if backend not in (None, "fast", _FAST_ON_CPU_OP):
-        raise ValueError(f"backend must be None or 'fast' (kvcert.fast or the compiled CPU op), got {backend!r}")
-    if (backend == _FAST_ON_CPU_OP and not trace and record is not None and pi is None
-            and kw.get("value_center") is not None and kw.keys() <= _SKETCH_STEP_KW and _step_fits(q, keys, values, kw)):
-        out = _cpu_module["module"].sketch_hajek_attention(q, keys, values, None, sketch, log_pi=kw["log_pi"],
-                                                           scale=_step_scale(kw.get("scale"), q),
-                                                           delta=kw.get("delta", 0.05),
-                                                           value_center=kw["value_center"], validate=False,
-                                                           record=record)
-        _last_route = "cpu_op"
-        return out
-    if not trace and _cpu_op_fits(q, keys, values, {}):
-        out = _cpu_module["module"].sketch_hajek_attention(q, keys, values, pi, sketch, record=record, **kw)
-        _last_route = "cpu_op"
-        return out
-    fast = importlib.import_module("kvcert.fast")
-    out = fast.sketch_hajek_attention(q, keys, values, pi, sketch, trace=trace, **kw)
-    if record is not None:
-        out = replace(out, estimate=replace(out.estimate, trace=fast.recorded_trace(out, record)))
-    _last_route = "torch"
-    return out
 
 
 def _decode_sketch(query, layer, *, scale, options, kind, delta, softcap, backend) -> LayerDecode:
@@ -728,12 +899,11 @@ def _decode_sketch(query, layer, *, scale, options, kind, delta, softcap, backen
     if kind is None:
         raise ValueError("the sketch route records V_cl clipped for a certificate kind: give kind=")
     q_len = query.shape[2]
-    if backend is None:
-        backend = _resolve_backend(query, layer, options)
+    backend = _resolve(query, layer, options, backend)
     # V = max(V_cl, HT trace) is the certificate's variance; the recorded trace is V clipped at (H / c)^2, so that the
     # recorded radius c sqrt(trace) is min(c sqrt(V), H) (kvcert.fast.recorded_trace)
     kw = dict(scale=scale, delta=delta, validate=False, trace=False, record=kind,
-              backend=_FAST_ON_CPU_OP if backend == _FAST_ON_CPU_OP else None)  # the sketch's code: op or fast
+              backend=CPU_OP if backend == CPU_OP else None)  # the sketch's code: the op's step, or its own choice
     held = layer.sketch.tokens  # its memory in kept-token units, as the press sized the budget
     if q_len == 1:  # a decode step: the held slots (log pi > -inf), the cached value moments
         _add_moments(kw, query, layer, backend)
@@ -751,4 +921,7 @@ def _decode_sketch(query, layer, *, scale, options, kind, delta, softcap, backen
     return LayerDecode("sketch", torch.stack(outs, dim=1), tuple(records), backend)
 
 
-_ROUTES = {"token": _decode_token, "block": _decode_block, "sketch": _decode_sketch}
+#: :func:`decode`'s route for each (design, cache layout): the dense cache of a Hugging Face model
+#: (:class:`kvcert.cache.KVCertLayer`); the code each runs is :data:`ROUTER`'s
+_DECODERS = {("token", "dense"): _decode_token, ("block", "dense"): _decode_block,
+             ("sketch", "dense"): _decode_sketch}

@@ -112,11 +112,11 @@ def test_value_distances_are_brought_up_to_date_only_when_asked_for(monkeypatch)
     q = torch.randn(2, 6, 1, 4, generator=g)
     kw = dict(scale=0.5, options={"per_coordinate": False}, kind="chebyshev")
     dec = D.decode(q, layer, **kw)
-    if dec.backend == "fast+cpu_op":  # the op's step (where the op is built): the centre alone
+    if dec.backend == D.CPU_OP:  # the op's step (where the op is built): the centre alone
         assert layer.value_sqdist.shape[-1] == 14
     monkeypatch.setenv(D.CPU_OP_ENV_VAR, "0")  # the torch path reads the distances
     t = D.decode(q, layer, **kw)
-    assert t.backend == "fast" and layer.value_sqdist.shape[-1] == 15
+    assert t.backend == D.TORCH and layer.value_sqdist.shape[-1] == 15
     torch.testing.assert_close(t.output, dec.output, rtol=0, atol=1e-5)
 
 

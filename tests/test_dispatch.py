@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -51,16 +54,17 @@ def test_bad_backend_names(monkeypatch):
         D.hajek_attention(np.zeros((1, 2, 8)), *_case()[1:], backend="fast")
 
 
-def test_fast_routing_and_last_backend():
+def test_fast_routing_and_the_route_on_the_result():
     fast = pytest.importorskip("kvcert.fast")
     q, k, v, pi = _case()
     est = D.hajek_attention(q, k, v, pi, block_n=32, num_splits=2)  # kernel hints are dropped for fast
-    assert D.last_backend() == "fast"
+    assert (est.backend, est.route) == ("fast", "torch")  # per_coordinate: not the CPU op's call
     direct = fast.hajek_attention(q, k, v, pi)
+    assert (direct.backend, direct.route) == (None, None)  # a backend called directly: not routed
     for f in ("output", "variance", "trace", "lse", "n_eff"):
         assert torch.equal(getattr(est, f), getattr(direct, f)), f
-    D.hajek_attention(q, k, v, pi, backend="reference")
-    assert D.last_backend() == "reference"
+    ref = D.hajek_attention(q, k, v, pi, backend="reference")
+    assert (ref.backend, ref.route) == ("reference", "reference")
 
 
 @pytest.mark.parametrize("t", [None, 3])
@@ -141,7 +145,7 @@ def test_forced_triton_runs_the_kernel_or_says_why(monkeypatch):
     q, k, v, pi = _case(n=40, d=16, dv=16)
     if kernels.INTERPRETED:
         est = D.hajek_attention(q, k, v, pi, backend="triton", block_n=16)
-        assert D.last_backend() == "triton"
+        assert (est.backend, est.route) == ("triton", "triton")
         direct = kernels.hajek_attention(q, k, v, pi, block_n=16)
         for f in ("output", "variance", "trace", "lse", "n_eff"):
             assert torch.equal(getattr(est, f), getattr(direct, f)), f
@@ -161,5 +165,174 @@ def test_cuda_tensors_choose_triton():
     assert D.select_backend(q.double()) == "fast"
     assert D.select_backend(q.unsqueeze(2).expand(-1, -1, 2, -1)) == "fast"  # t > 1: not a decode
     assert D.select_backend(q, return_max_term=True) == "fast"
-    D.hajek_attention(q, k, v, pi)
-    assert D.last_backend() == "triton"
+    est = D.hajek_attention(q, k, v, pi)
+    assert (est.backend, est.route) == ("triton", "triton")
+
+
+# ----------------------------------------------------------------------------- the route on the result
+def _op():
+    """kvcert.kernels.cpu where the compiled op builds here, else a skip."""
+    cpu = pytest.importorskip("kvcert.kernels.cpu")
+    if not cpu.available():
+        pytest.skip(f"the compiled CPU op cannot be built here: {cpu.unavailable_reason()}")
+    return cpu
+
+
+def _interpreted_kernels():
+    """kvcert.kernels on the Triton interpreter, else a skip (CUDA runs are test_cuda_tensors_choose_triton's)."""
+    pytest.importorskip("triton")
+    from kvcert import kernels
+
+    if not kernels.INTERPRETED:
+        pytest.skip("needs TRITON_INTERPRET=1 to run the kernel on CPU tensors")
+    return kernels
+
+
+def _sketched(seed=0, n=40):
+    """(q, k, v, log_pi, sketch, mu, r2): a kept cache and a tilted sketch of other tokens of the same heads."""
+    fast = pytest.importorskip("kvcert.fast")
+    q, k, v, pi = _case(seed, n=n, d=16, dv=16)
+    g = torch.Generator().manual_seed(seed + 1)
+    b, h_kv, _, d = k.shape
+    ek, ev = torch.randn(b, h_kv, 3 * n, d, generator=g), torch.randn(b, h_kv, 3 * n, 16, generator=g)
+    epi = torch.rand(b, h_kv, 3 * n, generator=g).clamp_(0.05, 0.95)
+    keep = torch.rand(b, h_kv, 3 * n, generator=g) < 0.3
+    design = fast.ClusterDesign(clusters=4, radius="chebyshev", tilt=True)
+    sketch = fast.cluster_sketch(ek, ev, epi, keep, design, tilt=torch.randn(b, h_kv, d, generator=g))
+    mu, r2 = fast.value_moments(v, pi)
+    return q, k, v, pi.log(), sketch, mu, r2
+
+
+def _layer(k, v, log_pi, mu, r2, **kw):
+    """A stand-in cache layer with what kvcert.dispatch.decode reads."""
+    from types import SimpleNamespace
+
+    n = k.shape[2]
+    attrs = dict(keys=k, values=v, log_weights=log_pi, positions=torch.arange(n).expand(*k.shape[:2], n),
+                 valid=log_pi > float("-inf"), kept=(log_pi > float("-inf")).sum(-1), block_size=None, sketch=None,
+                 value_moments=lambda distances=True: (mu, r2 if distances else None))
+    return SimpleNamespace(**{**attrs, **kw})
+
+
+def _direct(name):
+    """The backend function a route's result must equal bit for bit (None: compared with the oracle elsewhere)."""
+    fast = pytest.importorskip("kvcert.fast")
+    return {"cpu_op": lambda q, k, v, pi, **kw: _op().hajek_attention(q, k, v, pi, **kw),
+            "torch": fast.hajek_attention,
+            "triton": lambda q, k, v, pi, **kw: _interpreted_kernels().hajek_attention(q, k, v, pi, block_n=16, **kw),
+            "reference": None}[name]
+
+
+#: each code's Route
+CODES = {"cpu_op": D.CPU_OP, "torch": D.TORCH, "triton": D.TRITON, "reference": D.REFERENCE}
+#: per code: the arguments of a kvcert.dispatch.hajek_attention call that runs it (on CPU tensors)
+TOKEN_CALLS = {"cpu_op": dict(per_coordinate=False), "torch": dict(per_coordinate=True),
+               "triton": dict(backend="triton", block_n=16), "reference": dict(backend="reference")}
+
+
+@pytest.mark.parametrize("code", list(TOKEN_CALLS))
+def test_each_token_route_is_on_its_result(code):
+    """hajek_attention's estimate names the code that computed it, and that code's own call gives the same
+    numbers bit for bit (the label is what ran, not a guess)."""
+    if code == "cpu_op":
+        _op()
+    if code == "triton":
+        _interpreted_kernels()
+    q, k, v, pi = _case(n=40, d=16, dv=16)
+    est = D.hajek_attention(q, k, v, pi, **TOKEN_CALLS[code])
+    assert (est.backend, est.route) == (CODES[code].backend, CODES[code].code)
+    direct = _direct(code)
+    if direct is not None:
+        want = direct(q, k, v, pi, per_coordinate=TOKEN_CALLS[code].get("per_coordinate", True))
+        for f in ("output", "trace", "lse"):
+            assert torch.equal(getattr(est, f), getattr(want, f)), f
+
+
+@pytest.mark.parametrize("code", ["cpu_op", "torch"])
+def test_the_sketch_route_is_on_its_result(code, monkeypatch):
+    """sketch_hajek_attention's ``result.estimate`` names the code: the op for a trace=False call on CPU, kvcert.fast
+    with KVCERT_CPU_OP=0 or for trace=True; and kvcert.dispatch.decode's sketch route says the same."""
+    if code == "cpu_op":
+        _op()
+    else:
+        monkeypatch.setenv(D.CPU_OP_ENV_VAR, "0")
+    q, k, v, lp, sketch, mu, r2 = _sketched()
+    ce = D.sketch_hajek_attention(q, k, v, None, sketch, log_pi=lp, trace=False, record="tilted_hull")
+    assert (ce.estimate.backend, ce.estimate.route) == ("fast", code)
+    full = D.sketch_hajek_attention(q, k, v, None, sketch, log_pi=lp, trace=True)  # the op lacks the HT trace pass
+    assert (full.estimate.backend, full.estimate.route) == ("fast", "torch")
+    dec = D.decode(q[:, :, None], _layer(k, v, lp, mu, r2, sketch=sketch), scale=0.25, options={},
+                   kind="tilted_hull")
+    assert dec.route == "sketch" and dec.ran == CODES[code] and dec.backend == CODES[code]
+    assert torch.equal(dec.output[:, 0], ce.output)
+
+
+def test_decode_routes_carry_their_code_and_resolve_a_typed_route(monkeypatch):
+    """decode: the token route resolves a Route once (D.CPU_OP where the op computes trace-only calls here, else
+    D.TORCH), handed back for the forward's next layer; the block route runs kvcert.fast (D.TORCH); every record's
+    estimate names its code. No string stands for "resolved": a name that is not a backend is refused."""
+    q, k, v, lp, sketch, mu, r2 = _sketched(seed=3)
+    token = _layer(k, v, lp, mu, r2)
+    kw = dict(scale=0.25, options={"per_coordinate": False}, kind="chebyshev")
+    first = D.decode(q[:, :, None], token, **kw)
+    assert isinstance(first.backend, D.Route) and first.backend in (D.CPU_OP, D.TORCH)
+    assert first.ran == first.backend  # a one-query step runs the code resolved
+    again = D.decode(q[:, :, None], token, backend=first.backend, **kw)  # the forward's next layer
+    assert again.backend is first.backend and torch.equal(again.output, first.output)
+    chunk = D.decode(torch.randn(*q.shape[:2], 3, q.shape[-1]), token, **kw)  # causal positions: kvcert.fast
+    assert chunk.ran == D.TORCH and chunk.records[0].ran == D.TORCH
+    block = D.decode(q[:, :, None], _layer(k, v, lp, mu, r2, block_size=8), **kw)
+    assert (block.route, block.ran, block.backend) == ("block", D.TORCH, None)
+    monkeypatch.setenv(D.CPU_OP_ENV_VAR, "0")
+    assert D.decode(q[:, :, None], token, **kw).backend == D.TORCH
+    assert D.decode(q[:, :, None], token, backend="reference", **kw).ran == D.REFERENCE  # a name: forced
+    with pytest.raises(ValueError, match="backend must be one of"):
+        D.hajek_attention(q, k, v, log_pi=lp, backend="fast+cpu_op")
+
+
+def test_the_router_lists_a_runner_for_every_code():
+    """Every (design, layout, device) row of D.ROUTER ends with D.TORCH (always fits) and each code it names has
+    the function that runs it; a device without a row runs D.TORCH."""
+    for (design, layout, device), routes in D.ROUTER.items():
+        assert design in D.DECODE_ROUTES and layout == "dense" and device in ("cpu", "cuda")
+        assert routes[-1] == D.TORCH
+        assert all((design, r) in D._RUN for r in routes), (design, routes)
+    assert D._route("token", torch.empty(1, device="meta"), lambda r: True) == D.TORCH
+
+
+def test_two_threads_each_see_their_own_route():
+    """Two calls on two threads, both finished before either reads: each result names its own code, and the
+    deprecated shim reads its own thread's (a ContextVar). Negative control: one "last route" written by every
+    call, as the module global the shim replaced, answers one of the two threads wrongly."""
+    q, k, v, pi = _case(n=40, d=16, dv=16)
+    both_ran = threading.Barrier(2)
+    one_global, seen = {}, {}
+
+    def call(backend):
+        est = D.hajek_attention(q, k, v, pi, backend=backend)
+        one_global["route"] = est.route  # what a module global held: the last call of any thread
+        both_ran.wait(timeout=60)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            seen[backend] = (est.route, D.last_route(), one_global["route"])
+
+    threads = [threading.Thread(target=call, args=(b,)) for b in ("reference", "fast")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert seen["reference"][:2] == ("reference", "reference") and seen["fast"][:2] == ("torch", "torch")
+    assert any(s[2] != s[0] for s in seen.values()), "the negative control: one global answers a thread wrongly"
+
+
+def test_last_backend_and_last_route_are_deprecated_shims():
+    """The deprecated functions warn, naming the result's field, and still answer for this thread's last call."""
+    import kvcert
+
+    q, k, v, pi = _case()
+    est = D.hajek_attention(q, k, v, pi, backend="reference")
+    with pytest.warns(DeprecationWarning, match=r"result's `backend` field \(Estimate.backend"):
+        assert D.last_backend() == est.backend == "reference"
+    with pytest.warns(DeprecationWarning, match=r"result's `route` field \(Estimate.route"):
+        assert D.last_route() == est.route == "reference"
+    assert kvcert.last_backend is D.last_backend

@@ -243,13 +243,13 @@ def test_dispatch_routes_cpu_decodes_to_the_op_and_the_switch_forces_torch(op, m
     mu, r2 = F.value_moments(v, pi)
     kw = dict(log_pi=pi.log(), per_coordinate=False, value_center=mu, value_sqdist=r2, validate=False)
     a = D.hajek_attention(q, k, v, **kw)
-    assert (D.last_backend(), D.last_route()) == ("fast", "cpu_op")
+    assert (a.backend, a.route) == ("fast", "cpu_op")
     b = D.hajek_attention(q, k, v, backend="fast", **kw)  # the HF session forces "fast": still the op
-    assert D.last_route() == "cpu_op" and torch.equal(a.output, b.output)
+    assert b.route == "cpu_op" and torch.equal(a.output, b.output)
     _check(a, q, k, v, pi, per_coordinate=False)
     monkeypatch.setenv(D.CPU_OP_ENV_VAR, "0")
     t = D.hajek_attention(q, k, v, **kw)
-    assert (D.last_backend(), D.last_route()) == ("fast", "torch")
+    assert (t.backend, t.route) == ("fast", "torch")
     assert t.n_eff is None  # kvcert.fast's one-pass path: not the op
     _check(a, q, k, v, pi, per_coordinate=False, fields=("output", "lse", "trace"))
 
@@ -263,8 +263,8 @@ def test_dispatch_keeps_torch_for_what_the_op_lacks(op, extra):
     if extra.pop("dtype", None) is not None:
         q, k, v = q.double(), k.double(), v.double()
     extra.setdefault("per_coordinate", False)
-    D.hajek_attention(q, k, v, pi, **extra)
-    assert (D.last_backend(), D.last_route()) == ("fast", "torch")
+    est = D.hajek_attention(q, k, v, pi, **extra)
+    assert (est.backend, est.route) == ("fast", "torch")
 
 
 def test_failed_build_warns_once_and_runs_torch(monkeypatch):
@@ -275,12 +275,12 @@ def test_failed_build_warns_once_and_runs_torch(monkeypatch):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     q, k, v, pi = _case(3, torch.float32, 1)
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler found"):
-        D.hajek_attention(q, k, v, pi, per_coordinate=False)
-    assert D.last_route() == "torch"
+        first = D.hajek_attention(q, k, v, pi, per_coordinate=False)
+    assert first.route == "torch"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second call is silent
-        D.hajek_attention(q, k, v, pi, per_coordinate=False)
-    assert D.last_route() == "torch" and "compiler" in cpu.unavailable_reason()
+        second = D.hajek_attention(q, k, v, pi, per_coordinate=False)
+    assert second.route == "torch" and "compiler" in cpu.unavailable_reason()
 
 
 # ----------------------------------------------------------------------------- the real model
@@ -328,7 +328,7 @@ def test_recorded_certificates_unchanged_between_op_and_torch(op, model_sdpa, mo
         def spy(q, keys, values, pi=None, _calls=calls, **kw):
             out = original(q, keys, values, pi, **kw)
             _calls.append({"q": q.clone(), "keys": keys.clone(), "values": values.clone(),
-                           "log_pi": kw["log_pi"].clone(), "scale": kw["scale"], "route": D.last_route()})
+                           "log_pi": kw["log_pi"].clone(), "scale": kw["scale"], "route": out.route})
             return out
 
         monkeypatch.setattr(D, "hajek_attention", spy)
@@ -680,10 +680,10 @@ def test_sketch_route_refuses_by_name(op):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_forwards_resolved_op_route_gives_the_checked_calls_numbers(op, monkeypatch, dtype):
-    """kvcert.dispatch.decode resolves its route once per forward: "fast+cpu_op" where the op computes the
+    """kvcert.dispatch.decode resolves its route once per forward: D.CPU_OP where the op computes the
     call. A layer's step on it (the op's hajek_attention / sketch_hajek_attention with validate=False, without
     the argument checks) gives the checked op call's numbers bit for bit, on the token and the sketch routes; a call the
-    step does not cover runs as "fast"; KVCERT_CPU_OP=0 resolves to "fast" (the torch path)."""
+    step does not cover runs as "fast"; KVCERT_CPU_OP=0 resolves to D.TORCH."""
     from types import SimpleNamespace
 
     q, k, v, pi, sketch, mu, r2 = _sketch_case(239, dtype, 3, tilt=True)
@@ -692,7 +692,8 @@ def test_a_forwards_resolved_op_route_gives_the_checked_calls_numbers(op, monkey
                             kept=(pi > 0).sum(-1), value_moments=lambda distances=True: (mu, r2 if distances else None))
     kw = dict(scale=0.125, options={"per_coordinate": False}, kind="chebyshev", delta=0.05)
     dec = D.decode(q[:, :, None], token, **kw)
-    assert (dec.backend, D.last_backend(), D.last_route()) == ("fast+cpu_op", "fast", "cpu_op")
+    assert (dec.backend, dec.ran) == (D.CPU_OP, D.CPU_OP)
+    assert (dec.records[0].estimate.backend, dec.records[0].estimate.route) == ("fast", "cpu_op")
     again = D.decode(q[:, :, None], token, backend=dec.backend, **kw)  # the forward's next layer
     checked = op.hajek_attention(q, k, v, log_pi=lp, scale=0.125, per_coordinate=False, value_center=mu)
     for est in (dec.records[0].estimate, again.records[0].estimate):
@@ -702,13 +703,13 @@ def test_a_forwards_resolved_op_route_gives_the_checked_calls_numbers(op, monkey
     other = D.decode(q[:, :, None], replace_log_weights(token, lp.masked_fill(pi < 0.2, float("-inf"))), **kw)
     assert not torch.equal(other.records[0].estimate.trace, checked.trace)  # negative control: the inputs count
     full = D.hajek_attention(q, k, v, log_pi=lp, scale=0.125, per_coordinate=True, validate=False,
-                             backend="fast+cpu_op")  # not a step's call: "fast", with the variance
-    assert full.variance is not None and D.last_backend() == "fast"
+                             backend=D.CPU_OP)  # not a step's call: "fast", with the variance
+    assert full.variance is not None and (full.backend, full.route) == ("fast", "torch")
 
     layer = SimpleNamespace(**{**vars(token), "sketch": sketch})
     kw = dict(kw, options={}, kind="tilted_hull")
     a = D.decode(q[:, :, None], layer, **kw)
-    assert (a.backend, D.last_route()) == ("fast+cpu_op", "cpu_op")
+    assert (a.backend, a.ran) == (D.CPU_OP, D.CPU_OP)
     ce = op.sketch_hajek_attention(q, k, v, None, sketch, log_pi=lp, scale=0.125, delta=0.05, value_center=mu,
                                    value_sqdist=r2, record="tilted_hull")
     est = a.records[0].estimate
@@ -719,11 +720,11 @@ def test_a_forwards_resolved_op_route_gives_the_checked_calls_numbers(op, monkey
         D.sketch_hajek_attention(q, k, v, None, sketch, log_pi=lp, backend="triton", trace=False)
     # another token backend resolved for the forward (the Triton kernel's, on CUDA) leaves the sketch's own choice
     b = D.decode(q[:, :, None], layer, backend="triton", **kw)
-    assert (b.backend, D.last_route()) == ("triton", "cpu_op") and torch.equal(b.output, a.output)
+    assert (b.backend, b.ran) == (D.TRITON, D.CPU_OP) and torch.equal(b.output, a.output)
 
     monkeypatch.setenv(D.CPU_OP_ENV_VAR, "0")
     t = D.decode(q[:, :, None], token, **dict(kw, options={"per_coordinate": False}, kind="chebyshev"))
-    assert (t.backend, D.last_route()) == ("fast", "torch")
+    assert (t.backend, t.ran) == (D.TORCH, D.TORCH)
     # float32 sums of two codes (atol as above); in bfloat16 both round such values to bfloat16: at most one
     # bfloat16 spacing apart, 2^-7 relative at most
     rtol = 2.0 ** -7 if dtype == torch.bfloat16 else 0.0
@@ -756,10 +757,10 @@ def test_dispatch_runs_the_sketch_route_on_the_op_and_the_switch_forces_torch(op
                             kept=(pi > 0).sum(-1), value_moments=lambda distances=True: (mu, r2 if distances else None))
     kw = dict(scale=0.125, options={}, kind="tilted_hull", delta=0.05)
     a = D.decode(q[:, :, None], layer, **kw)
-    assert (a.route, D.last_route()) == ("sketch", "cpu_op")
+    assert (a.route, a.ran) == ("sketch", D.CPU_OP)
     monkeypatch.setenv(D.CPU_OP_ENV_VAR, "0")
     t = D.decode(q[:, :, None], layer, **kw)
-    assert (t.route, D.last_route()) == ("sketch", "torch")
+    assert (t.route, t.ran) == ("sketch", D.TORCH)
     ra, rt = a.records[0].estimate, t.records[0].estimate
     assert torch.allclose(a.output, t.output, rtol=0, atol=1e-5)
     assert torch.allclose(ra.trace, rt.trace, rtol=1e-4, atol=0)  # the recorded (clipped) V_cl
@@ -788,7 +789,7 @@ def test_recorded_sketch_certificates_of_a_decode_are_unchanged(op, monkeypatch)
             ce = original(q, keys, values, pi, sketch, **kw)
             _calls.append(dict(q=q.clone(), k=keys.clone(), v=values.clone(), pi=kw["log_pi"].exp(), sketch=sketch,
                                mu=kw["value_center"].clone(), r2=_sqdist(values, kw), scale=kw["scale"],
-                               record=kw["record"], ce=ce, route=D.last_route()))
+                               record=kw["record"], ce=ce, route=ce.estimate.route))
             return ce
 
         monkeypatch.setattr(D, "sketch_hajek_attention", spy)

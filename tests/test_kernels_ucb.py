@@ -146,7 +146,7 @@ def test_certificate_and_dispatch():
     q, k, v, pi = _make_case(9, 2, 2, 2, 40, 16, 16, torch.float32, pad="empty_head", pi_kind="interior")
     assert DSP._fast_only({"return_tail_moment": True}) == []  # not a reason to leave the kernel
     est = DSP.hajek_attention(q, k, v, pi, backend="triton", return_tail_moment=True, block_n=16)
-    assert DSP.last_backend() == "triton" and est.tail_moment is not None
+    assert (est.backend, est.route) == ("triton", "triton") and est.tail_moment is not None
     cert = F.certificate(est, kind="chebyshev_ucb", delta=0.05)
     assert not torch.isnan(cert.radius).any() and torch.isposinf(cert.radius[0, 2:]).all()
     # the batched certificate on the kernel's statistics is the reference formula (float32 rounding)

@@ -436,7 +436,7 @@ def _sketch_step(query, kv_cache, block_ids, log_pi, sketch, scale: float, kind:
         ce = dispatch.sketch_hajek_attention(query, k, v, None, sketch, log_pi=lp, scale=scale, delta=delta,
                                               validate=False, trace=False)
         trace = recorded_trace(ce, kind)
-        LAST_ROUTE[0] = "sketch_gather_cpu_op" if dispatch.last_route() == "cpu_op" else "sketch_gather"
+        LAST_ROUTE[0] = "sketch_gather_cpu_op" if ce.estimate.route == "cpu_op" else "sketch_gather"
     out = ce.output
     return out.to(query.dtype), {"trace": trace, "output": out}
 
