@@ -54,6 +54,9 @@ _LAZY = {
     "answer_certificates": "kvcert.generation",
     "CompressedContext": "kvcert.generation",
     "GenerationResult": "kvcert.generation",
+    "calibrate": "kvcert.generation",
+    # an answer-level guarantee: conformal risk control of certificate escalation
+    "EscalationPolicy": "kvcert.calibration",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -5,7 +5,15 @@
     kvcert generate --prompt "..." --press poisson --compression-ratio 0.5 --max-new-tokens 32
     kvcert generate --prompt-file long.txt --json
 
+    kvcert calibrate --prompts mine.jsonl --alpha 0.1 --out policy.json
+    kvcert generate --prompt "..." --policy policy.json
+
     kvcert build-op
+
+``calibrate`` answers each prompt with the full cache and under a press and
+writes an escalation policy whose served answers differ from the full cache's
+at an expected rate of at most ``--alpha`` (``kvcert.calibration``);
+``generate --policy`` serves under it.
 
 ``build-op`` builds the compiled CPU decode op (``kvcert.kernels.cpu``) ahead
 of its first use, with the compiler's progress, and prints where it lives; a
@@ -29,6 +37,7 @@ import json
 import math
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 __all__ = ["main", "build_parser"]
 
@@ -60,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Randomized KV-cache eviction with error certificates (Poisson sampling + Hajek attention).",
         epilog=f"Run 'kvcert generate --help' for its options. For the paper reproduction, {_REPRO_HINT}.",
     )
-    sub = p.add_subparsers(dest="command", metavar="{generate,build-op}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{generate,calibrate,build-op}", parser_class=_Parser)
     sub.add_parser("build-op", help="build the compiled CPU decode op now (a few minutes, once per torch install)",
                    description="Build the compiled CPU decode op (kvcert.kernels.cpu) for this torch install, "
                                "showing the compiler's progress, and print where it lives. Without it the first "
@@ -126,10 +135,33 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object (text, tokens, certificates)")
     g.add_argument("--full", action="store_true",
                    help="with --json: include every per-step, per-layer, per-head value")
+    g.add_argument("--policy", metavar="FILE", default=None,
+                   help="serve under a calibrated escalation policy (kvcert calibrate): its press, re-run with the "
+                        "full cache when the certificate's signal reaches its threshold (no press options)")
     g.add_argument("--progress", dest="progress", action="store_true", default=None,
                    help="progress bars for prefill and decoding (default: when stderr is a terminal)")
     g.add_argument("--no-progress", dest="progress", action="store_false")
+    _calibrate_parser(sub)
     return p
+
+
+def _calibrate_parser(sub) -> None:
+    c = sub.add_parser(
+        "calibrate", help="calibrate an escalation policy on your prompts (conformal risk control)",
+        description="Answer each prompt with the full cache and under a PoissonPress, and choose the threshold of "
+                    "'re-run with the full cache when the certificate's signal >= t' so that the expected rate of "
+                    "served answers that differ from the full cache's is at most --alpha on prompts exchangeable "
+                    "with these (kvcert.calibration). Writes the policy as JSON for 'kvcert generate --policy'.")
+    c.add_argument("--prompts", required=True, metavar="FILE",
+                   help="JSON lines: one prompt per line, a JSON string or an object with a 'prompt' field")
+    c.add_argument("--alpha", required=True, type=float, help="tolerated rate of answers that differ, in (0, 1)")
+    c.add_argument("--out", required=True, metavar="FILE", help="where to write the policy (JSON)")
+    c.add_argument("--records", metavar="FILE", default=None, help="also write each prompt's signal and outcome")
+    c.add_argument("--model", default="smollm2", help="as for 'kvcert generate'")
+    c.add_argument("--compression-ratio", type=float, default=0.5, help="the press's ratio (default 0.5)")
+    c.add_argument("--preset", default=None, help="a named design (kvcert.fast.TOKEN_DESIGNS; default: recommended)")
+    c.add_argument("--seed", type=int, default=None, help="the sampling design's seed (default 0)")
+    c.add_argument("--max-new-tokens", type=int, default=32, help="the answer length it is calibrated at (default 32)")
 
 
 def _read_prompt(args) -> str:
@@ -147,6 +179,21 @@ def _read_prompt(args) -> str:
         source = "--prompt" if args.prompt is not None else f"--prompt-file {args.prompt_file}"
         raise UsageError(f"the prompt is empty or whitespace only ({source}); give it some text")
     return text
+
+
+def _policy(args):
+    """The --policy file's EscalationPolicy (None without it); UsageError beside press options."""
+    if args.policy is None:
+        return None
+    from .calibration import EscalationPolicy
+
+    given = [n for n in _PRESS_OPTIONS if getattr(args, n) is not None] + (["press"] if args.press != "poisson" else [])
+    if given or args.compression_interval is not None:
+        raise UsageError(f"--policy carries its press: drop {', '.join('--' + n.replace('_', '-') for n in given)}")
+    try:
+        return EscalationPolicy.load(args.policy)
+    except ValueError as e:
+        raise UsageError(f"--policy: {e}") from None
 
 
 def make_press(args):
@@ -179,7 +226,8 @@ def make_press(args):
 
 
 def _generate(args) -> int:
-    press = make_press(args)
+    policy = _policy(args)
+    press = make_press(args) if policy is None else None
     prompt = _read_prompt(args)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -206,7 +254,7 @@ def _generate(args) -> int:
             model, tokenizer, prompt, press=press, max_new_tokens=args.max_new_tokens,
             do_sample=args.sample, temperature=args.temperature, sample_seed=0 if args.seed is None else args.seed,
             chat_template=False if args.no_chat_template else None, system_prompt=args.system,
-            progress=progress, prefill_chunk=args.prefill_chunk,
+            progress=progress, prefill_chunk=args.prefill_chunk, escalate=policy,
         )
     except ValueError as e:  # an argument generate refuses (e.g. a prompt the tokenizer encodes to no token)
         raise UsageError(" ".join(str(e).split())) from None
@@ -214,6 +262,56 @@ def _generate(args) -> int:
         print(json.dumps(render_json(result, full=args.full)))
     else:
         render_text(result)
+    return 0
+
+
+def _read_prompts(path: str) -> list[str]:
+    """The prompts of a JSON-lines file (a string or an object with 'prompt' per line; blank lines skipped)."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise UsageError(f"--prompts: cannot read {path!r}: {e.strerror}") from None
+    prompts = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            raise UsageError(f"--prompts {path}:{i}: not JSON (one JSON string or object per line)") from None
+        text = item.get("prompt") if isinstance(item, dict) else item
+        if not isinstance(text, str) or not text.strip():
+            raise UsageError(f"--prompts {path}:{i}: expected a non-empty string or an object with a 'prompt' string")
+        prompts.append(text)
+    if not prompts:
+        raise UsageError(f"--prompts {path}: no prompt in the file")
+    return prompts
+
+
+def _calibrate(args) -> int:
+    from . import generation, models
+
+    prompts = _read_prompts(args.prompts)
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    fields = {"compression_ratio": args.compression_ratio}
+    fields.update({k: v for k, v in (("preset", args.preset), ("seed", args.seed)) if v is not None})
+    try:
+        model, tokenizer = models.load_model(args.model)
+    except (ImportError, ValueError, OSError) as e:
+        print(f"kvcert: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    try:
+        policy, records = generation.calibrate(model, tokenizer, prompts, alpha=args.alpha,
+                                               max_new_tokens=args.max_new_tokens, progress=True, **fields)
+    except ValueError as e:
+        raise UsageError(" ".join(str(e).split())) from None
+    policy.save(args.out)
+    if args.records:
+        Path(args.records).write_text(json.dumps(records, indent=1) + "\n")
+    print(f"kvcert calibrate: {policy.n} prompts, {sum(r['differs'] for r in records)} differ under the press; "
+          f"threshold {policy.threshold:.4g} escalates {policy.escalation_rate:.0%}, served answers that differ "
+          f"{policy.empirical_risk:.1%} here (alpha {policy.alpha}); policy written to {args.out}")
     return 0
 
 
@@ -253,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if args.command == "build-op":
             return _build_op()
+        if args.command == "calibrate":
+            return _calibrate(args)
         return _generate(args)
     except UsageError as e:
         print(f"kvcert: error: {e}", file=sys.stderr)

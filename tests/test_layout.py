@@ -145,8 +145,8 @@ IMPORT_ROOTS = {"reference": "kvcert.reference", "fast": "kvcert.fast", "kernels
                 "kvcert": "kvcert", "paper_repro": "paper_repro"}
 #: the diagram's components, most specific first: a module belongs to the first whose name prefixes its own
 COMPONENTS = ("kvcert.reference", "kvcert.fast", "kvcert.kernels.cpu", "kvcert.kernels", "kvcert.records",
-              "kvcert.cache", "kvcert.dispatch", "kvcert.escalation", "kvcert.models", "kvcert.attention",
-              "kvcert.presses", "kvcert.generation", "kvcert.vllm", "paper_repro", "kvcert")
+              "kvcert.cache", "kvcert.dispatch", "kvcert.escalation", "kvcert.calibration", "kvcert.models",
+              "kvcert.attention", "kvcert.presses", "kvcert.generation", "kvcert.vllm", "paper_repro", "kvcert")
 #: the fenced block of docs/architecture.md that draws the components' imports
 DIAGRAM = ROOT / "docs" / "architecture.md"
 

@@ -18,6 +18,8 @@ beside the shared exact prefill and what they all share:
 - the shared exact prefill (:mod:`.prefilled`, :func:`prefill` and
   :class:`Prefill`; :func:`prefill_context` for a context): one prefill
   reused under several presses;
+- :mod:`.calibrate`: :func:`calibrate`, an escalation policy calibrated on a
+  user's prompts (:mod:`kvcert.calibration`);
 - :mod:`.common`: the result type :class:`GenerationResult`, prompt encoding
   (:func:`encode_prompts`) and the decode loop.
 
@@ -27,10 +29,12 @@ query head (:class:`kvcert.attention.Certificates`).
 
 from __future__ import annotations
 
+from .calibrate import CalibrationRecord, calibrate
 from .common import QUERY_AGNOSTIC, QUERY_AWARE, GenerationResult, encode_prompts
 from .prefilled import Prefill, prefill
 from .query_agnostic import CompressedContext, answer, answer_certificates, compress_context, prefill_context
 from .query_aware import generate
 
 __all__ = ["GenerationResult", "Prefill", "CompressedContext", "generate", "prefill", "compress_context", "answer",
-           "answer_certificates", "encode_prompts", "prefill_context", "QUERY_AWARE", "QUERY_AGNOSTIC"]
+           "answer_certificates", "encode_prompts", "prefill_context", "QUERY_AWARE", "QUERY_AGNOSTIC", "calibrate",
+           "CalibrationRecord"]

@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from ..calibration import EscalationPolicy, escalation_signal
 from ..escalation import check_escalate, next_target
 from .common import (GenerationResult, decode_loop, forward_kwargs, mask_positions, prefill_forward, prompt_ids,
                      as_prompt_list, _step_slice)
@@ -84,10 +85,11 @@ def generate(model, tokenizer, prompt: str | list[str], press=None, max_new_toke
         The query-agnostic protocol: ``prompt`` is the question(s), answered over this compressed context
         (:func:`compress_context`) as :func:`answer` does (greedy; no ``prefilled``, ``prefill_chunk``,
         ``chat_template``, ``system_prompt``). Without it the whole prompt is compressed (query-aware).
-    escalate : {"full", "tighten"}, optional
+    escalate : {"full", "tighten"} or kvcert.EscalationPolicy, optional
         With a ``PoissonPress(target_error=eps)`` and one prompt: while a decoding step's mean relative
         radius (``certificates.per_step()``) exceeds eps, re-run from the prompt, ``"full"`` uncompressed,
         ``"tighten"`` at eps/2, eps/4, eps/8, then uncompressed; ``result.escalations`` lists the re-runs.
+        A :class:`kvcert.EscalationPolicy` (press=None): its press, re-run uncompressed at its threshold.
 
     Returns
     -------
@@ -113,8 +115,7 @@ def generate(model, tokenizer, prompt: str | list[str], press=None, max_new_toke
     single, prompts = _check_generate_args(model, prompt, press, max_new_tokens, do_sample, temperature,
                                            sample_seed, chat_template, system_prompt, prefilled, prefill_chunk)
     if escalate is not None:
-        _check_escalate(escalate, press, single)
-        return _escalated(press, escalate, lambda p: generate(
+        return _escalation(escalate, press, single, lambda p: generate(
             model, tokenizer, prompt, p, max_new_tokens, do_sample=do_sample, temperature=temperature,
             sample_seed=sample_seed, chat_template=chat_template, system_prompt=system_prompt,
             stop_at_eos=stop_at_eos, progress=progress, prefilled=prefilled, prefill_chunk=prefill_chunk))
@@ -128,6 +129,17 @@ def generate(model, tokenizer, prompt: str | list[str], press=None, max_new_toke
                                progress=progress)
     certs = press.certificates if press is not None else None
     return _assemble_result(tokenizer, single, attention_mask, decoded, certs, prompt_rows, timings, press)
+
+
+def _escalation(escalate, press, single: bool, run) -> GenerationResult:
+    """:func:`generate` with ``escalate``: a calibrated policy's rule, or an error target's closing loop."""
+    if isinstance(escalate, EscalationPolicy):
+        if press is not None or not single:
+            raise ValueError("escalate=EscalationPolicy: one prompt and press=None (the policy carries its press: "
+                             "policy.press_fields)")
+        return _policy_escalated(escalate, run)
+    _check_escalate(escalate, press, single)
+    return _escalated(press, escalate, run)
 
 
 def _check_escalate(escalate, press, single: bool) -> None:
@@ -159,6 +171,19 @@ def _escalated(press, policy: str, run) -> GenerationResult:
                             "press": "none" if nxt is None else repr(nxt)})
         result, current = run(nxt), nxt
     result.escalations = escalations
+    return result
+
+
+def _policy_escalated(policy: EscalationPolicy, run) -> GenerationResult:
+    """:func:`generate` under ``policy``'s press, re-run uncompressed when its signal reaches the threshold."""
+    result = run(policy.press())
+    signal = escalation_signal(result.certificates)
+    if policy.escalates(signal):
+        per_step = result.certificates.per_step()
+        step = int(per_step[1:].argmax()) + 1 if per_step.shape[0] > 1 else 0
+        result = run(None)
+        result.escalations = [{"step": step, "signal": signal, "threshold": policy.threshold,
+                               "alpha": policy.alpha, "press": "none"}]
     return result
 
 
