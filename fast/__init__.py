@@ -58,6 +58,8 @@ from .token_design import (
     RECOMMENDED_FIELDS,
     RECOMMENDED_SAMPLING,
     TOKEN_DESIGNS,
+    QuantizedCertificate,
+    quantized_decode,
     TokenDecision,
     TokenDesign,
     TokenEvent,
@@ -101,9 +103,11 @@ from .allocation import Allocation, adakv_budgets, allocate_budgets, pyramid_bud
 from .target import TARGET_KINDS, TargetBudget, predicted_radius, target_budget, window_variance_terms
 from .types import Certificate, CompressedCache, Estimate
 from .quantized import (CHANNEL_GROUP, FORMATS, KV_BITS, KV_FORMAT, KV_LAYOUTS, QUANTIZED_BOUNDS, ROUNDINGS,
-                        ROUNDING_EVENTS, QuantizedChannels, QuantizedRows, logit_bound, logit_variance,
+                        ROUNDING_EVENTS, QuantizedChannels, QuantizedKV, QuantizedRows, check_kv_bits,
+                        check_kv_layout, check_quantized_bound, held_rounding_terms, logit_bound, logit_variance,
                         quantization_bound, quantization_variance, quantize, quantize_channels,
-                        quantized_memory_fraction, rounding_uniforms, sampled_budget, token_elements, value_bound)
+                        quantized_memory_fraction, rounding_uniforms, sampled_budget, store_kv, token_elements,
+                        value_bound)
 
 __all__ = [
     "Estimate", "Certificate", "CompressedCache",
@@ -132,6 +136,7 @@ __all__ += [
     "QuantizedChannels", "QuantizedRows", "logit_bound", "logit_variance", "quantization_bound",
     "quantization_variance", "quantize", "quantize_channels", "quantized_memory_fraction", "rounding_uniforms",
     "sampled_budget", "token_elements", "value_bound",
+    "QuantizedKV", "held_rounding_terms", "check_kv_bits", "check_kv_layout", "check_quantized_bound", "store_kv", "QuantizedCertificate", "quantized_decode",
 ]
 
 #: names of earlier releases (one name per operation, docs/architecture.md "Names"): each still resolves,

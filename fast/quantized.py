@@ -58,7 +58,11 @@ __all__ = [
     "ROUNDINGS",
     "ROUNDING_EVENTS",
     "QuantizedChannels",
+    "QuantizedKV",
     "QuantizedRows",
+    "check_kv_bits",
+    "check_kv_layout",
+    "check_quantized_bound",
     "logit_bound",
     "logit_variance",
     "quantization_bound",
@@ -66,8 +70,10 @@ __all__ = [
     "quantize",
     "quantize_channels",
     "quantized_memory_fraction",
+    "held_rounding_terms",
     "rounding_uniforms",
     "sampled_budget",
+    "store_kv",
     "token_elements",
     "value_bound",
 ]
@@ -603,6 +609,12 @@ def _stored_estimate(q, keys, values, pi, log_pi, scale):
     dt = _stat_dtype(q)
     k_stored, rounded = _stored_keys(keys, dt)
     vq = _check_stored(values, "values").dequantize(dt)
+    return _held_estimate(q, k_stored, vq, pi, log_pi, scale) + (rounded,)
+
+
+def _held_estimate(q, k_stored, vq, pi, log_pi, scale):
+    """:func:`_stored_estimate` on dequantized rows (b, h_kv, n, d/dv): ``(w', distances, mask, lead, dtype)``."""
+    dt = _stat_dtype(q)
     q3, lead = _query_rows(q, tuple(k_stored.shape))
     if vq.shape[:3] != k_stored.shape[:3]:
         raise ValueError(f"values must have shape (b, h_kv, n, dv) = {tuple(k_stored.shape[:3])} + (dv,), got "
@@ -612,7 +624,72 @@ def _stored_estimate(q, keys, values, pi, log_pi, scale):
     r = q3.shape[2]
     w = est.weights.reshape(q3.shape[:2] + (r, -1))
     dist2 = _distances(vq, est.output.to(dt).reshape(q3.shape[:2] + (r, -1)))
-    return w, dist2, w > 0, lead, dt, rounded
+    return w, dist2, w > 0, lead, dt
+
+
+def _bound_from(w, dist2, on, lead, eta, eps):
+    """B_q (Proposition 2) from the weights w', distances and mask (b, h_kv, g t, n), eta in that layout and
+    eps (b, h_kv, 1, n), in log space."""
+    logw = torch.where(on, torch.log(torch.where(on, w, 1.0)), -torch.inf)
+    log_f_low = torch.logsumexp(logw - eta, dim=-1, keepdim=True)
+    log_f_high = torch.logsumexp(logw + eta, dim=-1, keepdim=True)
+    h_minus_1 = torch.expm1(eta - log_f_low)                           # w_i / w'_i <= 1 + h_minus_1
+    g = torch.maximum(h_minus_1, -torch.expm1(-eta - log_f_high))       # |w_i / w'_i - 1| <= g
+    dist = torch.sqrt(dist2)
+    terms = (torch.where(dist > 0, g * dist, 0.0) + torch.where(eps > 0, (1.0 + h_minus_1) * eps, 0.0))
+    b_q = torch.where(on, w * terms, 0.0).sum(dim=-1)
+    return torch.where(on.any(dim=-1), b_q, torch.inf).reshape(lead)
+
+
+def _variance_from(w, dist2, on, lead, sigma2, value_var):
+    """V_q (section 4) from the weights, distances and mask, sigma2 in their layout, value_var (b, h_kv, 1, n)."""
+    v_q = torch.where(on, w * w * (sigma2 * dist2 + value_var), 0.0).sum(dim=-1)
+    return torch.where(on.any(dim=-1), v_q, torch.inf).reshape(lead)
+
+
+def held_rounding_terms(q: torch.Tensor, stored: "QuantizedKV", *, tail: tuple | None = None,
+                        scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r""":math:`(B_q, V_q)` of the Hajek estimate over a quantized cache's held tokens: the ``stored`` ones and
+    an exact ``tail`` after them (tokens appended at 16 bits since the event, e.g. decoded ones), whose
+    rounding terms are 0 (:math:`\eta_i = \epsilon_i = \sigma_i = 0`, no value variance).
+    :func:`quantization_bound` and :func:`quantization_variance` over the stored rows when there is no tail.
+
+    Parameters
+    ----------
+    q : (b, h_q, d) or (b, h_q, t, d)
+    stored : QuantizedKV (b, h_kv, m, ...)
+    tail : (keys (b, h_kv, r, d), values (b, h_kv, r, dv), log_pi (b, h_kv, r)), optional
+    scale : float, default 1/sqrt(d)
+
+    Returns
+    -------
+    (B_q, V_q) of shape (b, h_q[, t]); V_q None for rows rounded to nearest.
+    """
+    dt = _stat_dtype(q)
+    keys, values = stored.keys, stored.values
+    k, v = stored.dequantize(dt)
+    log_pi = stored.log_pi.to(dt)
+    rounded = isinstance(keys, _STORED)
+    stochastic = values.rounding == "stochastic"
+    eta = logit_bound(q, keys, scale=scale) if rounded else None
+    sigma2 = logit_variance(q, keys, scale=scale) if rounded and stochastic else None
+    eps = value_bound(values, dtype=dt)
+    vvar = values.variance_bound(dt).sum(dim=-1) if stochastic else torch.zeros_like(eps)
+    if tail is not None:
+        tk, tv, tl = tail
+        r = tk.shape[2]
+        k, v = torch.cat([k, tk.to(dt)], dim=2), torch.cat([v, tv.to(dt)], dim=2)
+        log_pi = torch.cat([log_pi, tl.to(dt)], dim=-1)
+        pad = lambda x: torch.nn.functional.pad(x, (0, r)) if x is not None else None  # noqa: E731
+        eta, sigma2, eps, vvar = pad(eta), pad(sigma2), pad(eps), pad(vvar)
+    w, dist2, on, lead, _ = _held_estimate(q, k, v, None, log_pi, scale)
+    zero = torch.zeros_like(w)
+    b_q = _bound_from(w, dist2, on, lead, zero if eta is None else _rows_layout(eta, w), eps[:, :, None, :])
+    if not stochastic:
+        return b_q, None
+    v_q = _variance_from(w, dist2, on, lead, zero if sigma2 is None else _rows_layout(sigma2, w),
+                         vvar[:, :, None, :])
+    return b_q, v_q
 
 
 def _rows_layout(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -652,15 +729,7 @@ def quantization_bound(q: torch.Tensor, keys, values, pi: torch.Tensor | None = 
     w, dist2, on, lead, dt, rounded = _stored_estimate(q, keys, values, pi, log_pi, scale)
     eta = _rows_layout(logit_bound(q, keys, scale=scale), w) if rounded else torch.zeros_like(w)
     eps = value_bound(values, dtype=dt)[:, :, None, :]                 # (b, h_kv, 1, n)
-    logw = torch.where(on, torch.log(torch.where(on, w, 1.0)), -torch.inf)
-    log_f_low = torch.logsumexp(logw - eta, dim=-1, keepdim=True)
-    log_f_high = torch.logsumexp(logw + eta, dim=-1, keepdim=True)
-    h_minus_1 = torch.expm1(eta - log_f_low)                           # w_i / w'_i <= 1 + h_minus_1
-    g = torch.maximum(h_minus_1, -torch.expm1(-eta - log_f_high))       # |w_i / w'_i - 1| <= g
-    dist = torch.sqrt(dist2)
-    terms = (torch.where(dist > 0, g * dist, 0.0) + torch.where(eps > 0, (1.0 + h_minus_1) * eps, 0.0))
-    b_q = torch.where(on, w * terms, 0.0).sum(dim=-1)
-    return torch.where(on.any(dim=-1), b_q, torch.inf).reshape(lead)
+    return _bound_from(w, dist2, on, lead, eta, eps)
 
 
 def quantization_variance(q: torch.Tensor, keys, values, pi: torch.Tensor | None = None, *,
@@ -692,23 +761,39 @@ def quantization_variance(q: torch.Tensor, keys, values, pi: torch.Tensor | None
     w, dist2, on, lead, dt, rounded = _stored_estimate(q, keys, values, pi, log_pi, scale)
     sigma2 = _rows_layout(logit_variance(q, keys, scale=scale), w) if rounded else torch.zeros_like(w)
     value_var = values.variance_bound(dt).sum(dim=-1)[:, :, None, :]   # (b, h_kv, 1, n)
-    v_q = torch.where(on, w * w * (sigma2 * dist2 + value_var), 0.0).sum(dim=-1)
-    return torch.where(on.any(dim=-1), v_q, torch.inf).reshape(lead)
+    return _variance_from(w, dist2, on, lead, sigma2, value_var)
 
 
 # ----------------------------------------------------------------------------- memory
 
 
-def _check_kv_bits(kv_bits) -> int:
+def check_kv_bits(kv_bits, name: str = "kv_bits") -> int:
+    """``kv_bits`` as an int of :data:`KV_BITS`, else ValueError naming the argument and the accepted values."""
     if isinstance(kv_bits, bool) or not isinstance(kv_bits, numbers.Integral) or int(kv_bits) not in KV_BITS:
-        raise ValueError(f"kv_bits must be one of {KV_BITS} (16: unquantized), got {kv_bits!r}")
+        raise ValueError(f"{name} must be one of {KV_BITS} (16: unquantized), got {kv_bits!r}")
     return int(kv_bits)
 
 
-def _check_layout(layout) -> str:
+def check_kv_layout(layout, name: str = "kv_layout") -> str:
+    """A name of :data:`KV_LAYOUTS`, else ValueError naming the argument and the accepted values."""
     if not isinstance(layout, str) or layout not in KV_LAYOUTS:
-        raise ValueError(f"layout must be one of {KV_LAYOUTS}, got {layout!r}")
+        raise ValueError(f"{name} must be one of {KV_LAYOUTS}, got {layout!r}")
     return layout
+
+
+def check_quantized_bound(bound, name: str = "quantized_bound") -> str:
+    """A name of :data:`QUANTIZED_BOUNDS`, else ValueError naming the argument and the accepted values."""
+    if not isinstance(bound, str) or bound not in QUANTIZED_BOUNDS:
+        raise ValueError(f"{name} must be one of {QUANTIZED_BOUNDS}, got {bound!r}")
+    return bound
+
+
+def _check_kv_bits(kv_bits) -> int:
+    return check_kv_bits(kv_bits)
+
+
+def _check_layout(layout) -> str:
+    return check_kv_layout(layout, "layout")
 
 
 def _code_elements(d: int, dv: int, b: int, layout: str) -> float:
@@ -766,3 +851,169 @@ def quantized_memory_fraction(n: int, d: int, dv: int, *, kept, kv_bits: int, ex
     else:
         out = torch.where(full, (per_token - TOKEN_SCALARS) / float(d + dv), (k * per_token + float(extra)) / cells)
     return out if isinstance(kept, torch.Tensor) else float(out)
+
+
+# ----------------------------------------------------------------------------- a quantized cache's kept tokens
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizedKV:
+    r"""The kept tokens of an eviction event as a quantized cache stores them, packed to the front of each
+    head (:func:`kvcert.fast.compact`'s slots) and padded: what :meth:`kvcert.fast.TokenDesign.event` returns
+    at ``kv_bits`` < 16 and what the Hugging Face cache layer holds in place of its keys and values.
+
+    Attributes
+    ----------
+    keys : QuantizedChannels (``"channel"``), QuantizedRows (``"token"``) or a tensor of exact keys
+        (``"values"``), (b, h_kv, m, d); padding slots hold zeros (codes 0), which leave every scale as the
+        kept rows alone give it
+    values : QuantizedRows (b, h_kv, m, dv)
+    log_pi : (b, h_kv, m) float64, log pi of each slot (-inf on padding)
+    positions : (b, h_kv, m) int64, each slot's token position (-1 on padding)
+    kv_bits : int, 8 or 4   layout : str, a name of :data:`KV_LAYOUTS`
+    """
+
+    keys: object
+    values: QuantizedRows
+    log_pi: torch.Tensor
+    positions: torch.Tensor
+    kv_bits: int
+    layout: str
+
+    def __post_init__(self):
+        bits = check_kv_bits(self.kv_bits)
+        if bits == 16:
+            raise ValueError("kv_bits: a QuantizedKV stores 8 or 4 bits (16 bits is the unquantized cache)")
+        check_kv_layout(self.layout)
+        if not isinstance(self.values, QuantizedRows):
+            raise TypeError(f"values must be QuantizedRows, got {type(self.values).__name__}")
+        lead = tuple(self.values.codes.shape[:3])
+        for name in ("log_pi", "positions"):
+            x = getattr(self, name)
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != lead:
+                raise ValueError(f"{name} must be a tensor of shape (b, h_kv, m) = {lead}")
+        shape = self.keys.codes.shape if isinstance(self.keys, _STORED) else getattr(self.keys, "shape", None)
+        if shape is None or tuple(shape[:3]) != lead:
+            raise ValueError(f"keys must have shape (b, h_kv, m, d) with (b, h_kv, m) = {lead}")
+
+    @property
+    def rounding(self) -> str:
+        """``"stochastic"`` or ``"nearest"``: how the values (and quantized keys) were rounded."""
+        return self.values.rounding
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """(b, h_kv) int64 tokens held per head."""
+        return (self.log_pi > float("-inf")).sum(-1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys (b, h_kv, m, d), values (b, h_kv, m, dv)) the stored rows in ``dtype`` (exact in float32)."""
+        keys = self.keys.dequantize(dtype) if isinstance(self.keys, _STORED) else self.keys.to(dtype)
+        return keys, self.values.dequantize(dtype)
+
+    def map(self, fn) -> "QuantizedKV":
+        """The same storage with ``fn`` applied to every tensor along the batch dim (a beam reorder, a select)."""
+        def one(x):
+            if isinstance(x, QuantizedChannels):
+                return QuantizedChannels(fn(x.codes), fn(x.scales), x.group, x.format, x.rounding)
+            if isinstance(x, QuantizedRows):
+                return QuantizedRows(fn(x.codes), fn(x.scales), x.format, x.rounding)
+            return fn(x)
+        return QuantizedKV(one(self.keys), one(self.values), fn(self.log_pi), fn(self.positions), self.kv_bits,
+                           self.layout)
+
+    @staticmethod
+    def cat(parts) -> "QuantizedKV":
+        """Stack QuantizedKV of single rows (1, h_kv, m_r, ...) along the batch, each padded to the largest m
+        (zero codes and scales, log pi -inf, position -1: padding slots), in one layout and bit width."""
+        parts = list(parts)
+        first = parts[0]
+        if any((p.kv_bits, p.layout, p.rounding) != (first.kv_bits, first.layout, first.rounding) for p in parts):
+            raise ValueError("parts: every part must share kv_bits, layout and rounding")
+        m = max(p.log_pi.shape[-1] for p in parts)
+        pad = torch.nn.functional.pad
+
+        def grow(x, value=0.0, rows=True):  # slots dim -2 for (.., m, m') tensors, -1 for (.., m)
+            extra = m - x.shape[-2 if rows else -1]
+            if extra == 0:
+                return x
+            return pad(x, (0, 0, 0, extra) if rows else (0, extra), value=value)
+
+        def one(x):
+            if isinstance(x, QuantizedChannels):
+                groups = -(-m // x.group)
+                return x.codes.new_zeros(0), (grow(x.codes), pad(x.scales, (0, 0, 0, groups - x.scales.shape[-2])))
+            if isinstance(x, QuantizedRows):
+                return x.codes.new_zeros(0), (grow(x.codes), grow(x.scales, rows=False))
+            return None, grow(x)
+
+        def join(get):
+            items = [one(get(p))[1] for p in parts]
+            if isinstance(items[0], tuple):
+                return tuple(torch.cat([it[i] for it in items]) for i in range(2))
+            return torch.cat(items)
+
+        kc = join(lambda p: p.keys)
+        vc, vs = join(lambda p: p.values)
+        keys = kc
+        if isinstance(first.keys, QuantizedChannels):
+            keys = QuantizedChannels(kc[0], kc[1], first.keys.group, first.keys.format, first.keys.rounding)
+        elif isinstance(first.keys, QuantizedRows):
+            keys = QuantizedRows(kc[0], kc[1], first.keys.format, first.keys.rounding)
+        values = QuantizedRows(vc, vs, first.values.format, first.values.rounding)
+        log_pi = torch.cat([grow(p.log_pi, float("-inf"), rows=False) for p in parts])
+        positions = torch.cat([grow(p.positions, -1, rows=False) for p in parts])
+        return QuantizedKV(keys, values, log_pi, positions, first.kv_bits, first.layout)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the codes and scales (one code per byte at 4 bits: not packed) and exact keys, without
+        log pi and positions."""
+        parts = [self.values.codes, self.values.scales]
+        parts += [self.keys.codes, self.keys.scales] if isinstance(self.keys, _STORED) else [self.keys]
+        return sum(t.numel() * t.element_size() for t in parts)
+
+
+def store_kv(keys: torch.Tensor, values: torch.Tensor, log_pi: torch.Tensor, positions: torch.Tensor, *,
+             kv_bits: int, layout: str = "channel", rounding: str = "stochastic", seed: int = 0, layer: int = 0,
+             event: int = 0, head_offset: int = 0) -> QuantizedKV:
+    r"""Quantize packed kept tokens (b, h_kv, m, d/dv) as ``evict_and_certify(kv_bits=...)`` stores them.
+
+    ``layout`` (:data:`KV_LAYOUTS`): ``"channel"`` keys per channel and group of :data:`CHANNEL_GROUP` slots,
+    values per token; ``"token"`` both per token; ``"values"`` exact keys. Stochastic rounding draws
+    :func:`rounding_uniforms` (seed, layer, event, KV head + ``head_offset``; ``row_streams=False``, so every
+    batch row draws what row 0 would), keys (``part="keys"``) and values apart, indexed by each slot's token
+    position (padding draws position 0; its zeros round to 0 whatever the uniform), so a token's rounding
+    does not depend on the slot it sits in. Codes ``torch.int8`` (int4 one code per byte), scales float16.
+
+    Parameters
+    ----------
+    keys, values : (b, h_kv, m, d), (b, h_kv, m, dv), finite, zeros on padding
+    log_pi, positions : (b, h_kv, m), -inf / -1 on padding
+    kv_bits : 8 or 4   layout : a name of :data:`KV_LAYOUTS`   rounding : ``"stochastic"`` or ``"nearest"``
+    seed, layer, event, head_offset : int >= 0, the rounding stream's coordinates
+    """
+    bits = check_kv_bits(kv_bits)
+    if bits == 16:
+        raise ValueError("kv_bits: store_kv quantizes to 8 or 4 bits (16 bits is the unquantized cache)")
+    layout = check_kv_layout(layout, "layout")
+    fmt = KV_FORMAT[bits]
+    rounding = _check_rounding(rounding, fmt)
+    positions = check_tensor("positions", positions)
+    index = positions.clamp(min=0).to(torch.int64)
+
+    def draw(x, part):
+        if rounding == "nearest":
+            return {}
+        u = rounding_uniforms(tuple(x.shape), seed, part=part, layer=layer, event=event, index=index,
+                              device=x.device, row_streams=False, head_offset=head_offset)
+        return dict(rounding="stochastic", uniforms=u)
+
+    if layout == "values":
+        k_stored = keys
+    elif layout == "channel":
+        k_stored = quantize_channels(keys, fmt, **draw(keys, "keys"))
+    else:
+        k_stored = quantize(keys, fmt, **draw(keys, "keys"))
+    v_stored = quantize(values, fmt, **draw(values, "values"))
+    return QuantizedKV(k_stored, v_stored, log_pi.to(torch.float64), positions.to(torch.int64), bits, layout)

@@ -19,15 +19,16 @@ from ._checks import check_int, check_kernel_size, check_nonneg_int, check_real,
 from .certificates import TILTED_HULL_MULTIPLIER
 from .design import (DesignSizes, check_sampling, design_sizes, design_uniforms, draw_sample,
                      inclusion_probabilities, nonnegative_importance)
-from .eviction import evict as _evict
+from .eviction import compact, evict as _evict
 from .options import check_kind, check_scorer, scorer_params, set_fields
 from .scorers import SCORERS, queries_needed, queries_read
 from .sketch import ClusterDesign, as_design, cluster_sketch, window_tilt
+from . import quantized as _quantized
 from . import target as _target
 from .target import TARGET_KINDS, check_target_error, head_tops
 
 __all__ = ["SKETCHES", "SKETCH_KINDS", "RECOMMENDED", "RECOMMENDED_FIELDS", "RECOMMENDED_SAMPLING", "TOKEN_DESIGNS",
-           "TokenDecision", "TokenDesign", "TokenEvent", "default_design", "default_sampling", "preset_fields",
+           "QuantizedCertificate", "TokenDecision", "TokenDesign", "TokenEvent", "quantized_decode", "default_design", "default_sampling", "preset_fields",
            "register_design", "resolve_sketch"]
 
 
@@ -185,12 +186,18 @@ class TokenEvent:
         ``target_error`` (n where no head evicts).
     target : kvcert.fast.TargetBudget or None
         What an error target chose (:meth:`TokenDesign.target_budget`); None without one.
+    stored : kvcert.fast.QuantizedKV or None
+        At ``kv_bits`` < 16: the kept tokens as the cache stores them (codes and 16-bit scales, packed to the
+        front of each head, with their log pi and positions; :meth:`TokenDesign.store`), every token when
+        nothing is evicted; what the certificate's rounding terms read (:meth:`TokenDesign.certify`). None at
+        16 bits.
     """
 
     decision: TokenDecision
     sketch: object
     budget: object
     target: object = None
+    stored: object = None
 
     @property
     def evicts(self) -> bool:
@@ -201,6 +208,28 @@ class TokenEvent:
     def sampled(self) -> bool:
         """Whether the event sampled (some pi < 1; a Poisson draw may still keep every token)."""
         return self.decision.sizes is not None
+
+
+@dataclass(frozen=True)
+class QuantizedCertificate:
+    """What :meth:`TokenDesign.certify` returns for queries over a quantized cache, per (b, h_q).
+
+    Attributes
+    ----------
+    output : (b, h_q, dv) the Hajek estimate over the stored rows
+    radius : (b, h_q) the certified bound on its distance from the exact attention output
+    variance : (b, h_q) the variance the radius rule read (V, plus V_q with ``quantized_bound="variance"``)
+    quantization_bound : (b, h_q) B_q, the deterministic bound on the rounding's effect (reported either way)
+    quantization_variance : (b, h_q) V_q (0 with ``"strict"``)
+    lse : (b, h_q) log Z of the Hajek softmax over the held rows (``Estimate.lse``)
+    """
+
+    output: torch.Tensor
+    radius: torch.Tensor
+    variance: torch.Tensor
+    quantization_bound: torch.Tensor
+    quantization_variance: torch.Tensor
+    lse: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -265,6 +294,19 @@ class TokenDesign:
         start), so every head keeps :math:`\lfloor B \rfloor` or :math:`\lceil B \rceil` tokens. A paged
         engine pads every head to the largest kept count (:func:`kvcert.fast.compact_slots`): a fixed count
         wastes no memory on padding (docs/theory.md section 7.7).
+    kv_bits : {16, 8, 4}
+        Bits per stored key and value element (``kvcert.fast.KV_BITS``); 16 (the default) stores them
+        unquantized, exactly as without the field. Below 16 the budget keeps its meaning (the memory of B
+        16-bit tokens, scales included): the event samples :meth:`sampled_budget`, about 16/b times the
+        tokens (``kvcert.fast.sampled_budget``), and stores the kept ones quantized (:meth:`store`), as
+        ``kvcert.reference.evict_and_certify(kv_bits=...)`` does (docs/quantized.md).
+    kv_layout : {"channel", "token", "values"}
+        What a quantized cache stores (``kvcert.fast.KV_LAYOUTS``; default ``"channel"``: keys per channel and
+        group of 32 kept tokens, values per token). Checked and unused at 16 bits.
+    quantized_bound : {"variance", "strict"}
+        The rounding term of the certificate at ``kv_bits`` < 16 (``kvcert.fast.QUANTIZED_BOUNDS``):
+        stochastic rounding and :math:`V_q` added to the variance (default), or round to nearest and
+        :math:`B_q` added to the radius (:meth:`certify`). Checked and unused at 16 bits.
 
     Notes
     -----
@@ -299,6 +341,9 @@ class TokenDesign:
     sketch: object = None
     target_error: float | None = None
     sampling: str = "poisson"
+    kv_bits: int = 16
+    kv_layout: str = "channel"
+    quantized_bound: str = "variance"
 
     def __post_init__(self):
         ratio = check_real("compression_ratio", self.compression_ratio, 0.0, 1.0, hi_open=True)
@@ -320,7 +365,14 @@ class TokenDesign:
              scorer=check_scorer(self.scorer), kernel_size=check_kernel_size(self.kernel_size),
              delta=check_real("delta", self.delta, 0.0, 1.0, lo_open=True, hi_open=True),
              kind=check_kind(self.kind), sampling=check_sampling(self.sampling))
-        set_fields(self, sketch=resolve_sketch(self.sketch, self.kind))
+        set_fields(self, sketch=resolve_sketch(self.sketch, self.kind),
+                   kv_bits=_quantized.check_kv_bits(self.kv_bits),
+                   kv_layout=_quantized.check_kv_layout(self.kv_layout),
+                   quantized_bound=_quantized.check_quantized_bound(self.quantized_bound))
+        if self.target_error is not None and self.kv_bits != 16:
+            raise ValueError(f"kv_bits: a target_error chooses budgets from the 16-bit design's variance "
+                             f"(kvcert.fast.target_budget), which does not count the rounding: use kv_bits=16 "
+                             f"with a target_error (got kv_bits={self.kv_bits})")
         if self.target_error is not None:
             if self.sketch is not None:
                 raise ValueError("sketch: a target_error chooses budgets from the paper design's variance "
@@ -359,12 +411,26 @@ class TokenDesign:
         tokens plus sketch hold what B tokens hold. A budget that cannot hold the sketch and one token
         returns n: the event evicts nothing (every token kept, exact attention, radius 0), in the press
         and in the vLLM plugin alike (a short prompt is not an error).
+
+        At ``kv_bits`` < 16 the same memory in quantized tokens, ``kvcert.fast.sampled_budget(B, d, dv,
+        kv_bits, extra=sketch elements, layout=kv_layout)`` (docs/quantized.md section 6); n when the whole
+        cache fits at ``kv_bits`` (every token kept, stored quantized) or the sketch leaves less than one token.
         """
         budget = self.budget(n)
+        if self.kv_bits != 16:
+            return self._quantized_budget(n, budget, d, dv)
         if self.sketch is None or budget >= n:
             return budget
         held = self.sketch.tokens(d, dv)
         return float(n) if budget - held < 1.0 else budget - held
+
+    def _quantized_budget(self, n: int, budget: float, d: int, dv: int) -> float:
+        """:meth:`sampled_budget` at ``kv_bits`` < 16 (as ``kvcert.reference.evict_and_certify``'s)."""
+        if budget >= n or _quantized.sampled_budget(budget, d, dv, self.kv_bits, layout=self.kv_layout) >= n:
+            return float(n)
+        extra = 0.0 if self.sketch is None else float(self.sketch.elements(d, dv))
+        sampled = _quantized.sampled_budget(budget, d, dv, self.kv_bits, extra=extra, layout=self.kv_layout)
+        return float(n) if sampled < 1.0 else float(sampled)
 
     def sketch_of(self, keys: torch.Tensor, values: torch.Tensor, decision: "TokenDecision", *,
                   queries: torch.Tensor | None = None, scale: float | None = None):
@@ -475,7 +541,7 @@ class TokenDesign:
 
     def event(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
               scale: float | None = None, layer: int = 0, event: int = 0, head_offset: int = 0,
-              scores: torch.Tensor | None = None) -> TokenEvent:
+              scores: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> TokenEvent:
         """One eviction event on one sequence's tokens, whole: the scores, the budget (the sampled budget,
         or each KV head's under an error target), the decision and the sketch of what it evicts. The
         Hugging Face press and the vLLM plugin call this, and only lay out its result (a dense cache,
@@ -492,20 +558,29 @@ class TokenDesign:
             Stream coordinates (:meth:`decide`).
         scores : (1, h_kv, n), optional
             Scores of a scorer outside the registry (a press's own); default :meth:`score`.
+        positions : int64 (1, h_kv, n), optional
+            The tokens' positions (default 0 .. n-1): at ``kv_bits`` < 16 the rounding stream's index and the
+            stored positions (:meth:`store`); unused at 16 bits.
 
         Returns
         -------
         TokenEvent
-            Nothing evicted (pi 1, no sketch) when :meth:`evicts` is False.
+            Nothing evicted (pi 1, no sketch) when :meth:`evicts` is False. At ``kv_bits`` < 16 its ``stored``
+            holds the kept tokens quantized (every token when nothing is evicted); the sketch, when there is
+            one, is taken from the unquantized tokens, as the reference takes it.
         """
         keys = check_tensor("keys", keys, ndim=(4,), floating=True)
         if keys.shape[0] != 1:
             raise ValueError(f"keys: one sequence's tokens (1, h_kv, n, d), got shape {tuple(keys.shape)}")
         n, d, dv = keys.shape[2], keys.shape[3], values.shape[-1]
+        where = dict(layer=layer, event=event, head_offset=head_offset, positions=positions)
         if not self.evicts(n, d, dv):
             one = torch.ones(keys.shape[1:3], dtype=torch.float64, device=keys.device)
             keep = torch.ones(one.shape, dtype=torch.bool, device=keys.device)
-            return TokenEvent(TokenDecision(float(n), None, one, one, keep, layer, event), None, float(n))
+            decision = TokenDecision(float(n), None, one, one, keep, layer, event)
+            if self.kv_bits == 16:
+                return TokenEvent(decision, None, float(n))
+            return TokenEvent(decision, None, float(n), stored=self.store(keys, values, decision, **where))
         u = self.score(queries, keys, values, scale=scale, layer=layer, event=event) if scores is None else scores
         target = None
         if self.target_error is not None:
@@ -515,7 +590,121 @@ class TokenDesign:
             budget = self.sampled_budget(n, d, dv)
         decision = self.decide(u[0], layer=layer, event=event, budget=budget, head_offset=head_offset)
         sketch = self.sketch_of(keys, values, decision, queries=queries, scale=scale)
-        return TokenEvent(decision, sketch, budget, target)
+        if self.kv_bits == 16:
+            return TokenEvent(decision, sketch, budget, target)
+        return TokenEvent(decision, sketch, budget, target, self.store(keys, values, decision, **where))
+
+    def store(self, keys: torch.Tensor, values: torch.Tensor, decision: TokenDecision, *, layer: int = 0,
+              event: int = 0, head_offset: int = 0, positions: torch.Tensor | None = None):
+        """The kept tokens of a decision as a ``kv_bits`` cache stores them (``kvcert.fast.store_kv``): packed to
+        the front of each head in position order (:func:`kvcert.fast.compact`), quantized in ``kv_layout``,
+        rounded stochastically (``quantized_bound="variance"``, the stream of (seed, layer, KV head +
+        ``head_offset``, event) indexed by token position) or to nearest (``"strict"``). None at 16 bits.
+
+        Parameters
+        ----------
+        keys, values : (1, h_kv, n, d), (1, h_kv, n, dv), the tokens the decision was taken on
+        decision : :meth:`decide`'s result over them
+        layer, event, head_offset : int >= 0, the stream coordinates
+        positions : int64 (1, h_kv, n), optional, the tokens' positions (default 0 .. n-1)
+        """
+        if self.kv_bits == 16:
+            return None
+        lead = tuple(keys.shape[:3])
+        if positions is None:
+            positions = torch.arange(lead[2], device=keys.device).expand(lead)
+        positions = check_tensor("positions", positions)
+        if tuple(positions.shape) != lead or positions.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"positions must be an int64 tensor of shape {lead}, got {positions.dtype} of shape "
+                             f"{tuple(positions.shape)}")
+        cc = compact(decision.keep.reshape(lead), keys, values, decision.pi.reshape(lead).to(torch.float64),
+                     positions.to(torch.int64))
+        rounding = "stochastic" if self.quantized_bound == "variance" else "nearest"
+        return _quantized.store_kv(cc.keys, cc.values, torch.log(cc.pi), cc.positions, kv_bits=self.kv_bits,
+                                   layout=self.kv_layout, rounding=rounding, seed=self.seed, layer=layer,
+                                   event=event, head_offset=head_offset)
+
+    def certify(self, stored, q: torch.Tensor, *, sketch=None, scale: float | None = None,
+                whole: bool = False, tail: tuple | None = None) -> "QuantizedCertificate":
+        r"""The certificate of a quantized cache's Hajek estimate for queries q, from what it stores
+        (docs/quantized.md section 5; ``kvcert.reference.evict_and_certify(kv_bits=...)``'s radius):
+
+        - ``quantized_bound="strict"``: :math:`B_q + r` (:func:`kvcert.fast.quantization_bound`), r the
+          kind's radius of the stored rows' trace; with a sketch :math:`\min(B_q + \min(r, H_q), H_q)`,
+          r the sketch's rule on :math:`V = \max(V_{\mathrm{cl}}, \hat V_{\mathrm{HT}})`;
+        - ``"variance"``: the rule on :math:`V + V_q` (:func:`kvcert.fast.quantization_variance`), capped at
+          :math:`H_q` with a sketch;
+
+        :math:`H_q` the hull bound of the stored values plus their largest value bound :math:`\max_S\epsilon_i`.
+        ``whole`` (nothing evicted: the stored tokens are the whole cache, :math:`\hat o = o`): :math:`B_q`
+        (strict), or the rule on :math:`V_q` capped at :math:`B_q`.
+
+        Parameters
+        ----------
+        stored : kvcert.fast.QuantizedKV (b, h_kv, m, ...), e.g. :attr:`TokenEvent.stored`
+        q : (b, h_q, d) queries
+        sketch : kvcert.fast.ClusterSketch (b, h_kv, ...) of the evicted tokens, when the design keeps one
+        scale : float, default 1/sqrt(d)
+        whole : bool, the stored tokens are every token of the cache
+        tail : (keys (b, h_kv, r, d), values (b, h_kv, r, dv), log_pi (b, h_kv, r)), optional
+            Exact tokens held after the stored ones (appended at 16 bits since the event, e.g. decoded tokens):
+            part of the estimate, with rounding terms 0 (:func:`kvcert.fast.held_rounding_terms`).
+
+        Returns
+        -------
+        QuantizedCertificate
+            (b, h_q) fields; float64 for a float64 q, float32 otherwise.
+        """
+        from .certificates import radius_from_moments
+        from .estimators import hajek_attention
+        from .sketch import cluster_radius, sketch_hajek_attention
+
+        q = check_tensor("q", q, ndim=(3,), floating=True)
+        dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        k, v = stored.dequantize(dt)
+        log_pi = stored.log_pi.to(dt)
+        if tail is not None:
+            k, v = torch.cat([k, tail[0].to(dt)], dim=2), torch.cat([v, tail[1].to(dt)], dim=2)
+            log_pi = torch.cat([log_pi, tail[2].to(dt)], dim=-1)
+        b_q, v_q = _quantized.held_rounding_terms(q, stored, tail=tail, scale=scale)
+        by_variance = self.quantized_bound == "variance"
+        if not by_variance:
+            v_q = torch.zeros_like(b_q)
+        kind = self.kind if sketch is None else None
+        if whole:
+            est = hajek_attention(q.to(dt), k, v, log_pi=log_pi, scale=scale, per_coordinate=False)
+            radius = self._rule(v_q, b_q, sketch_rule=self.sketch) if by_variance else b_q
+            return QuantizedCertificate(est.output, radius, v_q, b_q, v_q, est.lse)
+        if sketch is None:
+            est = hajek_attention(q.to(dt), k, v, log_pi=log_pi, scale=scale, per_coordinate=False)
+            trace = est.trace.to(dt)
+            if by_variance:
+                radius = radius_from_moments(kind, self.delta, trace=trace + v_q)
+                return QuantizedCertificate(est.output, radius, trace + v_q, b_q, v_q, est.lse)
+            radius = b_q + radius_from_moments(kind, self.delta, trace=trace)
+            return QuantizedCertificate(est.output, radius, trace, b_q, v_q, est.lse)
+        ce = sketch_hajek_attention(q.to(dt), k, v, None, sketch, log_pi=log_pi, scale=scale, delta=self.delta)
+        eps = _quantized.value_bound(stored.values, dtype=dt).masked_fill(stored.log_pi == float("-inf"), 0.0)
+        g = q.shape[1] // k.shape[1]   # the exact tail adds no value bound
+        cap = ce.bound.to(dt) + eps.amax(dim=-1).repeat_interleave(g, dim=1)
+        var = ce.variance.to(dt)
+        if by_variance:
+            radius = torch.minimum(cluster_radius(var + v_q, delta=self.delta, rule=ce.rule,
+                                                  multiplier=self.sketch.multiplier), cap)
+            return QuantizedCertificate(ce.output, radius, var + v_q, b_q, v_q, ce.estimate.lse)
+        r = torch.minimum(cluster_radius(var, delta=self.delta, rule=ce.rule, multiplier=self.sketch.multiplier), cap)
+        return QuantizedCertificate(ce.output, torch.minimum(b_q + r, cap), var, b_q, v_q, ce.estimate.lse)
+
+    def _rule(self, variance: torch.Tensor, cap: torch.Tensor, *, sketch_rule) -> torch.Tensor:
+        """The design's radius rule on a variance, capped: the kind's (trace only) without a sketch, the sketch's
+        rule with one."""
+        from .certificates import radius_from_moments
+        from .sketch import cluster_radius
+
+        if sketch_rule is None:
+            return torch.minimum(radius_from_moments(self.kind, self.delta, trace=variance), cap)
+        return torch.minimum(cluster_radius(variance, delta=self.delta, rule=sketch_rule.radius,
+                                            multiplier=sketch_rule.multiplier), cap)
 
     # -- the decision ---------------------------------------------------------------------------
     def decide(self, scores: torch.Tensor, *, layer: int = 0, event: int = 0,
@@ -625,6 +814,54 @@ class TokenDesign:
         return decision.kept
 
 
+def quantized_decode(query: torch.Tensor, layer, *, scale: float, kind: str, delta: float):
+    r"""The Hajek estimate of the new tokens over a quantized layer's held slots and its certificate, per query:
+    ``(outputs (b, t, h_q, dv), [(Estimate, kept (b, h_kv)) per query])``.
+
+    The certificate is :meth:`kvcert.fast.TokenDesign.certify` of the layer's design on the stored codes and
+    scales, with the exact slots after them as its tail: :math:`B_q + r` (``quantized_bound="strict"``) or the
+    rule on :math:`V + V_q` (``"variance"``), capped at :math:`H_q` with a sketch, as
+    ``kvcert.reference.evict_and_certify(kv_bits=...)`` certifies the event's query. Each Estimate's ``trace`` is
+    the trace whose radius of ``kind`` is that radius, :math:`(\mathrm{radius}/c)^2` with :math:`c` the kind's
+    radius per unit square-root trace (a trace-only norm kind: ``chebyshev``, ``tilted_hull``), so the recorder
+    computes it unchanged. Query j of a chunk sees the slots at or before its position. The torch path: the
+    codes are dequantized here, at every step.
+
+    ``layer``: a ``kvcert.cache.KVCertLayer`` holding a quantized state (``quantized``, ``quantized_design``,
+    ``quantized_whole``, ``log_weights``, ``positions``, ``keys`` / ``values`` of the exact slots, ``sketch``);
+    its last t slots are the new tokens.
+    """
+    from .certificates import radius_from_moments
+    from .types import Estimate
+
+    design, stored = layer.quantized_design, layer.quantized
+    m = stored.log_pi.shape[-1]
+    c = float(radius_from_moments(kind, delta, trace=torch.ones((), dtype=torch.float64)))
+    whole = layer.quantized_whole
+    every, none = bool(whole.all()), not bool(whole.any())
+    outs, records = [], []
+    for j in range(query.shape[2]):
+        qpos = layer.positions[:, 0, layer.positions.shape[-1] - query.shape[2] + j]
+        log_pi = layer.log_weights.masked_fill(layer.positions > qpos[:, None, None], float("-inf"))
+        held = stored.__class__(stored.keys, stored.values, log_pi[..., :m].to(torch.float64), stored.positions,
+                                stored.kv_bits, stored.layout)
+        tail = (layer.keys, layer.values, log_pi[..., m:])
+        kw = dict(sketch=layer.sketch, scale=scale, tail=tail)
+        q = query[:, :, j]
+        cert = design.certify(held, q, whole=every, **kw)
+        if not (every or none):  # rows that kept every token take the whole-cache rule
+            other = design.certify(held, q, whole=True, **kw)
+            pick = whole[:, None].to(cert.radius.device)
+            cert = cert.__class__(cert.output, torch.where(pick, other.radius, cert.radius),
+                                  torch.where(pick, other.variance, cert.variance), cert.quantization_bound,
+                                  cert.quantization_variance, cert.lse)
+        trace = (cert.radius / c).square()
+        records.append((Estimate(cert.output, None, None, trace, cert.lse, backend="fast", route="torch"),
+                        (log_pi > float("-inf")).sum(-1)))
+        outs.append(cert.output)
+    return torch.stack(outs, dim=1), records
+
+
 #: the named token designs: name -> the :class:`TokenDesign` whose fields a press or engine starts from when
 #: it names one (``PoissonPress(preset=name)``, ``KVCertConfig(preset=name)``, the request option
 #: ``kvcert_preset``); the fields given beside the name override the preset's. ``"paper"``: the paper's design
@@ -633,8 +870,9 @@ class TokenDesign:
 #: ``target_error``) and the seed are the caller's, never a preset's.
 TOKEN_DESIGNS: dict[str, TokenDesign] = {}
 
-#: the fields a preset does not set (the caller's budget and stream)
-_CALLER_FIELDS = ("compression_ratio", "target_size", "target_error", "seed")
+#: the fields a preset does not set (the caller's budget, stream and storage: bits are the memory split's)
+_CALLER_FIELDS = ("compression_ratio", "target_size", "target_error", "seed", "kv_bits", "kv_layout",
+                  "quantized_bound")
 
 
 def register_design(name: str, design: TokenDesign) -> TokenDesign:

@@ -25,6 +25,12 @@ the 2-D attention mask, what ``generate`` and the default position ids
 count), :meth:`get_mask_sizes` the *physical* one (slots held, what a mask
 over the keys must cover). Layers may hold different physical lengths.
 
+A quantized cache (``PoissonPress(kv_bits=8)``) holds the kept tokens of its prefill event as codes and
+16-bit scales (:attr:`KVCertLayer.quantized`, a ``kvcert.fast.QuantizedKV``: int8 codes, int4 one code per
+byte, not packed) in the first slots, and ``keys`` / ``values`` hold only the tokens appended since (exact,
+pi = 1); ``log_weights`` and ``positions`` cover every slot. The decode dequantizes the codes when it reads
+the layer (:meth:`KVCertLayer.held`, ``kvcert.fast.quantized_decode``; the torch path).
+
 Models that mix layer types (Gemma 2 and 3: sliding-window layers beside
 global ones) get one layer class per type, read off the config by
 :func:`attention_layout`: full-attention layers are :class:`KVCertLayer` and
@@ -93,6 +99,13 @@ class KVCertLayer(DynamicLayer):
         #: ``kvcert.fast.ClusterSketch`` of the tokens the eviction event evicted, per row and KV head,
         #: when the press keeps one (``PoissonPress(sketch=...)``); decoding then certifies with V_cl
         self.sketch = None
+        #: ``kvcert.fast.QuantizedKV`` of the first slots (a quantized prefill event, ``PoissonPress(kv_bits=8)``):
+        #: their codes and scales; ``keys`` / ``values`` then hold the slots after them only. None otherwise
+        self.quantized = None
+        #: the ``kvcert.fast.TokenDesign`` that stored :attr:`quantized` (its certificate's rule), and (b,) bool:
+        #: whether each row's event kept every token (nothing evicted: B_q caps the radius)
+        self.quantized_design = None
+        self.quantized_whole: torch.Tensor | None = None
 
     # -- transformers interface ---------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -116,7 +129,7 @@ class KVCertLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         b, h, q = key_states.shape[0], key_states.shape[1], key_states.shape[-2]
         self.length_before_update = self.physical_length
-        if self.keys.numel() == 0:
+        if self.keys.numel() == 0 and self.quantized is None:
             self.keys, self.values = key_states, value_states
             self.positions = (self.next_position[:, None, None] + torch.arange(q, device=self.device)).expand(b, h, q).contiguous()
             self.log_weights = torch.zeros(b, h, q, dtype=self.stat_dtype, device=self.device)
@@ -175,7 +188,7 @@ class KVCertLayer(DynamicLayer):
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
-        return total
+        return total + (0 if self.quantized is None else self.quantized.nbytes)
 
     def get_seq_length(self) -> int:
         """Logical length: the number of tokens (padding included) the layer has seen."""
@@ -195,6 +208,7 @@ class KVCertLayer(DynamicLayer):
         self.log_weights = self.positions = self.next_position = self.queries = self.budgets = None
         self.value_center = self.value_sqdist = self._kept = self._mark = None
         self.block_size = self.token_ids = self.sketch = None
+        self.quantized = self.quantized_design = self.quantized_whole = None
         self._buffers = {}
         self.cumulative_length = self.length_before_update = self.events = self.tokens_since_event = 0
 
@@ -228,6 +242,8 @@ class KVCertLayer(DynamicLayer):
             self.token_ids = fn(self.token_ids)
         if self.sketch is not None:
             self.sketch = self.sketch.map(fn)
+        if self.quantized is not None:
+            self.quantized, self.quantized_whole = self.quantized.map(fn), fn(self.quantized_whole)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map_batch(lambda x: x.index_select(0, beam_idx.to(x.device)))
@@ -260,7 +276,9 @@ class KVCertLayer(DynamicLayer):
     # -- kvcert interface ---------------------------------------------------------------
     @property
     def physical_length(self) -> int:
-        """Number of slots held (padding slots included)."""
+        """Number of slots held (padding slots included; a quantized layer's stored slots too)."""
+        if self.quantized is not None:
+            return self.log_weights.shape[-1]
         if not self.is_initialized or self.keys.numel() == 0:
             return 0
         return self.keys.shape[-2]
@@ -351,8 +369,9 @@ class KVCertLayer(DynamicLayer):
         self.positions = positions
         self.log_weights = self.log_weights.masked_fill(pad[:, None, :], float("-inf"))
         # padding K/V are never read (log pi = -inf); zero them so they stay finite whatever the model put there
-        self.keys = self.keys.masked_fill(pad[:, None, :, None], 0.0)
-        self.values = self.values.masked_fill(pad[:, None, :, None], 0.0)
+        tail = pad[:, pad.shape[1] - self.keys.shape[2]:]  # the slots keys/values hold (after a quantized prefix)
+        self.keys = self.keys.masked_fill(tail[:, None, :, None], 0.0)
+        self.values = self.values.masked_fill(tail[:, None, :, None], 0.0)
         self.next_position = start + real.sum(-1)
         self._invalidate()
 
@@ -373,12 +392,68 @@ class KVCertLayer(DynamicLayer):
         self.log_weights = log_weights
         self.positions = positions.to(torch.int64)
         self.sketch = sketch
+        self.quantized = self.quantized_design = self.quantized_whole = None
         self._invalidate()
         self._trim()
 
+    def install_quantized(self, stored, design, whole: torch.Tensor, sketch=None) -> None:
+        """Install a quantized compressed state: ``stored`` (``kvcert.fast.QuantizedKV`` (b, h_kv, m, ...), every
+        row padded to m) in place of keys and values, which then hold no slot until the next append; log pi
+        and positions are the stored ones. ``design`` is the ``kvcert.fast.TokenDesign`` that stored them (its
+        certificate rule, :meth:`kvcert.fast.TokenDesign.certify`), ``whole`` (b,) bool whether each row kept
+        every token, ``sketch`` the evicted tokens' sketch or None."""
+        b, h, m = stored.log_pi.shape
+        whole = torch.as_tensor(whole, dtype=torch.bool, device=stored.log_pi.device).reshape(-1)
+        if whole.shape[0] != b:
+            raise ValueError(f"whole must have shape (b,) = ({b},), got {tuple(whole.shape)}")
+        log_weights = stored.log_pi.to(self.stat_dtype)
+        if bool((torch.isnan(log_weights) | (log_weights > 0)).any()):
+            raise ValueError("stored: log_pi must be log inclusion probabilities, <= 0 (-inf on padding), without NaN")
+        self.keys = self.keys.new_zeros(b, h, 0, self.keys.shape[-1])
+        self.values = self.values.new_zeros(b, h, 0, self.values.shape[-1])
+        self.log_weights, self.positions = log_weights, stored.positions.to(torch.int64)
+        self.quantized, self.quantized_design, self.quantized_whole = stored, design, whole
+        self.sketch = sketch
+        self._invalidate()
+
+    def held(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys (b, h_kv, m, d), values (b, h_kv, m, dv)) of every held slot in ``dtype`` (default the stored
+        tensors'): a quantized layer's stored slots dequantized, then the exact ones."""
+        if self.quantized is None:
+            return (self.keys, self.values) if dtype is None else (self.keys.to(dtype), self.values.to(dtype))
+        dt = self.keys.dtype if dtype is None else dtype
+        k, v = self.quantized.dequantize(torch.float64 if dt == torch.float64 else torch.float32)
+        return torch.cat([k.to(dt), self.keys.to(dt)], dim=2), torch.cat([v.to(dt), self.values.to(dt)], dim=2)
+
+    def memory_elements(self) -> torch.Tensor:
+        r"""(b, h_kv) float64: 16-bit elements each KV head holds, as ``kvcert.reference`` counts them
+        (``quantized_memory_fraction`` times :math:`n\,(d + d_v)`): a quantized slot its codes, scales and
+        log pi (``kvcert.fast.token_elements``; the ``"channel"`` layout's key scales per started group of 32),
+        an exact slot :math:`d + d_v + 1`, a sketch its elements; without log pi when a row kept every token."""
+        from .fast import CHANNEL_GROUP, token_elements
+
+        d, dv = self.keys.shape[-1], self.values.shape[-1]
+        kept = self.kept.to(torch.float64)
+        if self.quantized is None:
+            out = kept * (d + dv + 1)
+        else:
+            q = self.quantized
+            kq = (self.log_weights[..., :q.log_pi.shape[-1]] > float("-inf")).sum(-1).to(torch.float64)
+            per = token_elements(d, dv, q.kv_bits, layout=q.layout)
+            if q.layout == "channel":  # d / G per token amortized -> d per started group
+                per_q = kq * (per - d / CHANNEL_GROUP) + torch.ceil(kq / CHANNEL_GROUP) * d
+            else:
+                per_q = kq * per
+            out = per_q + (kept - kq) * (d + dv + 1)
+            out = torch.where(self.quantized_whole[:, None].to(out.device), out - kept, out)  # no log pi
+        if self.sketch is not None:
+            out = out + float(self.sketch.elements)
+        return out
+
     # -- the compressed context, shared by several questions (query-agnostic protocol) ------------
     _MARKED = ("keys", "values", "log_weights", "positions", "next_position", "cumulative_length", "events",
-               "tokens_since_event", "budgets", "queries", "block_size", "sketch")
+               "tokens_since_event", "budgets", "queries", "block_size", "sketch", "quantized", "quantized_design",
+               "quantized_whole")
 
     def mark(self) -> None:
         """Remember the current state, to come back to with :meth:`restore_mark`.
@@ -421,8 +496,10 @@ class KVCertLayer(DynamicLayer):
         any_valid = self.valid.flatten(0, 1).any(0)
         idx = torch.nonzero(any_valid)
         m = int(idx[-1]) + 1 if idx.numel() else 0
+        stored = 0 if self.quantized is None else self.quantized.log_pi.shape[-1]
+        m = max(m, stored)  # a quantized layer's stored slots stay (their padding is the codes')
         if m < self.physical_length:
-            self.keys, self.values = self.keys[..., :m, :], self.values[..., :m, :]
+            self.keys, self.values = self.keys[..., :m - stored, :], self.values[..., :m - stored, :]
             self.log_weights, self.positions = self.log_weights[..., :m], self.positions[..., :m]
             if self.value_sqdist is not None:
                 self.value_sqdist = self.value_sqdist[..., :m]
@@ -697,3 +774,4 @@ def as_kvcert_cache(cache: Cache, config=None) -> Cache:
                 new.cumulative_length += shift
         cache.layers[i] = new
     return cache
+

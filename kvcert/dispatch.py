@@ -761,6 +761,12 @@ def decode(query: torch.Tensor, layer, *, scale: float, options: dict, kind: str
       square-root trace (:math:`1/\sqrt\delta` for chebyshev), so the radius
       :math:`c\sqrt{\mathrm{trace}}` is :math:`\min(c\sqrt{V}, H)`.
 
+    A quantized layer (``layer.quantized``, ``PoissonPress(kv_bits=8)``) takes
+    :func:`kvcert.fast.quantized_decode` whatever its route: its codes dequantized (the torch path), one
+    query at a time, the certificate of its design on the stored codes and scales
+    (:meth:`kvcert.fast.TokenDesign.certify`: :math:`B_q + r`, or the rule on :math:`V + V_q`), recorded as
+    the trace whose radius of ``kind`` it is.
+
     Every route runs with ``validate=False``: no host read (the layer's log pi was checked
     when the eviction event installed it; the caller checks the outputs for NaN once per
     forward). A chunk of t > 1 queries is causal by the stored positions: query j sees the
@@ -805,6 +811,15 @@ def decode(query: torch.Tensor, layer, *, scale: float, options: dict, kind: str
         raise ValueError("kvcert: attention logit softcapping (the model's softcap) is supported on the token "
                          "design only, not with block eviction (BlockPoissonPress) or a sketch "
                          "(PoissonPress(sketch=...))")
+    if getattr(layer, "quantized", None) is not None:  # a quantized cache: its codes dequantized here (torch)
+        if softcap is not None or kind is None:
+            raise ValueError("kvcert: a quantized cache (PoissonPress(kv_bits=...)) decodes without a logit softcap "
+                             "and records a certificate kind (give kind=)")
+        from kvcert.fast.token_design import quantized_decode
+
+        output, steps = quantized_decode(query, layer, scale=scale, kind=kind, delta=delta)
+        return LayerDecode(route, output, tuple(DecodeRecord(est, kept, 0.0 if layer.sketch is None else
+                                                             layer.sketch.tokens) for est, kept in steps))
     return _DECODERS[route, "dense"](query, layer, scale=scale, options=options, kind=kind, delta=delta,
                                      softcap=softcap, backend=backend)
 

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..fast import SCORERS, ClusterSketch, TokenDesign, design_sizes
+from ..fast import SCORERS, ClusterSketch, QuantizedKV, TokenDesign, design_sizes
 from ..fast._checks import check_int, check_kernel_size
 from ..fast.options import declare_fields
 from ..fast.scorers import HEAD_POOLINGS, SNAPKV_POOLINGS, queries_needed, queries_read
@@ -436,6 +436,9 @@ class BasePress(Press):
         counts: the same design per row as one call per row would give, in
         a few batched calls.
         """
+        if not prefill and getattr(layer, "quantized", None) is not None:
+            raise ValueError("kv_bits: a quantized cache is compressed once per layer, at the prefill event; "
+                             "decode-time compression (DecodingPress, streaming) is not supported: use kv_bits=16")
         if not prefill and getattr(self, "sketch", None) is not None:
             raise ValueError("sketch: a sketched PoissonPress evicts once per layer, at the prefill event; "
                              "decode-time compression (DecodingPress, streaming) would need the sketches of "
@@ -453,6 +456,7 @@ class BasePress(Press):
         plans = {}  # row -> (importance (1, h_kv, slots), budget (h_kv,), DesignSizes, tilt, top)
         rows = {}  # row -> its (keys, values, log_weights, positions) after the event
         sketches = {}  # row -> its ClusterSketch (1, h_kv, ...) when the design keeps one
+        stored = {}  # row -> (its QuantizedKV (1, h_kv, ...), whether it kept every token): a quantized cache
         evicted = False  # a row evicted by its design's event (:meth:`_prefill_row`)
         for r in range(b):
             sl = slice(r, r + 1)
@@ -464,6 +468,8 @@ class BasePress(Press):
                     evicted |= done.evicted
                     if done.sketch is not None:
                         sketches[r] = done.sketch
+                    if done.stored is not None:
+                        stored[r] = (done.stored, done.whole)
                     continue
                 plans[r] = done.plan
             else:
@@ -510,18 +516,26 @@ class BasePress(Press):
         if sketches:  # a row that evicted nothing has an empty sketch (count 0: no term)
             blank = next(iter(sketches.values())).map(torch.zeros_like)
             sketch = ClusterSketch.cat([sketches.get(r, blank) for r in range(b)])
+        if stored:  # a quantized cache: every row's event stored its tokens (kvcert.fast.TokenDesign.event)
+            layer.install_quantized(QuantizedKV.cat([stored[r][0] for r in range(b)]), self.design,
+                                    torch.tensor([stored[r][1] for r in range(b)]), sketch)
+            return
         layer.replace(*pad_rows([rows[r] for r in range(b)]), sketch)
 
 
 class RowEvent(NamedTuple):
     """One batch row's prefill event (:meth:`Press._prefill_row`): ``row`` its (keys, values, log_weights,
     positions) after the event and ``sketch`` its sketch (1, h_kv, ...) or None, with ``evicted`` whether the
-    event removed any token; or ``plan``, the row's share of a batched :meth:`Press._evict`."""
+    event removed any token; or ``plan``, the row's share of a batched :meth:`Press._evict`. A quantized
+    cache's row (``kv_bits`` < 16) gives ``stored`` (a ``kvcert.fast.QuantizedKV`` (1, h_kv, ...)) in place of
+    ``row``, and ``whole`` whether its event kept every token."""
 
     row: tuple | None
     sketch: object = None
     plan: tuple | None = None
     evicted: bool = False
+    stored: object = None
+    whole: bool = False
 
 
 

@@ -17,7 +17,8 @@ from .scorer import ScorerPress
 
 @dataclass
 @declare_fields(TokenDesign, ("top_fraction", "floor", "scorer", "seed", "observation_window", "kernel_size", "sketch",
-                              "kind", "target_error", "sampling"), sketch="auto", kind=None, sampling="auto")
+                              "kind", "target_error", "sampling", "kv_bits", "kv_layout", "quantized_bound"),
+                sketch="auto", kind=None, sampling="auto")
 class PoissonPress(BasePress):
     r"""Randomized eviction with known inclusion probabilities (by default the recommended design: the
     paper's sample plus a tilted sketch of the evicted tokens, at equal memory).
@@ -141,6 +142,21 @@ class PoissonPress(BasePress):
         recommended design's sketch (``"tilted"``, whatever the kind), Poisson for the paper's design and the
         other sketches (:func:`kvcert.fast.default_sampling`);
         after construction the field holds the resolved name.
+    kv_bits : {16, 8, 4}
+        Bits per stored key and value element (:class:`kvcert.fast.TokenDesign`); 16 (default) stores them
+        unquantized. At 8 or 4 the budget keeps its meaning (the memory of B 16-bit tokens, scales included),
+        the prefill event samples about 16/b times the tokens and the cache stores the kept ones as int8 codes
+        (int4: one code per byte, not packed) with float16 scales (:attr:`kvcert.cache.KVCertLayer.quantized`);
+        the decode dequantizes them (torch path) and records the certificate of
+        ``kvcert.reference.evict_and_certify(kv_bits=...)``: :math:`B_q + r` or the rule on :math:`V + V_q`
+        (docs/quantized.md section 9). Prefill events only (not under :class:`DecodingPress`), a trace-only
+        kind (``chebyshev``, ``tilted_hull``), no error target, no logit softcap; tokens decoded after the event
+        are held at 16 bits.
+    kv_layout : {"channel", "token", "values"}
+        What the quantized cache stores (default ``"channel"``: keys per channel and group of 32 kept tokens).
+    quantized_bound : {"variance", "strict"}
+        The certificate's rounding term (default ``"variance"``: stochastic rounding, V_q added to the variance;
+        ``"strict"``: round to nearest, B_q added to the radius).
 
     preset : str, optional
         A named design of :data:`kvcert.fast.TOKEN_DESIGNS` (``"paper"``, ``"recommended"``, or one
@@ -188,7 +204,9 @@ class PoissonPress(BasePress):
     #: the press fields the :class:`kvcert.fast.TokenDesign` holds (and checks)
     _design_fields = ("compression_ratio", "target_size", "seed", "sinks", "window", "top_fraction", "floor",
                       "observation_window", "scorer", "kernel_size", "delta", "kind", "sketch", "target_error",
-                      "sampling")
+                      "sampling", "kv_bits", "kv_layout", "quantized_bound")
+    #: the certificate kinds a quantized cache records (its radius is recorded as a trace, radius = c sqrt(trace))
+    _QUANTIZED_KINDS = ("chebyshev", "tilted_hull")
 
     def __post_init__(self):
         s = self.scorer
@@ -210,6 +228,9 @@ class PoissonPress(BasePress):
         self.sketch, self.kind = default_design(self.sketch, self.kind, target_error=self.target_error)
         self.sampling = default_sampling(self.sampling, self.sketch)
         self.sketch = held_design(self).sketch  # the fields' checks are the design's (the sketch resolved)
+        if self.kv_bits != 16 and self.kind not in self._QUANTIZED_KINDS:
+            raise ValueError(f"kind: a quantized cache (kv_bits={self.kv_bits}) records a trace-only certificate, "
+                             f"one of {self._QUANTIZED_KINDS}; got kind={self.kind!r}")
 
     def _for_model(self, config) -> "PoissonPress":
         """The press that runs on a model of ``config``: itself, except that the default design (the
@@ -264,11 +285,17 @@ class PoissonPress(BasePress):
         if n == 0 or not design.evicts(n, d, dv):
             layer.budgets[r] = float(n) if n == 0 or design.target_error is not None else \
                 design.sampled_budget(n, d, dv)
-            return RowEvent(row_slots(layer, r, idx))
+            if design.kv_bits == 16:
+                return RowEvent(row_slots(layer, r, idx))
         k, v, q_r = row_tokens(layer, r, idx, queries)
-        u = None if isinstance(self.scorer, str) else \
+        u = None if isinstance(self.scorer, str) or not design.evicts(n, d, dv) else \
             self._prefill_importance(q_r, k, v, scale=scale, layer_idx=layer_idx, event=event, row=r, tokens=idx)
-        ev = design.event(q_r, k, v, scale=scale, layer=layer_idx, event=event, scores=u)
+        pos = row_slots(layer, r, idx)[3]
+        ev = design.event(q_r, k, v, scale=scale, layer=layer_idx, event=event, scores=u, positions=pos)
+        if ev.stored is not None:  # a quantized cache: the kept tokens as stored (every token when none is evicted)
+            if ev.sampled:
+                layer.budgets[r] = float(ev.budget)
+            return RowEvent(None, ev.sketch, evicted=True, stored=ev.stored, whole=not ev.sampled)
         if ev.target is not None:
             self._record_target(layer_idx, r, ev.target)
         budget = ev.budget
