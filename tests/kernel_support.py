@@ -1,4 +1,4 @@
-"""Helpers of the Triton decode kernel's tests (tests/test_kernels.py, tests/test_kernels_onepass.py): the
+"""Helpers of the Triton decode kernel's tests (tests/test_kernels_hajek.py, tests/test_kernels_onepass.py): the
 float64 oracle per query head, the derived rounding allowance of each moments mode, and
 :func:`assert_matches_oracle`, the check both test modules make (a plain module, not collected)."""
 

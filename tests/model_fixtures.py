@@ -168,23 +168,20 @@ def tiny_family_model(family: str, seed: int = 0):
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
-def _cache_kw(model) -> str:
-    """The cache keyword of model.forward: ``cache`` (transformers >= 5.23) or ``past_key_values``."""
-    from kvcert.cache import cache_keyword
-
-    return cache_keyword(model)
-
-
-def _cache_of(out):
+def cache_of(out):
+    """The cache a model's forward returned: ``out.cache`` (transformers >= 5.23) or ``out.past_key_values``
+    (the keyword the forward takes is ``kvcert.cache.cache_keyword(model)``)."""
     return out.cache if "cache" in out else out.past_key_values
 
 
 def forced_logits(model, ids, cont, press=None, mask=None):
+    from kvcert.cache import cache_keyword
+
     ctx = press(model) if press is not None else contextlib.nullcontext()
     with torch.no_grad(), ctx:
         kw = {} if mask is None else {"attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp_min(0)}
         out = model(input_ids=ids, use_cache=True, **kw)
-        cache, logits = _cache_of(out), [out.logits[:, -1]]
+        cache, logits = cache_of(out), [out.logits[:, -1]]
         pos = None if mask is None else kw["position_ids"][:, -1:]
         for t in cont:
             kw = {}
@@ -192,8 +189,8 @@ def forced_logits(model, ids, cont, press=None, mask=None):
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
                 pos = pos + 1
                 kw = {"attention_mask": mask, "position_ids": pos}
-            out = model(input_ids=t.expand(ids.shape[0], 1), use_cache=True, **kw, **{_cache_kw(model): cache})
-            cache = _cache_of(out)
+            out = model(input_ids=t.expand(ids.shape[0], 1), use_cache=True, **kw, **{cache_keyword(model): cache})
+            cache = cache_of(out)
             logits.append(out.logits[:, -1])
     return torch.stack(logits, dim=1), cache
 

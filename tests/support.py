@@ -66,7 +66,7 @@ def rounding(dtype: torch.dtype, n: int, block_n: int | None = None) -> float:
     first-order deterministic bound, ``eps (log2 block_n + n_tiles + 3)``: log2(block_n) for the
     in-tile pairwise reductions, one rounding per tile merge, three for the finalization (division,
     log / square). For every (n, block_n) the kernel tests use, the tiled bound is the tighter one
-    (test_fast_tolerances.py checks it), so neither replaces the other.
+    (test_support.py checks it), so neither replaces the other.
     """
     eps = EPS[COMPUTE[dtype]]
     if block_n is None:
@@ -519,3 +519,26 @@ SOLVER_PATHS = [  # (n, budget, sinks, window): the path taken with a valid impo
     (10, 11.0, 2, 2),  # budget > n: refused
     (10, 4.0, 2, 2),  # budget <= |C|: refused
 ]
+
+
+#: SplitMix64 in Python ints: every intermediate masked to 64 bits; GOLDEN the stream's increment
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
+
+
+def splitmix64_py(x: int) -> int:
+    """SplitMix64 finalizer on Python ints (independent of the torch int64 code): the tests of the designs'
+    counter-based streams (kvcert.fast.design's tokens, the blocks' streams) spell the streams out with it."""
+    x &= MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def random_cache(b: int, h: int, n: int, d: int = 8, dv: int = 4, seed: int = 0):
+    """(keys (b, h, n, d), values (b, h, n, dv), importance (b, h, n) uniform on [0, 1)): float64, from one
+    torch generator seeded ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, h, n, d, generator=g, dtype=torch.float64),
+            torch.randn(b, h, n, dv, generator=g, dtype=torch.float64),
+            torch.rand(b, h, n, generator=g, dtype=torch.float64))

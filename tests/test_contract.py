@@ -1,7 +1,7 @@
 """One input contract for ``hajek_attention`` (kvcert.fast.contract), the same in every backend.
 
 Each bad input goes to every entry point that runs here: kvcert.fast, the Triton kernel
-(under TRITON_INTERPRET=1 on CPU, as tests/test_kernels.py; the contract is checked before
+(under TRITON_INTERPRET=1 on CPU, as tests/test_kernels_hajek.py; the contract is checked before
 anything needs CUDA) and kvcert.dispatch with each backend it can run on CPU. All must raise
 the same exception type with a message naming the argument; where the shared checker raised
 it, the message is the same text everywhere. A new case is one line in ``CASES``.

@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from model_fixtures import forced_logits, tiny_model
+from model_fixtures import cache_of, forced_logits, tiny_model
 
 import kvcert
 from kvcert import fast as F
-from kvcert.cache import KVCertLayer
+from kvcert.cache import KVCertLayer, cache_keyword
 
 EPS32 = float(torch.finfo(torch.float32).eps)
 
@@ -167,8 +167,7 @@ def test_a_decode_step_reads_the_device_once(monkeypatch):
     press = kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=0, sketch=None)
     with torch.no_grad(), press(model):
         out = model(input_ids=ids, use_cache=True)
-        cache = out.past_key_values if "past_key_values" in out else out.cache
-        kw = "cache" if "cache" in out else "past_key_values"
+        cache, kw = cache_of(out), cache_keyword(model)
         nxt = out.logits[:, -1:].argmax(-1)
         model(input_ids=nxt, use_cache=True, **{kw: cache})  # first step: buffers and moments
         syncs = _host_syncs(lambda: model(input_ids=nxt, use_cache=True, **{kw: cache}))
@@ -197,8 +196,7 @@ def _compressed(model, press, n=120, seed=0):
     moments and the forward's backend): the cache, its keyword and the next token."""
     ids = torch.randint(1, 96, (1, n), generator=torch.Generator().manual_seed(seed))
     out = model(input_ids=ids, use_cache=True)
-    cache = out.past_key_values if "past_key_values" in out else out.cache
-    kw = "cache" if "cache" in out else "past_key_values"
+    cache, kw = cache_of(out), cache_keyword(model)
     nxt = out.logits[:, -1:].argmax(-1)
     model(input_ids=nxt, use_cache=True, **{kw: cache})
     return cache, kw, nxt
@@ -317,8 +315,7 @@ def test_nan_in_the_cache_is_refused_at_the_step():
     press = kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=0, sketch=None)
     with torch.no_grad(), press(model):
         out = model(input_ids=ids, use_cache=True)
-        cache = out.past_key_values if "past_key_values" in out else out.cache
-        kw = "cache" if "cache" in out else "past_key_values"
+        cache, kw = cache_of(out), cache_keyword(model)
         layer = cache.layers[1]
         layer.values[0, 0, 3] = float("nan")  # a held slot (the sinks alone hold 2, the budget 15)
         with pytest.raises(ValueError, match="NaN at this decoding step"):

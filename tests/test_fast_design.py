@@ -11,26 +11,15 @@ from scipy import stats
 
 import kvcert.fast as F
 import kvcert.reference as R
-from support import SOLVER_PATHS, TILE_N, assert_close
-
-MASK64 = (1 << 64) - 1
-GOLDEN = 0x9E3779B97F4A7C15
-
-
-def py_mix(x: int) -> int:
-    """SplitMix64 finalizer on Python ints (independent of the torch int64 code)."""
-    x &= MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
-    return x ^ (x >> 31)
+from support import GOLDEN, MASK64, SOLVER_PATHS, TILE_N, assert_close, splitmix64_py
 
 
 def py_uniform(seed, layer, batch, head, event, i) -> float:
     """The stream of the kvcert.fast.design docstring, written out with Python ints."""
-    k = py_mix(seed + GOLDEN)
+    k = splitmix64_py(seed + GOLDEN)
     for part in (layer, batch, head, event):
-        k = py_mix((k ^ part) + GOLDEN)
-    return (py_mix(k + (i + 1) * GOLDEN) >> 11) * 2.0**-53
+        k = splitmix64_py((k ^ part) + GOLDEN)
+    return (splitmix64_py(k + (i + 1) * GOLDEN) >> 11) * 2.0**-53
 
 
 # ---------------------------------------------------------------------------
@@ -42,7 +31,7 @@ def py_uniform(seed, layer, batch, head, event, i) -> float:
 def test_splitmix64_matches_python_ints(words):
     x = torch.tensor([w - (1 << 64) if w >= 1 << 63 else w for w in words], dtype=torch.int64)
     got = [int(z) & MASK64 for z in F.splitmix64(x)]
-    assert got == [py_mix(w) for w in words]
+    assert got == [splitmix64_py(w) for w in words]
 
 
 @given(seed=st.integers(0, 2**40), layer=st.integers(0, 80), event=st.integers(0, 9),

@@ -1,7 +1,7 @@
 """kvcert.fast.sketch (the cluster design, batched torch) against kvcert.reference.sketch (float64 oracle).
 
 Float64: the same labels, sketch fields, V_cl and radii as the reference head by head, to float64
-rounding (1e-12 relative on sums of a few hundred terms, as tests/test_sketch_designs.py; V_cl is
+rounding (1e-12 relative on sums of a few hundred terms, as tests/test_reference_sketch.py; V_cl is
 compared at 1e-10: it is exp(log-numerator - 2 log Z), whose absolute log error of a few eps times
 the largest exponent |s| <= 30 becomes a relative error), plus, for the trace and V_cl, the
 rounding of the one-pass centred form (rounding(float64, n) times V_c, defined below).

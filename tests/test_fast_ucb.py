@@ -1,6 +1,6 @@
 """kvcert.fast: ``return_tail_moment`` and the ``chebyshev_ucb`` certificate against the reference.
 
-Tolerance (STYLE.md, as in test_fast_attention): |fast - ref64| <= 2 |naive - ref64| + the
+Tolerance (STYLE.md, as in test_fast_estimators): |fast - ref64| <= 2 |naive - ref64| + the
 first-order rounding of s2 = sum_i w_i r_i^4 (w_i = (1 - pi_i)^3 a_i^4, r_i = ||v_i - o_hat||):
 
 - a_i^4 carries 4 x the weight error ROUNDING * L_i (L_i = |logit_i| + |lse| + 1);

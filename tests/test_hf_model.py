@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from model_fixtures import SHORT_PROMPT, long_prompt, topics, model_sdpa, smollm2, smollm2_float64, spy_hajek, reference_certificate  # noqa: F401
+from model_fixtures import cache_of
 from press_cases import PRESS_CASES
 
 import kvcert
@@ -30,10 +31,6 @@ EPS32 = float(torch.finfo(torch.float32).eps)
 N_LAYERS, H_Q, H_KV = 30, 9, 3
 
 
-def _cache_of(out):
-    return out.cache if "cache" in out else out.past_key_values
-
-
 def forced_logits(model, ids, cont, press=None):
     """Last-position logits of the prefill and of each teacher-forced decode step,
     called like a user would (no position ids: the cache's logical length gives them).
@@ -41,10 +38,10 @@ def forced_logits(model, ids, cont, press=None):
     ctx = press(model) if press is not None else contextlib.nullcontext()
     with torch.no_grad(), ctx:
         out = model(input_ids=ids, use_cache=True)
-        cache, logits = _cache_of(out), [out.logits[0, -1]]
+        cache, logits = cache_of(out), [out.logits[0, -1]]
         for t in cont:
             out = model(input_ids=t.view(1, 1), use_cache=True, **{cache_keyword(model): cache})
-            cache = _cache_of(out)
+            cache = cache_of(out)
             logits.append(out.logits[0, -1])
     return torch.stack(logits), cache
 
@@ -160,7 +157,7 @@ def test_seed_replays_and_different_seeds_differ(model_sdpa):
     def kept(seed):
         press = kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=8, seed=seed)
         with torch.no_grad(), press(model):
-            cache = _cache_of(model(input_ids=ids, use_cache=True))
+            cache = cache_of(model(input_ids=ids, use_cache=True))
         return [(layer.positions.clone(), layer.log_weights.clone()) for layer in cache.layers]
 
     a, b, c = kept(0), kept(0), kept(1)
@@ -190,7 +187,7 @@ def test_batch_with_padding_matches_single_prompts(model_sdpa):
     ids, mask = encode_prompts(tok, prompts)
     n_real = mask.sum(-1)
     with torch.no_grad(), press(model):
-        cache = _cache_of(model(input_ids=ids, attention_mask=mask,
+        cache = cache_of(model(input_ids=ids, attention_mask=mask,
                                 position_ids=(mask.cumsum(-1) - 1).clamp_min(0), use_cache=True))
     for layer in cache.layers:
         valid = layer.valid

@@ -19,7 +19,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from model_fixtures import _cache_kw, _cache_of, forced_logits, reference_certificate, spy_hajek, tiny_model
+from model_fixtures import cache_of, forced_logits, reference_certificate, spy_hajek, tiny_model
 from support import EPS, assert_close, rounding
 from press_cases import PRESS_CASES
 from transformers import DynamicCache, StaticCache
@@ -28,7 +28,7 @@ import kvcert
 import kvcert.dispatch
 from kvcert import reference as R
 from kvcert.records import Certificates, Recorder
-from kvcert.cache import KVCertCache, KVCertLayer, as_kvcert_cache
+from kvcert.cache import KVCertCache, KVCertLayer, as_kvcert_cache, cache_keyword
 
 EPS32 = float(torch.finfo(torch.float32).eps)
 
@@ -436,19 +436,19 @@ def test_tiny_chunked_call_after_compression_is_causal():
     chunk = torch.randint(1, 96, (1, 4), generator=g)
     press = kvcert.PoissonPress(compression_ratio=0.5, sinks=2, window=4, seed=1, sketch=None)
     with torch.no_grad(), press(model):
-        cache = _cache_of(model(input_ids=ids, use_cache=True))
-        out = model(input_ids=chunk, use_cache=True, **{_cache_kw(model): cache})
+        cache = cache_of(model(input_ids=ids, use_cache=True))
+        out = model(input_ids=chunk, use_cache=True, **{cache_keyword(model): cache})
     chunked = out.logits[0]
     steps = press.certificates
     assert steps.shape[1] == 1 + 4  # one certificate per query of the chunk
 
     def one_by_one(m):
         with torch.no_grad(), press(m):
-            cache = _cache_of(m(input_ids=ids, use_cache=True))
+            cache = cache_of(m(input_ids=ids, use_cache=True))
             logits = []
             for j in range(4):
-                o = m(input_ids=chunk[:, j:j + 1], use_cache=True, **{_cache_kw(m): cache})
-                cache = _cache_of(o)
+                o = m(input_ids=chunk[:, j:j + 1], use_cache=True, **{cache_keyword(m): cache})
+                cache = cache_of(o)
                 logits.append(o.logits[0, -1])
         return torch.stack(logits), press.certificates
 

@@ -1,7 +1,7 @@
 """The one-pass certificate of the fused decode kernel (``moments="onepass"``) against the float64 oracle.
 
 Without a GPU these run on Triton's CPU interpreter (TRITON_INTERPRET=1); on a CUDA device they run the
-compiled kernel. The tolerance is tests/kernel_support.py's (``assert_matches_oracle``, test_kernels.py's check): twice the error of
+compiled kernel. The tolerance is tests/kernel_support.py's (``assert_matches_oracle``, test_kernels_hajek.py's check): twice the error of
 the reference's formulas at the input precision, plus the tiled rounding, plus the variance's derived
 allowance, which for this mode adds the floor of the centred sums,
 
@@ -255,7 +255,7 @@ def test_gpu_check_dry_run(tmp_path):
         assert key in t, key
     assert t["certified_over_uncertified_max"] > 0 and t["certified_vs_sdpa_min_4k"] > 0
     assert set(t["by_variant"]) >= {"onepass_trace", "onepass_var", "exact_trace", "exact_var"}
-    ev = rep["eviction"][0]  # the eviction event against the prefill (tests/test_kernels_gpu_check.py: the section)
+    ev = rep["eviction"][0]  # the eviction event against the prefill (tests/test_gpu_check.py: the section)
     assert ev["checks"]["ok"] and t["eviction_over_prefill_max"] == ev["event_over_prefill"] > 0
 
 

@@ -4,7 +4,7 @@ Runs on Triton's CPU interpreter where there is no GPU (``make test`` sets TRITO
 Float32: the tolerances derived in tests/test_fast_sketch.py (``sketch_support.check_float32_step``: V_cl, output
 and trace against the float64 reference on the same rounded inputs), the same rule the torch step
 meets; the kernel's tiles add one rounding per tile merge, below the shared 8 eps sqrt(n + 1)
-allowance for every (n, block) here (tests/test_fast_tolerances.py). Half inputs: exactly the float32
+allowance for every (n, block) here (tests/test_support.py). Half inputs: exactly the float32
 call on their upcast values (the kernel loads and casts them; the output is rounded once to the half dtype).
 """
 

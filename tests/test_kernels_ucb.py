@@ -1,16 +1,16 @@
 """The Triton epilogue pass ``_tail_moment_kernel`` (``return_tail_moment=True``) against the oracle and
 kvcert.fast. Without a GPU this runs on Triton's CPU interpreter (TRITON_INTERPRET=1).
 
-Tolerance per query head (STYLE.md; the criterion of test_kernels.py): |kernel - ref64| <=
+Tolerance per query head (STYLE.md; the criterion of test_kernels_hajek.py): |kernel - ref64| <=
 2 |lowp - ref64| (the textbook formula at float32 on the same rounded inputs) plus the rounding the
 kernel adds on top:
 
 - its o_hat is off by at most delta = 2 (eps32 max|v| + eps_dtype sum_i a_i |v_i - o|) per
   coordinate (float32 accumulation; half inputs round the probabilities before P V: see
-  ``_variance_rounding`` in test_kernels.py), which moves each ||v_i - o_hat||^4 by at most
+  ``_variance_rounding`` in test_kernels_hajek.py), which moves each ||v_i - o_hat||^4 by at most
   (r_i + |delta|)^4 - r_i^4 (triangle inequality);
 - a_i = exp(logit_i - lse) takes the error of the first pass's lse and of the recomputed logit,
-  4 x in a_i^4; (1 - pi_i)^3 three roundings (log-pi path: 8 eps each, see test_kernels.py);
+  4 x in a_i^4; (1 - pi_i)^3 three roundings (log-pi path: 8 eps each, see test_kernels_hajek.py);
 - the float32 sum: the tiled accumulation bound ``rounding(float32, n, block_n)`` of tests/support.py;
   terms below float32's smallest normal may flush to 0 (n * tiny).
 """
@@ -131,7 +131,7 @@ def test_log_pi_path_4d_query_and_zero_length_cache():
     a = KN.hajek_attention(q, k, v, pi, block_n=16, return_tail_moment=True)
     b = KN.hajek_attention(q.unsqueeze(2), k, v, log_pi=torch.log(pi), block_n=16, return_tail_moment=True)
     assert b.tail_moment.shape == (1, 4, 1)
-    # 1 - pi from log pi: <= 8 eps relative per factor (test_kernels.py), three factors
+    # 1 - pi from log pi: <= 8 eps relative per factor (test_kernels_hajek.py), three factors
     assert torch.allclose(a.tail_moment, b.tail_moment[..., 0],
                           rtol=24 * EPS32 + 2 * rounding(torch.float32, 50, 16), atol=0)
     z = KN.hajek_attention(torch.randn(1, 2, 16, device=DEVICE), torch.randn(1, 1, 0, 16, device=DEVICE),

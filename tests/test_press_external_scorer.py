@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from model_fixtures import SHORT_PROMPT, long_prompt, smollm2, tiny_model  # noqa: F401 (fixture)
+from model_fixtures import SHORT_PROMPT, cache_of, long_prompt, smollm2, tiny_model  # noqa: F401 (fixture)
 
 import kvcert
 from kvcert.fast import scorers as S
@@ -54,8 +54,7 @@ def _run(model, press, ids, mask=None, new=4):
     with torch.no_grad(), press(model):
         out = model.generate(input_ids=ids, max_new_tokens=new, do_sample=False, return_dict_in_generate=True,
                              **kw)
-    cache = out.cache if "cache" in out else out.past_key_values
-    return out.sequences, press.certificates, cache
+    return out.sequences, press.certificates, cache_of(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,7 +98,7 @@ def test_the_scorer_gets_what_kvpress_forward_hook_gives():
     finally:
         for h in hooks:
             h.remove()
-    plain_cache = plain.cache if "cache" in plain else plain.past_key_values
+    plain_cache = cache_of(plain)
     fake = FakeKnorm()
     _run(model, kvcert.PoissonPress(compression_ratio=0.5, scorer=fake, seed=0), ids, new=2)
     assert [c["module"] for c in fake.calls] == [layer.self_attn for layer in model.model.layers]

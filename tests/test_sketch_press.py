@@ -26,21 +26,16 @@ import torch
 
 import kvcert
 import kvcert.fast as F
-from model_fixtures import _cache_kw, _cache_of, forced_logits, tiny_model
+from kvcert.cache import cache_keyword
+from model_fixtures import cache_of, forced_logits, tiny_model
+from support import random_cache
 
 CHEB = F.ClusterDesign(clusters=4, radius="chebyshev")
 TILT = F.ClusterDesign(clusters=4, radius="chebyshev", tilt=True)
 
 
-def _cache(b=2, h=2, n=60, d=8, dv=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(b, h, n, d, generator=g, dtype=torch.float64),
-            torch.randn(b, h, n, dv, generator=g, dtype=torch.float64),
-            torch.rand(b, h, n, generator=g, dtype=torch.float64))
-
-
 def test_evict_with_a_sketch_is_the_same_eviction_and_the_sketch_of_its_sample():
-    k, v, u = _cache()
+    k, v, u = random_cache(2, 2, 60, dv=6)
     kw = dict(sinks=2, window=4, top=5, seed=3, layer=1)
     plain = F.evict(k, v, u, 25.0, **kw)
     cc = F.evict(k, v, u, 25.0, sketch=CHEB, **kw)
@@ -59,7 +54,7 @@ def test_evict_with_a_sketch_is_the_same_eviction_and_the_sketch_of_its_sample()
 
 
 def test_sketch_map_and_cat_round_trip_a_batch():
-    k, v, u = _cache(b=3)
+    k, v, u = random_cache(3, 2, 60, dv=6)
     s = F.evict(k, v, u, 25.0, sinks=2, window=4, seed=0, sketch=CHEB).sketch
     rows = [s.map(lambda x, i=i: x[i:i + 1]) for i in range(3)]
     back = F.ClusterSketch.cat(rows)
@@ -148,13 +143,13 @@ def test_press_samples_at_equal_memory_and_records_v_cl(monkeypatch, design):
 def _decode_tokens(model, press, ids, tokens, *, chunk: bool):
     """Prefill ``ids`` under ``press``, then feed ``tokens`` as one chunk or one at a time."""
     with torch.no_grad(), press(model):
-        cache = _cache_of(model(input_ids=ids, use_cache=True))
-        kw = _cache_kw(model)
+        cache = cache_of(model(input_ids=ids, use_cache=True))
+        kw = cache_keyword(model)
         if chunk:
             model(input_ids=tokens, use_cache=True, **{kw: cache})
         else:
             for t in range(tokens.shape[1]):
-                cache = _cache_of(model(input_ids=tokens[:, t:t + 1], use_cache=True, **{kw: cache}))
+                cache = cache_of(model(input_ids=tokens[:, t:t + 1], use_cache=True, **{kw: cache}))
     return press.certificates[0]
 
 
@@ -255,12 +250,12 @@ def test_sketch_defaults_and_refusals_at_run_time():
     # prompt), instead of an error: every token kept, no sketch
     tiny_budget = kvcert.PoissonPress(target_size=12, sinks=2, window=4, sketch="cluster")  # 16 clusters: 17.5 tokens
     with torch.no_grad(), tiny_budget(model):
-        cache = _cache_of(model(input_ids=ids, use_cache=True))
+        cache = cache_of(model(input_ids=ids, use_cache=True))
     assert all(layer.sketch is None and int(layer.kept.min()) == 60 for layer in cache.layers)
     assert tiny_budget.design.sampled_budget(60, 8, 8) == 60.0
     fits = kvcert.PoissonPress(target_size=30, sinks=2, window=4, sketch="cluster")
     with torch.no_grad(), fits(model):  # negative control: a budget that holds it evicts and sketches
-        cache = _cache_of(model(input_ids=ids, use_cache=True))
+        cache = cache_of(model(input_ids=ids, use_cache=True))
     assert all(layer.sketch is not None and int(layer.kept.max()) < 60 for layer in cache.layers)
 
 

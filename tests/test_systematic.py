@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import kvcert
 import kvcert.fast as F
 import kvcert.reference as R
-from model_fixtures import _cache_of, smollm2  # noqa: F401
+from model_fixtures import cache_of, smollm2  # noqa: F401
 
 
 def _pi_vectors(draw, n):
@@ -215,7 +215,7 @@ def test_press_on_the_model_keeps_a_fixed_count_per_layer_and_head(smollm2):
     for sampling in ("systematic", "poisson"):
         press = kvcert.PoissonPress(compression_ratio=0.5, seed=2, sampling=sampling)
         with torch.no_grad(), press(model):
-            cache = _cache_of(model(input_ids=ids, use_cache=True))
+            cache = cache_of(model(input_ids=ids, use_cache=True))
         layer = cache.layers[0]
         b = press.design.sampled_budget(n, layer.keys.shape[-1], layer.values.shape[-1])
         counts[sampling] = torch.stack([(lay.positions[0] >= 0).sum(-1) for lay in cache.layers])

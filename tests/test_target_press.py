@@ -1,7 +1,7 @@
 """PoissonPress(target_error=eps): the error-targeted budget wired into the Hugging Face press.
 
 The rule itself (``kvcert.fast.target_budget``, its NumPy twin and its Monte-Carlo honesty) is tested
-in test_target.py; here: the press runs without a ratio (the contract), each (layer, row, KV head)
+in test_fast_target.py; here: the press runs without a ratio (the contract), each (layer, row, KV head)
 keeps the per-head budget the rule chose on that layer's prefill inputs (the Poisson kept count
 within a derived band of the chosen expected count), the record carries the target
 (``Certificates.exceeds``, ``summary()``'s kept fraction) and misuse is refused by name. A tiny

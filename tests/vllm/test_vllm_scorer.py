@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_support import BLOCK, prompts, run_engine
+from vllm_support import BLOCK, hf_model, prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -36,30 +36,23 @@ RTOL = 1e-3
 #: two prompts fit in the pool; the third runs on blocks the first two freed
 POOL = 20
 
-
-@pytest.fixture(scope="module")
-def engine():
-    return run_engine(plugin=True, compression_ratio=RATIO, seed=SEED, scorer=SCORER, kvcert={"granularity": "block"},
-                      runs=[{"order": PROMPTS, "max_tokens": MAX_TOKENS}], num_gpu_blocks_override=POOL)
+#: the module's engine (the ``engine`` fixture, tests/vllm/conftest.py)
+ENGINE_SPEC = dict(plugin=True, compression_ratio=RATIO, seed=SEED, scorer=SCORER, kvcert={"granularity": "block"},
+                   runs=[{"order": PROMPTS, "max_tokens": MAX_TOKENS}], num_gpu_blocks_override=POOL)
 
 
 @pytest.fixture(scope="module")
 def keys():
     """Per prompt: the (layers, h_kv, n, d) post-RoPE keys of a plain Hugging Face forward, and its values."""
-    import os
+    from kvcert.cache import cache_keyword
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
-
-    from vllm_support import model_path
-
-    model = AutoModelForCausalLM.from_pretrained(model_path(), dtype=torch.float32).eval()
-    model.set_attn_implementation("sdpa")
+    model = hf_model()
+    ckw = cache_keyword(model)
     out = {}
     with torch.no_grad():
         for i in PROMPTS:
             res = model(input_ids=torch.tensor([prompts()[i]]), use_cache=True)
-            cache = res.cache if "cache" in res else res.past_key_values
+            cache = res[ckw]
             out[i] = (torch.stack([layer.keys[0] for layer in cache.layers]),
                       torch.stack([layer.values[0] for layer in cache.layers]))
     return out

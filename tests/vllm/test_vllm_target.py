@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_support import BLOCK, prompts, run_engine
+from vllm_support import BLOCK, prompts
 
 SEED = 3
 MAX_TOKENS = 4
@@ -176,14 +176,13 @@ def test_backend_keeps_every_token_where_no_head_evicts(monkeypatch):
 # ---------------------------------------------------------------------------------------------------- engine
 
 
-@pytest.fixture(scope="module")
-def engine():
-    runs = [{"order": [PROMPT, 0], "max_tokens": MAX_TOKENS,
-             "extra_args": [{"kvcert_target_error": TARGETS[0], "kvcert_seed": SEED}, None]}]
-    for eps in TARGETS[1:]:
-        runs.append({"order": [PROMPT], "max_tokens": MAX_TOKENS,
-                     "extra_args": [{"kvcert_target_error": eps, "kvcert_seed": SEED}]})
-    return run_engine(plugin=True, compression_ratio=0.5, seed=SEED, kvcert={"report_kept": True}, runs=runs)
+#: the module's engine (the ``engine`` fixture, tests/vllm/conftest.py): run 0 the prompt at the first target
+#: beside prompt 0 at the engine's settings, then one run per further target
+ENGINE_SPEC = dict(plugin=True, compression_ratio=0.5, seed=SEED, kvcert={"report_kept": True}, runs=[
+    {"order": [PROMPT, 0], "max_tokens": MAX_TOKENS,
+     "extra_args": [{"kvcert_target_error": TARGETS[0], "kvcert_seed": SEED}, None]},
+    *({"order": [PROMPT], "max_tokens": MAX_TOKENS, "extra_args": [{"kvcert_target_error": eps, "kvcert_seed": SEED}]}
+      for eps in TARGETS[1:])])
 
 
 def _out(result, run, i):

@@ -47,14 +47,13 @@ changed under 3e-7 relative noise on the keys (2026-12-04, a one-off check, not 
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 
-from vllm_support import BLOCK, PROMPT_BLOCKS, prompts, run_engine
+from vllm_support import BLOCK, PROMPT_BLOCKS, engine_of, hf_model, model_path, prompts, run_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
@@ -99,16 +98,17 @@ def design(request):
     return request.param
 
 
-@lru_cache(maxsize=None)
-def _engine_of(design: str) -> dict:
-    """The plugin engine of a design, once per session (test_systematic_kept_counts_are_fixed reads two)."""
-    return run_engine(plugin=True, compression_ratio=_ratio(design).get("compression_ratio", 0.0), seed=SEED,
-                      kvcert={"report_kept": True, **DESIGNS[design]}, runs=[{"order": PROMPTS, "max_tokens": MAX_TOKENS}])
+def _spec(design: str) -> dict:
+    """run_engine's arguments for the plugin engine of a design (``vllm_support.engine_of`` runs each once per
+    session: test_systematic_kept_counts_are_fixed reads two)."""
+    return dict(plugin=True, compression_ratio=_ratio(design).get("compression_ratio", 0.0), seed=SEED,
+                kvcert={"report_kept": True, **DESIGNS[design]}, runs=[{"order": PROMPTS, "max_tokens": MAX_TOKENS}])
 
 
 @pytest.fixture(scope="module")
-def engine(design):
-    return _engine_of(design)
+def engine_spec(design):
+    """The module's engine, one per design (the ``engine`` fixture of tests/vllm/conftest.py reads this)."""
+    return _spec(design)
 
 
 #: the pool of the freeing runs: one prompt fits (the largest, 10 blocks), more only with freed blocks; decoding
@@ -139,19 +139,13 @@ def kept_only():
 @pytest.fixture(scope="module")
 def hf(design):
     """Per prompt: kvcert.generate's tokens and certificates, and the press's kept prompt positions."""
-    import os
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     import kvcert
-    from vllm_support import model_path
-
-    tok = AutoTokenizer.from_pretrained(model_path())
-    model = AutoModelForCausalLM.from_pretrained(model_path(), dtype=torch.float32).eval()
-    model.set_attn_implementation("sdpa")
     from kvcert.cache import cache_keyword
 
+    tok = AutoTokenizer.from_pretrained(model_path())
+    model = hf_model()
     ckw = cache_keyword(model)
     systematic = _systematic(design)
     draws = []  # systematic: each layer's (pi, u, start) per KV head, for the tie check
@@ -293,7 +287,7 @@ def test_systematic_kept_counts_are_fixed():
     """
     from kvcert.vllm import KVCertConfig
 
-    sys_, poi = _engine_of("default"), _engine_of("poisson")
+    sys_, poi = engine_of(_spec("default")), engine_of(_spec("poisson"))
     design = KVCertConfig(compression_ratio=RATIO, seed=SEED).design  # the default: systematic
     assert design.sampling == "systematic"
     head = 64  # the model's head size (keys and values)

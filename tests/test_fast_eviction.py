@@ -10,14 +10,7 @@ from hypothesis import strategies as st
 
 import kvcert.fast as F
 import kvcert.reference as R
-from support import TILE_N, rounding
-
-
-def _cache(b, h, n, d=8, dv=4, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(b, h, n, d, generator=g, dtype=torch.float64),
-            torch.randn(b, h, n, dv, generator=g, dtype=torch.float64),
-            torch.rand(b, h, n, generator=g, dtype=torch.float64))
+from support import TILE_N, random_cache, rounding
 
 
 def _check_packed(cc, keys, values, keep_rows, pi_rows):
@@ -41,7 +34,7 @@ def _check_packed(cc, keys, values, keep_rows, pi_rows):
        frac=st.floats(0.05, 1.0), seed=st.integers(0, 10**6), layer=st.integers(0, 40), event=st.integers(0, 3),
        top=st.integers(0, 3))
 def test_evict_equals_reference_design_under_shared_uniforms(n, b, h, frac, seed, layer, event, top):
-    keys, values, imp = _cache(b, h, n, seed=seed)
+    keys, values, imp = random_cache(b, h, n, seed=seed)
     kw = dict(sinks=2, window=4, top=top, floor=0.1)
     c = 2 + 4 + top
     budget = min(float(n), c + frac * (n - c))
@@ -60,7 +53,7 @@ def test_evict_equals_reference_design_under_shared_uniforms(n, b, h, frac, seed
 
 
 def test_evict_default_stream_is_replayable_and_per_head():
-    keys, values, imp = _cache(2, 4, 200)
+    keys, values, imp = random_cache(2, 4, 200)
     a = F.evict(keys, values, imp, 80.0, seed=3, layer=1)
     b = F.evict(keys, values, imp, 80.0, seed=3, layer=1)
     assert torch.equal(a.positions, b.positions) and torch.equal(a.pi, b.pi)
@@ -73,7 +66,7 @@ def test_evict_default_stream_is_replayable_and_per_head():
 
 def test_evict_mask_is_invariant_to_padding():
     """A token's draw depends on its position, not on its slot: padding moves nothing."""
-    keys, values, imp = _cache(1, 2, 120)
+    keys, values, imp = random_cache(1, 2, 120)
     base = F.evict(keys, values, imp, 50.0, seed=9, layer=4, event=1)
     # the same cache with 30 padding slots interleaved
     rng = np.random.default_rng(0)
@@ -92,7 +85,7 @@ def test_evict_mask_is_invariant_to_padding():
 
 
 def test_two_events_compose_probabilities():
-    keys, values, imp = _cache(2, 3, 160)
+    keys, values, imp = random_cache(2, 3, 160)
     kw = dict(sinks=4, window=8, top=2, floor=0.2)
     first = F.evict(keys, values, imp, 90.0, seed=1, event=0, **kw)
     imp2 = torch.rand(first.pi.shape, dtype=torch.float64)
@@ -120,7 +113,7 @@ def test_two_events_compose_probabilities():
 def test_composed_pi_is_the_survival_probability():
     """E[I_i / pi_i] = 1 for every token after two adaptive events (4 standard errors, 4000 replicas)."""
     reps, n = 4000, 24
-    keys, values, _ = _cache(1, reps, n)
+    keys, values, _ = random_cache(1, reps, n)
     g = torch.Generator().manual_seed(0)
     imp = torch.rand(1, 1, n, generator=g, dtype=torch.float64).expand(1, reps, n)
     kw = dict(sinks=1, window=2, top=1, floor=0.3)
@@ -140,7 +133,7 @@ def test_composed_pi_is_the_survival_probability():
 
 
 def test_kept_count_moments():
-    keys, values, imp = _cache(1, 2000, 64)
+    keys, values, imp = random_cache(1, 2000, 64)
     cc = F.evict(keys, values, imp, 30.0, sinks=2, window=4, seed=11)
     pi = F.inclusion_probabilities(imp, 30.0, sinks=2, window=4)
     var = (pi * (1 - pi)).sum(-1)
@@ -152,7 +145,7 @@ def test_kept_count_moments():
 @given(n=st.integers(12, 150), budget_frac=st.floats(0.0, 1.0), b=st.integers(1, 2), h=st.integers(1, 3),
        ties=st.booleans(), seed=st.integers(0, 999))
 def test_topk_evict_matches_deterministic_keep(n, budget_frac, b, h, ties, seed):
-    keys, values, imp = _cache(b, h, n, seed=seed)
+    keys, values, imp = random_cache(b, h, n, seed=seed)
     if ties:
         imp = torch.floor(imp * 3)
     sinks, window = 2, 5
@@ -174,7 +167,7 @@ def test_evict_rows_with_their_own_budget_and_top_equal_each_row_alone(n, seed, 
     # the presses' batched eviction: left-padded rows, per-row budget and top, every row on the row-0
     # stream (row_streams=False) -> each row's kept tokens, pi and positions are those of the row alone
     b = len(pads)
-    keys, values, imp = _cache(b, 2, n, seed=seed)
+    keys, values, imp = random_cache(b, 2, n, seed=seed)
     pos = torch.arange(n).expand(b, 2, n).clone()
     pi = torch.ones(b, 2, n, dtype=torch.float64)
     for r, p in enumerate(pads):
@@ -195,7 +188,7 @@ def test_evict_rows_with_their_own_budget_and_top_equal_each_row_alone(n, seed, 
 
 
 def test_topk_evict_per_row_budgets_equal_one_call_per_row():
-    keys, values, imp = _cache(3, 2, 60, seed=5)
+    keys, values, imp = random_cache(3, 2, 60, seed=5)
     budget = torch.tensor([[10], [25], [60]])
     cc = F.topk_evict(keys, values, imp, budget, sinks=2, window=3)
     for r in range(3):
@@ -211,7 +204,7 @@ def test_topk_evict_per_row_budgets_equal_one_call_per_row():
 
 def test_compact_of_an_expanded_cache_equals_compact_of_its_copy():
     # one cache shared by many samples (stride 0, as paper_repro's replay passes it) is gathered in place
-    keys, values, _ = _cache(1, 1, 50, seed=2)
+    keys, values, _ = random_cache(1, 1, 50, seed=2)
     keep = torch.rand(6, 1, 50, generator=torch.Generator().manual_seed(3)) < 0.3
     pi = torch.where(keep, 0.3, 0.0).double()
     pos = torch.arange(50).expand(6, 1, 50)
@@ -223,7 +216,7 @@ def test_compact_of_an_expanded_cache_equals_compact_of_its_copy():
 
 
 def test_topk_evict_with_padding_and_prior_pi():
-    keys, values, imp = _cache(1, 2, 100)
+    keys, values, imp = random_cache(1, 2, 100)
     cc = F.evict(keys, values, imp, 50.0, seed=0)
     imp2 = torch.rand(cc.pi.shape, dtype=torch.float64)
     det = F.topk_evict(cc.keys, cc.values, imp2, 20, sinks=2, window=4, pi=cc.pi, positions=cc.positions)

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_fixtures import _cache_kw, _cache_of, long_prompt, smollm2, tiny_model  # noqa: F401
+from model_fixtures import cache_of, long_prompt, smollm2, tiny_model  # noqa: F401
 
 import kvcert
-from kvcert.cache import KVCertLayer
+from kvcert.cache import KVCertLayer, cache_keyword
 
 
 class CharTokenizer:
@@ -72,15 +72,15 @@ def tiny():
 
 def _greedy(model, ids, new):
     """Plain greedy decoding (the model's own attention, no press), one token at a time."""
-    kw = _cache_kw(model)
+    kw = cache_keyword(model)
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
-        cache, logits, tokens = _cache_of(out), [], []
+        cache, logits, tokens = cache_of(out), [], []
         for _ in range(new):
             logits.append(out.logits[0, -1])
             tokens.append(int(out.logits[0, -1].argmax()))
             out = model(input_ids=torch.tensor([[tokens[-1]]]), use_cache=True, **{kw: cache})
-            cache = _cache_of(out)
+            cache = cache_of(out)
     return tokens, torch.stack(logits)
 
 
@@ -208,7 +208,7 @@ def test_the_cache_carries_the_hajek_decode_outside_the_press_context(tiny):
 
     ids = TOK.encode(CONTEXT, return_tensors="pt")
     q = TOK.encode(QUESTIONS[0], return_tensors="pt")
-    kw = _cache_kw(tiny)
+    kw = cache_keyword(tiny)
     pos = torch.arange(ids.shape[1], ids.shape[1] + q.shape[1])[None]
     with torch.no_grad():
         plain_before = tiny(input_ids=ids, use_cache=True).logits
@@ -217,7 +217,7 @@ def test_the_cache_carries_the_hajek_decode_outside_the_press_context(tiny):
         press = _press(seed=2)
         with torch.no_grad():
             with press(tiny):
-                cache = _cache_of(tiny(input_ids=ids, use_cache=True))
+                cache = cache_of(tiny(input_ids=ids, use_cache=True))
                 if not outside:
                     out = tiny(input_ids=q, position_ids=pos, use_cache=True, **{kw: cache})
             if outside:

@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 import torch
 import model_fixtures
-from model_fixtures import forced_logits, long_prompt, spy_block_hajek, tiny_model
+from model_fixtures import cache_of, forced_logits, long_prompt, spy_block_hajek, tiny_model
 
 import kvcert
 from kvcert import reference as R
+from kvcert.cache import cache_keyword
 from kvcert.fast import prompt_event
 
 EPS32 = float(torch.finfo(torch.float32).eps)
@@ -347,9 +348,7 @@ def test_a_chunk_of_queries_equals_one_token_at_a_time():
     chunk = kvcert.BlockPoissonPress(**kw)
     with torch.no_grad(), chunk(model):
         out = model(input_ids=ids, use_cache=True)
-        cache = out.cache if "cache" in out else out.past_key_values
-        name = "cache" if "cache" in out else "past_key_values"
-        out = model(input_ids=cont, use_cache=True, **{name: cache})
+        out = model(input_ids=cont, use_cache=True, **{cache_keyword(model): cache_of(out)})
     assert torch.equal(one.decisions[0].kept, chunk.decisions[0].kept) and not bool(chunk.decisions[0].kept.all())
     tol = 8 * EPS32 * math.sqrt(ids.shape[1]) * float(steps.abs().max())
     err = float((out.logits[0] - steps[0, 1:]).abs().max())
@@ -370,8 +369,8 @@ def test_carried_context_decodes_with_the_block_estimate():
     inside = kvcert.BlockPoissonPress(**kw)
     with torch.no_grad(), inside(model):
         out = model(input_ids=ids, use_cache=True)
-        name = "cache" if "cache" in out else "past_key_values"
-        want = model(input_ids=question, use_cache=True, **{name: out[name]}).logits
+        name = cache_keyword(model)
+        want = model(input_ids=question, use_cache=True, **{name: cache_of(out)}).logits
     carried = kvcert.BlockPoissonPress(**kw)
     ctx = carried(model)
     with torch.no_grad():
