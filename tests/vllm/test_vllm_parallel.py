@@ -41,9 +41,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_vllm_matrix import MAX_NEW, RATIO
 from vllm_support import (CACHE, SERVED_NAME, TINY_ENGINE, TINY_PROMPT_BLOCKS, metric_samples, prompts, run_engine,
                           save_tiny_model, serve, server_args, tiny_prompts, vllm_env)
+from vllm_support import TINY_MAX_NEW as MAX_NEW, TINY_RATIO as RATIO
 
 pytestmark = pytest.mark.slow
 

@@ -224,6 +224,10 @@ TINY_ENGINE = {"max_model_len": 256, "block_size": BLOCK, "max_num_seqs": 4, "dt
                "load_format": "safetensors", "skip_tokenizer_init": True, "enable_prefix_caching": False}
 #: prompt lengths 32 k + 1 (k blocks and one token) of :func:`tiny_prompts`
 TINY_PROMPT_BLOCKS = (4, 5, 6, 7)
+#: tokens the tiny engines decode (<= 31: the decode stays in the last prompt block) and their compression ratio
+#: (at 0.5 a prompt keeps about n/2 tokens per (layer, KV head), so about k/2 blocks are freed)
+TINY_MAX_NEW = 8
+TINY_RATIO = 0.5
 
 
 def tiny_vllm_config(family: str):
