@@ -90,6 +90,15 @@ def _compacted_states(ids, seq_len: int, bs: int, h: int, d: int, layers: int, c
     return states
 
 
+def _route_code(design: str, cfg) -> str:
+    """The code the router runs for this benchmark's decode rows (``kvcert.dispatch.paged_route``, what the
+    backend's forward calls): ``paged_cpu_op``, ``paged_torch`` or ``gather``."""
+    from kvcert import dispatch
+
+    paged = "block" if design == "block" else ("token" if cfg.design.sketch is None else "sketch")
+    return dispatch.paged_route(paged, "cpu", cfg.kind).code
+
+
 def measure(seq_len: int, rows: int = 4, layers: int = 30, reps: int = 15, design: str = "block") -> dict:
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends import cpu_attn
@@ -163,7 +172,7 @@ def measure(seq_len: int, rows: int = 4, layers: int = 30, reps: int = 15, desig
                 f()
             times[name].append((time.perf_counter() - t) / 3 * 1e3)
     res = {"design": design, "seq_len": seq_len, "rows": rows, "layers": layers, "threads": torch.get_num_threads(),
-           "route": backend.LAST_ROUTE[0] if design != "block" else "block_decode"}
+           "route": _route_code(design, cfg)}
     if design == "block":
         res["kept_prompt_block_fraction"] = sum(int((lp > float("-inf")).sum()) for lp in states.values()) / (
             rows * (nbt - 1))

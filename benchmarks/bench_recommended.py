@@ -362,9 +362,9 @@ def run_vllm(sizes, threads, rounds, reps, warmup) -> list[dict]:
         args = (c["q"], c["cache"], c["ids"], c["lp"])
         fns = {"compacted": (lambda: VB.token_decode(*args, SCALE, "chebyshev", DELTA), True),
                "sketched": (lambda: VB.sketch_decode(*args, c["sketch"], SCALE, "tilted_hull", DELTA), True)}
-        o1, _ = fns["compacted"][0]()
-        assert VB.LAST_ROUTE[0] == "paged_cpu_op", VB.LAST_ROUTE[0]
-        o2, _ = fns["sketched"][0]()
+        first = fns["compacted"][0]()
+        assert first.route.code == "paged_cpu_op", first.route
+        o1, o2 = first.output, fns["sketched"][0]().output
         err = float((o1 - o2).abs().max())
         assert err < 1e-4, f"sketched output differs from compacted by {err}"
         for t in threads:

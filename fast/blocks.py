@@ -28,6 +28,12 @@ kept blocks are applied to every layer and KV head of a batch row.
   the cluster-sampling variance
   :math:`\\hat\\Sigma = \\sum_{b\\in S} (1-\\pi_b) z_b z_b^\\top`,
   :math:`z_b = \\sum_{i\\in b} a_i (v_i - \\hat o)`.
+- :func:`paged_block_hajek_attention`: the same estimate and trace for one decode
+  query per row whose units are whole kept blocks, read from a paged cache in
+  vLLM's CPU ``vec`` layout by a chunked gather (:func:`block_chunks`, at most
+  :data:`GATHER_BYTES` at once); the torch backend's paged block estimator (the
+  vLLM plugin's CPU route, :data:`kvcert.dispatch.PAGED_TORCH`). Its Triton twin
+  for the FlashAttention layout is :func:`kvcert.kernels.paged_block_hajek_attention`.
 
 Stream: with ``mix`` the SplitMix64 finalizer, ``G = 0x9E3779B97F4A7C15`` and
 ``TAG = 0x6B76626C6F636B73`` ("kvblocks"), the key is
@@ -39,14 +45,15 @@ from __future__ import annotations
 
 import hashlib
 import numbers
+import threading
 from dataclasses import dataclass
 from types import MappingProxyType
 
 import numpy as np
 import torch
 
-from ._checks import (check_int, check_kernel_size, check_nonneg_int, check_probabilities, check_real, check_tensor,
-                      stat_dtype)
+from ._checks import (check_int, check_kernel_size, check_nonneg_int, check_probabilities, check_real, check_scale,
+                      check_tensor, stat_dtype)
 from .design import inclusion_probabilities, nonnegative_importance, splitmix64
 from .estimators import hajek_attention
 from .eviction import compact
@@ -71,6 +78,10 @@ __all__ = [
     "block_compact",
     "block_evict",
     "block_hajek_attention",
+    "paged_block_hajek_attention",
+    "block_chunks",
+    "BlockChunk",
+    "GATHER_BYTES",
 ]
 
 #: name -> how :func:`block_importance` combines the per-head block shares (b, heads, n_blocks) -> (b, n_blocks):
@@ -901,3 +912,168 @@ def _block_estimate(est: Estimate, rows: tuple[int, int], return_weights: bool, 
     return Estimate(output=est.output, weights=est.weights if return_weights else None, variance=shape(variance),
                     trace=shape(trace), lse=est.lse, n_eff=shape(n_eff), max_term=shape(max_term),
                     covariance=shape(covariance), tail_moment=shape(tail))
+
+
+# ----------------------------------------------------------------------------- the paged estimator
+
+#: most bytes of K/V that :func:`paged_block_hajek_attention` gathers at once: rows are processed in chunks within
+#: it, so the copy is still in the last-level cache when the two matrix products read it (a fraction of a server
+#: L3; the sizes tried and their step times: docs/serving.md, measured by benchmarks/bench_masked_decode.py)
+GATHER_BYTES = 8 << 20
+
+
+@dataclass
+class BlockChunk:
+    """Rows ``rows`` of a :func:`paged_block_hajek_attention` batch whose kept blocks are gathered at once, and what
+    does not depend on the layer: the blocks (c * m,), the scores' bias (c * m * h_kv, 1, bs) and 1 - pi_b (c, m)."""
+
+    rows: slice
+    block_ids: torch.Tensor
+    bias: torch.Tensor
+    one_minus_pi: torch.Tensor
+
+
+def block_chunks(kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor) -> list[BlockChunk]:
+    """:func:`paged_block_hajek_attention`'s row chunks (each gathering at most :data:`GATHER_BYTES`, or one row),
+    computed once per step: every layer of a step has the same rows, blocks and pi, and a cache of the same
+    geometry (arguments as :func:`paged_block_hajek_attention`'s)."""
+    E = block_ids.shape[0]
+    h, bs = kv_cache.shape[1], kv_cache.shape[2]
+    row_bytes = kv_cache[0].numel() * kv_cache.element_size()  # one block, all KV heads, K and V
+    kept = (log_pi[:, :, 0] > float("-inf")).sum(1).tolist()  # padding blocks come last in a row
+    out, j = [], 0
+    while j < E:
+        c, m = 1, kept[j]
+        while j + c < E and max(m, kept[j + c]) * (c + 1) * row_bytes <= GATHER_BYTES:
+            m = max(m, kept[j + c])
+            c += 1
+        lp = log_pi[j : j + c, :m].float()
+        bias = torch.where(lp > float("-inf"), -lp, float("-inf"))  # -log pi_b on the row's tokens, -inf elsewhere
+        bias = bias[:, :, None, None, :].expand(c, m, h, 1, bs).reshape(c * m * h, 1, bs)
+        omp = -torch.expm1(lp[:, :, 0])  # 1 - pi_b per block (0: certain; padding: 1 with z = 0)
+        out.append(BlockChunk(slice(j, j + c), block_ids[j : j + c, :m].reshape(-1), bias, omp))
+        j += c
+    return out
+
+
+def paged_block_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor,
+                                log_pi: torch.Tensor, *, scale: float | None = None,
+                                chunks: list[BlockChunk] | None = None, validate: bool = True) -> Estimate:
+    r"""Hajek decode attention over whole kept blocks of a paged cache, and the cluster-sampling trace, batched.
+
+    The estimate and trace of :func:`block_hajek_attention` (the units are whole kept blocks, one decode query
+    per row), read from a paged cache in vLLM's CPU ``vec`` layout (the layout of
+    :func:`kvcert.kernels.cpu.paged_hajek_attention`), so the block sums are a reshape instead of a scatter:
+
+    .. math::
+
+        \hat o = \sum_{i\in S} a_i v_i,\quad a = \operatorname{softmax}_S(\tau q\cdot k_i - \log\pi_{b(i)}),
+        \quad \mathrm{trace} = \sum_{b\in S}(1-\pi_b)\lVert z_b\rVert^2,\quad
+        z_b = \sum_{i\in b} a_i (v_i - \hat o),
+
+    with :math:`A_b = \sum_{i\in b} a_i`, computed as :math:`W_b - A_b\hat o`, :math:`W_b = \sum_{i\in b} a_i v_i`
+    (K/V copied once by the gather; the scores are one ``baddbmm`` with the offset as its bias, the softmax is
+    taken in the block layout without a transposed copy, and W_b is one batched matmul of the unnormalized
+    weights, scaled afterwards; float32 cancellation is of order eps |v|, far below the radii reported). Slots
+    that hold no token of the row (padding blocks, the tail of the last block) get weight exactly 0; vLLM
+    allocates the cache with zeros, so they hold finite values (zeros or an earlier request's keys/values), which
+    the zero weights cancel. Rows are processed in consecutive chunks (:func:`block_chunks`) whose gathered blocks
+    fit in :data:`GATHER_BYTES`, each padded only to its own longest row; a row's result does not depend on its
+    chunk or batch.
+
+    Parameters
+    ----------
+    q : (E, h_q, d), one decode query per row
+    kv_cache : (num_blocks, h_kv, block_size, 2 d), float32 or bfloat16: per (block, KV head) the keys transposed
+        ``[d, block_size]``, then the values ``[block_size, d]``
+    block_ids : int64 (E, M), kept physical blocks per row, padding last (any allocated block)
+    log_pi : (E, M, block_size) float32, log pi_b on every valid token of a kept block (0 on certain blocks and
+        decode tokens), -inf on padding and on slots past the sequence end; the first slot of a kept block holds a
+        token
+    scale : float, default 1/sqrt(d)
+    chunks : list of BlockChunk, optional
+        ``block_chunks(kv_cache, block_ids, log_pi)`` if already computed; any cache of the same shape and dtype
+        gives the same chunks (the vLLM plugin computes them once per step and every layer reuses them)
+    validate : bool
+        Check shapes and that log_pi lies in [-inf, 0] (one host read); ``False`` skips it.
+
+    Returns
+    -------
+    Estimate
+        ``output`` (E, h_q, d) in the query's dtype; ``trace`` and ``lse`` (E, h_q) float32; no weights or
+        per-coordinate variance.
+    """
+    if validate:
+        _check_paged_blocks(q, kv_cache, block_ids, log_pi)
+    scale = check_scale(scale, q.shape[-1])
+    if chunks is None:
+        chunks = block_chunks(kv_cache, block_ids, log_pi)
+    parts = [_paged_chunk(q[ch.rows], kv_cache, ch, scale) for ch in chunks]
+    if len(parts) == 1:
+        o, tr, lse = parts[0]
+    else:
+        o, tr, lse = (torch.cat(x) for x in zip(*parts))
+    return Estimate(output=o, weights=None, variance=None, trace=tr, lse=lse)
+
+
+def _check_paged_blocks(q, kv_cache, block_ids, log_pi) -> None:
+    """:func:`paged_block_hajek_attention`'s argument checks (ValueError naming the argument)."""
+    if q.dim() != 3 or kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * q.shape[-1]:
+        raise ValueError(f"q must be (E, h_q, d) and kv_cache (num_blocks, h_kv, block_size, 2 d), got "
+                         f"{tuple(q.shape)} and {tuple(kv_cache.shape)}")
+    E, M = block_ids.shape if block_ids.dim() == 2 else (-1, -1)
+    if E != q.shape[0] or block_ids.dtype != torch.int64:
+        raise ValueError(f"block_ids must be an int64 tensor (E, M) with E = {q.shape[0]}, got {block_ids.dtype} "
+                         f"of shape {tuple(block_ids.shape)}")
+    if tuple(log_pi.shape) != (E, M, kv_cache.shape[2]):
+        raise ValueError(f"log_pi must be (E, M, block_size) = ({E}, {M}, {kv_cache.shape[2]}), got "
+                         f"{tuple(log_pi.shape)}")
+    if q.shape[1] % kv_cache.shape[1]:
+        raise ValueError(f"h_q = {q.shape[1]} must be a multiple of h_kv = {kv_cache.shape[1]} (GQA)")
+    if bool((torch.isnan(log_pi) | (log_pi > 0)).any()):
+        raise ValueError("log_pi must lie in [-inf, 0] (-inf: the slot holds no token), found NaN or > 0")
+
+
+_BUFFER = threading.local()
+
+
+def _gather_buffer(flat: torch.Tensor, rows: int) -> torch.Tensor:
+    """A (rows, flat.shape[1]) tensor over this thread's reused gather buffer (grown when too small).
+
+    A fresh multi-MB tensor per layer would be page-faulted in again on every call (glibc returns large blocks to
+    the system), which inside vLLM's worker costs more than the copy itself; the buffer holds one chunk
+    (:data:`GATHER_BYTES`, or one row when a row is larger) and is overwritten by the next chunk, after the chunk's
+    products have read it.
+    """
+    n = rows * flat.shape[1]
+    buf = getattr(_BUFFER, "buf", None)
+    if buf is None or buf.numel() < n or buf.dtype != flat.dtype:
+        buf = _BUFFER.buf = torch.empty(max(n, GATHER_BYTES // flat.element_size()), dtype=flat.dtype)
+    return buf[:n].view(rows, flat.shape[1])
+
+
+def _paged_chunk(query, kv_cache, ch: BlockChunk, scale):
+    """:func:`paged_block_hajek_attention` on the rows of one chunk, whose gathered blocks are copied at once:
+    output, trace and lse."""
+    E, h_q, d = query.shape
+    nb, h, bs, two_d = kv_cache.shape
+    M = ch.one_minus_pi.shape[1]
+    g = h_q // h
+    B = E * M * h  # one small matrix product per (row, block, KV head)
+    flat = kv_cache.view(nb, h * bs * two_d)
+    blk = torch.index_select(flat, 0, ch.block_ids, out=_gather_buffer(flat, E * M)).view(B, bs * two_d)
+    kt = blk[:, : bs * d].view(B, d, bs)  # keys transposed
+    v = blk[:, bs * d:].view(B, bs, d)
+    qx = query.float().view(E, 1, h, g, d).expand(E, M, h, g, d).reshape(B, g, d)
+    s = torch.baddbmm(ch.bias, qx, kt.float(), alpha=scale).view(E, M, h, g, bs)  # tau q.k - log pi_b
+    mx = s.amax(dim=(1, 4), keepdim=True)  # the softmax's max over all kept tokens of the row
+    p = s.sub_(mx).exp_()  # unnormalized weights; exactly 0 off the row's tokens
+    total = p.sum(dim=(1, 4))  # (E, h, g)
+    inv = total.reciprocal()  # 1 / sum over the kept tokens
+    w = torch.bmm(p.view(B, g, bs), v.float()).view(E, M, h, g, d).mul_(inv[:, None, ..., None])  # W_b
+    A = p.sum(-1).mul_(inv[:, None])  # (E, M, h, g): A_b
+    o = w.sum(1)  # (E, h, g, d)
+    z = w.sub_(A[..., None] * o[:, None])  # z_b = W_b - A_b o_hat
+    trace = (ch.one_minus_pi[:, :, None, None] * (z * z).sum(-1)).sum(1)  # (E, h, g)
+    lse = mx.view(E, h, g) + total.log()
+    return o.reshape(E, h_q, d).to(query.dtype), trace.reshape(E, h_q), lse.reshape(E, h_q)

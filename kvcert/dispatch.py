@@ -67,6 +67,10 @@ __all__ = [
     "CPU_OP_ENV_VAR",
     "ENV_VAR",
     "DECODE_ROUTES",
+    "GATHER",
+    "PAGED_CPU_OP",
+    "PAGED_TORCH",
+    "PAGED_TRITON",
     "REFERENCE",
     "ROUTER",
     "TORCH",
@@ -74,6 +78,7 @@ __all__ = [
     "BackendUnavailableError",
     "DecodeRecord",
     "LayerDecode",
+    "PagedDecode",
     "Route",
     "sketch_hajek_attention",
     "cpu_op_available",
@@ -82,6 +87,8 @@ __all__ = [
     "hajek_attention",
     "last_backend",
     "last_route",
+    "paged_decode",
+    "paged_route",
     "select_backend",
     "triton_available",
 ]
@@ -132,8 +139,16 @@ class Route:
     backend : str
         The backend (:data:`BACKENDS`): ``"reference"``, ``"fast"`` or ``"triton"``.
     code : str
-        What ran it: ``"reference"`` (the float64 oracle), ``"torch"`` (kvcert.fast), ``"cpu_op"``
-        (the compiled CPU op, :mod:`kvcert.kernels.cpu`, a code of the "fast" backend) or ``"triton"``.
+        What ran it. On a dense cache (a Hugging Face layer, contiguous K/V): ``"reference"`` (the float64
+        oracle), ``"torch"`` (kvcert.fast), ``"cpu_op"`` (the compiled CPU op, :mod:`kvcert.kernels.cpu`, a
+        code of the "fast" backend) or ``"triton"``. On a paged cache (the vLLM plugin's, read through a block
+        table, :func:`paged_decode`): ``"paged_cpu_op"`` (the compiled op's paged entries,
+        :func:`kvcert.kernels.cpu.paged_hajek_attention` / :func:`~kvcert.kernels.cpu.paged_sketch_hajek_attention`,
+        reading the slots in place), ``"paged_torch"`` (kvcert.fast's paged estimator,
+        :func:`kvcert.fast.blocks.paged_block_hajek_attention`: a chunked gather of whole blocks), ``"gather"``
+        (the rows' slots gathered by the caller's reader, then the dense route of the design; the dense code
+        that ran is :attr:`PagedDecode.dense`) or ``"paged_triton"``
+        (:func:`kvcert.kernels.paged_block_hajek_attention`, the FlashAttention cache layout, CUDA).
 
     A result carries the two as its estimate's ``backend`` and ``route`` fields. Handed back to
     :func:`decode` (or as ``backend=`` to :func:`hajek_attention` / :func:`sketch_hajek_attention`),
@@ -154,14 +169,25 @@ TORCH = Route("fast", "torch")
 TRITON = Route("triton", "triton")
 #: the float64 NumPy oracle, slice by slice
 REFERENCE = Route("reference", "reference")
+#: the compiled CPU op's paged entries (:mod:`kvcert.kernels.cpu`), reading the vLLM plugin's ``vec`` cache in place
+PAGED_CPU_OP = Route("fast", "paged_cpu_op")
+#: kvcert.fast's paged block estimator (:func:`kvcert.fast.blocks.paged_block_hajek_attention`), ``vec`` cache
+PAGED_TORCH = Route("fast", "paged_torch")
+#: the rows' slots gathered from the paged cache (the caller's reader), then the design's dense route
+GATHER = Route("fast", "gather")
+#: the Triton paged block kernel (:func:`kvcert.kernels.paged_block_hajek_attention`), FlashAttention cache layout
+PAGED_TRITON = Route("triton", "paged_triton")
 #: a forced backend other than "fast" runs its one code, without a fit test (a kernel that cannot run says why)
 _FORCED = {"reference": REFERENCE, "triton": TRITON}
 
 #: The router: (design, cache layout, device type) -> the codes that may compute the design's decode step,
 #: in order of preference; the first that fits the call runs (the op: a trace-only call on CPU tensors in
 #: float32 / bfloat16 with no option it lacks; Triton: a decode query in a kernel dtype, no kvcert.fast-only
-#: option, Triton installed), :data:`TORCH` always fits. A device not listed runs :data:`TORCH`. The paged
-#: layout (a block table) is the vLLM plugin's (:mod:`kvcert.vllm.backend`); a forced backend keeps its codes.
+#: option, Triton installed), :data:`TORCH` always fits. A device not listed runs :data:`TORCH`; a forced
+#: backend keeps its codes. The paged layout (a block table over the vLLM plugin's cache, :func:`paged_decode`):
+#: :data:`PAGED_CPU_OP` fits a CPU query where the op is available (the token design: a trace-only kind),
+#: :data:`PAGED_TORCH` a trace-only kind, :data:`PAGED_TRITON` a trace-only kind on CUDA; :data:`GATHER` always
+#: fits (the dense row then chooses the code); a paged key not listed runs :data:`GATHER`.
 ROUTER = {
     ("token", "dense", "cpu"): (CPU_OP, TORCH),
     ("token", "dense", "cuda"): (TRITON, TORCH),
@@ -169,6 +195,10 @@ ROUTER = {
     ("block", "dense", "cuda"): (TORCH,),
     ("sketch", "dense", "cpu"): (CPU_OP, TORCH),
     ("sketch", "dense", "cuda"): (TORCH,),
+    ("token", "paged", "cpu"): (PAGED_CPU_OP, GATHER),
+    ("block", "paged", "cpu"): (PAGED_TORCH, GATHER),
+    ("block", "paged", "cuda"): (PAGED_TRITON,),
+    ("sketch", "paged", "cpu"): (PAGED_CPU_OP, GATHER),
 }
 
 
@@ -940,3 +970,224 @@ def _decode_sketch(query, layer, *, scale, options, kind, delta, softcap, backen
 #: (:class:`kvcert.cache.KVCertLayer`); the code each runs is :data:`ROUTER`'s
 _DECODERS = {("token", "dense"): _decode_token, ("block", "dense"): _decode_block,
              ("sketch", "dense"): _decode_sketch}
+
+
+# ---------------------------------------------------------------------------------------------
+# the paged layout: the vLLM plugin's decode rows, read through a block table
+# ---------------------------------------------------------------------------------------------
+#: the designs :func:`paged_decode` routes
+PAGED_DESIGNS = ("token", "block", "sketch")
+
+
+@dataclass(frozen=True)
+class PagedDecode:
+    """What :func:`paged_decode` returns for a batch of decode rows.
+
+    Attributes
+    ----------
+    output : torch.Tensor, (E, h_q, dv)
+        The rows' estimates, in the query's dtype.
+    statistics : dict
+        The certificate statistics of ``kind``, (E, h_q) each, the radii not yet taken: on the paged codes and the
+        sketched design ``{"trace": ..., "output": ...}`` (the norm of the output not yet taken), on the token and
+        block designs' gather route :func:`kvcert.fast.certificate_moments`' (with ``output_norm``).
+    route : Route
+        The paged code that ran (:data:`PAGED_CPU_OP`, :data:`PAGED_TORCH`, :data:`GATHER`, :data:`PAGED_TRITON`).
+    dense : Route or None
+        On :data:`GATHER`, the dense code that computed the gathered rows (:data:`CPU_OP`, :data:`TORCH`); else None.
+    radius : torch.Tensor or None
+        The relative radius (E, h_q) float32, where the caller took it (the vLLM plugin's ``token_decode``,
+        ``block_decode``, ``sketch_decode``); None from :func:`paged_decode` itself.
+    """
+
+    output: torch.Tensor
+    statistics: dict
+    route: Route
+    dense: Route | None = None
+    radius: torch.Tensor | None = None
+
+
+def _trace_only(kind: str) -> bool:
+    """Whether the certificate ``kind`` reads the trace alone (no estimate option: chebyshev)."""
+    return not any(importlib.import_module("kvcert.fast").estimate_options(kind).values())
+
+
+def paged_route(design: str, device: torch.device | str, kind: str) -> Route:
+    """The code :func:`paged_decode` runs for ``design``'s rows on a paged cache on ``device`` with certificate
+    ``kind``: the first of :data:`ROUTER`'s paged codes that fits (:data:`PAGED_CPU_OP`: a CPU query where the op is
+    available, not switched off by ``KVCERT_CPU_OP=0``, and for the token design a trace-only kind;
+    :data:`PAGED_TORCH` and :data:`PAGED_TRITON`: a trace-only kind, Triton installed for the latter;
+    :data:`GATHER` always).
+
+    Raises
+    ------
+    ValueError
+        ``design`` not one of :data:`PAGED_DESIGNS`, or no code of its row computes ``kind`` on ``device`` (the
+        paged Triton kernel returns the trace only: the block design on CUDA serves trace-only kinds).
+    """
+    if design not in PAGED_DESIGNS:
+        raise ValueError(f"design must be one of {PAGED_DESIGNS}, got {design!r}")
+    dev = torch.device(device).type
+    routes = ROUTER.get((design, "paged", dev), (GATHER,))
+    for route in routes:
+        if route == GATHER:
+            return route
+        if route == PAGED_CPU_OP and dev == "cpu" and (design != "token" or _trace_only(kind)) and cpu_op_available():
+            return route
+        if route == PAGED_TORCH and _trace_only(kind):
+            return route
+        if route == PAGED_TRITON and _trace_only(kind) and triton_available():
+            return route
+    raise ValueError(f"kind={kind!r}: no code of the {design} design's paged route on {dev} computes it "
+                     f"({', '.join(r.code for r in routes)} return the trace only, for a trace-only kind: chebyshev)")
+
+
+def paged_decode(design: str, query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor,
+                 log_pi: torch.Tensor, *, scale: float, kind: str, delta: float = 0.05, sketch=None, centre=None,
+                 gather=None, chunks=None, seq_lens=None, max_seq_len=None, device=None) -> PagedDecode:
+    r"""The decode of a batch of rows over a paged cache (one query per row), on :data:`ROUTER`'s paged code.
+
+    The estimate of ``design`` (docs/design.md sections 5, 7 and 8) and its certificate statistics:
+
+    - ``"token"``: the Hajek estimate over the slots with log pi > -inf and the Taylor trace
+      :math:`\sum_{i\in S}(1-\pi_i)a_i^2\lVert v_i-\hat o\rVert^2` (:data:`PAGED_CPU_OP`:
+      :func:`kvcert.kernels.cpu.paged_hajek_attention`; :data:`GATHER`: :func:`hajek_attention` on the
+      gathered rows and :func:`kvcert.fast.certificate_moments`);
+    - ``"block"``: offset :math:`-\log\pi_b` on every token of a kept block and the cluster-sampling trace
+      :math:`\sum_{b\in S}(1-\pi_b)\lVert z_b\rVert^2` (:data:`PAGED_TORCH`:
+      :func:`kvcert.fast.blocks.paged_block_hajek_attention`; :data:`PAGED_TRITON`:
+      :func:`kvcert.kernels.paged_block_hajek_attention`; :data:`GATHER`: :func:`kvcert.fast.block_hajek_attention`
+      row by row, with the options of ``kind``);
+    - ``"sketch"``: the sketched design's recorded trace (:data:`PAGED_CPU_OP`:
+      :func:`kvcert.kernels.cpu.paged_sketch_hajek_attention`; :data:`GATHER`: :func:`sketch_hajek_attention`
+      with ``trace=False`` and :func:`kvcert.fast.recorded_trace`).
+
+    Every code runs without value checks (``validate=False``: the eviction event checked the state it installed).
+
+    Parameters
+    ----------
+    design : {"token", "block", "sketch"}
+    query : (E, h_q, d), one decode query per row
+    kv_cache : the paged cache: (num_blocks, h_kv, bs, 2 d) in vLLM's CPU ``vec`` layout (keys transposed, then
+        values, per block and KV head); on CUDA (block design) vLLM's FlashAttention cache of the same shape
+    block_ids : int64 (E, M)
+        The blocks each row reads (CPU: the kept blocks, padding last); on CUDA the rows' block table.
+    log_pi : torch.Tensor
+        Token and sketch designs: (E, h_kv, M * bs), log pi of each slot's token (-inf: none). Block design:
+        (E, M, bs) float32, log pi_b on each valid token of a kept block (-inf on padding and past the end); on
+        CUDA (E, M) float32 per logical block (-inf: evicted).
+    scale : float   kind : str, the certificate kind   delta : float, the certificate level (sketch design)
+    sketch : ClusterSketch of the E rows (sketch design)
+    centre : (float64 (E, h_kv, d + 1), int64 (E,)), optional
+        The sketch design's value centre from the compacted prompt's sums (:data:`PAGED_CPU_OP` only).
+    gather : callable, optional
+        ``gather(kv_cache, block_ids) -> (keys, values)``, (E, h_kv, M * bs, d) each: the caller's reader of its
+        layout, for :data:`GATHER` (required when that code runs).
+    chunks : optional
+        :func:`kvcert.fast.blocks.block_chunks` of the rows, computed once per step (:data:`PAGED_TORCH`).
+    seq_lens, max_seq_len : (E,) int32 and int, optional
+        The rows' lengths (:data:`PAGED_TRITON`: the block design on CUDA).
+    device : str, optional
+        The device whose row of :data:`ROUTER` is read (default the query's): the vLLM plugin's CUDA backend names
+        ``"cuda"``, whose cache is in the FlashAttention layout, so that its route is the same when the Triton
+        interpreter (``TRITON_INTERPRET=1``) runs it on CPU tensors.
+
+    Returns
+    -------
+    PagedDecode
+        Its ``route`` (and, on :data:`GATHER`, ``dense``) names the code that ran.
+    """
+    route = paged_route(design, query.device if device is None else device, kind)
+    if route == GATHER and gather is None:
+        raise TypeError(f"the {design} design's paged route {route.code!r} reads the rows through gather=: give the "
+                        "layout's reader, gather(kv_cache, block_ids) -> (keys, values)")
+    return _PAGED[design, route](query, kv_cache, block_ids, log_pi, scale=scale, kind=kind, delta=delta,
+                                 sketch=sketch, centre=centre, gather=gather, chunks=chunks, seq_lens=seq_lens,
+                                 max_seq_len=max_seq_len)
+
+
+def _paged_token_op(query, kv_cache, block_ids, log_pi, *, scale, **_) -> PagedDecode:
+    """The token design on :data:`PAGED_CPU_OP`: the op reads the slots in place; a trace-only kind's statistics."""
+    est = _cpu_op_module().paged_hajek_attention(query, kv_cache, block_ids, log_pi.to(torch.float32), scale=scale,
+                                                 validate=False)
+    return PagedDecode(est.output.to(query.dtype), {"trace": est.trace, "output": est.output}, PAGED_CPU_OP)
+
+
+def _paged_token_gather(query, kv_cache, block_ids, log_pi, *, scale, kind, gather, **_) -> PagedDecode:
+    """The token design on :data:`GATHER`: :func:`hajek_attention` on the gathered rows (its own dense code)."""
+    fast = importlib.import_module("kvcert.fast")
+    k, v = gather(kv_cache, block_ids)
+    est = hajek_attention(query, k, v, log_pi=log_pi.to(torch.float32), scale=scale, validate=False,
+                          **fast.estimate_options(kind))
+    return PagedDecode(est.output.to(query.dtype), fast.certificate_moments(est, kind), GATHER,
+                       Route(est.backend, est.route))
+
+
+def _paged_sketch_op(query, kv_cache, block_ids, log_pi, *, scale, kind, delta, sketch, centre, **_) -> PagedDecode:
+    """The sketch design on :data:`PAGED_CPU_OP`: the op's paged sketch route (its value centre from ``centre``)."""
+    sums, start = centre if centre is not None else (None, None)
+    ce = _cpu_op_module().paged_sketch_hajek_attention(query, kv_cache, block_ids, log_pi.to(torch.float32), sketch,
+                                                       scale=scale, delta=delta, record=kind, center_sums=sums,
+                                                       tail_start=start, validate=False)
+    return PagedDecode(ce.output.to(query.dtype), {"trace": ce.estimate.trace, "output": ce.output}, PAGED_CPU_OP)
+
+
+def _paged_sketch_gather(query, kv_cache, block_ids, log_pi, *, scale, kind, delta, sketch, gather,
+                         **_) -> PagedDecode:
+    """The sketch design on :data:`GATHER`: :func:`sketch_hajek_attention` on the gathered rows, the recorded trace."""
+    k, v = gather(kv_cache, block_ids)
+    ce = sketch_hajek_attention(query, k, v, None, sketch, log_pi=log_pi.to(torch.float32), scale=scale, delta=delta,
+                                validate=False, trace=False)
+    trace = importlib.import_module("kvcert.fast").recorded_trace(ce, kind)
+    return PagedDecode(ce.output.to(query.dtype), {"trace": trace, "output": ce.output}, GATHER,
+                       Route(ce.estimate.backend, ce.estimate.route))
+
+
+def _paged_block_torch(query, kv_cache, block_ids, log_pi, *, scale, chunks, **_) -> PagedDecode:
+    """The block design on :data:`PAGED_TORCH`: kvcert.fast's paged estimator (whole kept blocks, chunked gather)."""
+    blocks = importlib.import_module("kvcert.fast.blocks")
+    est = blocks.paged_block_hajek_attention(query, kv_cache, block_ids, log_pi, scale=scale, chunks=chunks,
+                                             validate=False)
+    return PagedDecode(est.output, {"trace": est.trace, "output": est.output}, PAGED_TORCH)
+
+
+def _paged_block_gather(query, kv_cache, block_ids, log_pi, *, scale, kind, gather, **_) -> PagedDecode:
+    """The block design on :data:`GATHER`: :func:`kvcert.fast.block_hajek_attention` with ``kind``'s options, row by
+    row over the row's kept blocks (its dense route, :data:`TORCH`)."""
+    fast = importlib.import_module("kvcert.fast")
+    opts = fast.estimate_options(kind)
+    bs = kv_cache.shape[2]
+    outs, stats = [], []
+    for j, m in enumerate((log_pi[:, :, 0] > float("-inf")).sum(1).tolist()):  # padding blocks come last
+        k, v = gather(kv_cache, block_ids[j : j + 1, :m])  # (1, h_kv, m bs, d)
+        lp = log_pi[j, :m].reshape(1, 1, m * bs).expand(1, k.shape[1], m * bs)
+        pi = torch.exp(lp.double()).to(torch.float32)  # pi_b in float32 (0: no token), as the eviction drew it
+        pos = torch.where(pi > 0, torch.arange(m * bs, device=lp.device), -1)
+        est = fast.block_hajek_attention(query[j : j + 1], k, v, pi, block_size=bs, positions=pos, scale=scale,
+                                         validate=False, **opts)
+        outs.append(est.output.to(query.dtype))
+        stats.append(fast.certificate_moments(est, kind))
+    joined = {key: None if stats[0][key] is None else torch.cat([s[key] for s in stats]) for key in stats[0]}
+    return PagedDecode(torch.cat(outs), joined, GATHER, TORCH)
+
+
+def _paged_block_triton(query, kv_cache, block_ids, log_pi, *, scale, seq_lens, max_seq_len, **_) -> PagedDecode:
+    """The block design on :data:`PAGED_TRITON`: the paged kernel over vLLM's FlashAttention cache (the rows'
+    block table, log pi per block, their lengths)."""
+    kernels = importlib.import_module("kvcert.kernels")
+    key_cache, value_cache = kernels.kv_cache_views(kv_cache, kv_cache.shape[-1] // 2)
+    est = kernels.paged_block_hajek_attention(query, key_cache, value_cache, block_ids, seq_lens, log_pi,
+                                              scale=scale, max_seq_len=max_seq_len, validate=False)
+    return PagedDecode(est.output, {"trace": est.trace, "output": est.output}, PAGED_TRITON)
+
+
+#: the function that runs each (design, code) of :data:`ROUTER`'s paged rows; one signature (:func:`paged_decode`'s)
+_PAGED = {
+    ("token", PAGED_CPU_OP): _paged_token_op,
+    ("token", GATHER): _paged_token_gather,
+    ("sketch", PAGED_CPU_OP): _paged_sketch_op,
+    ("sketch", GATHER): _paged_sketch_gather,
+    ("block", PAGED_TORCH): _paged_block_torch,
+    ("block", GATHER): _paged_block_gather,
+    ("block", PAGED_TRITON): _paged_block_triton,
+}

@@ -291,13 +291,17 @@ def test_decode_routes_carry_their_code_and_resolve_a_typed_route(monkeypatch):
 
 
 def test_the_router_lists_a_runner_for_every_code():
-    """Every (design, layout, device) row of D.ROUTER ends with D.TORCH (always fits) and each code it names has
-    the function that runs it; a device without a row runs D.TORCH."""
+    """Every dense (design, layout, device) row of D.ROUTER ends with D.TORCH (always fits), every paged CPU row with
+    D.GATHER (always fits), and each code a row names has the function that runs it; a device without a dense row
+    runs D.TORCH, without a paged row D.GATHER."""
     for (design, layout, device), routes in D.ROUTER.items():
-        assert design in D.DECODE_ROUTES and layout == "dense" and device in ("cpu", "cuda")
-        assert routes[-1] == D.TORCH
-        assert all((design, r) in D._RUN for r in routes), (design, routes)
+        assert design in D.DECODE_ROUTES and layout in ("dense", "paged") and device in ("cpu", "cuda")
+        table = D._RUN if layout == "dense" else D._PAGED
+        assert all((design, r) in table for r in routes), (design, layout, routes)
+        if layout == "dense" or device == "cpu":
+            assert routes[-1] == (D.TORCH if layout == "dense" else D.GATHER)
     assert D._route("token", torch.empty(1, device="meta"), lambda r: True) == D.TORCH
+    assert D.paged_route("token", "meta", "chebyshev") == D.GATHER
 
 
 def test_two_threads_each_see_their_own_route():
@@ -336,3 +340,124 @@ def test_last_backend_and_last_route_are_deprecated_shims():
     with pytest.warns(DeprecationWarning, match=r"result's `route` field \(Estimate.route"):
         assert D.last_route() == est.route == "reference"
     assert kvcert.last_backend is D.last_backend
+
+
+# ---------------------------------------------------------------------------------------------
+# the paged layout (the vLLM plugin's cache, read through a block table)
+# ---------------------------------------------------------------------------------------------
+def _vec_cache(seed, dtype=torch.float32, h_q=6, h=2, d=16, bs=8, nb=20):
+    """A paged cache in vLLM's CPU ``vec`` layout and rows of whole kept blocks: (q, cache, ids, log_pi (E, M, bs))
+    with a certain first block, sampled blocks pi_b in (0.05, 0.95) and a partly filled last block."""
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randn(nb, h, bs, 2 * d, generator=g).to(dtype)
+    lens = [3, 1, 5]
+    ids = torch.zeros(len(lens), max(lens), dtype=torch.int64)
+    log_pi = torch.full((len(lens), max(lens), bs), float("-inf"))
+    for j, m in enumerate(lens):
+        pib = torch.rand(m, generator=g) * 0.9 + 0.05
+        pib[0] = 1.0
+        lp = pib.log()[:, None].expand(m, bs).clone()
+        lp[-1, 3 + j:] = float("-inf")
+        ids[j, :m] = torch.randperm(nb, generator=g)[:m]
+        log_pi[j, :m] = lp
+    return torch.randn(len(lens), h_q, d, generator=g).to(dtype), cache, ids, log_pi
+
+
+def _gather(kv_cache, block_ids):
+    """Keys and values (E, h_kv, M bs, d) of a ``vec`` cache's blocks (the vLLM plugin's ``gather_rows``)."""
+    nb, h, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    E, M = block_ids.shape
+    flat = kv_cache.view(nb, h, bs * two_d)[block_ids.reshape(-1)].view(E, M, h, bs * two_d)
+    k = flat[..., : bs * d].reshape(E, M, h, d, bs).permute(0, 2, 1, 4, 3).reshape(E, h, M * bs, d)
+    v = flat[..., bs * d:].reshape(E, M, h, bs, d).permute(0, 2, 1, 3, 4).reshape(E, h, M * bs, d)
+    return k, v
+
+
+def test_router_has_the_paged_rows():
+    assert D.ROUTER["token", "paged", "cpu"] == (D.PAGED_CPU_OP, D.GATHER)
+    assert D.ROUTER["sketch", "paged", "cpu"] == (D.PAGED_CPU_OP, D.GATHER)
+    assert D.ROUTER["block", "paged", "cpu"] == (D.PAGED_TORCH, D.GATHER)
+    assert D.ROUTER["block", "paged", "cuda"] == (D.PAGED_TRITON,)
+    assert {r.backend for r in (D.PAGED_CPU_OP, D.PAGED_TORCH, D.GATHER)} == {"fast"}
+    assert D.PAGED_TRITON.backend == "triton"
+
+
+def test_paged_route_follows_the_kind_the_switch_and_the_device(monkeypatch):
+    """The first code of the row that computes the kind: the op and the paged estimators for a trace-only kind,
+    the gather route otherwise or with KVCERT_CPU_OP=0; a CUDA block row refuses a kind its kernel cannot compute."""
+    op = D.PAGED_CPU_OP if D.cpu_op_available() else D.GATHER
+    assert D.paged_route("token", "cpu", "chebyshev") == op
+    assert D.paged_route("token", "cpu", "bernstein") == D.GATHER
+    assert D.paged_route("sketch", "cpu", "tilted_hull") == op
+    assert D.paged_route("block", "cpu", "chebyshev") == D.PAGED_TORCH
+    assert D.paged_route("block", "cpu", "chi2") == D.GATHER
+    monkeypatch.setenv(D.CPU_OP_ENV_VAR, "0")
+    assert D.paged_route("token", "cpu", "chebyshev") == D.GATHER
+    assert D.paged_route("sketch", "cpu", "tilted_hull") == D.GATHER
+    with pytest.raises(ValueError, match="kind='bernstein'"):
+        D.paged_route("block", "cuda", "bernstein")
+    with pytest.raises(ValueError, match="design must be one of"):
+        D.paged_route("tokens", "cpu", "chebyshev")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_paged_block_estimator_is_the_block_estimator(dtype):
+    """kvcert.fast's paged block estimator (the CPU plugin's block route) = kvcert.fast.block_hajek_attention on
+    the gathered rows: output and trace against the float64 block estimator within twice the torch float32 path's
+    own error plus the float32 rounding of sums over the row (8 eps32 sqrt(n) of the values' scale). Negative
+    control: the same rows without the offset -log pi_b (every pi read as 1) are outside that tolerance."""
+    from kvcert.fast import block_hajek_attention
+    from kvcert.fast.blocks import paged_block_hajek_attention
+
+    q, cache, ids, log_pi = _vec_cache(3, dtype)
+    bs = cache.shape[2]
+    dec = D.paged_decode("block", q, cache, ids, log_pi, scale=0.3, kind="chebyshev")
+    assert dec.route == D.PAGED_TORCH and dec.dense is None
+    est = paged_block_hajek_attention(q, cache, ids, log_pi, scale=0.3)
+    assert torch.equal(est.output, dec.output) and torch.equal(est.trace, dec.statistics["trace"])
+    assert est.output.dtype == dtype and est.trace.dtype == torch.float32
+    wrong = paged_block_hajek_attention(q, cache, ids, torch.where(log_pi > float("-inf"), 0.0, log_pi), scale=0.3)
+    eps32 = torch.finfo(torch.float32).eps
+    for j in range(q.shape[0]):
+        m = int((log_pi[j, :, 0] > float("-inf")).sum())
+        k, v = _gather(cache, ids[j : j + 1, :m])
+        pi = log_pi[j, :m].reshape(1, 1, -1).exp().expand(1, k.shape[1], m * bs)
+        pos = torch.where(pi > 0, torch.arange(m * bs), -1)
+        ref = block_hajek_attention(q[j : j + 1].double(), k.double(), v.double(), pi.double(), block_size=bs,
+                                    positions=pos, scale=0.3, per_coordinate=False)
+        f32 = block_hajek_attention(q[j : j + 1].float(), k.float(), v.float(), pi, block_size=bs, positions=pos,
+                                    scale=0.3, per_coordinate=False)
+        vmax = float(v.double().abs().max())
+        rnd = 8 * eps32 * (m * bs) ** 0.5
+        tol_o = 2 * float((f32.output.double() - ref.output).abs().max()) + rnd * vmax
+        tol_t = 2 * float((f32.trace.double() - ref.trace).abs().max()) + rnd * vmax ** 2
+        out = est.output[j : j + 1].double()
+        if dtype == torch.bfloat16:  # the output is rounded to the query's dtype once
+            tol_o += 2.0 ** -8 * float(ref.output.abs().max())
+        err_o, err_t = float((out - ref.output).abs().max()), float((est.trace[j] - ref.trace[0]).abs().max())
+        print(f"row {j}: |output - f64| {err_o:.2e} (tol {tol_o:.2e}), |trace - f64| {err_t:.2e} (tol {tol_t:.2e})")
+        assert err_o <= tol_o and err_t <= tol_t
+        if m > 1:  # a row with a sampled block: the offset matters
+            assert float((wrong.output[j : j + 1].double() - ref.output).abs().max()) > tol_o
+
+
+def test_paged_decode_gather_route_names_the_dense_code_and_needs_a_reader(monkeypatch):
+    """The gather route: the rows read by the caller's reader, then the dense route (its code in ``dense``); the
+    token design's op route gives the same estimate within float32 rounding (both float32 over at most 40 slots:
+    rtol 1e-5). Without a reader the gather route says what it needs."""
+    q, cache, ids, log_pi = _vec_cache(4)
+    h, bs = cache.shape[1], cache.shape[2]
+    lp = log_pi.repeat_interleave(1, 0).reshape(q.shape[0], 1, -1).expand(q.shape[0], h, ids.shape[1] * bs)
+    first = D.paged_decode("token", q, cache, ids, lp, scale=0.3, kind="chebyshev", gather=_gather)
+    monkeypatch.setenv(D.CPU_OP_ENV_VAR, "0")
+    with pytest.raises(TypeError, match="gather="):
+        D.paged_decode("token", q, cache, ids, lp, scale=0.3, kind="chebyshev")
+    dec = D.paged_decode("token", q, cache, ids, lp, scale=0.3, kind="chebyshev", gather=_gather)
+    assert dec.route == D.GATHER and dec.dense == D.TORCH and dec.radius is None
+    assert set(dec.statistics) >= {"trace", "output_norm"}
+    torch.testing.assert_close(first.output, dec.output, rtol=1e-5, atol=1e-6)
+    blk = D.paged_decode("block", q, cache, ids, log_pi, scale=0.3, kind="bernstein", gather=_gather)
+    assert blk.route == D.GATHER and blk.dense == D.TORCH and blk.statistics["max_term"].shape == (3, 6)
+    torch.testing.assert_close(blk.output, D.paged_decode("block", q, cache, ids, log_pi, scale=0.3,
+                                                          kind="chebyshev").output, rtol=1e-5, atol=1e-6)

@@ -19,22 +19,31 @@ head's kept tokens, in position order, into the request's first blocks
 (:func:`compact_prompt`, layout :func:`kvcert.fast.compact_slots`). A decode row
 of such a request attends over the compacted slots (offset -log pi_i, padding
 -inf) and over the tokens after the prompt at their own positions (pi = 1),
-gathered by :func:`gather_rows`, through the estimator the Hugging Face path
-uses (:func:`kvcert.dispatch.hajek_attention`: the compiled CPU op or
-kvcert.fast) and its certificate (:func:`token_decode`).
+through the estimator the Hugging Face path uses and its certificate
+(:func:`token_decode`).
+
+Every decode row goes through one router, :func:`kvcert.dispatch.paged_decode`
+(its table :data:`kvcert.dispatch.ROUTER`, the paged layout's rows): it chooses
+the code (the compiled op's paged route reading the slots in place, kvcert.fast's
+paged block estimator, or the rows gathered by :func:`gather_rows` and the dense
+route) and its result names the code that ran (``PagedDecode.route``). This
+module reads and writes the paged cache (:func:`gather_blocks`,
+:func:`gather_rows`, :func:`compact_prompt`) and hands the rows to the router
+(:func:`token_decode`, :func:`block_decode`, :func:`sketch_decode`).
 
 Per request (token design): a row is sampled with its request's design and certified with its request's
 kind and delta (:meth:`kvcert.vllm.worker.Step.config_of`); decode rows are grouped by (kind, delta).
 
 Block design: for a request with an eviction decision (a decode row: one query token), the
-C++ op cannot be used (it takes no additive bias and returns no
-log-sum-exp), so the row's kept blocks are gathered from the paged cache and
-:func:`kvcert.fast.block_hajek_attention` computes the Hajek estimate (offset
+stock C++ op cannot be used (it takes no additive bias and returns no
+log-sum-exp), so :func:`block_decode` hands the row's kept blocks to the router:
+kvcert.fast's paged block estimator (:func:`kvcert.fast.blocks.paged_block_hajek_attention`,
+a chunked gather of the kept blocks) computes the Hajek estimate (offset
 -log pi_b on every token of a kept sampled block; evicted blocks are simply
-not gathered, i.e. masked with -inf) and the cluster-sampling trace, from
-which :func:`kvcert.fast.certificate_moments` and
-:func:`kvcert.fast.radius_from_statistics` give the relative radius per query
-head. Evicted blocks must be masked: the worker never learns that a block was
+not gathered, i.e. masked with -inf) and the cluster-sampling trace (other
+kinds: :func:`kvcert.fast.block_hajek_attention` on the gathered rows), from
+which :func:`kvcert.fast.radius_from_statistics` gives the relative radius per
+query head. Evicted blocks must be masked: the worker never learns that a block was
 freed, and its old id may already hold another request's keys.
 
 On the prompt's last chunk the backend also gathers the token scores of the
@@ -54,8 +63,7 @@ tests/vllm/test_vllm_backend.py against ``ops.cpu_attn_reshape_and_cache``).
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,15 +74,8 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadataBuilder)
 
 from kvcert import dispatch
-from kvcert.fast import (
-    ClusterSketch,
-    block_hajek_attention,
-    certificate_moments,
-    compact_slots,
-    estimate_options,
-    radius_from_statistics,
-    recorded_trace,
-)
+from kvcert.fast import ClusterSketch, compact_slots, radius_from_statistics
+from kvcert.fast.blocks import block_chunks
 
 from .handoff import extend
 
@@ -83,13 +84,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CertifiedCPUAttentionBackend", "CertifiedCPUAttentionImpl", "CertifiedCPUAttentionMetadataBuilder",
            "CertifiedCPUAttentionMetadata", "plugin_isa", "compact_prompt", "token_decode",
-           "gather_blocks", "gather_rows", "layer_index", "block_chunks", "block_decode", "sketch_decode"]
-
-#: most bytes of K/V that :func:`block_decode` gathers at once: rows are processed in chunks
-#: within it, so the copy is still in the last-level cache when the two matrix products read it
-#: (a fraction of a server L3; the sizes tried and their step times: docs/serving.md, measured by
-#: benchmarks/bench_masked_decode.py)
-GATHER_BYTES = 8 << 20
+           "gather_blocks", "gather_rows", "layer_index", "block_decode", "sketch_decode", "with_output_norm"]
 
 
 def layer_index(layer) -> int:
@@ -109,140 +104,6 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torc
     k = flat[..., : bs * d].reshape(m, h, d, bs).transpose(-1, -2)  # (m, h, bs, d)
     v = flat[..., bs * d:].reshape(m, h, bs, d)
     return (k.permute(1, 0, 2, 3).reshape(h, m * bs, d), v.permute(1, 0, 2, 3).reshape(h, m * bs, d))
-
-
-def block_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
-                  scale: float, chunks: list[BlockChunk] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Hajek decode attention over whole kept blocks of a ``vec`` cache, and the cluster-sampling trace, batched.
-
-    The plugin's fast path for the Chebyshev certificate: the same estimate and
-    trace as :func:`kvcert.fast.block_hajek_attention` on the gathered blocks
-    (checked in tests/vllm/test_vllm_backend.py), specialized to one query
-    token per row and to kept units that are whole blocks, so the block sums
-    are a reshape instead of a scatter:
-
-    .. math::
-
-        \hat o = \sum_{i\in S} a_i v_i,\quad a = \operatorname{softmax}_S(\tau q\cdot k_i - \log\pi_{b(i)}),
-        \quad \mathrm{trace} = \sum_{b\in S}(1-\pi_b)\lVert z_b\rVert^2,\quad
-        z_b = \sum_{i\in b} a_i (v_i - \hat o),
-
-    with :math:`A_b = \sum_{i\in b} a_i`, computed as :math:`W_b - A_b\hat o`,
-    :math:`W_b = \sum_{i\in b} a_i v_i` (K/V copied once by the gather; the
-    scores are one ``baddbmm`` with the offset as its bias, the softmax is
-    taken in the block layout without a transposed copy, and W_b is one
-    batched matmul of the unnormalized weights, scaled afterwards; float32
-    cancellation is of order eps |v|, far below the radii reported). Slots
-    that hold no token of the row (padding blocks, the tail of the last block)
-    get weight exactly 0; vLLM allocates the cache with zeros, so they hold
-    finite values (zeros or an earlier request's keys/values), which the zero
-    weights cancel. Rows are processed in consecutive chunks whose gathered
-    blocks fit in :data:`GATHER_BYTES`, each padded only to its own longest
-    row; a row's result does not depend on its chunk or batch.
-
-    Parameters
-    ----------
-    query : (E, h_q, d), one decode query per row
-    kv_cache : (num_blocks, h_kv, block_size, 2 d), the ``vec`` layout
-    block_ids : int64 (E, M), kept physical blocks per row (padding: any allocated block)
-    log_pi : (E, M, block_size) float32, log pi_b on every valid token of a kept
-        block (0 on certain blocks and decode tokens), -inf on padding and on
-        slots past the sequence end
-    scale : float
-    chunks : list of BlockChunk, optional
-        ``block_chunks(kv_cache, block_ids, log_pi)`` if already computed; any cache of the same shape and
-        dtype gives the same chunks (the backend computes them once per step and every layer reuses them)
-
-    Returns
-    -------
-    output (E, h_q, d) in the query's dtype, trace (E, h_q) float32
-    """
-    if chunks is None:
-        chunks = block_chunks(kv_cache, block_ids, log_pi)
-    outs, traces = [], []
-    for ch in chunks:
-        o, tr = _masked_chunk(query[ch.rows], kv_cache, ch, scale)
-        outs.append(o)
-        traces.append(tr)
-    if len(outs) == 1:
-        return outs[0], traces[0]
-    return torch.cat(outs), torch.cat(traces)
-
-
-@dataclass
-class BlockChunk:
-    """Rows ``rows`` of a :func:`block_decode` batch whose kept blocks are gathered at once, and what does not
-    depend on the layer: the blocks (c * m,), the scores' bias (c * m * h_kv, 1, bs) and 1 - pi_b (c, m)."""
-
-    rows: slice
-    block_ids: torch.Tensor
-    bias: torch.Tensor
-    one_minus_pi: torch.Tensor
-
-
-def block_chunks(kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor) -> list[BlockChunk]:
-    """:func:`block_decode`'s row chunks (each gathering at most :data:`GATHER_BYTES`, or one row), computed
-    once per step: every layer of a step has the same rows, blocks and pi, and a cache of the same geometry."""
-    E = block_ids.shape[0]
-    h, bs = kv_cache.shape[1], kv_cache.shape[2]
-    row_bytes = kv_cache[0].numel() * kv_cache.element_size()  # one block, all KV heads, K and V
-    kept = (log_pi[:, :, 0] > float("-inf")).sum(1).tolist()  # padding blocks come last in a row
-    out, j = [], 0
-    while j < E:
-        c, m = 1, kept[j]
-        while j + c < E and max(m, kept[j + c]) * (c + 1) * row_bytes <= GATHER_BYTES:
-            m = max(m, kept[j + c])
-            c += 1
-        lp = log_pi[j : j + c, :m].float()
-        bias = torch.where(lp > float("-inf"), -lp, float("-inf"))  # -log pi_b on the row's tokens, -inf elsewhere
-        bias = bias[:, :, None, None, :].expand(c, m, h, 1, bs).reshape(c * m * h, 1, bs)
-        omp = -torch.expm1(lp[:, :, 0])  # 1 - pi_b per block (0: certain; padding: 1 with z = 0)
-        out.append(BlockChunk(slice(j, j + c), block_ids[j : j + c, :m].reshape(-1), bias, omp))
-        j += c
-    return out
-
-
-_BUFFER = threading.local()
-
-
-def _gather_buffer(flat: torch.Tensor, rows: int) -> torch.Tensor:
-    """A (rows, flat.shape[1]) tensor over this thread's reused gather buffer (grown when too small).
-
-    A fresh multi-MB tensor per layer would be page-faulted in again on every
-    call (glibc returns large blocks to the system), which inside vLLM's
-    worker costs more than the copy itself; the buffer holds one chunk
-    (:data:`GATHER_BYTES`, or one row when a row is larger) and is
-    overwritten by the next chunk, after the chunk's products have read it.
-    """
-    n = rows * flat.shape[1]
-    buf = getattr(_BUFFER, "buf", None)
-    if buf is None or buf.numel() < n or buf.dtype != flat.dtype:
-        buf = _BUFFER.buf = torch.empty(max(n, GATHER_BYTES // flat.element_size()), dtype=flat.dtype)
-    return buf[:n].view(rows, flat.shape[1])
-
-
-def _masked_chunk(query, kv_cache, ch: BlockChunk, scale):
-    """:func:`block_decode` on the rows of one chunk, whose gathered blocks are copied at once."""
-    E, h_q, d = query.shape
-    nb, h, bs, two_d = kv_cache.shape
-    M = ch.one_minus_pi.shape[1]
-    g = h_q // h
-    B = E * M * h  # one small matrix product per (row, block, KV head)
-    flat = kv_cache.view(nb, h * bs * two_d)
-    blk = torch.index_select(flat, 0, ch.block_ids, out=_gather_buffer(flat, E * M)).view(B, bs * two_d)
-    kt = blk[:, : bs * d].view(B, d, bs)  # keys transposed
-    v = blk[:, bs * d:].view(B, bs, d)
-    qx = query.float().view(E, 1, h, g, d).expand(E, M, h, g, d).reshape(B, g, d)
-    s = torch.baddbmm(ch.bias, qx, kt.float(), alpha=scale).view(E, M, h, g, bs)  # tau q.k - log pi_b
-    s = s.sub_(s.amax(dim=(1, 4), keepdim=True))  # the softmax's max over all kept tokens of the row
-    p = s.exp_()  # unnormalized weights; exactly 0 off the row's tokens
-    inv = p.sum(dim=(1, 4)).reciprocal_()  # (E, h, g): 1 / sum over the kept tokens
-    w = torch.bmm(p.view(B, g, bs), v.float()).view(E, M, h, g, d).mul_(inv[:, None, ..., None])  # W_b
-    A = p.sum(-1).mul_(inv[:, None])  # (E, M, h, g): A_b
-    o = w.sum(1)  # (E, h, g, d)
-    z = w.sub_(A[..., None] * o[:, None])  # z_b = W_b - A_b o_hat
-    trace = (ch.one_minus_pi[:, :, None, None] * (z * z).sum(-1)).sum(1)  # (E, h, g)
-    return o.reshape(E, h_q, d).to(query.dtype), trace.reshape(E, h_q)
 
 
 def _pack(keys: torch.Tensor, values: torch.Tensor, bs: int) -> torch.Tensor:
@@ -302,110 +163,6 @@ def gather_rows(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.
     v = flat[..., bs * d:].reshape(E, M, h, bs, d).permute(0, 2, 1, 3, 4).reshape(E, h, M * bs, d)
     return k, v
 
-
-#: the route the last compacted decode took: ``"paged_cpu_op"`` or ``"gather"`` (:func:`token_decode`),
-#: ``"sketch_paged_cpu_op"`` (:func:`sketch_decode` in the compiled op, read from the paged cache),
-#: ``"sketch_gather_cpu_op"`` or ``"sketch_gather"`` (gathered K and V, then the compiled op or kvcert.fast)
-LAST_ROUTE = [None]
-
-
-def token_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
-                     scale: float, kind: str, delta: float):
-    r"""Hajek decode attention of rows whose prompt was compacted, and their relative radii.
-
-    .. math::
-
-        \hat o = \sum_{i\in S} a_i v_i,\quad a = \operatorname{softmax}_S(\tau q\cdot k_i - \log\pi_i),\quad
-        \mathrm{trace} = \sum_{i\in S}(1-\pi_i)\,a_i^2\,\lVert v_i - \hat o\rVert^2,
-
-    over the slots with log pi > -inf (the compacted prompt tokens and the tokens after the prompt, pi = 1):
-    the estimate and certificate of the Hugging Face decode (:func:`kvcert.dispatch.hajek_attention`, then
-    :func:`kvcert.fast.certificate_moments` and :func:`kvcert.fast.radius_from_statistics`).
-
-    Parameters
-    ----------
-    query : (E, h_q, d)   kv_cache : (num_blocks, h_kv, bs, 2 d), ``vec`` layout
-    block_ids : int64 (E, M), the blocks to read per row   log_pi : (E, h_kv, M * bs), -inf = not a token
-    scale : float   kind : a served certificate kind   delta : float in (0, 1)
-
-    Returns
-    -------
-    output (E, h_q, d) in the query's dtype, relative radius (E, h_q) float32
-
-    Notes
-    -----
-    A trace-only kind (Chebyshev) reads the slots straight from the paged cache through the compiled CPU op's
-    paged route (:func:`kvcert.kernels.cpu.paged_hajek_attention`: the same one-pass estimate as the Hugging
-    Face decode's op, without gathering K and V first); the other kinds, ``KVCERT_CPU_OP=0`` and a machine
-    where the op cannot be built gather the blocks (:func:`gather_rows`) and call
-    :func:`kvcert.dispatch.hajek_attention`. :data:`LAST_ROUTE` says which ran.
-    """
-    out, stats = _token_step(query, kv_cache, block_ids, log_pi, scale, kind)
-    return out, radius_from_statistics(kind, delta, **with_output_norm(stats))[2]
-
-
-def _token_step(query, kv_cache, block_ids, log_pi, scale: float, kind: str):
-    """:func:`token_decode`'s output and the statistics of its certificate (:func:`certificate_moments`'; on the
-    op's route the trace and the output, whose norm :func:`with_output_norm` takes), the radii not yet taken
-    (:meth:`kvcert.vllm.worker.Step.add_statistics` takes them, and the norms, once per step)."""
-    opts = estimate_options(kind)
-    lp = log_pi.to(torch.float32)
-    if not any(opts.values()) and query.device.type == "cpu" and dispatch.cpu_op_available():
-        from kvcert.kernels import cpu
-
-        est = cpu.paged_hajek_attention(query, kv_cache, block_ids, lp, scale=scale, validate=False)
-        LAST_ROUTE[0] = "paged_cpu_op"
-        stats = {"trace": est.trace, "output": est.output}  # a trace-only kind's statistics, the norm not yet taken
-    else:
-        k, v = gather_rows(kv_cache, block_ids)
-        est = dispatch.hajek_attention(query, k, v, log_pi=lp, scale=scale, validate=False, **opts)
-        LAST_ROUTE[0] = "gather"
-        stats = certificate_moments(est, kind)
-    return est.output.to(query.dtype), stats
-
-
-def sketch_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
-                    sketch: ClusterSketch, scale: float, kind: str, delta: float, centre=None):
-    r"""Decode attention of compacted rows whose design keeps a sketch of the evicted tokens, and their radii.
-
-    The Hajek output over the held slots (:func:`token_decode`'s) and the sketched design's certificate,
-    :func:`kvcert.fast.sketch_hajek_attention` on the held slots and the rows' sketches: the hybrid variance
-    :math:`V_{\mathrm{cl}}` (kept tokens exact, evicted ones through the sketch's Gaussian moments) or the sample's HT
-    trace, the larger (:func:`kvcert.fast.sketched_variance`), clipped at
-    :math:`(H/c)^2` with :math:`H` the hull bound and :math:`c` the kind's factor (:math:`1/\sqrt\delta` for
-    ``chebyshev``, 3 for ``tilted_hull``), so the radius is
-    :math:`\min(c\sqrt{V}, H)`: what the Hugging Face decode of ``PoissonPress(sketch=...)``
-    records (``kvcert.attention``).
-
-    Parameters
-    ----------
-    query : (E, h_q, d)   kv_cache : (num_blocks, h_kv, bs, 2 d), ``vec`` layout
-    block_ids : int64 (E, M)   log_pi : (E, h_kv, M * bs), -inf = not a token
-    sketch : ClusterSketch of the E rows (batch E)   scale : float
-    kind : ``"chebyshev"`` or ``"tilted_hull"``   delta : float in (0, 1)
-    centre : (float64 (E, h_kv, d + 1), int64 (E,)), optional
-        Per row the kept value sums and count of its compacted prompt (:func:`compact_prompt`'s) and the slot
-        where its tail starts (m bs): the op's value centre then reads only the tail's values
-        (:func:`kvcert.kernels.cpu.paged_sketch_hajek_attention`'s ``center_sums`` and ``tail_start``); the
-        gather route computes the centre itself.
-
-    Returns
-    -------
-    output (E, h_q, d) in the query's dtype, relative radius (E, h_q) float32
-
-    Notes
-    -----
-    On CPU where the compiled op builds, one call of its paged sketch route
-    (:func:`kvcert.kernels.cpu.paged_sketch_hajek_attention`) reads the slots in place and computes the value
-    centre (the mean kept value; with ``centre``, from the compacted prompt's sums and the tail's values), the
-    step and the recorded trace itself; ``KVCERT_CPU_OP=0`` and a machine
-    where the op cannot be built gather the blocks (:func:`gather_rows`) and call
-    :func:`kvcert.dispatch.sketch_hajek_attention`. :data:`LAST_ROUTE` says which ran.
-    """
-    out, stats = _sketch_step(query, kv_cache, block_ids, log_pi, sketch, scale, kind, delta, centre)
-    return out, radius_from_statistics(kind, delta, **with_output_norm(stats))[2]
-
-
 def with_output_norm(stats: dict) -> dict:
     r"""A step's certificate statistics as :func:`kvcert.fast.radius_from_statistics` reads them: an ``"output"``
     entry (the estimate, (..., dv); what the decode layers leave, :meth:`kvcert.vllm.worker.Step.add_statistics`)
@@ -418,27 +175,122 @@ def with_output_norm(stats: dict) -> dict:
     return out
 
 
-def _sketch_step(query, kv_cache, block_ids, log_pi, sketch, scale: float, kind: str, delta: float, centre=None):
-    """:func:`sketch_decode`'s output and the statistics of its certificate (the recorded trace and the output,
-    whose norm :func:`with_output_norm` takes), the radii not yet taken (:meth:`kvcert.vllm.worker.Step.add_statistics`
-    takes them, and the norms, once per step)."""
-    lp = log_pi.to(torch.float32)
-    if query.device.type == "cpu" and dispatch.cpu_op_available():
-        from kvcert.kernels import cpu
+def _certified(dec: dispatch.PagedDecode, kind: str, delta: float, radius: bool) -> dispatch.PagedDecode:
+    """``dec`` with its relative radii (:func:`kvcert.fast.radius_from_statistics`) when ``radius``; the forward
+    leaves them to :meth:`kvcert.vllm.worker.Step.add_statistics`, which takes them once per step."""
+    if not radius:
+        return dec
+    return replace(dec, radius=radius_from_statistics(kind, delta, **with_output_norm(dec.statistics))[2])
 
-        sums, start = centre if centre is not None else (None, None)
-        ce = cpu.paged_sketch_hajek_attention(query, kv_cache, block_ids, lp, sketch, scale=scale, delta=delta,
-                                              record=kind, center_sums=sums, tail_start=start, validate=False)
-        trace = ce.estimate.trace
-        LAST_ROUTE[0] = "sketch_paged_cpu_op"
-    else:
-        k, v = gather_rows(kv_cache, block_ids)
-        ce = dispatch.sketch_hajek_attention(query, k, v, None, sketch, log_pi=lp, scale=scale, delta=delta,
-                                              validate=False, trace=False)
-        trace = recorded_trace(ce, kind)
-        LAST_ROUTE[0] = "sketch_gather_cpu_op" if ce.estimate.route == "cpu_op" else "sketch_gather"
-    out = ce.output
-    return out.to(query.dtype), {"trace": trace, "output": out}
+
+def token_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
+                 scale: float, kind: str, delta: float, *, radius: bool = True) -> dispatch.PagedDecode:
+    r"""Hajek decode attention of rows whose prompt was compacted, and their certificate.
+
+    .. math::
+
+        \hat o = \sum_{i\in S} a_i v_i,\quad a = \operatorname{softmax}_S(\tau q\cdot k_i - \log\pi_i),\quad
+        \mathrm{trace} = \sum_{i\in S}(1-\pi_i)\,a_i^2\,\lVert v_i - \hat o\rVert^2,
+
+    over the slots with log pi > -inf (the compacted prompt tokens and the tokens after the prompt, pi = 1):
+    :func:`kvcert.dispatch.paged_decode` of the token design on this cache (the compiled op's paged route
+    :func:`kvcert.kernels.cpu.paged_hajek_attention` for a trace-only kind where the op builds, else the rows
+    gathered by :func:`gather_rows` and :func:`kvcert.dispatch.hajek_attention`), the estimate and certificate of
+    the Hugging Face decode.
+
+    Parameters
+    ----------
+    query : (E, h_q, d)   kv_cache : (num_blocks, h_kv, bs, 2 d), ``vec`` layout
+    block_ids : int64 (E, M), the blocks to read per row   log_pi : (E, h_kv, M * bs), -inf = not a token
+    scale : float   kind : a served certificate kind   delta : float in (0, 1)
+    radius : bool
+        Take the relative radii (``False``: the forward, which takes them once per step).
+
+    Returns
+    -------
+    kvcert.dispatch.PagedDecode
+        ``output`` (E, h_q, d) in the query's dtype, ``statistics``, ``radius`` (E, h_q) float32 (None without
+        ``radius``) and ``route`` / ``dense``, the code that ran.
+    """
+    dec = dispatch.paged_decode("token", query, kv_cache, block_ids, log_pi, scale=scale, kind=kind, delta=delta,
+                                gather=gather_rows)
+    return _certified(dec, kind, delta, radius)
+
+
+def block_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
+                 scale: float, kind: str, delta: float, *, chunks=None, radius: bool = True) -> dispatch.PagedDecode:
+    r"""Hajek decode attention over whole kept blocks (the block design), and its certificate.
+
+    :func:`kvcert.dispatch.paged_decode` of the block design on this cache: for a trace-only kind (chebyshev)
+    kvcert.fast's paged estimator (:func:`kvcert.fast.blocks.paged_block_hajek_attention`: offset -log pi_b on
+    every token of a kept block, the cluster-sampling trace, a chunked gather of the kept blocks), else the rows
+    gathered (:func:`gather_rows`) and :func:`kvcert.fast.block_hajek_attention` with the kind's options. Evicted
+    blocks are not read: the worker never learns that a block was freed, and its old id may already hold another
+    request's keys.
+
+    Parameters
+    ----------
+    query : (E, h_q, d), one decode query per row   kv_cache : (num_blocks, h_kv, bs, 2 d), ``vec`` layout
+    block_ids : int64 (E, M), kept physical blocks per row (padding last: any allocated block)
+    log_pi : (E, M, bs) float32, log pi_b on every valid token of a kept block (0 on certain blocks and decode
+        tokens), -inf on padding and on slots past the sequence end
+    scale : float   kind : a served certificate kind   delta : float in (0, 1)
+    chunks : list, optional
+        :func:`kvcert.fast.blocks.block_chunks` of the rows (the forward computes them once per step)
+    radius : bool
+        Take the relative radii (``False``: the forward).
+
+    Returns
+    -------
+    kvcert.dispatch.PagedDecode
+        As :func:`token_decode`'s.
+    """
+    dec = dispatch.paged_decode("block", query, kv_cache, block_ids, log_pi, scale=scale, kind=kind, delta=delta,
+                                gather=gather_rows, chunks=chunks)
+    return _certified(dec, kind, delta, radius)
+
+
+def sketch_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
+                  sketch: ClusterSketch, scale: float, kind: str, delta: float, centre=None, *,
+                  radius: bool = True) -> dispatch.PagedDecode:
+    r"""Decode attention of compacted rows whose design keeps a sketch of the evicted tokens, and their certificate.
+
+    The Hajek output over the held slots (:func:`token_decode`'s) and the sketched design's certificate,
+    :func:`kvcert.fast.sketch_hajek_attention` on the held slots and the rows' sketches: the hybrid variance
+    :math:`V_{\mathrm{cl}}` (kept tokens exact, evicted ones through the sketch's Gaussian moments) or the sample's HT
+    trace, the larger (:func:`kvcert.fast.sketched_variance`), clipped at
+    :math:`(H/c)^2` with :math:`H` the hull bound and :math:`c` the kind's factor (:math:`1/\sqrt\delta` for
+    ``chebyshev``, 3 for ``tilted_hull``), so the radius is
+    :math:`\min(c\sqrt{V}, H)`: what the Hugging Face decode of ``PoissonPress(sketch=...)``
+    records (``kvcert.attention``). :func:`kvcert.dispatch.paged_decode` of the sketch design: on CPU where the
+    compiled op builds, its paged sketch route (:func:`kvcert.kernels.cpu.paged_sketch_hajek_attention`) reads the
+    slots in place and computes the value centre (the mean kept value; with ``centre``, from the compacted prompt's
+    sums and the tail's values), the step and the recorded trace itself; ``KVCERT_CPU_OP=0`` and a machine where
+    the op cannot be built gather the blocks (:func:`gather_rows`) and call
+    :func:`kvcert.dispatch.sketch_hajek_attention`.
+
+    Parameters
+    ----------
+    query : (E, h_q, d)   kv_cache : (num_blocks, h_kv, bs, 2 d), ``vec`` layout
+    block_ids : int64 (E, M)   log_pi : (E, h_kv, M * bs), -inf = not a token
+    sketch : ClusterSketch of the E rows (batch E)   scale : float
+    kind : ``"chebyshev"`` or ``"tilted_hull"``   delta : float in (0, 1)
+    centre : (float64 (E, h_kv, d + 1), int64 (E,)), optional
+        Per row the kept value sums and count of its compacted prompt (:func:`compact_prompt`'s) and the slot
+        where its tail starts (m bs): the op's value centre then reads only the tail's values
+        (:func:`kvcert.kernels.cpu.paged_sketch_hajek_attention`'s ``center_sums`` and ``tail_start``); the
+        gather route computes the centre itself.
+    radius : bool
+        Take the relative radii (``False``: the forward).
+
+    Returns
+    -------
+    kvcert.dispatch.PagedDecode
+        As :func:`token_decode`'s.
+    """
+    dec = dispatch.paged_decode("sketch", query, kv_cache, block_ids, log_pi, scale=scale, kind=kind, delta=delta,
+                                sketch=sketch, centre=centre, gather=gather_rows)
+    return _certified(dec, kind, delta, radius)
 
 
 class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -470,10 +322,11 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
                 if sketched:  # a row's own sketch, or the group's join kept across steps (Step.group_sketch)
                     sketch = step.group_sketch(index, (kind, delta, sketched), [plan.compacted[j] for j in rows])
                     centre = plan.compacted_centres(index, sel)
-                    o, stats = _sketch_step(q_rows, kv_cache, g_ids, g_log_pi, sketch, self.scale, kind, delta,
-                                            centre)
+                    dec = sketch_decode(q_rows, kv_cache, g_ids, g_log_pi, sketch, self.scale, kind, delta, centre,
+                                        radius=False)
                 else:
-                    o, stats = _token_step(q_rows, kv_cache, g_ids, g_log_pi, self.scale, kind)
+                    dec = token_decode(q_rows, kv_cache, g_ids, g_log_pi, self.scale, kind, delta, radius=False)
+                o, stats = dec.output, dec.statistics
                 if in_order:
                     output.copy_(o)
                 else:
@@ -502,27 +355,15 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
         output.index_copy_(0, sub.token_index, out_sub.to(output.dtype))
 
     def _masked_rows(self, step, plan, query, kv_cache, output) -> None:
-        """The block design's decode rows: whole kept blocks, offset -log pi_b, the cluster-sampling trace."""
+        """The block design's decode rows: whole kept blocks, offset -log pi_b, the cluster-sampling trace
+        (:func:`block_decode`, the rows' gather chunks computed by the step's first layer)."""
         cfg = step.config
-        bs = kv_cache.shape[2]
-        if cfg.kind == "chebyshev":  # needs only the trace: the batched fast path
-            if plan.block_chunks is None:  # the same for every layer of the step
-                plan.block_chunks = block_chunks(kv_cache, plan.masked_block_ids, plan.masked_log_pi)
-            o, trace = block_decode(query.index_select(0, plan.masked_tokens), kv_cache, plan.masked_block_ids,
-                                     plan.masked_log_pi, self.scale, plan.block_chunks)
-            output.index_copy_(0, plan.masked_tokens, o.to(output.dtype))
-            step.add_statistics([row.req_id for row in plan.masked], cfg.kind, cfg.delta,
-                                {"trace": trace, "output": o})
-            return
-        opts = estimate_options(cfg.kind)
-        for row in plan.masked:
-            k, v = gather_blocks(kv_cache, row.block_ids)
-            q = query[row.token : row.token + 1]  # (1, h_q, d)
-            shape = (1, k.shape[0], k.shape[1])
-            est = block_hajek_attention(q, k[None], v[None], row.pi.expand(shape), block_size=bs,
-                                        positions=row.positions.expand(shape), scale=self.scale, **opts)
-            output[row.token] = est.output[0].to(output.dtype)
-            step.add_statistics([row.req_id], cfg.kind, cfg.delta, certificate_moments(est, cfg.kind))
+        if plan.block_chunks is None:  # the same for every layer of the step
+            plan.block_chunks = block_chunks(kv_cache, plan.masked_block_ids, plan.masked_log_pi)
+        dec = block_decode(query.index_select(0, plan.masked_tokens), kv_cache, plan.masked_block_ids,
+                           plan.masked_log_pi, self.scale, cfg.kind, cfg.delta, chunks=plan.block_chunks, radius=False)
+        output.index_copy_(0, plan.masked_tokens, dec.output.to(output.dtype))
+        step.add_statistics([row.req_id for row in plan.masked], cfg.kind, cfg.delta, dec.statistics)
 
     def _importance(self, step, plan, layer, query, kv_cache, output):
         """The rows that finish their prompt in this step, at their eviction event. Token design: the layer's

@@ -10,7 +10,8 @@ It mirrors :mod:`kvcert.vllm.backend` (the CPU route):
   runs (on the sub-batch of those rows when some rows are masked), so an
   engine without eviction is the stock engine;
 - a decode row (one query token) of a request with an eviction decision goes
-  to :func:`kvcert.kernels.paged_block_hajek_attention`, which reads the paged cache
+  to the router, :func:`kvcert.dispatch.paged_decode` (the block design on CUDA:
+  :data:`kvcert.dispatch.PAGED_TRITON`, :func:`kvcert.kernels.paged_block_hajek_attention`), which reads the paged cache
   through the row's block table, skips evicted blocks (log pi_b = -inf, never
   read: a freed block may already hold another request's keys), adds the
   offset -log pi_b and returns the cluster-sampling trace in the same pass;
@@ -57,8 +58,7 @@ import torch
 
 # (plus CertifiedFlashAttentionBackend, CertifiedFlashAttentionImpl, CertifiedFlashAttentionMetadata and
 # CertifiedFlashAttentionMetadataBuilder, built lazily by __getattr__)
-__all__ = ["RowState", "PagedPlan", "plan_rows", "log_pi_table", "stock_sub_metadata", "block_decode",
-           "register_cuda"]
+__all__ = ["RowState", "PagedPlan", "plan_rows", "log_pi_table", "stock_sub_metadata", "register_cuda"]
 
 _CLASS_NAMES = ("CertifiedFlashAttentionBackend", "CertifiedFlashAttentionImpl", "CertifiedFlashAttentionMetadata",
                 "CertifiedFlashAttentionMetadataBuilder")
@@ -202,30 +202,24 @@ def stock_sub_metadata(md, plan: PagedPlan):
     return dataclasses.replace(md, **changes)
 
 
-def block_decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: PagedPlan, scale: float, head_size: int,
-                 validate: bool = False):
-    """The masked rows through the paged kernel: output (E, h_q, d) in the query's dtype and trace (E, h_q).
+def _masked_rows(ctx, plan: PagedPlan, query: torch.Tensor, kv_cache: torch.Tensor, scale: float):
+    """The masked rows through :func:`kvcert.dispatch.paged_decode` (the block design on CUDA: the paged Triton
+    kernel, :data:`kvcert.dispatch.PAGED_TRITON`), their certificates handed to the step context; the output
+    (E, h_q, d) in the query's dtype.
 
-    ``kv_cache``: vLLM's FlashAttention cache (num_blocks, h_kv, block_size, 2 head_size).
-    """
-    from kvcert.kernels import kv_cache_views, paged_block_hajek_attention
-
-    key_cache, value_cache = kv_cache_views(kv_cache, head_size)
-    q = query.index_select(0, plan.masked_tokens)
-    est = paged_block_hajek_attention(q, key_cache, value_cache, plan.block_table, plan.seq_lens, plan.log_pi_blocks,
-                                scale=scale, max_seq_len=plan.max_seq_len, validate=validate)
-    return est.output, est.trace
-
-
-def _certify(ctx, plan, o, trace):
+    ``kv_cache``: vLLM's FlashAttention cache (num_blocks, h_kv, block_size, 2 head_size). The kernel returns the
+    trace only: the router refuses a kind that reads more (only ``chebyshev`` is served)."""
+    from kvcert import dispatch
     from kvcert.fast import radius_from_statistics
 
     cfg = ctx.config
-    if cfg.kind != "chebyshev":  # the kernel returns the trace only (no covariance, no max_term)
-        raise RuntimeError(f"kvcert.vllm's CUDA route serves kind='chebyshev' only, got {cfg.kind!r}")
-    _, _, rel = radius_from_statistics("chebyshev", cfg.delta, trace=trace,
-                                       output_norm=torch.linalg.vector_norm(o.float(), dim=-1))
+    dec = dispatch.paged_decode("block", query.index_select(0, plan.masked_tokens), kv_cache, plan.block_table,
+                                plan.log_pi_blocks, scale=scale, kind=cfg.kind, delta=cfg.delta,
+                                seq_lens=plan.seq_lens, max_seq_len=plan.max_seq_len, device="cuda")
+    _, _, rel = radius_from_statistics(cfg.kind, cfg.delta, trace=dec.statistics["trace"],
+                                       output_norm=torch.linalg.vector_norm(dec.output.float(), dim=-1))
     ctx.add_certificates(plan.masked_req_ids, rel)
+    return dec.output
 
 
 def _importance(ctx, plan, md, query, kv_cache, head_size, scale, layer=None):
@@ -314,9 +308,8 @@ def _build_classes():
                     pick = lambda x: None if x is None else x.index_select(0, tok)  # noqa: E731
                     super().forward(layer, pick(query), pick(key), pick(value), kv_cache, sub, out_sub)
                     output.index_copy_(0, tok, out_sub)
-                o, trace = block_decode(query, kv_cache, plan, self.scale, self.head_size)
+                o = _masked_rows(ctx, plan, query, kv_cache, self.scale)
                 output.index_copy_(0, plan.masked_tokens, o.reshape(o.shape[0], *output.shape[1:]).to(output.dtype))
-                _certify(ctx, plan, o, trace)
             if plan.importance_rows:
                 _importance(ctx, plan, attn_metadata, query, kv_cache, self.head_size, self.scale, layer)
             return output

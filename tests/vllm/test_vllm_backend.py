@@ -160,8 +160,14 @@ def test_masked_decode_is_the_block_estimator_and_batch_invariant(monkeypatch):
     """The batched fast path = kvcert.fast.block_hajek_attention per row; a row's result does not depend on its
     batch or on how the rows are chunked for the gather."""
     from kvcert.fast import block_hajek_attention
-    from kvcert.vllm import backend
-    from kvcert.vllm.backend import block_decode, gather_blocks
+    from kvcert.fast import blocks as fast_blocks
+    from kvcert.vllm.backend import block_decode as route_block_decode
+    from kvcert.vllm.backend import gather_blocks
+
+    def block_decode(q, cache, ids, log_pi, scale, chunks=None):  # the router's block route: (output, trace)
+        dec = route_block_decode(q, cache, ids, log_pi, scale, "chebyshev", 0.05, chunks=chunks)
+        assert dec.route.code == "paged_torch", dec.route
+        return dec.output, dec.statistics["trace"]
 
     torch.manual_seed(2)
     h_q, h, d, bs, nb = 9, 3, 64, 32, 40
@@ -202,8 +208,8 @@ def test_masked_decode_is_the_block_estimator_and_batch_invariant(monkeypatch):
     # chunked gathers (one row per chunk; rows 0-1 together, then row 2) give the same rows bit for bit
     one_block = cache[0].numel() * cache.element_size()
     for cap, spans in ((1, [(0, 1), (1, 2), (2, 3)]), (2 * M * one_block, [(0, 2), (2, 3)])):
-        monkeypatch.setattr(backend, "GATHER_BYTES", cap)
-        chunks = backend.block_chunks(cache, ids, log_pi)
+        monkeypatch.setattr(fast_blocks, "GATHER_BYTES", cap)
+        chunks = fast_blocks.block_chunks(cache, ids, log_pi)
         assert [(c.rows.start, c.rows.stop) for c in chunks] == spans
         o_c, t_c = block_decode(q, cache, ids, log_pi, 0.125)
         assert torch.equal(o_c, out) and torch.equal(t_c, trace), f"chunk cap {cap} changed a row"

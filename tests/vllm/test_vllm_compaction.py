@@ -130,21 +130,25 @@ def test_prefill_compacts_and_decode_equals_the_estimator_after_the_freed_blocks
     # the two routes of the decode (the compiled op's paged route, and gather + kvcert.dispatch) agree
     plan = step.plan(md, BS)
     ids, lp = plan.compacted_inputs(0)
-    first, rel1 = backend.token_decode(qd, cache, ids, lp, scale, "chebyshev", 0.05)
-    route = backend.LAST_ROUTE[0]
+    from kvcert import dispatch
+
+    res = backend.token_decode(qd, cache, ids, lp, scale, "chebyshev", 0.05)
+    first, rel1, route = res.output, res.radius, res.route.code
+    assert res.route == (dispatch.PAGED_CPU_OP if dispatch.cpu_op_available() else dispatch.GATHER)
     monkeypatch.setenv("KVCERT_CPU_OP", "0")
-    other, rel2 = backend.token_decode(qd, cache, ids, lp, scale, "chebyshev", 0.05)
-    assert backend.LAST_ROUTE[0] == "gather" and route in ("paged_cpu_op", "gather")
+    res = backend.token_decode(qd, cache, ids, lp, scale, "chebyshev", 0.05)
+    other, rel2 = res.output, res.radius
+    assert res.route == dispatch.GATHER and res.dense == dispatch.TORCH
     print(f"route {route}: max |paged - gather| = {(first - other).abs().max():.2e}")
     torch.testing.assert_close(first, other, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(rel1, rel2, rtol=1e-4, atol=0)
     monkeypatch.delenv("KVCERT_CPU_OP")
     # negative control 1: without the copy (the prompt where it was) the same state reads the wrong tokens
-    no_copy, _ = backend.token_decode(qd, original, ids, lp, scale, "chebyshev", 0.05)
+    no_copy = backend.token_decode(qd, original, ids, lp, scale, "chebyshev", 0.05).output
     assert (no_copy.double() - est.output).abs().max() > 1e-2
     # negative control 2: without the padding mask the padding slots and the reused blocks' slots count
     unmasked = torch.where(torch.isneginf(lp), torch.zeros_like(lp), lp)
-    no_mask, _ = backend.token_decode(qd, cache, ids, unmasked, scale, "chebyshev", 0.05)
+    no_mask = backend.token_decode(qd, cache, ids, unmasked, scale, "chebyshev", 0.05).output
     assert (no_mask.double() - est.output).abs().max() > 1e-2
 
 
@@ -199,35 +203,38 @@ def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypa
     qd = torch.randn(1, H_Q, D)
     md = _decode_metadata()
     step = worker.Step(fake)
-    seen, sketch_step = [], backend._sketch_step  # the centre the forward hands to the sketched decode
-    monkeypatch.setattr(backend, "_sketch_step", lambda *a: seen.append(a[8]) or sketch_step(*a))
+    seen, sketch_decode = [], backend.sketch_decode  # the centre the forward hands to the sketched decode, the route
+    monkeypatch.setattr(backend, "sketch_decode", lambda *a, **kw: seen.append((a[8], sketch_decode(*a, **kw)))
+                        or seen[-1][1])
     out = _forward(backend, impl, step, layer, qd, cache, md)
-    monkeypatch.setattr(backend, "_sketch_step", sketch_step)
-    assert len(seen) == 1 and seen[0] is not None
+    monkeypatch.setattr(backend, "sketch_decode", sketch_decode)
+    assert len(seen) == 1 and seen[0][0] is not None
     certs = step.results(BS).certs
     from kvcert import dispatch
 
-    assert backend.LAST_ROUTE[0] == ("sketch_paged_cpu_op" if dispatch.cpu_op_available() else "sketch_gather")
+    assert seen[0][1].route == (dispatch.PAGED_CPU_OP if dispatch.cpu_op_available() else dispatch.GATHER)
     # the two routes of the sketched decode (the compiled op read from the paged cache, its value centre its own;
     # and gather + kvcert.fast, the moments in torch) agree
     ids, lp = step.plan(md, BS).compacted_inputs(0)
     centre = step.plan(md, BS).compacted_centres(0)
     assert centre is not None and centre[1].tolist() == [state.m * BS]
     torch.testing.assert_close(centre[0], state.value_sums[0][None], rtol=0, atol=0)
-    first, rel1 = backend.sketch_decode(qd, cache, ids, lp, state.sketches[0], scale, "tilted_hull", 0.05)
-    route = backend.LAST_ROUTE[0]
+    res = backend.sketch_decode(qd, cache, ids, lp, state.sketches[0], scale, "tilted_hull", 0.05)
+    first, rel1, route = res.output, res.radius, res.route.code
     # the forward's route: the centre from the compacted prompt's sums and the tail's values; the same step as
     # the op's own read of every kept value within one float32 ulp of the centre (a few 1e-7 relative)
-    given, rel0 = backend.sketch_decode(qd, cache, ids, lp, state.sketches[0], scale, "tilted_hull", 0.05, centre)
+    res = backend.sketch_decode(qd, cache, ids, lp, state.sketches[0], scale, "tilted_hull", 0.05, centre)
+    given, rel0 = res.output, res.radius
     torch.testing.assert_close(given, first, rtol=0, atol=0)
     torch.testing.assert_close(rel0, rel1, rtol=1e-6, atol=0)
     # the step takes the forward's radii once per step (Step.add_statistics): the same numbers, bit for bit, as
     # sketch_decode's per call
     assert certs["a"] == float(rel0.double().mean())
     monkeypatch.setenv("KVCERT_CPU_OP", "0")
-    other, rel2 = backend.sketch_decode(qd, cache, ids, lp, state.sketches[0], scale, "tilted_hull", 0.05)
+    res = backend.sketch_decode(qd, cache, ids, lp, state.sketches[0], scale, "tilted_hull", 0.05)
+    other, rel2 = res.output, res.radius
     monkeypatch.delenv("KVCERT_CPU_OP")
-    assert backend.LAST_ROUTE[0] == "sketch_gather" and route in ("sketch_paged_cpu_op", "sketch_gather")
+    assert res.route == dispatch.GATHER and res.dense == dispatch.TORCH
     print(f"route {route}: max |paged - gather| = {(first - other).abs().max():.2e}")
     torch.testing.assert_close(first, other, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(rel1, rel2, rtol=1e-4, atol=0)
@@ -351,19 +358,21 @@ def test_a_bfloat16_cache_decodes_as_its_float32_upcast_and_within_its_rounding_
     ids, lp = plan.compacted_inputs(0)
     sketch = state.sketches[0] if state.sketches else None
 
-    def decode(q, c):
+    def decode(q, c):  # (output, radius, the route's code)
         if sketch is None:
-            return backend.token_decode(q, c, ids, lp, scale, "chebyshev", 0.05)
-        return backend.sketch_decode(q, c, ids, lp, sketch, scale, "tilted_hull", 0.05)
+            res = backend.token_decode(q, c, ids, lp, scale, "chebyshev", 0.05)
+        else:
+            res = backend.sketch_decode(q, c, ids, lp, sketch, scale, "tilted_hull", 0.05)
+        return res.output, res.radius, res.route.code
 
     eps_out = 2.0 ** -8  # bfloat16's unit roundoff: half its relative spacing 2^-7 (torch.finfo(bfloat16).eps)
     for op in ("1", "0"):
         monkeypatch.setenv("KVCERT_CPU_OP", op)
-        out, rel = decode(qd, cache)
-        out32, rel32 = decode(qd.float(), cache.float())
-        assert out.dtype == bf16 and out32.dtype == torch.float32, backend.LAST_ROUTE[0]
-        assert torch.equal(out, out32.to(bf16)), backend.LAST_ROUTE[0]
-        assert torch.all((rel.double() / rel32.double() - 1).abs() <= eps_out / (1 - eps_out)), backend.LAST_ROUTE[0]
+        out, rel, route = decode(qd, cache)
+        out32, rel32, _ = decode(qd.float(), cache.float())
+        assert out.dtype == bf16 and out32.dtype == torch.float32, route
+        assert torch.equal(out, out32.to(bf16)), route
+        assert torch.all((rel.double() / rel32.double() - 1).abs() <= eps_out / (1 - eps_out)), route
     monkeypatch.delenv("KVCERT_CPU_OP")
     # against the float64 estimator on the same rounded inputs (the kept prompt tokens with their pi, the tail)
     keep = torch.isfinite(lp[0].reshape(H, -1))
@@ -377,5 +386,5 @@ def test_a_bfloat16_cache_decodes_as_its_float32_upcast_and_within_its_rounding_
     tol = eps_out * head + 8 * torch.finfo(torch.float32).eps * math.sqrt(n + 1) * vmax
     if sketch is None:  # the token design's output is the Hajek estimate itself
         assert torch.all((out.double() - est.output).abs() <= tol), (out.double() - est.output).abs().max()
-        wrong, _ = decode(qd, (cache.float() * (1 + 2 ** -7)).to(bf16))  # every slot one bfloat16 step off
+        wrong = decode(qd, (cache.float() * (1 + 2 ** -7)).to(bf16))[0]  # every slot one bfloat16 step off
         assert not torch.all((wrong.double() - est.output).abs() <= tol)

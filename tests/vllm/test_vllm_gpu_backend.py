@@ -134,8 +134,10 @@ def test_stock_sub_metadata_restricts_to_the_stock_rows():
 
 
 def compare_with_cpu_path():
-    """gpu_backend.block_decode (Triton interpreter, FlashAttention layout) against backend.block_decode
-    (torch, ``vec`` cache layout) on the same tokens; run in a subprocess with TRITON_INTERPRET=1."""
+    """The router's CUDA block route (the paged Triton kernel on the interpreter, FlashAttention layout) against
+    its CPU one (backend.block_decode: kvcert.fast's paged estimator, torch, ``vec`` cache layout) on the same
+    tokens; run in a subprocess with TRITON_INTERPRET=1."""
+    from kvcert import dispatch
     from kvcert.vllm.backend import block_decode as cpu_block_decode
     from kvcert.vllm.gpu_backend import plan_rows
 
@@ -152,9 +154,14 @@ def compare_with_cpu_path():
     # poison the evicted block (row 1, logical block 1 = physical 7): never read by either path
     flash[7] = float("nan")
     vec[7] = float("nan")
-    from kvcert.vllm.gpu_backend import block_decode as gpu_block_decode
+    # the router's block route on CUDA (PAGED_TRITON), here on the interpreter's CPU tensors
+    from kvcert.kernels import kv_cache_views, paged_block_hajek_attention
 
-    o, trace = gpu_block_decode(query, flash, plan, 0.25, d, validate=True)
+    q_rows = query.index_select(0, plan.masked_tokens)
+    est = paged_block_hajek_attention(q_rows, *kv_cache_views(flash, d), plan.block_table, plan.seq_lens,
+                                      plan.log_pi_blocks, scale=0.25, max_seq_len=plan.max_seq_len, validate=True)
+    o, trace = est.output, est.trace
+    assert dispatch.ROUTER["block", "paged", "cuda"] == (dispatch.PAGED_TRITON,)
     # the CPU path's inputs: kept physical blocks per row, log pi per slot (-inf past the end)
     E = len(plan.masked_rows)
     ids, lps = [], []
@@ -170,7 +177,9 @@ def compare_with_cpu_path():
     for j in range(E):
         block_ids[j, : len(ids[j])] = torch.tensor(ids[j])
         log_pi[j, : len(ids[j])] = lps[j]
-    o_cpu, tr_cpu = cpu_block_decode(query.index_select(0, plan.masked_tokens), vec, block_ids, log_pi, 0.25)
+    dec = cpu_block_decode(q_rows, vec, block_ids, log_pi, 0.25, "chebyshev", 0.05)
+    assert dec.route == dispatch.PAGED_TORCH
+    o_cpu, tr_cpu = dec.output, dec.statistics["trace"]
     assert not bool(torch.isnan(o).any()) and not bool(torch.isnan(trace).any())
     # both float32; tolerance 64 eps32 of the value scale (output) and of its square (trace)
     vmax = float(flash[..., d:].nan_to_num(0).abs().max())
@@ -242,6 +251,7 @@ def exercise_forward():
     from vllm.v1.attention.backend import AttentionType
     from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl, FlashAttentionMetadata
 
+    from kvcert import dispatch
     from kvcert.vllm import gpu_backend as gb
     from kvcert.vllm.handoff import extend
 
@@ -304,8 +314,11 @@ def exercise_forward():
     assert sub.num_actual_tokens == 6 and sub.query_start_loc.tolist() == [0, 5, 6]
     stock = [0, 1, 2, 3, 4, 6]
     assert torch.equal(out[stock], 2 * query[stock])
-    o, trace = gb.block_decode(query, flash, ctx.paged_plan, 0.25, d)
-    assert torch.equal(out[[5, 7]], o)
+    plan = ctx.paged_plan
+    dec = dispatch.paged_decode("block", query.index_select(0, plan.masked_tokens), flash, plan.block_table,
+                                plan.log_pi_blocks, scale=0.25, kind="chebyshev", seq_lens=plan.seq_lens,
+                                max_seq_len=plan.max_seq_len, device="cuda")
+    assert dec.route == dispatch.PAGED_TRITON and torch.equal(out[[5, 7]], dec.output)
     assert set(ctx.certs) == {"b", "d"} and all(len(v) == 2 for v in ctx.certs.values())
     rel = torch.stack(ctx.certs["b"])
     assert bool(torch.isfinite(rel).all()) and bool((rel > 0).all())
@@ -316,7 +329,7 @@ def exercise_forward():
     try:
         impl.forward(None, query, key, value, flash, with_step(ctx), torch.zeros(8, h * g, d))
         raise AssertionError("kind='chi2' was not refused")
-    except RuntimeError as e:
+    except ValueError as e:  # the router: no paged code on CUDA computes chi2's covariance
         assert "chebyshev" in str(e)
     print("forward ok")
 
