@@ -20,71 +20,20 @@ import pytest
 import torch
 
 import kvcert.fast as F
-from vllm_support import step_metadata
-
-H_Q, H, D, BS = 6, 2, 64, 32
-Q, T = 150, 3  # prompt tokens (4 full blocks + 22), decode tokens after it
-TABLE = torch.tensor([[4, 0, 5, 2, 1, 7]])  # logical block j -> physical block; block 7 is never written
-
-
-def _write(cache, keys, values, positions):
-    from vllm import _custom_ops as ops
-
-    key_cache, value_cache = cache.view(cache.shape[0], H, 2 * BS, D).chunk(2, dim=2)
-    slots = TABLE[0][positions // BS] * BS + positions % BS
-    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, "vec", k_scale=1.0, v_scale=1.0,
-                                   kv_cache_dtype="auto")
-
-
-def _setup(dtype=torch.float32, **design):
-    from kvcert.vllm import KVCertConfig, backend, worker
-
-    torch.manual_seed(0)
-    scale = D ** -0.5
-    impl = backend.CertifiedCPUAttentionImpl(num_heads=H_Q, head_size=D, scale=scale, num_kv_heads=H,
-                                             alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
-    cache = torch.zeros(9, H, BS, 2 * D, dtype=dtype)
-    k, v = torch.randn(Q + T, H, D).to(dtype), torch.randn(Q + T, H, D).to(dtype)
-    _write(cache, k[:Q], v[:Q], torch.arange(Q))
-    cfg = KVCertConfig(compression_ratio=0.6, seed=5, observation_window=8, **design)
-    fake = SimpleNamespace(kvcert=cfg, kvcert_states={}, kvcert_decided=set(), kvcert_prompt_len={"a": Q}, kvcert_head_size=D,
-                           model_runner=SimpleNamespace(input_batch=SimpleNamespace(req_ids=["a"])))
-    layer = SimpleNamespace(isa="vec", _k_scale_float=1.0, _v_scale_float=1.0, layer_name="model.layers.0.self_attn.attn")
-    return backend, worker, impl, cache, k, v, cfg, fake, layer, scale
-
-
-def _prefill_metadata(backend, impl, dtype=torch.float32):
-    """The attention metadata of the Q-token prompt's one prefill step (the stock op's work partition)."""
-    qsl, seq = torch.tensor([0, Q], dtype=torch.int32), torch.tensor([Q], dtype=torch.int32)
-    return SimpleNamespace(query_start_loc=qsl, seq_lens=seq, block_table=TABLE.to(torch.int32), causal=True,
-                           dynamic_causal=None, num_actual_tokens=Q,
-                           scheduler_metadata=backend.stock_scheduler_metadata(impl, seq, qsl, True, "vec", dtype))
-
-
-def _decode_metadata():
-    """The attention metadata of one decode token after the prompt and the T tokens written after it."""
-    return SimpleNamespace(query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
-                           seq_lens=torch.tensor([Q + T], dtype=torch.int32), block_table=TABLE.to(torch.int32),
-                           causal=True, dynamic_causal=None)
-
-
-def _forward(backend, impl, step, layer, query, cache, md):
-    """One layer's forward in a step of the plugin's worker: ``md`` carries ``step`` as the plugin's builder
-    puts it there."""
-    return impl.forward(layer, query, None, None, cache, step_metadata(md, step), torch.empty_like(query))
-
+from backend_support import (BS, D, H, H_Q, Q, T, TABLE, decode_metadata, layer_forward, prefill_metadata,
+                             setup_backend, write_cache)
 
 def test_prefill_compacts_and_decode_equals_the_estimator_after_the_freed_blocks_are_reused(monkeypatch):
     from vllm.v1.attention.backends import cpu_attn
 
     monkeypatch.setattr(cpu_attn, "get_current_vllm_config",
                         lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32)))
-    backend, worker, impl, cache, k, v, cfg, fake, layer, scale = _setup(sketch=None)  # the paper's design
+    backend, worker, impl, cache, k, v, cfg, fake, layer, scale = setup_backend(sketch=None)  # the paper's design
     original = cache.clone()
     qp = torch.randn(Q, H_Q, D)
-    md = _prefill_metadata(backend, impl)
+    md = prefill_metadata(backend, impl)
     step = worker.Step(fake)
-    out = _forward(backend, impl, step, layer, qp, cache, md)
+    out = layer_forward(backend, impl, step, layer, qp, cache, md)
     ref = torch.nn.functional.scaled_dot_product_attention(  # the prefill itself is the stock attention
         qp.transpose(0, 1)[None], k[:Q].transpose(0, 1)[None], v[:Q].transpose(0, 1)[None], is_causal=True,
         enable_gqa=True, scale=scale)[0].transpose(0, 1)
@@ -112,12 +61,12 @@ def test_prefill_compacts_and_decode_equals_the_estimator_after_the_freed_blocks
     freed = TABLE[0, layout.m : Q // BS]
     cache[freed] = 1e4 * torch.randn_like(cache[freed])
     original[freed] = cache[freed]
-    _write(cache, k[Q:], v[Q:], torch.arange(Q, Q + T))
-    _write(original, k[Q:], v[Q:], torch.arange(Q, Q + T))
+    write_cache(cache, k[Q:], v[Q:], torch.arange(Q, Q + T))
+    write_cache(original, k[Q:], v[Q:], torch.arange(Q, Q + T))
     qd = torch.randn(1, H_Q, D)
-    md = _decode_metadata()
+    md = decode_metadata()
     step = worker.Step(fake)
-    out = _forward(backend, impl, step, layer, qd, cache, md)
+    out = layer_forward(backend, impl, step, layer, qd, cache, md)
     certs = step.results(BS).certs
     # the estimator over the kept prompt tokens (pi) and the decode tokens (pi = 1), in float64
     pi = torch.cat([torch.where(dec.keep, dec.pi, 0.0), torch.ones(H, T, dtype=torch.float64)], dim=1)
@@ -173,11 +122,11 @@ def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypa
 
     monkeypatch.setattr(cpu_attn, "get_current_vllm_config",
                         lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32)))
-    backend, worker, impl, cache, k, v, cfg, fake, layer, scale = _setup(sketch="tilted", kind="tilted_hull")
+    backend, worker, impl, cache, k, v, cfg, fake, layer, scale = setup_backend(sketch="tilted", kind="tilted_hull")
     qp = torch.randn(Q, H_Q, D)
-    md = _prefill_metadata(backend, impl)
+    md = prefill_metadata(backend, impl)
     step = worker.Step(fake)
-    _forward(backend, impl, step, layer, qp, cache, md)
+    layer_forward(backend, impl, step, layer, qp, cache, md)
     compacted = step.results(BS).compacted
     state = fake.kvcert_states["a"]
     design = cfg.design
@@ -199,14 +148,14 @@ def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypa
     # decode after the freed blocks were overwritten by another request
     freed = TABLE[0, state.m : Q // BS]
     cache[freed] = 1e4 * torch.randn_like(cache[freed])
-    _write(cache, k[Q:], v[Q:], torch.arange(Q, Q + T))
+    write_cache(cache, k[Q:], v[Q:], torch.arange(Q, Q + T))
     qd = torch.randn(1, H_Q, D)
-    md = _decode_metadata()
+    md = decode_metadata()
     step = worker.Step(fake)
     seen, sketch_decode = [], backend.sketch_decode  # the centre the forward hands to the sketched decode, the route
     monkeypatch.setattr(backend, "sketch_decode", lambda *a, **kw: seen.append((a[8], sketch_decode(*a, **kw)))
                         or seen[-1][1])
-    out = _forward(backend, impl, step, layer, qd, cache, md)
+    out = layer_forward(backend, impl, step, layer, qd, cache, md)
     monkeypatch.setattr(backend, "sketch_decode", sketch_decode)
     assert len(seen) == 1 and seen[0][0] is not None
     certs = step.results(BS).certs
@@ -251,7 +200,7 @@ def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypa
     # negative control: the same compacted state read without its sketch records the plain design's certificate
     fake.kvcert_states["a"] = worker.Compacted(state.n_prompt, state.m, state.log_pi, None)
     step = worker.Step(fake)
-    _forward(backend, impl, step, layer, qd, cache, md)
+    layer_forward(backend, impl, step, layer, qd, cache, md)
     assert step.plan(md, BS).compacted_centres(0) is None  # no sums held: the op would read the centre itself
     plain = step.results(BS).certs
     assert abs(plain["a"] / certs["a"] - 1) > 0.05
@@ -344,16 +293,16 @@ def test_a_bfloat16_cache_decodes_as_its_float32_upcast_and_within_its_rounding_
     bf16 = torch.bfloat16
     monkeypatch.setattr(cpu_attn, "get_current_vllm_config",
                         lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=bf16)))
-    backend, worker, impl, cache, k, v, cfg, fake, layer, scale = _setup(bf16, **design)
+    backend, worker, impl, cache, k, v, cfg, fake, layer, scale = setup_backend(bf16, **design)
     qp = torch.randn(Q, H_Q, D).to(bf16)
     step = worker.Step(fake)
-    _forward(backend, impl, step, layer, qp, cache, _prefill_metadata(backend, impl, bf16))
+    layer_forward(backend, impl, step, layer, qp, cache, prefill_metadata(backend, impl, bf16))
     step.results(BS)
     state = fake.kvcert_states["a"]
     assert isinstance(state, worker.Compacted) and state.m < Q // BS  # compacted, blocks freed
-    _write(cache, k[Q:], v[Q:], torch.arange(Q, Q + T))
+    write_cache(cache, k[Q:], v[Q:], torch.arange(Q, Q + T))
     qd = torch.randn(1, H_Q, D).to(bf16)
-    md = _decode_metadata()
+    md = decode_metadata()
     plan = worker.Step(fake).plan(md, BS)
     ids, lp = plan.compacted_inputs(0)
     sketch = state.sketches[0] if state.sketches else None

@@ -93,12 +93,12 @@ def test_the_attention_layers_read_the_step_from_the_metadata_only(monkeypatch):
     from vllm.v1.attention.backends import cpu_attn
 
     from kvcert.vllm import KVCertConfig, backend
-    from test_vllm_compaction import BS, Q, TABLE, _setup, _write
+    from backend_support import BS, Q, TABLE, setup_backend, write_cache
 
     monkeypatch.setattr(cpu_attn, "get_current_vllm_config",
                         lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32)))
-    _, worker, impl, cache, k, v, _, fake, layer, _ = _setup()
-    _write(cache, k, v, torch.arange(Q + 3))
+    _, worker, impl, cache, k, v, _, fake, layer, _ = setup_backend()
+    write_cache(cache, k, v, torch.arange(Q + 3))
     fake.kvcert = KVCertConfig(compression_ratio=0.5, granularity="block")
     lp = torch.zeros(-(-Q // BS), dtype=torch.float64)
     lp[1] = float("-inf")  # block 1 evicted

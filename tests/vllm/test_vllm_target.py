@@ -125,15 +125,15 @@ def _prefill(monkeypatch, eps):
     from vllm.v1.attention.backends import cpu_attn
 
     from kvcert.vllm import KVCertConfig
-    from test_vllm_compaction import BS, Q, _forward, _prefill_metadata, _setup
+    from backend_support import BS, Q, layer_forward, prefill_metadata, setup_backend
 
     monkeypatch.setattr(cpu_attn, "get_current_vllm_config",
                         lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32)))
-    backend, worker, impl, cache, k, v, _, fake, layer, scale = _setup()
+    backend, worker, impl, cache, k, v, _, fake, layer, scale = setup_backend()
     cfg = fake.kvcert = KVCertConfig(target_error=eps, seed=5, observation_window=8)
     qp = torch.randn(Q, impl.num_heads, k.shape[-1])
     step = worker.Step(fake)
-    _forward(backend, impl, step, layer, qp, cache, _prefill_metadata(backend, impl))
+    layer_forward(backend, impl, step, layer, qp, cache, prefill_metadata(backend, impl))
     compacted = step.results(BS).compacted
     q = qp[-8:].permute(1, 0, 2)[None]
     keys, values = k[:Q].transpose(0, 1)[None], v[:Q].transpose(0, 1)[None]
@@ -145,7 +145,7 @@ def _prefill(monkeypatch, eps):
 def test_backend_samples_each_head_at_its_target_budget(monkeypatch):
     """A moderate target: the backend's compaction is TokenDesign.decide at target_budget's per-head budgets
     (same scores, same stream), exactly. Measured: eps = 5 chooses 85 and 88 of the 150 tokens."""
-    from test_vllm_compaction import BS, Q
+    from backend_support import BS, Q
 
     cfg, report, state, chosen, u = _prefill(monkeypatch, 5.0)
     assert bool(chosen.evicts.all()) and (chosen.predicted <= 5.0).all(), chosen
@@ -165,7 +165,7 @@ def test_backend_samples_each_head_at_its_target_budget(monkeypatch):
 def test_backend_keeps_every_token_where_no_head_evicts(monkeypatch):
     """A target no budget below n meets (1e-9): the layer keeps every token at pi = 1 and the request holds
     all its blocks (m = ceil(n / bs), so nothing is freed)."""
-    from test_vllm_compaction import BS, Q
+    from backend_support import BS, Q
 
     _, report, state, chosen, _ = _prefill(monkeypatch, 1e-9)
     assert not bool(chosen.evicts.any())
