@@ -24,6 +24,7 @@ from .blocks import (
     block_sample,
     block_uniforms,
     expand_blocks,
+    paged_block_hajek_attention,
     prompt_event,
 )
 from .certificates import (
@@ -114,7 +115,7 @@ __all__ = [
     "attention", "hajek_attention", "value_moments", "clear_workspace",
     "BLOCK_REDUCTIONS", "REDUCTIONS", "BlockDecision", "BlockDesign", "block_compact", "block_count", "block_evict", "block_hajek_attention", "block_importance",
     "block_inclusion_probabilities", "block_keep", "block_budget", "block_sample", "block_uniforms", "expand_blocks",
-    "prompt_event",
+    "paged_block_hajek_attention", "prompt_event",
     "CERTIFICATE_KINDS", "CertificateKind", "KINDS", "PLAIN_KINDS", "SERVED_KINDS", "certificate", "certificate_moments", "estimate_options",
     "radius_from_moments", "radius_from_statistics",
     "budget_from_fraction", "certainty_mask", "DesignSizes", "design_sizes", "design_uniforms", "edge_mask",
