@@ -17,8 +17,9 @@ Policies (``kept`` is the kept fraction f = 1 - compression ratio):
   ``KeyDiffPress``, ``ExpectedAttentionPress``);
 - ``target``: error targets, ``PoissonPress(target_error=eps)`` (fast/target.py);
 - ``allocation``: budgets per (layer, KV head) from the certificate's predicted variance, Neyman-style,
-  with floors (:class:`AllocatedPress`: ``kvcert.fast.allocation.objective_tables`` of the window queries'
-  predicted relative variance over every (layer, KV head) of a prompt, each head's table cut below its floor
+  with floors: the library's ``PoissonPress(compression_ratio=1 - f, allocation="neyman")``
+  (kvcert/presses/allocation.py: ``kvcert.fast.allocation.objective_tables`` of the window queries' predicted
+  relative variance over every (layer, KV head) of a prompt, each head's table cut below its floor
   ``max(sinks + window + 1, ceil(floor f n))``, then ``allocate_from_tables`` with the total of the uniform
   fraction f, ``round(f n) x heads``); the paper's design samples each head at its budget;
 - ``escalation``: a request whose recorded radius over the answer's tokens (``cert_max``: the largest relative
@@ -65,7 +66,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -92,10 +92,12 @@ DETERMINISTIC = {"snapkv": "SnapKVPress", "keydiff": "KeyDiffPress", "expected":
 #: eps 0.1 and 0.3 on these tasks already, and every run costs minutes on 2 cores)
 TARGETS = (0.05, 0.1, 0.3)
 QUICK_TARGETS = (0.1,)
-#: kept fractions of the allocation policy and its per-head floor (share of the uniform budget f n)
+#: kept fractions of the allocation policy and its per-head floor (share of the uniform budget f n;
+#: ``PoissonPress(allocation_floor=...)``)
 ALLOC_FRACTIONS = (0.5, 0.75)
 ALLOC_FLOOR = 0.5
-#: allocation's objective grid step (budgets B_min, B_min + step, ...; 1 = every budget)
+#: allocation's objective grid step (budgets B_min, B_min + step, ...; 1 = every budget;
+#: ``PoissonPress(allocation_step=...)``)
 ALLOC_STEP = 4
 #: escalation: shares of requests escalated, and the signals it reads
 ESCALATE_SHARES = (0.25, 0.5)
@@ -271,116 +273,29 @@ def answer_signals(relative_radius, *, exact_first: bool) -> dict:
                 cert_step_max=float(rel.reshape(rel.shape[0], -1).mean(-1).max()))
 
 
+def allocation_info(row) -> dict:
+    """A run record's summary of one row's ``kvcert.presses.allocation.RowAllocation`` (None: the row ran the
+    uniform design): total, floor, n and the budgets' min, max and sum."""
+    if row is None:
+        return {}
+    b = row.budgets
+    return dict(total=int(row.total), floor=int(row.floor), n=int(row.n), budget_min=int(b.min()),
+                budget_max=int(b.max()), budget_sum=int(b.sum()))
+
+
 # ============================================================================ presses written here
 
 def _presses():
-    """The two presses of this benchmark (defined lazily: they import kvcert and torch)."""
-    global AllocatedPress, CellRecomputePress
-    if "AllocatedPress" in globals():
-        return AllocatedPress, CellRecomputePress
+    """The press written here (defined lazily: it imports kvcert and torch): :class:`CellRecomputePress`. The
+    allocation policy is the library's, ``kvcert.PoissonPress(allocation="neyman")``."""
+    global CellRecomputePress
+    if "CellRecomputePress" in globals():
+        return CellRecomputePress
     import dataclasses
 
     import torch
 
     import kvcert
-    import kvcert.fast as F
-    from kvcert.fast import TokenDesign, nonnegative_importance
-    from kvcert.fast import allocation as A
-    from kvcert.fast.target import TargetBudget, head_tops as _tops
-
-    class _AllocatedDesign(TokenDesign):
-        """The token design whose per-(row, KV head) budgets are the allocation's (the press's target path)."""
-
-        def target_budget(self, queries, keys, values, scores, *, scale=None):
-            press = object.__getattribute__(self, "_press")
-            budget = press._budgets[press.value_at].to(torch.float64).reshape(1, -1)
-            n = keys.shape[2]
-            evicts = budget < n
-            sampled = torch.where(evicts, budget, torch.full_like(budget, float(n)))
-            low = float(self.sinks + self.window + 1)
-            top = torch.where(evicts, _tops(sampled.clamp_min(low), self.sinks, self.window, self.top_fraction),
-                              torch.zeros_like(sampled, dtype=torch.int64))
-            return TargetBudget(sampled.clone(), sampled, top, torch.zeros_like(sampled), evicts)
-
-    @dataclasses.dataclass
-    class AllocatedPress(kvcert.PoissonPress):
-        """The paper's design with Neyman-style budgets per (layer, KV head) at the memory of a uniform kept
-        fraction ``alloc_fraction`` (module docstring). Runs on a shared prefill (``kvcert.prefill`` or
-        ``kvcert.prefill_context``), whose every layer is at hand before the first eviction. ``target_error``
-        is set only to route the prefill event through the press's per-head budget path (its value is not
-        read; the budgets are the allocation's)."""
-
-        alloc_fraction: float = 0.5
-        alloc_floor: float = ALLOC_FLOOR
-        alloc_step: int = ALLOC_STEP
-        target_error: float | None = 1.0
-        #: {(id of the prefill's first keys, row, n): objective tables}, shared between fractions of one prefill
-        tables_cache: dict | None = None
-
-        def _make_design(self):
-            fields = {name: getattr(self, name) for name in self._design_fields}
-            if not isinstance(self.scorer, str):
-                fields["scorer"] = "snapkv"
-            design = _AllocatedDesign(**fields)
-            object.__setattr__(design, "_press", self)
-            return design
-
-        def _prefill_plan(self, layer, r, queries, scale, *, layer_idx, event):
-            self.value_at = (layer_idx, r)
-            return super()._prefill_plan(layer, r, queries, scale, layer_idx=layer_idx, event=event)
-
-        def _row_tables(self, cache, r):
-            """The objective tables of row r over every compressible (layer, KV head), layer-major."""
-            key = None
-            layers = [(i, l) for i, l in enumerate(cache.layers) if l.compressible]
-            valid0 = layers[0][1].valid[r, 0]
-            n = int(valid0.sum())
-            if self.tables_cache is not None:
-                key = (layers[0][1].keys.data_ptr(), r, n)
-                if key in self.tables_cache:
-                    return self.tables_cache[key]
-            T, O, S = [], [], []
-            for i, layer in layers:
-                q, scale = layer.queries, layer.query_scale
-                valid = layer.valid[r:r + 1]
-                n_slots = valid.shape[-1]
-                idx = None if bool(valid.all()) else valid[0, 0].nonzero().squeeze(-1)
-                k, v, q_r = layer.keys[r:r + 1], layer.values[r:r + 1], q[r:r + 1]
-                if idx is not None:
-                    k, v = k[:, :, idx], v[:, :, idx]
-                    offset = n_slots - q.shape[2]
-                    q_r = q_r[:, :, idx[idx >= offset] - offset]
-                u = self._prefill_importance(q_r, k, v, scale=scale, layer_idx=i, event=layer.events, row=r,
-                                             tokens=idx)
-                t, o2 = F.window_variance_terms(q_r[:, :, -self.observation_window:], k, v, scale=scale)
-                T.append(t[0])
-                O.append(o2[0])
-                S.append(nonnegative_importance(u[0].to(torch.float64)))
-            tables = A.objective_tables(torch.cat(T), torch.cat(O), torch.cat(S), delta=self.delta, kind=self.kind,
-                                        sinks=self.sinks, window=self.window, top_fraction=self.top_fraction,
-                                        floor=self.floor, step=self.alloc_step)
-            out = ([i for i, _ in layers], layers[0][1].keys.shape[1], n, tables)
-            if key is not None:
-                self.tables_cache[key] = out
-            return out
-
-        def _compress_prefilled(self, cache, *, query_window):
-            self._budgets, self.allocations = {}, {}
-            b = cache.layers[0].keys.shape[0]
-            for r in range(b):
-                layer_ids, h_kv, n, tables = self._row_tables(cache, r)
-                total = int(round(self.alloc_fraction * n)) * len(tables)
-                floor_b = max(self.sinks + self.window + 1, math.ceil(self.alloc_floor * self.alloc_fraction * n))
-                cut = []
-                for tab in tables:
-                    keep = (tab.budgets >= floor_b) | (tab.budgets == tab.budgets[-1])
-                    cut.append(A.ObjectiveTable(tab.budgets[keep], tab.values[keep]))
-                alloc = A.allocate_from_tables(cut, total)
-                self.allocations[r] = dict(total=total, floor=floor_b, n=n, budget_min=int(alloc.budget.min()),
-                                           budget_max=int(alloc.budget.max()), budget_sum=int(alloc.budget.sum()))
-                for j, li in enumerate(layer_ids):
-                    self._budgets[li, r] = alloc.budget[j * h_kv:(j + 1) * h_kv].to(torch.float64)
-            super()._compress_prefilled(cache, query_window=query_window)
 
     @dataclasses.dataclass
     class CellRecomputePress(kvcert.PoissonPress):
@@ -434,8 +349,8 @@ def _presses():
             sel = flag.transpose(1, 2)[..., None]  # (b, t, h_q, 1)
             return torch.where(sel, exact.to(out.dtype), out)
 
-    globals().update(AllocatedPress=AllocatedPress, CellRecomputePress=CellRecomputePress)
-    return AllocatedPress, CellRecomputePress
+    globals().update(CellRecomputePress=CellRecomputePress)
+    return CellRecomputePress
 
 
 class cell_hooks:
@@ -447,7 +362,7 @@ class cell_hooks:
         import kvcert.dispatch as dispatch
         from kvcert.attention import Session
 
-        _, cell_press = _presses()
+        cell_press = _presses()
         self._dispatch, self._session = dispatch, Session
         self._orig_decode, self._orig_session_decode = dispatch.decode, Session._decode
         last = {}
@@ -516,7 +431,7 @@ def _run_specs(args) -> list:
     a target); factory(seed) -> press."""
     import kvcert
 
-    Alloc, Cell = _presses()
+    Cell = _presses()
     specs = []
     for r in RATIOS:
         specs.append(("fixed", 1 - r, dict(compression_ratio=r, design="paper"),
@@ -530,15 +445,15 @@ def _run_specs(args) -> list:
     for eps in (QUICK_TARGETS if args.quick else TARGETS):
         specs.append(("target", eps, dict(target_error=eps),
                       lambda s, eps=eps: kvcert.PoissonPress(target_error=eps, seed=s)))
-    tables = {}
     for f in ALLOC_FRACTIONS:
         specs.append(("allocation", f, dict(kept=f, floor=ALLOC_FLOOR, step=ALLOC_STEP),
-                      lambda s, f=f: Alloc(alloc_fraction=f, seed=s, tables_cache=tables)))
+                      lambda s, f=f: kvcert.PoissonPress(compression_ratio=1 - f, seed=s, allocation="neyman",
+                                                         allocation_floor=ALLOC_FLOOR, allocation_step=ALLOC_STEP)))
     for f in CELL_KEPT:
         specs.append(("recompute-cells", f, dict(kept=f, threshold=args.cell_threshold),
                       lambda s, f=f: Cell(compression_ratio=1 - f, seed=s, sketch=None,
                                           recompute_threshold=args.cell_threshold)))
-    return specs, tables
+    return specs
 
 
 def _record(protocol, task, example, family, level, correct, kept, certs, cert_t3, conf, extra=0.0, info=None):
@@ -565,17 +480,16 @@ def collect(args, model, tokenizer, cfg) -> list:
     n_ex = args.examples or cfg.suite_examples
     examples = {t: make_examples(t, n_ex, context_tokens=cfg.suite_context, seed=cfg.seed, tokenizer=tokenizer)
                 for t in tasks}
-    specs, tables = _run_specs(args)
+    specs = _run_specs(args)
     records = []
     jobs = []
     if "query-aware" in args.protocols:
         jobs += [("query-aware", t, b) for t in tasks for b in batches(examples[t], cfg.suite_batch, tokenizer)]
     if "query-agnostic" in args.protocols:
         jobs += [("query-agnostic", t, [i]) for t in tasks for i in range(n_ex)]
-    _, Cell = _presses()
+    Cell = _presses()
     for protocol, task, idx in progress(jobs, desc="frontier"):
         exs = [examples[task][i] for i in idx]
-        tables.clear()
         agn = protocol == "query-agnostic"
         if not agn:
             state = kvcert.prefill(model, tokenizer, [e.prompt for e in exs], chat_template=False)
@@ -631,7 +545,7 @@ def collect(args, model, tokenizer, cfg) -> list:
                     share = float(press.recomputed[j] / press.cells[j]) if float(press.cells[j]) > 0 else 0.0
                     extra, info["recompute_share"] = share, share
                 if family == "allocation":
-                    info.update(press.allocations.get(j, {}))
+                    info.update(allocation_info(press.allocations.get(j)))
                 records.append(_record(protocol, task, idx[j], family, level, ok, kept, sig, cert, conf, extra,
                                        info))
         del state

@@ -53,8 +53,9 @@ from .certificates import radius_from_moments
 from .design import inclusion_probabilities, nonnegative_importance
 from .target import TARGET_KINDS, head_tops
 
-__all__ = ["OBJECTIVES", "Allocation", "ObjectiveTable", "objective_tables", "allocate_from_tables",
-           "allocate_budgets", "convexity_gap", "head_objectives", "uniform_budgets", "adakv_budgets", "pyramid_budgets"]
+__all__ = ["OBJECTIVES", "Allocation", "FlooredAllocation", "ObjectiveTable", "objective_tables",
+           "allocate_from_tables", "allocate_at_uniform_memory", "allocate_budgets", "convexity_gap",
+           "head_objectives", "uniform_budgets", "adakv_budgets", "pyramid_budgets"]
 
 #: what :func:`allocate_budgets` sums over heads
 OBJECTIVES = ("relative", "absolute", "radius")
@@ -304,6 +305,62 @@ def allocate_from_tables(tables: Sequence[ObjectiveTable], total: int) -> Alloca
     value = torch.tensor([float(np.asarray(t.values)[p]) for t, p in zip(tables, pos)], dtype=torch.float64)
     bound = sum(float(np.interp(r, x[hl].astype(np.float64), y[hl])) for r, x, y, hl in zip(relaxed, xs, ys, hulls))
     return Allocation(budget, value, bound, torch.from_numpy(convex), float(multiplier))
+
+
+class FlooredAllocation(NamedTuple):
+    """What :func:`allocate_at_uniform_memory` chose: ``allocation`` over the H heads (:class:`Allocation`),
+    ``total`` the kept tokens of the uniform budget (round(B) H) and ``floor`` the smallest budget a head may
+    take below its :math:`n_h`."""
+
+    allocation: Allocation
+    total: int
+    floor: int
+
+
+def allocate_at_uniform_memory(tables: Sequence[ObjectiveTable], budget: float, *, floor_share: float = 0.5,
+                               sinks: int = 4, window: int = 32) -> FlooredAllocation:
+    r"""Neyman-style budgets at the memory of a uniform budget B per head, with floors.
+
+    .. math:: T = \operatorname{round}(B)\, H, \qquad
+              B_{\text{floor}} = \max\bigl(\text{sinks} + \text{window} + 1,\ \lceil \phi B \rceil\bigr),
+
+    :math:`\phi` = ``floor_share``; each head's table is cut below :math:`B_{\text{floor}}` (its last point,
+    :math:`n_h`, stays: a head may keep every token), then :func:`allocate_from_tables` with the total T.
+    The floor keeps every head a share of the uniform budget whatever the window queries predict (heads
+    whose variance at the window is small may still be read by later queries).
+
+    Parameters
+    ----------
+    tables : H :class:`ObjectiveTable` (:func:`objective_tables`; ``step`` > 1 allowed)
+    budget : float > 0, the uniform budget B per head (``PoissonPress``'s ``n (1 - compression_ratio)``)
+    floor_share : float in [0, 1], :math:`\phi`
+    sinks, window : int >= 0, the token design's certainty edges
+
+    Raises
+    ------
+    ValueError
+        A bad ``budget`` or ``floor_share``; a floor above the grid's reach (the cut tables' smallest budgets
+        sum to more than T: lower ``floor_share`` or the grid's step).
+    """
+    budget = float(budget)
+    if not (math.isfinite(budget) and budget > 0):
+        raise ValueError(f"budget must be a finite number > 0 (the uniform budget per head), got {budget}")
+    if isinstance(floor_share, bool) or not (0.0 <= float(floor_share) <= 1.0):
+        raise ValueError(f"floor_share must be a number in [0, 1] (a share of the uniform budget), got {floor_share!r}")
+    sinks, window = check_nonneg_int("sinks", sinks), check_nonneg_int("window", window)
+    total = int(round(budget)) * len(tables)
+    floor_b = max(sinks + window + 1, math.ceil(float(floor_share) * budget))
+    cut = []
+    for tab in tables:
+        x, y = np.asarray(tab.budgets), np.asarray(tab.values)
+        keep = (x >= floor_b) | (x == x[-1])
+        cut.append(ObjectiveTable(x[keep], y[keep]))
+    lows = sum(int(t.budgets[0]) for t in cut)
+    if lows > total:
+        raise ValueError(f"floor_share: the floor {floor_b} leaves the heads' smallest grid budgets summing to {lows}, "
+                         f"above the uniform total round(budget) x heads = {total} (budget {budget}): lower "
+                         f"floor_share or the grid's step")
+    return FlooredAllocation(allocate_from_tables(cut, total), total, floor_b)
 
 
 def _exchange(xs, ys, pos, left, max_rounds: int = 100_000):

@@ -541,7 +541,8 @@ class TokenDesign:
 
     def event(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
               scale: float | None = None, layer: int = 0, event: int = 0, head_offset: int = 0,
-              scores: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> TokenEvent:
+              scores: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+              budget: torch.Tensor | None = None) -> TokenEvent:
         """One eviction event on one sequence's tokens, whole: the scores, the budget (the sampled budget,
         or each KV head's under an error target), the decision and the sketch of what it evicts. The
         Hugging Face press and the vLLM plugin call this, and only lay out its result (a dense cache,
@@ -561,6 +562,11 @@ class TokenDesign:
         positions : int64 (1, h_kv, n), optional
             The tokens' positions (default 0 .. n-1): at ``kv_bits`` < 16 the rounding stream's index and the
             stored positions (:meth:`store`); unused at 16 bits.
+        budget : float tensor (h_kv,), optional
+            Each KV head's expected kept count, chosen by the caller in place of :meth:`sampled_budget` and of an
+            error target's (a press's allocation over every layer of the sequence, ``kvcert.fast.allocation``):
+            sampled as given (no sketch's memory is taken off), each at least ``sinks + window + 1`` where below
+            n (:meth:`decide`); nothing evicted when every head's is >= n.
 
         Returns
         -------
@@ -574,7 +580,9 @@ class TokenDesign:
             raise ValueError(f"keys: one sequence's tokens (1, h_kv, n, d), got shape {tuple(keys.shape)}")
         n, d, dv = keys.shape[2], keys.shape[3], values.shape[-1]
         where = dict(layer=layer, event=event, head_offset=head_offset, positions=positions)
-        if not self.evicts(n, d, dv):
+        if budget is not None:
+            budget = self._given_budget(budget, keys.shape[1], n)  # float n: no head evicts
+        if not (isinstance(budget, torch.Tensor) if budget is not None else self.evicts(n, d, dv)):
             one = torch.ones(keys.shape[1:3], dtype=torch.float64, device=keys.device)
             keep = torch.ones(one.shape, dtype=torch.bool, device=keys.device)
             decision = TokenDecision(float(n), None, one, one, keep, layer, event)
@@ -583,16 +591,25 @@ class TokenDesign:
             return TokenEvent(decision, None, float(n), stored=self.store(keys, values, decision, **where))
         u = self.score(queries, keys, values, scale=scale, layer=layer, event=event) if scores is None else scores
         target = None
-        if self.target_error is not None:
+        if budget is None and self.target_error is not None:
             target = self.target_budget(queries, keys, values, u, scale=scale)
             budget = target.sampled[0] if bool(target.evicts.any()) else float(n)
-        else:
+        elif budget is None:
             budget = self.sampled_budget(n, d, dv)
         decision = self.decide(u[0], layer=layer, event=event, budget=budget, head_offset=head_offset)
         sketch = self.sketch_of(keys, values, decision, queries=queries, scale=scale)
         if self.kv_bits == 16:
             return TokenEvent(decision, sketch, budget, target)
         return TokenEvent(decision, sketch, budget, target, self.store(keys, values, decision, **where))
+
+    def _given_budget(self, budget, h_kv: int, n: int):
+        """:meth:`event`'s ``budget``: the (h_kv,) float64 budgets capped at n, or float n when no head is below n."""
+        if not isinstance(budget, torch.Tensor) or not budget.is_floating_point() or tuple(budget.shape) != (h_kv,):
+            got = tuple(budget.shape) if isinstance(budget, torch.Tensor) else type(budget).__name__
+            raise ValueError(f"budget: one expected kept count per KV head, a float tensor of shape ({h_kv},), "
+                             f"got {got}")
+        b = budget.to(torch.float64).clamp(max=float(n))
+        return b if bool((b < n).any()) else float(n)
 
     def store(self, keys: torch.Tensor, values: torch.Tensor, decision: TokenDecision, *, layer: int = 0,
               event: int = 0, head_offset: int = 0, positions: torch.Tensor | None = None):

@@ -44,7 +44,7 @@ __all__ = ["main", "build_parser"]
 #: options that set a press field of the same name (--compression-interval wraps the press in a DecodingPress)
 _PRESS_OPTIONS = ("compression_ratio", "target_size", "sinks", "window", "top_fraction",
                   "floor", "scorer", "seed", "delta", "kind", "observation_window", "sketch", "target_error",
-                  "sampling")
+                  "sampling", "allocation")
 
 
 #: where the paper reproduction lives (paper_repro/, never imported by the library)
@@ -63,6 +63,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from .fast import KINDS, SCORERS
     from .presses import PRESSES, SKETCHES
+    from .presses.allocation import ALLOCATIONS
 
     p = _Parser(
         prog="kvcert",
@@ -99,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target-error", type=float, default=None, metavar="EPS",
                    help="poisson: keep per layer and KV head the fewest tokens whose predicted relative radius "
                         "is at most EPS, instead of a ratio (the paper's design; docs/theory.md section 9)")
+    g.add_argument("--allocation", default=None, choices=ALLOCATIONS,
+                   help="poisson: budgets per layer and KV head from the predicted variance at the memory of the "
+                        "ratio's uniform budget (the paper's design; docs/usage.md)")
     g.add_argument("--compression-interval", type=int, default=None,
                    help="also compress every N decoded tokens back to the target size (a DecodingPress)")
     g.add_argument("--sinks", type=int, default=None, help="first tokens always kept (press default 4)")

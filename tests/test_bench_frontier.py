@@ -171,3 +171,30 @@ def test_goals_are_not_tested_on_a_handful_of_examples():
     assert goals["dominates_two_cost_points"] is None and goals["failure_auc_at_least_085"] is None
     goals = B.analyse(_records(n=B.MIN_STRATUM_FOR_GOALS), seed=0, resamples=20)["summary"]["goals"]
     assert goals["testable"] is True and isinstance(goals["failure_auc_at_least_085"], bool)
+
+
+def test_allocation_policy_is_the_library_press():
+    """The allocation runs kvcert's own PoissonPress(allocation="neyman") (the design measured is the design
+    shipped), at the benchmark's kept fractions, floor and grid step; the benchmark defines no press of its own
+    for it."""
+    import kvcert
+
+    specs = [s for s in B._run_specs(B.parse_args(["--quick"])) if s[0] == "allocation"]
+    assert [level for _, level, _, _ in specs] == list(B.ALLOC_FRACTIONS)
+    for _, f, _, make in specs:
+        press = make(3)
+        assert type(press) is kvcert.PoissonPress
+        assert (press.allocation, press.compression_ratio, press.allocation_floor, press.allocation_step,
+                press.seed, press.sketch) == ("neyman", 1 - f, B.ALLOC_FLOOR, B.ALLOC_STEP, 3, None)
+    assert not hasattr(B, "AllocatedPress")
+
+
+def test_allocation_info_summarizes_a_row():
+    import torch
+
+    from kvcert.presses.allocation import RowAllocation
+
+    row = RowAllocation(n=100, uniform=50.0, total=200, floor=37, layers=(0, 1),
+                        budgets=torch.tensor([[37, 63], [40, 60]]), allocation=None)
+    assert B.allocation_info(row) == dict(total=200, floor=37, n=100, budget_min=37, budget_max=63, budget_sum=200)
+    assert B.allocation_info(None) == {}

@@ -9,6 +9,7 @@ import torch
 from ..fast import SCORERS, TokenDesign, compact, default_design, default_sampling, nonnegative_importance, preset_fields
 from ..fast.options import declare_fields
 from ..fast import design as _fast_design
+from .allocation import check_allocation, head_budgets, hold_prefill
 from .base import (BasePress, RowEvent, accept_kvpress_names, held_design, real_slots, records_given, row_slots,
                    row_tokens)
 from .kvpress_interop import is_kvpress_scorer, KvpressInputs, row_slice
@@ -147,7 +148,8 @@ class PoissonPress(BasePress):
         unquantized. At 8 or 4 the budget keeps its meaning (the memory of B 16-bit tokens, scales included),
         the prefill event samples about 16/b times the tokens and the cache stores the kept ones as int8 codes
         (int4: one code per byte, not packed) with float16 scales (:attr:`kvcert.cache.KVCertLayer.quantized`);
-        the decode dequantizes them (torch path) and records the certificate of
+        the decode dequantizes them (the compiled CPU op's pass where it fits, else torch) and records the
+        certificate of
         ``kvcert.reference.evict_and_certify(kv_bits=...)``: :math:`B_q + r` or the rule on :math:`V + V_q`
         (docs/quantized.md section 9). Prefill events only (not under :class:`DecodingPress`), a trace-only
         kind (``chebyshev``, ``tilted_hull``), no error target, no logit softcap; tokens decoded after the event
@@ -164,6 +166,21 @@ class PoissonPress(BasePress):
         budget and the seed are always this press's), e.g. ``PoissonPress(compression_ratio=0.5,
         preset="paper")`` is ``PoissonPress(compression_ratio=0.5, sketch=None)``. The same name serves the
         design in the vLLM plugin (``KVCertConfig(preset=...)``, the request option ``kvcert_preset``).
+    allocation : {None, "neyman"}
+        None (default): every (layer, KV head) keeps the budget B of ``compression_ratio`` / ``target_size``.
+        ``"neyman"``: per batch row, budgets per (layer, KV head) from the design's predicted relative variance
+        for the observation-window queries (the target rule's prediction, summed over heads and minimized,
+        :mod:`kvcert.fast.allocation`), at the memory of the uniform budget (round(B) kept tokens per head, in
+        total), none below the floor :math:`\max(\text{sinks} + \text{window} + 1, \lceil\phi B\rceil)`;
+        each head is then sampled at its budget. The paper's design (no sketch; ``sketch="auto"`` resolves to
+        it), kinds of ``kvcert.fast.TARGET_KINDS``, prefill events only (not under :class:`DecodingPress`).
+        The layers are held until the last compressible layer's prefill, whose event allocates and evicts them
+        all (the whole prefill cache at once, as :func:`kvcert.prefill` holds it;
+        :mod:`kvcert.presses.allocation`). :attr:`allocations` holds each row's ``RowAllocation``.
+    allocation_floor : float in [0, 1]
+        :math:`\phi`, each head's floor as a share of the uniform budget (default 0.5).
+    allocation_step : int >= 1
+        Spacing of the budgets the allocation compares per head (default 4; 1: every budget).
 
     Notes
     -----
@@ -198,6 +215,9 @@ class PoissonPress(BasePress):
     # the fields (top_fraction, floor, scorer, seed, observation_window, kernel_size, sketch, kind,
     # target_error, sampling) are TokenDesign's, declared by declare_fields below the class; preset is the press's
     preset: str | None = None
+    allocation: str | None = None
+    allocation_floor: float = 0.5
+    allocation_step: int = 4
 
     _randomized = True
 
@@ -222,6 +242,10 @@ class PoissonPress(BasePress):
                     setattr(self, name, value)
         #: (layer, batch row) -> the kvcert.fast.TargetBudget its last prefill event chose (target_error only)
         self.chosen_budgets = {}
+        #: batch row -> its kvcert.presses.allocation.RowAllocation at the last prefill (allocation only; None: a
+        #: row whose uniform budget cannot hold every head's certainty set ran the uniform design)
+        self.allocations = {}
+        check_allocation(self)  # an allocation runs the paper's design (sketch="auto" resolved to None)
         # the defaults (sketch="auto", kind=None): the recommended design, or the paper's when a plain kind is named
         self._recommended_default = isinstance(self.sketch, str) and self.sketch == "auto" and \
             self.target_error is None
@@ -291,7 +315,8 @@ class PoissonPress(BasePress):
         u = None if isinstance(self.scorer, str) or not design.evicts(n, d, dv) else \
             self._prefill_importance(q_r, k, v, scale=scale, layer_idx=layer_idx, event=event, row=r, tokens=idx)
         pos = row_slots(layer, r, idx)[3]
-        ev = design.event(q_r, k, v, scale=scale, layer=layer_idx, event=event, scores=u, positions=pos)
+        given = None if self.allocation is None else head_budgets(self, layer_idx, r)
+        ev = design.event(q_r, k, v, scale=scale, layer=layer_idx, event=event, scores=u, positions=pos, budget=given)
         if ev.stored is not None:  # a quantized cache: the kept tokens as stored (every token when none is evicted)
             if ev.sampled:
                 layer.budgets[r] = float(ev.budget)
@@ -306,6 +331,20 @@ class PoissonPress(BasePress):
         keep, pi = ev.decision.keep[None], ev.decision.pi[None]
         cc = compact(keep, k, v, log_w.exp().to(pi.dtype) * pi, pos)
         return RowEvent((cc.keys, cc.values, torch.log(cc.pi), cc.positions), ev.sketch, evicted=True)
+
+    def prefill_event(self, layer, layer_idx: int, queries, scale: float) -> None:
+        """The prefill event of one layer; under an ``allocation``, held until the last compressible layer's,
+        which allocates the budgets and runs every held layer's event (:mod:`kvcert.presses.allocation`)."""
+        if self.allocation is None:
+            return super().prefill_event(layer, layer_idx, queries, scale)
+        session = self._session
+        if session is None or session.press is not self:
+            raise ValueError("allocation: PoissonPress(allocation=...) decides every layer's budgets at the prefill, "
+                             "as the press of `with press(model)` or generate(press=...); it does not run under "
+                             "DecodingPress")
+        for held in hold_prefill(self, layer, layer_idx, queries, scale, compressed=session.compressed,
+                                 importance=self._prefill_importance):
+            self._compress(*held, prefill=True)
 
     @property
     def design(self) -> TokenDesign:
@@ -419,7 +458,8 @@ class PoissonPress(BasePress):
         """Prefill queries the scorer reads, and at least the observation window with a tilted sketch or an
         error target."""
         need = super().queries_needed(n)
-        if (self.sketch is not None and self.sketch.tilt) or self.target_error is not None:
+        if (self.sketch is not None and self.sketch.tilt) or self.target_error is not None or \
+                self.allocation is not None:
             need = max(need, min(self._observation_window(), n))
         return need
 
