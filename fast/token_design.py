@@ -28,7 +28,7 @@ from . import target as _target
 from .target import TARGET_KINDS, check_target_error, head_tops
 
 __all__ = ["SKETCHES", "SKETCH_KINDS", "RECOMMENDED", "RECOMMENDED_FIELDS", "RECOMMENDED_SAMPLING", "TOKEN_DESIGNS",
-           "QuantizedCertificate", "TokenDecision", "TokenDesign", "TokenEvent", "quantized_decode", "default_design", "default_sampling", "preset_fields",
+           "QuantizedCertificate", "TokenDecision", "TokenDesign", "TokenEvent", "quantized_decode", "quantized_op_fits", "default_design", "default_sampling", "preset_fields",
            "register_design", "resolve_sketch"]
 
 
@@ -831,7 +831,7 @@ class TokenDesign:
         return decision.kept
 
 
-def quantized_decode(query: torch.Tensor, layer, *, scale: float, kind: str, delta: float):
+def quantized_decode(query: torch.Tensor, layer, *, scale: float, kind: str, delta: float, op=None):
     r"""The Hajek estimate of the new tokens over a quantized layer's held slots and its certificate, per query:
     ``(outputs (b, t, h_q, dv), [(Estimate, kept (b, h_kv)) per query])``.
 
@@ -841,8 +841,14 @@ def quantized_decode(query: torch.Tensor, layer, *, scale: float, kind: str, del
     ``kvcert.reference.evict_and_certify(kv_bits=...)`` certifies the event's query. Each Estimate's ``trace`` is
     the trace whose radius of ``kind`` is that radius, :math:`(\mathrm{radius}/c)^2` with :math:`c` the kind's
     radius per unit square-root trace (a trace-only norm kind: ``chebyshev``, ``tilted_hull``), so the recorder
-    computes it unchanged. Query j of a chunk sees the slots at or before its position. The torch path: the
-    codes are dequantized here, at every step.
+    computes it unchanged. Query j of a chunk sees the slots at or before its position.
+
+    Two paths, the same certificate: ``op`` (the compiled CPU op's
+    ``kvcert.kernels.cpu.quantized_hajek_attention``, passed by ``kvcert.dispatch.decode``) where the layer
+    fits it (:func:`quantized_op_fits`: no sketch, ``quantized_bound="variance"``, no row that kept every token,
+    int8 codes (``int8``, ``int4``), CPU tensors, float32 queries): one pass over the codes gives the estimate,
+    the trace and :math:`V_q` (Estimate ``route="cpu_op"``); else the torch path (``route="torch"``), which
+    dequantizes the codes at every step.
 
     ``layer``: a ``kvcert.cache.KVCertLayer`` holding a quantized state (``quantized``, ``quantized_design``,
     ``quantized_whole``, ``log_weights``, ``positions``, ``keys`` / ``values`` of the exact slots, ``sketch``);
@@ -856,15 +862,22 @@ def quantized_decode(query: torch.Tensor, layer, *, scale: float, kind: str, del
     c = float(radius_from_moments(kind, delta, trace=torch.ones((), dtype=torch.float64)))
     whole = layer.quantized_whole
     every, none = bool(whole.all()), not bool(whole.any())
+    on_op = op is not None and quantized_op_fits(query, layer)
     outs, records = [], []
     for j in range(query.shape[2]):
         qpos = layer.positions[:, 0, layer.positions.shape[-1] - query.shape[2] + j]
         log_pi = layer.log_weights.masked_fill(layer.positions > qpos[:, None, None], float("-inf"))
+        q = query[:, :, j]
+        if on_op:
+            output, radius, lse = _op_certificate(op, q, layer, log_pi, scale)
+            records.append((Estimate(output, None, None, (radius / c).square(), lse, backend="fast", route="cpu_op"),
+                            (log_pi > float("-inf")).sum(-1)))
+            outs.append(output)
+            continue
         held = stored.__class__(stored.keys, stored.values, log_pi[..., :m].to(torch.float64), stored.positions,
                                 stored.kv_bits, stored.layout)
         tail = (layer.keys, layer.values, log_pi[..., m:])
         kw = dict(sketch=layer.sketch, scale=scale, tail=tail)
-        q = query[:, :, j]
         cert = design.certify(held, q, whole=every, **kw)
         if not (every or none):  # rows that kept every token take the whole-cache rule
             other = design.certify(held, q, whole=True, **kw)
@@ -877,6 +890,39 @@ def quantized_decode(query: torch.Tensor, layer, *, scale: float, kind: str, del
                         (log_pi > float("-inf")).sum(-1)))
         outs.append(cert.output)
     return torch.stack(outs, dim=1), records
+
+
+def quantized_op_fits(query: torch.Tensor, layer) -> bool:
+    """Whether :func:`quantized_decode`'s compiled-op path covers this layer's step: its design certifies without
+    a sketch by the rule on :math:`V + V_q` (``quantized_bound="variance"``: :math:`B_q` needs a second pass),
+    no row kept every token (the whole-cache rule caps at :math:`B_q`), the codes are int8 (formats ``int8``,
+    ``int4``; ``e4m3`` stays on the torch path), and the query is float32 with every tensor on the CPU."""
+    design, stored = layer.quantized_design, layer.quantized
+    if layer.sketch is not None or design.sketch is not None or design.quantized_bound != "variance":
+        return False
+    if bool(layer.quantized_whole.any()) or query.dtype != torch.float32 or not query.is_cpu:
+        return False
+    keys = stored.keys
+    codes = [stored.values.codes] + ([keys.codes] if hasattr(keys, "codes") else [])
+    return all(c.dtype == torch.int8 and c.is_cpu for c in codes) and layer.keys.is_cpu and layer.values.is_cpu
+
+
+def _op_certificate(op, q: torch.Tensor, layer, log_pi: torch.Tensor, scale: float):
+    """One query's (output, radius, lse) from the compiled op over a quantized layer's held slots: the estimate,
+    the trace and V_q in one pass (``op``: ``kvcert.kernels.cpu.quantized_hajek_attention`` with ``combined=True``:
+    its trace is trace + V_q), the radius the design's rule on it, as :meth:`TokenDesign.certify` with
+    ``quantized_bound="variance"`` and no sketch."""
+    from .certificates import radius_from_moments
+
+    design, stored = layer.quantized_design, layer.quantized
+    keys = stored.keys
+    exact = not hasattr(keys, "codes")
+    est, _ = op(q, keys.to(torch.float32) if exact else keys.codes, None if exact else keys.scales,
+                stored.values.codes, stored.values.scales, log_pi, scale=scale, layout=stored.layout,
+                group=getattr(keys, "group", _quantized.CHANNEL_GROUP), tail=(layer.keys, layer.values),
+                combined=True, validate=False)
+    radius = radius_from_moments(design.kind, design.delta, trace=est.trace)   # trace + V_q (combined)
+    return est.output, radius, est.lse
 
 
 #: the named token designs: name -> the :class:`TokenDesign` whose fields a press or engine starts from when

@@ -29,7 +29,8 @@ A quantized cache (``PoissonPress(kv_bits=8)``) holds the kept tokens of its pre
 16-bit scales (:attr:`KVCertLayer.quantized`, a ``kvcert.fast.QuantizedKV``: int8 codes, int4 one code per
 byte, not packed) in the first slots, and ``keys`` / ``values`` hold only the tokens appended since (exact,
 pi = 1); ``log_weights`` and ``positions`` cover every slot. The decode dequantizes the codes when it reads
-the layer (:meth:`KVCertLayer.held`, ``kvcert.fast.quantized_decode``; the torch path).
+the layer (:meth:`KVCertLayer.held`, ``kvcert.fast.quantized_decode``: the compiled CPU op's pass where the layer
+fits it, else the torch path).
 
 Models that mix layer types (Gemma 2 and 3: sliding-window layers beside
 global ones) get one layer class per type, read off the config by

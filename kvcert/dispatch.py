@@ -792,7 +792,9 @@ def decode(query: torch.Tensor, layer, *, scale: float, options: dict, kind: str
       :math:`c\sqrt{\mathrm{trace}}` is :math:`\min(c\sqrt{V}, H)`.
 
     A quantized layer (``layer.quantized``, ``PoissonPress(kv_bits=8)``) takes
-    :func:`kvcert.fast.quantized_decode` whatever its route: its codes dequantized (the torch path), one
+    :func:`kvcert.fast.quantized_decode` whatever its route: its codes dequantized in the compiled CPU op's
+    pass (:func:`kvcert.kernels.cpu.quantized_hajek_attention`, route ``"cpu_op"``) where the op is available
+    and the layer fits it (``kvcert.fast.token_design.quantized_op_fits``), else in torch, one
     query at a time, the certificate of its design on the stored codes and scales
     (:meth:`kvcert.fast.TokenDesign.certify`: :math:`B_q + r`, or the rule on :math:`V + V_q`), recorded as
     the trace whose radius of ``kind`` it is.
@@ -847,7 +849,8 @@ def decode(query: torch.Tensor, layer, *, scale: float, options: dict, kind: str
                              "and records a certificate kind (give kind=)")
         from kvcert.fast.token_design import quantized_decode
 
-        output, steps = quantized_decode(query, layer, scale=scale, kind=kind, delta=delta)
+        op = _cpu_op_module().quantized_hajek_attention if query.is_cpu and cpu_op_available() else None
+        output, steps = quantized_decode(query, layer, scale=scale, kind=kind, delta=delta, op=op)
         return LayerDecode(route, output, tuple(DecodeRecord(est, kept, 0.0 if layer.sketch is None else
                                                              layer.sketch.tokens) for est, kept in steps))
     return _DECODERS[route, "dense"](query, layer, scale=scale, options=options, kind=kind, delta=delta,

@@ -33,6 +33,11 @@ pass with the weight :math:`\pi_i(1-\pi_i)` for :math:`1-\pi_i` (the kept part o
 per query row (:math:`V_{\mathrm{cl}}`, the radius, the hull bound, the recorded
 trace), from the sketch's decode form.
 
+:func:`quantized_hajek_attention` is the same pass over a quantized cache (``kvcert.fast.QuantizedKV``: int8
+codes, formats int8 and int4, with float16 scales): each tile's key and value rows are dequantized as they
+are read, never the whole cache, and the rounding variance :math:`V_q` of stochastic rounding is accumulated
+beside the trace (or, ``combined=True``, into the trace's own sums).
+
 Each entry point has one ``validate`` switch: ``validate=False`` is the
 per-step call of a decode whose eviction event checked its tensors (the
 Hugging Face decode once ``kvcert.dispatch.decode`` has resolved that the op
@@ -85,11 +90,12 @@ import torch
 
 from kvcert.fast._checks import check_scale
 from kvcert.fast.contract import check_attention_inputs, check_attention_values
+from kvcert.fast.quantized import CHANNEL_GROUP
 from kvcert.fast.types import Estimate
 
 __all__ = ["ENV_VAR", "SOURCE", "SUPPORTED_DTYPES", "CPUOpUnavailable", "available", "build_directory", "enabled",
            "hajek_attention", "is_built", "load", "paged_hajek_attention", "paged_sketch_hajek_attention",
-           "sketch_hajek_attention", "unavailable_reason"]
+           "quantized_hajek_attention", "sketch_hajek_attention", "unavailable_reason"]
 
 #: environment variable: ``0`` (or false/no/off) keeps every call on the torch path
 ENV_VAR = "KVCERT_CPU_OP"
@@ -806,3 +812,141 @@ def _paged_sketch_op(q, kv_cache, block_ids, log_pi, tau: float, sketch, rule, d
     if validate and bool(torch.isnan(output).any() | torch.isnan(var).any()):
         raise ValueError("paged_sketch_hajek_attention produced NaN: q, the cache and the sketch must be finite")
     return _cluster_result(kv_cache.dtype, False, form, rule, delta, record, output, lse, var, rad, bnd, rec)
+
+
+#: ``layout`` of :func:`quantized_hajek_attention` -> the op's code (``kvcert.fast.KV_LAYOUTS``)
+_QUANT_LAYOUTS = {"channel": 0, "token": 1, "values": 2}
+
+
+def quantized_hajek_attention(q: torch.Tensor, key_codes: torch.Tensor, key_scales: torch.Tensor | None,
+                              value_codes: torch.Tensor, value_scales: torch.Tensor, log_pi: torch.Tensor, *,
+                              scale: float | None = None, layout: str = "channel", group: int = CHANNEL_GROUP,
+                              tail: tuple | None = None, splits: int = 0, combined: bool = False,
+                              validate: bool = True) -> tuple[Estimate, torch.Tensor | None]:
+    r"""The Hajek decode over a quantized cache's held slots, dequantizing the codes in the op's pass.
+
+    The stored slots are int8 codes (``int8`` and ``int4`` formats, one code per byte) with float16 scales,
+    as ``kvcert.fast.QuantizedKV`` holds them; each tile's key and value rows are dequantized as the op reads
+    them (:math:`Q(x) = s\,c`, exact in float32), never the whole cache. ``tail`` holds exact slots after the
+    stored ones (tokens decoded since the event). Per query row, as :func:`hajek_attention` on the dequantized
+    rows (output, :math:`\log\hat Z`, the trace :math:`\sum_S (1-\pi_i) a_i^2\lVert Q(v_i) - \hat o\rVert^2`,
+    :math:`n_\mathrm{eff}`), and in the same pass the rounding variance of stochastic rounding
+    (``kvcert.fast.held_rounding_terms``' :math:`V_q`, docs/quantized.md section 4):
+
+    .. math::
+
+        V_q = \sum_{i\in S} a_i^2\Big(\sigma_i^2\,\lVert Q(v_i) - \hat o\rVert^2 + \frac{d_v s_{v,i}^2}{4}\Big),
+        \qquad \sigma_i^2 = \tau^2 \sum_j q_j^2\,\frac{s_{k,ij}^2}{4},
+
+    accumulated like the trace (centred around each range's first kept value, rescaled with the softmax's
+    running maximum); :math:`\sigma_i = 0` for exact keys (``"values"``), both terms 0 on the tail. With
+    ``combined=True`` the pass forms only what the rule on :math:`V + V_q` reads: the trace's weights become
+    :math:`a_i^2 (1 - \pi_i + \sigma_i^2)` (one set of sums, no third accumulator), its value term added at the
+    merge, so ``trace`` holds :math:`\mathrm{trace} + V_q` and ``V_q`` is None (the decode's call).
+    :math:`B_q` (``quantized_bound="strict"``) needs :math:`\hat o` and the sums :math:`F_\pm` before its
+    terms, a second pass: not computed here.
+
+    Parameters
+    ----------
+    q : (b, h_q, d) or (b, h_q, t, d) float32, CPU
+    key_codes : (b, h_kv, m, d) int8 codes (``"channel"``, ``"token"``), or float32 exact keys (``"values"``)
+    key_scales : float16, (b, h_kv, ceil(m / group), d) (``"channel"``), (b, h_kv, m) (``"token"``), None
+        (``"values"``)
+    value_codes : (b, h_kv, m, dv) int8   value_scales : (b, h_kv, m) float16
+    log_pi : (b, h_kv, m + r), -inf on padding (its codes are never read)
+    scale : float, default 1/sqrt(d)
+    layout : ``"channel"``, ``"token"`` or ``"values"`` (``kvcert.fast.KV_LAYOUTS``)
+    group : int >= 1, slots per key-scale group of ``"channel"``
+    tail : (keys (b, h_kv, r, d), values (b, h_kv, r, dv)), optional; converted to float32
+    splits : int, slot ranges per head (0: automatic)
+    combined : bool, return trace + V_q as ``trace`` (module docstring above), V_q None
+    validate : bool
+        Check shapes, dtypes, scales (finite, >= 0), log pi in [-inf, 0] and q finite (host reads), and refuse
+        a NaN output. ``False``: no Python checks; the op checks shapes, dtypes and devices.
+
+    Returns
+    -------
+    (Estimate, V_q)
+        ``output`` float32 (b, h_q[, t], dv); ``trace``, ``lse``, ``n_eff`` and ``V_q`` (b, h_q[, t]) float32.
+        ``combined``: ``trace`` = trace + V_q, V_q None. An empty row: output 0, lse -inf, trace and V_q +inf.
+
+    Raises
+    ------
+    CPUOpUnavailable
+        The op cannot be built here.
+    TypeError, ValueError
+        Arguments outside the contract, naming the argument.
+    """
+    def explain():  # where the op refused: the error naming the argument, if any
+        _quantized_inputs(q, key_codes, key_scales, value_codes, value_scales, log_pi, layout, group, tail)
+
+    if validate:
+        explain()
+
+    def run():
+        tk, tv = (None, None) if tail is None else (_unit_stride(tail[0].to(torch.float32)),
+                                                     _unit_stride(tail[1].to(torch.float32)))
+        ops = _state["ops"] if _state["ops"] is not None else load()
+        return ops.hajek_decode_quantized(q, _unit_stride(key_codes), key_scales, _unit_stride(value_codes),
+                                          value_scales, _f32(log_pi), tk, tv, check_scale(scale, q.shape[-1]),
+                                          _QUANT_LAYOUTS.get(layout, -1), int(group), int(splits), bool(combined))
+
+    out, lse, n_eff, trace, v_q = _trusted(run, explain)
+    if validate and bool(torch.isnan(out).any()):
+        raise ValueError("quantized_hajek_attention produced NaN: q and the tail must be finite")
+    return Estimate(output=out, weights=None, variance=None, trace=trace, lse=lse, n_eff=n_eff), \
+        (None if combined else v_q)
+
+
+def _quantized_inputs(q, key_codes, key_scales, value_codes, value_scales, log_pi, layout, group, tail) -> None:
+    """The checks of :func:`quantized_hajek_attention`'s arguments, each error naming its argument."""
+    names = ("q", "key_codes", "value_codes", "value_scales", "log_pi")
+    for name, x in zip(names, (q, key_codes, value_codes, value_scales, log_pi)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch tensor, got {type(x).__name__}")
+        if x.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU tensor (kvcert.kernels.cpu), got {x.device}")
+    if layout not in _QUANT_LAYOUTS:
+        raise ValueError(f"layout must be one of {tuple(_QUANT_LAYOUTS)}, got {layout!r}")
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        raise ValueError(f"group must be an int >= 1, got {group!r}")
+    if q.dtype != torch.float32 or q.dim() not in (3, 4):
+        raise TypeError(f"q must be a float32 tensor (b, h_q, d) or (b, h_q, t, d), got {q.dtype} of shape "
+                        f"{tuple(q.shape)}")
+    if value_codes.dtype != torch.int8 or value_codes.dim() != 4:
+        raise TypeError(f"value_codes must be int8 codes (b, h_kv, m, dv) (formats int8, int4; e4m3 decodes on the "
+                        f"torch path), got {value_codes.dtype} of shape {tuple(value_codes.shape)}")
+    b, h_kv, m, dv = value_codes.shape
+    want = torch.float32 if layout == "values" else torch.int8
+    if key_codes.dtype != want or key_codes.dim() != 4 or tuple(key_codes.shape[:3]) != (b, h_kv, m):
+        raise TypeError(f"key_codes must be {want} (b, h_kv, m, d) = ({b}, {h_kv}, {m}, d) in the {layout!r} layout, "
+                        f"got {key_codes.dtype} of shape {tuple(key_codes.shape)}")
+    d = key_codes.shape[-1]
+    if q.shape[0] != b or q.shape[-1] != d or q.shape[1] % h_kv:
+        raise ValueError(f"q must be (b, h_q[, t], d) with b = {b}, d = {d}, h_q a multiple of {h_kv}, got "
+                         f"{tuple(q.shape)}")
+    shapes = {"channel": (b, h_kv, -(-m // group), d), "token": (b, h_kv, m), "values": None}
+    for name, x, shape in (("key_scales", key_scales, shapes[layout]), ("value_scales", value_scales, (b, h_kv, m))):
+        if shape is None:
+            if x is not None:
+                raise ValueError(f"{name} must be None in the 'values' layout (exact keys)")
+            continue
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.float16 or tuple(x.shape) != shape:
+            raise ValueError(f"{name} must be a float16 tensor of shape {shape}, got "
+                             f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+        if x.numel() and not bool((torch.isfinite(x) & (x >= 0)).all()):
+            raise ValueError(f"{name} must be finite and >= 0 (found NaN, inf or a negative scale)")
+    r = 0
+    if tail is not None:
+        if not (isinstance(tail, tuple) and len(tail) == 2 and all(isinstance(t, torch.Tensor) for t in tail)):
+            raise TypeError("tail must be a tuple (keys (b, h_kv, r, d), values (b, h_kv, r, dv)) of tensors")
+        r = tail[0].shape[2] if tail[0].dim() == 4 else -1
+        if tuple(tail[0].shape) != (b, h_kv, r, d) or tuple(tail[1].shape) != (b, h_kv, r, dv):
+            raise ValueError(f"tail must hold keys (b, h_kv, r, d) = ({b}, {h_kv}, r, {d}) and values (b, h_kv, r, "
+                             f"dv) = ({b}, {h_kv}, r, {dv}), got {tuple(tail[0].shape)}, {tuple(tail[1].shape)}")
+    if tuple(log_pi.shape) != (b, h_kv, m + r):
+        raise ValueError(f"log_pi must be (b, h_kv, m + r) = ({b}, {h_kv}, {m + r}), got {tuple(log_pi.shape)}")
+    if log_pi.numel() and bool(((log_pi > 0) | torch.isnan(log_pi)).any()):
+        raise ValueError("log_pi must lie in [-inf, 0] (-inf: padding), found NaN or > 0")
+    if q.numel() and not bool(torch.isfinite(q).all()):
+        raise ValueError("q must be finite (found NaN or inf)")

@@ -116,6 +116,11 @@ struct Shape {
   // P2 = sum p^2, K = sum pi p (the kept share kappa = K / l); beside them the HT trace's rows
   // w_ht = (1 - pi) p^2 (P[6], P[7] and a third dv-vector S_ht = sum w_ht (v - mu)); see hajek_decode_sketch
   bool sketch = false;
+  // the quantized pass (hajek_decode_quantized): K and V dequantized from int8 codes and float16 scales in the
+  // tile loop (QuantKV); beside the trace's sums, the rounding variance's: P[5] = sum p^2 e_v (the value term),
+  // P[6] = sum wq, P[7] = sum wq ||v - mu||^2 and a third dv-vector sum wq (v - mu), wq = sigma2 p^2. Combined
+  // (the rule's variance trace + V_q only): wq added to the trace's weights w instead (no third vector), P[5] as above
+  bool quant = false, combined = false;
 };
 
 // Strided views of the inputs: head (b, h) starts at base + b * sb + h * sh; slot i at + i * sn.
@@ -342,10 +347,14 @@ void sqdist_fixed(const Tile& t, const float* ref, float* r2) {
 struct Scratch {
   std::vector<float> q, s, w, wh, kt, vt, off, omp, pf, r2, lt, od, pt;
   std::vector<const float*> krow, vrow;
+  // the quantized pass: each kept slot's logit variance per row (sg, G x kTile) and value term (vv), the current
+  // key group's scales as float (gs, d) and its logit variance per row (gsig, G), the rows' ||tau q||^2 (qn2, G)
+  std::vector<float> sg, vv, gs, gsig, qn2;
   Scratch(const Shape& S)
-      : q(S.G * S.d), s(S.G * kTile), w(S.G * kTile), wh(S.sketch ? S.G * kTile : 0), kt(kTile * S.d),
+      : q(S.G * S.d), s(S.G * kTile), w(S.G * kTile), wh(S.sketch || S.quant ? S.G * kTile : 0), kt(kTile * S.d),
         vt(kTile * S.dv), off(kTile), omp(kTile), pf(kTile), r2(kTile), lt(kTile), od(kTile), pt(kTile), krow(kTile),
-        vrow(kTile) {}
+        vrow(kTile), sg(S.quant ? S.G * kTile : 0), vv(S.quant ? kTile : 0), gs(S.quant ? S.d : 0),
+        gsig(S.quant ? S.G : 0), qn2(S.quant ? S.G : 0) {}
 };
 
 inline const float* row_ptr(const float* base, int64_t, float*) { return base; }
@@ -363,6 +372,7 @@ struct DenseKV {
   const float* key(int64_t i, int64_t d, float* buf) const { return row_ptr(K + i * ksn, d, buf); }
   const float* value(int64_t i, int64_t dv, float* buf) const { return row_ptr(V + i * vsn, dv, buf); }
   static constexpr bool kDirect = false;  // scores from key rows (scores_fixed)
+  static constexpr bool kQuant = false;
 };
 
 // Paged (vLLM's CPU "vec" layout, kv_cache (num_blocks, h_kv, bs, 2 d)): slot i of a row lies in physical block
@@ -384,6 +394,7 @@ struct PagedKV {
   }
   // Slots of one block form a run: their keys are the columns of the block's [d, bs] key matrix.
   static constexpr bool kDirect = true;
+  static constexpr bool kQuant = false;
   bool same_run(int64_t a, int64_t b) const { return a / bs == b / bs; }
   // The scores sc[r * kTile + j] = q_r . k_{i0 + j} of one run (j < len), read from the block's key matrix in
   // place: a row of it holds one dimension of kW consecutive slots, so the products go kW slots to a vector
@@ -435,6 +446,107 @@ struct PagedKV {
   }
 };
 
+// Where slot i of one head lives in a quantized cache (hajek_decode_quantized): the m stored slots as int8 codes
+// (int8 and int4 formats: one code per byte) with float16 scales, dequantized into the tile's buffer as they are
+// read (scale times code: exact in float32, as QuantizedRows.dequantize), then the exact slots held after them
+// (the tail, float32 rows). Keys by `layout`: 0 per channel and group of `group` slots (scales (groups, d)),
+// 1 per token (scales (m,)), 2 exact (float32 rows); values per token. Besides the rows, each stored slot's
+// rounding-variance terms (slot_terms): sigma2_r = sum_x (tau q_rx)^2 s_x^2 / 4 per query row (its key scales
+// s_x) and e_v = dv s_v^2 / 4 (its value scale); 0 for exact keys and on the tail. The current key group's
+// scales and sigma2 per row are converted once per group (bind, load_group: per task state in the Scratch).
+struct QuantKV {
+  int64_t layout, m, group, d, dv;
+  const int8_t* kc;
+  int64_t kcn;
+  const float* kf;
+  int64_t kfn;
+  const c10::Half* ks;  // layout 0: this head's (groups, d), row stride d; layout 1: this head's (m,)
+  const int8_t* vc;
+  int64_t vcn;
+  const c10::Half* vs;  // this head's (m,)
+  const float* tk;
+  int64_t tkn;
+  const float* tv;
+  int64_t tvn;
+  mutable const float* qs = nullptr;  // the G scaled query rows (bind)
+  mutable int64_t G = 0, grp = -1;
+  mutable float *gs = nullptr, *gsig = nullptr, *qn2 = nullptr;
+  static constexpr bool kDirect = false;
+  static constexpr bool kQuant = true;
+
+  void bind(const float* q, int64_t rows, Scratch& w) const {
+    qs = q;
+    G = rows;
+    grp = -1;
+    gs = w.gs.data();
+    gsig = w.gsig.data();
+    qn2 = w.qn2.data();
+    for (int64_t r = 0; r < G; ++r) {
+      const float* qr = qs + r * d;
+      float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t x = 0; x < d; ++x) acc += qr[x] * qr[x];
+      qn2[r] = acc;
+    }
+  }
+  void load_group(int64_t g) const {
+    if (g == grp) return;
+    const c10::Half* s = ks + g * d;
+    for (int64_t x = 0; x < d; ++x) gs[x] = static_cast<float>(s[x]);
+    for (int64_t r = 0; r < G; ++r) {
+      const float* qr = qs + r * d;
+      float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t x = 0; x < d; ++x) acc += (qr[x] * qr[x]) * (gs[x] * gs[x]);
+      gsig[r] = 0.25f * acc;
+    }
+    grp = g;
+  }
+  const float* key(int64_t i, int64_t, float* buf) const {
+    if (i >= m) return tk + (i - m) * tkn;
+    if (layout == 2) return kf + i * kfn;
+    const int8_t* c = kc + i * kcn;
+    if (layout == 0) {
+      load_group(i / group);
+      const float* s = gs;
+#pragma omp simd
+      for (int64_t x = 0; x < d; ++x) buf[x] = s[x] * static_cast<float>(c[x]);
+    } else {
+      const float s = static_cast<float>(ks[i]);
+#pragma omp simd
+      for (int64_t x = 0; x < d; ++x) buf[x] = s * static_cast<float>(c[x]);
+    }
+    return buf;
+  }
+  const float* value(int64_t i, int64_t, float* buf) const {
+    if (i >= m) return tv + (i - m) * tvn;
+    const int8_t* c = vc + i * vcn;
+    const float s = static_cast<float>(vs[i]);
+#pragma omp simd
+    for (int64_t x = 0; x < dv; ++x) buf[x] = s * static_cast<float>(c[x]);
+    return buf;
+  }
+  // slot i's sigma2 per row into sg[r * kTile] and its value term into *vv (after key(i): its group is loaded)
+  void slot_terms(int64_t i, float* sg, float* vv) const {
+    if (i >= m) {
+      for (int64_t r = 0; r < G; ++r) sg[r * kTile] = 0.0f;
+      *vv = 0.0f;
+      return;
+    }
+    const float sv = static_cast<float>(vs[i]);
+    *vv = 0.25f * static_cast<float>(dv) * (sv * sv);
+    if (layout == 0) {
+      load_group(i / group);
+      for (int64_t r = 0; r < G; ++r) sg[r * kTile] = gsig[r];
+    } else if (layout == 1) {
+      const float s = static_cast<float>(ks[i]);
+      for (int64_t r = 0; r < G; ++r) sg[r * kTile] = 0.25f * (s * s) * qn2[r];
+    } else {
+      for (int64_t r = 0; r < G; ++r) sg[r * kTile] = 0.0f;
+    }
+  }
+};
+
 // One row's tile of scores s -> p = e^{s - m} (in place, m = P[0]) and w = omp p^2 (omp = 1 - pi), their sums added
 // to the row's partial P: l = sum p (P[1]), C = sum w (P[2]) and P2 = sum p^2 (P[4]). The sketch's kept pass
 // (SKETCH, pf = pi): w = pi (1 - pi) p^2 (the c' rows), sum pi p in P[4], and the HT trace's weights
@@ -465,12 +577,41 @@ inline void tile_weights(float* s, float* wr, const float* omp, const float* pf,
   if (SKETCH) P[6] += ch;
 }
 
+// The quantized pass's rounding-variance weights of one row's tile (p = e^{s - m} already in s): wq = sigma2 p^2
+// (its sum into P[6]) and the value term sum p^2 e_v (P[5]). Combined: wq added to the trace's weights w (in place,
+// `wq` = the row's w) and its sum to C (P[2]).
+inline void quant_weights(const float* p, const float* sg, const float* vv, int64_t cnt, float* P, float* wq,
+                          bool combined) {
+  float c = 0.0f, e = 0.0f;
+  if (combined) {
+#pragma omp simd reduction(+ : c, e)
+    for (int64_t j = 0; j < cnt; ++j) {
+      const float p2 = p[j] * p[j], x = sg[j] * p2;
+      wq[j] += x;
+      c += x;
+      e += vv[j] * p2;
+    }
+    P[2] += c;
+  } else {
+#pragma omp simd reduction(+ : c, e)
+    for (int64_t j = 0; j < cnt; ++j) {
+      const float p2 = p[j] * p[j];
+      wq[j] = sg[j] * p2;
+      c += wq[j];
+      e += vv[j] * p2;
+    }
+    P[6] += c;
+  }
+  P[5] += e;
+}
+
 // One (head, slot range) task: fills the G partial rows `part` and the range's centre `ref`.
 template <typename KV, bool PER_COORD>
 void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
                 const float* q, float scale, const float* center, int64_t n0, int64_t n1, float* part, float* ref,
                 Scratch& w) {
   const int64_t G = S.G, d = S.d, dv = S.dv, stride = S.stride;
+  const bool third = S.quant && !S.combined;  // the rounding variance's own sums (S_q, R_q, C_q)
   for (int64_t r = 0; r < G; ++r) {
     float* P = part + r * stride;
     std::fill(P, P + stride, 0.0f);
@@ -489,6 +630,7 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
   if (first == n1) return;  // nothing kept in this range
   float* qs = w.q.data();
   for (int64_t x = 0; x < G * d; ++x) qs[x] = q[x] * scale;
+  if constexpr (KV::kQuant) kv.bind(qs, G, w);
   float* sc = w.s.data();
   float* wt = w.w.data();
   const float* omp = w.omp.data();
@@ -519,6 +661,7 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
           w.off[cnt] = -lt[i];
           w.omp[cnt] = od[i];
           if (S.sketch) w.pf[cnt] = pt[i];
+          if constexpr (KV::kQuant) kv.slot_terms(t0 + i, w.sg.data() + cnt, w.vv.data() + cnt);
           ++cnt;
         }
       }
@@ -568,19 +711,23 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
         P[2] *= f2;
         P[3] *= f2;
         P[4] *= S.sketch ? f : f2;  // K = sum pi p scales as p, P2 = sum p^2 as p^2
-        P[6] *= f2;                 // the HT trace's C_ht and R_ht (0 outside the sketch's pass)
-        P[7] *= f2;
+        P[6] *= f2;                 // the HT trace's C_ht and R_ht, or the rounding variance's sums (0 outside the
+        P[7] *= f2;                 // sketch's and the quantized pass)
+        if (S.quant) P[5] *= f2;    // the rounding variance's value term (the sketch's pass: a max, not rescaled)
         float* o = P + kHead;
 #pragma omp simd
         for (int64_t x = 0; x < dv; ++x) o[x] *= f;
         float* rest = o + dv;
-        const int64_t m = (PER_COORD || S.sketch ? 2 : 1) * dv;  // S, and S_ht or the per-coordinate sums
+        const int64_t m = (PER_COORD || S.sketch || third ? 2 : 1) * dv;  // S, and S_ht, S_q or the per-coordinate sums
 #pragma omp simd
         for (int64_t x = 0; x < m; ++x) rest[x] *= f2;
         P[0] = mt;
       }
       if (S.sketch) tile_weights<true>(s, wr, omp, w.pf.data(), cnt, P, w.wh.data() + r * kTile);
       else tile_weights<false>(s, wr, omp, nullptr, cnt, P);
+      if (S.quant)
+        quant_weights(s, w.sg.data() + r * kTile, w.vv.data(), cnt, P, S.combined ? wr : w.wh.data() + r * kTile,
+                      S.combined);
     }
     float* r2 = w.r2.data();  // ||v_j - mu||^2, shared by the rows
     if (dv == 64) sqdist_fixed<64>(t, ref, r2);
@@ -599,7 +746,7 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
 #pragma omp simd reduction(+ : acc)
       for (int64_t j = 0; j < cnt; ++j) acc += wr[j] * r2[j];
       part[r * stride + 3] += acc;
-      if (S.sketch) {  // R_ht = sum w_ht r
+      if (S.sketch || third) {  // R_ht = sum w_ht r, or R_q = sum wq r
         const float* hr = w.wh.data() + r * kTile;
         float ah = 0.0f;
 #pragma omp simd reduction(+ : ah)
@@ -614,7 +761,7 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
       for (int64_t r = 0; r < G; ++r) part[r * stride + 5] = mx;
     }
     if constexpr (!PER_COORD) {
-      if (S.sketch) {  // the sketch's pass: the HT trace's S_ht as the third accumulator
+      if (S.sketch || third) {  // the HT trace's S_ht (the sketch's pass) or S_q as the third accumulator
         const float* wh = w.wh.data();
         if (dv == 64) values_fixed<64, false, true>(G, t, sc, wt, ref, part, stride, wh);
         else if (dv == 128) values_fixed<128, false, true>(G, t, sc, wt, ref, part, stride, wh);
@@ -787,6 +934,41 @@ double ht_trace(const Shape& S, const float* part, const float* center, int64_t 
   return std::max(tr / (l * l), 0.0);
 }
 
+// The rounding variance V_q of one row from the quantized pass's partial rows (its P[5], P[6], P[7] and S_q; each
+// range's centre in `refs`): sum over ranges of f^2 (R_q - 2 (o - mu).S_q + C_q ||o - mu||^2 + E_v) / l^2, in
+// double, clamped at 0, i.e. sum_S a_i^2 (sigma2_i ||v_i - o||^2 + e_v,i) (kvcert.fast.held_rounding_terms'
+// V_q). +inf for an empty row, NaN for a NaN one (merge_row's conventions). Combined: the value term alone (the
+// logit term is in the trace's sums).
+double quant_variance(const Shape& S, const float* part, const float* refs, int64_t row, const float* o) {
+  const int64_t G = S.G, dv = S.dv, bh = row / G, r = row % G;
+  auto P = [&](int64_t s) { return part + ((bh * S.splits + s) * G + r) * S.stride; };
+  double M = -std::numeric_limits<double>::infinity();
+  for (int64_t s = 0; s < S.splits; ++s) {
+    if (P(s)[0] != P(s)[0]) return kNaN;
+    M = std::max(M, static_cast<double>(P(s)[0]));
+  }
+  if (!(M > -std::numeric_limits<double>::infinity())) return std::numeric_limits<double>::infinity();
+  double l = 0.0, acc = 0.0;
+  for (int64_t s = 0; s < S.splits; ++s) {
+    const float* p = P(s);
+    if (!(p[0] > kNegInf)) continue;  // no kept slot in this range
+    const double f = std::exp(static_cast<double>(p[0]) - M);
+    l += f * p[1];
+    acc += f * f * p[5];
+    if (S.combined) continue;  // the logit term is in the trace's sums
+    const float* ref = refs + (bh * S.splits + s) * dv;
+    const float* Sq = p + kHead + 2 * dv;
+    double dot = 0.0, dd = 0.0;
+    for (int64_t x = 0; x < dv; ++x) {
+      const double e = static_cast<double>(o[x]) - ref[x];
+      dot += e * Sq[x];
+      dd += e * e;
+    }
+    acc += f * f * (static_cast<double>(p[7]) - 2.0 * dot + static_cast<double>(p[6]) * dd);
+  }
+  return std::max(acc / (l * l), 0.0);
+}
+
 void sketch_row(const Shape& S, const SketchForm& F, const float* part, const float* q, const float* center,
                 int64_t row, const float* o, float lse, float kappa, float tprime, std::vector<double>& x) {
   const int64_t G = S.G, d = S.d, dv = S.dv, C = F.C, C2 = 2 * C;
@@ -889,6 +1071,7 @@ void run_with(const Shape& S, const at::Tensor& q, const at::Tensor& lp, Make ma
     }
   });
   float* var_p = S.per_coord ? var.data_ptr<float>() : nullptr;
+  float* vq_p = S.quant && !S.combined ? var.data_ptr<float>() : nullptr;  // the quantized pass: `var` holds V_q
   at::parallel_for(0, S.H * S.G, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> o(S.dv);
     std::vector<double> x(form ? 2 * form->C : 0);
@@ -900,6 +1083,9 @@ void run_with(const Shape& S, const at::Tensor& q, const at::Tensor& lp, Make ma
         merge_row(S, part.data(), refs.data(), row, out.data_ptr<float>(), lse.data_ptr<float>(),
                   neff.data_ptr<float>(), trace.data_ptr<float>(), var_p, o);
       }
+      if (vq_p) vq_p[row] = static_cast<float>(quant_variance(S, part.data(), refs.data(), row, o.data()));
+      else if (S.quant)  // combined: the trace holds trace + V_q; its value term added here
+        trace.data_ptr<float>()[row] += static_cast<float>(quant_variance(S, part.data(), refs.data(), row, o.data()));
       if (form)  // the sketch's output is float32; neff holds kappa and trace T' (merge_row)
         sketch_row(S, *form, part.data(), qp, center, row, out.data_ptr<float>() + row * S.dv, lse.data_ptr<float>()[row],
                    neff.data_ptr<float>()[row], trace.data_ptr<float>()[row], x);
@@ -1046,6 +1232,105 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_dec
   at::Tensor var = std::get<4>(r);
   return {std::get<0>(r).view(row_shape), std::get<1>(r).view(lead), std::get<2>(r).view(lead),
           std::get<3>(r).view(lead), per_coordinate ? var.view(row_shape) : var};
+}
+
+// The quantized decode (kvcert.kernels.cpu.quantized_hajek_attention): hajek_decode's pass over a quantized cache's
+// held slots, K and V dequantized in the tile loop (QuantKV), never as a whole. q (b, h_q[, t], d) float32 in the
+// caller's layout; key_codes (b, h_kv, m, d) int8 (layout 0, 1) or float32 exact keys (layout 2), unit last stride;
+// key_scales float16 (b, h_kv, ceil(m / group), d) (layout 0) or (b, h_kv, m) (layout 1), contiguous, None for
+// layout 2; value_codes (b, h_kv, m, dv) int8, unit last stride; value_scales float16 (b, h_kv, m), contiguous;
+// tail_keys / tail_values (b, h_kv, r, d / dv) float32 with unit last stride, or both None (r = 0); log_pi
+// (b, h_kv, m + r) float32 (-inf: padding, never read). Returns o (float32), lse, n_eff, the trace and V_q, in q's
+// leading shape (o with dv last); `combined`: the trace is trace + V_q (one set of sums) and V_q empty.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_decode_quantized(
+    const at::Tensor& q, const at::Tensor& key_codes, const std::optional<at::Tensor>& key_scales,
+    const at::Tensor& value_codes, const at::Tensor& value_scales, const at::Tensor& log_pi,
+    const std::optional<at::Tensor>& tail_keys, const std::optional<at::Tensor>& tail_values, double scale,
+    int64_t layout, int64_t group, int64_t splits, bool combined) {
+  const char* name = "hajek_decode_quantized: ";
+  TORCH_CHECK(layout >= 0 && layout <= 2, name, "layout must be 0 (channel), 1 (token) or 2 (values)");
+  TORCH_CHECK(group >= 1, name, "group must be >= 1");
+  TORCH_CHECK((q.dim() == 3 || q.dim() == 4) && key_codes.dim() == 4 && value_codes.dim() == 4 && log_pi.dim() == 3,
+              name, "q must be (b, h_q[, t], d), the codes 4-d and log_pi 3-d");
+  TORCH_CHECK(q.device().is_cpu() && key_codes.device().is_cpu() && value_codes.device().is_cpu() &&
+                  value_scales.device().is_cpu() && log_pi.device().is_cpu(), name, "CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, name, "q must be float32");
+  const int64_t b = value_codes.size(0), h_kv = value_codes.size(1), m = value_codes.size(2);
+  const int64_t d = key_codes.size(3), dv = value_codes.size(3);
+  TORCH_CHECK(key_codes.size(0) == b && key_codes.size(1) == h_kv && key_codes.size(2) == m, name,
+              "key_codes must be (b, h_kv, m, d) with value_codes' (b, h_kv, m)");
+  TORCH_CHECK(key_codes.scalar_type() == (layout == 2 ? at::kFloat : at::kChar), name,
+              layout == 2 ? "exact keys (layout 2) must be float32" : "key_codes must be int8");
+  TORCH_CHECK(value_codes.scalar_type() == at::kChar, name, "value_codes must be int8");
+  TORCH_CHECK(key_codes.stride(3) == 1 && value_codes.stride(3) == 1, name, "the codes need unit last stride");
+  TORCH_CHECK(value_scales.scalar_type() == at::kHalf && value_scales.is_contiguous() && value_scales.dim() == 3 &&
+                  value_scales.size(0) == b && value_scales.size(1) == h_kv && value_scales.size(2) == m,
+              name, "value_scales must be contiguous float16 (b, h_kv, m)");
+  const int64_t groups = (m + group - 1) / group;
+  if (layout == 2) {
+    TORCH_CHECK(!key_scales.has_value(), name, "exact keys (layout 2) take no key_scales");
+  } else {
+    TORCH_CHECK(key_scales.has_value() && key_scales->device().is_cpu() && key_scales->scalar_type() == at::kHalf &&
+                    key_scales->is_contiguous(), name, "key_scales must be a contiguous float16 CPU tensor");
+    const at::Tensor& ks = *key_scales;
+    const bool fits = layout == 0 ? ks.dim() == 4 && ks.size(0) == b && ks.size(1) == h_kv && ks.size(2) == groups &&
+                                        ks.size(3) == d
+                                  : ks.dim() == 3 && ks.size(0) == b && ks.size(1) == h_kv && ks.size(2) == m;
+    TORCH_CHECK(fits, name, "key_scales must be (b, h_kv, ceil(m / group), d) in the channel layout, (b, h_kv, m) in ",
+                "the token layout");
+  }
+  TORCH_CHECK(tail_keys.has_value() == tail_values.has_value(), name, "tail_keys and tail_values go together");
+  int64_t r = 0;
+  if (tail_keys.has_value()) {
+    const at::Tensor &tk = *tail_keys, &tv = *tail_values;
+    TORCH_CHECK(tk.dim() == 4 && tv.dim() == 4 && tk.scalar_type() == at::kFloat && tv.scalar_type() == at::kFloat &&
+                    tk.device().is_cpu() && tv.device().is_cpu() && tk.stride(3) == 1 && tv.stride(3) == 1,
+                name, "tail_keys and tail_values must be float32 CPU tensors (b, h_kv, r, d / dv), unit last stride");
+    r = tk.size(2);
+    TORCH_CHECK(tk.size(0) == b && tk.size(1) == h_kv && tk.size(3) == d && tv.size(0) == b && tv.size(1) == h_kv &&
+                    tv.size(2) == r && tv.size(3) == dv, name, "tail_keys / tail_values must be (b, h_kv, r, d / dv)");
+  }
+  const int64_t n = m + r;
+  TORCH_CHECK(log_pi.scalar_type() == at::kFloat && log_pi.size(0) == b && log_pi.size(1) == h_kv &&
+                  log_pi.size(2) == n, name, "log_pi must be float32 (b, h_kv, m + r)");
+  TORCH_CHECK(q.size(0) == b && q.size(-1) == d && h_kv > 0 && q.size(1) % h_kv == 0, name,
+              "q must be (b, h_q[, t], d) with h_q a multiple of h_kv");
+  const int64_t G = q.size(1) / h_kv * (q.dim() == 4 ? q.size(2) : 1), H = b * h_kv;
+  const auto lead = q.sizes().slice(0, q.dim() - 1);
+  const at::Tensor qc = f32_contiguous(q.reshape({b, h_kv, G, d}));
+  Shape S{H, h_kv, G, n, d, dv, 1, kHead + (combined ? 2 : 3) * dv, false};
+  S.quant = true;
+  S.combined = combined;
+  S.splits = splits > 0 ? std::min(splits, std::max<int64_t>(1, n)) : auto_splits(H, n);
+  auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor out = at::empty({b, h_kv, G, dv}, f32);
+  at::Tensor lse = at::empty({b, h_kv, G}, f32), neff = at::empty({b, h_kv, G}, f32);
+  at::Tensor trace = at::empty({b, h_kv, G}, f32);
+  at::Tensor vq = combined ? at::empty({0}, f32) : at::empty({b, h_kv, G}, f32);
+  const bool exact = layout == 2;
+  const int8_t* kc = exact ? nullptr : key_codes.data_ptr<int8_t>();
+  const float* kf = exact ? key_codes.data_ptr<float>() : nullptr;
+  const c10::Half* ks = exact ? nullptr : key_scales->data_ptr<at::Half>();
+  const int64_t ksh = exact ? 0 : (layout == 0 ? groups * d : m);  // one head's key scales
+  const int8_t* vc = value_codes.data_ptr<int8_t>();
+  const c10::Half* vs = value_scales.data_ptr<at::Half>();
+  const float* tk = r ? tail_keys->data_ptr<float>() : nullptr;
+  const float* tv = r ? tail_values->data_ptr<float>() : nullptr;
+  const int64_t kcb = key_codes.stride(0), kch = key_codes.stride(1), kcn = key_codes.stride(2);
+  const int64_t vcb = value_codes.stride(0), vch = value_codes.stride(1), vcn = value_codes.stride(2);
+  const int64_t tkb = r ? tail_keys->stride(0) : 0, tkh = r ? tail_keys->stride(1) : 0, tkn = r ? tail_keys->stride(2) : 0;
+  const int64_t tvb = r ? tail_values->stride(0) : 0, tvh = r ? tail_values->stride(1) : 0;
+  const int64_t tvn = r ? tail_values->stride(2) : 0;
+  run_with<false>(S, qc, log_pi, [&](int64_t bh) {
+    const int64_t bi = bh / h_kv, hi = bh % h_kv;
+    const int64_t ko = bi * kcb + hi * kch;
+    return QuantKV{layout, m, group, d, dv, exact ? nullptr : kc + ko, kcn, exact ? kf + ko : nullptr, kcn,
+                   exact ? nullptr : ks + bh * ksh, vc + bi * vcb + hi * vch, vcn, vs + bh * m,
+                   r ? tk + bi * tkb + hi * tkh : nullptr, tkn, r ? tv + bi * tvb + hi * tvh : nullptr, tvn};
+  }, nullptr, static_cast<float>(scale), out, lse, neff, trace, vq);
+  std::vector<int64_t> row_shape(lead.begin(), lead.end());
+  row_shape.push_back(dv);
+  return {out.view(row_shape), lse.view(lead), neff.view(lead), trace.view(lead), combined ? vq : vq.view(lead)};
 }
 
 // A float32, contiguous copy of a form tensor (a no-op for the cached form's own) with `numel` elements.
@@ -1247,6 +1532,9 @@ TORCH_LIBRARY(kvcert_cpu, m) {
         "int splits, Tensor W, Tensor bias, Tensor weight, Tensor wnorm, Tensor? tilt, Tensor smu, Tensor? reach, "
         "float factor, float clip, Tensor? center_sums, Tensor? tail_start) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("hajek_decode_quantized(Tensor q, Tensor key_codes, Tensor? key_scales, Tensor value_codes, "
+        "Tensor value_scales, Tensor log_pi, Tensor? tail_keys, Tensor? tail_values, float scale, int layout, "
+        "int group, int splits, bool combined) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvcert_cpu, CPU, m) {
@@ -1254,4 +1542,5 @@ TORCH_LIBRARY_IMPL(kvcert_cpu, CPU, m) {
   m.impl("hajek_decode_sketch", &hajek_decode_sketch);
   m.impl("hajek_decode_paged", &hajek_decode_paged);
   m.impl("hajek_decode_sketch_paged", &hajek_decode_sketch_paged);
+  m.impl("hajek_decode_quantized", &hajek_decode_quantized);
 }
