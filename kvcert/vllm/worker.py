@@ -36,6 +36,15 @@ Block design:
   over the stacked (layer, KV head) scores, normalized per head, ``reduce``
   over them), read by :class:`kvcert.vllm.scheduler.CertifiedScheduler`.
 
+Chunked prefill: a prompt longer than a step's token budget is processed over
+several steps, and its eviction event runs on the last chunk. On each earlier
+chunk of a prompt still to be decided, every layer keeps the prompt's last
+queries (:meth:`Step.keep_queries`, at most the event's window,
+:meth:`Step.event_window`), held on the worker between steps
+(:class:`PromptQueries`, dropped at the event, when the request finishes or
+is preempted); the event reads them joined with the last chunk's own, so it
+reads the queries the unchunked engine's event reads.
+
 Per-request options (token design): a request whose ``SamplingParams.extra_args``
 carry ``kvcert_*`` keys arrives with its overrides on ``StepOrders.options``
 (:func:`kvcert.vllm.config.request_options`); the worker keeps the request's
@@ -68,7 +77,7 @@ from . import gpu_backend as _gpu_backend
 from .config import KVCertConfig, check_vllm_config
 from .handoff import StepReport, orders_of, with_report
 
-__all__ = ["CertifiedCPUWorker", "CertifiedGPUWorker", "Compacted", "Step"]
+__all__ = ["CertifiedCPUWorker", "CertifiedGPUWorker", "Compacted", "PromptQueries", "Step"]
 
 _NEG_INF = float("-inf")
 
@@ -119,6 +128,43 @@ class _CompactedRow:
 
 
 @dataclass
+class PromptQueries:
+    """The last queries of a prompt's chunks before its last (chunked prefill), held by the worker between
+    steps: with the last chunk's own queries, the queries the prompt's eviction event reads, as the unchunked
+    engine's event reads them from one chunk.
+
+    ``end``: the position after the last query held (the next chunk starts there). ``layers``: {layer:
+    (w, h_q, d)} the queries of positions ``end - w .. end - 1``, w at most the event's window
+    (:meth:`Step.event_window`), in the model's dtype. Dropped when the event is done, or when the request
+    finishes or is preempted (:meth:`_CertifiedWorker._kvcert_before`)."""
+
+    end: int
+    layers: dict = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the held queries take."""
+        return sum(q.numel() * q.element_size() for q in self.layers.values())
+
+    def join(self, layer: int, chunk: torch.Tensor, start: int) -> torch.Tensor:
+        """The queries (w + c, h_q, d) of positions ``end - w .. start + c - 1``: those held at ``layer`` then
+        ``chunk`` (c, h_q, d), the chunk that starts at position ``start``; ``chunk`` alone when the held
+        queries do not end where it starts (a prompt recomputed from its start after a preemption)."""
+        held = self.layers.get(layer) if self.end == start else None
+        return chunk if held is None else torch.cat([held, chunk])
+
+
+@dataclass
+class _Chunk:
+    req_id: str
+    q_len: int
+    q_end: int
+    seq_len: int  # the position after the chunk's last query
+    window: int  # the queries the prompt's event reads (Step.event_window): the most kept
+    past: PromptQueries | None = None  # the queries held from the prompt's earlier chunks
+
+
+@dataclass
 class _Importance:
     req_id: str
     q_len: int
@@ -126,6 +172,13 @@ class _Importance:
     seq_len: int
     all_block_ids: torch.Tensor
     config: KVCertConfig | None = None  # the request's settings (its design samples the prompt)
+    past: PromptQueries | None = None  # the queries held from the prompt's earlier chunks (chunked prefill)
+
+    def queries(self, layer: int, query: torch.Tensor) -> torch.Tensor:
+        """The prompt's last queries this worker has at ``layer`` (w, h_q, d): those held from its earlier
+        chunks, then this chunk's (the step's ``query`` rows ``q_end - q_len .. q_end - 1``)."""
+        chunk = query[self.q_end - self.q_len : self.q_end]
+        return chunk if self.past is None else self.past.join(layer, chunk, self.seq_len - self.q_len)
 
 
 @dataclass
@@ -148,6 +201,7 @@ class _Plan:
     compacted_tokens: torch.Tensor | None = None  # (E,) query token of each compacted row
     compacted_block_ids: torch.Tensor | None = None  # (E, M) blocks read per row, padded
     importance: list = field(default_factory=list)
+    chunks: list = field(default_factory=list)  # _Chunk: prompt chunks before the last, whose queries are kept
     stock_rows: list = field(default_factory=list)
     block_size: int = 0
     _sub: _SubBatch | None = None
@@ -339,13 +393,16 @@ class Step:
         self.certificates = _Certificates()
         self.importance: dict[str, list] = {}
         self.compactions: dict[str, dict] = {}
+        #: the last queries of the step's prompt chunks before their last (:meth:`keep_queries`)
+        self.kept_queries: dict[str, PromptQueries] = {}
 
     # ------------------------------------------------------------------ the plan of the rows
 
     def plan(self, md, block_size: int) -> _Plan:
         """The step's rows by kind, made at the step's first layer from its attention metadata ``md`` and read by
         every layer: decode rows of compacted requests (token design), decode rows with a block decision (block
-        design), and the stock rows, among them those that finish a prompt (scored, or sampled and compacted)."""
+        design), and the stock rows, among them those that finish a prompt (scored, or sampled and compacted)
+        and those that process an earlier chunk of a prompt still to be decided (their last queries kept)."""
         if self._plan is not None:
             return self._plan
         plan = _Plan(block_size=block_size)
@@ -371,6 +428,10 @@ class Step:
                 if self._wants_importance(rid, seq_len, block_size):
                     plan.importance.append(self._importance_row(rid, q_len, qsl[r + 1], seq_len, md.block_table[r],
                                                                 block_size))
+                elif self._keeps_queries(rid, seq_len, block_size):
+                    n = self.worker.kvcert_prompt_len[rid]
+                    plan.chunks.append(_Chunk(rid, q_len, qsl[r + 1], seq_len, self.event_window(rid, n),
+                                              self._held_queries(rid)))
         plan.stack()
         self._plan = plan
         return plan
@@ -412,7 +473,35 @@ class Step:
         """A stock row that finishes a prompt to be scored (block design) or sampled and compacted (token
         design): its query tokens, its blocks and its request's settings."""
         nbt = -(-seq_len // block_size)
-        return _Importance(rid, q_len, q_end, seq_len, table[:nbt].to(torch.int64), self.config_of(rid))
+        return _Importance(rid, q_len, q_end, seq_len, table[:nbt].to(torch.int64), self.config_of(rid),
+                           self._held_queries(rid))
+
+    def _held_queries(self, rid) -> PromptQueries | None:
+        """The queries the worker holds from request ``rid``'s earlier prompt chunks, or None."""
+        return getattr(self.worker, "kvcert_queries", {}).get(rid)
+
+    def event_window(self, rid, n: int) -> int:
+        """The most queries request ``rid``'s eviction event over its n-token prompt reads (the last ones): the
+        token design's :meth:`kvcert.fast.TokenDesign.event_queries` (the scorer's, and at least the observation
+        window for a tilted sketch or an error target), the block design's
+        :meth:`kvcert.fast.BlockDesign.queries_read`, given all n of the prompt's queries (the unchunked
+        engine's event)."""
+        cfg = self.config_of(rid)
+        return cfg.design.event_queries(n, n) if cfg.tokens else cfg.design.queries_read(n, n)
+
+    def keep_queries(self, rid: str, layer: int, queries: torch.Tensor, end: int) -> None:
+        """Keep one layer's last queries (w, h_q, d) of request ``rid``'s prompt, those of positions
+        ``end - w .. end - 1``, for its eviction event on a later chunk; a copy, installed on the worker after
+        the step (:meth:`results`)."""
+        self.kept_queries.setdefault(rid, PromptQueries(end)).layers[layer] = queries.detach().clone()
+
+    def _keeps_queries(self, rid, seq_len: int, block_size: int) -> bool:
+        """True on a step that processes a chunk of a prompt before its last (chunked prefill), when the
+        prompt's eviction event is still to come: its last queries are kept for that event."""
+        w = self.worker
+        n = w.kvcert_prompt_len.get(rid) if rid is not None else None
+        return (n is not None and seq_len < n and rid not in w.kvcert_states and rid not in w.kvcert_decided
+                and self.config_of(rid).evicts(n, block_size, head_size=getattr(w, "kvcert_head_size", None)))
 
     def config_of(self, rid) -> KVCertConfig:
         """The settings of request ``rid``: its per-request options over the engine's, or the engine's."""
@@ -504,6 +593,16 @@ class Step:
             out[rid] = _compaction_report(state, layers, self.config.report_kept)
         return out
 
+    def _install_queries(self) -> None:
+        """Hold the queries kept in the step (:meth:`keep_queries`) on the worker, in place of the request's
+        earlier ones; drop those of the requests whose eviction event the step ran."""
+        held = getattr(self.worker, "kvcert_queries", None)
+        if held is None:  # a stand-in worker without chunked prefill
+            return
+        for row in self._plan.importance if self._plan is not None else ():
+            held.pop(row.req_id, None)
+        held.update(self.kept_queries)
+
     # ------------------------------------------------------------------ the results
 
     def results(self, block_size: int) -> StepReport:
@@ -513,6 +612,7 @@ class Step:
         certs = self.certificates.means()
         scores = {r: torch.stack(us) for r, us in self.importance.items()}  # (layers, h_kv, n)
         compacted = self._install_compactions()
+        self._install_queries()
         if self.tp_size > 1:
             certs, scores, compacted = _tp_combine(self.worker.kvcert_tp_group(), certs, scores, compacted)
         imp = {r: self.config.design.block_importance(u[None], block_size=block_size)[0].tolist()
@@ -572,6 +672,8 @@ class _CertifiedWorker:
         self.kvcert_decided: set[str] = set()  # token design: requests already compacted (never twice)
         self.kvcert_prompt_len: dict[str, int] = {}
         self.kvcert_request: dict[str, KVCertConfig] = {}  # requests with per-request options: their settings
+        # chunked prefill: the last queries of a prompt's chunks before its last, for its eviction event
+        self.kvcert_queries: dict[str, PromptQueries] = {}
         self.kvcert_last_stats: dict = {}
         self.kvcert_block_size = int(vllm_config.cache_config.block_size)
         # the head size d = dv, which sizes a sketch's memory in kept tokens (KVCertConfig.evicts)
@@ -627,6 +729,7 @@ class _CertifiedWorker:
         """The scheduler's orders for the step (:class:`kvcert.vllm.handoff.StepOrders`) and its finished
         requests, applied to the worker's states before the step runs."""
         orders = orders_of(scheduler_output)
+        held = getattr(self, "kvcert_queries", {})  # a test's stand-in worker may hold none
         for req in scheduler_output.scheduled_new_reqs:
             if req.prompt_token_ids is not None:
                 self.kvcert_prompt_len[req.req_id] = len(req.prompt_token_ids)
@@ -636,6 +739,9 @@ class _CertifiedWorker:
             self.kvcert_joined.clear()  # a compacted state leaves: no join may outlive its requests
         for rid in orders.clear:
             self.kvcert_states.pop(rid, None)
+            held.pop(rid, None)
+        for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():  # recomputed from its start
+            held.pop(rid, None)
         for rid, overrides in orders.options.items():
             self.kvcert_request[rid] = replace(self.kvcert, **overrides)
         for rid, log_pi in orders.decisions.items():
@@ -646,6 +752,7 @@ class _CertifiedWorker:
             self.kvcert_prompt_len.pop(rid, None)
             self.kvcert_decided.discard(rid)
             self.kvcert_request.pop(rid, None)
+            held.pop(rid, None)
 
     def _kvcert_builders(self) -> list:
         """The model runner's attention metadata builders of the plugin's backend (one per attention group)."""
