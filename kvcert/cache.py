@@ -761,6 +761,12 @@ def as_kvcert_cache(cache: Cache, config=None) -> Cache:
             new = SlidingWindowLayer(int(layer.sliding_window))
         elif type(layer) is DynamicLayer:
             new = _new_layer(want)
+        elif "Quantized" in type(layer).__name__:  # transformers' QuantizedCache (quanto, hqq, fp8) and the like
+            raise ValueError(
+                f"cache: layer {i} is a {type(layer).__name__}, quantized by another library: kvcert cannot read its "
+                "scales, so the certificate could not bound its rounding; for a certified quantized cache use "
+                "PoissonPress(kv_bits=8 or 4) on a DynamicCache (docs/quantized.md)"
+            )
         else:
             raise ValueError(
                 f"cache: layer {i} is a {type(layer).__name__}; kvcert supports dynamic full-attention and "

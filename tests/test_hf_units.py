@@ -117,6 +117,11 @@ def test_as_kvcert_cache_converts_in_place_and_refuses_others():
     static = StaticCache(config=model.config, max_cache_len=8)
     with pytest.raises(ValueError, match="StaticLayer"):
         as_kvcert_cache(static)
+    from transformers import QuantizedCache
+
+    # a cache quantized by another library (transformers' fp8 backend: per-tensor scales kvcert does not hold)
+    with pytest.raises(ValueError, match=r"cache: layer 0 is a Fp8QuantizedLayer, quantized by another library.*kv_bits"):
+        as_kvcert_cache(QuantizedCache(backend="fp8", config=model.config))
     assert isinstance(KVCertCache(model.config).layers[1], KVCertLayer)
     from transformers import MistralConfig
 
