@@ -125,15 +125,26 @@ def calibrate_budget(budgets, differs, alpha: float):
 def escalation_signal(certificates) -> float:
     """A generation's escalation signal: the largest per-step mean relative radius over its decoding steps
     (``certificates.per_step()``, step 0, the prompt's last query, left out when later steps exist; +inf
-    when a radius is not finite). One sequence only."""
+    when a radius is not finite). One sequence only.
+
+    ``certificates``: a :class:`kvcert.Certificates`, or the per-step values themselves, a 1-D sequence of
+    floats indexed as ``per_step()`` is (value t: the step that produced generated token t), such as
+    ``kvcert.vllm.certificates(output)``."""
     if certificates is None:
         raise ValueError("escalation_signal: the generation recorded no certificates (no press?)")
-    per_step = certificates.per_step()
-    if per_step.dim() != 1:
+    if hasattr(certificates, "per_step"):
+        certificates = certificates.per_step()
+    if getattr(certificates, "ndim", 1) != 1:
         raise ValueError("escalation_signal: one sequence at a time (index the batch: certificates[i])")
-    steps = per_step[1:] if per_step.shape[0] > 1 else per_step
-    value = float(steps.max())
-    return math.inf if math.isnan(value) else value
+    try:
+        per_step = [float(x) for x in certificates.tolist()] if hasattr(certificates, "tolist") else \
+            [float(x) for x in certificates]
+    except (TypeError, ValueError):
+        raise ValueError("escalation_signal: one sequence at a time, a 1-D sequence of floats per step") from None
+    if not per_step:
+        raise ValueError("escalation_signal: no decoding step recorded (an empty answer)")
+    steps = per_step[1:] if len(per_step) > 1 else per_step
+    return math.inf if any(math.isnan(x) for x in steps) else max(steps)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ value fails alone (``certificate_report(output) == {"error": ...}``). Pieces:
 free), :mod:`.worker` (step context), :mod:`.handoff` (the typed records the
 scheduler, the worker and the attention layers hand each other on vLLM's own
 per-step objects), :mod:`.backend` (attention), :mod:`.model` (the default
-model as a Hugging Face folder). docs/serving.md
+model as a Hugging Face folder), :mod:`.policy` (a calibrated escalation policy
+served: :func:`generate_with_policy`). docs/serving.md
 describes the design, the certificate channel and the limits.
 
 This module imports vLLM only inside its functions, and never imports
@@ -44,6 +45,7 @@ from .model import default_model_path
 __all__ = [
     "KVCertConfig", "SUPPORTED_VLLM", "certified_llm", "certificates", "certificate_report", "blocks_freed",
     "stats", "default_model_path", "register", "engine_kwargs", "generate_within_target", "ESCALATIONS",
+    "generate_with_policy",
 ]
 
 _REGISTERED = False
@@ -296,6 +298,68 @@ def generate_within_target(llm, prompts: list, sampling_params, *, target_error:
                 outputs[i] = out
         todo = rerun
     return outputs, escalations
+
+
+def generate_with_policy(llm, prompts: list, sampling_params, policy) -> tuple[list, dict]:
+    """``llm.generate`` under a calibrated escalation policy (``kvcert calibrate``), re-running uncompressed the
+    requests whose signal reaches its threshold: ``kvcert.generate(..., escalate=policy)``'s rule, client side.
+
+    Every request runs with the policy's press fields as per-request ``kvcert_*`` keys
+    (:func:`kvcert.vllm.policy.policy_request_args`: the fields without a key, ``sinks``, ``window`` and
+    ``scorer``, must be the engine's; a design other than the press's is refused, naming the fields). A
+    request's signal is :func:`kvcert.calibration.escalation_signal` of :func:`certificates` (the Hugging
+    Face path's per-step values, token 0 left out as there; 0 for a request served without eviction), and a
+    request with ``policy.escalates(signal)`` runs again from its prompt with ``kvcert_compression_ratio=0``,
+    all such requests in one batch.
+
+    Parameters
+    ----------
+    llm : a certified ``vllm.LLM`` (:func:`certified_llm`), token design
+    prompts : list of prompts (anything ``llm.generate`` takes)
+    sampling_params : one ``SamplingParams`` or one per prompt
+        Greedy (temperature 0) with ``max_tokens == policy.max_new_tokens`` and no ``kvcert_*`` key: the
+        threshold was calibrated on greedy answers of that length (anything else: ValueError).
+    policy : kvcert.EscalationPolicy, or the path of a saved one (``EscalationPolicy.load``)
+
+    Returns
+    -------
+    outputs : list of ``RequestOutput``, one per prompt (an escalated request's: the uncompressed run's)
+    report : dict
+        ``requests``: per prompt ``{"signal", "escalated"}``; ``escalated`` (count), ``escalation_rate``,
+        ``tokens_recomputed`` (prompt plus generated tokens of the re-runs: the escalation's cost),
+        ``tokens_first_run`` (the same over the first runs), ``threshold``, ``alpha``, ``request_args`` (the
+        ``kvcert_*`` keys of the first runs).
+    """
+    from .policy import as_policy, check_policy_params, engine_config, policy_request_args, recomputed_tokens
+    from ..calibration import escalation_signal
+
+    policy = as_policy(policy)
+    prompts = list(prompts)
+    params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+    if not prompts or len(params) != len(prompts):
+        raise ValueError(f"prompts must be non-empty and sampling_params one or one per prompt ({len(prompts)}), "
+                         f"got {len(params)}")
+    check_policy_params(policy, params)
+    args = policy_request_args(policy, engine_config(llm))
+    outputs = list(llm.generate(prompts, [_with_args(p, args) for p in params]))
+    requests = []
+    for i, out in enumerate(outputs):
+        error = (certificate_report(out) or {}).get("error")
+        if error is not None:
+            raise ValueError(f"prompt {i}: the engine refused the policy's options: {error}")
+        c = certificates(out)
+        signal = 0.0 if c is None else escalation_signal(c)  # None: no eviction, the full cache's answer
+        requests.append({"signal": signal, "escalated": policy.escalates(signal)})
+    rerun = [i for i, r in enumerate(requests) if r["escalated"]]
+    first = sum(recomputed_tokens(out) for out in outputs)
+    if rerun:
+        full = [_with_args(params[i], {"kvcert_compression_ratio": 0.0}) for i in rerun]
+        for i, out in zip(rerun, llm.generate([prompts[i] for i in rerun], full)):
+            outputs[i] = out
+    return outputs, {"requests": requests, "escalated": len(rerun), "escalation_rate": len(rerun) / len(prompts),
+                     "tokens_recomputed": sum(recomputed_tokens(outputs[i]) for i in rerun),
+                     "tokens_first_run": first, "threshold": policy.threshold, "alpha": policy.alpha,
+                     "request_args": dict(args)}
 
 
 def stats(llm) -> dict:
