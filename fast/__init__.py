@@ -109,6 +109,7 @@ from .quantized import (CHANNEL_GROUP, FORMATS, KV_BITS, KV_FORMAT, KV_LAYOUTS, 
                         quantization_bound, quantization_variance, quantize, quantize_channels,
                         quantized_memory_fraction, rounding_uniforms, sampled_budget, store_kv, token_elements,
                         value_bound)
+from .bits import BitsChoice, BitsPrediction, KV_BITS_CHOICES, check_kv_bits_choice, choose_kv_bits, kept_at_bits
 
 __all__ = [
     "Estimate", "Certificate", "CompressedCache",
@@ -138,6 +139,7 @@ __all__ += [
     "quantization_variance", "quantize", "quantize_channels", "quantized_memory_fraction", "rounding_uniforms",
     "sampled_budget", "token_elements", "value_bound",
     "QuantizedKV", "held_rounding_terms", "check_kv_bits", "check_kv_layout", "check_quantized_bound", "store_kv", "QuantizedCertificate", "quantized_decode",
+    "BitsChoice", "BitsPrediction", "KV_BITS_CHOICES", "check_kv_bits_choice", "choose_kv_bits", "kept_at_bits",
 ]
 
 #: names of earlier releases (one name per operation, docs/architecture.md "Names"): each still resolves,

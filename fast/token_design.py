@@ -24,6 +24,7 @@ from .options import check_kind, check_scorer, scorer_params, set_fields
 from .scorers import SCORERS, queries_needed, queries_read
 from .sketch import ClusterDesign, as_design, cluster_sketch, window_tilt
 from . import quantized as _quantized
+from .bits import BitsChoice, check_kv_bits_choice, choose_kv_bits
 from . import target as _target
 from .target import TARGET_KINDS, check_target_error, head_tops
 
@@ -191,6 +192,10 @@ class TokenEvent:
         front of each head, with their log pi and positions; :meth:`TokenDesign.store`), every token when
         nothing is evicted; what the certificate's rounding terms read (:meth:`TokenDesign.certify`). None at
         16 bits.
+    bits : kvcert.fast.BitsChoice or None
+        At ``kv_bits="auto"``: the width chosen (:meth:`TokenDesign.choose_bits`; :meth:`BitsChoice.shared`
+        is the width stored) and each width's predictions per KV head. None at a fixed width, and where no
+        width evicts (the 16-bit event: every token kept, unquantized).
     """
 
     decision: TokenDecision
@@ -198,6 +203,12 @@ class TokenEvent:
     budget: object
     target: object = None
     stored: object = None
+    bits: object = None
+
+    @property
+    def kv_bits(self) -> int:
+        """The width the event stored its kept tokens at (16: unquantized)."""
+        return 16 if self.stored is None else int(self.stored.kv_bits)
 
     @property
     def evicts(self) -> bool:
@@ -294,12 +305,16 @@ class TokenDesign:
         start), so every head keeps :math:`\lfloor B \rfloor` or :math:`\lceil B \rceil` tokens. A paged
         engine pads every head to the largest kept count (:func:`kvcert.fast.compact_slots`): a fixed count
         wastes no memory on padding (docs/theory.md section 7.7).
-    kv_bits : {16, 8, 4}
+    kv_bits : {16, 8, 4, "auto"}
         Bits per stored key and value element (``kvcert.fast.KV_BITS``); 16 (the default) stores them
         unquantized, exactly as without the field. Below 16 the budget keeps its meaning (the memory of B
         16-bit tokens, scales included): the event samples :meth:`sampled_budget`, about 16/b times the
         tokens (``kvcert.fast.sampled_budget``), and stores the kept ones quantized (:meth:`store`), as
-        ``kvcert.reference.evict_and_certify(kv_bits=...)`` does (docs/quantized.md).
+        ``kvcert.reference.evict_and_certify(kv_bits=...)`` does (docs/quantized.md). ``"auto"``: each event
+        chooses the width (:meth:`choose_bits`: the smallest predicted certificate at the budget's memory,
+        summed over the KV heads, one width per event since a cache layer stores one) and runs exactly that
+        width's event (:meth:`with_bits`), the choice in :attr:`TokenEvent.bits` (docs/quantized.md section
+        11). A kind of ``kvcert.fast.TARGET_KINDS``, no ``target_error``.
     kv_layout : {"channel", "token", "values"}
         What a quantized cache stores (``kvcert.fast.KV_LAYOUTS``; default ``"channel"``: keys per channel and
         group of 32 kept tokens, values per token). Checked and unused at 16 bits.
@@ -341,7 +356,7 @@ class TokenDesign:
     sketch: object = None
     target_error: float | None = None
     sampling: str = "poisson"
-    kv_bits: int = 16
+    kv_bits: int | str = 16
     kv_layout: str = "channel"
     quantized_bound: str = "variance"
 
@@ -366,13 +381,16 @@ class TokenDesign:
              delta=check_real("delta", self.delta, 0.0, 1.0, lo_open=True, hi_open=True),
              kind=check_kind(self.kind), sampling=check_sampling(self.sampling))
         set_fields(self, sketch=resolve_sketch(self.sketch, self.kind),
-                   kv_bits=_quantized.check_kv_bits(self.kv_bits),
+                   kv_bits=check_kv_bits_choice(self.kv_bits),
                    kv_layout=_quantized.check_kv_layout(self.kv_layout),
                    quantized_bound=_quantized.check_quantized_bound(self.quantized_bound))
         if self.target_error is not None and self.kv_bits != 16:
             raise ValueError(f"kv_bits: a target_error chooses budgets from the 16-bit design's variance "
                              f"(kvcert.fast.target_budget), which does not count the rounding: use kv_bits=16 "
-                             f"with a target_error (got kv_bits={self.kv_bits})")
+                             f"with a target_error (got kv_bits={self.kv_bits!r})")
+        if self.kv_bits == "auto" and self.kind not in TARGET_KINDS:
+            raise ValueError(f"kind: kv_bits='auto' compares the widths' predicted radii, functions of the variance "
+                             f"trace: a kind of {TARGET_KINDS}; got {self.kind!r}")
         if self.target_error is not None:
             if self.sketch is not None:
                 raise ValueError("sketch: a target_error chooses budgets from the paper design's variance "
@@ -417,6 +435,9 @@ class TokenDesign:
         cache fits at ``kv_bits`` (every token kept, stored quantized) or the sketch leaves less than one token.
         """
         budget = self.budget(n)
+        if self.kv_bits == "auto":
+            raise ValueError("kv_bits: with kv_bits='auto' the sampled budget is the width's chosen at the event "
+                             "(TokenEvent.bits); ask design.with_bits(bits).sampled_budget(n, d, dv)")
         if self.kv_bits != 16:
             return self._quantized_budget(n, budget, d, dv)
         if self.sketch is None or budget >= n:
@@ -528,14 +549,44 @@ class TokenDesign:
         over more than ``sinks + window + 1`` tokens, or a :meth:`sampled_budget` below n."""
         if self.target_error is not None:
             return self.compresses and n > self.sinks + self.window + 1
+        if self.kv_bits == "auto":  # some width evicts
+            return any(self.with_bits(bits).evicts(n, d, dv) for bits in _quantized.KV_BITS)
         return self.compresses and self.sampled_budget(n, d, dv) < n
+
+    def with_bits(self, bits: int) -> "TokenDesign":
+        """This design at the fixed width ``bits`` (16, 8 or 4), its other fields kept: the design an event of
+        ``kv_bits="auto"`` runs once it has chosen."""
+        return self if bits == self.kv_bits else dataclasses.replace(self, kv_bits=bits)
+
+    def choose_bits(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor, *,
+                    scale: float | None = None) -> BitsChoice:
+        """Each KV head's width of the smallest predicted certificate at this design's budget memory
+        (:func:`kvcert.fast.choose_kv_bits` for the last ``observation_window`` queries, at :meth:`budget`, with
+        this design's certainty set, floor, delta, kind, layout, rounding term and sketch memory); the event
+        stores :meth:`BitsChoice.shared`.
+
+        Parameters
+        ----------
+        queries : (b, h_q, T >= 1, d)   keys, values : (b, h_kv, n, d), (b, h_kv, n, dv), no padding
+        scores : (b, h_kv, n), the scorer's scores   scale : float, default 1/sqrt(d)
+        """
+        queries = check_tensor("queries", queries, ndim=(4,), floating=True)
+        if queries.shape[2] == 0:
+            raise ValueError("queries: kv_bits='auto' predicts for the prefill's observation-window queries "
+                             "(b, h_q, T >= 1, d)")
+        n, d, dv = keys.shape[2], keys.shape[3], values.shape[-1]
+        extra = 0.0 if self.sketch is None else float(self.sketch.elements(d, dv))
+        return choose_kv_bits(queries[:, :, -self.observation_window:], keys, values, scores, self.budget(n),
+                              delta=self.delta, kind=self.kind, sinks=self.sinks, window=self.window,
+                              top_fraction=self.top_fraction, floor=self.floor, scale=scale, layout=self.kv_layout,
+                              quantized_bound=self.quantized_bound, extra=extra)
 
     def event_queries(self, available: int, n: int) -> int:
         """How many of the last ``available`` prefill queries :meth:`event` reads at an event over n tokens: the
         scorer's (:meth:`queries_read`), and at least the observation window for a tilted sketch's tilt or an
         error target's prediction."""
         w = self.queries_read(available, n)
-        if self.target_error is not None or (self.sketch is not None and self.sketch.tilt):
+        if self.target_error is not None or self.kv_bits == "auto" or (self.sketch is not None and self.sketch.tilt):
             w = max(w, min(self.observation_window, available))
         return w
 
@@ -580,6 +631,8 @@ class TokenDesign:
             raise ValueError(f"keys: one sequence's tokens (1, h_kv, n, d), got shape {tuple(keys.shape)}")
         n, d, dv = keys.shape[2], keys.shape[3], values.shape[-1]
         where = dict(layer=layer, event=event, head_offset=head_offset, positions=positions)
+        if self.kv_bits == "auto":
+            return self._auto_event(queries, keys, values, scale=scale, scores=scores, budget=budget, **where)
         if budget is not None:
             budget = self._given_budget(budget, keys.shape[1], n)  # float n: no head evicts
         if not (isinstance(budget, torch.Tensor) if budget is not None else self.evicts(n, d, dv)):
@@ -601,6 +654,21 @@ class TokenDesign:
         if self.kv_bits == 16:
             return TokenEvent(decision, sketch, budget, target)
         return TokenEvent(decision, sketch, budget, target, self.store(keys, values, decision, **where))
+
+    def _auto_event(self, queries, keys, values, *, scale, scores, budget, **where) -> TokenEvent:
+        """:meth:`event` at ``kv_bits="auto"``: the scores, the width (:meth:`choose_bits`, shared by the KV heads;
+        16 where no width evicts) and exactly that width's event on the same scores, the choice recorded."""
+        if budget is not None:
+            raise ValueError("budget: kv_bits='auto' chooses the width at the design's budget; per-head budgets "
+                             "(an allocation) are not combined with it: use kv_bits=16, 8 or 4")
+        n, d, dv = keys.shape[2], keys.shape[3], values.shape[-1]
+        if not self.evicts(n, d, dv):
+            return self.with_bits(16).event(queries, keys, values, scale=scale, scores=scores, **where)
+        layer, event = where["layer"], where["event"]
+        u = self.score(queries, keys, values, scale=scale, layer=layer, event=event) if scores is None else scores
+        choice = self.choose_bits(queries, keys, values, u, scale=scale)
+        chosen = self.with_bits(choice.shared()).event(queries, keys, values, scale=scale, scores=u, **where)
+        return dataclasses.replace(chosen, bits=choice)
 
     def _given_budget(self, budget, h_kv: int, n: int):
         """:meth:`event`'s ``budget``: the (h_kv,) float64 budgets capped at n, or float n when no head is below n."""
@@ -627,6 +695,9 @@ class TokenDesign:
         """
         if self.kv_bits == 16:
             return None
+        if self.kv_bits == "auto":
+            raise ValueError("kv_bits: kv_bits='auto' stores at the width its event chose: use "
+                             "design.with_bits(bits).store(...)")
         lead = tuple(keys.shape[:3])
         if positions is None:
             positions = torch.arange(lead[2], device=keys.device).expand(lead)

@@ -60,6 +60,7 @@ from .sketch import (
     evict_and_certify,
     memory_fraction,
 )
+from .bits import BitsChoice, BitsPrediction, KV_BITS_CHOICES, check_kv_bits_choice, choose_kv_bits, kept_at_bits
 from .quantized import (
     KV_BITS,
     KV_LAYOUTS,
@@ -112,7 +113,8 @@ __all__ = [
     "Estimate", "attention", "hajek_attention", "horvitz_thompson_totals",
     "linearized_variance", "linearized_variance_ht", "scores",
     "EvictionResult", "evict_and_certify", "memory_fraction", "ClusterDesign",
-    "KV_BITS", "KV_LAYOUTS", "QUANTIZED_BOUNDS", "QuantizedChannels", "QuantizedRows", "logit_bound",
+    "KV_BITS", "KV_BITS_CHOICES", "BitsChoice", "BitsPrediction", "check_kv_bits_choice", "choose_kv_bits",
+    "kept_at_bits", "KV_LAYOUTS", "QUANTIZED_BOUNDS", "QuantizedChannels", "QuantizedRows", "logit_bound",
     "logit_variance", "quantization_bound", "quantization_variance", "quantize", "quantize_channels",
     "quantized_memory_fraction", "rounding_generator", "sampled_budget", "token_elements", "value_bound",
     "TARGET_KINDS", "TargetBudget", "predicted_radius", "radius_at_budget", "smallest_budget_scan", "target_budget",

@@ -28,7 +28,7 @@ the same for every design and are not counted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Callable
 
@@ -100,6 +100,8 @@ class EvictionResult:
     quantization_variance : float, V_q, the variance stochastic rounding adds to o_hat_q
         (``quantized_bound="variance"``; ``kvcert.reference.quantized.quantization_variance``), already
         included in ``variance``; 0.0 at 16 bits and with ``"strict"``
+    bits : ``kvcert.reference.BitsChoice`` or None, what ``kv_bits="auto"`` chose (the width and each
+        width's predictions); None at a fixed width
     """
 
     output: np.ndarray
@@ -112,6 +114,7 @@ class EvictionResult:
     cluster_variance: float | None = None
     quantization_bound: float = 0.0
     quantization_variance: float = 0.0
+    bits: object = None
 
 
 def memory_fraction(n: int, d: int, dv: int, *, kept: int, extra: float = 0.0) -> float:
@@ -343,9 +346,13 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
         How the tail is drawn given pi: independently (``poisson_sample``, the default) or by randomized
         systematic sampling (``systematic_sample``: the same pi, a fixed kept count), from the same
         stream ``design_generator(seed)``.
-    kv_bits : {16, 8, 4}
+    kv_bits : {16, 8, 4, "auto"}
         Bits per stored key and value element; 16 (the default) stores them
-        unquantized, exactly as without the argument.
+        unquantized, exactly as without the argument. ``"auto"``: the width of
+        the smallest predicted certificate at the budget's memory
+        (``bits.choose_kv_bits`` for the window queries ``tilt``, or ``q``
+        without one), then exactly that width's result, with the choice in
+        ``bits`` (docs/quantized.md section 11).
     kv_layout : {"channel", "token", "values"}
         What a quantized cache stores (``quantized.KV_LAYOUTS``); the default
         ``"channel"`` (KIVI's key layout) measured best at 8 bits
@@ -369,18 +376,26 @@ def evict_and_certify(q, keys, values, importance, budget, *, seed: int, delta: 
     ValueError
         Bad shapes (naming the argument and the expected shape), non-finite
         q, keys or values, delta outside (0, 1), budget <= 0, kv_bits not in
-        (16, 8, 4), kv_layout or quantized_bound not one of theirs, a sketched
+        (16, 8, 4, "auto"), kv_layout or quantized_bound not one of theirs, a sketched
         design whose sketch leaves no budget above the certainty set.
     """
     q, k, v = as_qkv(q, keys, values)
     u, delta, budget = _check_eviction(k, importance, delta, budget, sampling)
     spec = _design(design)
     name = _design_name(spec)
-    tilt = _design_tilt(spec, design, tilt, q, k.shape[1])
-    from . import quantized                              # here, not at the top: quantized.py builds on this module
+    given_tilt, tilt = tilt, _design_tilt(spec, design, tilt, q, k.shape[1])
+    from . import bits, quantized                        # here, not at the top: they build on this module
     kv_layout = quantized._check_layout(kv_layout)                 # checked at every kv_bits, used below 16
     quantized_bound = quantized._check_quantized_bound(quantized_bound)
-    if quantized._check_kv_bits(kv_bits) != 16:
+    if bits.check_kv_bits_choice(kv_bits) == "auto":              # the width of least predicted certificate
+        choice = bits.auto_kv_bits(q, k, v, u, budget, spec=spec, tilt=given_tilt, delta=delta, sinks=sinks,
+                                        window=window, top=top, floor=floor, scale=scale, kv_layout=kv_layout,
+                                        quantized_bound=quantized_bound)
+        return replace(evict_and_certify(q, keys, values, importance, budget, seed=seed, delta=delta, design=design,
+                                         sinks=sinks, window=window, top=top, floor=floor, scale=scale,
+                                         tilt=given_tilt, sampling=sampling, kv_bits=choice.bits,
+                                         kv_layout=kv_layout, quantized_bound=quantized_bound), bits=choice)
+    if int(kv_bits) != 16:
         return quantized._evict_quantized(q, k, v, u, budget, seed=seed, delta=delta, spec=spec, name=name,
                                           sinks=sinks, window=window, top=top, floor=floor, scale=scale,
                                           tilt=tilt, sampling=sampling, kv_bits=int(kv_bits), kv_layout=kv_layout,

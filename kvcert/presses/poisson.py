@@ -143,7 +143,7 @@ class PoissonPress(BasePress):
         recommended design's sketch (``"tilted"``, whatever the kind), Poisson for the paper's design and the
         other sketches (:func:`kvcert.fast.default_sampling`);
         after construction the field holds the resolved name.
-    kv_bits : {16, 8, 4}
+    kv_bits : {16, 8, 4, "auto"}
         Bits per stored key and value element (:class:`kvcert.fast.TokenDesign`); 16 (default) stores them
         unquantized. At 8 or 4 the budget keeps its meaning (the memory of B 16-bit tokens, scales included),
         the prefill event samples about 16/b times the tokens and the cache stores the kept ones as int8 codes
@@ -153,7 +153,11 @@ class PoissonPress(BasePress):
         ``kvcert.reference.evict_and_certify(kv_bits=...)``: :math:`B_q + r` or the rule on :math:`V + V_q`
         (docs/quantized.md section 9). Prefill events only (not under :class:`DecodingPress`), a trace-only
         kind (``chebyshev``, ``tilted_hull``), no error target, no logit softcap; tokens decoded after the event
-        are held at 16 bits.
+        are held at 16 bits. ``"auto"``: each layer's prefill event chooses the width of the smallest
+        predicted certificate at the budget's memory, summed over the batch rows and KV heads (one width per
+        layer: a cache layer stores one), then runs exactly that width's event
+        (:meth:`kvcert.fast.TokenDesign.choose_bits`, docs/quantized.md section 11); :attr:`chosen_bits` holds
+        each layer's width, :attr:`bits_choices` each (layer, row)'s predictions. Not with an ``allocation``.
     kv_layout : {"channel", "token", "values"}
         What the quantized cache stores (default ``"channel"``: keys per channel and group of 32 kept tokens).
     quantized_bound : {"variance", "strict"}
@@ -242,6 +246,14 @@ class PoissonPress(BasePress):
                     setattr(self, name, value)
         #: (layer, batch row) -> the kvcert.fast.TargetBudget its last prefill event chose (target_error only)
         self.chosen_budgets = {}
+        #: layer -> the width its last prefill event stored (kv_bits="auto" only; 16: unquantized)
+        self.chosen_bits = {}
+        #: (layer, batch row) -> the kvcert.fast.BitsChoice of its last prefill event (kv_bits="auto" only)
+        self.bits_choices = {}
+        if self.allocation is not None and isinstance(self.kv_bits, str) and self.kv_bits == "auto":
+            raise ValueError(f"kv_bits='auto' and allocation={self.allocation!r} do not combine: the allocation "
+                             f"predicts the 16-bit design's variance per head, 'auto' one width per layer at the "
+                             f"uniform budget; use kv_bits=16 with the allocation, or allocation=None")
         #: batch row -> its kvcert.presses.allocation.RowAllocation at the last prefill (allocation only; None: a
         #: row whose uniform budget cannot hold every head's certainty set ran the uniform design)
         self.allocations = {}
@@ -312,7 +324,8 @@ class PoissonPress(BasePress):
             if design.kv_bits == 16:
                 return RowEvent(row_slots(layer, r, idx))
         k, v, q_r = row_tokens(layer, r, idx, queries)
-        u = None if isinstance(self.scorer, str) or not design.evicts(n, d, dv) else \
+        scored = self.__dict__.get("_auto_scores", {})  # kv_bits="auto": the chooser's call of the scorer
+        u = None if isinstance(self.scorer, str) or not design.evicts(n, d, dv) else scored[r] if r in scored else \
             self._prefill_importance(q_r, k, v, scale=scale, layer_idx=layer_idx, event=event, row=r, tokens=idx)
         pos = row_slots(layer, r, idx)[3]
         given = None if self.allocation is None else head_budgets(self, layer_idx, r)
@@ -334,7 +347,18 @@ class PoissonPress(BasePress):
 
     def prefill_event(self, layer, layer_idx: int, queries, scale: float) -> None:
         """The prefill event of one layer; under an ``allocation``, held until the last compressible layer's,
-        which allocates the budgets and runs every held layer's event (:mod:`kvcert.presses.allocation`)."""
+        which allocates the budgets and runs every held layer's event (:mod:`kvcert.presses.allocation`);
+        at ``kv_bits="auto"``, the layer's width chosen first (:meth:`_choose_layer_bits`), then that width's
+        event."""
+        if self.allocation is None and self.kv_bits == "auto" and self.compresses:
+            bits = self._choose_layer_bits(layer, layer_idx, queries, scale)
+            self.chosen_bits[layer_idx] = bits
+            self.__dict__["_event_design"] = held_design(self).with_bits(bits)
+            try:
+                return super().prefill_event(layer, layer_idx, queries, scale)
+            finally:
+                self.__dict__.pop("_event_design", None)
+                self.__dict__.pop("_auto_scores", None)
         if self.allocation is None:
             return super().prefill_event(layer, layer_idx, queries, scale)
         session = self._session
@@ -346,11 +370,39 @@ class PoissonPress(BasePress):
                                  importance=self._prefill_importance):
             self._compress(*held, prefill=True)
 
+    def _choose_layer_bits(self, layer, layer_idx: int, queries, scale: float) -> int:
+        """``kv_bits="auto"``: the width of one layer's prefill event, the smallest sum over its batch rows and KV
+        heads of the predicted totals (:meth:`kvcert.fast.TokenDesign.choose_bits` on each row's real tokens,
+        recorded in :attr:`bits_choices`), ties to more bits; 16 when no row evicts at any width."""
+        design = held_design(self)
+        d, dv = layer.keys.shape[-1], layer.values.shape[-1]
+        totals, scored = {}, {}
+        self.__dict__["_auto_scores"] = scored
+        for r in range(layer.keys.shape[0]):
+            idx, n = real_slots(layer, r)
+            if n == 0 or not design.evicts(n, d, dv):
+                continue
+            k, v, q_r = row_tokens(layer, r, idx, queries)
+            u = self._prefill_importance(q_r, k, v, scale=scale, layer_idx=layer_idx, event=layer.events, row=r,
+                                         tokens=idx)
+            choice = design.choose_bits(q_r, k, v, u, scale=scale)
+            self.bits_choices[(layer_idx, r)] = choice
+            scored[r] = u  # the event reuses the scorer's scores (a kvpress scorer is called once per row)
+            for pred in choice.predictions:
+                totals[pred.bits] = totals.get(pred.bits, 0.0) + float(pred.total.sum())
+        best = 16
+        for bits, total in totals.items():  # KV_BITS order (16, 8, 4): strictly smaller keeps more bits on a tie
+            if total < totals[best]:
+                best = bits
+        return best
+
     @property
     def design(self) -> TokenDesign:
         """The :class:`kvcert.fast.TokenDesign` of the press's fields (its budget, certainty set, scorer and
-        decision); rebuilt, and so checked, when a field is reassigned."""
-        return held_design(self)
+        decision); rebuilt, and so checked, when a field is reassigned. During a ``kv_bits="auto"`` layer's
+        prefill event, that design at the layer's chosen width."""
+        event_design = self.__dict__.get("_event_design")
+        return held_design(self) if event_design is None else event_design
 
     @property
     def _external(self) -> bool:
@@ -459,7 +511,7 @@ class PoissonPress(BasePress):
         error target."""
         need = super().queries_needed(n)
         if (self.sketch is not None and self.sketch.tilt) or self.target_error is not None or \
-                self.allocation is not None:
+                self.allocation is not None or self.kv_bits == "auto":
             need = max(need, min(self._observation_window(), n))
         return need
 
