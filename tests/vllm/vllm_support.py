@@ -366,13 +366,19 @@ SERVED_NAME = "smollm2"
 
 
 def server_args(*, plugin: bool = True, max_model_len: int = ENGINE["max_model_len"], block_size: int = BLOCK,
-                max_num_seqs: int = ENGINE["max_num_seqs"], extra: tuple = ()) -> list[str]:
+                max_num_seqs: int = ENGINE["max_num_seqs"], extra: tuple = (), engine_defaults: bool = False,
+                dtype: str | None = "float32", enforce_eager: bool = True) -> list[str]:
     """The server's command line after ``--model`` (docs/serving.md): float32, eager, no prefix caching, no
     async scheduling, and with ``plugin`` the plugin's scheduler and worker with engine default compression 0
-    (a request is certified only when it asks); then ``extra``."""
+    (a request is certified only when it asks); then ``extra``. ``engine_defaults=True`` keeps the engine's own
+    prefix caching and async scheduling (no ``--no-enable-prefix-caching``, no ``--no-async-scheduling``);
+    ``dtype=None`` leaves out ``--dtype`` (the model's own), ``enforce_eager=False`` leaves out
+    ``--enforce-eager``."""
     args = ["--served-model-name", SERVED_NAME, "--max-model-len", str(max_model_len), "--block-size",
-            str(block_size), "--max-num-seqs", str(max_num_seqs), "--dtype", "float32", "--enforce-eager",
-            "--no-enable-prefix-caching", "--no-async-scheduling"]
+            str(block_size), "--max-num-seqs", str(max_num_seqs)]
+    args += (["--dtype", dtype] if dtype is not None else []) + (["--enforce-eager"] if enforce_eager else [])
+    if not engine_defaults:
+        args += ["--no-enable-prefix-caching", "--no-async-scheduling"]
     if plugin:
         args += ["--scheduler-cls", "kvcert.vllm.scheduler.CertifiedScheduler",
                  "--worker-cls", "kvcert.vllm.worker.CertifiedCPUWorker",
