@@ -24,7 +24,7 @@ from .options import check_kind, check_scorer, scorer_params, set_fields
 from .scorers import SCORERS, queries_needed, queries_read
 from .sketch import ClusterDesign, as_design, cluster_sketch, window_tilt
 from . import quantized as _quantized
-from .bits import BitsChoice, check_kv_bits_choice, choose_kv_bits
+from .bits import BitsChoice, check_kv_bits_choice, choose_kv_bits, kept_at_bits
 from . import target as _target
 from .target import TARGET_KINDS, check_target_error, head_tops
 
@@ -446,12 +446,11 @@ class TokenDesign:
         return float(n) if budget - held < 1.0 else budget - held
 
     def _quantized_budget(self, n: int, budget: float, d: int, dv: int) -> float:
-        """:meth:`sampled_budget` at ``kv_bits`` < 16 (as ``kvcert.reference.evict_and_certify``'s)."""
-        if budget >= n or _quantized.sampled_budget(budget, d, dv, self.kv_bits, layout=self.kv_layout) >= n:
-            return float(n)
+        """:meth:`sampled_budget` at ``kv_bits`` < 16 (as ``kvcert.reference.evict_and_certify``'s):
+        :func:`kvcert.fast.kept_at_bits`, n where the sketch leaves less than one token."""
         extra = 0.0 if self.sketch is None else float(self.sketch.elements(d, dv))
-        sampled = _quantized.sampled_budget(budget, d, dv, self.kv_bits, extra=extra, layout=self.kv_layout)
-        return float(n) if sampled < 1.0 else float(sampled)
+        kept = kept_at_bits(budget, n, d, dv, self.kv_bits, extra=extra, layout=self.kv_layout)
+        return float(n) if kept is None else kept
 
     def sketch_of(self, keys: torch.Tensor, values: torch.Tensor, decision: "TokenDecision", *,
                   queries: torch.Tensor | None = None, scale: float | None = None):

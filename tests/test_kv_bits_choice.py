@@ -90,13 +90,18 @@ def test_one_name_per_operation():
         assert getattr(F, name) is getattr(FB, name) and getattr(R, name) is getattr(RB, name)
 
 
-@pytest.mark.parametrize("seed, n, layout, bound, top, budget, extra", CASES)
-def test_fast_chooser_is_the_reference(seed, n, layout, bound, top, budget, extra):
+def _both_choosers(seed, n, layout, bound, top, budget, extra):
+    """A case's inputs, chooser keywords, the fast choice and the reference choice of each KV head."""
     q, k, v, u = _inputs(seed, n)
     kw = dict(layout=layout, quantized_bound=bound, top=top, top_fraction=0.5, extra=extra, sinks=4, window=16)
     fast = F.choose_kv_bits(q, k, v, u, budget, **kw)
-    for h in range(k.shape[1]):
-        ref = _reference(q, k, v, u, h, budget, **kw)
+    return (q, k, v, u), kw, fast, [_reference(q, k, v, u, h, budget, **kw) for h in range(k.shape[1])]
+
+
+@pytest.mark.parametrize("seed, n, layout, bound, top, budget, extra", CASES)
+def test_fast_chooser_is_the_reference(seed, n, layout, bound, top, budget, extra):
+    (q, k, v, u), kw, fast, refs = _both_choosers(seed, n, layout, bound, top, budget, extra)
+    for h, ref in enumerate(refs):
         assert _far(fast, ref, h, n) == []
         assert int(fast.bits[0, h]) == ref.bits
         # negative control: one more token of memory moves the predictions past the tolerance
@@ -116,11 +121,8 @@ def _argmin(predictions) -> int:
 
 @pytest.mark.parametrize("seed, n, layout, bound, top, budget, extra", CASES)
 def test_the_choice_is_the_argmin_of_its_predictions(seed, n, layout, bound, top, budget, extra):
-    q, k, v, u = _inputs(seed, n)
-    kw = dict(layout=layout, quantized_bound=bound, top=top, top_fraction=0.5, extra=extra, sinks=4, window=16)
-    fast = F.choose_kv_bits(q, k, v, u, budget, **kw)
-    for h in range(k.shape[1]):
-        ref = _reference(q, k, v, u, h, budget, **kw)
+    _, _, fast, refs = _both_choosers(seed, n, layout, bound, top, budget, extra)
+    for ref in refs:
         assert ref.bits == _argmin(ref.predictions)
         assert [p.bits for p in ref.predictions] == list(R.KV_BITS)
     sums = [float(p.total.sum()) for p in fast.predictions]
