@@ -73,8 +73,11 @@ def kvcert_cache(model, press, ids):
     return cache_of(out)
 
 
-def kvcert_kept(model, press, ids) -> list[list[set]]:
-    """Token positions a kvcert press keeps, per layer and KV head (padding slots excluded)."""
+def kvcert_kept(model, press, ids, scores: dict | None = None) -> list[list[set]]:
+    """Token positions a kvcert press keeps, per layer and KV head (padding slots excluded). With
+    ``scores`` (a dict), also the scores the press ranked by, filled in as layer -> (1, h_kv, n)."""
+    if scores is not None:
+        KVCertRecording(press, scores)
     cache = kvcert_cache(model, press, ids)
     return [[{int(p) for p in layer.positions[0, h].tolist() if p >= 0} for h in range(layer.positions.shape[1])]
             for layer in cache.layers]
@@ -86,17 +89,68 @@ def differences(a: list[list[set]], b: list[list[set]]) -> list[tuple[int, int, 
             if x != y]
 
 
-def tie_breaks(diff, scores: dict, kept: int) -> tuple[list, list]:
-    """Split kept-set differences into (exact ties, the rest): a difference is a tie break when
-    every token in it has, in kvpress's scores, exactly the score of kvpress's kept-th highest
-    token (the top-k threshold), so that any choice among them is a top-k."""
-    ties, rest = [], []
-    for layer, head, only_a, only_b in diff:
-        u = scores[layer][0, head]
+def tie_breaks(diff, scores: dict, kept: int, kvcert_scores: dict | None = None) -> tuple[list, list, list]:
+    """Split kept-set differences (layer, head, only kvpress keeps, only kvcert keeps), as
+    :func:`differences` gives them for (kvpress's sets, kvcert's), into (exact ties, rounding, the rest).
+
+    - exact ties: every token in it has, in kvpress's scores (and in kvcert's, where given),
+      exactly the score of kvpress's kept-th highest token (the top-k threshold), so that any
+      choice among them is a top-k;
+    - rounding (only with ``kvcert_scores``, those kvcert's press ranked by in its own forward):
+      for every token a kvcert alone keeps and b kvpress alone keeps, kvcert ranks a at least as
+      high (u'_a >= u'_b) and kvpress's order of the two is within the two runs' discrepancy on
+      them, u_b - u_a <= |u_a - u'_a| + |u_b - u'_b|. Two top-k selections of scores that differ
+      by those amounts can differ so and no further (u'_a >= u'_b and u_b >= u_a give it), so
+      the rest are tokens kvcert kept against its own score order or kvpress's by more than
+      the runs disagree."""
+    ties, rounding, rest = [], [], []
+    for layer, head, only_kvpress, only_kvcert in diff:
+        u = scores[layer][0, head].double()
         threshold = u.topk(kept).values[-1]
-        tokens = sorted(only_a | only_b)
-        (ties if bool((u[tokens] == threshold).all()) else rest).append((layer, head, only_a, only_b))
-    return ties, rest
+        tokens = sorted(only_kvpress | only_kvcert)
+        tied = bool((u[tokens] == threshold).all())
+        if kvcert_scores is not None:
+            v = kvcert_scores[layer][0, head].double()
+            tied = tied and bool((v[tokens] == v[tokens[0]]).all())
+        if tied:
+            ties.append((layer, head, only_kvpress, only_kvcert))
+            continue
+        if kvcert_scores is not None:
+            gap = (u - v).abs()
+            if all(v[a] >= v[b] and u[b] - u[a] <= gap[a] + gap[b]
+                   for a in only_kvcert for b in only_kvpress):
+                rounding.append((layer, head, only_kvpress, only_kvcert))
+                continue
+        rest.append((layer, head, only_kvpress, only_kvcert))
+    return ties, rounding, rest
+
+
+def score_discrepancy(scores: dict, kvcert_scores: dict) -> float:
+    """The largest |u - u'| over every layer, head and token where both scores are finite, relative
+    to the largest |u| there: how far kvcert's scores are from kvpress's as numbers."""
+    worst = 0.0
+    for layer, u in scores.items():
+        u, v = u.double(), kvcert_scores[layer].double()
+        finite = torch.isfinite(u) & torch.isfinite(v)
+        worst = max(worst, float((u - v).abs()[finite].max() / u.abs()[finite].max()))
+    return worst
+
+
+class KVCertRecording:
+    """Wrap a kvcert press's ``score(queries, keys, values, *, scale, layer, event)`` (an instance
+    attribute shadows the method; :class:`kvcert.presses.ScorerPress` calls ``self.score``) and
+    store each layer's scores in ``into`` (layer -> (b, h_kv, n)); a layer scored twice is refused."""
+
+    def __init__(self, press, into: dict):
+        score = press.score
+
+        def recorded(queries, keys, values, *, scale, layer=0, event=0):
+            u = score(queries, keys, values, scale=scale, layer=layer, event=event)
+            assert layer not in into, f"layer {layer} was scored twice"
+            into[layer] = u.detach().clone()
+            return u
+
+        press.score = recorded
 
 
 class Recording:
