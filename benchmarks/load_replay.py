@@ -18,7 +18,7 @@ Per step it records the wall time of ``LLMEngine.step()``, the requests the sche
 scheduled (the scheduler's ``SchedulerOutput.num_scheduled_tokens``): a step whose tokens all are one per
 request is a decode step, any other holds prefill. The JSON holds, per engine: wall time, output tokens/s, the
 mean requests per step (weighted by step time), the decode steps' and the prefill steps' count, time and tokens,
-preemptions (vLLM's scheduler counter), and the per-step log; and the ratios plugin / stock. No timing assertion
+and the per-step log; and the ratios plugin / stock. No timing assertion
 anywhere (STYLE.md rule 5).
 """
 

@@ -301,5 +301,80 @@ def test_results_are_what_the_script_gives(path, tmp_path):
     argv[argv.index("--json") + 1] = str(tmp_path / "again.json")
     assert cm.main(argv) == 0
     again = json.loads((tmp_path / "again.json").read_text())
-    for key in ("stock", "kvcert", "ratios", "fleet", "break_even_decode_ratio", "validation"):
+    for key in ("stock", "kvcert", "ratios", "fleet", "break_even_decode_ratio", "validation", "load_validation"):
         assert json.dumps(again.get(key), sort_keys=True) == json.dumps(saved.get(key), sort_keys=True), key
+
+
+# --------------------------------------------------------------------------------------------- the load test
+
+def _load_inputs(*, prefill_kvcert=2.0, step_kvcert=0.1):
+    """A made-up load test and cost breakdown whose prediction is worked out by hand below: 10 requests of
+    64 output tokens, prompts uniform over 1024..1088, blocks of 32, a pool of 100 blocks and 8 clients."""
+    load = {"settings": {"requests": 10, "max_tokens": 64, "min_prompt": 1024, "max_prompt": 1088,
+                         "block_size": 32, "pool_blocks": 100, "clients": 8, "ratio": 0.5}}
+    per_batch = lambda t1: {str(b): {"step_s": t1 * b} for b in (1, 2, 4, 8)}
+    breakdown = {"engines": {"stock": {"prefill": {"1024": {"prefill_s": 1.0}, "2048": {"prefill_s": 3.0}},
+                                       "per_batch": per_batch(0.1)},
+                             "kvcert": {"prefill": {"1024": {"prefill_s": prefill_kvcert},
+                                                    "2048": {"prefill_s": 2 * prefill_kvcert + 1.0}},
+                                        "per_batch": per_batch(step_kvcert)}}}
+    return load, breakdown
+
+
+def test_interpolate_is_linear_between_and_past_the_points():
+    points = {"1024": 1.0, "2048": 3.0, "4096": 5.0}
+    assert cm.interpolate(points, 1536) == pytest.approx(2.0)
+    assert cm.interpolate(points, 3072) == pytest.approx(4.0)
+    assert cm.interpolate(points, 512) == pytest.approx(0.0)  # the first segment extended
+    assert cm.interpolate(points, 5120) == pytest.approx(6.0)  # the last one extended
+    with pytest.raises(ValueError, match="points"):
+        cm.interpolate({"1": 1.0}, 1)
+
+
+def test_load_prediction_is_the_documented_sum():
+    """Stock: prompts 1024..1088 take 34-36 blocks at their last token (mean over the 65 lengths), the pool of
+    100 holds the longest prompt in prefill (34 blocks) and floor(66 / mean run) more; the prefill is
+    1 s + (n - 1024) / 1024 x 2 s, its mean over the lengths 1.0625 s; the step at b is 0.1 b, so the decode
+    costs N o / b x 0.1 b = 64 s whatever b is."""
+    load, breakdown = _load_inputs()
+    lengths = range(1024, 1089)
+    run = sum(math.ceil((n + 64) / 32) for n in lengths) / len(lengths)
+    b = 1 + math.floor((100 - math.ceil(1088 / 32)) / run)
+    p = cm.load_prediction(load, breakdown, "stock")
+    assert p["in_flight"] == b
+    assert p["prefill_s_per_request"] == pytest.approx(1.0625)
+    assert p["decode_s"] == pytest.approx(64.0)
+    assert p["wall_s"] == pytest.approx(10.625 + 64.0)
+    assert p["output_tokens_per_s"] == pytest.approx(640 / 74.625)
+    half = cm.load_prediction(load, breakdown, "stock", hit_rate=0.5)
+    assert half["prefill_s"] == pytest.approx(10.625 / 2)
+    assert cm.load_prediction(load, breakdown, "stock", prefill=False)["wall_s"] == pytest.approx(64.0)
+
+
+def test_load_prediction_parts_move_the_plugin_as_documented():
+    """The plugin holds more requests at once (its compacted blocks), pays its own prefill (the event) and
+    its own step; taking a part out gives stock's value for that part."""
+    load, breakdown = _load_inputs(prefill_kvcert=2.0, step_kvcert=0.05)
+    stock = cm.load_prediction(load, breakdown, "stock")
+    cert = cm.load_prediction(load, breakdown, "kvcert")
+    assert cert["in_flight"] > stock["in_flight"]
+    assert cert["prefill_s_per_request"] > stock["prefill_s_per_request"]
+    assert cm.load_prediction(load, breakdown, "kvcert", event=False)["prefill_s"] == pytest.approx(stock["prefill_s"])
+    assert cm.load_prediction(load, breakdown, "kvcert", admission=False)["in_flight"] == stock["in_flight"]
+    # the step is linear in b here, so the decode time is b-free: 10 x 64 x 0.05 s
+    assert cert["decode_s"] == pytest.approx(32.0)
+
+
+def test_load_validation_reads_the_runs_it_cites():
+    """The validation's measured numbers are the load test's and the replay's, and the parts move the ratio the
+    way their costs say: taking out the event or the prefill raises it, taking out the admission lowers it."""
+    v = cm.validate_load()
+    load = json.loads((ROOT / cm.LOAD_RUN).read_text())
+    replay = json.loads((ROOT / cm.REPLAY_RUN).read_text())
+    assert v["ratio"]["measured"] == load["summary"]["throughput_ratio"]
+    assert v["ratio"]["replay"] == replay["ratios_kvcert_over_stock"]["output_tokens_per_s"]
+    for name in ("stock", "kvcert"):
+        assert v["engines"][name]["measured_output_tokens_per_s"] == load["servers"][name]["output_tokens_per_s"]
+    parts = v["parts"]
+    assert parts["decode only (no prefill in either)"] > parts["without the eviction event (the plugin prefills as stock)"] \
+        > parts["as measured"] > parts["without the larger admission (stock's b)"]
