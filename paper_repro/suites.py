@@ -193,8 +193,12 @@ def batches(examples: list, size: int, tokenizer) -> list[list[int]]:
     return [order[i:i + size] for i in range(0, len(order), size)]
 
 
-def collect(cfg: Config, model, tokenizer) -> list[dict]:
+def collect(cfg: Config, model, tokenizer, methods=None) -> list[dict]:
     """Every run of the suites: one record per (protocol, task, example, method, budget).
+
+    ``methods`` (a function ``(ratio, seed) -> [(method, press), ...]``) replaces the presses run at every
+    budget (the paper design, the sketched designs, SnapKV) and leaves out kvpress's and the streaming run:
+    a benchmark's own comparison on the same examples, prefills and protocols (the full cache still runs).
 
     Query-aware (the paper's protocol; the question is compressed with the
     context): examples are run in left-padded batches of ``cfg.suite_batch``
@@ -231,7 +235,7 @@ def collect(cfg: Config, model, tokenizer) -> list[dict]:
     tasks = QUICK_TASKS if cfg.quick else NEEDLE_SUITE + RULER_SUITE
     examples = {t: make_examples(t, cfg.suite_examples, context_tokens=cfg.suite_context, seed=cfg.seed,
                                  tokenizer=tokenizer) for t in tasks}
-    baselines = cfg.kvpress if kvpress_available() else ()
+    baselines = cfg.kvpress if kvpress_available() and methods is None else ()
     records = []
 
     def add(protocol, task, i, method, budget, out):
@@ -261,10 +265,13 @@ def collect(cfg: Config, model, tokenizer) -> list[dict]:
             add(protocol, task, i, "full", 1.0, out)
         for b in cfg.budgets:
             ratio = 1.0 - b
-            # the paper's design by name (sketch=None): PoissonPress's default is the recommended design
-            presses = [("poisson", kvcert.PoissonPress(compression_ratio=ratio, seed=cfg.seed, sketch=None))]
-            presses += [(f"poisson_{name}", sketch_press(name, ratio, cfg.seed)) for name in SKETCHES]
-            presses += [("snapkv", kvcert.SnapKVPress(compression_ratio=ratio))]
+            if methods is not None:
+                presses = methods(ratio, cfg.seed)
+            else:
+                # the paper's design by name (sketch=None): PoissonPress's default is the recommended design
+                presses = [("poisson", kvcert.PoissonPress(compression_ratio=ratio, seed=cfg.seed, sketch=None))]
+                presses += [(f"poisson_{name}", sketch_press(name, ratio, cfg.seed)) for name in SKETCHES]
+                presses += [("snapkv", kvcert.SnapKVPress(compression_ratio=ratio))]
             for method, press in presses:
                 for i, out in runs(press, state):
                     add(protocol, task, i, method, b, out)
@@ -273,7 +280,7 @@ def collect(cfg: Config, model, tokenizer) -> list[dict]:
                     add(protocol, task, i, f"kvpress:{name}", b,
                         _kvpress_run(model, tokenizer, ex, kvpress_press(name, b), protocol))
         del state
-        if protocol == QUERY_AWARE and STREAM_BUDGET in cfg.budgets:
+        if protocol == QUERY_AWARE and STREAM_BUDGET in cfg.budgets and methods is None:
             n = float(np.mean([_prompt_tokens(tokenizer, e) for e in exs]))
             press = kvcert.DecodingPress(kvcert.PoissonPress(target_size=max(1, round(STREAM_BUDGET * n)),
                                                              seed=cfg.seed, sketch=None),
