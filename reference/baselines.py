@@ -137,16 +137,16 @@ def expected_attention_scores(queries, keys, *, scale=None, kernel_size: int = 7
 
     .. math::
 
-        \mu = rac{1}{m}\sum_{j=1}^{m} q_j, \qquad
-        C = rac{1}{m-1}\sum_{j=1}^{m} (q_j - \mu)(q_j - \mu)^	op
-        \quad (C = 0 	ext{ if } m = 1),
+        \mu = \frac{1}{m}\sum_{j=1}^{m} q_j, \qquad
+        C = \frac{1}{m-1}\sum_{j=1}^{m} (q_j - \mu)(q_j - \mu)^\top
+        \quad (C = 0 \text{ if } m = 1),
 
-        \ell_i = \log \mathbb{E}_{q \sim N(\mu, C)}\, e^{	au q\cdot k_i}
-               = 	au\, \mu\cdot k_i + rac{	au^2}{2}\, k_i^	op C\, k_i,
+        \ell_i = \log \mathbb{E}_{q \sim N(\mu, C)}\, e^{\tau q\cdot k_i}
+               = \tau\, \mu\cdot k_i + \frac{\tau^2}{2}\, k_i^\top C\, k_i,
         \qquad e_i = \operatorname{softmax}_{i=1..n}(\ell_i),
 
-        s_i = rac{\mathrm{snapkv}_i}{\sum_{j=1}^{n} \mathrm{snapkv}_j}, \qquad
-        u_i = (1 - eta)\, s_i + eta\, e_i, \quad eta = 	exttt{mix},
+        s_i = \frac{\mathrm{snapkv}_i}{\sum_{j=1}^{n} \mathrm{snapkv}_j}, \qquad
+        u_i = (1 - \beta)\, s_i + \beta\, e_i, \quad \beta = \texttt{mix},
 
     with :math:`\mathrm{snapkv}` = :func:`snapkv_scores` on the same window and
     ``kernel_size``. :math:`e` is over all n keys, without a causal mask (a
@@ -160,11 +160,11 @@ def expected_attention_scores(queries, keys, *, scale=None, kernel_size: int = 7
     keys : array_like, (n, d)
         The keys of that KV head, w <= n.
     scale : float, optional
-        Softmax scale :math:`	au`, default :math:`1/\sqrt{d}`.
+        Softmax scale :math:`\tau`, default :math:`1/\sqrt{d}`.
     kernel_size : int, default 7
         Positive odd width of SnapKV's average pool (the e part is not pooled).
     mix : float in [0, 1], default 0.5
-        :math:`eta`: 0 gives normalized SnapKV, 1 the expected attention alone.
+        :math:`\beta`: 0 gives normalized SnapKV, 1 the expected attention alone.
 
     Returns
     -------
@@ -174,7 +174,7 @@ def expected_attention_scores(queries, keys, *, scale=None, kernel_size: int = 7
     Notes
     -----
     The logit is computed in float64 as
-    :math:`	au\,(\mu\cdot k_i + 	frac{	au}{2} k_i^	op C k_i)` (no
+    :math:`\tau\,(\mu\cdot k_i + \tfrac{\tau}{2} k_i^\top C k_i)` (no
     :math:`0 \cdot \infty` when :math:`C = 0` at a huge scale), with the
     quadratic form clipped at 0 (C is positive semi-definite; rounding may
     leave it at -1e-17), and a max-subtracted softmax. If a logit overflows to

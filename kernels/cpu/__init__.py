@@ -720,7 +720,7 @@ def paged_sketch_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_
     layout; log pi -inf where the slot holds no token, never read), the step and its certificate as
     :func:`sketch_hajek_attention` with ``value_center`` the mean kept value of each (row, KV head),
 
-    .. math:: \mu = rac{1}{|S|}\sum_{i\in S} v_i
+    .. math:: \mu = \frac{1}{|S|}\sum_{i\in S} v_i
 
     (:func:`kvcert.fast.value_moments`' centre), which the op computes first from the kept values (one read of
     them, in place): the vLLM plugin's sketched decode (``kvcert.vllm.backend.sketch_decode``) without
