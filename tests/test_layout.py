@@ -265,3 +265,31 @@ def test_the_diagram_rule_sees_an_undrawn_import_and_a_cycle(tmp_path):
     assert _cycles(edges) and not _cycles({("kvcert.dispatch", "kvcert.fast")})
     drawn = diagram({("kvcert.dispatch", "kvcert.fast"), ("kvcert.cache", "kvcert.records")})
     assert drawn not in diagram(edges) and diagram(edges) != drawn
+
+
+#: characters no source or document here holds: what a LaTeX escape becomes when it is written through a
+#: non-raw Python string (\f of \frac -> form feed, \b of \beta / \big -> backspace, \t of \tau -> tab, \r of
+#: \rho -> carriage return, \a -> bell, \v -> vertical tab)
+CONTROL = re.compile("[\x07\x08\x0b\x0c\r\t]")
+TEXT_FOLDERS = ("kvcert", "fast", "kernels", "reference", "paper_repro", "benchmarks", "tests", "docs")
+
+
+def _control_characters(root: Path, folders) -> list:
+    """``path:line`` of every .py and .md file under ``folders`` with a CONTROL character."""
+    bad = []
+    for p in sorted(p for d in folders for p in (root / d).rglob("*") if p.suffix in (".py", ".md")):
+        for i, line in enumerate(p.read_text(errors="replace").split("\n"), 1):
+            if CONTROL.search(line):
+                bad.append(f"{p.relative_to(root).as_posix()}:{i}: {line[:60]!r}")
+    return bad
+
+
+def test_no_escape_became_a_control_character():
+    bad = _control_characters(ROOT, TEXT_FOLDERS)
+    assert not bad, f"control characters (a LaTeX escape written through a non-raw string?): {bad[:5]}"
+
+
+def test_the_control_character_rule_sees_a_form_feed(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("ok\n$\x0crac12$\n")
+    assert _control_characters(tmp_path, ("docs",)) == ["docs/a.md:2: '$\\x0crac12$'"]
