@@ -33,7 +33,9 @@ asked), and from the plugin's servers: certificates lost (a certified request wh
 no ``kv_transfer_params["kvcert"]`` record, or a record with a certificate count other than its tokens),
 plain requests that carried a record, certified requests marked ``preempted: true``, and the server's
 ``/metrics`` (vLLM's ``vllm:num_preemptions_total``, its prefix cache's queried and hit prompt tokens and
-their ratio ``prefix_cache_hit_rate``, the plugin's counters). The ratios kvcert / stock are of the same
+their ratio ``prefix_cache_hit_rate``, the plugin's counters), and ``occupancy``: the engine's running and
+waiting requests (vLLM's ``vllm:num_requests_running`` / ``_waiting`` gauges, read from ``/metrics`` every 5 s
+while the load runs; their mean and largest). The ratios kvcert / stock are of the same
 schedule's runs; ``plain_vs_stock`` compares kvcert_mixed's plain requests with the same requests on the
 stock server (latency and TTFT percentiles, within 5% or not). ``summary``: ``throughput_ratio`` (kvcert /
 stock output tokens per second), ``throughput_cap`` (benchmarks/step_curve.py's cap 2 t(b) / t(2b) at the
@@ -131,9 +133,40 @@ def _one(client, req: dict, max_tokens: int, ratio: float, seed: int) -> dict:
             "certified": req["certified"], "record": record, "prompt_tokens": len(req["prompt"])}
 
 
+#: vLLM's gauges of the scheduler's queues (vllm/v1/metrics/loggers.py), sampled while the load runs: the requests
+#: the engine runs at once, and those waiting for admission
+VLLM_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def sample_occupancy(url: str, stop: threading.Event, every: float, t0: float, out: list) -> None:
+    """Until ``stop`` is set, every ``every`` seconds append ``[seconds since t0, running, waiting]`` (vLLM's
+    gauges, summed over engines) to ``out``; a failed read is skipped."""
+    from vllm_support import metric_samples
+
+    while not stop.wait(every):
+        try:
+            values = dict.fromkeys(VLLM_GAUGES, 0.0)
+            for s in metric_samples(url):
+                if s.name in values:
+                    values[s.name] += s.value
+            out.append([time.monotonic() - t0, *values.values()])
+        except Exception:  # noqa: BLE001 - a sample missed is a sample fewer, not a failed load
+            continue
+
+
+def occupancy_summary(samples: list) -> dict:
+    """The mean and largest running and waiting requests over the samples (None where there are none)."""
+    if not samples:
+        return {"samples": 0, "running_mean": None, "running_max": None, "waiting_mean": None}
+    running, waiting = [s[1] for s in samples], [s[2] for s in samples]
+    return {"samples": len(samples), "running_mean": statistics.fmean(running), "running_max": max(running),
+            "waiting_mean": statistics.fmean(waiting)}
+
+
 def run_load(url: str, load: list[dict], clients: int, max_tokens: int, ratio: float, seed: int,
-             time_limit: float) -> dict:
-    """The closed loop of ``clients`` threads over the schedule; per request results in schedule order."""
+             time_limit: float, sample_every: float = 5.0) -> dict:
+    """The closed loop of ``clients`` threads over the schedule; per request results in schedule order, and the
+    engine's running and waiting requests sampled every ``sample_every`` seconds (:func:`sample_occupancy`)."""
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=max(900.0, time_limit))
@@ -155,11 +188,19 @@ def run_load(url: str, load: list[dict], clients: int, max_tokens: int, ratio: f
                 if done[0] % 8 == 0 or done[0] == len(load):
                     print(f"  {done[0]}/{len(load)} requests, {time.monotonic() - t0:.0f} s", flush=True)
 
-    with cf.ThreadPoolExecutor(clients) as ex:
-        for f in [ex.submit(worker) for _ in range(clients)]:
-            f.result()
+    stop, samples = threading.Event(), []
+    sampler = threading.Thread(target=sample_occupancy, args=(url, stop, sample_every, t0, samples), daemon=True)
+    sampler.start()
+    try:
+        with cf.ThreadPoolExecutor(clients) as ex:
+            for f in [ex.submit(worker) for _ in range(clients)]:
+                f.result()
+    finally:
+        stop.set()
+        sampler.join()
     wall = time.monotonic() - t0
-    return {"wall_s": wall, "results": results, "complete": all(r is not None for r in results)}
+    return {"wall_s": wall, "results": results, "complete": all(r is not None for r in results),
+            "occupancy": samples}
 
 
 #: vLLM's counters read from ``/metrics`` besides the plugin's: preemptions and the prefix cache's queried and hit
@@ -208,7 +249,7 @@ def summarize(run: dict, max_tokens: int, plugin: bool) -> dict:
     out = {
         "sent": len(rs), "completed": len(ok), "failed": len(failed),
         "failures": [r.get("error") or f"{r['tokens']} tokens, finish {r.get('finish_reason')}" for r in failed][:10],
-        "complete": run["complete"], "wall_s": run["wall_s"],
+        "complete": run["complete"], "wall_s": run["wall_s"], "occupancy": occupancy_summary(run.get("occupancy", [])),
         "requests_per_s": len(ok) / run["wall_s"], "output_tokens_per_s": sum(r["tokens"] for r in ok) / run["wall_s"],
         "latency_s": {"all": _pct([r["latency_s"] for r in ok]), "certified": _pct([r["latency_s"] for r in cert]),
                       "plain": _pct([r["latency_s"] for r in plain])},
