@@ -10,7 +10,8 @@ to the cap of benchmarks/step_curve.py. This script measures the three costs tha
 in a process of its own (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one ``LLMEngine.step()`` is one scheduler step,
 timed from here with ``time.perf_counter``), the default model, float32, eager, prefix caching on, block size 32:
 
-- **prefill** (``--prefill`` lengths, ``--repeats`` fresh prompts each, alone in the engine): the time from
+- **prefill** (``--prefill`` lengths, ``--repeats`` fresh prompts each after one not kept, alone in the
+  engine; the median of them): the time from
   adding the request to its first token, the steps summed (one step at these lengths: the chunk budget is
   ``--max-num-batched-tokens``). For a certified request that step holds the eviction event (the worker samples
   on the step of the prompt's last chunk), so the plugin's prefill minus stock's is the event's cost. The step
