@@ -1154,9 +1154,8 @@ def load_prediction(load: dict, breakdown: dict, engine: str, *, hit_rate: float
     model = dataclasses.replace(MODELS["smollm2-135m"], dtype_bytes=4)
     kv = Kvcert(sketch="tilted", sampling="systematic", state_in_pool=False)
     traffic = Traffic([(n, 1.0) for n in lengths], out, 1.0, st["ratio"])
-    blocks_of = lambda share: traffic_blocks(model, traffic, kv, Serving(block_size=bs, batch_cap=st["clients"]),
-                                             certified_share=share)
-    blocks = blocks_of(1.0 if certified and admission else 0.0)
+    blocks = traffic_blocks(model, traffic, kv, Serving(block_size=bs, batch_cap=st["clients"]),
+                            certified_share=1.0 if certified and admission else 0.0)
     b = in_flight(st["pool_blocks"], blocks["prefill"], blocks["run"], cap=st["clients"])
     costs = breakdown["engines"][engine]
     per_length = {n: v["prefill_s"] for n, v in

@@ -41,9 +41,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -51,7 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "vllm"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_curve import KV_BYTES_PER_TOKEN  # noqa: E402
+from step_curve import (  # noqa: E402
+    drain, engines_in_processes, in_process_engine, require_at_least, until_first_token)
 
 ENGINES = ("stock", "kvcert")
 
@@ -61,26 +60,6 @@ def _params(engine: str, a, max_tokens: int):
 
     extra = {"kvcert_compression_ratio": a.ratio, "kvcert_seed": 0} if engine == "kvcert" else None
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, extra_args=extra)
-
-
-def _until_first_token(engine, ids: set[str], tag: str) -> list[float]:
-    """Step until every request of ``ids`` has its first token; the step times (seconds)."""
-    started: set[str] = set()
-    times = []
-    while not ids <= started:
-        t = time.perf_counter()
-        outs = engine.step()
-        times.append(time.perf_counter() - t)
-        started |= {o.request_id for o in outs if o.outputs and o.outputs[0].token_ids}
-        if len(times) > 10_000:
-            raise RuntimeError(f"{tag}: the prompts were not prefilled after {len(times)} steps")
-    return times
-
-
-def _drain(engine, ids: list[str]) -> None:
-    engine.abort_request(ids)
-    while engine.has_unfinished_requests():
-        engine.step()
 
 
 def measure_prefill(engine, name: str, a, model: str) -> dict:
@@ -94,11 +73,11 @@ def measure_prefill(engine, name: str, a, model: str) -> dict:
             prompt = _prompts(model, [length], 1, offset=100_003 * (r + 1) + length)[0]
             rid = f"{name}-p{length}-{r}"
             engine.add_request(rid, {"prompt_token_ids": prompt}, _params(name, a, 8))
-            steps = _until_first_token(engine, {rid}, rid)
+            steps = until_first_token(engine, {rid}, rid)
             t = time.perf_counter()
             engine.step()
             nxt = time.perf_counter() - t
-            _drain(engine, [rid])
+            drain(engine, [rid])
             if r:
                 runs.append(sum(steps))
                 next_steps.append(nxt)
@@ -122,7 +101,7 @@ def measure_curve(engine, name: str, a, model: str, rep: int) -> dict[int, list[
         for rid, p in zip(new, prompts[len(ids):b]):
             engine.add_request(rid, {"prompt_token_ids": p}, sp)
         ids += new
-        _until_first_token(engine, set(new), f"{name} b={b}")
+        until_first_token(engine, set(new), f"{name} b={b}")
         for _ in range(a.warmup):
             engine.step()
         times = []
@@ -135,33 +114,19 @@ def measure_curve(engine, name: str, a, model: str, rep: int) -> dict[int, list[
         raw[b] = times
         print(f"{name} repeat {rep + 1}/{a.repeats} b={b}: {statistics.median(times) * 1e3:.1f} ms/step "
               f"(load {os.getloadavg()[0]:.2f})", flush=True)
-    _drain(engine, ids)
+    drain(engine, ids)
     return raw
 
 
 def run_engine(name: str, a) -> dict:
     """Build one engine in this process and measure it (the child's work)."""
-    from vllm_support import model_path, vllm_env
-
-    model = model_path()
     pool = max(a.batches) * -(-a.max_len // a.block_size) + 2 * -(-a.max_len // a.block_size)
-    env = vllm_env(plugin=name == "kvcert", in_process=True)
-    env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, -(-pool * a.block_size * KV_BYTES_PER_TOKEN // 2**30)))
-    os.environ.update(env)
-    kwargs = dict(dtype="float32", enforce_eager=True, block_size=a.block_size, num_gpu_blocks_override=pool,
-                  max_num_seqs=max(a.batches), max_model_len=a.max_len, max_num_batched_tokens=a.max_num_batched_tokens,
-                  enable_prefix_caching=True, disable_log_stats=True)
     load_start = os.getloadavg()
     t_all = time.perf_counter()
-    if name == "kvcert":
-        from kvcert.vllm import certified_llm
-
-        llm = certified_llm(model, compression_ratio=a.ratio, seed=0, **kwargs)
-    else:
-        from vllm import LLM
-
-        llm = LLM(model=model, **kwargs)
-    engine = llm.llm_engine
+    engine, model = in_process_engine(plugin=name == "kvcert", pool_blocks=pool, block_size=a.block_size,
+                                      compression_ratio=a.ratio, max_num_seqs=max(a.batches), max_model_len=a.max_len,
+                                      max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=True,
+                                      disable_log_stats=True)
     prefill = measure_prefill(engine, name, a, model)
     raw: dict[int, list[list[float]]] = {b: [] for b in a.batches}
     for rep in range(a.repeats):
@@ -205,11 +170,8 @@ def _args(argv):
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "load_breakdown.json"))
     ap.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)  # the child: one engine, JSON to --out
     a = ap.parse_args(argv)
-    for name in ("context", "steps", "repeats", "block_size", "max_num_batched_tokens"):
-        if getattr(a, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    if a.warmup < 0:
-        ap.error(f"--warmup must be >= 0, got {a.warmup}")
+    require_at_least(ap, a, ("context", "steps", "repeats", "block_size", "max_num_batched_tokens"))
+    require_at_least(ap, a, ("warmup",), low=0)
     if any(b < 1 for b in a.batches) or any(n < 1 for n in a.prefill):
         ap.error(f"--batches and --prefill must be >= 1, got {a.batches} and {a.prefill}")
     if not 0 < a.ratio < 1:
@@ -231,14 +193,7 @@ def main(argv=None) -> None:
         return
     from runinfo import git
 
-    engines = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in a.engines:
-            part = Path(tmp) / f"{name}.json"
-            child = [sys.executable, str(Path(__file__).resolve()), *argv, "--engine", name, "--out", str(part)]
-            print(f"== {name}", flush=True)
-            subprocess.run(child, check=True)
-            engines[name] = json.loads(part.read_text())
+    engines = engines_in_processes(str(Path(__file__).resolve()), argv, a.engines)
     result = {
         "command": " ".join([".venv-vllm/bin/python", "benchmarks/load_breakdown.py", *argv]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "git_commit": git("rev-parse", "--short", "HEAD"),

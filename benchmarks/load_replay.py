@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "vllm"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_curve import KV_BYTES_PER_TOKEN  # noqa: E402
+from step_curve import engines_in_processes, in_process_engine, require_at_least  # noqa: E402
 
 ENGINES = ("stock", "kvcert")
 
@@ -50,27 +48,17 @@ def _scheduler(engine):
 def run_engine(name: str, a) -> dict:
     """Replay the schedule on one engine built in this process (the child's work)."""
     from load_test import schedule
-    from vllm import SamplingParams
-    from vllm_support import model_path, vllm_env
 
-    model = model_path()
-    env = vllm_env(plugin=name == "kvcert", in_process=True)
-    env["VLLM_CPU_KVCACHE_SPACE"] = str(max(2, -(-a.pool_blocks * a.block_size * KV_BYTES_PER_TOKEN // 2**30)))
-    os.environ.update(env)
+    # engine default compression 0 as the load test's server: a request is certified when it asks
+    engine, model = in_process_engine(plugin=name == "kvcert", pool_blocks=a.pool_blocks, block_size=a.block_size,
+                                      min_kv_gib=2, max_num_seqs=a.clients,
+                                      max_model_len=a.max_prompt + a.max_tokens + a.block_size,
+                                      max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=True,
+                                      disable_log_stats=True)
+    from vllm import SamplingParams
+
     load = schedule(a.requests, a.seed, a.min_prompt, a.max_prompt, 1.0, model, a.shared_prefix_tokens,
                     a.shared_prefix_fraction)
-    kwargs = dict(dtype="float32", enforce_eager=True, block_size=a.block_size, num_gpu_blocks_override=a.pool_blocks,
-                  max_num_seqs=a.clients, max_model_len=a.max_prompt + a.max_tokens + a.block_size,
-                  max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=True, disable_log_stats=True)
-    if name == "kvcert":
-        from kvcert.vllm import certified_llm
-
-        llm = certified_llm(model, compression_ratio=0.0, seed=0, **kwargs)
-    else:
-        from vllm import LLM
-
-        llm = LLM(model=model, **kwargs)
-    engine = llm.llm_engine
     sched = _scheduler(engine)
     scheduled = []
     schedule_fn = sched.schedule
@@ -154,9 +142,8 @@ def _args(argv):
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "load_replay.json"))
     ap.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    for n in ("requests", "clients", "min_prompt", "max_tokens", "block_size", "pool_blocks", "max_num_batched_tokens"):
-        if getattr(a, n) < 1:
-            ap.error(f"--{n.replace('_', '-')} must be >= 1, got {getattr(a, n)}")
+    require_at_least(ap, a, ("requests", "clients", "min_prompt", "max_tokens", "block_size", "pool_blocks",
+                             "max_num_batched_tokens"))
     if a.max_prompt < a.min_prompt:
         ap.error(f"--max-prompt must be >= --min-prompt, got {a.max_prompt} < {a.min_prompt}")
     if not 0 < a.ratio < 1:
@@ -172,15 +159,8 @@ def main(argv=None) -> None:
         return
     from runinfo import git
 
-    engines = {}
     load_start = os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in a.engines:
-            part = Path(tmp) / f"{name}.json"
-            print(f"== {name}", flush=True)
-            subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--engine", name, "--out",
-                            str(part)], check=True)
-            engines[name] = json.loads(part.read_text())
+    engines = engines_in_processes(str(Path(__file__).resolve()), argv, a.engines)
     result = {"command": " ".join([".venv-vllm/bin/python", "benchmarks/load_replay.py", *argv]),
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "git_commit": git("rev-parse", "--short", "HEAD"),

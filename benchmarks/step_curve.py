@@ -69,6 +69,74 @@ def caps(times: dict[int, float], at: list[int]) -> dict:
     return {"cap": out, "unmeasured": missing}
 
 
+def require_at_least(ap: argparse.ArgumentParser, a: argparse.Namespace, names, low: int = 1) -> None:
+    """``ap.error`` naming the first of ``names`` (attributes of ``a``) below ``low``, as its flag."""
+    for name in names:
+        if getattr(a, name) < low:
+            ap.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(a, name)}")
+
+
+def in_process_engine(*, plugin: bool, pool_blocks: int, block_size: int, compression_ratio: float = 0.0,
+                      min_kv_gib: int = 1, **llm_kwargs):
+    """(the ``LLMEngine``, the model's path) of one engine built in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: one ``LLMEngine.step()`` is one scheduler step), the default model
+    in float32, eager, a pool of ``pool_blocks`` blocks of ``block_size``: stock with no plugin loaded
+    (``VLLM_PLUGINS=""``), or with ``plugin`` :func:`kvcert.vllm.certified_llm` at ``compression_ratio``, seed 0.
+    ``VLLM_CPU_KVCACHE_SPACE`` holds the pool (at least ``min_kv_gib`` GiB)."""
+    from vllm_support import model_path, vllm_env
+
+    model = model_path()
+    env = vllm_env(plugin=plugin, in_process=True)
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(max(min_kv_gib, -(-pool_blocks * block_size * KV_BYTES_PER_TOKEN // 2**30)))
+    os.environ.update(env)
+    kwargs = dict(dtype="float32", enforce_eager=True, block_size=block_size, num_gpu_blocks_override=pool_blocks,
+                  **llm_kwargs)
+    if plugin:
+        from kvcert.vllm import certified_llm
+
+        return certified_llm(model, compression_ratio=compression_ratio, seed=0, **kwargs).llm_engine, model
+    from vllm import LLM
+
+    return LLM(model=model, **kwargs).llm_engine, model
+
+
+def until_first_token(engine, ids: set[str], tag: str) -> list[float]:
+    """Step until every request of ``ids`` has its first token; the step times (seconds)."""
+    started: set[str] = set()
+    times = []
+    while not ids <= started:
+        t = time.perf_counter()
+        outs = engine.step()
+        times.append(time.perf_counter() - t)
+        started |= {o.request_id for o in outs if o.outputs and o.outputs[0].token_ids}
+        if len(times) > 10_000:
+            raise RuntimeError(f"{tag}: the prompts were not prefilled after {len(times)} steps")
+    return times
+
+
+def drain(engine, ids: list[str]) -> None:
+    """Abort the requests ``ids`` and step until the engine holds none."""
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def engines_in_processes(script: str, argv: list[str], names) -> dict:
+    """Run ``script`` once per engine of ``names``, each in a process of its own (``script ARGV --engine NAME
+    --out PART``, the child writing its JSON to PART), and return name -> the child's JSON."""
+    import subprocess
+    import tempfile
+
+    engines = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            part = Path(tmp) / f"{name}.json"
+            print(f"== {name}", flush=True)
+            subprocess.run([sys.executable, script, *argv, "--engine", name, "--out", str(part)], check=True)
+            engines[name] = json.loads(part.read_text())
+    return engines
+
+
 def _measure(engine, prompts: list[list[int]], steps: int, warmup: int, tag: str) -> list[float]:
     """Add the prompts as requests, step through their prefill and ``warmup`` decode steps, then time ``steps``
     decode steps one by one; abort the requests and return the step times (seconds)."""
@@ -78,15 +146,7 @@ def _measure(engine, prompts: list[list[int]], steps: int, warmup: int, tag: str
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, {"prompt_token_ids": p}, sp)
-    started: set[str] = set()
-    guard = 0
-    while len(started) < len(ids):  # the prefill steps (chunked), untimed
-        for out in engine.step():
-            if out.outputs and out.outputs[0].token_ids:
-                started.add(out.request_id)
-        guard += 1
-        if guard > 10_000:
-            raise RuntimeError(f"{tag}: the prompts were not prefilled after {guard} steps")
+    until_first_token(engine, set(ids), tag)  # the prefill steps (chunked), untimed
     for _ in range(warmup):
         engine.step()
     times = []
@@ -96,9 +156,7 @@ def _measure(engine, prompts: list[list[int]], steps: int, warmup: int, tag: str
         times.append(time.perf_counter() - t)
         if len(outs) != len(ids) or any(o.finished for o in outs):
             raise RuntimeError(f"{tag}: a timed step produced {len(outs)} outputs for {len(ids)} requests")
-    engine.abort_request(ids)
-    while engine.has_unfinished_requests():
-        engine.step()
+    drain(engine, ids)
     return times
 
 
@@ -115,11 +173,8 @@ def _args(argv):
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the prefill's chunk budget per step")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "step_curve.json"))
     a = ap.parse_args(argv)
-    for name in ("context", "steps", "repeats", "block_size", "max_num_batched_tokens"):
-        if getattr(a, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    if a.warmup < 0:
-        ap.error(f"--warmup must be >= 0, got {a.warmup}")
+    require_at_least(ap, a, ("context", "steps", "repeats", "block_size", "max_num_batched_tokens"))
+    require_at_least(ap, a, ("warmup",), low=0)
     if any(b < 1 for b in a.batches + a.cap_at):
         ap.error(f"--batches and --cap-at must be >= 1, got {a.batches} and {a.cap_at}")
     a.batches = sorted(set(a.batches))
@@ -128,25 +183,18 @@ def _args(argv):
 
 def main(argv=None) -> None:
     a = _args(argv)
-    from vllm_support import model_path, vllm_env
     from bench_serving import _prompts
     from runinfo import git
 
-    model = model_path()
     max_len = a.context + a.steps + a.warmup + 64 + a.block_size
     per_request = -(-max_len // a.block_size)
     pool = max(a.batches) * per_request + per_request  # every prompt cached beside the largest running batch
-    env = vllm_env(plugin=False, in_process=True)
-    env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, -(-pool * a.block_size * KV_BYTES_PER_TOKEN // 2**30)))
-    os.environ.update(env)
     load_start = os.getloadavg()
-    from vllm import LLM
-
     t_all = time.perf_counter()
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, block_size=a.block_size, num_gpu_blocks_override=pool,
-              max_num_seqs=max(a.batches), max_model_len=max_len, max_num_batched_tokens=a.max_num_batched_tokens,
-              enable_prefix_caching=True, disable_log_stats=True)
-    engine = llm.llm_engine
+    engine, model = in_process_engine(plugin=False, pool_blocks=pool, block_size=a.block_size,
+                                      max_num_seqs=max(a.batches), max_model_len=max_len,
+                                      max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=True,
+                                      disable_log_stats=True)
     prompts = _prompts(model, [a.context], max(a.batches), offset=0)
     raw: dict[int, list[list[float]]] = {b: [] for b in a.batches}
     for rep in range(a.repeats):
