@@ -113,6 +113,24 @@ CERT_SIGNALS = ("cert_max", "cert_mean", "cert_step_max", "cert_t3")
 BASELINES = ("fixed", "fixed-default", *DETERMINISTIC)
 #: families that act on the certificate (the goal's "certificate-driven policies")
 CERT_DRIVEN = ("allocation", "escalation", "recompute-request", "recompute-cells")
+
+
+def is_baseline(family: str) -> bool:
+    """A fixed-ratio family: the presses above, and the sampled design with another scorer (``fixed-<scorer>``,
+    ``--scorers``)."""
+    return family in BASELINES or family.startswith("fixed-")
+
+
+def is_cert_driven(family: str) -> bool:
+    """A family that acts on the certificate (cell recompute with another scorer included)."""
+    return family in CERT_DRIVEN or family.startswith("recompute-cells-")
+
+
+def sampled_families(families) -> list:
+    """The families of kvcert's sampled designs at fixed ratios (they record certificates): ``fixed`` first."""
+    return sorted((f for f in set(families) if f == "fixed" or f.startswith("fixed-")), key=lambda f: f != "fixed")
+
+
 #: the cost grid the dominance count bins points on (the fixed kept fractions and the full cache)
 COST_GRID = tuple(sorted(1.0 - r for r in RATIOS)) + (1.0,)
 
@@ -239,7 +257,7 @@ def summarize(rows: list, *, recompute_gain: float, failure_auc_best: float) -> 
     certificate-driven point whose accuracy is above the interpolated best baseline's), ``best_interval_
     excludes_zero`` (some certificate-driven point's paired interval lies above 0), ``recompute_gain_points``
     and ``failure_auc_best`` as given, and the best point (largest interval low end)."""
-    cert = [r for r in rows if r["family"] in CERT_DRIVEN and r.get("diff") is not None
+    cert = [r for r in rows if is_cert_driven(r["family"]) and r.get("diff") is not None
             and np.isfinite(r["diff"])]
     bins = sorted({cost_bin(r["cost"]) for r in cert if r["diff"] > 0})
     excl = [r for r in cert if np.isfinite(r["diff_ci"][0]) and r["diff_ci"][0] > 0]
@@ -401,6 +419,10 @@ def parse_args(argv=None):
                    help="also run the recommended design at the fixed ratios (default: off quick, on full)")
     p.add_argument("--cell-threshold", type=float, default=CELL_THRESHOLD,
                    help=f"relative radius above which recompute-cells recomputes a cell (default {CELL_THRESHOLD})")
+    p.add_argument("--scorers", default="",
+                   help="comma-separated kvcert scorers (kvcert.fast.scorers.SCORERS, e.g. keydiff) whose sampled "
+                        "design also runs: fixed-<scorer> at the fixed ratios (a baseline family, escalation derived "
+                        "from it) and recompute-cells-<scorer> (default: none)")
     p.add_argument("--tasks", help="comma-separated subset of the mode's tasks (default: all of them; for smoke runs)")
     p.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples (default 1000)")
     p.add_argument("--reanalyse", type=Path,
@@ -422,6 +444,12 @@ def parse_args(argv=None):
         args.default_design = full
     if not args.cell_threshold > 0:
         p.error(f"--cell-threshold must be > 0, got {args.cell_threshold}")
+    args.scorers = tuple(x.strip() for x in args.scorers.split(",") if x.strip())
+    from kvcert.fast.scorers import SCORERS
+
+    bad = [x for x in args.scorers if x not in SCORERS or SCORERS[x].random]
+    if bad:
+        p.error(f"--scorers must name registered, non-random scorers ({', '.join(sorted(SCORERS))}), got {bad}")
     args.out = args.out or ROOT / "benchmarks" / "results" / ("frontier.json" if full else "frontier_quick.json")
     return args
 
@@ -453,12 +481,22 @@ def _run_specs(args) -> list:
         specs.append(("recompute-cells", f, dict(kept=f, threshold=args.cell_threshold),
                       lambda s, f=f: Cell(compression_ratio=1 - f, seed=s, sketch=None,
                                           recompute_threshold=args.cell_threshold)))
+    for sc in getattr(args, "scorers", ()):  # the sampled design with another scorer, and cell recompute on it
+        for r in RATIOS:
+            specs.append((f"fixed-{sc}", 1 - r, dict(compression_ratio=r, design="paper", scorer=sc),
+                          lambda s, r=r, sc=sc: kvcert.PoissonPress(compression_ratio=r, seed=s, sketch=None,
+                                                                    scorer=sc)))
+        for f in CELL_KEPT:
+            specs.append((f"recompute-cells-{sc}", f, dict(kept=f, threshold=args.cell_threshold, scorer=sc),
+                          lambda s, f=f, sc=sc: Cell(compression_ratio=1 - f, seed=s, sketch=None, scorer=sc,
+                                                     recompute_threshold=args.cell_threshold)))
     return specs
 
 
-def _record(protocol, task, example, family, level, correct, kept, certs, cert_t3, conf, extra=0.0, info=None):
+def _record(protocol, task, example, family, level, correct, kept, certs, cert_t3, conf, extra=0.0, info=None,
+            answer=None):
     rec = dict(protocol=protocol, task=task, example=example, family=family, level=level, correct=bool(correct),
-               kept=float(kept), extra_cost=float(extra), cert_t3=cert_t3, conf=conf)
+               kept=float(kept), extra_cost=float(extra), cert_t3=cert_t3, conf=conf, answer=answer)
     rec.update(certs)
     if info:
         rec["info"] = info
@@ -513,7 +551,7 @@ def collect(args, model, tokenizer, cfg) -> list:
                         sig = answer_signals(c.relative_radius, exact_first=True) if c is not None and \
                             press is not None else answer_signals(np.zeros((0,)), exact_first=False)
                         cert, conf, _ = _cert_conf(row, press)
-                        outs.append((e.score(row.text), kept, sig, cert, conf, j))
+                        outs.append((e.score(row.text), kept, sig, cert, conf, j, row.text))
                 else:
                     e = exs[0]
                     ctx = kvcert.compress_context(model, tokenizer, e.context, press=press, chat_template=False,
@@ -526,28 +564,28 @@ def collect(args, model, tokenizer, cfg) -> list:
                     sig = answer_signals(c.relative_radius, exact_first=False) if c is not None and \
                         press is not None else answer_signals(np.zeros((0,)), exact_first=False)
                     cert, conf, _ = _cert_conf(r, press, agnostic=True)
-                    outs = [(e.score(r.text), kept, sig, cert, conf, 0)]
+                    outs = [(e.score(r.text), kept, sig, cert, conf, 0, r.text)]
             finally:
                 if hooks:
                     hooks.__exit__(None, None, None)
             return outs
 
-        for (ok, kept, sig, cert, conf, j) in run(None):
-            records.append(_record(protocol, task, idx[j], "full", 1.0, ok, kept, sig, cert, conf))
+        for (ok, kept, sig, cert, conf, j, text) in run(None):
+            records.append(_record(protocol, task, idx[j], "full", 1.0, ok, kept, sig, cert, conf, answer=text))
         for family, level, params, make in specs:
             press = make(cfg.seed)
             t0 = time.perf_counter()
             outs = run(press)
             dt = time.perf_counter() - t0
-            for (ok, kept, sig, cert, conf, j) in outs:
+            for (ok, kept, sig, cert, conf, j, text) in outs:
                 extra, info = 0.0, dict(seconds=dt / len(outs))
-                if family == "recompute-cells":
+                if family.startswith("recompute-cells"):
                     share = float(press.recomputed[j] / press.cells[j]) if float(press.cells[j]) > 0 else 0.0
                     extra, info["recompute_share"] = share, share
                 if family == "allocation":
                     info.update(allocation_info(press.allocations.get(j)))
                 records.append(_record(protocol, task, idx[j], family, level, ok, kept, sig, cert, conf, extra,
-                                       info))
+                                       info, answer=text))
         del state
     return records
 
@@ -571,6 +609,33 @@ def _levels(records, family) -> list:
     return sorted({r["level"] for r in records if r["family"] == family})
 
 
+def _escalations(pts, records, keys, protocols, bf, full_c, full_k) -> None:
+    """Append the escalation points of sampled family ``bf``: from each of its levels to its next level and to
+    the full cache, for each signal and share."""
+    levels = _levels(records, bf)
+    tag = "" if bf == "fixed" else f"[{bf[len('fixed-'):]}]"
+    for i, lo in enumerate(levels):
+        lo_c, lo_k = _vec(records, keys, bf, lo, "correct"), _vec(records, keys, bf, lo, "kept")
+        targets = [levels[i + 1]] if i + 1 < len(levels) else []
+        targets.append(1.0)
+        for signal in ESCALATE_SIGNALS:
+            s = _vec(records, keys, bf, lo, signal)
+            for share in ESCALATE_SHARES:
+                mask = np.zeros(len(keys), dtype=bool)
+                for p in set(protocols):
+                    sel = protocols == p
+                    mask[sel] = top_share(s[sel], share)
+                tau = float(np.nanmin(s[mask])) if mask.any() else float("nan")
+                for hi in targets:
+                    hi_c = full_c if hi == 1.0 else _vec(records, keys, bf, hi, "correct")
+                    hi_k = full_k if hi == 1.0 else _vec(records, keys, bf, hi, "kept")
+                    c, cost = escalated(lo_c, lo_k, hi_c, hi_k, mask)
+                    to = "full" if hi == 1.0 else f"{hi:g}"
+                    pts.append(Point("escalation", f"escalate{tag} {lo:g}->{to} {signal} top {share:.0%}",
+                                     dict(base=lo, base_family=bf, to=hi, signal=signal, share=share,
+                                          threshold=tau, escalated=float(mask.mean())), c, cost))
+
+
 def build_points(records) -> tuple[list, dict]:
     """Every policy point (run families and the derived escalation / request recompute) and the baseline
     families {name: [points...] + full}."""
@@ -590,29 +655,14 @@ def build_points(records) -> tuple[list, dict]:
         for lv in _levels(records, fam):
             label = f"eps={lv:g}" if fam == "target" else f"kept={lv:g}"
             pts.append(point(fam, lv, f"{fam} {label}", {"level": lv}))
-    # derived from the fixed (paper design) runs
-    fixed = _levels(records, "fixed")
+    # escalation derived from the runs of every sampled design (``fixed``: the paper design; ``fixed-<x>``:
+    # another design, its points named "escalate[<x>] ..."); Table 4's request recompute from ``fixed`` only
     full_c, full_k = _vec(records, keys, "full", 1.0, "correct"), _vec(records, keys, "full", 1.0, "kept")
-    for i, lo in enumerate(fixed):
+    for bf in sampled_families(r["family"] for r in records):
+        _escalations(pts, records, keys, protocols, bf, full_c, full_k)
+    fixed = _levels(records, "fixed")
+    for lo in fixed:
         lo_c, lo_k = _vec(records, keys, "fixed", lo, "correct"), _vec(records, keys, "fixed", lo, "kept")
-        targets = [("next", fixed[i + 1])] if i + 1 < len(fixed) else []
-        targets.append(("full", 1.0))
-        for signal in ESCALATE_SIGNALS:
-            s = _vec(records, keys, "fixed", lo, signal)
-            for share in ESCALATE_SHARES:
-                mask = np.zeros(len(keys), dtype=bool)
-                for p in set(protocols):
-                    sel = protocols == p
-                    mask[sel] = top_share(s[sel], share)
-                tau = float(np.nanmin(s[mask])) if mask.any() else float("nan")
-                for tname, hi in targets:
-                    hi_c = full_c if hi == 1.0 else _vec(records, keys, "fixed", hi, "correct")
-                    hi_k = full_k if hi == 1.0 else _vec(records, keys, "fixed", hi, "kept")
-                    c, cost = escalated(lo_c, lo_k, hi_c, hi_k, mask)
-                    to = "full" if hi == 1.0 else f"{hi:g}"
-                    pts.append(Point("escalation", f"escalate {lo:g}->{to} {signal} top {share:.0%}",
-                                     dict(base=lo, to=hi, signal=signal, share=share, threshold=tau,
-                                          escalated=float(mask.mean())), c, cost))
         # Table 4's request recompute (cert_t3, RECOMPUTE_SHARE, full cache)
         s = _vec(records, keys, "fixed", lo, "cert_t3")
         mask = np.zeros(len(keys), dtype=bool)
@@ -623,8 +673,8 @@ def build_points(records) -> tuple[list, dict]:
         pts.append(Point("recompute-request", f"recompute-request kept={lo:g} top {RECOMPUTE_SHARE:.0%}",
                          dict(base=lo, share=RECOMPUTE_SHARE, signal="cert_t3"), c, cost))
     full_pt = pts[0]
-    base = {fam: [p for p in pts if p.family == fam] + [full_pt] for fam in BASELINES
-            if any(p.family == fam for p in pts)}
+    base = {fam: [p for p in pts if p.family == fam] + [full_pt] for fam in sorted({p.family for p in pts})
+            if is_baseline(fam)}
     return pts, base
 
 
@@ -686,6 +736,115 @@ def recompute_t4(records, seed: int, resamples: int) -> dict:
                 per_budget=dict(zip([f"{b:g}" for b in budgets], texts)), gains=gains)
 
 
+#: item 4: the answer-level guarantee's level, the random calibration / held-out splits, and the signal
+#: (``kvcert.calibration.escalation_signal``'s: the largest per-step mean relative radius of the answer)
+CALIB_ALPHA = 0.1
+CALIB_SPLITS = 200
+CALIB_SIGNAL = "cert_step_max"
+
+
+def differs_from_full(records) -> dict | None:
+    """{(protocol, task, example, family, level): the run's answer differs from the full cache's} (answers
+    compared after stripping whitespace); None when the records hold no answers (runs before they were kept)."""
+    full = {(r["protocol"], r["task"], r["example"]): r.get("answer") for r in records if r["family"] == "full"}
+    if not full or any(a is None for a in full.values()):
+        return None
+    return {(r["protocol"], r["task"], r["example"], r["family"], r["level"]):
+            str(r["answer"]).strip() != str(full[r["protocol"], r["task"], r["example"]]).strip()
+            for r in records if r.get("answer") is not None}
+
+
+def calibration_holdout(records, *, alpha: float = CALIB_ALPHA, splits: int = CALIB_SPLITS, seed: int = 0):
+    """Item 4 on Table 3: per protocol, ``splits`` random halvings of each task's examples into a calibration
+    and a held-out half. On the calibration half, conformal risk control (``kvcert.calibration``) calibrates
+    (a) escalation to the full cache from each fixed (paper design) budget, on ``CALIB_SIGNAL``, and (b) one
+    budget per baseline family (the kvcalib-style baseline: the family's kept fractions, then the full cache);
+    on the held-out half, the rate of served answers that differ from the full cache's (the risk, to be <=
+    alpha) and the mean cost (kept fraction, plus 1 for an escalated request's full re-run). Returns None
+    without answers in the records."""
+    from kvcert.calibration import calibrate_budget, calibrate_escalation
+
+    diff = differs_from_full(records)
+    if diff is None:
+        return None
+    rng = np.random.default_rng(seed)
+    by_run = {(r["protocol"], r["task"], r["example"], r["family"], r["level"]): r for r in records}
+    out = {}
+    for protocol in sorted({r["protocol"] for r in records}):
+        keys = sorted({(r["task"], r["example"]) for r in records if r["protocol"] == protocol})
+        tasks = sorted({t for t, _ in keys})
+
+        def col(family, level, field):
+            return np.array([by_run[(protocol, t, e, family, level)][field] if field != "differs" else
+                             diff[(protocol, t, e, family, level)] for t, e in keys], dtype=float)
+
+        policies = {}
+        for bf in sampled_families(r["family"] for r in records):
+            tag = "" if bf == "fixed" else f"[{bf[len('fixed-'):]}]"
+            for lo in _levels(records, bf):
+                policies[f"escalate{tag} {lo:g}->full"] = ("escalation", lo, col(bf, lo, CALIB_SIGNAL),
+                                                           col(bf, lo, "differs"), col(bf, lo, "kept"))
+        grids = {}
+        for fam in sorted({r["family"] for r in records}):
+            levels = _levels(records, fam)
+            if is_baseline(fam) and levels:
+                grids[f"budget {fam}"] = (levels, np.stack([col(fam, lv, "differs") for lv in levels], 1),
+                                          np.stack([col(fam, lv, "kept") for lv in levels], 1))
+        acc = {name: dict(risk=[], cost=[], escalated=[], chosen=[]) for name in [*policies, *grids]}
+        for _ in range(splits):
+            cal = np.zeros(len(keys), dtype=bool)
+            for t in tasks:
+                idx = np.array([i for i, k in enumerate(keys) if k[0] == t])
+                cal[rng.permutation(idx)[: len(idx) // 2]] = True
+            held = ~cal
+            for name, (_, lo, sig, d, kept) in policies.items():
+                sig = np.where(np.isnan(sig), np.inf, sig)
+                t_hat = calibrate_escalation(sig[cal], d[cal].astype(bool), alpha)
+                esc = sig[held] >= t_hat
+                acc[name]["risk"].append(float(np.mean(d[held].astype(bool) & ~esc)))
+                acc[name]["cost"].append(float(np.mean(kept[held] + esc)))
+                acc[name]["escalated"].append(float(esc.mean()))
+                acc[name]["chosen"].append(t_hat)
+            for name, (levels, d, kept) in grids.items():
+                b = calibrate_budget(levels, d[cal].astype(bool).tolist(), alpha)
+                if b is None:  # no budget of the grid qualifies: the full cache
+                    risk, cost = 0.0, 1.0
+                else:
+                    j = levels.index(b)
+                    risk, cost = float(np.mean(d[held, j])), float(np.mean(kept[held, j]))
+                acc[name]["risk"].append(risk)
+                acc[name]["cost"].append(cost)
+                acc[name]["chosen"].append(1.0 if b is None else b)
+        rows = {}
+        for name, a in acc.items():
+            risk, cost = np.array(a["risk"]), np.array(a["cost"])
+            row = dict(risk=float(risk.mean()), risk_se=float(risk.std(ddof=1) / np.sqrt(len(risk))),
+                       cost=float(cost.mean()), meets_alpha=bool(risk.mean() <= alpha))
+            if a["escalated"]:
+                row["escalated"] = float(np.mean(a["escalated"]))
+                chosen = np.array(a["chosen"])
+                row["threshold_median"] = float(np.median(chosen))
+            else:
+                vals, counts = np.unique(np.array(a["chosen"]), return_counts=True)
+                row["budget_chosen"] = {f"{v:g}": int(c) for v, c in zip(vals, counts)}
+            rows[name] = row
+        esc = {k: v for k, v in rows.items() if k.startswith("escalate") and v["meets_alpha"]}
+        bud = {k: v for k, v in rows.items() if k.startswith("budget") and v["meets_alpha"]}
+        best_e = min(esc, key=lambda k: esc[k]["cost"]) if esc else None
+        best_b = min(bud, key=lambda k: bud[k]["cost"]) if bud else None
+        out[protocol] = dict(
+            calibration_prompts=int(sum(len([k for k in keys if k[0] == t]) // 2 for t in tasks)),
+            heldout_prompts=int(len(keys) - sum(len([k for k in keys if k[0] == t]) // 2 for t in tasks)),
+            policies=rows, best_escalation=best_e, best_budget=best_b,
+            escalation_cheaper=(None if best_e is None or best_b is None
+                                else bool(esc[best_e]["cost"] < bud[best_b]["cost"])))
+    return dict(alpha=alpha, splits=splits, signal=CALIB_SIGNAL, protocols=out,
+                note="risk: the held-out rate of served answers that differ from the full cache's, averaged over "
+                     "the splits (conformal risk control bounds its expectation by alpha); best_*: the cheapest "
+                     "rule of its kind whose mean held-out risk is <= alpha, chosen after the fact over the "
+                     "escalation bases and the baseline families")
+
+
 def analyse(records, *, seed: int, resamples: int) -> dict:
     pts, base = build_points(records)
     keys = _keys(records)
@@ -694,7 +853,7 @@ def analyse(records, *, seed: int, resamples: int) -> dict:
     for p in pts:
         row = dict(family=p.family, name=p.name, params=p.params, cost=p.mean_cost, accuracy=p.accuracy,
                    requests=int(np.isfinite(p.correct).sum()))
-        if p.family not in BASELINES and p.family != "full":
+        if not is_baseline(p.family) and p.family != "full":
             row.update(paired_vs_baselines(p, base, weights))
         rows.append(row)
     aucs = failure_aucs(records)
@@ -718,7 +877,11 @@ def analyse(records, *, seed: int, resamples: int) -> dict:
         interval_excludes_zero=summary["best_interval_excludes_zero"] if testable else None,
         recompute_in_paper_range=1.9 <= summary["recompute_gain_points"] <= 3.7 if testable else None,
         failure_auc_at_least_085=bool(cert_best >= 0.85) if testable else None)
-    return dict(rows=rows, failure_auc=aucs, recompute_t4=rec, summary=summary, examples=len(keys))
+    calib = calibration_holdout(records, seed=seed)
+    if calib is not None:
+        summary["calibrated_escalation_cheaper"] = {p: v["escalation_cheaper"] for p, v in calib["protocols"].items()}
+    return dict(rows=rows, failure_auc=aucs, recompute_t4=rec, summary=summary, examples=len(keys),
+                calibration=calib)
 
 
 # ============================================================================ output
@@ -735,7 +898,11 @@ def plot(rows, path: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 5.0), dpi=110)
-    for fam, (color, marker) in FAMILY_STYLE.items():
+    extra = sorted({r["family"] for r in rows} - set(FAMILY_STYLE))  # fixed-<scorer>, recompute-cells-<scorer>
+    styles = dict(FAMILY_STYLE, **{fam: (f"C{(i + 10) % 10}", "o" if fam.startswith("fixed-") else "X")
+                                   for i, fam in enumerate(extra)})
+    for fam, (color, marker) in styles.items():
+        ls = "--" if fam in extra else "-"
         rs = sorted([r for r in rows if r["family"] == fam], key=lambda r: r["cost"])
         if not rs:
             continue
@@ -743,7 +910,7 @@ def plot(rows, path: Path, title: str) -> Path:
         if fam in ("escalation", "recompute-request"):
             ax.scatter(x, y, color=color, marker=marker, s=22, alpha=0.6, label=fam)
         else:
-            ax.plot(x, y, color=color, marker=marker, ms=5, lw=1.2, label=fam)
+            ax.plot(x, y, color=color, marker=marker, ms=5, lw=1.2, ls=ls, label=fam)
     ax.set_xlabel("mean cost (kept K+V incl. sketch + re-runs + recompute), fraction of the full cache")
     ax.set_ylabel("accuracy (exact match)")
     ax.set_title(title, fontsize=9)
@@ -761,7 +928,9 @@ def markdown(rows) -> str:
 
     lines = ["| family | policy | mean cost | accuracy | best baseline at that cost | its accuracy | "
              "difference [95% paired interval] |", "|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (list(FAMILY_STYLE).index(r["family"]), r["cost"])):
+    order = list(FAMILY_STYLE)
+    for r in sorted(rows, key=lambda r: (order.index(r["family"]) if r["family"] in order else len(order),
+                                         r["family"], r["cost"])):
         diff = ""
         if "diff" in r and r["diff"] is not None and np.isfinite(r["diff"]):
             diff = f"{r['diff']:+.3f} [{r['diff_ci'][0]:+.3f}, {r['diff_ci'][1]:+.3f}]"
@@ -814,6 +983,7 @@ def main(argv=None):
                    alloc_floor=ALLOC_FLOOR, alloc_step=ALLOC_STEP, escalate_shares=list(ESCALATE_SHARES),
                    escalate_signals=list(ESCALATE_SIGNALS), cell_kept=list(CELL_KEPT),
                    cell_threshold=args.cell_threshold, default_design=args.default_design,
+                   scorers=list(getattr(args, "scorers", ())),
                    resamples=args.resamples),
         notes=[
             "cost: mean over requests of the kept fraction of the prompt (a sketch counted), plus the re-run's "
@@ -831,6 +1001,7 @@ def main(argv=None):
             "recompute-cells is written in this benchmark (kvcert has no cell recompute press).",
         ],
         rows=result["rows"], failure_auc=result["failure_auc"], recompute_t4=result["recompute_t4"],
+        calibration=result["calibration"],
         strata=strata_label(_keys(records)),
         summary=result["summary"], plot=str(png.relative_to(ROOT)) if png.is_relative_to(ROOT) else str(png),
         records=records, seconds=dict(runs=seconds_runs, total=time.perf_counter() - t0) if not args.reanalyse
@@ -843,8 +1014,23 @@ def main(argv=None):
     except ImportError:  # pragma: no cover - matplotlib missing
         print("matplotlib missing: no plot", file=sys.stderr)
     print(markdown(result["rows"]))
+    print(calibration_markdown(result["calibration"]))
     print(json.dumps(result["summary"], indent=1, default=_json))
     print(f"{data['seconds'].get('total', 0):.0f} s; wrote {args.out} and {png}")
+
+
+def calibration_markdown(calib) -> str:
+    """Item 4's held-out table (one row per rule and protocol)."""
+    if calib is None:
+        return "(no answers recorded: no calibration analysis)"
+    lines = [f"alpha {calib['alpha']}, {calib['splits']} random splits, signal {calib['signal']}", "",
+             "| protocol | rule | held-out risk (se) | mean cost | escalated | meets alpha |", "|---|---|---|---|---|---|"]
+    for p, v in calib["protocols"].items():
+        for name, r in sorted(v["policies"].items(), key=lambda kv: kv[1]["cost"]):
+            esc = f"{r['escalated']:.3f}" if "escalated" in r else ""
+            lines.append(f"| {p} | {name} | {r['risk']:.3f} ({r['risk_se']:.3f}) | {r['cost']:.3f} | {esc} | "
+                         f"{'yes' if r['meets_alpha'] else 'no'} |")
+    return "\n".join(lines)
 
 
 def _finite(x):

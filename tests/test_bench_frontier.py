@@ -198,3 +198,53 @@ def test_allocation_info_summarizes_a_row():
                         budgets=torch.tensor([[37, 63], [40, 60]]), allocation=None)
     assert B.allocation_info(row) == dict(total=200, floor=37, n=100, budget_min=37, budget_max=63, budget_sum=200)
     assert B.allocation_info(None) == {}
+
+
+def _calib_records(informative: bool, n=30, seed=0):
+    """Two tasks of n examples: the paper design at kept 0.25 / 0.5 changes 40% / 20% of the answers, KeyDiff at
+    0.25 / 0.5 / 0.75 changes 40% / 20% / 0%; the signal separates the changed answers (informative) or not."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in ("t1", "t2"):
+        for i in range(n):
+            base = dict(protocol="query-aware", task=t, example=i, correct=True, extra_cost=0.0, cert_t3=0.0,
+                        conf=0.0, cert_max=0.0, cert_mean=0.0)
+            out.append(dict(base, family="full", level=1.0, kept=1.0, answer="A", cert_step_max=float("nan")))
+            u = (i + 0.5) / n  # exactly 40% / 20% of each task's answers change
+            for fam, levels in (("fixed", (0.25, 0.5)), ("keydiff", (0.25, 0.5, 0.75))):
+                for lv in levels:
+                    changed = u < {0.25: 0.4, 0.5: 0.2, 0.75: 0.0}[lv]
+                    sig = (1.0 + rng.random() if changed else rng.random()) if informative else rng.random()
+                    out.append(dict(base, family=fam, level=lv, kept=lv, answer=" B" if changed else "A ",
+                                    cert_step_max=sig))
+    return out
+
+
+def test_calibrated_escalation_meets_alpha_and_is_cheaper_only_when_the_signal_informs():
+    cal = B.calibration_holdout(_calib_records(informative=True), alpha=0.1, splits=60, seed=1)
+    qa = cal["protocols"]["query-aware"]
+    assert qa["calibration_prompts"] == 30 and qa["heldout_prompts"] == 30
+    for name, row in qa["policies"].items():
+        # conformal risk control: expected risk <= alpha; the mean over 60 splits within 3 standard errors
+        assert row["risk"] <= 0.1 + 3 * row["risk_se"], name
+    # KeyDiff needs its 0.75 budget (0.25 and 0.5 change 40% / 20% of the answers; 0.5 qualifies only in a
+    # split whose calibration half holds at most 2 of its 12 changed answers)
+    chosen = qa["policies"]["budget keydiff"]["budget_chosen"]
+    assert "0.25" not in chosen and chosen.get("0.75", 0) >= 54
+    # a separating signal re-runs about the 40% that changed: cost about 0.25 + 0.4 < 0.75
+    esc = qa["policies"]["escalate 0.25->full"]
+    assert 0.3 < esc["escalated"] < 0.5 and esc["cost"] < 0.75
+    assert qa["escalation_cheaper"] is True
+    # negative control: a signal that knows nothing must re-run nearly everything to meet alpha
+    blind = B.calibration_holdout(_calib_records(informative=False), alpha=0.1, splits=60, seed=1)
+    qb = blind["protocols"]["query-aware"]
+    assert qb["policies"]["escalate 0.25->full"]["escalated"] > 0.7
+    assert qb["escalation_cheaper"] is False
+
+
+def test_calibration_needs_recorded_answers():
+    recs = _calib_records(informative=True, n=4)
+    for r in recs:
+        r.pop("answer")
+    assert B.calibration_holdout(recs) is None
+    assert B.differs_from_full(recs) is None
