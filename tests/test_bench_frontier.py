@@ -248,3 +248,21 @@ def test_calibration_needs_recorded_answers():
         r.pop("answer")
     assert B.calibration_holdout(recs) is None
     assert B.differs_from_full(recs) is None
+
+
+def test_another_scorers_design_is_a_baseline_and_its_cell_recompute_is_certificate_driven():
+    recs = _records()
+    for r in [r for r in recs if r["family"] in ("fixed", "recompute-cells")]:
+        recs.append(dict(r, family=("fixed-keydiff" if r["family"] == "fixed" else "recompute-cells-keydiff"),
+                         correct=not r["correct"]))
+    assert B.is_baseline("fixed-keydiff") and not B.is_cert_driven("fixed-keydiff")
+    assert B.is_cert_driven("recompute-cells-keydiff") and not B.is_baseline("recompute-cells-keydiff")
+    assert B.sampled_families(["snapkv", "fixed-keydiff", "fixed", "recompute-cells"]) == ["fixed", "fixed-keydiff"]
+    res = B.analyse(recs, seed=0, resamples=20)
+    rows = {r["name"]: r for r in res["rows"]}
+    # escalation from the keydiff-scored design, tagged, alongside the paper design's
+    assert "escalate[keydiff] 0.25->full cert_max top 50%" in rows and "escalate 0.25->full cert_max top 50%" in rows
+    # the keydiff-scored design is compared against, not compared: no difference on its rows
+    assert "diff" not in rows["fixed-keydiff kept=0.25"] and "diff" in rows["recompute-cells-keydiff kept=0.25"]
+    assert any(r["family"] == "recompute-cells-keydiff" for r in res["rows"])
+    assert res["summary"]["certificate_driven_points"] == sum(B.is_cert_driven(r["family"]) for r in res["rows"])
