@@ -69,7 +69,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -137,144 +136,23 @@ COST_GRID = tuple(sorted(1.0 - r for r in RATIOS)) + (1.0,)
 
 # ============================================================================ pure functions (tested)
 
-@dataclass
-class Point:
-    """One policy point: per-example expected correctness and cost (arrays over the example keys)."""
-
-    family: str
-    name: str
-    params: dict
-    correct: np.ndarray
-    cost: np.ndarray
-
-    @property
-    def mean_cost(self) -> float:
-        return float(np.mean(self.cost))
-
-    @property
-    def accuracy(self) -> float:
-        return float(np.mean(self.correct))
-
-
-def top_share(scores, share: float) -> np.ndarray:
-    """Bool mask of the ``round(share * n)`` largest scores (NaN ranks last, ties by position): the rule of
-    paper_repro.claims._top, whose NaN handling is paper_repro.claims._score's."""
-    from paper_repro.claims import _top
-
-    s = np.asarray(scores, dtype=float)
-    mask, _ = _top(np.where(np.isnan(s), -np.inf, s), share)
-    return mask
-
-
-def escalated(lo_correct, lo_cost, hi_correct, hi_cost, mask) -> tuple[np.ndarray, np.ndarray]:
-    """Escalation's per-request correctness and cost: the re-run's answer where ``mask``, the first run's
-    elsewhere; the cost counts both runs where re-run (``lo_cost + hi_cost``), the first run's elsewhere."""
-    m = np.asarray(mask, dtype=bool)
-    lo_c, hi_c = np.asarray(lo_correct, dtype=float), np.asarray(hi_correct, dtype=float)
-    lo_k, hi_k = np.asarray(lo_cost, dtype=float), np.asarray(hi_cost, dtype=float)
-    return np.where(m, hi_c, lo_c), lo_k + np.where(m, hi_k, 0.0)
-
-
-def family_at(points: list, cost: float) -> np.ndarray | None:
-    """A baseline family's per-example expected correctness at mean cost ``cost``: linear interpolation in
-    cost between its two points around ``cost`` (the mixture policy of the module docstring); the dearest
-    point above its cost; None below its cheapest point."""
-    pts = sorted(points, key=lambda p: p.mean_cost)
-    costs = np.array([p.mean_cost for p in pts])
-    if not pts or cost < costs[0] - 1e-12:
-        return None
-    if cost >= costs[-1]:
-        return np.asarray(pts[-1].correct, dtype=float)
-    k = int(np.searchsorted(costs, cost, side="right")) - 1
-    c0, c1 = costs[k], costs[k + 1]
-    w = 1.0 if c1 <= c0 else (c1 - cost) / (c1 - c0)
-    return w * np.asarray(pts[k].correct, dtype=float) + (1 - w) * np.asarray(pts[k + 1].correct, dtype=float)
-
-
-def strata_of(keys: list) -> list[int]:
-    """Sizes of the strata of sorted example keys (protocol, task, example): (protocol, task) when every such
-    stratum holds at least 2 examples, else (protocol) (a stratum of one example resamples to itself: the
-    interval would have no width)."""
-    sizes: dict = {}
-    for p, t, _ in keys:
-        sizes[p, t] = sizes.get((p, t), 0) + 1
-    if min(sizes.values()) < 2:
-        sizes = {}
-        for p, _, _ in keys:
-            sizes[p] = sizes.get(p, 0) + 1
-    return list(sizes.values())
-
-
-def strata_label(keys: list) -> str:
-    """Which strata :func:`strata_of` resamples within."""
-    counts: dict = {}
-    for p, t, _ in keys:
-        counts[p, t] = counts.get((p, t), 0) + 1
-    if min(counts.values()) >= 2:
-        return "(protocol, task)"
-    return "(protocol): a (protocol, task) stratum held one example"
-
-
-def bootstrap_weights(keys: list, *, resamples: int, seed: int) -> np.ndarray:
-    """Multiplicities (resamples, n) of the stratified resamples (paper_repro.bootstrap)."""
-    from paper_repro.bootstrap import resample_indices, weights_of
-
-    idx = resample_indices(strata_of(keys), resamples=resamples, seed=seed)
-    return weights_of(idx, len(keys))
-
-
-def paired_vs_baselines(point: Point, families: dict, weights: np.ndarray) -> dict:
-    """The point's accuracy minus the best baseline family's at its mean cost, paired over examples:
-    ``baseline`` (best family name at unit weights), ``baseline_accuracy``, ``diff`` and ``diff_ci``
-    (95% percentile interval; the best family taken again in each resample); NaN where no family reaches
-    the point's cost."""
-    from paper_repro.bootstrap import percentile_interval, weighted_accuracy
-
-    c = point.mean_cost
-    at = {name: family_at(pts, c) for name, pts in families.items()}
-    at = {k: v for k, v in at.items() if v is not None}
-    if not at:
-        nan = float("nan")
-        return dict(baseline=None, baseline_accuracy=nan, diff=nan, diff_ci=[nan, nan])
-    unit = np.ones((1, len(point.correct)))
-    names = list(at)
-    base_unit = np.array([weighted_accuracy(at[k], unit)[0] for k in names])
-    best = names[int(np.argmax(base_unit))]
-    mine = weighted_accuracy(point.correct, weights)
-    base = np.max(np.stack([weighted_accuracy(at[k], weights) for k in names]), axis=0)
-    lo, hi = percentile_interval(mine - base)
-    return dict(baseline=best, baseline_accuracy=float(base_unit.max()),
-                diff=float(point.accuracy - base_unit.max()), diff_ci=[lo, hi])
+from paper_repro.frontier import (Point, bootstrap_weights, escalated, family_at,  # noqa: E402,F401
+                                  paired_vs_baselines, strata_label, strata_of, top_share)
 
 
 def cost_bin(cost: float) -> float:
     """The nearest point of :data:`COST_GRID` (costs above 1 fall in 1.0)."""
-    return float(min(COST_GRID, key=lambda g: abs(g - min(cost, 1.0))))
+    from paper_repro import frontier
+
+    return frontier.cost_bin(cost, COST_GRID)
 
 
 def summarize(rows: list, *, recompute_gain: float, failure_auc_best: float) -> dict:
-    """The summary object: ``dominates_at_cost_points`` (cost bins, :func:`cost_bin`, holding a
-    certificate-driven point whose accuracy is above the interpolated best baseline's), ``best_interval_
-    excludes_zero`` (some certificate-driven point's paired interval lies above 0), ``recompute_gain_points``
-    and ``failure_auc_best`` as given, and the best point (largest interval low end)."""
-    cert = [r for r in rows if is_cert_driven(r["family"]) and r.get("diff") is not None
-            and np.isfinite(r["diff"])]
-    bins = sorted({cost_bin(r["cost"]) for r in cert if r["diff"] > 0})
-    excl = [r for r in cert if np.isfinite(r["diff_ci"][0]) and r["diff_ci"][0] > 0]
-    best = max(cert, key=lambda r: (r["diff_ci"][0] if np.isfinite(r["diff_ci"][0]) else -np.inf, r["diff"]),
-               default=None)
-    return dict(
-        dominates_at_cost_points=len(bins),
-        best_interval_excludes_zero=bool(excl),
-        recompute_gain_points=float(recompute_gain),
-        failure_auc_best=float(failure_auc_best),
-        dominated_cost_bins=bins,
-        points_above_baseline=[r["name"] for r in cert if r["diff"] > 0],
-        points_interval_above_zero=[r["name"] for r in excl],
-        best_point=None if best is None else {k: best[k] for k in ("name", "cost", "accuracy", "baseline",
-                                                                   "baseline_accuracy", "diff", "diff_ci")},
-        certificate_driven_points=len(cert),
-    )
+    """paper_repro.frontier.summarize on this benchmark's families (:func:`is_cert_driven`) and cost grid."""
+    from paper_repro import frontier
+
+    return frontier.summarize(rows, recompute_gain=recompute_gain, failure_auc_best=failure_auc_best,
+                              cert_driven=is_cert_driven, grid=COST_GRID)
 
 
 def answer_signals(relative_radius, *, exact_first: bool) -> dict:

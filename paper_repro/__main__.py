@@ -22,7 +22,7 @@ TABLES = {
     "T5": cost.run,
 }
 #: tables on the real model (need the model and its captured attention)
-MODEL_TABLES = ("T1b", "T2", "T2d", "T3", "T4")
+MODEL_TABLES = ("T1b", "T2", "T2d", "T3", "T4", "T6")
 ALL_TABLES = tuple(TABLES) + MODEL_TABLES
 #: tables that only ``--full`` (or ``--tables``) runs: T2d (block design, issue 12) adds minutes to the quick run
 FULL_ONLY = ("T2d",)
@@ -72,7 +72,7 @@ def _run_model_table(name: str, cfg: Config, real: RealModel, raw: dict) -> dict
         from . import replay, replay_blocks
 
         return {"T2d": replay_blocks.run(cfg, real.captured(replay.setup_for(cfg).future))}
-    if name in ("T3", "T4"):  # both from the same runs of the suites, collected once
+    if name in ("T3", "T4", "T6"):  # all from the same runs of the suites, collected once
         from . import claims, suites
 
         if "suites" not in raw:
@@ -81,6 +81,10 @@ def _run_model_table(name: str, cfg: Config, real: RealModel, raw: dict) -> dict
             from .bootstrap import with_intervals
 
             return {"T3": with_intervals(suites.table(raw["suites"], cfg), raw["suites"], seed=cfg.seed)}
+        if name == "T6":
+            from . import frontier
+
+            return {"T6": frontier.table(raw["suites"], cfg)}
         t4, raw["T4"] = claims.run(raw["suites"], cfg)
         return {"T4": t4}
     raise ValueError(f"unknown model table {name}")

@@ -495,7 +495,7 @@ def results_markdown(results: dict, s: dict, cfg: Config, *, day: str | None = N
     parts += _sketch_payoff(s)
     if "claims" in s:
         parts += [_findings(s["claims"]), ""]
-    for name in ("T1", "T1b", "T2a", "T2", "T2b", "T2c", "T2d", "T3", "T4", "T5"):
+    for name in ("T1", "T1b", "T2a", "T2", "T2b", "T2c", "T2d", "T3", "T4", "T6", "T5"):
         if name in results:
             parts += [results[name].markdown(), ""]
     figs = sorted((DOCS / "figures").glob("*.png")) if (DOCS / "figures").exists() else []
