@@ -100,14 +100,20 @@ ALLOC_FLOOR = 0.5
 ALLOC_STEP = 4
 #: escalation: shares of requests escalated, and the signals it reads
 ESCALATE_SHARES = (0.25, 0.5)
-ESCALATE_SIGNALS = ("cert_max", "cert_mean")
+#: (``margin``: the output alone, no certificate: its points are the family ``escalation-output``, a reference
+#: that the dominance count leaves out)
+ESCALATE_SIGNALS = ("cert_max", "cert_mean", "cert_margin", "margin")
 #: cell recompute: kept fractions it runs at, and the relative radius above which a cell is recomputed (fixed
 #: before the quick run from the radii of a 2-example check, no answers read: at kept 0.25 a radius above 0.5
 #: flagged 34% of the cells and about 65% of the (step, layer, KV head) reads, above 1.0 15% of the cells)
 CELL_KEPT = (0.25, 0.5)
 CELL_THRESHOLD = 1.0
-#: the certificate signals whose failure-prediction AUC is reported (``conf`` beside them, not a certificate)
-CERT_SIGNALS = ("cert_max", "cert_mean", "cert_step_max", "cert_t3")
+#: the certificate signals whose failure-prediction AUC is reported (``conf`` and ``margin`` beside them: the
+#: output alone, no certificate)
+CERT_SIGNALS = ("cert_max", "cert_mean", "cert_step_max", "cert_t3", "cert_margin")
+OUTPUT_SIGNALS = ("conf", "margin")
+#: the floor of a step's greedy margin in ``cert_margin`` (a tie would divide by 0)
+MARGIN_FLOOR = 1e-6
 #: baseline families (the frontier a certificate-driven policy must beat)
 BASELINES = ("fixed", "fixed-default", *DETERMINISTIC)
 #: families that act on the certificate (the goal's "certificate-driven policies")
@@ -155,18 +161,29 @@ def summarize(rows: list, *, recompute_gain: float, failure_auc_best: float) -> 
                               cert_driven=is_cert_driven, grid=COST_GRID)
 
 
-def answer_signals(relative_radius, *, exact_first: bool) -> dict:
+def answer_signals(relative_radius, *, exact_first: bool, margins=None) -> dict:
     """``cert_max``, ``cert_mean`` (max and mean recorded relative radius over the answer's (step, layer,
-    head) cells) and ``cert_step_max`` (the largest per-step mean over layers and heads, what
-    ``generate(escalate=...)`` reads) of one sequence's (steps, layers, heads) radii; step 0 left out with
-    ``exact_first`` (the query-aware prefill, exact). NaN without a cell."""
+    head) cells), ``cert_step_max`` (the largest per-step mean over layers and heads, what
+    ``generate(escalate=...)`` reads) of one sequence's (steps, layers, heads) radii, and with the steps'
+    greedy ``margins`` (``GenerationResult.margins``, one per step, aligned with the radii's steps):
+    ``cert_margin``, the largest per-step mean radius over the step's margin (the certificate against what a
+    greedy token can absorb: item 2's target on what the user sees; the margin floored at MARGIN_FLOOR), and
+    ``margin``, minus the smallest margin (the output alone, no certificate). Step 0 left out with
+    ``exact_first`` (the query-aware prefill, exact). NaN where there is nothing to read."""
+    nan = float("nan")
     rel = np.asarray(relative_radius, dtype=np.float64)
     rel = rel[1:] if exact_first else rel
+    m = None if margins is None else np.asarray(margins, dtype=np.float64).reshape(-1)
+    m = m[1:] if m is not None and exact_first else m
+    out = dict(margin=float(-m.min()) if m is not None and m.size else nan)
     if rel.size == 0:
-        nan = float("nan")
-        return dict(cert_max=nan, cert_mean=nan, cert_step_max=nan)
-    return dict(cert_max=float(rel.max()), cert_mean=float(rel.mean()),
-                cert_step_max=float(rel.reshape(rel.shape[0], -1).mean(-1).max()))
+        return dict(out, cert_max=nan, cert_mean=nan, cert_step_max=nan, cert_margin=nan)
+    step = rel.reshape(rel.shape[0], -1).mean(-1)
+    ratio = nan
+    if m is not None and m.size == step.size:
+        ratio = float((step / np.maximum(m, MARGIN_FLOOR)).max())
+    return dict(out, cert_max=float(rel.max()), cert_mean=float(rel.mean()), cert_step_max=float(step.max()),
+                cert_margin=ratio)
 
 
 def allocation_info(row) -> dict:
@@ -426,8 +443,8 @@ def collect(args, model, tokenizer, cfg) -> list:
                     for j, (e, row) in enumerate(zip(exs, rows)):
                         c = row.certificates
                         kept = 1.0 if press is None else c.summary()["kept_fraction"]
-                        sig = answer_signals(c.relative_radius, exact_first=True) if c is not None and \
-                            press is not None else answer_signals(np.zeros((0,)), exact_first=False)
+                        sig = answer_signals(c.relative_radius if c is not None and press is not None
+                                             else np.zeros((0,)), exact_first=True, margins=row.margins)
                         cert, conf, _ = _cert_conf(row, press)
                         outs.append((e.score(row.text), kept, sig, cert, conf, j, row.text))
                 else:
@@ -439,8 +456,8 @@ def collect(args, model, tokenizer, cfg) -> list:
                     kept_t = ctx.kept()
                     kept = 1.0 if kept_t is None else float(kept_t.double().mean()) / ctx.context_tokens
                     c = r.certificates
-                    sig = answer_signals(c.relative_radius, exact_first=False) if c is not None and \
-                        press is not None else answer_signals(np.zeros((0,)), exact_first=False)
+                    sig = answer_signals(c.relative_radius if c is not None and press is not None
+                                         else np.zeros((0,)), exact_first=False, margins=r.margins)
                     cert, conf, _ = _cert_conf(r, press, agnostic=True)
                     outs = [(e.score(r.text), kept, sig, cert, conf, 0, r.text)]
             finally:
@@ -479,7 +496,7 @@ def _vec(records, keys, family, level, field) -> np.ndarray:
     out = np.full(len(keys), np.nan)
     for r in records:
         if r["family"] == family and r["level"] == level:
-            out[pos[r["protocol"], r["task"], r["example"]]] = float(r[field])
+            out[pos[r["protocol"], r["task"], r["example"]]] = float(r.get(field, np.nan))  # NaN: not recorded
     return out
 
 
@@ -503,13 +520,14 @@ def _escalations(pts, records, keys, protocols, bf, full_c, full_k) -> None:
                 for p in set(protocols):
                     sel = protocols == p
                     mask[sel] = top_share(s[sel], share)
-                tau = float(np.nanmin(s[mask])) if mask.any() else float("nan")
+                tau = float(np.nanmin(s[mask])) if np.isfinite(s[mask]).any() else float("nan")
                 for hi in targets:
                     hi_c = full_c if hi == 1.0 else _vec(records, keys, bf, hi, "correct")
                     hi_k = full_k if hi == 1.0 else _vec(records, keys, bf, hi, "kept")
                     c, cost = escalated(lo_c, lo_k, hi_c, hi_k, mask)
                     to = "full" if hi == 1.0 else f"{hi:g}"
-                    pts.append(Point("escalation", f"escalate{tag} {lo:g}->{to} {signal} top {share:.0%}",
+                    fam = "escalation" if signal in CERT_SIGNALS else "escalation-output"
+                    pts.append(Point(fam, f"escalate{tag} {lo:g}->{to} {signal} top {share:.0%}",
                                      dict(base=lo, base_family=bf, to=hi, signal=signal, share=share,
                                           threshold=tau, escalated=float(mask.mean())), c, cost))
 
@@ -556,22 +574,23 @@ def build_points(records) -> tuple[list, dict]:
     return pts, base
 
 
-def failure_aucs(records) -> dict:
-    """Failure-prediction AUC of each signal over the fixed (paper design) runs: the mean over Table 3's cells
+def failure_aucs(records, family: str = "fixed") -> dict:
+    """Failure-prediction AUC of each signal over ``family``'s runs (default the paper design's): the mean over
+    Table 3's cells
     (protocol, task, kept) that hold both outcomes; where none does (one example per task), over (protocol,
     kept) cells instead (``basis`` says which); and pooled over all those runs."""
     from paper_repro.suites import auc
 
-    runs = [r for r in records if r["family"] == "fixed"]
+    runs = [r for r in records if r["family"] == family]
 
     def per_cell(key):
         cells = sorted({key(r) for r in runs})
         out = {}
-        for sig in CERT_SIGNALS + ("conf",):
+        for sig in CERT_SIGNALS + OUTPUT_SIGNALS:
             per = []
             for cell in cells:
                 rs = [r for r in runs if key(r) == cell]
-                a = auc([r[sig] for r in rs], [not r["correct"] for r in rs])
+                a = auc([r.get(sig, np.nan) for r in rs], [not r["correct"] for r in rs])
                 if np.isfinite(a):
                     per.append(a)
             out[sig] = (float(np.mean(per)) if per else float("nan"), len(per))
@@ -583,9 +602,9 @@ def failure_aucs(records) -> dict:
         basis = "mean over (protocol, kept) cells with both outcomes (no (protocol, task, kept) cell had both)"
         cells = per_cell(lambda r: (r["protocol"], r["level"]))
     out = {"basis": basis}
-    for sig in CERT_SIGNALS + ("conf",):
+    for sig in CERT_SIGNALS + OUTPUT_SIGNALS:
         out[sig] = dict(mean_over_cells=cells[sig][0], cells=cells[sig][1],
-                        pooled=auc([r[sig] for r in runs], [not r["correct"] for r in runs]))
+                        pooled=auc([r.get(sig, np.nan) for r in runs], [not r["correct"] for r in runs]))
     return out
 
 
@@ -619,6 +638,9 @@ def recompute_t4(records, seed: int, resamples: int) -> dict:
 CALIB_ALPHA = 0.1
 CALIB_SPLITS = 200
 CALIB_SIGNAL = "cert_step_max"
+#: the signals item 4's escalation is calibrated on: the library's, the certificate over the greedy margin (item
+#: 2's target on what the user sees), and the margin alone (the output, no certificate: a reference)
+CALIB_SIGNALS = (CALIB_SIGNAL, "cert_margin", "margin")
 
 
 def differs_from_full(records) -> dict | None:
@@ -653,15 +675,19 @@ def calibration_holdout(records, *, alpha: float = CALIB_ALPHA, splits: int = CA
         tasks = sorted({t for t, _ in keys})
 
         def col(family, level, field):
-            return np.array([by_run[(protocol, t, e, family, level)][field] if field != "differs" else
+            return np.array([by_run[(protocol, t, e, family, level)].get(field, np.nan) if field != "differs" else
                              diff[(protocol, t, e, family, level)] for t, e in keys], dtype=float)
 
         policies = {}
         for bf in sampled_families(r["family"] for r in records):
             tag = "" if bf == "fixed" else f"[{bf[len('fixed-'):]}]"
             for lo in _levels(records, bf):
-                policies[f"escalate{tag} {lo:g}->full"] = ("escalation", lo, col(bf, lo, CALIB_SIGNAL),
-                                                           col(bf, lo, "differs"), col(bf, lo, "kept"))
+                for sig in CALIB_SIGNALS:
+                    if not np.isfinite(col(bf, lo, sig)).any():  # not recorded (runs before margins were kept)
+                        continue
+                    suffix = "" if sig == CALIB_SIGNAL else f" on {sig}"
+                    policies[f"escalate{tag} {lo:g}->full{suffix}"] = (
+                        "escalation", lo, col(bf, lo, sig), col(bf, lo, "differs"), col(bf, lo, "kept"))
         grids = {}
         for fam in sorted({r["family"] for r in records}):
             levels = _levels(records, fam)
@@ -706,7 +732,9 @@ def calibration_holdout(records, *, alpha: float = CALIB_ALPHA, splits: int = CA
                 vals, counts = np.unique(np.array(a["chosen"]), return_counts=True)
                 row["budget_chosen"] = {f"{v:g}": int(c) for v, c in zip(vals, counts)}
             rows[name] = row
-        esc = {k: v for k, v in rows.items() if k.startswith("escalate") and v["meets_alpha"]}
+        esc = {k: v for k, v in rows.items() if k.startswith("escalate") and not k.endswith(" on margin")
+               and v["meets_alpha"]}
+        out_only = {k: v for k, v in rows.items() if k.endswith(" on margin") and v["meets_alpha"]}
         bud = {k: v for k, v in rows.items() if k.startswith("budget") and v["meets_alpha"]}
         best_e = min(esc, key=lambda k: esc[k]["cost"]) if esc else None
         best_b = min(bud, key=lambda k: bud[k]["cost"]) if bud else None
@@ -714,9 +742,10 @@ def calibration_holdout(records, *, alpha: float = CALIB_ALPHA, splits: int = CA
             calibration_prompts=int(sum(len([k for k in keys if k[0] == t]) // 2 for t in tasks)),
             heldout_prompts=int(len(keys) - sum(len([k for k in keys if k[0] == t]) // 2 for t in tasks)),
             policies=rows, best_escalation=best_e, best_budget=best_b,
+            best_output_escalation=min(out_only, key=lambda k: out_only[k]["cost"]) if out_only else None,
             escalation_cheaper=(None if best_e is None or best_b is None
                                 else bool(esc[best_e]["cost"] < bud[best_b]["cost"])))
-    return dict(alpha=alpha, splits=splits, signal=CALIB_SIGNAL, protocols=out,
+    return dict(alpha=alpha, splits=splits, signal=CALIB_SIGNAL, signals=list(CALIB_SIGNALS), protocols=out,
                 note="risk: the held-out rate of served answers that differ from the full cache's, averaged over "
                      "the splits (conformal risk control bounds its expectation by alpha); best_*: the cheapest "
                      "rule of its kind whose mean held-out risk is <= alpha, chosen after the fact over the "
@@ -735,6 +764,8 @@ def analyse(records, *, seed: int, resamples: int) -> dict:
             row.update(paired_vs_baselines(p, base, weights))
         rows.append(row)
     aucs = failure_aucs(records)
+    aucs_by_design = {bf: {s: v["mean_over_cells"] for s, v in failure_aucs(records, bf).items() if s != "basis"}
+                      for bf in sampled_families(r["family"] for r in records)}
     cert_best = max((aucs[s]["mean_over_cells"] for s in CERT_SIGNALS if np.isfinite(aucs[s]["mean_over_cells"])),
                     default=float("nan"))
     rec = recompute_t4(records, seed, resamples)
@@ -758,6 +789,7 @@ def analyse(records, *, seed: int, resamples: int) -> dict:
     calib = calibration_holdout(records, seed=seed)
     if calib is not None:
         summary["calibrated_escalation_cheaper"] = {p: v["escalation_cheaper"] for p, v in calib["protocols"].items()}
+    summary["failure_auc_by_design"] = aucs_by_design
     return dict(rows=rows, failure_auc=aucs, recompute_t4=rec, summary=summary, examples=len(keys),
                 calibration=calib)
 
@@ -785,7 +817,7 @@ def plot(rows, path: Path, title: str) -> Path:
         if not rs:
             continue
         x, y = [r["cost"] for r in rs], [r["accuracy"] for r in rs]
-        if fam in ("escalation", "recompute-request"):
+        if fam.startswith("escalation") or fam == "recompute-request":
             ax.scatter(x, y, color=color, marker=marker, s=22, alpha=0.6, label=fam)
         else:
             ax.plot(x, y, color=color, marker=marker, ms=5, lw=1.2, ls=ls, label=fam)
@@ -837,7 +869,7 @@ def main(argv=None):
         earlier = json.loads(args.reanalyse.read_text())
         records, seconds_runs = earlier["records"], earlier["seconds"]["runs"]
         for r in records:  # strict JSON wrote NaN as null
-            r.update({k: float("nan") for k in CERT_SIGNALS + ("conf",) if r.get(k) is None})
+            r.update({k: float("nan") for k in CERT_SIGNALS + OUTPUT_SIGNALS if r.get(k) is None})
     else:
         model, tokenizer = load_model()
         records = collect(args, model, tokenizer, cfg)

@@ -266,3 +266,18 @@ def test_another_scorers_design_is_a_baseline_and_its_cell_recompute_is_certific
     assert "diff" not in rows["fixed-keydiff kept=0.25"] and "diff" in rows["recompute-cells-keydiff kept=0.25"]
     assert any(r["family"] == "recompute-cells-keydiff" for r in res["rows"])
     assert res["summary"]["certificate_driven_points"] == sum(B.is_cert_driven(r["family"]) for r in res["rows"])
+
+
+def test_cert_margin_divides_each_steps_radius_by_its_greedy_margin():
+    rel = np.array([[[9.0]], [[0.2]], [[0.3]]])  # (steps, layers, heads); step 0 the exact prefill
+    margins = np.array([0.001, 2.0, 0.1])
+    s = B.answer_signals(rel, exact_first=True, margins=margins)
+    assert s["cert_margin"] == pytest.approx(max(0.2 / 2.0, 0.3 / 0.1))
+    assert s["margin"] == pytest.approx(-0.1)  # step 0 left out with the radius
+    assert s["cert_step_max"] == pytest.approx(0.3)
+    # a tie (margin 0) is floored, not a division by zero
+    tie = B.answer_signals(rel, exact_first=False, margins=np.array([0.0, 1.0, 1.0]))
+    assert tie["cert_margin"] == pytest.approx(9.0 / B.MARGIN_FLOOR)
+    # no certificate (the full cache, a deterministic press): the margin alone
+    none = B.answer_signals(np.zeros((0,)), exact_first=True, margins=margins)
+    assert np.isnan(none["cert_margin"]) and none["margin"] == pytest.approx(-0.1)

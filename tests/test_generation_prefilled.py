@@ -26,6 +26,7 @@ def _same(a, b):
     rows_a, rows_b = a.rows(), b.rows()
     for ra, rb in zip(rows_a, rows_b):
         assert torch.equal(ra.logprobs, rb.logprobs)
+        assert torch.equal(ra.margins, rb.margins) and ra.margins.shape == ra.logprobs.shape
         if ra.certificates is None:
             assert rb.certificates is None
             continue

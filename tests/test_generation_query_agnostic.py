@@ -105,6 +105,10 @@ def test_no_press_equals_greedy_decoding_of_context_and_question(tiny):
     ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
     eps = torch.finfo(torch.float32).eps
     assert torch.allclose(r.logprobs, ref, rtol=0, atol=64 * eps * float(logits.abs().max())), (r.logprobs, ref)
+    # the greedy margin: top-1 minus top-2 log-probability of each step's logits (>= 0; the chosen token is top-1)
+    top = torch.log_softmax(logits, -1).topk(2, -1).values
+    assert r.margins.shape == (len(tokens),) and bool((r.margins >= 0).all())
+    assert torch.allclose(r.margins, top[:, 0] - top[:, 1], rtol=0, atol=64 * eps * float(logits.abs().max()))
     assert r.certificates is None and r.protocol == "query-agnostic"
     assert r.context_tokens == ids.shape[1] - len(QUESTIONS[0]) - 1 and r.prompt_tokens == ids.shape[1]
 

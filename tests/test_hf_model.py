@@ -207,9 +207,13 @@ def test_model_generate_under_press_equals_kvcert_generate(model_sdpa):
 
     ids, mask = encode_prompts(tok, [long_prompt(400)])
     with torch.no_grad(), press(model):
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4,
-                             do_sample=False)
+        gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True)
+    out = gen.sequences
     assert out[0, ids.shape[1]:].tolist() == ours.token_ids
+    # the greedy margin of each step: top-1 minus top-2 log-probability of the model's raw logits
+    top = torch.stack([torch.log_softmax(x[0].float(), -1).topk(2).values for x in gen.logits])
+    assert torch.allclose(ours.margins, top[:, 0] - top[:, 1], rtol=0, atol=1e-4), (ours.margins, top)
     theirs = press.certificates[0]
     assert theirs.shape == ours.certificates.shape
     assert torch.equal(theirs.kept, ours.certificates.kept)

@@ -70,6 +70,10 @@ class GenerationResult:
         ``generate(..., escalate=...)``: one entry per re-run, ``step`` (the first decoding step whose mean
         relative radius exceeded the target), ``mean_relative_radius``, ``target_error`` and ``press`` (the
         next run's press, ``"none"`` = uncompressed); empty otherwise.
+    margins : tensor (steps,) or list of tensors, or None
+        The greedy margin of each step: the largest log-probability minus the second largest, under the
+        model run with the press (what a change of the logits must exceed to change a greedy token; with
+        sampling, still the distribution's top-two gap). None where a result was not made by the decode loops.
     """
 
     text: str | list[str]
@@ -83,6 +87,7 @@ class GenerationResult:
     protocol: str = QUERY_AWARE
     context_tokens: int | list[int] | None = None
     escalations: list = field(default_factory=list)
+    margins: torch.Tensor | list | None = None
 
     def summary(self) -> dict:
         """Compact JSON-ready summary (one prompt): tokens, timings, and the
@@ -131,7 +136,8 @@ class GenerationResult:
                              None if self.certificates is None else self.certificates[i],
                              self.prompt_tokens[i], dict(self.timings), self.press,
                              None if self.prompt_certificates is None else self.prompt_certificates[i],
-                             self.protocol, None if self.context_tokens is None else self.context_tokens[i])
+                             self.protocol, None if self.context_tokens is None else self.context_tokens[i],
+                             margins=None if self.margins is None else self.margins[i])
             for i in range(n)
         ]
 
@@ -268,24 +274,32 @@ def prefill_forward(model, input_ids, attention_mask, position_ids, fwd_kwargs, 
 
 @dataclass
 class _Decoded:
-    """What the decode loop produced: ``ids`` and ``logprobs`` (b, steps) on the CPU (padded with the pad
-    id after a row's EOS), ``lengths`` (the tokens of each row, its EOS included), wall ``seconds``."""
+    """What the decode loop produced: ``ids``, ``logprobs`` and ``margins`` (b, steps) on the CPU (padded with
+    the pad id after a row's EOS), ``lengths`` (the tokens of each row, its EOS included), wall ``seconds``."""
 
     ids: torch.Tensor
     logprobs: torch.Tensor
     lengths: list[int]
     seconds: float
+    margins: torch.Tensor | None = None
+
+
+def greedy_margin(logp: torch.Tensor) -> torch.Tensor:
+    """The largest minus the second largest of the log-probabilities ``logp`` (..., vocab): (...)."""
+    top = logp.topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1]
 
 
 def _choose_token(logits, generator, temperature, device):
-    """(token, log p(token)) per row: the argmax, or (``generator`` given) a draw at ``temperature``."""
+    """(token, log p(token), greedy margin) per row: the argmax, or (``generator`` given) a draw at
+    ``temperature``; the margin is :func:`greedy_margin` of the untempered log-probabilities."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     if generator is not None:
         probs = torch.softmax(logits.float() / temperature, dim=-1).cpu()
         tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(device)
     else:
         tok = logp.argmax(-1)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1), greedy_margin(logp)
 
 
 def decode_loop(model, tokenizer, cache, logits, attention_mask, max_new_tokens, *, do_sample, temperature,
@@ -307,7 +321,7 @@ def decode_loop(model, tokenizer, cache, logits, attention_mask, max_new_tokens,
     done = torch.zeros(b, dtype=torch.bool, device=device)
     lengths = torch.zeros(b, dtype=torch.long, device=device)
     next_pos = mask_positions(attention_mask)[:, -1]
-    tokens, logps = [], []
+    tokens, logps, margins = [], [], []
     t0 = time.perf_counter()
     steps = range(max_new_tokens)
     if progress:
@@ -315,7 +329,8 @@ def decode_loop(model, tokenizer, cache, logits, attention_mask, max_new_tokens,
 
         steps = tqdm(steps, desc="decode", unit="tok", leave=False)
     for step in steps:
-        tok, lp = _choose_token(logits, generator, temperature, device)
+        tok, lp, margin = _choose_token(logits, generator, temperature, device)
+        margins.append(margin)
         tok = tok.masked_fill(done, pad_id)
         tokens.append(tok)
         logps.append(lp)
@@ -335,7 +350,8 @@ def decode_loop(model, tokenizer, cache, logits, attention_mask, max_new_tokens,
     if progress:
         steps.close()
     seconds = time.perf_counter() - t0
-    return _Decoded(torch.stack(tokens, dim=1).cpu(), torch.stack(logps, dim=1).cpu(), lengths.tolist(), seconds)
+    return _Decoded(torch.stack(tokens, dim=1).cpu(), torch.stack(logps, dim=1).cpu(), lengths.tolist(), seconds,
+                    torch.stack(margins, dim=1).cpu())
 
 
 def _step_slice(c: Certificates, steps: slice) -> Certificates:

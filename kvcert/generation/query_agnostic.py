@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention import Certificates
-from .common import (QUERY_AGNOSTIC, GenerationResult, eos_token_ids, forward_kwargs, LayerProgress, check_tokens,
-                     _prompt_name, _step_slice)
+from .common import (QUERY_AGNOSTIC, GenerationResult, LayerProgress, check_tokens, eos_token_ids, forward_kwargs,
+                     greedy_margin, _prompt_name, _step_slice)
 from .prefilled import Prefill, check_query_window, recorded_prefill
 
 __all__ = ["CompressedContext", "compress_context", "prefill_context", "answer", "answer_certificates"]
@@ -433,7 +433,8 @@ def _joined(rows: list[GenerationResult]) -> GenerationResult:
     return GenerationResult([r.text for r in rows], [r.token_ids for r in rows], [r.logprobs for r in rows],
                             None if certs[0] is None else certs, [r.prompt_tokens for r in rows], timings,
                             first.press, prompt_certs if any(p is not None for p in prompt_certs) else None,
-                            QUERY_AGNOSTIC, [r.context_tokens for r in rows])
+                            QUERY_AGNOSTIC, [r.context_tokens for r in rows],
+                            margins=None if any(r.margins is None for r in rows) else [r.margins for r in rows])
 
 
 def _answer_one(model, tokenizer, context: CompressedContext, q_ids: torch.Tensor, max_new_tokens: int,
@@ -453,7 +454,7 @@ def _answer_one(model, tokenizer, context: CompressedContext, q_ids: torch.Tenso
         out = model(input_ids=q_ids, position_ids=position, use_cache=True, **{cache_kw: cache}, **fwd_kwargs)
         t1 = time.perf_counter()
         position = position[:, -1:] + 1
-        tokens, logps = [], []
+        tokens, logps, margins = [], [], []
         steps = range(max_new_tokens)
         if progress:
             from tqdm.auto import tqdm
@@ -463,7 +464,9 @@ def _answer_one(model, tokenizer, context: CompressedContext, q_ids: torch.Tenso
             logits = out.logits[:, -1]
             tok = logits.argmax(-1)  # on the logits, as kvpress's loop
             tokens.append(int(tok[0]))  # the one host read per step (kvpress's loop reads it too)
-            logps.append(torch.log_softmax(logits[0].float(), dim=-1)[tokens[-1]])
+            logp = torch.log_softmax(logits[0].float(), dim=-1)
+            logps.append(logp[tokens[-1]])
+            margins.append(greedy_margin(logp))
             if tokens[-1] in stop or step == max_new_tokens - 1:
                 break
             out = model(input_ids=tok[:, None], position_ids=position + step, use_cache=True,
@@ -485,7 +488,7 @@ def _answer_one(model, tokenizer, context: CompressedContext, q_ids: torch.Tenso
     name = repr(context.press) if context.press is not None else "none"
     return GenerationResult(tokenizer.decode(tokens, skip_special_tokens=True), tokens,
                             torch.stack(logps).cpu(), certs, n + q, timings, name, prompt_certs,
-                            QUERY_AGNOSTIC, n)
+                            QUERY_AGNOSTIC, n, margins=torch.stack(margins).cpu())
 
 
 def answer_certificates(press) -> list[Certificates]:

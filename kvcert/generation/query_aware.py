@@ -279,12 +279,13 @@ def _assemble_result(tokenizer, single, attention_mask, decoded, certs, prompt_r
     timings = {**timings, "decode_s": decoded.seconds,
                "decode_tokens_per_s": n_dec / decoded.seconds if decoded.seconds > 0 and n_dec else 0.0}
     prompt_tokens = [int(x) for x in attention_mask.sum(-1).tolist()]
-    texts, id_lists, lp_list, cert_list, prompt_list = [], [], [], [], []
+    texts, id_lists, lp_list, cert_list, prompt_list, margin_list = [], [], [], [], [], []
     first = prompt_rows - 1  # the recorded step that produced token 0
     for i, length in enumerate(decoded.lengths):
         row = decoded.ids[i, :length].tolist()
         id_lists.append(row)
         lp_list.append(decoded.logprobs[i, :length])
+        margin_list.append(decoded.margins[i, :length])
         texts.append(tokenizer.decode(row, skip_special_tokens=True))
         if certs is not None:
             ci = certs[i]
@@ -296,6 +297,8 @@ def _assemble_result(tokenizer, single, attention_mask, decoded, certs, prompt_r
     prompt_certs = prompt_list if prompt_list else None
     if single:
         return GenerationResult(texts[0], id_lists[0], lp_list[0], cert_rows[0] if cert_rows is not None else None,
-                                prompt_tokens[0], timings, name, prompt_certs[0] if prompt_certs else None)
-    return GenerationResult(texts, id_lists, lp_list, cert_rows, prompt_tokens, timings, name, prompt_certs)
+                                prompt_tokens[0], timings, name, prompt_certs[0] if prompt_certs else None,
+                                margins=margin_list[0])
+    return GenerationResult(texts, id_lists, lp_list, cert_rows, prompt_tokens, timings, name, prompt_certs,
+                            margins=margin_list)
 
