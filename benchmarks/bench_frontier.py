@@ -330,6 +330,7 @@ def parse_args(argv=None):
     args.examples = args.examples or (None if full else QUICK_EXAMPLES)
     if args.examples is not None and args.examples < 1:
         p.error(f"--examples must be >= 1, got {args.examples}")
+    args.protocols_given = args.protocols is not None  # with --reanalyse: keep only these protocols' records
     protocols = args.protocols or ("query-aware,query-agnostic" if full else "query-aware")
     args.protocols = tuple(x.strip() for x in protocols.split(",") if x.strip())
     bad = [x for x in args.protocols if x not in ("query-aware", "query-agnostic")]
@@ -870,6 +871,10 @@ def main(argv=None):
         records, seconds_runs = earlier["records"], earlier["seconds"]["runs"]
         for r in records:  # strict JSON wrote NaN as null
             r.update({k: float("nan") for k in CERT_SIGNALS + OUTPUT_SIGNALS if r.get(k) is None})
+        if args.protocols_given:
+            records = [r for r in records if r["protocol"] in args.protocols]
+            if not records:
+                raise SystemExit(f"--reanalyse {args.reanalyse}: no records of protocols {list(args.protocols)}")
     else:
         model, tokenizer = load_model()
         records = collect(args, model, tokenizer, cfg)
@@ -885,8 +890,8 @@ def main(argv=None):
     data = dict(
         **info,
         model="SmolLM2-135M-Instruct (kvcert.models.load_model(), offline)",
-        setup=dict(quick=args.quick, tasks=sorted({r["task"] for r in records}), protocols=list(args.protocols),
-                   examples_per_task=args.examples or cfg.suite_examples, requests=result["examples"],
+        setup=dict(quick=args.quick, tasks=sorted({r["task"] for r in records}),
+                   protocols=sorted({r["protocol"] for r in records}), examples_per_task=args.examples or cfg.suite_examples, requests=result["examples"],
                    context_tokens=cfg.suite_context, batch=cfg.suite_batch, seed=cfg.seed, ratios=list(RATIOS),
                    deterministic=DETERMINISTIC, targets=list(QUICK_TARGETS if args.quick else TARGETS),
                    alloc_fractions=list(ALLOC_FRACTIONS),
@@ -919,8 +924,8 @@ def main(argv=None):
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(_finite(data), indent=1, default=_json, allow_nan=False) + "\n")
     try:
-        plot(result["rows"], png, f"Table 3's tasks, {', '.join(args.protocols)}, {result['examples']} requests "
-                                  f"({data['date']}, {data['git_commit']})")
+        plot(result["rows"], png, f"Table 3's tasks, {', '.join(data['setup']['protocols'])}, "
+                                  f"{result['examples']} requests ({data['date']}, {data['git_commit']})")
     except ImportError:  # pragma: no cover - matplotlib missing
         print("matplotlib missing: no plot", file=sys.stderr)
     print(markdown(result["rows"]))
