@@ -30,11 +30,11 @@ Policies (``kept`` is the kept fraction f = 1 - compression ratio):
 - ``recompute-request``: Table 4's recomputation (paper_repro/claims.py): the ``RECOMPUTE_SHARE`` (25%) of
   requests with the largest certificate score (Table 3's: the mean relative radius over every certified
   query) re-served with the full cache; cost: both runs;
-- ``recompute-cells``: exact attention for flagged cells (:class:`CellRecomputePress`, written here: kvcert
-  has no such press): at every decoding step, layer and query head whose recorded relative radius exceeds
-  ``--cell-threshold``, the Hajek estimate is replaced by exact attention over the full cache (the prefill's
-  K/V, kept aside, plus the tokens decoded since); cost: the kept fraction plus the share of (step, layer, KV
-  head) reads that went to the full cache.
+- ``recompute-cells``: exact attention for flagged cells, the library's ``PoissonPress(sketch=None,
+  recompute_threshold=t)`` (kvcert/presses/recompute.py): at every decoding step, layer and query head whose
+  recorded relative radius is at least ``--cell-threshold``, the Hajek estimate is replaced by exact attention
+  over the full cache (the prefill's K/V, kept aside, plus the tokens decoded since); cost: the kept fraction
+  plus the share of (step, layer, KV head) reads that went to the full cache (``press.recompute_share``).
 
 Cost of a run, as a fraction of the full cache: the kept fraction of the prompt (``Certificates.summary()
 ["kept_fraction"]``, a sketch's memory counted; query-agnostic: ``CompressedContext.kept()`` over the context),
@@ -196,109 +196,6 @@ def allocation_info(row) -> dict:
                 budget_max=int(b.max()), budget_sum=int(b.sum()))
 
 
-# ============================================================================ presses written here
-
-def _presses():
-    """The press written here (defined lazily: it imports kvcert and torch): :class:`CellRecomputePress`. The
-    allocation policy is the library's, ``kvcert.PoissonPress(allocation="neyman")``."""
-    global CellRecomputePress
-    if "CellRecomputePress" in globals():
-        return CellRecomputePress
-    import dataclasses
-
-    import torch
-
-    import kvcert
-
-    @dataclasses.dataclass
-    class CellRecomputePress(kvcert.PoissonPress):
-        """The paper's design; at decode, every (step, layer, query head) cell whose relative radius exceeds
-        ``recompute_threshold`` is answered by exact attention over the full cache (module docstring). Runs
-        on a shared prefill and inside :func:`cell_hooks`. ``recomputed`` / ``cells``: per batch row, the
-        (step, layer, KV head) reads that went to the full cache, of all."""
-
-        recompute_threshold: float = CELL_THRESHOLD
-
-        def _compress_prefilled(self, cache, *, query_window):
-            self._full = {i: (l.keys, l.values, l.valid, l.positions) for i, l in enumerate(cache.layers)
-                          if l.compressible}
-            b = cache.layers[0].keys.shape[0]
-            self.recomputed, self.cells = torch.zeros(b, dtype=torch.float64), torch.zeros(b, dtype=torch.float64)
-            super()._compress_prefilled(cache, query_window=query_window)
-
-        def _recompute(self, session, layer, layer_idx, query, scale, dec, out):
-            full = getattr(self, "_full", {}).get(layer_idx)
-            if full is None or len(dec.records) != 1:
-                return out
-            from kvcert.fast import certificate_moments, radius_from_statistics
-
-            est = dec.records[0].estimate
-            _, _, rel = radius_from_statistics(session.kind, session.delta,
-                                               **certificate_moments(est, session.kind))
-            b, h_q, t, d = query.shape
-            # a one-token step gives (b, h_q), a chunk of t queries (b, h_q, t) (hajek_attention's layout)
-            rel = rel.reshape(b, h_q, t)
-            flag = rel > self.recompute_threshold  # (b, h_q, t)
-            K0, V0, valid0, pos0 = full
-            h_kv = K0.shape[1]
-            g = h_q // h_kv
-            kv_flag = flag.reshape(b, h_kv, g, t).any(2)  # (b, h_kv, t)
-            self.recomputed += kv_flag.sum((1, 2)).to(torch.float64).cpu()
-            self.cells += float(h_kv * t)
-            if not bool(flag.any()):
-                return out
-            n_prompt = pos0.masked_fill(~valid0, -1).amax(-1, keepdim=True) + 1  # (b, h_kv, 1)
-            new = (layer.positions >= n_prompt) & layer.valid
-            K = torch.cat([K0, layer.keys], 2).to(torch.float32)
-            V = torch.cat([V0, layer.values], 2).to(torch.float32)
-            pos = torch.cat([pos0, layer.positions], 2)
-            allowed = torch.cat([valid0, new], 2)  # (b, h_kv, N)
-            qpos = layer.positions[:, 0, -t:]  # (b, t): the new tokens' positions
-            q = query.to(torch.float32).reshape(b, h_kv, g, t, d)
-            s = torch.einsum("bkgtd,bknd->bkgtn", q, K) * scale
-            ok = allowed[:, :, None, None, :] & (pos[:, :, None, None, :] <= qpos[:, None, None, :, None])
-            p = torch.softmax(s.masked_fill(~ok, float("-inf")), dim=-1)
-            exact = torch.einsum("bkgtn,bknd->bkgtd", p, V).reshape(b, h_q, t, -1).transpose(1, 2)  # (b, t, h_q, dv)
-            sel = flag.transpose(1, 2)[..., None]  # (b, t, h_q, 1)
-            return torch.where(sel, exact.to(out.dtype), out)
-
-    globals().update(CellRecomputePress=CellRecomputePress)
-    return CellRecomputePress
-
-
-class cell_hooks:
-    """Context manager: while it is open, a :class:`CellRecomputePress`'s decoding steps recompute their
-    flagged cells (``kvcert.dispatch.decode`` wrapped to hand its record to the session's ``_decode``,
-    which is wrapped to call the press). Other presses are untouched."""
-
-    def __enter__(self):
-        import kvcert.dispatch as dispatch
-        from kvcert.attention import Session
-
-        cell_press = _presses()
-        self._dispatch, self._session = dispatch, Session
-        self._orig_decode, self._orig_session_decode = dispatch.decode, Session._decode
-        last = {}
-        orig_decode, orig_session = self._orig_decode, self._orig_session_decode
-
-        def decode(*args, **kwargs):
-            last["dec"] = orig_decode(*args, **kwargs)
-            return last["dec"]
-
-        def session_decode(session, layer, layer_idx, query, scale, softcap=None):
-            out = orig_session(session, layer, layer_idx, query, scale, softcap)
-            if isinstance(session.press, cell_press):
-                out = session.press._recompute(session, layer, layer_idx, query, scale, last["dec"], out)
-            return out
-
-        dispatch.decode, Session._decode = decode, session_decode
-        return self
-
-    def __exit__(self, *exc):
-        self._dispatch.decode, self._session._decode = self._orig_decode, self._orig_session_decode
-        return False
-
-
 # ============================================================================ runs
 
 def parse_args(argv=None):
@@ -355,7 +252,6 @@ def _run_specs(args) -> list:
     a target); factory(seed) -> press."""
     import kvcert
 
-    Cell = _presses()
     specs = []
     for r in RATIOS:
         specs.append(("fixed", 1 - r, dict(compression_ratio=r, design="paper"),
@@ -375,8 +271,8 @@ def _run_specs(args) -> list:
                                                          allocation_floor=ALLOC_FLOOR, allocation_step=ALLOC_STEP)))
     for f in CELL_KEPT:
         specs.append(("recompute-cells", f, dict(kept=f, threshold=args.cell_threshold),
-                      lambda s, f=f: Cell(compression_ratio=1 - f, seed=s, sketch=None,
-                                          recompute_threshold=args.cell_threshold)))
+                      lambda s, f=f: kvcert.PoissonPress(compression_ratio=1 - f, seed=s, sketch=None,
+                                                         recompute_threshold=args.cell_threshold)))
     for sc in getattr(args, "scorers", ()):  # the sampled design with another scorer, and cell recompute on it
         for r in RATIOS:
             specs.append((f"fixed-{sc}", 1 - r, dict(compression_ratio=r, design="paper", scorer=sc),
@@ -384,8 +280,9 @@ def _run_specs(args) -> list:
                                                                     scorer=sc)))
         for f in CELL_KEPT:
             specs.append((f"recompute-cells-{sc}", f, dict(kept=f, threshold=args.cell_threshold, scorer=sc),
-                          lambda s, f=f, sc=sc: Cell(compression_ratio=1 - f, seed=s, sketch=None, scorer=sc,
-                                                     recompute_threshold=args.cell_threshold)))
+                          lambda s, f=f, sc=sc: kvcert.PoissonPress(compression_ratio=1 - f, seed=s, sketch=None,
+                                                                    scorer=sc,
+                                                                    recompute_threshold=args.cell_threshold)))
     return specs
 
 
@@ -421,7 +318,6 @@ def collect(args, model, tokenizer, cfg) -> list:
         jobs += [("query-aware", t, b) for t in tasks for b in batches(examples[t], cfg.suite_batch, tokenizer)]
     if "query-agnostic" in args.protocols:
         jobs += [("query-agnostic", t, [i]) for t in tasks for i in range(n_ex)]
-    Cell = _presses()
     for protocol, task, idx in progress(jobs, desc="frontier"):
         exs = [examples[task][i] for i in idx]
         agn = protocol == "query-agnostic"
@@ -432,38 +328,31 @@ def collect(args, model, tokenizer, cfg) -> list:
 
         def run(press):
             """[(correct, kept, signals, cert_t3, conf, extra, info)] per example of the job."""
-            hooks = cell_hooks() if isinstance(press, Cell) else None
-            if hooks:
-                hooks.__enter__()
-            try:
-                if not agn:
-                    res = kvcert.generate(model, tokenizer, [e.prompt for e in exs], press=press,
-                                          max_new_tokens=MAX_NEW_TOKENS, chat_template=False, prefilled=state)
-                    rows = res.rows()
-                    outs = []
-                    for j, (e, row) in enumerate(zip(exs, rows)):
-                        c = row.certificates
-                        kept = 1.0 if press is None else c.summary()["kept_fraction"]
-                        sig = answer_signals(c.relative_radius if c is not None and press is not None
-                                             else np.zeros((0,)), exact_first=True, margins=row.margins)
-                        cert, conf, _ = _cert_conf(row, press)
-                        outs.append((e.score(row.text), kept, sig, cert, conf, j, row.text))
-                else:
-                    e = exs[0]
-                    ctx = kvcert.compress_context(model, tokenizer, e.context, press=press, chat_template=False,
-                                                  prefilled=state)
-                    r = kvcert.answer(model, tokenizer, ctx, e.question, answer_prefix=e.answer_prefix,
-                                      max_new_tokens=MAX_NEW_TOKENS)
-                    kept_t = ctx.kept()
-                    kept = 1.0 if kept_t is None else float(kept_t.double().mean()) / ctx.context_tokens
-                    c = r.certificates
+            if not agn:
+                res = kvcert.generate(model, tokenizer, [e.prompt for e in exs], press=press,
+                                      max_new_tokens=MAX_NEW_TOKENS, chat_template=False, prefilled=state)
+                rows = res.rows()
+                outs = []
+                for j, (e, row) in enumerate(zip(exs, rows)):
+                    c = row.certificates
+                    kept = 1.0 if press is None else c.summary()["kept_fraction"]
                     sig = answer_signals(c.relative_radius if c is not None and press is not None
-                                         else np.zeros((0,)), exact_first=False, margins=r.margins)
-                    cert, conf, _ = _cert_conf(r, press, agnostic=True)
-                    outs = [(e.score(r.text), kept, sig, cert, conf, 0, r.text)]
-            finally:
-                if hooks:
-                    hooks.__exit__(None, None, None)
+                                         else np.zeros((0,)), exact_first=True, margins=row.margins)
+                    cert, conf, _ = _cert_conf(row, press)
+                    outs.append((e.score(row.text), kept, sig, cert, conf, j, row.text))
+            else:
+                e = exs[0]
+                ctx = kvcert.compress_context(model, tokenizer, e.context, press=press, chat_template=False,
+                                              prefilled=state)
+                r = kvcert.answer(model, tokenizer, ctx, e.question, answer_prefix=e.answer_prefix,
+                                  max_new_tokens=MAX_NEW_TOKENS)
+                kept_t = ctx.kept()
+                kept = 1.0 if kept_t is None else float(kept_t.double().mean()) / ctx.context_tokens
+                c = r.certificates
+                sig = answer_signals(c.relative_radius if c is not None and press is not None
+                                     else np.zeros((0,)), exact_first=False, margins=r.margins)
+                cert, conf, _ = _cert_conf(r, press, agnostic=True)
+                outs = [(e.score(r.text), kept, sig, cert, conf, 0, r.text)]
             return outs
 
         for (ok, kept, sig, cert, conf, j, text) in run(None):
@@ -476,7 +365,7 @@ def collect(args, model, tokenizer, cfg) -> list:
             for (ok, kept, sig, cert, conf, j, text) in outs:
                 extra, info = 0.0, dict(seconds=dt / len(outs))
                 if family.startswith("recompute-cells"):
-                    share = float(press.recomputed[j] / press.cells[j]) if float(press.cells[j]) > 0 else 0.0
+                    share = float(press.recompute_share[j])
                     extra, info["recompute_share"] = share, share
                 if family == "allocation":
                     info.update(allocation_info(press.allocations.get(j)))
@@ -891,7 +780,8 @@ def main(argv=None):
         **info,
         model="SmolLM2-135M-Instruct (kvcert.models.load_model(), offline)",
         setup=dict(quick=args.quick, tasks=sorted({r["task"] for r in records}),
-                   protocols=sorted({r["protocol"] for r in records}), examples_per_task=args.examples or cfg.suite_examples, requests=result["examples"],
+                   protocols=sorted({r["protocol"] for r in records}),
+                   examples_per_task=args.examples or cfg.suite_examples, requests=result["examples"],
                    context_tokens=cfg.suite_context, batch=cfg.suite_batch, seed=cfg.seed, ratios=list(RATIOS),
                    deterministic=DETERMINISTIC, targets=list(QUICK_TARGETS if args.quick else TARGETS),
                    alloc_fractions=list(ALLOC_FRACTIONS),
@@ -913,7 +803,7 @@ def main(argv=None):
             "(the rule reads no answer); cert_* signals are relative radii over the answer's (step, layer, "
             "query head) cells (query-aware: decoding steps 1..; query-agnostic: every answer step).",
             "recompute-request is Table 4's recomputation (paper_repro/claims.py) as a frontier point; "
-            "recompute-cells is written in this benchmark (kvcert has no cell recompute press).",
+            "recompute-cells is the library's PoissonPress(recompute_threshold=...) (kvcert/presses/recompute.py).",
         ],
         rows=result["rows"], failure_auc=result["failure_auc"], recompute_t4=result["recompute_t4"],
         calibration=result["calibration"],
@@ -939,7 +829,8 @@ def calibration_markdown(calib) -> str:
     if calib is None:
         return "(no answers recorded: no calibration analysis)"
     lines = [f"alpha {calib['alpha']}, {calib['splits']} random splits, signal {calib['signal']}", "",
-             "| protocol | rule | held-out risk (se) | mean cost | escalated | meets alpha |", "|---|---|---|---|---|---|"]
+             "| protocol | rule | held-out risk (se) | mean cost | escalated | meets alpha |",
+             "|---|---|---|---|---|---|"]
     for p, v in calib["protocols"].items():
         for name, r in sorted(v["policies"].items(), key=lambda kv: kv[1]["cost"]):
             esc = f"{r['escalated']:.3f}" if "escalated" in r else ""

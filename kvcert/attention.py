@@ -392,6 +392,9 @@ class Session:
                 else:
                     norms = self._record(layer_idx, r.estimate, r.kept, r.memory)
         self._check_finite(layer_idx, dec.output, norms if len(dec.records) == 1 else None)
+        hook = getattr(self.press, "after_decode", None)  # a press that acts on the step (cell recompute)
+        if hook is not None:
+            return hook(self, layer, layer_idx, query, scale, dec, dec.output, softcap)
         return dec.output
 
     def _check_finite(self, layer_idx: int, output: torch.Tensor, norms: torch.Tensor | None = None) -> None:

@@ -50,7 +50,7 @@ __all__ = ["main", "build_parser"]
 #: options that set a press field of the same name (--compression-interval wraps the press in a DecodingPress)
 _PRESS_OPTIONS = ("compression_ratio", "target_size", "sinks", "window", "top_fraction",
                   "floor", "scorer", "seed", "delta", "kind", "observation_window", "sketch", "target_error",
-                  "sampling", "allocation")
+                  "sampling", "allocation", "recompute_threshold")
 
 
 #: where the paper reproduction lives (paper_repro/, never imported by the library)
@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--allocation", default=None, choices=ALLOCATIONS,
                    help="poisson: budgets per layer and KV head from the predicted variance at the memory of the "
                         "ratio's uniform budget (the paper's design; docs/usage.md)")
+    g.add_argument("--recompute-threshold", type=float, default=None, metavar="T",
+                   help="poisson: answer each decoding step's (layer, query head) cell whose relative radius is at "
+                        "least T by exact attention over the full cache, kept aside (cell recompute; "
+                        "docs/frontier.md)")
     g.add_argument("--compression-interval", type=int, default=None,
                    help="also compress every N decoded tokens back to the target size (a DecodingPress)")
     g.add_argument("--sinks", type=int, default=None, help="first tokens always kept (press default 4)")

@@ -53,6 +53,10 @@ class DecodingPress(Press):
                             f"({type(self.base_press.scorer).__name__}) scores prefills only (its score reads a "
                             "layer's hidden states, which decode-time events do not keep); give DecodingPress a "
                             "kvcert scorer")
+        if getattr(self.base_press, "recompute_threshold", None) is not None:
+            raise ValueError("base_press: a PoissonPress(recompute_threshold=...) keeps the prefill's full cache "
+                             "aside; decode-time events would evict tokens decoded since, which it reads (give "
+                             "DecodingPress a base press without recompute_threshold)")
         if getattr(self.base_press, "target_error", None) is not None:
             raise ValueError("base_press: a PoissonPress(target_error=...) chooses its budgets at the prefill "
                              "event; DecodingPress compresses to a fixed target_size (give base_press a "

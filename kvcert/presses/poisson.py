@@ -13,6 +13,7 @@ from .allocation import check_allocation, head_budgets, hold_prefill
 from .base import (BasePress, RowEvent, accept_kvpress_names, held_design, real_slots, records_given, row_slots,
                    row_tokens)
 from .kvpress_interop import is_kvpress_scorer, KvpressInputs, row_slice
+from .recompute import CellRecompute, check_recompute_threshold
 from .scorer import ScorerPress
 
 
@@ -185,6 +186,13 @@ class PoissonPress(BasePress):
         :math:`\phi`, each head's floor as a share of the uniform budget (default 0.5).
     allocation_step : int >= 1
         Spacing of the budgets the allocation compares per head (default 4; 1: every budget).
+    recompute_threshold : float >= 0, optional
+        Cell recompute (the paper's T4, :mod:`kvcert.presses.recompute`): keep each compressed layer's full
+        prefill K/V aside and, at every decoding step, answer each (layer, query head) cell whose recorded
+        relative radius is at least the threshold (or NaN) by exact attention over the full cache (the prefill's tokens and
+        those decoded since); the certificates recorded stay the Hajek estimate's. :attr:`recompute_share`: per
+        batch row, the share of (step, layer, KV head) reads recomputed. 16-bit caches, prefill events only (not
+        under :class:`DecodingPress`), no logit softcap. Default None: no recompute.
 
     Notes
     -----
@@ -222,6 +230,7 @@ class PoissonPress(BasePress):
     allocation: str | None = None
     allocation_floor: float = 0.5
     allocation_step: int = 4
+    recompute_threshold: float | None = None
 
     _randomized = True
 
@@ -264,6 +273,10 @@ class PoissonPress(BasePress):
         self.sketch, self.kind = default_design(self.sketch, self.kind, target_error=self.target_error)
         self.sampling = default_sampling(self.sampling, self.sketch)
         self.sketch = held_design(self).sketch  # the fields' checks are the design's (the sketch resolved)
+        self.recompute_threshold = check_recompute_threshold(self.recompute_threshold)
+        if self.recompute_threshold is not None and self.kv_bits != 16:
+            raise ValueError(f"recompute_threshold: cell recompute is verified on 16-bit caches only, got "
+                             f"kv_bits={self.kv_bits!r}")
         if self.kv_bits != 16 and self.kind not in self._QUANTIZED_KINDS:
             raise ValueError(f"kind: a quantized cache (kv_bits={self.kv_bits}) records a trace-only certificate, "
                              f"one of {self._QUANTIZED_KINDS}; got kind={self.kind!r}")
@@ -350,6 +363,8 @@ class PoissonPress(BasePress):
         which allocates the budgets and runs every held layer's event (:mod:`kvcert.presses.allocation`);
         at ``kv_bits="auto"``, the layer's width chosen first (:meth:`_choose_layer_bits`), then that width's
         event."""
+        if self.recompute_threshold is not None:  # the full cache, kept before the event evicts
+            self._cell_recompute().keep(layer, layer_idx)
         if self.allocation is None and self.kv_bits == "auto" and self.compresses:
             bits = self._choose_layer_bits(layer, layer_idx, queries, scale)
             self.chosen_bits[layer_idx] = bits
@@ -369,6 +384,27 @@ class PoissonPress(BasePress):
         for held in hold_prefill(self, layer, layer_idx, queries, scale, compressed=session.compressed,
                                  importance=self._prefill_importance):
             self._compress(*held, prefill=True)
+
+    def _cell_recompute(self) -> CellRecompute:
+        """The press's cell-recompute state (one per threshold: reassigning the field starts a new one)."""
+        state = self.__dict__.get("_recompute")
+        if state is None or state.threshold != self.recompute_threshold:
+            state = self.__dict__["_recompute"] = CellRecompute(self.recompute_threshold)
+        return state
+
+    def after_decode(self, session, layer, layer_idx: int, query, scale: float, dec, out, softcap=None):
+        """The session's hook after each compressed layer's decoding step: the output, with cell recompute's
+        flagged cells replaced by exact attention (``recompute_threshold``; unchanged otherwise)."""
+        if self.recompute_threshold is None:
+            return out
+        return self._cell_recompute().apply(session, layer, layer_idx, query, scale, dec, out, softcap)
+
+    @property
+    def recompute_share(self) -> torch.Tensor | None:
+        """(batch,) the share of each row's (step, layer, KV head) reads that cell recompute sent to the full
+        cache in the last run; None without ``recompute_threshold`` or before a run."""
+        state = self.__dict__.get("_recompute")
+        return None if self.recompute_threshold is None or state is None else state.share()
 
     def _choose_layer_bits(self, layer, layer_idx: int, queries, scale: float) -> int:
         """``kv_bits="auto"``: the width of one layer's prefill event, the smallest sum over its batch rows and KV
