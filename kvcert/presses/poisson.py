@@ -189,10 +189,11 @@ class PoissonPress(BasePress):
     recompute_threshold : float >= 0, optional
         Cell recompute (the paper's T4, :mod:`kvcert.presses.recompute`): keep each compressed layer's full
         prefill K/V aside and, at every decoding step, answer each (layer, query head) cell whose recorded
-        relative radius is at least the threshold (or NaN) by exact attention over the full cache (the prefill's tokens and
-        those decoded since); the certificates recorded stay the Hajek estimate's. :attr:`recompute_share`: per
-        batch row, the share of (step, layer, KV head) reads recomputed. 16-bit caches, prefill events only (not
-        under :class:`DecodingPress`), no logit softcap. Default None: no recompute.
+        relative radius is at least the threshold (or NaN) by exact attention over the full cache (the
+        prefill's tokens and those decoded since); the certificates recorded stay the Hajek estimate's.
+        :attr:`recompute_share`: per batch row, the share of (step, layer, KV head) reads recomputed. 16-bit
+        caches, prefill events only (not under :class:`DecodingPress`), no logit softcap. Default None: no
+        recompute.
 
     Notes
     -----
