@@ -143,7 +143,7 @@ COST_GRID = tuple(sorted(1.0 - r for r in RATIOS)) + (1.0,)
 # ============================================================================ pure functions (tested)
 
 from paper_repro.frontier import (Point, bootstrap_weights, escalated, family_at,  # noqa: E402,F401
-                                  paired_vs_baselines, strata_label, strata_of, top_share)
+                                  paired_vs_baselines, strata_label, strata_of, top_share, top_share_per_protocol)
 
 
 def cost_bin(cost: float) -> float:
@@ -394,11 +394,17 @@ def _levels(records, family) -> list:
     return sorted({r["level"] for r in records if r["family"] == family})
 
 
+def _design_tag(family: str) -> str:
+    """How a point's name marks the sampled design it escalates from: nothing for the paper design (``fixed``),
+    ``[x]`` for ``fixed-x``."""
+    return "" if family == "fixed" else f"[{family[len('fixed-'):]}]"
+
+
 def _escalations(pts, records, keys, protocols, bf, full_c, full_k) -> None:
     """Append the escalation points of sampled family ``bf``: from each of its levels to its next level and to
     the full cache, for each signal and share."""
     levels = _levels(records, bf)
-    tag = "" if bf == "fixed" else f"[{bf[len('fixed-'):]}]"
+    tag = _design_tag(bf)
     for i, lo in enumerate(levels):
         lo_c, lo_k = _vec(records, keys, bf, lo, "correct"), _vec(records, keys, bf, lo, "kept")
         targets = [levels[i + 1]] if i + 1 < len(levels) else []
@@ -406,10 +412,7 @@ def _escalations(pts, records, keys, protocols, bf, full_c, full_k) -> None:
         for signal in ESCALATE_SIGNALS:
             s = _vec(records, keys, bf, lo, signal)
             for share in ESCALATE_SHARES:
-                mask = np.zeros(len(keys), dtype=bool)
-                for p in set(protocols):
-                    sel = protocols == p
-                    mask[sel] = top_share(s[sel], share)
+                mask = top_share_per_protocol(s, protocols, share)
                 tau = float(np.nanmin(s[mask])) if np.isfinite(s[mask]).any() else float("nan")
                 for hi in targets:
                     hi_c = full_c if hi == 1.0 else _vec(records, keys, bf, hi, "correct")
@@ -450,11 +453,7 @@ def build_points(records) -> tuple[list, dict]:
     for lo in fixed:
         lo_c, lo_k = _vec(records, keys, "fixed", lo, "correct"), _vec(records, keys, "fixed", lo, "kept")
         # Table 4's request recompute (cert_t3, RECOMPUTE_SHARE, full cache)
-        s = _vec(records, keys, "fixed", lo, "cert_t3")
-        mask = np.zeros(len(keys), dtype=bool)
-        for p in set(protocols):
-            sel = protocols == p
-            mask[sel] = top_share(s[sel], RECOMPUTE_SHARE)
+        mask = top_share_per_protocol(_vec(records, keys, "fixed", lo, "cert_t3"), protocols, RECOMPUTE_SHARE)
         c, cost = escalated(lo_c, lo_k, full_c, full_k, mask)
         pts.append(Point("recompute-request", f"recompute-request kept={lo:g} top {RECOMPUTE_SHARE:.0%}",
                          dict(base=lo, share=RECOMPUTE_SHARE, signal="cert_t3"), c, cost))
@@ -570,7 +569,7 @@ def calibration_holdout(records, *, alpha: float = CALIB_ALPHA, splits: int = CA
 
         policies = {}
         for bf in sampled_families(r["family"] for r in records):
-            tag = "" if bf == "fixed" else f"[{bf[len('fixed-'):]}]"
+            tag = _design_tag(bf)
             for lo in _levels(records, bf):
                 for sig in CALIB_SIGNALS:
                     if not np.isfinite(col(bf, lo, sig)).any():  # not recorded (runs before margins were kept)
@@ -629,8 +628,7 @@ def calibration_holdout(records, *, alpha: float = CALIB_ALPHA, splits: int = CA
         best_e = min(esc, key=lambda k: esc[k]["cost"]) if esc else None
         best_b = min(bud, key=lambda k: bud[k]["cost"]) if bud else None
         out[protocol] = dict(
-            calibration_prompts=int(sum(len([k for k in keys if k[0] == t]) // 2 for t in tasks)),
-            heldout_prompts=int(len(keys) - sum(len([k for k in keys if k[0] == t]) // 2 for t in tasks)),
+            calibration_prompts=int(cal.sum()), heldout_prompts=int(held.sum()),  # every split's sizes
             policies=rows, best_escalation=best_e, best_budget=best_b,
             best_output_escalation=min(out_only, key=lambda k: out_only[k]["cost"]) if out_only else None,
             escalation_cheaper=(None if best_e is None or best_b is None

@@ -47,6 +47,17 @@ def top_share(scores, share: float) -> np.ndarray:
     return mask
 
 
+def top_share_per_protocol(scores, protocols, share: float) -> np.ndarray:
+    """:func:`top_share` within each protocol's requests (``protocols``: each request's protocol), joined: the
+    requests an escalation rule re-runs when its threshold is a quantile of its own protocol's signal."""
+    s, protocols = np.asarray(scores, dtype=float), np.asarray(protocols)
+    mask = np.zeros(len(s), dtype=bool)
+    for p in set(protocols.tolist()):
+        sel = protocols == p
+        mask[sel] = top_share(s[sel], share)
+    return mask
+
+
 def escalated(lo_correct, lo_cost, hi_correct, hi_cost, mask) -> tuple[np.ndarray, np.ndarray]:
     """Escalation's per-request correctness and cost: the re-run's answer where ``mask``, the first run's
     elsewhere; the cost counts both runs where re-run (``lo_cost + hi_cost``), the first run's elsewhere."""
@@ -208,11 +219,7 @@ def suite_points(records: list) -> tuple[list, dict, list]:
         if method not in T6_ESCALATE_FROM:
             continue
         for i, lo in enumerate(levels):
-            s = vec(method, lo, "cert")
-            mask = np.zeros(len(keys), dtype=bool)
-            for p in set(protocols):
-                sel = protocols == p
-                mask[sel] = top_share(s[sel], T6_SHARE)
+            mask = top_share_per_protocol(vec(method, lo, "cert"), protocols, T6_SHARE)
             for hi in levels[i + 1:i + 2] + [1.0]:
                 hi_c = full_c if hi == 1.0 else vec(method, hi, "correct")
                 c, cost = escalated(vec(method, lo, "correct"), np.full(len(keys), lo), hi_c,

@@ -3,8 +3,7 @@ r"""Exact attention where the certificate flags: cell recompute (the paper's T4,
 ``PoissonPress(recompute_threshold=t)`` keeps each compressed layer's prefill K/V aside (the full cache, in
 slower memory on a serving system) and, at every decoding step, replaces the Hajek estimate of every (layer,
 query head, step) cell whose recorded relative radius is at least ``t`` (or NaN) by exact attention over the
-full cache: the
-prefill's tokens plus the tokens decoded since. The recorded certificates stay those of the Hajek estimate
+full cache: the prefill's tokens plus the tokens decoded since. The recorded certificates stay those of the Hajek estimate
 (what flagged the cell); :attr:`CellRecompute.recomputed` / :attr:`CellRecompute.cells` count, per batch row,
 the (step, layer, KV head) reads that went to the full cache and all of them. ``t = 0`` recomputes every cell
 (the full cache's answers: a cell can have evicted tokens and a zero radius, when its Poisson sample of the tail
@@ -23,7 +22,7 @@ __all__ = ["CellRecompute", "check_recompute_threshold"]
 
 
 def check_recompute_threshold(value):
-    """None, or a real number >= 0 (inf allowed): the relative radius above which a cell is recomputed."""
+    """None, or a real number >= 0 (inf allowed): the relative radius at or above which a cell is recomputed."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(float(value)) or value < 0:
