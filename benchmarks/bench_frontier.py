@@ -546,8 +546,8 @@ def differs_from_full(records) -> dict | None:
 def calibration_holdout(records, *, alpha: float = CALIB_ALPHA, splits: int = CALIB_SPLITS, seed: int = 0):
     """Item 4 on Table 3: per protocol, ``splits`` random halvings of each task's examples into a calibration
     and a held-out half. On the calibration half, conformal risk control (``kvcert.calibration``) calibrates
-    (a) escalation to the full cache from each fixed (paper design) budget, on ``CALIB_SIGNAL``, and (b) one
-    budget per baseline family (the kvcalib-style baseline: the family's kept fractions, then the full cache);
+    (a) escalation to the full cache from each sampled design's budget, on each signal of ``CALIB_SIGNALS``
+    that the records hold (a NaN signal escalates), and (b) one budget per baseline family (the kvcalib-style baseline: the family's kept fractions, then the full cache);
     on the held-out half, the rate of served answers that differ from the full cache's (the risk, to be <=
     alpha) and the mean cost (kept fraction, plus 1 for an escalated request's full re-run). Returns None
     without answers in the records."""
@@ -572,11 +572,13 @@ def calibration_holdout(records, *, alpha: float = CALIB_ALPHA, splits: int = CA
             tag = _design_tag(bf)
             for lo in _levels(records, bf):
                 for sig in CALIB_SIGNALS:
-                    if not np.isfinite(col(bf, lo, sig)).any():  # not recorded (runs before margins were kept)
+                    values = col(bf, lo, sig)
+                    if not np.isfinite(values).any():  # not recorded (runs before margins were kept)
                         continue
                     suffix = "" if sig == CALIB_SIGNAL else f" on {sig}"
                     policies[f"escalate{tag} {lo:g}->full{suffix}"] = (
-                        "escalation", lo, col(bf, lo, sig), col(bf, lo, "differs"), col(bf, lo, "kept"))
+                        np.where(np.isnan(values), np.inf, values), col(bf, lo, "differs").astype(bool),
+                        col(bf, lo, "kept"))
         grids = {}
         for fam in sorted({r["family"] for r in records}):
             levels = _levels(records, fam)
@@ -584,17 +586,16 @@ def calibration_holdout(records, *, alpha: float = CALIB_ALPHA, splits: int = CA
                 grids[f"budget {fam}"] = (levels, np.stack([col(fam, lv, "differs") for lv in levels], 1),
                                           np.stack([col(fam, lv, "kept") for lv in levels], 1))
         acc = {name: dict(risk=[], cost=[], escalated=[], chosen=[]) for name in [*policies, *grids]}
+        by_task = [np.array([i for i, k in enumerate(keys) if k[0] == t]) for t in tasks]
         for _ in range(splits):
             cal = np.zeros(len(keys), dtype=bool)
-            for t in tasks:
-                idx = np.array([i for i, k in enumerate(keys) if k[0] == t])
+            for idx in by_task:
                 cal[rng.permutation(idx)[: len(idx) // 2]] = True
             held = ~cal
-            for name, (_, lo, sig, d, kept) in policies.items():
-                sig = np.where(np.isnan(sig), np.inf, sig)
-                t_hat = calibrate_escalation(sig[cal], d[cal].astype(bool), alpha)
+            for name, (sig, d, kept) in policies.items():
+                t_hat = calibrate_escalation(sig[cal], d[cal], alpha)
                 esc = sig[held] >= t_hat
-                acc[name]["risk"].append(float(np.mean(d[held].astype(bool) & ~esc)))
+                acc[name]["risk"].append(float(np.mean(d[held] & ~esc)))
                 acc[name]["cost"].append(float(np.mean(kept[held] + esc)))
                 acc[name]["escalated"].append(float(esc.mean()))
                 acc[name]["chosen"].append(t_hat)
