@@ -22,11 +22,13 @@ Policies (``kept`` is the kept fraction f = 1 - compression ratio):
   relative variance over every (layer, KV head) of a prompt, each head's table cut below its floor
   ``max(sinks + window + 1, ceil(floor f n))``, then ``allocate_from_tables`` with the total of the uniform
   fraction f, ``round(f n) x heads``); the paper's design samples each head at its budget;
-- ``escalation``: a request whose recorded radius over the answer's tokens (``cert_max``: the largest relative
-  radius over the answer's (step, layer, head) cells; ``cert_mean``: their mean) is among the ``share``
-  largest of its protocol's requests (a threshold at the (1 - share) quantile of the signal, which reads no
-  answer) is re-run at the next larger ratio or with the full cache; computed from the runs already made
-  (greedy decoding: a re-run is the run at that budget); cost: both runs;
+- ``escalation``: from each sampled design's runs (``fixed``, ``fixed-default``, ``fixed-<scorer>``), a request
+  whose signal (``cert_max``: the largest relative radius over the answer's (step, layer, head) cells;
+  ``cert_mean``: their mean; ``cert_margin``: the largest per-step mean radius over the step's greedy margin)
+  is among the ``share`` largest of its protocol's requests (a threshold at the (1 - share) quantile of the
+  signal, which reads no answer) is re-run at the next larger ratio or with the full cache; computed from the
+  runs already made (greedy decoding: a re-run is the run at that budget); cost: both runs. The same rule on
+  the greedy margin alone (``margin``, no certificate) is the family ``escalation-output``;
 - ``recompute-request``: Table 4's recomputation (paper_repro/claims.py): the ``RECOMPUTE_SHARE`` (25%) of
   requests with the largest certificate score (Table 3's: the mean relative radius over every certified
   query) re-served with the full cache; cost: both runs;
