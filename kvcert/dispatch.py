@@ -1047,7 +1047,8 @@ def paged_route(design: str, device: torch.device | str, kind: str) -> Route:
 
 def paged_decode(design: str, query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor,
                  log_pi: torch.Tensor, *, scale: float, kind: str, delta: float = 0.05, sketch=None, centre=None,
-                 gather=None, chunks=None, seq_lens=None, max_seq_len=None, device=None) -> PagedDecode:
+                 gather=None, chunks=None, seq_lens=None, max_seq_len=None, device=None,
+                 softcap: float | None = None) -> PagedDecode:
     r"""The decode of a batch of rows over a paged cache (one query per row), on :data:`ROUTER`'s paged code.
 
     The estimate of ``design`` (docs/design.md sections 5, 7 and 8) and its certificate statistics:
@@ -1094,12 +1095,35 @@ def paged_decode(design: str, query: torch.Tensor, kv_cache: torch.Tensor, block
         The device whose row of :data:`ROUTER` is read (default the query's): the vLLM plugin's CUDA backend names
         ``"cuda"``, whose cache is in the FlashAttention layout, so that its route is the same when the Triton
         interpreter (``TRITON_INTERPRET=1``) runs it on CPU tensors.
+    softcap : float > 0, optional
+        The model's attention logit softcap c (Gemma 2): the scores are :math:`c\tanh(\tau q\cdot k_i/c)` before
+        the :math:`-\log\pi_i` offset, as in :func:`decode`. Token design only, on :data:`GATHER` (the rows
+        gathered, the softcap as a score bias of :func:`hajek_attention`, the Hugging Face decode's code); the
+        compiled op's paged routes take no bias.
 
     Returns
     -------
     PagedDecode
         Its ``route`` (and, on :data:`GATHER`, ``dense``) names the code that ran.
+
+    Raises
+    ------
+    ValueError
+        A softcap with the block or sketch design, or one that is not a finite number > 0.
     """
+    if softcap is not None:
+        if design != "token":
+            raise ValueError("kvcert: attention logit softcapping (the model's softcap) is supported on the token "
+                             f"design only, not on the {design} design's paged decode")
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
+                or softcap <= 0:
+            raise ValueError(f"softcap must be a finite number > 0 (the model's attn_logit_softcapping), got "
+                             f"{softcap!r}")
+        if gather is None:
+            raise TypeError("a softcapped paged decode reads the rows through gather=: give the layout's reader, "
+                            "gather(kv_cache, block_ids) -> (keys, values)")
+        return _paged_token_gather(query, kv_cache, block_ids, log_pi, scale=scale, kind=kind, gather=gather,
+                                   softcap=float(softcap))
     route = paged_route(design, query.device if device is None else device, kind)
     if route == GATHER and gather is None:
         raise TypeError(f"the {design} design's paged route {route.code!r} reads the rows through gather=: give the "
@@ -1116,12 +1140,16 @@ def _paged_token_op(query, kv_cache, block_ids, log_pi, *, scale, **_) -> PagedD
     return PagedDecode(est.output.to(query.dtype), {"trace": est.trace, "output": est.output}, PAGED_CPU_OP)
 
 
-def _paged_token_gather(query, kv_cache, block_ids, log_pi, *, scale, kind, gather, **_) -> PagedDecode:
-    """The token design on :data:`GATHER`: :func:`hajek_attention` on the gathered rows (its own dense code)."""
+def _paged_token_gather(query, kv_cache, block_ids, log_pi, *, scale, kind, gather, softcap=None,
+                        **_) -> PagedDecode:
+    """The token design on :data:`GATHER`: :func:`hajek_attention` on the gathered rows (its own dense code); with a
+    ``softcap``, its score bias (:func:`_softcap_bias`, the Hugging Face decode's)."""
     fast = importlib.import_module("kvcert.fast")
     k, v = gather(kv_cache, block_ids)
-    est = hajek_attention(query, k, v, log_pi=log_pi.to(torch.float32), scale=scale, validate=False,
-                          **fast.estimate_options(kind))
+    opts = fast.estimate_options(kind)
+    if softcap is not None:
+        opts["bias"] = _softcap_bias(query[:, :, None], k, scale, softcap)
+    est = hajek_attention(query, k, v, log_pi=log_pi.to(torch.float32), scale=scale, validate=False, **opts)
     return PagedDecode(est.output.to(query.dtype), fast.certificate_moments(est, kind), GATHER,
                        Route(est.backend, est.route))
 
