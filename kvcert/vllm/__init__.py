@@ -129,6 +129,9 @@ def engine_kwargs(compression_ratio: float | None = None, seed: int = 0, *, kvce
     kw.update(additional_config=extra, scheduler_cls=_SCHEDULER, worker_cls=_WORKER)
     kw.setdefault("async_scheduling", False)
     kw.setdefault("enforce_eager", True)
+    # one KV-cache group: a model with sliding-window layers (Gemma 2 and 3) compacts every layer in one block
+    # table (no effect on a full-attention model, which has one group anyway)
+    kw.setdefault("disable_hybrid_kv_cache_manager", True)
     return kw
 
 
@@ -176,9 +179,12 @@ def certified_llm(model_path: str | None = None, compression_ratio: float | None
         Naming the option, for every configuration the plugin cannot serve
         (async scheduling, speculative decoding, pipeline parallelism
         workers, KV transfer, float16 or quantized caches, a non-CPU
-        platform, models with sliding windows / softcap / several KV cache
-        groups). Checked here on the resolved engine configuration before the
-        engine starts, and again inside the engine.
+        platform, models whose every layer is windowed or whose KV cache is not
+        one group, a sketch on a softcapped model). Models with sliding-window
+        layers beside full-attention ones (Gemma 2 and 3) are served: the
+        full-attention layers sampled and certified, the windowed ones kept to
+        their window. Checked here on the resolved engine configuration before
+        the engine starts, and again inside the engine.
     """
     kw = engine_kwargs(compression_ratio, seed, kvcert=kvcert, scorer=scorer, granularity=granularity,
                        **llm_kwargs)

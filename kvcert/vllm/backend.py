@@ -34,6 +34,15 @@ module reads and writes the paged cache (:func:`gather_blocks`,
 Per request (token design): a row is sampled with its request's design and certified with its request's
 kind and delta (:meth:`kvcert.vllm.worker.Step.config_of`); decode rows are grouped by (kind, delta).
 
+Models with sliding-window layers (Gemma 2 and 3; vLLM's hybrid KV-cache manager off, so every layer reads the
+request's one block table): a sliding-window layer (``sliding_window`` > 0) samples nothing; at the eviction
+event it keeps each KV head's last ``sliding_window`` prompt tokens (:func:`window_slots`, pi = 1) in the first
+blocks, and its decode rows read those and the tail with every slot outside the query's window masked
+(:meth:`kvcert.vllm.worker._Plan.compacted_inputs` with the window): the layer's exact attention, which hands no
+statistics to the certificate. A model's logit softcap (Gemma 2) enters the token design's decode
+(:func:`token_decode`'s ``softcap``: the gather route with the softcap's score bias, the Hugging Face decode's);
+a sketch cannot carry it (refused by :func:`kvcert.vllm.config.check_softcap_design`).
+
 Block design: for a request with an eviction decision (a decode row: one query token), the
 stock C++ op cannot be used (it takes no additive bias and returns no
 log-sum-exp), so :func:`block_decode` hands the row's kept blocks to the router:
@@ -85,7 +94,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CertifiedCPUAttentionBackend", "CertifiedCPUAttentionImpl", "CertifiedCPUAttentionMetadataBuilder",
            "CertifiedCPUAttentionMetadata", "plugin_isa", "compact_prompt", "token_decode",
-           "gather_blocks", "gather_rows", "layer_index", "block_decode", "sketch_decode", "with_output_norm"]
+           "gather_blocks", "gather_rows", "layer_index", "block_decode", "sketch_decode", "with_output_norm",
+           "window_slots"]
 
 
 def layer_index(layer) -> int:
@@ -154,6 +164,16 @@ def compact_prompt(kv_cache: torch.Tensor, block_ids: torch.Tensor, keys: torch.
     return torch.cat([held.sum(1), valid[..., 0].sum(1, keepdim=True).double()], dim=1)
 
 
+def window_slots(h_kv: int, n: int, window: int, block_size: int):
+    """The compacted layout (:class:`kvcert.fast.Compaction`) of a sliding-window layer's prompt of ``n`` tokens:
+    every KV head keeps its last ``min(n, window)`` tokens (positions ``max(0, n - window) .. n - 1``, pi = 1),
+    all that a later query of the layer reads (its window ends at the query: a query at position t >= n reads
+    positions > t - window). Nothing is sampled, so the layer adds nothing to the certificate."""
+    keep = torch.zeros(h_kv, n, dtype=torch.bool)
+    keep[:, max(0, n - window):] = True
+    return compact_slots(keep, torch.ones(h_kv, n), block_size)
+
+
 def gather_rows(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values (E, h_kv, M * bs, d) of the blocks ``block_ids`` (E, M) of a ``vec`` cache, row by row."""
     nb, h, bs, two_d = kv_cache.shape
@@ -185,7 +205,8 @@ def _certified(dec: dispatch.PagedDecode, kind: str, delta: float, radius: bool)
 
 
 def token_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
-                 scale: float, kind: str, delta: float, *, radius: bool = True) -> dispatch.PagedDecode:
+                 scale: float, kind: str, delta: float, *, radius: bool = True,
+                 softcap: float | None = None) -> dispatch.PagedDecode:
     r"""Hajek decode attention of rows whose prompt was compacted, and their certificate.
 
     .. math::
@@ -206,6 +227,9 @@ def token_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.T
     scale : float   kind : a served certificate kind   delta : float in (0, 1)
     radius : bool
         Take the relative radii (``False``: the forward, which takes them once per step).
+    softcap : float, optional
+        The model's attention logit softcap (Gemma 2): scores :math:`c\tanh(\tau q\cdot k_i/c)` before the
+        offset, on the gathered rows (:func:`kvcert.dispatch.paged_decode`'s ``softcap``).
 
     Returns
     -------
@@ -214,7 +238,7 @@ def token_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.T
         ``radius``) and ``route`` / ``dense``, the code that ran.
     """
     dec = dispatch.paged_decode("token", query, kv_cache, block_ids, log_pi, scale=scale, kind=kind, delta=delta,
-                                gather=gather_rows)
+                                gather=gather_rows, softcap=softcap)
     return _certified(dec, kind, delta, radius)
 
 
@@ -315,28 +339,46 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
             self._stock_rows(plan, layer, query, kv_cache, attn_metadata, output)
         if plan.compacted:  # the token design: compacted prompt slots + the tokens after the prompt
             index = layer_index(layer)
-            ids, log_pi = plan.compacted_inputs(index)
+            window, softcap = self._window(), self._softcap()
+            # a sliding-window layer: its last `window` prompt tokens and the tail, masked to the query's window
+            ids, log_pi = plan.compacted_inputs(index, window)
             # rows by their request's (kind, delta, sketched)
             for (kind, delta, sketched), rows, sel, tokens, req_ids, in_order in plan.compacted_groups(
                     query.shape[0]):
                 g_ids, g_log_pi = (ids, log_pi) if sel is None else (ids[sel], log_pi[sel])
                 q_rows = query if in_order else query.index_select(0, tokens)
-                if sketched:  # a row's own sketch, or the group's join kept across steps (Step.group_sketch)
+                if window is not None:  # exact attention over the window (pi = 1): no certificate of its own
+                    dec = token_decode(q_rows, kv_cache, g_ids, g_log_pi, self.scale, kind, delta, radius=False,
+                                       softcap=softcap)
+                elif sketched:  # a row's own sketch, or the group's join kept across steps (Step.group_sketch)
                     sketch = step.group_sketch(index, (kind, delta, sketched), [plan.compacted[j] for j in rows])
                     centre = plan.compacted_centres(index, sel)
                     dec = sketch_decode(q_rows, kv_cache, g_ids, g_log_pi, sketch, self.scale, kind, delta, centre,
                                         radius=False)
                 else:
-                    dec = token_decode(q_rows, kv_cache, g_ids, g_log_pi, self.scale, kind, delta, radius=False)
+                    dec = token_decode(q_rows, kv_cache, g_ids, g_log_pi, self.scale, kind, delta, radius=False,
+                                       softcap=softcap)
                 o, stats = dec.output, dec.statistics
                 if in_order:
                     output.copy_(o)
                 else:
                     output.index_copy_(0, tokens, o.to(output.dtype))
-                step.add_statistics(req_ids, kind, delta, stats)
+                if window is None:  # certificates of the compressed (full-attention) layers only, as the press's
+                    step.add_statistics(req_ids, kind, delta, stats)
         if plan.masked:
             self._masked_rows(step, plan, query, kv_cache, output)
         return self._importance(step, plan, layer, query, kv_cache, output)
+
+    def _window(self) -> int | None:
+        """The layer's sliding window (Gemma 2 and 3's local layers; vLLM's ``sliding_window``), None for a
+        full-attention layer (vLLM's -1)."""
+        w = getattr(self, "sliding_window", -1)
+        return int(w) if w is not None and int(w) > 0 else None
+
+    def _softcap(self) -> float | None:
+        """The layer's attention logit softcap (Gemma 2), None without one (vLLM's 0)."""
+        c = getattr(self, "logits_soft_cap", 0) or 0
+        return float(c) if c > 0 else None
 
     def _stock_rows(self, plan, layer, query, kv_cache, attn_metadata, output) -> None:
         """The stock C++ kernel on the rows without eviction state (a sub-batch of the step)."""
@@ -393,12 +435,18 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
             return output
         index = layer_index(layer)
         bs = kv_cache.shape[2]
+        window = self._window()
         for row in plan.importance:
             cfg = row.config if row.config is not None else step.config  # the request's settings
             design = cfg.design
             nbt = -(-row.seq_len // bs)
             k, v = gather_blocks(kv_cache, row.all_block_ids[:nbt])
             k, v = k[:, : row.seq_len], v[:, : row.seq_len]
+            if window is not None and cfg.tokens:  # a sliding-window layer: its window, exactly (never sampled)
+                layout = window_slots(k.shape[0], row.seq_len, window, bs)
+                compact_prompt(kv_cache, row.all_block_ids, k, v, layout.positions)
+                step.add_compaction(row.req_id, index, layout, window=window)
+                continue
             prompt_q = row.queries(index, query)
             avail = prompt_q.shape[0]
             w = design.event_queries(avail, row.seq_len) if cfg.tokens else design.queries_read(avail, row.seq_len)

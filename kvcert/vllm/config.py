@@ -406,6 +406,54 @@ def _check_tensor_parallel(vllm_config, tp: int) -> None:
                 "rank's own head index, so ranks would not draw the single-process scores")
 
 
+def model_window(hf) -> int | None:
+    """The sliding window of a model's text config ``hf`` (Gemma 2 and 3's local layers, Mistral v0.1), None
+    without one."""
+    window = getattr(hf, "sliding_window", None) if hf is not None else None
+    if window in (None, 0) or not getattr(hf, "use_sliding_window", True):
+        return None
+    return int(window)
+
+
+def softcap_of(hf) -> float | None:
+    """The attention logit softcap of a model's text config (Gemma 2's ``attn_logit_softcapping``), or None."""
+    c = getattr(hf, "attn_logit_softcapping", None) if hf is not None else None
+    return float(c) if c else None
+
+
+#: why a sketched design is refused on a softcapped model (as ``PoissonPress`` there, docs/models.md)
+SOFTCAP_SKETCH_REFUSAL = ("this model softcaps its attention logits (attn_logit_softcapping, Gemma 2), which a "
+                          "design's sketch cannot carry (its Gaussian moments have no tanh); the token design without "
+                          "a sketch is served (the paper's design, what PoissonPress runs on such a model): pass "
+                          "kvcert={'sketch': None}, or per request kvcert_sketch=None")
+
+
+def check_softcap_design(cfg: "KVCertConfig") -> None:
+    """Refuse (``ValueError``) a design that cannot decode a softcapped model: a sketch, or the block design."""
+    if not cfg.tokens:
+        raise ValueError("granularity='block' on a softcapped model: the block design's paged decode takes no "
+                         "softcap; use the token design")
+    if cfg.sketch is not None:
+        raise ValueError(f"sketch={cfg.sketch!r}: {SOFTCAP_SKETCH_REFUSAL}")
+
+
+def _check_windowed(vllm_config, cfg, name: str, hf) -> None:
+    """A model with sliding-window layers: served when some layer attends in full (those are sampled and
+    certified; the windowed ones keep their window, exactly), in one KV-cache group, with the token design."""
+    types = getattr(hf, "layer_types", None)
+    if not types or all(t != "full_attention" for t in types):
+        _refuse(name, "every layer attends with a sliding window, so there is nothing to compress (the window "
+                "already bounds each layer's cache)")
+    if not getattr(vllm_config.scheduler_config, "disable_hybrid_kv_cache_manager", False):
+        _refuse(f"{name} with the hybrid KV-cache manager", "vLLM would give the sliding-window layers block "
+                "tables of their own, and the plugin compacts every layer in the request's one table; pass "
+                "disable_hybrid_kv_cache_manager=True (vllm serve --disable-hybrid-kv-cache-manager; "
+                "certified_llm and engine_kwargs set it)")
+    if cfg is not None and not cfg.tokens:
+        _refuse(f"{name} with granularity='block'", "the block design evicts the same blocks in every layer, "
+                "those a sliding-window layer still reads among them; use the token design")
+
+
 def check_vllm_config(vllm_config) -> None:
     """Refuse, naming the option, every engine configuration the plugin cannot serve correctly.
 
@@ -449,11 +497,11 @@ def check_vllm_config(vllm_config) -> None:
         if getattr(model, "is_encoder_decoder", False):
             _refuse(f"model {model.model!r} (encoder-decoder)", "only decoder-only models are supported")
         hf = getattr(model, "hf_text_config", None)
-        window = getattr(hf, "sliding_window", None) if hf is not None else None
-        if window not in (None, 0) and getattr(hf, "use_sliding_window", True):
-            _refuse(f"model {model.model!r} (sliding_window={window})", "only full-attention models are supported")
-        if getattr(hf, "attn_logit_softcapping", None):
-            _refuse(f"model {model.model!r} (attn_logit_softcapping)", "the fallback has no softcap")
+        window = model_window(hf)
+        if window is not None:
+            _check_windowed(vllm_config, cfg, f"model {model.model!r} (sliding_window={window})", hf)
+        if softcap_of(hf) is not None and cfg is not None and cfg.enabled:
+            check_softcap_design(cfg)
         if getattr(model, "runner_type", "generate") != "generate":
             _refuse(f"runner={model.runner_type!r}", "only generation is supported")
         if getattr(model, "uses_mrope", False):

@@ -66,6 +66,7 @@ the tokens after the resumption, flagged ``preempted`` in the report).
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -73,7 +74,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvcert.fast import prompt_event
 
-from .config import KVCertConfig, check_vllm_config, request_options
+from .config import KVCertConfig, check_softcap_design, check_vllm_config, request_options, softcap_of
 from .handoff import CertifiedSchedulerOutput, StepOrders, report_of
 from .metrics import RADIUS_BUCKETS, encode_stats, radius_bucket
 
@@ -90,15 +91,18 @@ class CertifiedScheduler(Scheduler):
         groups = kv_cache_config.kv_cache_groups
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-        if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec or \
-                getattr(groups[0].kv_cache_spec, "sliding_window", None):
+        # one group of full blocks: a model with sliding-window layers too (the hybrid manager off, checked by
+        # check_vllm_config: its windowed layers keep full blocks, and the plugin compacts them to their window)
+        if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
             specs = [type(g.kv_cache_spec).__name__ for g in groups]
             raise ValueError(f"kvcert.vllm cannot serve model {vllm_config.model_config.model!r}: its KV cache "
-                             f"groups {specs} are not one full-attention group (hybrid, sliding-window and "
-                             f"MLA models are unsupported)")
+                             f"groups {specs} are not one group of full blocks (hybrid KV-cache layouts, MLA and "
+                             f"state-space layers are unsupported)")
         self._manager = self.kv_cache_manager.coordinator.single_type_managers[0]
         self._bs = int(groups[0].kv_cache_spec.block_size)
         self._design = self.kvcert.design  # kvcert.fast.TokenDesign or BlockDesign
+        # a softcapped model (Gemma 2): a request whose design keeps a sketch is refused (check_softcap_design)
+        self._softcap = softcap_of(getattr(vllm_config.model_config, "hf_text_config", None))
         self._pending: dict[str, list] = {}  # block design: log pi_b of the decisions for the next step
         self._clear: set[str] = set()  # requests whose mask the worker must drop
         self._records: dict[str, dict] = {}  # per evicted request: decision, certificates, pool counts
@@ -232,6 +236,10 @@ class CertifiedScheduler(Scheduler):
             params = request.sampling_params
             try:
                 options = request_options(self.kvcert, getattr(params, "extra_args", None) if params else None)
+                if self._softcap is not None and options is not None:
+                    served = replace(self.kvcert, **options)
+                    if served.enabled:
+                        check_softcap_design(served)
             except ValueError as e:  # this request only: never scheduled, reported in update_from_output
                 self._errors[request.request_id] = (request.client_index, str(e))
                 self.kvcert_stats["requests_refused"] += 1

@@ -99,7 +99,8 @@ class Compacted:
     ``log_pi`` (layers, h_kv, m * bs) float32: log pi of compacted slot j of each layer and KV head, -inf on
     padding; the prompt's n_prompt tokens are represented only there, the later tokens sit at their own
     positions (>= n_prompt) with pi = 1. ``sketches``: with a sketched design (``KVCertConfig(sketch=...)``),
-    each layer's :class:`kvcert.fast.ClusterSketch` (batch 1) of the evicted prompt tokens, held beside the
+    each layer's :class:`kvcert.fast.ClusterSketch` (batch 1) of the evicted prompt tokens (None for a
+    sliding-window layer, which keeps its window and samples nothing), held beside the
     compacted blocks in the worker's memory; else None. ``value_sums`` (layers, h_kv, dv + 1) float64, with a
     sketch: each layer and KV head's sum of the compacted prompt's kept values and their count
     (:func:`kvcert.vllm.backend.compact_prompt`'s), from which the sketched decode's value centre is formed
@@ -113,8 +114,9 @@ class Compacted:
 
     @property
     def sketch_bytes(self) -> int:
-        """Bytes the sketches hold (0 without a sketch): every tensor of every layer's sketch."""
-        return sum(sk.nbytes for sk in self.sketches or ())
+        """Bytes the sketches hold (0 without a sketch): every tensor of every layer's sketch (a sliding-window
+        layer holds none)."""
+        return sum(sk.nbytes for sk in self.sketches or () if sk is not None)
 
 
 @dataclass
@@ -125,6 +127,7 @@ class _CompactedRow:
     tail_log_pi: torch.Tensor  # (t * bs,) 0 on positions n_prompt .. seq_len - 1, -inf elsewhere
     state: Compacted
     certificate: tuple | None = None  # (kind, delta, sketched) of the request's certificate
+    seq_len: int = 0  # the row's sequence length (its query sits at position seq_len - 1)
 
 
 @dataclass
@@ -211,10 +214,20 @@ class _Plan:
     _has_sums: torch.Tensor | None = None  # (E,) bool: the rows whose state holds its sums (a sketched design)
     _all_sums: bool = False  # every compacted row holds its sums
     _groups: list | None = None  # compacted_groups(), built at the step's first layer
+    _windowed: dict = field(default_factory=dict)  # window -> its layers' log pi (E, h_kv, M * bs), built once
 
-    def compacted_inputs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def compacted_inputs(self, layer: int, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Block ids (E, M) and log pi (E, h_kv, M * bs) of the compacted rows at one layer (-inf = not a token:
-        padding slots, padding blocks, positions before the prompt's end in the tail blocks or past seq_len)."""
+        padding slots, padding blocks, positions before the prompt's end in the tail blocks or past seq_len).
+
+        ``window``: the layer is a sliding-window layer (compacted by :func:`kvcert.vllm.backend.window_slots`:
+        slot j of the prompt holds position ``max(0, n_prompt - window) + j``); each row's slots whose position
+        lies outside its query's window (position <= seq_len - 1 - window) get -inf too. Every such layer of a
+        window holds the same layout, so the mask is built once per step and window."""
+        if window is not None:
+            if window not in self._windowed:
+                self._windowed[window] = self._window_mask(self.compacted_inputs(layer)[1], window)
+            return self.compacted_block_ids, self._windowed[window]
         lp = self._compacted_log_pi
         if lp is None:  # every layer's at the step's first call: one copy per row, not one per row and layer
             E, M = self.compacted_block_ids.shape
@@ -227,6 +240,21 @@ class _Plan:
                 lp[:, j, :, c : c + row.tail_log_pi.numel()] = row.tail_log_pi
             self._compacted_log_pi = lp
         return self.compacted_block_ids, lp[layer]
+
+    def _window_mask(self, log_pi: torch.Tensor, window: int) -> torch.Tensor:
+        """``log_pi`` (E, h_kv, M * bs) of a sliding-window layer with -inf on every slot outside its row's window."""
+        bs, width = self.block_size, log_pi.shape[-1]
+        pos = torch.full((len(self.compacted), width), -1, dtype=torch.int64)
+        for j, row in enumerate(self.compacted):
+            n, c = row.state.n_prompt, row.state.m * bs
+            start = max(0, n - window)
+            pos[j, : n - start] = torch.arange(start, n)  # the compacted window (the rest of the m blocks: padding)
+            first = n // bs
+            t = row.tail_log_pi.numel()
+            pos[j, c : c + t] = torch.arange(first * bs, first * bs + t)  # the tail blocks at their positions
+        seq = torch.tensor([row.seq_len for row in self.compacted], dtype=torch.int64)
+        outside = pos <= (seq - 1 - window)[:, None]  # padding (-1) is -inf already
+        return log_pi.masked_fill(outside[:, None, :], float("-inf"))
 
     def compacted_centres(self, layer: int, rows: torch.Tensor | None = None):
         """The sketched decode's value-centre inputs of the compacted rows ``rows`` (all: None) at one layer:
@@ -345,20 +373,26 @@ class _Certificates:
 
 def _compacted_state(rid: str, entries: dict) -> tuple[Compacted, dict]:
     """A compacted request's :class:`Compacted` state from its layers' entries ({layer: (layout, sketch,
-    value sums)}, :meth:`Step.add_compaction`), and its layouts by layer; refuses a request compacted in
-    some layers only, or sketched in some layers only."""
+    value sums, window)}, :meth:`Step.add_compaction`), and its layouts by layer; refuses a request compacted in
+    some layers only, or sketched in some of its sampled layers only (a sliding-window layer keeps its window and
+    no sketch)."""
     n_layers = max(entries) + 1
     if sorted(entries) != list(range(n_layers)):
         raise RuntimeError(f"kvcert.vllm: request {rid} was compacted in layers {sorted(entries)}, not in "
                            f"every layer 0..{n_layers - 1}")
     layers = {i: e[0] for i, e in entries.items()}
+    sampled = [i for i in range(n_layers) if entries[i][3] is None]
     sketches = [entries[i][1] for i in range(n_layers)]
-    if any(sk is None for sk in sketches):
+    if any(sketches[i] is None for i in sampled) or not sampled:
         if any(sk is not None for sk in sketches):
             raise RuntimeError(f"kvcert.vllm: request {rid} has a sketch in some layers only")
         sketches = None
-    sums = [entries[i][2] for i in range(n_layers)]
-    sums = None if sketches is None or any(x is None for x in sums) else torch.stack(sums)
+    sums = [entries[i][2] for i in sampled]
+    if sketches is None or any(x is None for x in sums):
+        sums = None
+    else:  # a sliding-window layer's entry: zeros (its decode reads no value centre)
+        sums = torch.stack([entries[i][2] if entries[i][3] is None else sums[0].new_zeros(sums[0].shape)
+                            for i in range(n_layers)])
     first = layers[0]
     bs = first.block_size
     m = max(layout.m for layout in layers.values())
@@ -446,7 +480,7 @@ class Step:
         ids = torch.cat([table[: state.m], table[first:last]]).to(torch.int64)
         pos = torch.arange(first * block_size, last * block_size)
         tail = torch.where((pos >= state.n_prompt) & (pos < seq_len), 0.0, _NEG_INF)
-        return _CompactedRow(rid, token, ids, tail, state, certificate)
+        return _CompactedRow(rid, token, ids, tail, state, certificate, seq_len)
 
     @staticmethod
     def _masked_row(rid, token: int, table: torch.Tensor, seq_len: int, log_pi: torch.Tensor,
@@ -577,11 +611,13 @@ class Step:
         """One layer's token scores (h_kv, n) of a request that finished its prompt (block design)."""
         self.importance.setdefault(req_id, []).append(u.detach().to(torch.float64))
 
-    def add_compaction(self, req_id: str, layer: int, layout, sketch=None, value_sums=None) -> None:
+    def add_compaction(self, req_id: str, layer: int, layout, sketch=None, value_sums=None,
+                       window: int | None = None) -> None:
         """One layer's compacted layout (:class:`kvcert.fast.Compaction`, leading dim h_kv) of a request, and with
         a sketched design the sketch of its evicted tokens (:class:`kvcert.fast.ClusterSketch`, batch 1) and the
-        kept values' sums and count (h_kv, dv + 1) float64 (:func:`kvcert.vllm.backend.compact_prompt`'s)."""
-        self.compactions.setdefault(req_id, {})[layer] = (layout, sketch, value_sums)
+        kept values' sums and count (h_kv, dv + 1) float64 (:func:`kvcert.vllm.backend.compact_prompt`'s);
+        ``window``: a sliding-window layer's window (its layout :func:`kvcert.vllm.backend.window_slots`)."""
+        self.compactions.setdefault(req_id, {})[layer] = (layout, sketch, value_sums, window)
 
     def _install_compactions(self) -> dict:
         """Install each compacted request's :class:`Compacted` state in the worker; their reports for the
@@ -820,11 +856,16 @@ class CertifiedCPUWorker(_CertifiedWorker, CPUWorker):
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         model = self.vllm_config.model_config.model
-        for name, layer in self._kvcert_layers(_backend.CertifiedCPUAttentionImpl).items():
+        layers = self._kvcert_layers(_backend.CertifiedCPUAttentionImpl)
+        # sliding-window layers keep their window (backend.window_slots) and softcaps enter the token design's
+        # decode; a model whose every layer is windowed has nothing to compress (check_vllm_config refuses it by
+        # its config; here by its layers, whatever the config says)
+        if layers and all(layer.impl.sliding_window not in (-1, None) for layer in layers.values()):
+            raise ValueError(f"kvcert.vllm cannot serve model {model!r}: every attention layer uses a sliding window, "
+                             "so there is nothing to compress")
+        for name, layer in layers.items():
             impl = layer.impl
             bad = [what for what, on in (("alibi", impl.alibi_slopes is not None),
-                                          ("sliding window", impl.sliding_window not in (-1, None)),
-                                          ("logits softcap", bool(impl.logits_soft_cap)),
                                           ("attention sinks", impl.sinks is not None)) if on]
             if bad:
                 raise ValueError(f"kvcert.vllm cannot serve model {model!r}: layer {name} uses {', '.join(bad)}")

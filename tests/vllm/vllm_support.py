@@ -244,6 +244,8 @@ def tiny_vllm_config(family: str):
     cfg.hidden_size = 128
     if family not in ("phi3", "gpt_neox"):  # those two derive head dim = hidden / heads = 32
         cfg.head_dim = 32
+    if family == "gemma2":  # vLLM's Gemma 2 ties its output layer to the embedding (it loads no lm_head)
+        cfg.tie_word_embeddings = True
     return cfg
 
 
@@ -256,6 +258,15 @@ def save_tiny_model(family: str, folder: Path) -> None:
     cfg = tiny_vllm_config(family)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    if family == "gemma2":
+        # Gemma 2 ties its output layer to the embedding, which it scales by sqrt(hidden): with every block's
+        # output normalized to unit scale (its post-norms), a random model repeats its input's last token
+        # whatever it attends to. Post-norms of scale 4 (Gemma's norms multiply by 1 + weight) let the blocks
+        # move the greedy token (measured: the continuations of the prompts change over 8 tokens)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")):
+                    p.add_(3.0)
     model.save_pretrained(folder)
 
 
