@@ -1097,9 +1097,10 @@ def paged_decode(design: str, query: torch.Tensor, kv_cache: torch.Tensor, block
         interpreter (``TRITON_INTERPRET=1``) runs it on CPU tensors.
     softcap : float > 0, optional
         The model's attention logit softcap c (Gemma 2): the scores are :math:`c\tanh(\tau q\cdot k_i/c)` before
-        the :math:`-\log\pi_i` offset, as in :func:`decode`. Token design only, on :data:`GATHER` (the rows
-        gathered, the softcap as a score bias of :func:`hajek_attention`, the Hugging Face decode's code); the
-        compiled op's paged routes take no bias.
+        the :math:`-\log\pi_i` offset, as in :func:`decode`. Token design only, on its paged route: the compiled
+        op's (:func:`kvcert.kernels.cpu.paged_hajek_attention` with ``softcap``: the cap taken in its pass) or
+        :data:`GATHER` (the rows gathered, the softcap as a score bias of :func:`hajek_attention`, the Hugging Face
+        decode's).
 
     Returns
     -------
@@ -1119,24 +1120,22 @@ def paged_decode(design: str, query: torch.Tensor, kv_cache: torch.Tensor, block
                 or softcap <= 0:
             raise ValueError(f"softcap must be a finite number > 0 (the model's attn_logit_softcapping), got "
                              f"{softcap!r}")
-        if gather is None:
-            raise TypeError("a softcapped paged decode reads the rows through gather=: give the layout's reader, "
-                            "gather(kv_cache, block_ids) -> (keys, values)")
-        return _paged_token_gather(query, kv_cache, block_ids, log_pi, scale=scale, kind=kind, gather=gather,
-                                   softcap=float(softcap))
+        softcap = float(softcap)
     route = paged_route(design, query.device if device is None else device, kind)
     if route == GATHER and gather is None:
         raise TypeError(f"the {design} design's paged route {route.code!r} reads the rows through gather=: give the "
                         "layout's reader, gather(kv_cache, block_ids) -> (keys, values)")
+    extra = {} if softcap is None else {"softcap": softcap}  # the token design's two routes take it
     return _PAGED[design, route](query, kv_cache, block_ids, log_pi, scale=scale, kind=kind, delta=delta,
                                  sketch=sketch, centre=centre, gather=gather, chunks=chunks, seq_lens=seq_lens,
-                                 max_seq_len=max_seq_len)
+                                 max_seq_len=max_seq_len, **extra)
 
 
-def _paged_token_op(query, kv_cache, block_ids, log_pi, *, scale, **_) -> PagedDecode:
-    """The token design on :data:`PAGED_CPU_OP`: the op reads the slots in place; a trace-only kind's statistics."""
+def _paged_token_op(query, kv_cache, block_ids, log_pi, *, scale, softcap=None, **_) -> PagedDecode:
+    """The token design on :data:`PAGED_CPU_OP`: the op reads the slots in place (and takes a ``softcap`` in its
+    pass); a trace-only kind's statistics."""
     est = _cpu_op_module().paged_hajek_attention(query, kv_cache, block_ids, log_pi.to(torch.float32), scale=scale,
-                                                 validate=False)
+                                                 validate=False, softcap=softcap)
     return PagedDecode(est.output.to(query.dtype), {"trace": est.trace, "output": est.output}, PAGED_CPU_OP)
 
 

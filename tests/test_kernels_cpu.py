@@ -445,6 +445,54 @@ def test_paged_route_reads_only_the_slots_it_is_given(op):
     assert not torch.allclose(a.output, c.output)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_route_takes_a_logit_softcap_in_its_pass(op, dtype):
+    """``softcap=c`` (Gemma 2): the op's scores are c tanh(tau q.k / c) - log pi. Against the float64 softcapped
+    estimator (its weights w = softmax(c tanh(s/c) - log pi) computed here), within twice the float32 torch
+    estimator's own distance from it plus the op's rounding (``_gamma``: the sums; the scores' tanh adds a few
+    ulp per logit, inside gamma): output to gamma max|v|, lse to gamma + eps |lse|, the trace
+    sum (1 - pi) w^2 |v - o|^2 to 4 gamma sum (1 - pi) w^2 diam^2. Negative control: the same call without the
+    softcap fails the same check (the cap bends these scores: |tau q.k| reaches 3-4 against c = 2)."""
+    cap = 2.0
+    q, k, v, pi = _case(300, dtype, 3, seed=11)
+    cache, ids, lp = _paged(k, v, pi, 32, seed=3)
+    est = op.paged_hajek_attention(q, cache, ids, lp, softcap=cap)
+    b, h_q, d = q.shape
+    h = k.shape[1]
+    scale = d ** -0.5
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    s64 = torch.einsum("bhgd,bhnd->bhgn", q64.view(b, h, h_q // h, d), k64) * scale
+    capped = cap * torch.tanh(s64 / cap)
+    live = pi > 0
+    lp64 = torch.where(live, pi.double().log(), float("-inf"))[:, :, None, :]
+    logits = capped + torch.where(live[:, :, None, :], -lp64, float("-inf"))
+    w = torch.softmax(logits, -1)  # (b, h, g, n)
+    o = torch.einsum("bhgn,bhnd->bhgd", w, v64)
+    lse = torch.logsumexp(logits, -1)
+    om = (1 - pi.double())[:, :, None, :]
+    trace = (om * w ** 2 * ((v64[:, :, None] - o[:, :, :, None]) ** 2).sum(-1)).sum(-1)
+    bias = lambda qq, kk: (cap * torch.tanh(torch.einsum("bhgd,bhnd->bhgn", qq.view(b, h, h_q // h, d), kk) * scale / cap)
+                           - torch.einsum("bhgd,bhnd->bhgn", qq.view(b, h, h_q // h, d), kk) * scale).reshape(b, h_q, -1)
+    fst = F.hajek_attention(q.float(), k.float(), v.float(), pi.float(), scale=scale, per_coordinate=False,
+                            bias=bias(q.float(), k.float()))
+    g = _gamma(300, max(1, math.ceil(300 / 256)))
+    vmax = v64.abs().amax((-1, -2))[:, :, None].expand(b, h, h_q // h).reshape(b, h_q)
+    diam = 2 * v64.norm(dim=-1).amax(-1)[:, :, None].expand(b, h, h_q // h).reshape(b, h_q)
+    c_sum = (om * w ** 2).sum(-1).reshape(b, h_q)
+    ref = {"output": o.reshape(b, h_q, d), "lse": lse.reshape(b, h_q), "trace": trace.reshape(b, h_q)}
+    eps_out = EPS[dtype] if dtype != torch.float32 else 0.0
+    tol = {"output": g * vmax[..., None] + eps_out * ref["output"].abs(),
+           "lse": g + EPS[torch.float32] * ref["lse"].abs(), "trace": 4 * g * c_sum * diam ** 2}
+    bound = {}
+    for f in ("output", "lse", "trace"):
+        bound[f] = 2 * (getattr(fst, f).double() - ref[f]).abs() + tol[f]
+        assert_close(f, getattr(est, f).double().numpy(), ref[f].numpy(), bound[f].numpy())
+    plain = op.paged_hajek_attention(q, cache, ids, lp)
+    assert not bool(((plain.output.double() - ref["output"]).abs() <= bound["output"]).all())
+    with pytest.raises(ValueError, match="softcap must be a finite number > 0"):
+        op.paged_hajek_attention(q, cache, ids, lp, softcap=0.0)
+
+
 def test_paged_route_refuses_by_name(op):
     q, k, v, pi = _case(64, torch.float32, 1, seed=1)
     cache, ids, lp = _paged(k, v, pi, 32)

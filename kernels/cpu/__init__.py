@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -654,7 +655,8 @@ def _paged_inputs(q, kv_cache, block_ids, log_pi, validate: bool):
 
 
 def paged_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, log_pi: torch.Tensor,
-                          *, scale: float | None = None, splits: int = 0, validate: bool = True) -> Estimate:
+                          *, scale: float | None = None, splits: int = 0, validate: bool = True,
+                          softcap: float | None = None) -> Estimate:
     r"""The same decode and trace (module docstring), read straight from a paged cache in vLLM's CPU layout.
 
     Slot i of row e lies in physical block ``block_ids[e, i // bs]`` at offset ``i % bs`` of
@@ -674,6 +676,10 @@ def paged_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: to
         Check the shapes, that log_pi lies in [-inf, 0] (one host read) and refuse a NaN output.
         ``False``: the vLLM plugin's per-step call, no Python checks (the op checks shapes, dtypes and
         block ids; where it refuses, the contract's error is raised).
+    softcap : float > 0, optional
+        A model's attention logit softcap c (Gemma 2): each score is :math:`c\tanh(\tau q\cdot k_i/c)`, taken
+        in the pass before the offset :math:`-\log\pi_i`, so the estimate and its trace are the softcapped
+        estimator's (the same as a score bias :math:`c\tanh(s/c) - s` on the gathered rows).
 
     Returns
     -------
@@ -685,26 +691,38 @@ def paged_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: to
     CPUOpUnavailable
         The op cannot be built here.
     ValueError
-        Shapes or values outside the contract (naming the argument); block ids outside the cache (always checked).
+        Shapes or values outside the contract (naming the argument); block ids outside the cache (always checked);
+        a softcap that is not a finite number > 0.
     """
+    cap = _check_softcap(softcap)
     if not validate:  # the per-step call: the op checks shapes, dtypes and block ids; the contract's error where not
         return _trusted(lambda: _paged_op(q, kv_cache.contiguous(), block_ids.contiguous(), _f32(log_pi),
-                                          check_scale(scale, q.shape[-1]), splits),
+                                          check_scale(scale, q.shape[-1]), splits, cap),
                         lambda: _paged_inputs(q, kv_cache, block_ids, log_pi, False))
     h_kv, d, E, lp = _paged_inputs(q, kv_cache, block_ids, log_pi, validate)
-    est = _paged_op(q, kv_cache.contiguous(), block_ids.contiguous(), lp, check_scale(scale, d), splits)
+    est = _paged_op(q, kv_cache.contiguous(), block_ids.contiguous(), lp, check_scale(scale, d), splits, cap)
     if bool(torch.isnan(est.output).any()):
         raise ValueError("paged_hajek_attention produced NaN: q and the cache must be finite")
     return est
 
 
-def _paged_op(q, kv_cache, block_ids, log_pi, scale: float, splits: int) -> Estimate:
+def _check_softcap(softcap) -> float:
+    """A softcap as the op takes it: 0.0 for None, else a finite number > 0 (ValueError naming ``softcap``)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
+            or softcap <= 0:
+        raise ValueError(f"softcap must be a finite number > 0 (the model's attn_logit_softcapping), got {softcap!r}")
+    return float(softcap)
+
+
+def _paged_op(q, kv_cache, block_ids, log_pi, scale: float, splits: int, softcap: float = 0.0) -> Estimate:
     """The paged token op's call on checked arguments (the op checks shapes, dtypes and block ids itself) and its
-    Estimate."""
+    Estimate; ``softcap`` 0 for none."""
     ops = _state["ops"] if _state["ops"] is not None else load()
     E, h_q, d = q.shape
     out, lse, n_eff, trace = ops.hajek_decode_paged(q.reshape(E, kv_cache.shape[1], -1, d), kv_cache, block_ids,
-                                                    log_pi, scale, splits)
+                                                    log_pi, scale, splits, softcap)
     return Estimate(output=out.view(E, h_q, d), weights=None, variance=None, trace=trace.view(E, h_q),
                     lse=lse.view(E, h_q), n_eff=n_eff.view(E, h_q))
 

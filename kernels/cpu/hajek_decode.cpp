@@ -121,6 +121,8 @@ struct Shape {
   // P[6] = sum wq, P[7] = sum wq ||v - mu||^2 and a third dv-vector sum wq (v - mu), wq = sigma2 p^2. Combined
   // (the rule's variance trace + V_q only): wq added to the trace's weights w instead (no third vector), P[5] as above
   bool quant = false, combined = false;
+  // a logit softcap c > 0 (Gemma 2): each score is c tanh(tau q.k / c) before the offset -log pi (0: none)
+  float softcap = 0.0f;
 };
 
 // Strided views of the inputs: head (b, h) starts at base + b * sb + h * sh; slot i at + i * sn.
@@ -354,7 +356,8 @@ struct Scratch {
       : q(S.G * S.d), s(S.G * kTile), w(S.G * kTile), wh(S.sketch || S.quant ? S.G * kTile : 0), kt(kTile * S.d),
         vt(kTile * S.dv), off(kTile), omp(kTile), pf(kTile), r2(kTile), lt(kTile), od(kTile), pt(kTile), krow(kTile),
         vrow(kTile), sg(S.quant ? S.G * kTile : 0), vv(S.quant ? kTile : 0), gs(S.quant ? S.d : 0),
-        gsig(S.quant ? S.G : 0), qn2(S.quant ? S.G : 0) {}
+        gsig(S.quant ? S.G : 0), qn2(S.quant ? S.G : 0), zero(S.softcap > 0.0f ? kTile : 0, 0.0f) {}
+  std::vector<float> zero;  // the softcapped pass: the products are taken without the offsets, then capped
 };
 
 inline const float* row_ptr(const float* base, int64_t, float*) { return base; }
@@ -687,12 +690,20 @@ void range_task(const Shape& S, const KV& kv, const float* lp, int64_t lsn,
     if (cnt == 0) continue;
     Tile t = tile_view;
     t.cnt = cnt;
-    if (direct)  // the offsets, added after the products as scores_block adds them
-      for (int64_t r = 0; r < G; ++r)
-        for (int64_t j = 0; j < cnt; ++j) sc[r * kTile + j] += w.off[j];
-    else if (d == 64) scores_fixed<64>(qs, G, t, sc);
+    const bool cap = S.softcap > 0.0f;
+    if (cap) t.off = w.zero.data();  // the products alone; capped and offset below
+    if (direct) {
+      if (!cap)  // the offsets, added after the products as scores_block adds them
+        for (int64_t r = 0; r < G; ++r)
+          for (int64_t j = 0; j < cnt; ++j) sc[r * kTile + j] += w.off[j];
+    } else if (d == 64) scores_fixed<64>(qs, G, t, sc);
     else if (d == 128) scores_fixed<128>(qs, G, t, sc);
     else scores_generic(qs, G, d, t, sc);
+    if (cap) {  // c tanh(s / c), then the offset -log pi: the softcapped estimator's logits
+      const float c = S.softcap, ic = 1.0f / S.softcap;
+      for (int64_t r = 0; r < G; ++r)
+        for (int64_t j = 0; j < cnt; ++j) sc[r * kTile + j] = c * std::tanh(sc[r * kTile + j] * ic) + w.off[j];
+    }
     for (int64_t r = 0; r < G; ++r) {  // online softmax: rescale to the new max, then p and w
       float* P = part + r * stride;
       float* s = sc + r * kTile;
@@ -1442,14 +1453,16 @@ void check_paged(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tens
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hajek_decode_paged(
     const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_ids, const at::Tensor& log_pi,
-    double scale, int64_t splits) {
+    double scale, int64_t splits, double softcap) {
   check_paged(q, kv_cache, block_ids, log_pi);
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), "hajek_decode_paged: softcap must be finite and >= 0 (0: none)");
   const int64_t h_kv = kv_cache.size(1), bs = kv_cache.size(2), d = kv_cache.size(3) / 2;
   const int64_t E = block_ids.size(0), M = block_ids.size(1), n = M * bs;
   const at::Tensor qc = f32_contiguous(q);
   const int64_t G = q.size(2), H = E * h_kv;
   Shape S{H, h_kv, G, n, d, d, 1, kHead + 2 * d, false};
   S.splits = splits > 0 ? std::min(splits, std::max<int64_t>(1, n)) : auto_splits(H, n);
+  S.softcap = static_cast<float>(softcap);
   auto f32 = kv_cache.options().dtype(at::kFloat);
   at::Tensor out = at::empty({E, h_kv, G, d}, kv_cache.options());
   at::Tensor lse = at::empty({E, h_kv, G}, f32), neff = at::empty({E, h_kv, G}, f32);
@@ -1526,7 +1539,8 @@ TORCH_LIBRARY(kvcert_cpu, m) {
   m.def("hajek_decode_sketch(Tensor q, Tensor keys, Tensor values, Tensor log_pi, Tensor center, float scale, "
         "int splits, Tensor W, Tensor bias, Tensor weight, Tensor wnorm, Tensor? tilt, Tensor smu, Tensor? reach, "
         "float factor, float clip) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("hajek_decode_paged(Tensor q, Tensor kv_cache, Tensor block_ids, Tensor log_pi, float scale, int splits) "
+  m.def("hajek_decode_paged(Tensor q, Tensor kv_cache, Tensor block_ids, Tensor log_pi, float scale, int splits, "
+        "float softcap=0.0) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("hajek_decode_sketch_paged(Tensor q, Tensor kv_cache, Tensor block_ids, Tensor log_pi, float scale, "
         "int splits, Tensor W, Tensor bias, Tensor weight, Tensor wnorm, Tensor? tilt, Tensor smu, Tensor? reach, "

@@ -40,7 +40,8 @@ event it keeps each KV head's last ``sliding_window`` prompt tokens (:func:`wind
 blocks, and its decode rows read those and the tail with every slot outside the query's window masked
 (:meth:`kvcert.vllm.worker._Plan.compacted_inputs` with the window): the layer's exact attention, which hands no
 statistics to the certificate. A model's logit softcap (Gemma 2) enters the token design's decode
-(:func:`token_decode`'s ``softcap``: the gather route with the softcap's score bias, the Hugging Face decode's);
+(:func:`token_decode`'s ``softcap``: the compiled op's paged route takes the cap in its pass, the gather route as
+a score bias, the Hugging Face decode's);
 a sketch cannot carry it (refused by :func:`kvcert.vllm.config.check_softcap_design`).
 
 Block design: for a request with an eviction decision (a decode row: one query token), the
@@ -229,7 +230,8 @@ def token_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.T
         Take the relative radii (``False``: the forward, which takes them once per step).
     softcap : float, optional
         The model's attention logit softcap (Gemma 2): scores :math:`c\tanh(\tau q\cdot k_i/c)` before the
-        offset, on the gathered rows (:func:`kvcert.dispatch.paged_decode`'s ``softcap``).
+        offset (:func:`kvcert.dispatch.paged_decode`'s ``softcap``: in the compiled op's pass, or as a score bias
+        on the gathered rows).
 
     Returns
     -------

@@ -200,6 +200,35 @@ def test_the_full_layer_decodes_the_softcapped_hajek_estimate_and_alone_makes_th
     assert (plain.output - est.output).abs().max() > 1e-2
 
 
+def test_the_softcapped_decode_is_the_same_on_the_ops_route_and_the_gather_route(two_layers, monkeypatch):
+    """``token_decode(..., softcap=c)``: the compiled op's paged route (the cap taken in its pass) where it builds,
+    and the gather route (the cap as a score bias) with ``KVCERT_CPU_OP=0``, agree to float32 rounding (the
+    estimator's tolerance above) on both layers, output and relative radius."""
+    from kvcert import dispatch
+
+    s = two_layers
+    seq_len = Q + T_MAX
+    qd, _, step = _decode(s, seq_len)
+    plan = step.plan(step_metadata(SimpleNamespace(
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32), seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+        block_table=TABLE.to(torch.int32), causal=True, dynamic_causal=None), step), BS)
+    for layer, window in ((0, W), (1, None)):
+        ids, lp = plan.compacted_inputs(layer, window)
+        first = s.backend.token_decode(qd, s.caches[layer], ids, lp, s.impls[layer].scale, "chebyshev", 0.05,
+                                       softcap=CAP)
+        assert first.route == (dispatch.PAGED_CPU_OP if dispatch.cpu_op_available() else dispatch.GATHER)
+        monkeypatch.setenv("KVCERT_CPU_OP", "0")
+        other = s.backend.token_decode(qd, s.caches[layer], ids, lp, s.impls[layer].scale, "chebyshev", 0.05,
+                                       softcap=CAP)
+        monkeypatch.delenv("KVCERT_CPU_OP")
+        assert other.route == dispatch.GATHER
+        print(f"layer {layer}: route {first.route.code}: max |op - gather| = "
+              f"{(first.output - other.output).abs().max():.2e}")
+        torch.testing.assert_close(first.output, other.output, rtol=1e-5, atol=1e-6)
+        if window is None:  # a window layer's radius is 0 on both (pi = 1)
+            torch.testing.assert_close(first.radius, other.radius, rtol=1e-4, atol=0)
+
+
 def test_window_slots_layout():
     from kvcert.vllm.backend import window_slots
 
