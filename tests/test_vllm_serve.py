@@ -13,17 +13,14 @@ import shlex
 import pytest
 
 from kvcert.cli import main as cli_main
-from kvcert.vllm.serve import HYBRID_FLAG, SCHEDULER_CLS, SERVER_MODULE, WORKER_CLS, ServeError, server_command
+from kvcert.vllm.serve import SCHEDULER_CLS, SERVER_MODULE, WORKER_CLS, ServeError, server_command
 
 
 def _tail(cmd: list[str]) -> tuple[list[str], dict]:
-    """The arguments after ``--model M`` minus the plugin's flags (its three valued ones and the hybrid-manager
-    switch it adds last), and the additional config."""
+    """The arguments after ``--model M`` minus the plugin's three flags, and the additional config."""
     i = cmd.index("--additional-config")
     config = json.loads(cmd[i + 1])
     rest = cmd[cmd.index("--model") + 2:]
-    if rest[-1] == HYBRID_FLAG:
-        rest = rest[:-1]
     for flag in ("--scheduler-cls", "--worker-cls", "--additional-config"):
         j = rest.index(flag)
         del rest[j:j + 2]
@@ -42,17 +39,6 @@ def test_user_flags_pass_through_unchanged_and_the_plugin_is_added():
     rest, config = _tail(cmd)
     assert rest == user  # vLLM's own --seed is the engine's, not the design's
     assert config == {"kvcert": {"compression_ratio": 0.25, "scorer": "keydiff", "sketch": None}}
-
-
-def test_one_kv_cache_group_unless_the_user_decides():
-    """The plugin asks vLLM for one KV-cache group (sliding-window models are compacted in one block table); a
-    user's own choice, either way, is passed through unchanged and nothing is added."""
-    cmd, _ = server_command(["/m"], python="/py")
-    assert cmd[-1] == HYBRID_FLAG and cmd.count(HYBRID_FLAG) == 1
-    for user in (["--no-disable-hybrid-kv-cache-manager"], [HYBRID_FLAG], [f"{HYBRID_FLAG}=true"]):
-        cmd, _ = server_command(["/m", *user], python="/py")
-        assert cmd[cmd.index("--model") + 2:][: len(user)] == user  # the user's, in place
-        assert sum(a.split("=", 1)[0] in (HYBRID_FLAG, "--no-disable-hybrid-kv-cache-manager") for a in cmd) == 1
 
 
 def test_model_as_flag_json_fields_and_the_users_additional_config():

@@ -22,9 +22,6 @@ not), so the module is run directly; elsewhere the printed command is what
 - The user's ``--additional-config`` is kept and the plugin's ``kvcert`` key
   added to it (a ``kvcert`` key there as well as ``--kvcert*`` flags is refused).
 - ``--scheduler-cls`` and ``--worker-cls`` are refused: the plugin runs its own.
-- ``--disable-hybrid-kv-cache-manager`` is added unless the user gives it or
-  ``--no-disable-hybrid-kv-cache-manager`` (models with sliding-window layers
-  are compacted in one block table; no effect on full-attention models).
 - ``--print-command`` prints the command instead of running it.
 
 Imports neither vLLM nor torch before the command is run (the field check
@@ -38,7 +35,7 @@ import os
 import shlex
 import sys
 
-__all__ = ["SCHEDULER_CLS", "WORKER_CLS", "SERVER_MODULE", "HYBRID_FLAG", "server_command", "main"]
+__all__ = ["SCHEDULER_CLS", "WORKER_CLS", "SERVER_MODULE", "server_command", "main"]
 
 #: the plugin's scheduler and worker, as ``--scheduler-cls`` / ``--worker-cls`` name them
 SCHEDULER_CLS = "kvcert.vllm.scheduler.CertifiedScheduler"
@@ -47,11 +44,6 @@ WORKER_CLS = "kvcert.vllm.worker.CertifiedCPUWorker"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 _OWN = ("--scheduler-cls", "--worker-cls")
-#: one KV-cache group (as :func:`kvcert.vllm.engine_kwargs` sets it): a model with sliding-window layers (Gemma 2
-#: and 3) is compacted in one block table; added unless the user gives it or its negation (a windowed model is
-#: then refused, naming the flag)
-HYBRID_FLAG = "--disable-hybrid-kv-cache-manager"
-_HYBRID = (HYBRID_FLAG, "--no-disable-hybrid-kv-cache-manager")
 _USAGE = "usage: kvcert serve [MODEL] [--kvcert-FIELD VALUE ...] [--kvcert JSON] [--print-command] [vllm serve flags]"
 
 
@@ -156,8 +148,6 @@ def server_command(argv: list[str], *, python: str | None = None) -> tuple[list[
     cmd = [python or sys.executable, "-m", SERVER_MODULE, "--model", model, *rest,
            "--scheduler-cls", SCHEDULER_CLS, "--worker-cls", WORKER_CLS,
            "--additional-config", json.dumps(config, sort_keys=True)]
-    if not any(a.split("=", 1)[0] in _HYBRID for a in rest):  # unless the user decides it
-        cmd.append(HYBRID_FLAG)
     return cmd, show
 
 
