@@ -129,9 +129,6 @@ def engine_kwargs(compression_ratio: float | None = None, seed: int = 0, *, kvce
     kw.update(additional_config=extra, scheduler_cls=_SCHEDULER, worker_cls=_WORKER)
     kw.setdefault("async_scheduling", False)
     kw.setdefault("enforce_eager", True)
-    # one KV-cache group: a model with sliding-window layers (Gemma 2 and 3) compacts every layer in one block
-    # table (no effect on a full-attention model, which has one group anyway)
-    kw.setdefault("disable_hybrid_kv_cache_manager", True)
     return kw
 
 

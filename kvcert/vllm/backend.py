@@ -34,12 +34,13 @@ module reads and writes the paged cache (:func:`gather_blocks`,
 Per request (token design): a row is sampled with its request's design and certified with its request's
 kind and delta (:meth:`kvcert.vllm.worker.Step.config_of`); decode rows are grouped by (kind, delta).
 
-Models with sliding-window layers (Gemma 2 and 3; vLLM's hybrid KV-cache manager off, so every layer reads the
-request's one block table): a sliding-window layer (``sliding_window`` > 0) samples nothing; at the eviction
-event it keeps each KV head's last ``sliding_window`` prompt tokens (:func:`window_slots`, pi = 1) in the first
-blocks, and its decode rows read those and the tail with every slot outside the query's window masked
-(:meth:`kvcert.vllm.worker._Plan.compacted_inputs` with the window): the layer's exact attention, which hands no
-statistics to the certificate. A model's logit softcap (Gemma 2) enters the token design's decode
+Models with sliding-window layers (Gemma 2 and 3): a sliding-window layer samples nothing and hands no
+statistics to the certificate. Under vLLM's hybrid KV-cache manager (the default) it is in a KV-cache group of
+its own (:attr:`kvcert.vllm.worker.Step.apart`) and runs the stock kernel over vLLM's window blocks, which
+compaction never touches. With that manager off, every layer reads the request's one block table: at the eviction
+event the layer keeps each KV head's last ``sliding_window`` prompt tokens (:func:`window_slots`, pi = 1) in the
+first blocks, and its decode rows read those and the tail with every slot outside the query's window masked
+(:meth:`kvcert.vllm.worker._Plan.compacted_inputs` with the window): the layer's exact attention. A model's logit softcap (Gemma 2) enters the token design's decode
 (:func:`token_decode`'s ``softcap``: the compiled op's paged route takes the cap in its pass, the gather route as
 a score bias, the Hugging Face decode's);
 a sketch cannot carry it (refused by :func:`kvcert.vllm.config.check_softcap_design`).
@@ -95,14 +96,18 @@ if TYPE_CHECKING:
 
 __all__ = ["CertifiedCPUAttentionBackend", "CertifiedCPUAttentionImpl", "CertifiedCPUAttentionMetadataBuilder",
            "CertifiedCPUAttentionMetadata", "plugin_isa", "compact_prompt", "token_decode",
-           "gather_blocks", "gather_rows", "layer_index", "block_decode", "sketch_decode", "with_output_norm",
+           "gather_blocks", "gather_rows", "layer_index", "layer_index_of", "block_decode", "sketch_decode", "with_output_norm",
            "window_slots"]
 
 
 def layer_index(layer) -> int:
     """The index of an attention layer in its model (from vLLM's ``layer_name``, e.g.
     ``model.layers.3.self_attn.attn`` -> 3), or 0 when it has none; the ``layer`` key of a scorer's stream."""
-    name = getattr(layer, "layer_name", None)
+    return layer_index_of(getattr(layer, "layer_name", None))
+
+
+def layer_index_of(name) -> int:
+    """:func:`layer_index` of a layer name."""
     ints = [int(part) for part in name.split(".") if part.isdigit()] if isinstance(name, str) else []
     return ints[0] if len(ints) == 1 else 0
 
@@ -326,7 +331,9 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         step = attn_metadata.kvcert_step if isinstance(attn_metadata, CertifiedCPUAttentionMetadata) else None
-        if step is None or self.attn_type != AttentionType.DECODER:
+        # outside a step, and a sliding-window layer in a KV-cache group of its own (vLLM's hybrid manager): the
+        # stock kernel over vLLM's own window blocks, which compaction never touches
+        if step is None or self.attn_type != AttentionType.DECODER or getattr(layer, "layer_name", None) in step.apart:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
         plan = step.plan(attn_metadata, kv_cache.shape[2])

@@ -439,16 +439,12 @@ def check_softcap_design(cfg: "KVCertConfig") -> None:
 
 def _check_windowed(vllm_config, cfg, name: str, hf) -> None:
     """A model with sliding-window layers: served when some layer attends in full (those are sampled and
-    certified; the windowed ones keep their window, exactly), in one KV-cache group, with the token design."""
+    certified; the windowed ones keep their window, exactly: under vLLM's hybrid KV-cache manager, the default, in
+    their own groups, else compacted to it), with the token design."""
     types = getattr(hf, "layer_types", None)
     if not types or all(t != "full_attention" for t in types):
         _refuse(name, "every layer attends with a sliding window, so there is nothing to compress (the window "
                 "already bounds each layer's cache)")
-    if not getattr(vllm_config.scheduler_config, "disable_hybrid_kv_cache_manager", False):
-        _refuse(f"{name} with the hybrid KV-cache manager", "vLLM would give the sliding-window layers block "
-                "tables of their own, and the plugin compacts every layer in the request's one table; pass "
-                "disable_hybrid_kv_cache_manager=True (vllm serve --disable-hybrid-kv-cache-manager; "
-                "certified_llm and engine_kwargs set it)")
     if cfg is not None and not cfg.tokens:
         _refuse(f"{name} with granularity='block'", "the block design evicts the same blocks in every layer, "
                 "those a sliding-window layer still reads among them; use the token design")

@@ -89,17 +89,26 @@ class CertifiedScheduler(Scheduler):
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         self.kvcert = KVCertConfig.from_vllm_config(vllm_config) or KVCertConfig(compression_ratio=0.0)
         groups = kv_cache_config.kv_cache_groups
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-        # one group of full blocks: a model with sliding-window layers too (the hybrid manager off, checked by
-        # check_vllm_config: its windowed layers keep full blocks, and the plugin compacts them to their window)
-        if len(groups) != 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+        # one group of full blocks, which the plugin compacts (a model with sliding-window layers under vLLM's
+        # hybrid manager: beside it the windowed layers' groups, whose blocks vLLM's window manager frees and the
+        # plugin never touches; with that manager off, the windowed layers share the one group and are compacted
+        # to their window)
+        full = [i for i, g in enumerate(groups) if type(g.kv_cache_spec) is FullAttentionSpec]
+        others = [g for i, g in enumerate(groups) if i not in full]
+        if len(full) != 1 or any(type(g.kv_cache_spec) is not SlidingWindowSpec for g in others):
             specs = [type(g.kv_cache_spec).__name__ for g in groups]
             raise ValueError(f"kvcert.vllm cannot serve model {vllm_config.model_config.model!r}: its KV cache "
-                             f"groups {specs} are not one group of full blocks (hybrid KV-cache layouts, MLA and "
+                             f"groups {specs} are not one group of full blocks and sliding-window groups (MLA and "
                              f"state-space layers are unsupported)")
-        self._manager = self.kv_cache_manager.coordinator.single_type_managers[0]
-        self._bs = int(groups[0].kv_cache_spec.block_size)
+        self._group = full[0]  # the group the plugin compacts and frees blocks of
+        self._manager = self.kv_cache_manager.coordinator.single_type_managers[self._group]
+        self._bs = int(groups[self._group].kv_cache_spec.block_size)
+        if self._bs != int(self.cache_config.block_size):
+            raise ValueError(f"kvcert.vllm cannot serve model {vllm_config.model_config.model!r}: its full-attention "
+                             f"KV-cache group has blocks of {self._bs} tokens, not the engine's block_size "
+                             f"{self.cache_config.block_size}")
         self._design = self.kvcert.design  # kvcert.fast.TokenDesign or BlockDesign
         # a softcapped model (Gemma 2): a request whose design keeps a sketch is refused (check_softcap_design)
         self._softcap = softcap_of(getattr(vllm_config.model_config, "hf_text_config", None))

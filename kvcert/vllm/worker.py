@@ -371,17 +371,20 @@ class _Certificates:
         self._layers = []
 
 
-def _compacted_state(rid: str, entries: dict) -> tuple[Compacted, dict]:
+def _compacted_state(rid: str, entries: dict, apart: set = frozenset()) -> tuple[Compacted, dict]:
     """A compacted request's :class:`Compacted` state from its layers' entries ({layer: (layout, sketch,
     value sums, window)}, :meth:`Step.add_compaction`), and its layouts by layer; refuses a request compacted in
     some layers only, or sketched in some of its sampled layers only (a sliding-window layer keeps its window and
-    no sketch)."""
-    n_layers = max(entries) + 1
-    if sorted(entries) != list(range(n_layers)):
+    no sketch). The layers ``apart`` (sliding-window layers in KV-cache groups of their own) are never compacted:
+    their rows of log pi stay -inf (never read) and they set nothing of the state."""
+    n_layers = max(set(entries) | set(apart)) + 1
+    if sorted(entries) != [i for i in range(n_layers) if i not in apart]:
         raise RuntimeError(f"kvcert.vllm: request {rid} was compacted in layers {sorted(entries)}, not in "
-                           f"every layer 0..{n_layers - 1}")
+                           f"every layer 0..{n_layers - 1}" + (f" but {sorted(apart)}" if apart else ""))
     layers = {i: e[0] for i, e in entries.items()}
-    sampled = [i for i in range(n_layers) if entries[i][3] is None]
+    empty = (None, None, None, None)
+    entries = {i: entries.get(i, empty) for i in range(n_layers)}
+    sampled = [i for i in range(n_layers) if i not in apart and entries[i][3] is None]
     sketches = [entries[i][1] for i in range(n_layers)]
     if any(sketches[i] is None for i in sampled) or not sampled:
         if any(sk is not None for sk in sketches):
@@ -391,9 +394,9 @@ def _compacted_state(rid: str, entries: dict) -> tuple[Compacted, dict]:
     if sketches is None or any(x is None for x in sums):
         sums = None
     else:  # a sliding-window layer's entry: zeros (its decode reads no value centre)
-        sums = torch.stack([entries[i][2] if entries[i][3] is None else sums[0].new_zeros(sums[0].shape)
+        sums = torch.stack([entries[i][2] if i in sampled else sums[0].new_zeros(sums[0].shape)
                             for i in range(n_layers)])
-    first = layers[0]
+    first = layers[min(layers)]
     bs = first.block_size
     m = max(layout.m for layout in layers.values())
     log_pi = torch.full((n_layers, first.counts.shape[0], m * bs), _NEG_INF)
@@ -402,13 +405,23 @@ def _compacted_state(rid: str, entries: dict) -> tuple[Compacted, dict]:
     return Compacted(first.n_tokens, m, log_pi, sketches, sums), layers
 
 
-def _compaction_report(state: Compacted, layers: dict, kept: bool) -> dict:
+def _compaction_report(state: Compacted, layers: dict, kept: bool, apart: dict | None = None) -> dict:
     """What the scheduler learns of a compacted request (``StepReport.compacted``), with the kept positions per
-    layer and KV head when ``kept``."""
-    counts = torch.stack([layers[i].counts for i in range(len(layers))])
-    report = {"m": state.m, "n_prompt": state.n_prompt, "counts": counts.tolist(), "sketch_bytes": state.sketch_bytes}
+    layer and KV head when ``kept``. A layer ``apart`` ({index: window}: a sliding-window layer in a KV-cache group
+    of its own) is reported as keeping what vLLM's window holds for a query after the prompt: the prompt's last
+    ``min(n, window)`` tokens."""
+    apart = apart or {}
+    n, h = state.n_prompt, state.log_pi.shape[1]
+    n_layers = len(layers) + len(apart)
+
+    def window(i):  # positions max(0, n - window) .. n - 1 on every KV head
+        return torch.arange(max(0, n - apart[i]), n).expand(h, -1)
+
+    counts = [[min(n, apart[i])] * h if i in apart else layers[i].counts.tolist() for i in range(n_layers)]
+    report = {"m": state.m, "n_prompt": state.n_prompt, "counts": counts, "sketch_bytes": state.sketch_bytes}
     if kept:
-        report["kept_positions"] = [[p[p >= 0].tolist() for p in layers[i].positions] for i in range(len(layers))]
+        report["kept_positions"] = [window(i).tolist() if i in apart else [p[p >= 0].tolist() for p in layers[i].positions]
+                                    for i in range(n_layers)]
     return report
 
 
@@ -421,6 +434,10 @@ class Step:
         self.config = worker.kvcert
         # tensor parallelism: this rank holds KV heads tp_rank * h .. (tp_rank + 1) * h - 1 of every layer
         self.tp_rank, self.tp_size = getattr(worker, "kvcert_tp", (0, 1))  # (0, 1): a test's stand-in worker
+        #: the sliding-window layers in KV-cache groups of their own (vLLM's hybrid manager): {layer name: index}
+        #: and their windows {index: window}; the backend leaves them to the stock kernel and vLLM's window
+        self.apart: dict = getattr(worker, "kvcert_apart", {})
+        self.apart_windows: dict = getattr(worker, "kvcert_apart_windows", {})
         self._plan: _Plan | None = None
         #: the CUDA backend's plan of the step (:func:`kvcert.vllm.gpu_backend.plan_rows`), made at its first layer
         self.paged_plan = None
@@ -624,9 +641,9 @@ class Step:
         scheduler."""
         out = {}
         for rid, entries in self.compactions.items():
-            state, layers = _compacted_state(rid, entries)
+            state, layers = _compacted_state(rid, entries, set(self.apart_windows))
             self.worker.kvcert_states[rid] = state
-            out[rid] = _compaction_report(state, layers, self.config.report_kept)
+            out[rid] = _compaction_report(state, layers, self.config.report_kept, self.apart_windows)
         return out
 
     def _install_queries(self) -> None:
@@ -750,6 +767,23 @@ class _CertifiedWorker:
 
     def _kvcert_check_layers(self) -> None:
         raise NotImplementedError
+
+    def initialize_from_config(self, kv_cache_config, *args, **kwargs):
+        """vLLM's, after noting the attention layers whose KV-cache group is not a full-attention one: under
+        vLLM's hybrid manager a model's sliding-window layers (Gemma 2 and 3) have groups (block tables) of their
+        own, with vLLM's window manager freeing their blocks; the backend leaves those layers to the stock kernel
+        (:attr:`Step.apart`), and compacts the full-attention group only."""
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        self.kvcert_apart, self.kvcert_apart_windows = {}, {}
+        for g in kv_cache_config.kv_cache_groups:
+            if type(g.kv_cache_spec) is FullAttentionSpec:
+                continue
+            for name in g.layer_names:
+                index = _backend.layer_index_of(name)
+                self.kvcert_apart[name] = index
+                self.kvcert_apart_windows[index] = int(g.kv_cache_spec.sliding_window)
+        return super().initialize_from_config(kv_cache_config, *args, **kwargs)
 
     def _kvcert_builder_cls(self) -> type:
         raise NotImplementedError

