@@ -170,6 +170,19 @@ def compact_prompt(kv_cache: torch.Tensor, block_ids: torch.Tensor, keys: torch.
     return torch.cat([held.sum(1), valid[..., 0].sum(1, keepdim=True).double()], dim=1)
 
 
+def impl_window(impl) -> int | None:
+    """An attention implementation's sliding window (Gemma 2 and 3's local layers; vLLM's ``sliding_window``),
+    None for a full-attention layer (vLLM's -1, or no attribute)."""
+    w = getattr(impl, "sliding_window", -1)
+    return int(w) if w is not None and int(w) > 0 else None
+
+
+def impl_softcap(impl) -> float | None:
+    """An attention implementation's logit softcap (Gemma 2), None without one (vLLM's 0, or no attribute)."""
+    c = getattr(impl, "logits_soft_cap", 0) or 0
+    return float(c) if c > 0 else None
+
+
 def window_slots(h_kv: int, n: int, window: int, block_size: int):
     """The compacted layout (:class:`kvcert.fast.Compaction`) of a sliding-window layer's prompt of ``n`` tokens:
     every KV head keeps its last ``min(n, window)`` tokens (positions ``max(0, n - window) .. n - 1``, pi = 1),
@@ -348,7 +361,7 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
             self._stock_rows(plan, layer, query, kv_cache, attn_metadata, output)
         if plan.compacted:  # the token design: compacted prompt slots + the tokens after the prompt
             index = layer_index(layer)
-            window, softcap = self._window(), self._softcap()
+            window, softcap = impl_window(self), impl_softcap(self)
             # a sliding-window layer: its last `window` prompt tokens and the tail, masked to the query's window
             ids, log_pi = plan.compacted_inputs(index, window)
             # rows by their request's (kind, delta, sketched)
@@ -377,17 +390,6 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
         if plan.masked:
             self._masked_rows(step, plan, query, kv_cache, output)
         return self._importance(step, plan, layer, query, kv_cache, output)
-
-    def _window(self) -> int | None:
-        """The layer's sliding window (Gemma 2 and 3's local layers; vLLM's ``sliding_window``), None for a
-        full-attention layer (vLLM's -1)."""
-        w = getattr(self, "sliding_window", -1)
-        return int(w) if w is not None and int(w) > 0 else None
-
-    def _softcap(self) -> float | None:
-        """The layer's attention logit softcap (Gemma 2), None without one (vLLM's 0)."""
-        c = getattr(self, "logits_soft_cap", 0) or 0
-        return float(c) if c > 0 else None
 
     def _stock_rows(self, plan, layer, query, kv_cache, attn_metadata, output) -> None:
         """The stock C++ kernel on the rows without eviction state (a sub-batch of the step)."""
@@ -444,7 +446,7 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
             return output
         index = layer_index(layer)
         bs = kv_cache.shape[2]
-        window = self._window()
+        window = impl_window(self)
         for row in plan.importance:
             cfg = row.config if row.config is not None else step.config  # the request's settings
             design = cfg.design
