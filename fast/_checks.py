@@ -48,6 +48,17 @@ def check_scale(scale, d: int) -> float:
     return scale
 
 
+def check_softcap(softcap) -> float | None:
+    """A model's attention logit softcap: None (no cap) or a finite number > 0, as a float (ValueError naming
+    ``softcap`` otherwise)."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not math.isfinite(softcap) \
+            or softcap <= 0:
+        raise ValueError(f"softcap must be a finite number > 0 (the model's attn_logit_softcapping), got {softcap!r}")
+    return float(softcap)
+
+
 def check_probabilities(name: str, p: torch.Tensor) -> None:
     """Values in [0, 1] (NaN refused)."""
     if p.numel():

@@ -57,7 +57,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvcert.fast._checks import check_scale
+from kvcert.fast._checks import check_scale, check_softcap
 from kvcert.fast.contract import check_attention_inputs
 from kvcert.fast.types import Estimate
 
@@ -1116,11 +1116,7 @@ def paged_decode(design: str, query: torch.Tensor, kv_cache: torch.Tensor, block
         if design != "token":
             raise ValueError("kvcert: attention logit softcapping (the model's softcap) is supported on the token "
                              f"design only, not on the {design} design's paged decode")
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
-                or softcap <= 0:
-            raise ValueError(f"softcap must be a finite number > 0 (the model's attn_logit_softcapping), got "
-                             f"{softcap!r}")
-        softcap = float(softcap)
+        softcap = check_softcap(softcap)
     route = paged_route(design, query.device if device is None else device, kind)
     if route == GATHER and gather is None:
         raise TypeError(f"the {design} design's paged route {route.code!r} reads the rows through gather=: give the "

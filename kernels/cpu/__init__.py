@@ -77,7 +77,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
 import os
 import platform
 import shutil
@@ -89,7 +88,7 @@ from pathlib import Path
 
 import torch
 
-from kvcert.fast._checks import check_scale
+from kvcert.fast._checks import check_scale, check_softcap
 from kvcert.fast.contract import check_attention_inputs, check_attention_values
 from kvcert.fast.quantized import CHANNEL_GROUP
 from kvcert.fast.types import Estimate
@@ -694,7 +693,7 @@ def paged_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: to
         Shapes or values outside the contract (naming the argument); block ids outside the cache (always checked);
         a softcap that is not a finite number > 0.
     """
-    cap = _check_softcap(softcap)
+    cap = check_softcap(softcap) or 0.0  # the op's 0: no cap
     if not validate:  # the per-step call: the op checks shapes, dtypes and block ids; the contract's error where not
         return _trusted(lambda: _paged_op(q, kv_cache.contiguous(), block_ids.contiguous(), _f32(log_pi),
                                           check_scale(scale, q.shape[-1]), splits, cap),
@@ -704,16 +703,6 @@ def paged_hajek_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_ids: to
     if bool(torch.isnan(est.output).any()):
         raise ValueError("paged_hajek_attention produced NaN: q and the cache must be finite")
     return est
-
-
-def _check_softcap(softcap) -> float:
-    """A softcap as the op takes it: 0.0 for None, else a finite number > 0 (ValueError naming ``softcap``)."""
-    if softcap is None:
-        return 0.0
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
-            or softcap <= 0:
-        raise ValueError(f"softcap must be a finite number > 0 (the model's attn_logit_softcapping), got {softcap!r}")
-    return float(softcap)
 
 
 def _paged_op(q, kv_cache, block_ids, log_pi, scale: float, splits: int, softcap: float = 0.0) -> Estimate:

@@ -346,7 +346,7 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
         step = attn_metadata.kvcert_step if isinstance(attn_metadata, CertifiedCPUAttentionMetadata) else None
         # outside a step, and a sliding-window layer in a KV-cache group of its own (vLLM's hybrid manager): the
         # stock kernel over vLLM's own window blocks, which compaction never touches
-        if step is None or self.attn_type != AttentionType.DECODER or getattr(layer, "layer_name", None) in step.apart:
+        if step is None or self.attn_type != AttentionType.DECODER or layer_index(layer) in step.apart:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
         plan = step.plan(attn_metadata, kv_cache.shape[2])
@@ -369,10 +369,8 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
                     query.shape[0]):
                 g_ids, g_log_pi = (ids, log_pi) if sel is None else (ids[sel], log_pi[sel])
                 q_rows = query if in_order else query.index_select(0, tokens)
-                if window is not None:  # exact attention over the window (pi = 1): no certificate of its own
-                    dec = token_decode(q_rows, kv_cache, g_ids, g_log_pi, self.scale, kind, delta, radius=False,
-                                       softcap=softcap)
-                elif sketched:  # a row's own sketch, or the group's join kept across steps (Step.group_sketch)
+                if sketched and window is None:  # a row's own sketch, or the group's join kept across steps
+                    # (Step.group_sketch); a window layer keeps none: exact attention over its window (pi = 1)
                     sketch = step.group_sketch(index, (kind, delta, sketched), [plan.compacted[j] for j in rows])
                     centre = plan.compacted_centres(index, sel)
                     dec = sketch_decode(q_rows, kv_cache, g_ids, g_log_pi, sketch, self.scale, kind, delta, centre,

@@ -143,8 +143,6 @@ class CertifiedScheduler(Scheduler):
             return False
         if options is None:
             return self.kvcert.enabled
-        from dataclasses import replace
-
         return replace(self.kvcert, **options).enabled
 
     # ------------------------------------------------------------------ decide and free

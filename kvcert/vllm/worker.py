@@ -434,10 +434,9 @@ class Step:
         self.config = worker.kvcert
         # tensor parallelism: this rank holds KV heads tp_rank * h .. (tp_rank + 1) * h - 1 of every layer
         self.tp_rank, self.tp_size = getattr(worker, "kvcert_tp", (0, 1))  # (0, 1): a test's stand-in worker
-        #: the sliding-window layers in KV-cache groups of their own (vLLM's hybrid manager): {layer name: index}
-        #: and their windows {index: window}; the backend leaves them to the stock kernel and vLLM's window
+        #: the sliding-window layers in KV-cache groups of their own (vLLM's hybrid manager), {layer index: window};
+        #: the backend leaves them to the stock kernel and vLLM's window
         self.apart: dict = getattr(worker, "kvcert_apart", {})
-        self.apart_windows: dict = getattr(worker, "kvcert_apart_windows", {})
         self._plan: _Plan | None = None
         #: the CUDA backend's plan of the step (:func:`kvcert.vllm.gpu_backend.plan_rows`), made at its first layer
         self.paged_plan = None
@@ -641,9 +640,9 @@ class Step:
         scheduler."""
         out = {}
         for rid, entries in self.compactions.items():
-            state, layers = _compacted_state(rid, entries, set(self.apart_windows))
+            state, layers = _compacted_state(rid, entries, set(self.apart))
             self.worker.kvcert_states[rid] = state
-            out[rid] = _compaction_report(state, layers, self.config.report_kept, self.apart_windows)
+            out[rid] = _compaction_report(state, layers, self.config.report_kept, self.apart)
         return out
 
     def _install_queries(self) -> None:
@@ -775,14 +774,9 @@ class _CertifiedWorker:
         (:attr:`Step.apart`), and compacts the full-attention group only."""
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-        self.kvcert_apart, self.kvcert_apart_windows = {}, {}
-        for g in kv_cache_config.kv_cache_groups:
-            if type(g.kv_cache_spec) is FullAttentionSpec:
-                continue
-            for name in g.layer_names:
-                index = _backend.layer_index_of(name)
-                self.kvcert_apart[name] = index
-                self.kvcert_apart_windows[index] = int(g.kv_cache_spec.sliding_window)
+        self.kvcert_apart = {_backend.layer_index_of(name): int(g.kv_cache_spec.sliding_window)
+                             for g in kv_cache_config.kv_cache_groups if type(g.kv_cache_spec) is not FullAttentionSpec
+                             for name in g.layer_names}
         return super().initialize_from_config(kv_cache_config, *args, **kwargs)
 
     def _kvcert_builder_cls(self) -> type:
@@ -894,7 +888,7 @@ class CertifiedCPUWorker(_CertifiedWorker, CPUWorker):
         # sliding-window layers keep their window (backend.window_slots) and softcaps enter the token design's
         # decode; a model whose every layer is windowed has nothing to compress (check_vllm_config refuses it by
         # its config; here by its layers, whatever the config says)
-        if layers and all(layer.impl.sliding_window not in (-1, None) for layer in layers.values()):
+        if layers and all(_backend.impl_window(layer.impl) is not None for layer in layers.values()):
             raise ValueError(f"kvcert.vllm cannot serve model {model!r}: every attention layer uses a sliding window, "
                              "so there is nothing to compress")
         for name, layer in layers.items():

@@ -191,9 +191,9 @@ def _drive(mode: str, root: str, out_path: str) -> None:
                 res["half"] = [list(o.outputs[0].token_ids) for o in outs]
                 res["half_reports"] = [certificate_report(o) for o in outs]
                 res["freed_after"] = blocks_freed(llm)
-                # the layers the worker left to vLLM's window (their own KV-cache groups): {name: index}
+                # the layers the worker left to vLLM's window (their own KV-cache groups): {index: window}
                 res["apart"] = sorted(llm.collective_rpc(
-                    lambda w: sorted(getattr(getattr(w, "worker", w), "kvcert_apart", {}).values()))[0])
+                    lambda w: sorted(getattr(getattr(w, "worker", w), "kvcert_apart", {})))[0])
                 if family == "gemma2":  # a request naming a sketch on the softcapped model, beside a plain one
                     sketched = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True,
                                               extra_args={"kvcert_compression_ratio": RATIO, "kvcert_sketch": "tilted"})

@@ -45,13 +45,9 @@ def _impl(window, cap):
 def _stock(impl, query, cache, seq_len, window, cap):
     """vLLM's kernel on one decode query at position seq_len - 1 (its own window and softcap)."""
     from vllm import _custom_ops as ops
-    from vllm import envs
 
     qsl, seq = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([seq_len], dtype=torch.int32)
-    sched = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1, num_heads=H_Q, num_kv_heads=H, head_dim=D, seq_lens=seq, dtype=torch.float32,
-        query_start_loc=qsl, causal=True, sliding_window_size=window, isa="vec",
-        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None, kv_cache_dtype="auto")
+    sched = _sched(seq, qsl, window)
     key_cache, value_cache = cache.view(cache.shape[0], H, 2 * BS, D).chunk(2, dim=2)
     out = torch.empty_like(query)
     ops.cpu_attention_with_kv_cache(
@@ -89,7 +85,7 @@ def two_layers(monkeypatch):
     for i in impls:
         md = SimpleNamespace(query_start_loc=qsl, seq_lens=seq, block_table=TABLE.to(torch.int32), causal=True,
                              dynamic_causal=None, num_actual_tokens=Q,
-                             scheduler_metadata=_prefill_sched(impls[i], seq, qsl, -1 if i == 1 else W))
+                             scheduler_metadata=_sched(seq, qsl, -1 if i == 1 else W))
         impls[i].forward(layers[i], qp, None, None, caches[i], step_metadata(md, step), torch.empty_like(qp))
     report = step.results(BS).compacted["a"]
     state = fake.kvcert_states["a"]
@@ -102,7 +98,8 @@ def two_layers(monkeypatch):
                            originals=originals, kv=kv, cfg=cfg, fake=fake, state=state, report=report, qp=qp)
 
 
-def _prefill_sched(impl, seq, qsl, window):
+def _sched(seq, qsl, window):
+    """The stock kernel's work partition for one request (lengths ``seq``, query starts ``qsl``) and a window."""
     from vllm import _custom_ops as ops
     from vllm import envs
 
