@@ -15,8 +15,9 @@ Token design (the default, docs/design.md section 7): on the prompt's last
 chunk, after the stock kernel has attended it, every layer scores the prompt
 (:meth:`kvcert.fast.TokenDesign.score`), draws the token design
 (:meth:`kvcert.fast.TokenDesign.decide`, the press's stream) and copies each KV
-head's kept tokens, in position order, into the request's first blocks
-(:func:`compact_prompt`, layout :func:`kvcert.fast.compact_slots`). A decode row
+head's kept tokens, in position order, into m blocks of the request's own
+(:func:`compact_prompt`, layout :func:`kvcert.fast.compact_slots`; the blocks
+:func:`kvcert.vllm.handoff.compaction_targets`, never a cached prefix block). A decode row
 of such a request attends over the compacted slots (offset -log pi_i, padding
 -inf) and over the tokens after the prompt at their own positions (pi = 1),
 through the estimator the Hugging Face path uses and its certificate
@@ -39,7 +40,7 @@ statistics to the certificate. Under vLLM's hybrid KV-cache manager (the default
 its own (:attr:`kvcert.vllm.worker.Step.apart`) and runs the stock kernel over vLLM's window blocks, which
 compaction never touches. With that manager off, every layer reads the request's one block table: at the eviction
 event the layer keeps each KV head's last ``sliding_window`` prompt tokens (:func:`window_slots`, pi = 1) in the
-first blocks, and its decode rows read those and the tail with every slot outside the query's window masked
+compacted blocks, and its decode rows read those and the tail with every slot outside the query's window masked
 (:meth:`kvcert.vllm.worker._Plan.compacted_inputs` with the window): the layer's exact attention. A model's logit softcap (Gemma 2) enters the token design's decode
 (:func:`token_decode`'s ``softcap``: the compiled op's paged route takes the cap in its pass, the gather route as
 a score bias, the Hugging Face decode's);
@@ -437,7 +438,8 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
         budgets, the decision on the press's stream (layer index, event 0) and the sketch) on the prompt's keys
         and values and the prompt's last queries (this chunk's, after those the worker kept from the prompt's
         earlier chunks: the unchunked engine's), now, after the stock kernel has attended the chunk; then the
-        copy of the kept tokens into the first blocks (:func:`compact_prompt`). A layer where nothing is
+        copy of the kept tokens into the request's compaction blocks (:func:`compact_prompt`,
+        :func:`kvcert.vllm.handoff.compaction_targets`). A layer where nothing is
         evicted keeps every token (pi = 1, so the request frees no block: blocks are shared by the layers).
         Block design: the scores (``design.score``), aggregated over layers by the worker."""
         if not plan.importance:
@@ -453,7 +455,7 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
             k, v = k[:, : row.seq_len], v[:, : row.seq_len]
             if window is not None and cfg.tokens:  # a sliding-window layer: its window, exactly (never sampled)
                 layout = window_slots(k.shape[0], row.seq_len, window, bs)
-                compact_prompt(kv_cache, row.all_block_ids, k, v, layout.positions)
+                compact_prompt(kv_cache, row.write_ids, k, v, layout.positions)
                 step.add_compaction(row.req_id, index, layout, window=window)
                 continue
             prompt_q = row.queries(index, query)
@@ -467,7 +469,7 @@ class CertifiedCPUAttentionImpl(CPUAttentionBackendImpl):
             ev = design.event(q, k[None], v[None], scale=self.scale, layer=index, event=0,
                               head_offset=step.tp_rank * k.shape[0])
             layout = compact_slots(ev.decision.keep, ev.decision.pi, bs)
-            sums = compact_prompt(kv_cache, row.all_block_ids, k, v, layout.positions)
+            sums = compact_prompt(kv_cache, row.write_ids, k, v, layout.positions)
             step.add_compaction(row.req_id, index, layout, ev.sketch, sums if ev.sketch is not None else None)
         return output
 

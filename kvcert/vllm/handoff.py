@@ -39,7 +39,35 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 
 __all__ = ["StepOrders", "StepReport", "CertifiedSchedulerOutput", "CertifiedModelRunnerOutput", "extend",
-           "orders_of", "report_of", "with_report"]
+           "orders_of", "report_of", "with_report", "compaction_targets", "compaction_layout"]
+
+
+def compaction_targets(ids, n_full: int, private):
+    """The physical blocks a request's compaction (token design) writes, in the order of its compacted logical
+    blocks 0, 1, ...: its full prompt blocks from the last back to the first it computed itself, then the blocks
+    of its own standing in for the ``len(private)`` cached prefix blocks it read (``private``, from
+    ``StepOrders.private``), then the partly filled last prompt block (used only when every token is kept).
+
+    ``ids``: int64 (nbt,) the request's block table over its prompt, ``n_full`` = n_prompt // block_size. Never a
+    shared block; a compaction of m blocks leaves the prompt's first ``compaction_layout(...)[1]`` blocks as
+    computed (the scheduler registers those in the prefix cache). The worker writes by this list, and the
+    scheduler frees by :func:`compaction_layout`, the same arithmetic."""
+    import torch
+
+    c = len(private)
+    own = ids[c:n_full].flip(0)
+    return torch.cat([own, torch.as_tensor(list(private), dtype=ids.dtype), ids[n_full:]])
+
+
+def compaction_layout(n_full: int, c: int, m: int) -> tuple[int, int]:
+    """Where :func:`compaction_targets` put a compaction of ``m`` blocks, once the scheduler has placed the ``c``
+    blocks standing in for the cached prefix at the head of the request's block table: ``(used, intact)``, the
+    first ``used`` of those hold compacted blocks, the request's own blocks ``c .. intact - 1`` hold the prompt
+    as computed, and ``intact .. n_full - 1`` hold compacted blocks. The blocks ``used .. intact - 1`` are free
+    after the event."""
+    own = min(m, n_full - c)
+    used = min(c, max(0, m - (n_full - c)))
+    return used, n_full - own
 
 
 @dataclass
@@ -51,12 +79,16 @@ class StepOrders:
     ``options``: the per-request overrides of the engine's :class:`kvcert.vllm.config.KVCertConfig` of the
     requests scheduled for the first time (:func:`kvcert.vllm.config.request_options`). ``stats``: the
     scheduler's cumulative counters, which the worker keeps for ``LLM.collective_rpc("kvcert_stats")``.
+    ``private``: per request that read cached prefix blocks (token design), the ids of the blocks of its own
+    that stand in for them, in which its compaction writes instead (:func:`compaction_targets`), never into a
+    shared block (:mod:`kvcert.vllm.scheduler`, module docstring 4).
     """
 
     decisions: dict[str, list[float]] = field(default_factory=dict)
     clear: list[str] = field(default_factory=list)
     options: dict[str, dict] = field(default_factory=dict)
     stats: dict[str, int] = field(default_factory=dict)
+    private: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

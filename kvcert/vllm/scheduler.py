@@ -11,12 +11,13 @@ output is refused, naming the worker it needs).
 
 1. **Free, token design** (``granularity="token"``, the default). The worker
    draws the token design and compacts the kept tokens of every (layer, KV
-   head) into the request's first m blocks on the step that processes the
-   prompt's last chunk (:mod:`kvcert.vllm.worker`), and reports
+   head) into m blocks of the request's own, its last full prompt blocks first
+   (:func:`kvcert.vllm.handoff.compaction_targets`), on the step that
+   processes the prompt's last chunk (:mod:`kvcert.vllm.worker`), and reports
    ``StepReport.compacted`` = {request: {m, n_prompt, counts}}.
-   The prompt's full blocks m .. floor(n_prompt / block_size) - 1 are swapped
-   for vLLM's ``null_block`` in the request's block table and returned to the
-   pool (``BlockPool.free_blocks``), as vLLM's
+   The prompt's other full blocks (:func:`kvcert.vllm.handoff.compaction_layout`)
+   are swapped for vLLM's ``null_block`` in the request's block table and
+   returned to the pool (``BlockPool.free_blocks``), as vLLM's
    ``RSWAManager._remove_blocks_in_range`` does for a skipped range. The copy
    happened inside that step, before its output reached this scheduler, so
    before any freed block can be scheduled for another request's writes.
@@ -41,12 +42,35 @@ output is refused, naming the worker it needs).
 
 4. **Prefix caching** (vLLM's ``enable_prefix_caching``, on by default). Requests
    without eviction use the prefix cache as in stock vLLM. A request that may
-   evict (its configuration's ratio or error target) neither reads the cache
-   (``Request.skip_reading_prefix_cache``: its eviction event sees the prompt it
-   computed, as without the cache) nor registers its blocks in it (the
-   coordinator's ``cache_blocks`` is skipped for it), so the blocks its
-   compaction overwrites and the blocks it frees are its own, never shared and
-   never found by another request's prefix.
+   evict (its configuration's ratio or error target) registers no block while
+   it runs its prompt (the coordinator's ``cache_blocks`` is skipped for it),
+   so no block its compaction overwrites is ever found by another request's
+   prefix. With the token design and one KV-cache group it also reads the
+   cache and feeds it:
+
+   - its hit is cut to leave the event's queries to compute (the prompt's
+     last :meth:`~kvcert.fast.TokenDesign.event_queries`, whole blocks:
+     :meth:`_private_hit`), so its event reads the keys, values and queries it
+     reads without the cache;
+   - when the hit is taken (``allocate_slots``), the pool gives the request one
+     block of its own per cached block (:meth:`_reserve`, ``StepOrders.private``):
+     its compaction writes the kept tokens into its own prompt blocks, the last
+     first, then into those (:func:`kvcert.vllm.handoff.compaction_targets`),
+     never into a shared block;
+   - after the event those blocks stand in for the cached ones in its block
+     table and the cached blocks are released (:meth:`_compacted`): another
+     request still holding them keeps them, and once free they wait in vLLM's
+     free queue with their hashes, found by a later request with the prefix
+     until the pool reuses them;
+   - its compaction fills its last full prompt blocks first, so its first
+     prompt blocks past the cached ones still hold the prompt as computed:
+     after the event they are registered (:meth:`_register_intact`) and freed,
+     and wait in the free queue with their hashes as well.
+
+   The block design and models with several KV-cache groups (sliding-window
+   layers under vLLM's hybrid manager) do not read it
+   (``Request.skip_reading_prefix_cache``: the event sees the prompt it
+   computed, as without the cache).
 
 5. **Per-request options** (token design). A request's ``kvcert_*`` keys of
    ``SamplingParams.extra_args`` (:func:`kvcert.vllm.config.request_options`)
@@ -75,7 +99,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from kvcert.fast import prompt_event
 
 from .config import KVCertConfig, check_softcap_design, check_vllm_config, request_options, softcap_of
-from .handoff import CertifiedSchedulerOutput, StepOrders, report_of
+from .handoff import CertifiedSchedulerOutput, StepOrders, compaction_layout, report_of
 from .metrics import RADIUS_BUCKETS, encode_stats, radius_bucket
 
 __all__ = ["CertifiedScheduler", "prompt_event"]
@@ -125,25 +149,94 @@ class CertifiedScheduler(Scheduler):
         self._radius_sum = 0.0
         # the counters ride in SchedulerStats.waiting_lora_adapters, a field read only when LoRA is enabled
         self._send_metrics = getattr(vllm_config, "lora_config", None) is None
-        self._private: set[str] = set()  # requests that may evict: outside the prefix cache (module docstring, 4)
+        self._private: set[str] = set()  # requests that may evict: never feed the prefix cache (module docstring, 4)
+        self._reads: dict[str, KVCertConfig] = {}  # private requests that read it: their settings
+        self._hits: dict[str, int] = {}  # private requests' cut hits (blocks), until allocate_slots takes them
+        self._extras: dict[str, list] = {}  # blocks reserved for a request's compaction, until its event
+        self._private_orders: dict[str, list[int]] = {}  # their ids, for the worker with the next step
+        self._head_size = int(vllm_config.model_config.get_head_size())
+        self._register = None  # vLLM's own cache_blocks (prefix caching on)
         if self.cache_config.enable_prefix_caching:
             coordinator = self.kv_cache_manager.coordinator
-            register = coordinator.cache_blocks
+            register = self._register = coordinator.cache_blocks
 
             def cache_blocks(request, num_computed_tokens):
                 if request.request_id not in self._private:
                     register(request, num_computed_tokens)
 
             coordinator.cache_blocks = cache_blocks
+            allocate = self.kv_cache_manager.allocate_slots
+
+            def allocate_slots(request, *args, **kwargs):
+                out = allocate(request, *args, **kwargs)
+                if out is not None:
+                    self._reserve(request)
+                return out
+
+            self.kv_cache_manager.allocate_slots = allocate_slots
 
     def _keeps_private(self, request, options: dict | None) -> bool:
-        """Whether ``request`` stays outside the prefix cache: its configuration (the engine's, with its
+        """Whether ``request`` never feeds the prefix cache: its configuration (the engine's, with its
         ``kvcert_*`` overrides) may evict."""
         if not self.cache_config.enable_prefix_caching:
             return False
-        if options is None:
-            return self.kvcert.enabled
-        return replace(self.kvcert, **options).enabled
+        return self._served(options).enabled
+
+    def _served(self, options: dict | None) -> KVCertConfig:
+        """A request's settings: the engine's, with its ``kvcert_*`` overrides."""
+        return self.kvcert if options is None else replace(self.kvcert, **options)
+
+    # ------------------------------------------------------------------ a private request's prefix-cache hit
+
+    def _private_hit(self, request, blocks, num_tokens: int) -> tuple[object, int]:
+        """A private request's prefix-cache hit (``blocks``, ``num_tokens``: vLLM's) cut for its eviction event
+        (module docstring, 4): whole blocks that leave the event's queries (the prompt's last
+        :meth:`kvcert.fast.TokenDesign.event_queries`) to compute, and none unless the pool holds, besides the
+        blocks the prompt's uncached rest needs, two per cached block (the hit's own, which may wait in the free
+        queue, and one for the compaction to write in: :meth:`_reserve`). A prompt too short to evict keeps
+        vLLM's hit: its blocks are never written."""
+        cfg = self._reads[request.request_id]
+        n = request.num_prompt_tokens
+        if not cfg.evicts(n, self._bs, head_size=self._head_size):
+            return blocks, num_tokens
+        w = cfg.design.event_queries(n, n)
+        c = min(num_tokens // self._bs, max(0, n - w) // self._bs)
+        rest = -(-(n - c * self._bs) // self._bs)
+        if c and self._manager.block_pool.get_num_free_blocks() < 2 * c + rest + 1:
+            c = 0
+        if c:
+            self._hits[request.request_id] = c
+        return type(blocks)(tuple(list(group[:c]) for group in blocks.blocks)), c * self._bs
+
+    def _get_local_prefix_cache_hit(self, request):
+        blocks, num_tokens, boundary, diverged = super()._get_local_prefix_cache_hit(request)
+        if request.request_id in self._reads and num_tokens:
+            blocks, num_tokens = self._private_hit(request, blocks, num_tokens)
+        return blocks, num_tokens, boundary, diverged
+
+    def _reserve(self, request) -> None:
+        """After ``allocate_slots`` took a private request's cut hit (its c cached blocks now held by it): c blocks
+        of its own from the pool, which its compaction writes in place of the cached ones (their ids ride to the
+        worker with the next step, ``StepOrders.private``)."""
+        c = self._hits.pop(request.request_id, 0)
+        if not c or request.request_id in self._extras or request.request_id in self._decided:
+            return
+        pool = self._manager.block_pool
+        if pool.get_num_free_blocks() < c:  # _private_hit left room for them: never reached
+            raise RuntimeError(f"kvcert.vllm: request {request.request_id} read {c} cached blocks and the pool "
+                               f"has {pool.get_num_free_blocks()} free for its compaction")
+        extras = pool.get_new_blocks(c)
+        self._extras[request.request_id] = extras
+        self._private_orders[request.request_id] = [b.block_id for b in extras]
+
+    def _release_extras(self, req_id: str) -> None:
+        """Return the blocks reserved for a request's compaction (:meth:`_reserve`) that its event has not placed
+        (it finished or was preempted first)."""
+        extras = self._extras.pop(req_id, None)
+        self._private_orders.pop(req_id, None)
+        self._hits.pop(req_id, None)
+        if extras:
+            self._manager.block_pool.free_blocks(extras)
 
     # ------------------------------------------------------------------ decide and free
 
@@ -175,7 +268,11 @@ class CertifiedScheduler(Scheduler):
         req_id = request.request_id
         self._decided.add(req_id)
         n_prompt, m = int(info["n_prompt"]), int(info["m"])
-        freed, free_before, free_after = self._free(req_id, list(range(m, n_prompt // self._bs)))
+        n_full = n_prompt // self._bs
+        used, intact = compaction_layout(n_full, len(self._extras.get(req_id, ())), m)
+        registered = self._register_intact(request, intact)
+        shared = self._place_extras(req_id)
+        freed, free_before, free_after = self._free(req_id, list(range(used, intact)))
         counts = info["counts"]
         evicted = sum(n_prompt - c for layer in counts for c in layer)
         self._records[req_id] = {
@@ -185,6 +282,9 @@ class CertifiedScheduler(Scheduler):
             "sketch_bytes": int(info.get("sketch_bytes", 0)),
             "certificates": [0.0] * request.num_output_tokens,  # tokens sampled from the full cache
             "preempted": False,
+            # cached prefix blocks the request read, released after its event, and the blocks it added to the
+            # cache (module docstring, 4)
+            "prefix_blocks_read": shared, "prefix_blocks_registered": registered,
         }
         if "kept_positions" in info:
             self._records[req_id]["kept_positions"] = info["kept_positions"]
@@ -192,6 +292,34 @@ class CertifiedScheduler(Scheduler):
         self.kvcert_stats["requests_evicted"] += 1 if evicted else 0
         self.kvcert_stats["tokens_evicted"] += evicted
         self.kvcert_stats["blocks_freed"] += freed
+
+    def _register_intact(self, request, intact: int) -> int:
+        """Register a private request's first ``intact`` prompt blocks in the prefix cache after its event: its
+        compaction left them as computed (:func:`kvcert.vllm.handoff.compaction_layout`). Returns how many
+        blocks were added (those it read from the cache are registered already)."""
+        if self._register is None or request.request_id not in self._reads:
+            return 0
+        before = self._manager.num_cached_block.get(request.request_id, 0)
+        if intact <= before:
+            return 0
+        self._register(request, intact * self._bs)
+        return intact - before
+
+    def _place_extras(self, req_id: str) -> int:
+        """After a private request's event: the blocks its compaction wrote (:meth:`_reserve`) stand in for the
+        cached blocks it read at the head of its block table, and those are released, tail first as vLLM frees a
+        request's blocks (still cached: another holder keeps them; once free, they wait in the free queue with
+        their hashes). Returns how many cached blocks it read."""
+        extras = self._extras.pop(req_id, None)
+        self._hits.pop(req_id, None)
+        if not extras:
+            return 0
+        blocks = self._manager.req_to_blocks[req_id]
+        c = len(extras)
+        shared = list(blocks[:c])
+        blocks[:c] = extras
+        self._manager.block_pool.free_blocks(reversed(shared))
+        return c
 
     def _decide(self, request, importance) -> None:
         req_id = request.request_id
@@ -255,7 +383,11 @@ class CertifiedScheduler(Scheduler):
                 self._options[request.request_id] = options
             if self._keeps_private(request, options):
                 self._private.add(request.request_id)
-                request.skip_reading_prefix_cache = True
+                served = self._served(options)
+                if served.tokens and len(self.kv_cache_config.kv_cache_groups) == 1:
+                    self._reads[request.request_id] = served  # reads a cut hit (module docstring, 4)
+                else:
+                    request.skip_reading_prefix_cache = True
         super().add_request(request)
 
     def has_requests(self) -> bool:
@@ -268,8 +400,9 @@ class CertifiedScheduler(Scheduler):
             self._check_reuse(out)
         options = {r.req_id: self._options[r.req_id] for r in out.scheduled_new_reqs if r.req_id in self._options}
         orders = StepOrders(decisions=self._pending, clear=sorted(self._clear), options=options,
-                            stats=dict(self.kvcert_stats))
-        self._pending, self._clear = {}, set()
+                            stats=dict(self.kvcert_stats), private=self._private_orders)
+        self._pending, self._clear, self._private_orders = {}, set(), {}
+        self._hits.clear()  # a cut hit not taken (its request was not scheduled) is looked up again
         return CertifiedSchedulerOutput.of(out, orders)
 
     def update_from_output(self, scheduler_output, model_runner_output):
@@ -312,6 +445,9 @@ class CertifiedScheduler(Scheduler):
 
     def _preempt_request(self, request, *args, **kwargs):
         req_id = request.request_id
+        if req_id in self._extras:  # preempted before its event: its reserved blocks go back, its orders too
+            self._release_extras(req_id)
+            self._clear.add(req_id)
         if req_id in self._records and not self._records[req_id]["preempted"]:
             # the recompute restores the full cache: drop the mask, no second eviction
             self._records[req_id]["preempted"] = True
@@ -333,6 +469,8 @@ class CertifiedScheduler(Scheduler):
         req_id = request.request_id
         rec = self._records.pop(req_id, None)
         self._options.pop(req_id, None)
+        self._release_extras(req_id)
+        self._reads.pop(req_id, None)
         self._private.discard(req_id)
         self._decided.discard(req_id)
         self._pending.pop(req_id, None)

@@ -13,11 +13,13 @@ runner's output (a :class:`~kvcert.vllm.handoff.CertifiedModelRunnerOutput`).
 
 Token design (``granularity="token"``, the default): the worker decides. On the
 step that processes a prompt's last chunk, every layer of the backend draws
-the token design and compacts the kept tokens into the request's first blocks
-(:mod:`kvcert.vllm.backend`); after the step the worker holds the request's
-:class:`Compacted` state (log pi per layer, KV head and slot) and reports
-``StepReport.compacted`` = {request: {m, n_prompt, counts, ...}},
-from which the scheduler frees the prompt's full blocks past the first m. The
+the token design and compacts the kept tokens into m blocks of the request's
+own, its last full prompt blocks first (:func:`kvcert.vllm.handoff.compaction_targets`:
+never a cached block it read, and its first prompt blocks stay as computed);
+after the step the worker holds the request's :class:`Compacted` state (log pi
+per layer, KV head and slot, the compacted blocks' ids) and reports
+``StepReport.compacted`` = {request: {m, n_prompt, counts, ...}}, from which
+the scheduler frees the prompt's other full blocks. The
 copy is done within that step, before the step's output reaches the
 scheduler, so before any freed block can be handed to another request.
 
@@ -75,7 +77,7 @@ from kvcert.fast import ClusterSketch, radius_from_statistics
 from . import backend as _backend
 from . import gpu_backend as _gpu_backend
 from .config import KVCertConfig, check_vllm_config
-from .handoff import StepReport, orders_of, with_report
+from .handoff import StepReport, compaction_targets, orders_of, with_report
 
 __all__ = ["CertifiedCPUWorker", "CertifiedGPUWorker", "Compacted", "PromptQueries", "Step"]
 
@@ -111,6 +113,9 @@ class Compacted:
     log_pi: torch.Tensor
     sketches: list | None = None
     value_sums: torch.Tensor | None = None
+    #: the physical ids (m,) of the compacted blocks (:func:`kvcert.vllm.handoff.compaction_targets`); None: the
+    #: block table's first m
+    block_ids: torch.Tensor | None = None
 
     @property
     def sketch_bytes(self) -> int:
@@ -176,6 +181,14 @@ class _Importance:
     all_block_ids: torch.Tensor
     config: KVCertConfig | None = None  # the request's settings (its design samples the prompt)
     past: PromptQueries | None = None  # the queries held from the prompt's earlier chunks (chunked prefill)
+    # the blocks the compaction writes (kvcert.vllm.handoff.compaction_targets); None: all_block_ids in order
+    targets: torch.Tensor | None = None
+
+    @property
+    def write_ids(self) -> torch.Tensor:
+        """The physical blocks the compaction writes, in the order of the compacted blocks: never a block shared
+        with another request (:func:`kvcert.vllm.handoff.compaction_targets`)."""
+        return self.all_block_ids if self.targets is None else self.targets
 
     def queries(self, layer: int, query: torch.Tensor) -> torch.Tensor:
         """The prompt's last queries this worker has at ``layer`` (w, h_q, d): those held from its earlier
@@ -489,11 +502,12 @@ class Step:
     @staticmethod
     def _compacted_row(rid, token: int, table: torch.Tensor, seq_len: int, state: Compacted, block_size: int,
                        certificate: tuple | None = None) -> _CompactedRow:
-        """A decode row of a compacted request (token design): the blocks it reads, its first m (the compacted
-        prompt), then those of positions n_prompt .. seq_len - 1 (the last prompt block, partly filled, and the
+        """A decode row of a compacted request (token design): the blocks it reads, its m compacted blocks
+        (``state.block_ids``, or the table's first m), then those of positions n_prompt .. seq_len - 1 (the last prompt block, partly filled, and the
         decode blocks), and the request's ``certificate`` (kind, delta, sketched)."""
         first, last = state.n_prompt // block_size, -(-seq_len // block_size)
-        ids = torch.cat([table[: state.m], table[first:last]]).to(torch.int64)
+        head = table[: state.m] if state.block_ids is None else state.block_ids.to(table.dtype)
+        ids = torch.cat([head, table[first:last]]).to(torch.int64)
         pos = torch.arange(first * block_size, last * block_size)
         tail = torch.where((pos >= state.n_prompt) & (pos < seq_len), 0.0, _NEG_INF)
         return _CompactedRow(rid, token, ids, tail, state, certificate, seq_len)
@@ -523,8 +537,15 @@ class Step:
         """A stock row that finishes a prompt to be scored (block design) or sampled and compacted (token
         design): its query tokens, its blocks and its request's settings."""
         nbt = -(-seq_len // block_size)
-        return _Importance(rid, q_len, q_end, seq_len, table[:nbt].to(torch.int64), self.config_of(rid),
-                           self._held_queries(rid))
+        ids = table[:nbt].to(torch.int64)
+        private = getattr(self.worker, "kvcert_private", {}).get(rid, [])
+        hit = getattr(self.worker, "kvcert_hits", {}).get(rid, 0)
+        if hit > len(private):  # the scheduler reserves one block per cached block it lets a request read
+            raise RuntimeError(f"kvcert.vllm: request {rid} read {hit} cached prefix blocks and holds "
+                               f"{len(private)} of its own for its compaction; its compaction would write shared "
+                               "blocks")
+        targets = compaction_targets(ids, seq_len // block_size, private)
+        return _Importance(rid, q_len, q_end, seq_len, ids, self.config_of(rid), self._held_queries(rid), targets)
 
     def _held_queries(self, rid) -> PromptQueries | None:
         """The queries the worker holds from request ``rid``'s earlier prompt chunks, or None."""
@@ -639,8 +660,14 @@ class Step:
         """Install each compacted request's :class:`Compacted` state in the worker; their reports for the
         scheduler."""
         out = {}
+        rows = {row.req_id: row for row in self._plan.importance} if self._plan is not None else {}
+        private = getattr(self.worker, "kvcert_private", {})
         for rid, entries in self.compactions.items():
             state, layers = _compacted_state(rid, entries, set(self.apart))
+            row = rows.get(rid)
+            if row is not None:  # the blocks its compaction wrote (handoff.compaction_targets)
+                state.block_ids = row.write_ids[: state.m].clone()
+            private.pop(rid, None)
             self.worker.kvcert_states[rid] = state
             out[rid] = _compaction_report(state, layers, self.config.report_kept, self.apart)
         return out
@@ -724,6 +751,10 @@ class _CertifiedWorker:
         self.kvcert_decided: set[str] = set()  # token design: requests already compacted (never twice)
         self.kvcert_prompt_len: dict[str, int] = {}
         self.kvcert_request: dict[str, KVCertConfig] = {}  # requests with per-request options: their settings
+        # requests that read cached prefix blocks: the ids of their own blocks standing in for them
+        # (StepOrders.private), until their event
+        self.kvcert_private: dict[str, list[int]] = {}
+        self.kvcert_hits: dict[str, int] = {}  # cached prefix blocks a request read when first scheduled
         # chunked prefill: the last queries of a prompt's chunks before its last, for its eviction event
         self.kvcert_queries: dict[str, PromptQueries] = {}
         self.kvcert_last_stats: dict = {}
@@ -794,18 +825,25 @@ class _CertifiedWorker:
         requests, applied to the worker's states before the step runs."""
         orders = orders_of(scheduler_output)
         held = getattr(self, "kvcert_queries", {})  # a test's stand-in worker may hold none
+        hits = getattr(self, "kvcert_hits", {})
         for req in scheduler_output.scheduled_new_reqs:
+            hits[req.req_id] = int(req.num_computed_tokens) // self.kvcert_block_size
             if req.prompt_token_ids is not None:
                 self.kvcert_prompt_len[req.req_id] = len(req.prompt_token_ids)
             else:
                 self.kvcert_prompt_len[req.req_id] = req.prompt_len
         if orders.clear or scheduler_output.finished_req_ids:
             self.kvcert_joined.clear()  # a compacted state leaves: no join may outlive its requests
+        private = getattr(self, "kvcert_private", {})
         for rid in orders.clear:
             self.kvcert_states.pop(rid, None)
             held.pop(rid, None)
+            private.pop(rid, None)
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():  # recomputed from its start
             held.pop(rid, None)
+            private.pop(rid, None)
+            hits.pop(rid, None)
+        private.update(orders.private)
         for rid, overrides in orders.options.items():
             self.kvcert_request[rid] = replace(self.kvcert, **overrides)
         for rid, log_pi in orders.decisions.items():
@@ -817,6 +855,8 @@ class _CertifiedWorker:
             self.kvcert_decided.discard(rid)
             self.kvcert_request.pop(rid, None)
             held.pop(rid, None)
+            private.pop(rid, None)
+            hits.pop(rid, None)
 
     def _kvcert_builders(self) -> list:
         """The model runner's attention metadata builders of the plugin's backend (one per attention group)."""

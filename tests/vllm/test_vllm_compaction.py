@@ -49,16 +49,23 @@ def test_prefill_compacts_and_decode_equals_the_estimator_after_the_freed_blocks
     layout = F.compact_slots(dec.keep, dec.pi, BS)
     assert compacted["a"]["counts"] == [dec.kept.tolist()] and compacted["a"]["m"] == layout.m == state.m
     assert layout.freed_blocks > 0
-    # the compacted slots hold the kept tokens, in order, in the first m blocks
+    # the compacted slots hold the kept tokens, in order, in the request's last full prompt blocks, the last
+    # first (kvcert.vllm.handoff.compaction_targets); its first prompt blocks stay as computed (the scheduler
+    # registers those in the prefix cache and frees them)
     from kvcert.vllm.backend import gather_blocks
+    from kvcert.vllm.handoff import compaction_layout
 
-    gk, gv = gather_blocks(cache, TABLE[0, : layout.m])
+    assert state.block_ids.tolist() == TABLE[0, : Q // BS].flip(0)[: layout.m].tolist()
+    gk, gv = gather_blocks(cache, state.block_ids)
     for h in range(H):
         c = int(dec.kept[h])
         torch.testing.assert_close(gk[h, :c], k[:Q, h][dec.keep[h]], rtol=0, atol=0)
         torch.testing.assert_close(gv[h, :c], v[:Q, h][dec.keep[h]], rtol=0, atol=0)
+    used, intact = compaction_layout(Q // BS, 0, layout.m)
+    assert (used, intact) == (0, Q // BS - layout.m) and intact > 0
+    torch.testing.assert_close(cache[TABLE[0, :intact]], original[TABLE[0, :intact]], rtol=0, atol=0)
     # another request is handed the freed blocks and writes there; then three decode tokens are written
-    freed = TABLE[0, layout.m : Q // BS]
+    freed = TABLE[0, used:intact]
     cache[freed] = 1e4 * torch.randn_like(cache[freed])
     original[freed] = cache[freed]
     write_cache(cache, k[Q:], v[Q:], torch.arange(Q, Q + T))
@@ -146,7 +153,7 @@ def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypa
     assert state.value_sums.shape == (1, H, D + 1)
     torch.testing.assert_close(state.value_sums[0], want_sums, rtol=1e-12, atol=1e-12)
     # decode after the freed blocks were overwritten by another request
-    freed = TABLE[0, state.m : Q // BS]
+    freed = TABLE[0, : Q // BS - state.m]  # kvcert.vllm.handoff.compaction_layout's, no cached prefix
     cache[freed] = 1e4 * torch.randn_like(cache[freed])
     write_cache(cache, k[Q:], v[Q:], torch.arange(Q, Q + T))
     qd = torch.randn(1, H_Q, D)

@@ -1,25 +1,30 @@
 """Prefix caching on (vLLM's default) with the plugin: plain requests use the cache as in stock vLLM; a
-request that may evict neither reads nor feeds it (kvcert.vllm.scheduler, module docstring 4).
+certified request reads it, compacts into blocks of its own, and feeds it the prompt blocks its compaction left
+as computed (kvcert.vllm.scheduler, module docstring 4).
 
 Prompts share a 4-block system prefix S (128 tokens) and differ in a 3-block suffix (+1 token: decoding 12
-tokens stays in the last prompt block). The plugin's engine (compression 0 by default, prefix caching on)
-runs, one ``generate`` each: P0 = S + Q0 (plain), C1 = S + Q1 certified (``kvcert_compression_ratio`` 0.5),
-P2 = S + Q2 (plain), P3 = S + Q1 (plain: the certified request's prompt again). Stock vLLM with the same cache
-runs P0, P2, P3: without C1, because a certified request adds nothing to the cache, so the plain requests
-meet the same cache in both engines.
+tokens stays in the last prompt block). The plugin's engine (compression 0 by default, prefix caching on, kept
+positions reported) runs, one ``generate`` each: P0 = S + Q0 (plain), C1 = S + Q1 certified
+(``kvcert_compression_ratio`` 0.5), P2 = S + Q2 (plain), P3 = S + Q1 (plain: the certified request's prompt
+again), C4 = S + Q1 certified again. Stock vLLM with the same cache runs P0, P2, P3. A fresh plugin engine runs
+F = S + Q1 certified on the empty cache, then R = S + Q1 plain.
 
-- plain requests: the same prefix hits (``num_cached_tokens``: S's 128 tokens for P2 and P3) and the same
-  greedy tokens as stock's;
-- the certified request read nothing from the cache (``num_cached_tokens`` 0, though S was cached), evicted,
-  and has its certificates;
-- P3 repeats C1's prompt after C1 compacted its blocks: it hits S only, never C1's blocks, and decodes
-  stock's tokens;
-- negative control: a plugin whose certified requests read and feed the cache (the scheduler's privacy off)
-  lets C1's compaction overwrite cached blocks: the plain requests after it no longer decode stock's tokens.
+- plain requests: the same greedy tokens as stock's, and the same prefix hits (``num_cached_tokens``: S's 128
+  tokens for P2; P3 finds S and whatever C1 registered, none of C1's compacted blocks);
+- C1 read S (128 cached tokens) and its compaction wrote blocks of its own: it evicted and certified as F did
+  on the empty cache (the same kept positions, the same tokens, certificates equal to float32 rounding);
+- C4 finds P3's 7 full blocks cached and reads 6 of them: its hit is cut to leave the event's 32 queries
+  (the design's ``event_queries``) to compute, and it evicts and certifies as F did;
+- F's compaction filled its last full prompt blocks first and left its first 7 - m as computed: after its
+  event they were registered, and R finds exactly those and decodes stock's tokens;
+- negative controls: a plugin whose compaction writes into the cached blocks it read (the worker's own blocks
+  ignored), and one that registers a certified request's compacted blocks in the cache: the plain requests
+  after C1 no longer decode stock's tokens.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from vllm_support import BLOCK, MAX_TOKENS, model_path, run_engine
@@ -27,8 +32,14 @@ from vllm_support import BLOCK, MAX_TOKENS, model_path, run_engine
 pytestmark = [pytest.mark.slow, pytest.mark.model]
 
 S_BLOCKS, Q_BLOCKS = 4, 3
+N_PROMPT = (S_BLOCKS + Q_BLOCKS) * BLOCK + 1
 CERTIFY = {"kvcert_compression_ratio": 0.5}
 ENGINE = {"enable_prefix_caching": True}
+KVCERT = {"report_kept": True}
+#: the plugin engine's runs in order, name -> prompt index (S + Q_i); stock runs the plain ones (P*) only
+RUNS = {"P0": 0, "C1": 1, "P2": 2, "P3": 1, "C4": 1}
+#: the fresh engine's
+FRESH = {"F": 1, "R": 1}
 
 
 def _prompt_ids() -> list[list[int]]:
@@ -46,11 +57,26 @@ def _prompt_ids() -> list[list[int]]:
     return out
 
 
-def _runs(certified: bool) -> list[dict]:
-    plain = [{"order": [0], "max_tokens": MAX_TOKENS}]
-    if certified:
-        plain.append({"order": [1], "max_tokens": MAX_TOKENS, "extra_args": [CERTIFY]})
-    return plain + [{"order": [2], "max_tokens": MAX_TOKENS}, {"order": [1], "max_tokens": MAX_TOKENS}]
+def _runs(names: dict, certified: bool = True) -> list[dict]:
+    """One ``generate`` per name: P* and R plain, the others certified (left out with ``certified=False``)."""
+    out = []
+    for name, i in names.items():
+        if name[0] in "PR":
+            out.append({"order": [i], "max_tokens": MAX_TOKENS})
+        elif certified:
+            out.append({"order": [i], "max_tokens": MAX_TOKENS, "extra_args": [CERTIFY]})
+    return out
+
+
+def _outputs(result, names: dict, certified: bool = True) -> dict:
+    """name -> output of each run (the plain ones only with ``certified=False``)."""
+    names = [n for n in names if certified or n[0] in "PR"]
+    return {n: next(iter(run["outputs"].values())) for n, run in zip(names, result["runs"], strict=True)}
+
+
+def _plugin(prompts, patch=None) -> dict:
+    return _outputs(run_engine(plugin=True, compression_ratio=0.0, prompt_ids=prompts, runs=_runs(RUNS),
+                               kvcert=KVCERT, patch=patch, **ENGINE), RUNS)
 
 
 @pytest.fixture(scope="module")
@@ -60,46 +86,78 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def stock(prompts):
-    return run_engine(plugin=False, prompt_ids=prompts, runs=_runs(False), **ENGINE)
+    return _outputs(run_engine(plugin=False, prompt_ids=prompts, runs=_runs(RUNS, False), **ENGINE), RUNS, False)
 
 
 @pytest.fixture(scope="module")
 def plugin(prompts):
-    return run_engine(plugin=True, compression_ratio=0.0, prompt_ids=prompts, runs=_runs(True), **ENGINE)
+    return _plugin(prompts)
 
 
-def _plain(result, certified: bool) -> dict:
-    """name -> output of the plain requests P0, P2, P3."""
-    runs = result["runs"]
-    first, rest = runs[0], runs[2:] if certified else runs[1:]
-    return {"P0": first["outputs"]["0"], "P2": rest[0]["outputs"]["2"], "P3": rest[1]["outputs"]["1"]}
+@pytest.fixture(scope="module")
+def fresh(prompts):
+    return _outputs(run_engine(plugin=True, compression_ratio=0.0, prompt_ids=prompts, runs=_runs(FRESH),
+                               kvcert=KVCERT, **ENGINE), FRESH)
+
+
+def _same_eviction(got: dict, want: dict) -> None:
+    """``got`` evicted and certified as ``want``: the same kept positions in every layer and KV head, the same
+    greedy tokens, and certificates equal to float32 rounding. The prompt's keys and values reach the two
+    events through chunks of different lengths (a cached prefix is not recomputed), whose float32 sums are
+    rounded in other orders where a kernel's blocking depends on the chunk's length: about 1e-7 of each value,
+    through 30 layers. The bound, 1e-5 of the certificates' scale, is 100 times that; an eviction that differs
+    in one token moves a certificate by about 1e-3 of it. (On the AMD EPYC this was written on, they were equal
+    bit for bit.)"""
+    assert got["report"]["kept_positions"] == want["report"]["kept_positions"]
+    assert got["report"]["evicted"] == want["report"]["evicted"] > 0
+    assert got["token_ids"] == want["token_ids"]
+    a, b = np.asarray(got["certificates"]), np.asarray(want["certificates"])
+    assert a.shape == b.shape == (MAX_TOKENS,) and a[0] == b[0] == 0.0 and (b[1:] > 0).all()
+    assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
 
 
 def test_plain_requests_hit_the_cache_and_decode_as_stock(stock, plugin):
-    want, got = _plain(stock, False), _plain(plugin, True)
     prefix = S_BLOCKS * BLOCK
-    assert [want[p]["num_cached_tokens"] for p in ("P0", "P2", "P3")] == [0, prefix, prefix]
-    for p in want:
-        assert got[p]["num_cached_tokens"] == want[p]["num_cached_tokens"], p
-        assert got[p]["token_ids"] == want[p]["token_ids"], p
-        assert got[p]["report"] is None, p  # plain: no eviction, no certificate
+    assert [stock[p]["num_cached_tokens"] for p in ("P0", "P2", "P3")] == [0, prefix, prefix]
+    # P3 (C1's prompt) finds S and the blocks C1 registered after its event, never a compacted one
+    registered = plugin["C1"]["report"]["prefix_blocks_registered"]
+    assert registered == max(0, S_BLOCKS + Q_BLOCKS - plugin["C1"]["report"]["m"] - S_BLOCKS)
+    want_hits = {"P0": 0, "P2": prefix, "P3": prefix + registered * BLOCK}
+    for p in want_hits:
+        assert plugin[p]["num_cached_tokens"] == want_hits[p], p
+        assert plugin[p]["token_ids"] == stock[p]["token_ids"], p
+        assert plugin[p]["report"] is None, p  # plain: no eviction, no certificate
 
 
-def test_a_certified_request_neither_reads_nor_feeds_the_cache(plugin):
-    c1 = plugin["runs"][1]["outputs"]["1"]
-    assert c1["num_cached_tokens"] == 0  # S was cached by P0, and not read
-    rep = c1["report"]
-    assert rep is not None and rep["evicted"] > 0 and rep["blocks_freed"] > 0
-    assert len(c1["certificates"]) == MAX_TOKENS and c1["certificates"][0] == 0.0
-    assert all(c > 0 for c in c1["certificates"][1:])
-    # the same prompt afterwards, plain: only S's blocks are found (C1's compacted blocks were never cached)
-    assert plugin["runs"][3]["outputs"]["1"]["num_cached_tokens"] == S_BLOCKS * BLOCK
+def test_a_certified_request_reads_the_cached_prefix_and_evicts_as_without_it(plugin, fresh):
+    f, c1 = fresh["F"], plugin["C1"]
+    assert f["num_cached_tokens"] == 0 and f["report"]["prefix_blocks_read"] == 0
+    assert c1["num_cached_tokens"] == S_BLOCKS * BLOCK  # S, cached by P0
+    assert c1["report"]["prefix_blocks_read"] == S_BLOCKS and c1["report"]["blocks_freed"] > 0
+    _same_eviction(c1, f)
 
 
-def test_negative_control_certified_requests_in_the_cache_corrupt_later_requests(prompts, stock):
-    broken = run_engine(plugin=True, compression_ratio=0.0, prompt_ids=prompts, runs=_runs(True),
-                        patch="evicting_requests_share_the_prefix_cache", **ENGINE)
-    c1 = broken["runs"][1]["outputs"]["1"]
-    assert c1["num_cached_tokens"] == S_BLOCKS * BLOCK and c1["report"]["evicted"] > 0  # read S, then compacted
-    want, got = _plain(stock, False), _plain(broken, True)
-    assert any(got[p]["token_ids"] != want[p]["token_ids"] for p in ("P2", "P3"))
+def test_a_certified_request_leaves_its_event_queries_to_compute(plugin, fresh):
+    from kvcert.vllm.config import KVCertConfig
+
+    w = KVCertConfig(compression_ratio=CERTIFY["kvcert_compression_ratio"]).design.event_queries(N_PROMPT, N_PROMPT)
+    c4 = plugin["C4"]
+    cut = (N_PROMPT - w) // BLOCK
+    assert w == 32 and cut < S_BLOCKS + Q_BLOCKS  # P3 cached 7 full blocks; the cut takes fewer
+    assert c4["num_cached_tokens"] == cut * BLOCK and c4["report"]["prefix_blocks_read"] == cut
+    _same_eviction(c4, fresh["F"])
+
+
+def test_a_certified_request_feeds_the_cache_the_blocks_its_compaction_left(fresh, stock):
+    f, r = fresh["F"], fresh["R"]
+    intact = S_BLOCKS + Q_BLOCKS - f["report"]["m"]
+    assert intact > 0 and f["report"]["prefix_blocks_registered"] == intact
+    assert r["num_cached_tokens"] == intact * BLOCK  # F's first blocks, none of its compacted ones
+    assert r["token_ids"] == stock["P3"]["token_ids"]  # the same prompt on stock vLLM
+
+
+@pytest.mark.parametrize("patch", ["compaction_writes_the_cached_prefix", "compacted_blocks_registered"])
+def test_negative_control_certified_requests_writing_cached_blocks_corrupt_later_requests(prompts, stock, patch):
+    got = _plugin(prompts, patch)
+    assert got["C1"]["num_cached_tokens"] == S_BLOCKS * BLOCK and got["C1"]["report"]["evicted"] > 0
+    assert any(got[p]["token_ids"] != stock[p]["token_ids"] for p in ("P2", "P3"))

@@ -90,7 +90,7 @@ def two_layers(monkeypatch):
     report = step.results(BS).compacted["a"]
     state = fake.kvcert_states["a"]
     for i in impls:  # another request gets the freed blocks; then the decode tokens are written
-        freed = TABLE[0, state.m : Q // BS]
+        freed = TABLE[0, : Q // BS - state.m]  # kvcert.vllm.handoff.compaction_layout's, no cached prefix
         caches[i][freed] = 1e4 * torch.randn_like(caches[i][freed])
         for c in (caches[i], originals[i]):
             write_cache(c, kv[i][0][Q:], kv[i][1][Q:], torch.arange(Q, Q + T_MAX))
@@ -130,7 +130,7 @@ def test_the_window_layer_keeps_its_last_w_prompt_tokens_and_frees_the_rest(two_
     assert s.state.sketches is None
     from kvcert.vllm.backend import gather_blocks
 
-    gk, gv = gather_blocks(s.caches[0], TABLE[0, : s.state.m])
+    gk, gv = gather_blocks(s.caches[0], s.state.block_ids)
     k, v = s.kv[0]
     torch.testing.assert_close(gk[:, :W], k[Q - W : Q].transpose(0, 1), rtol=0, atol=0)
     torch.testing.assert_close(gv[:, :W], v[Q - W : Q].transpose(0, 1), rtol=0, atol=0)
@@ -174,7 +174,7 @@ def test_the_full_layer_decodes_the_softcapped_hajek_estimate_and_alone_makes_th
     assert ids_positions is None  # report_kept off: positions read from the cache below
     from kvcert.vllm.backend import gather_blocks
 
-    gk, _ = gather_blocks(s.caches[1], TABLE[0, : s.state.m])
+    gk, _ = gather_blocks(s.caches[1], s.state.block_ids)
     for h in range(H):
         c = counts[h]
         # each kept slot holds one prompt token: find its position by its key (keys are distinct random rows)

@@ -21,8 +21,10 @@ SPEC keys: ``plugin`` (bool), ``model``, ``compression_ratio``, ``seed``,
 each, greedy; optional ``"extra_args"``: a list parallel to ``order`` of
 ``SamplingParams.extra_args`` dicts or None, e.g.
 ``{"kvcert_compression_ratio": 0.5}``; a prompt index at most once per run); optional ``patch``:
-``"evicting_requests_share_the_prefix_cache"`` runs that engine with the scheduler's prefix-cache privacy
-off (a negative control); ``"record_handoffs"`` records what the plugin's scheduler, worker and attention
+``"compaction_writes_the_cached_prefix"`` runs that engine with the worker's compaction writing the block
+table's first blocks, the cached prefix blocks a request read among them, ``"compacted_blocks_registered"``
+with every full prompt block of a certified request registered in the prefix cache after its event, the
+compacted ones among them (negative controls); ``"record_handoffs"`` records what the plugin's scheduler, worker and attention
 layers receive from vLLM (:class:`HandoffRecorder`, the result's ``handoffs``), and
 ``"record_handoffs_adding_an_attribute"`` does so with a worker that also adds an attribute to its output (its
 negative control). Each output records ``num_cached_tokens`` (vLLM's prefix-cache hits) too.
@@ -51,11 +53,18 @@ def run_spec(spec: dict) -> dict:
     recorder = None
     if spec.get("patch", "") and spec["patch"].startswith("record_handoffs"):
         recorder = HandoffRecorder(add_attribute=spec["patch"] == "record_handoffs_adding_an_attribute")
-    if spec.get("patch") == "evicting_requests_share_the_prefix_cache":  # a negative control's broken plugin
+    if spec.get("patch") == "compaction_writes_the_cached_prefix":  # a negative control's broken plugin
+        from kvcert.vllm.worker import _Importance
+
+        original = (_Importance, "write_ids", _Importance.__dict__["write_ids"])
+        _Importance.write_ids = property(lambda row: row.all_block_ids)
+    if spec.get("patch") == "compacted_blocks_registered":  # a negative control's broken plugin
         from kvcert.vllm.scheduler import CertifiedScheduler
 
-        original = CertifiedScheduler.__dict__["_keeps_private"]
-        CertifiedScheduler._keeps_private = lambda self, request, options: False
+        register = CertifiedScheduler.__dict__["_register_intact"]
+        original = (CertifiedScheduler, "_register_intact", register)
+        CertifiedScheduler._register_intact = lambda self, request, intact: register(
+            self, request, request.num_prompt_tokens // self._bs)
     if spec["plugin"]:
         from kvcert.vllm import certified_llm
 
@@ -102,7 +111,7 @@ def run_spec(spec: dict) -> dict:
         except Exception:  # noqa: BLE001 - best effort: the engine is dropped either way
             pass
         if original is not None:  # the next engine of this driver gets the plugin as it is
-            CertifiedScheduler._keeps_private = original
+            setattr(*original)
 
 
 def ad_hoc_attributes(obj) -> list[str]:
