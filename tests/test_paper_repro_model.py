@@ -111,9 +111,12 @@ def test_suites_tiny(smollm2):  # noqa: F811
         if r["method"] in ("poisson_cluster", "poisson_tilted"):  # evicted tokens: the sketch's variance is > 0
             assert r["cert"] > 0.0
     # a batch of two gives each example the runs it gets alone (rows mapped back to their examples):
-    # the deterministic runs agree to float rounding (Poisson draws are keyed by the batch row)
+    # the deterministic runs agree to float rounding (Poisson draws are keyed by the batch row), so the
+    # runs alone are the deterministic ones only (the full cache and SnapKV)
     alone = suites.collect(Config(quick=True, budgets=(0.25,), progress=False, suite_examples=2, suite_context=200,
-                                  suite_batch=1, kvpress=()), model, tokenizer)
+                                  suite_batch=1, kvpress=(), protocols=("query-aware",)), model, tokenizer,
+                           methods=lambda ratio, seed: [("snapkv", kvcert.SnapKVPress(compression_ratio=ratio))])
+    assert {r["method"] for r in alone} == {"full", "snapkv"} and len(alone) == 2 * len(suites.QUICK_TASKS) * 2
     together = {(r["task"], r["example"], r["method"], r["budget"]): r for r in aware}
     for r in alone:
         if r["method"] in ("full", "snapkv"):
