@@ -98,7 +98,7 @@ def main(argv=None) -> dict:
     llm = certified_llm(model, compression_ratio=0.5, seed=0, dtype="float32", enforce_eager=True, block_size=32,
                         enable_prefix_caching=True, max_model_len=args.length + 64, max_num_seqs=args.requests + 1,
                         num_gpu_blocks_override=blocks, disable_log_stats=False)
-    fill = _phase(llm, batch()[:1], skip=False)
+    fill = _phase(llm, [shared + next(suffixes)], skip=False)
     print(f"fill: prefix blocks registered {fill['prefix_blocks_registered']}", flush=True)
     _phase(llm, batch(), skip=False)  # warm-up, both modes
     _phase(llm, batch(), skip=True)
