@@ -35,14 +35,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def _corpus(model: str) -> list[int]:
-    from pydoc_data.topics import topics
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model)
-    return tok("\n".join(topics[k] for k in sorted(topics)))["input_ids"]
-
-
 def _phase(llm, prompts: list[list[int]], skip: bool) -> dict:
     from vllm import SamplingParams
 
@@ -72,15 +64,15 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if not 0 < args.shared < args.length:
         ap.error(f"--shared must be in (0, --length={args.length}), got {args.shared}")
-    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2",
-                      VLLM_CACHE_ROOT=str(ROOT / ".cache" / "vllm"), VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-                      TOKENIZERS_PARALLELISM="false", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    from bench_serving import _corpus, _env  # the serving benchmark's engine environment and pydoc corpus
     from runinfo import run_info
+
+    os.environ.update(_env(), VLLM_ENABLE_V1_MULTIPROCESSING="0")
 
     from kvcert.vllm import certified_llm, default_model_path
 
     model = default_model_path()
-    corpus = _corpus(model)
+    corpus = list(_corpus(model))
     shared = corpus[: args.shared]
     suffix_len = args.length - args.shared
     phases = 2 * (args.repeats + 1)  # the warm-up phases and the repeats, every phase with new suffixes

@@ -175,17 +175,6 @@ class CertifiedScheduler(Scheduler):
 
             self.kv_cache_manager.allocate_slots = allocate_slots
 
-    def _keeps_private(self, request, options: dict | None) -> bool:
-        """Whether ``request`` never feeds the prefix cache: its configuration (the engine's, with its
-        ``kvcert_*`` overrides) may evict."""
-        if not self.cache_config.enable_prefix_caching:
-            return False
-        return self._served(options).enabled
-
-    def _served(self, options: dict | None) -> KVCertConfig:
-        """A request's settings: the engine's, with its ``kvcert_*`` overrides."""
-        return self.kvcert if options is None else replace(self.kvcert, **options)
-
     # ------------------------------------------------------------------ a private request's prefix-cache hit
 
     def _private_hit(self, request, blocks, num_tokens: int) -> tuple[object, int]:
@@ -311,7 +300,6 @@ class CertifiedScheduler(Scheduler):
         request's blocks (still cached: another holder keeps them; once free, they wait in the free queue with
         their hashes). Returns how many cached blocks it read."""
         extras = self._extras.pop(req_id, None)
-        self._hits.pop(req_id, None)
         if not extras:
             return 0
         blocks = self._manager.req_to_blocks[req_id]
@@ -371,19 +359,18 @@ class CertifiedScheduler(Scheduler):
             params = request.sampling_params
             try:
                 options = request_options(self.kvcert, getattr(params, "extra_args", None) if params else None)
-                if self._softcap is not None and options is not None:
-                    served = replace(self.kvcert, **options)
-                    if served.enabled:
-                        check_softcap_design(served)
+                # the request's settings: the engine's, with its kvcert_* overrides
+                served = self.kvcert if options is None else replace(self.kvcert, **options)
+                if self._softcap is not None and options is not None and served.enabled:
+                    check_softcap_design(served)
             except ValueError as e:  # this request only: never scheduled, reported in update_from_output
                 self._errors[request.request_id] = (request.client_index, str(e))
                 self.kvcert_stats["requests_refused"] += 1
                 return
             if options is not None:
                 self._options[request.request_id] = options
-            if self._keeps_private(request, options):
+            if self.cache_config.enable_prefix_caching and served.enabled:  # it may evict: private (docstring, 4)
                 self._private.add(request.request_id)
-                served = self._served(options)
                 if served.tokens and len(self.kv_cache_config.kv_cache_groups) == 1:
                     self._reads[request.request_id] = served  # reads a cut hit (module docstring, 4)
                 else:

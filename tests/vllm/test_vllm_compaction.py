@@ -153,7 +153,10 @@ def test_a_sketched_design_keeps_its_sketch_beside_the_compacted_blocks(monkeypa
     assert state.value_sums.shape == (1, H, D + 1)
     torch.testing.assert_close(state.value_sums[0], want_sums, rtol=1e-12, atol=1e-12)
     # decode after the freed blocks were overwritten by another request
-    freed = TABLE[0, : Q // BS - state.m]  # kvcert.vllm.handoff.compaction_layout's, no cached prefix
+    from kvcert.vllm.handoff import compaction_layout
+
+    used, intact = compaction_layout(Q // BS, 0, state.m)  # the blocks the scheduler frees, no cached prefix
+    freed = TABLE[0, used:intact]
     cache[freed] = 1e4 * torch.randn_like(cache[freed])
     write_cache(cache, k[Q:], v[Q:], torch.arange(Q, Q + T))
     qd = torch.randn(1, H_Q, D)

@@ -64,6 +64,7 @@ def two_layers(monkeypatch):
     from vllm.v1.attention.backends import cpu_attn
 
     from kvcert.vllm import KVCertConfig, backend, worker
+    from kvcert.vllm.handoff import compaction_layout
 
     monkeypatch.setattr(cpu_attn, "get_current_vllm_config",
                         lambda: SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32)))
@@ -90,7 +91,8 @@ def two_layers(monkeypatch):
     report = step.results(BS).compacted["a"]
     state = fake.kvcert_states["a"]
     for i in impls:  # another request gets the freed blocks; then the decode tokens are written
-        freed = TABLE[0, : Q // BS - state.m]  # kvcert.vllm.handoff.compaction_layout's, no cached prefix
+        used, intact = compaction_layout(Q // BS, 0, state.m)  # the blocks the scheduler frees, no cached prefix
+        freed = TABLE[0, used:intact]
         caches[i][freed] = 1e4 * torch.randn_like(caches[i][freed])
         for c in (caches[i], originals[i]):
             write_cache(c, kv[i][0][Q:], kv[i][1][Q:], torch.arange(Q, Q + T_MAX))
